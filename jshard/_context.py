@@ -1,0 +1,79 @@
+"""The ambient state of one jshard trace: which mesh `shard` annotations resolve against.
+
+`parallelize` opens a `TraceContext` while it traces the user's function; `jshard.shard` reads it
+to turn strategies into sharding constraints and records what it did. Outside a context, `shard`
+calls the plain function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+from jax.sharding import Mesh
+
+from jshard.layouts import FineMesh, TensorLayout
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Annotation:
+    """What one `jshard.shard` call asked for, as recorded while tracing.
+
+    Attributes:
+      scope: the name scope its equations carry (`jshard_shard<k>`), linking it to jaxpr equations.
+      name: the annotated function's name.
+      source: `file:line` of the call.
+      in_layouts: one per positional input (`None`: not constrained).
+      out_layouts: one per output (`None`: not constrained).
+      partial_axes: device-matrix axes whose cut contracted dims leave partial sums.
+      params: parameter path → layout, from `parameter_plan`.
+    """
+
+    scope: str
+    name: str
+    source: str
+    in_layouts: tuple[TensorLayout | None, ...]
+    out_layouts: tuple[TensorLayout | None, ...]
+    partial_axes: tuple[int, ...] = ()
+    params: tuple[tuple[str, TensorLayout], ...] = ()
+
+
+@dataclasses.dataclass(slots=True)
+class TraceContext:
+    """One trace of a parallelized function: its call name, meshes, mode and recorded annotations."""
+
+    call: str
+    fine: FineMesh
+    mesh: Mesh
+    mode: str
+    annotations: list[Annotation] = dataclasses.field(default_factory=list)
+    scopes: int = 0
+
+    @property
+    def device_count(self) -> int:
+        return self.fine.device_count
+
+    def next_scope(self) -> str:
+        self.scopes += 1
+        return f"jshard_shard{self.scopes - 1}"
+
+
+_local = threading.local()
+
+
+def current() -> TraceContext | None:
+    """The innermost active trace context on this thread, or None."""
+    return getattr(_local, "ctx", None)
+
+
+@contextlib.contextmanager
+def tracing(ctx: TraceContext) -> Iterator[TraceContext]:
+    """Makes `ctx` current for the duration of the block (restored on exit, even on error)."""
+    previous = current()
+    _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _local.ctx = previous

@@ -1,0 +1,345 @@
+"""`jshard.parallelize`: trace once, plan, and compile one `jax.jit` program per input signature.
+
+Data flow: the user function is traced to a jaxpr under a `TraceContext` (so `shard` calls become
+sharding constraints); the plan is read off the flattened jaxpr; the jaxpr itself is then compiled
+by `jax.jit` with the planned argument and result shardings. User Python runs once per signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jshard import _context
+from jshard._errors import DeviceCountError, ShardingError
+from jshard.layouts import FineMesh, Slot, TensorLayout, canonicalize_slot, check_divides, layout_of
+from jshard.layouts._mesh import NotRefined
+from jshard.propagate import Plan, build_ops, flatten
+
+MODES = ("data", "semi_auto", "manual")
+DATASET_STRATEGIES = ("data_parallel", "full_batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    devices: int | None
+    mesh: Mesh | None
+    mode: str
+    in_strategy: Any
+    out_strategy: Any
+    donate_argnums: tuple[int, ...]
+    dataset_strategy: str
+    batch_argnums: tuple[int, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    plan: Plan
+    jitted: Any
+    in_shardings: tuple
+
+
+def parallelize(
+    fn: Callable[..., Any] | None = None,
+    *,
+    devices: int | None = None,
+    mesh: Mesh | None = None,
+    mode: str = "semi_auto",
+    in_strategy: Sequence[Any] | None = None,
+    out_strategy: Any = None,
+    donate_argnums: int | Sequence[int] = (),
+    dataset_strategy: str = "data_parallel",
+    batch_argnums: int | Sequence[int] | None = None,
+) -> Any:
+    """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
+
+    Args:
+      fn: the function (e.g. a train step) to parallelize.
+      devices: how many devices (the first `devices` of `jax.devices()`); default all, or the mesh's.
+      mesh: a `jax.sharding.Mesh` to run on; its flattened device order is the rank order. Required
+        with `mode="manual"`, whose PartitionSpecs name its axes.
+      mode: `"data"` (the batch is cut over all devices, parameters replicated, `shard` calls
+        ignored as in MindSpore's DATA_PARALLEL), `"semi_auto"` (`shard` strategies kept, the rest
+        follows from them), or `"manual"` (`in_strategy`/`out_strategy` are PartitionSpecs over
+        `mesh`; jshard only builds the program).
+      in_strategy: one entry per positional argument: a strategy tuple, a `Layout` call, a
+        PartitionSpec (manual), None, or a pytree prefix of the argument holding those.
+      out_strategy: the same for the results (a pytree prefix of the output).
+      donate_argnums: as `jax.jit`.
+      dataset_strategy: `"data_parallel"` cuts dim 0 of every array in the batch arguments over all
+        devices, `"full_batch"` replicates them; used where `in_strategy` says nothing.
+      batch_argnums: which positional arguments are the batch; default the last one.
+
+    Returns:
+      A `Parallelized` callable with `lower` and `plan`.
+
+    Examples:
+      >>> import jax.numpy as jnp, jshard as js
+      >>> step = js.parallelize(lambda x, w: js.shard(jnp.matmul, ((2, 1), (1, 4)))(x, w),
+      ...                       devices=8, in_strategy=((2, 1), (1, 4)))
+      >>> step(jnp.ones((4, 8)), jnp.ones((8, 16))).shape
+      (4, 16)
+    """
+    config = _Config(
+        devices,
+        mesh,
+        mode,
+        in_strategy,
+        out_strategy,
+        (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums),
+        dataset_strategy,
+        None if batch_argnums is None else (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums),
+    )
+    if fn is None:
+        return lambda f: Parallelized(f, config)
+    return Parallelized(fn, config)
+
+
+class Parallelized:
+    """A parallelized function: call it, `lower` it, or read its `plan`, as with `jax.jit`."""
+
+    def __init__(self, fn: Callable[..., Any], config: _Config):
+        self.fn, self.config = fn, config
+        self.name = getattr(fn, "__name__", type(fn).__name__)
+        self.call = f"jshard.parallelize({self.name})"
+        _check_config(self.call, config)
+        self._cache: dict[Any, _Entry] = {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        _no_kwargs(self.call, kwargs)
+        entry = self._entry(args)
+        return entry.jitted(*jax.device_put(args, entry.in_shardings))
+
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+        """The planned program, lowered (as `jax.jit(...).lower`)."""
+        _no_kwargs(self.call, kwargs)
+        return self._entry(args).jitted.lower(*args)
+
+    def plan(self, *args, **kwargs) -> Plan:
+        """The `Plan` for these arguments (arrays or `jax.ShapeDtypeStruct`s); nothing is compiled."""
+        _no_kwargs(self.call, kwargs)
+        return self._entry(args).plan
+
+    def _entry(self, args) -> _Entry:
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        key = (treedef, tuple((np.shape(x), _dtype_of(x)) for x in leaves))
+        if key not in self._cache:
+            self._cache[key] = _Builder(self, args).build()
+        return self._cache[key]
+
+
+def _check_config(call: str, c: _Config) -> None:
+    if c.mode == "auto":
+        raise ShardingError(
+            f"{call}: mode='auto' (strategy search with no annotations) is not part of this jshard "
+            f"yet. Use mode='semi_auto' with jshard.shard strategies on the key operators."
+        )
+    if c.mode not in MODES:
+        raise ShardingError(f"{call}: mode={c.mode!r} is not one of {MODES}.")
+    if c.dataset_strategy not in DATASET_STRATEGIES:
+        raise ShardingError(f"{call}: dataset_strategy={c.dataset_strategy!r} is not one of {DATASET_STRATEGIES}.")
+    if c.mode == "manual" and c.mesh is None:
+        raise ShardingError(f"{call}: mode='manual' takes PartitionSpecs over your mesh; pass mesh=... too.")
+    if c.mesh is not None and c.devices is not None and c.devices != c.mesh.devices.size:
+        raise ShardingError(f"{call}: devices={c.devices} but mesh has {c.mesh.devices.size} devices; pass one of them.")
+
+
+def _no_kwargs(call, kwargs):
+    if kwargs:
+        raise TypeError(f"{call}: pass arguments positionally (got keyword arguments {sorted(kwargs)}).")
+
+
+def _dtype_of(x):
+    return getattr(x, "dtype", None) or np.asarray(x).dtype
+
+
+class _Builder:
+    """Traces, plans and jits one input signature of a `Parallelized` function."""
+
+    def __init__(self, owner: Parallelized, args: tuple):
+        self.owner, self.config, self.call, self.args = owner, owner.config, owner.call, args
+        self.devices = self._devices()
+        self.n = len(self.devices)
+
+    def _devices(self) -> list[jax.Device]:
+        c = self.config
+        if c.mesh is not None:
+            return list(c.mesh.devices.flat)
+        have = jax.devices()
+        want = len(have) if c.devices is None else c.devices
+        if want > len(have):
+            raise DeviceCountError(
+                f"{self.call}: devices={want}, but only {len(have)} device(s) are present "
+                f"({have[0].platform}). On a CPU, call jshard.simulate_devices({want}) before anything "
+                f"else to simulate them."
+            )
+        return have[:want]
+
+    def build(self) -> _Entry:
+        c, args = self.config, self.args
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        in_slots = self._slots(c.in_strategy, args, "in_strategy")
+        fine = self._fine_mesh([s for s in in_slots if isinstance(s, TensorLayout)])
+        closed, out_shape, ctx, fine = self._trace(leaves, treedef, fine)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+        nodes = flatten(closed.jaxpr)
+        anchors = _boundary_anchors(self.call, nodes, closed.jaxpr.invars, ctx.annotations)
+        in_sh = [self._in_sharding(i, x, s, anchors.get(v), ctx, fine)
+                 for i, (x, s, v) in enumerate(zip(leaves, in_slots, closed.jaxpr.invars))]
+        out_slots = self._slots(c.out_strategy, out_shape, "out_strategy") if c.out_strategy is not None else [None] * len(out_leaves)
+        out_sh = [self._out_sharding(i, x, s, ctx, fine) for i, (x, s) in enumerate(zip(out_leaves, out_slots))]
+        in_tree = jax.tree_util.tree_unflatten(treedef, in_sh)
+        out_tree_sh = jax.tree_util.tree_unflatten(out_tree, out_sh)
+        run = _program(closed, out_tree)
+        jitted = jax.jit(run, in_shardings=in_tree, out_shardings=out_tree_sh, donate_argnums=c.donate_argnums)
+        plan = Plan(ctx.mesh, fine, c.mode, build_ops(nodes, ctx.annotations, fine), in_tree, out_tree_sh,
+                    tuple(ctx.annotations))
+        return _Entry(plan, jitted, in_tree)
+
+    def _trace(self, leaves, treedef, fine):
+        avals = [jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)) for x in leaves]
+        needed: list[tuple[tuple[int, ...], str]] = []
+
+        def flat_fn(*flat):
+            return self.owner.fn(*jax.tree_util.tree_unflatten(treedef, flat))
+
+        while True:
+            mesh = self.config.mesh if self.config.mode == "manual" else fine.jax_mesh(self.devices)
+            ctx = _context.TraceContext(self.call, fine, mesh, self.config.mode)
+            try:
+                with _context.tracing(ctx):
+                    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+                return closed, out_shape, ctx, fine
+            except NotRefined as e:
+                needed.append((e.matrix, getattr(e, "who", "an operator")))
+                fine = FineMesh.refining(self.n, [m for m, _ in needed], [w for _, w in needed])
+
+    def _fine_mesh(self, layouts: list[TensorLayout]) -> FineMesh:
+        matrices = [lay.device_matrix for lay in layouts]
+        default = FineMesh.for_devices(self.n)
+        if self.config.mesh is not None and self.config.mode != "manual":
+            matrices.append(tuple(self.config.mesh.devices.shape))
+        if all(default.fits(m) for m in matrices):
+            return default
+        return FineMesh.refining(self.n, matrices, [f"{self.call} in_strategy"] * len(matrices))
+
+    def _slots(self, prefix, tree, what) -> list[Slot]:
+        """One canonical slot per leaf of `tree`, from a pytree prefix of strategies (or None)."""
+        leaves = jax.tree_util.tree_leaves(tree)
+        if prefix is None:
+            return [None] * len(leaves)
+        if what == "in_strategy":
+            if not isinstance(prefix, (tuple, list)) or len(prefix) != len(tree):
+                raise ShardingError(
+                    f"{self.call}: in_strategy has {len(prefix) if isinstance(prefix, (tuple, list)) else 1} "
+                    f"entries but the function was called with {len(tree)} positional arguments. Give one "
+                    f"entry per argument (None: the default for that argument)."
+                )
+            return [s for p, t, i in zip(prefix, tree, range(len(tree))) for s in self._broadcast(p, t, f"in_strategy[{i}]")]
+        return self._broadcast(prefix, tree, what)
+
+    def _broadcast(self, prefix, tree, what) -> list[Slot]:
+        is_slot = lambda x: x is None or isinstance(x, (TensorLayout, PartitionSpec)) or (
+            isinstance(x, (tuple, list)) and all(isinstance(i, int) for i in x) and len(x) > 0
+        )
+        try:
+            parts = jax.tree_util.tree_map(
+                lambda slot, sub: [canonicalize_slot(slot, call=self.call, what=what)] * len(jax.tree_util.tree_leaves(sub)),
+                prefix, tree, is_leaf=is_slot,
+            )
+        except ValueError as e:
+            if isinstance(e, ShardingError):
+                raise
+            raise ShardingError(
+                f"{self.call}: {what} is not a pytree prefix of the value it describes: {e}"
+            ) from None
+        return [s for part in jax.tree_util.tree_leaves(parts, is_leaf=lambda x: isinstance(x, list)) for s in part]
+
+    def _batch_leaf_ids(self) -> set[int]:
+        nums = self.config.batch_argnums
+        if nums is None:
+            nums = (len(self.args) - 1,)
+        ids, start = set(), 0
+        for i, a in enumerate(self.args):
+            count = len(jax.tree_util.tree_leaves(a))
+            if i in nums or i - len(self.args) in nums:
+                ids.update(range(start, start + count))
+            start += count
+        return ids
+
+    def _in_sharding(self, i, x, slot, anchor, ctx, fine) -> NamedSharding:
+        shape = np.shape(x)
+        if self.config.mode == "manual":
+            return NamedSharding(ctx.mesh, slot if isinstance(slot, PartitionSpec) else PartitionSpec())
+        if slot is not None:
+            return self._layout_sharding(slot, shape, ctx, fine, f"in_strategy of argument leaf {i}")
+        if anchor is not None and self.config.mode == "semi_auto":
+            return anchor
+        if i in self._batch_leaf_ids() and self.config.dataset_strategy == "data_parallel" and len(shape) > 0:
+            if shape[0] % self.n:
+                raise ShardingError(
+                    f"{self.call}: dataset_strategy='data_parallel' cuts dim 0 of batch input leaf {i} "
+                    f"(shape {list(shape)}) over {self.n} devices, but {self.n} does not divide {shape[0]}. "
+                    f"Use a batch size that is a multiple of {self.n}, give this argument an in_strategy, "
+                    f"or pass dataset_strategy='full_batch'."
+                )
+            return NamedSharding(ctx.mesh, PartitionSpec(fine.names))
+        return NamedSharding(ctx.mesh, PartitionSpec())
+
+    def _out_sharding(self, i, x, slot, ctx, fine):
+        if slot is None:
+            return None
+        if self.config.mode == "manual":
+            return NamedSharding(ctx.mesh, slot)
+        return self._layout_sharding(slot, x.shape, ctx, fine, f"out_strategy of result leaf {i}")
+
+    def _layout_sharding(self, slot, shape, ctx, fine, what) -> NamedSharding:
+        layout = layout_of(slot, self.n, call=self.call, op="the function boundary", what=what)
+        check_divides(layout, shape, call=self.call, op="the function boundary", what=what)
+        return NamedSharding(ctx.mesh, fine.partition_spec(layout))
+
+
+def _program(closed: jcore.ClosedJaxpr, out_tree) -> Callable[..., Any]:
+    """The traced jaxpr as a function of the original (pytree) arguments."""
+    evaluate = jcore.jaxpr_as_fun(closed)
+
+    def run(*args):
+        return jax.tree_util.tree_unflatten(out_tree, evaluate(*jax.tree_util.tree_leaves(args)))
+
+    return run
+
+
+def _boundary_anchors(call, nodes, invars, annotations) -> dict:
+    """Arguments that flow straight into a user constraint take its sharding as their own.
+
+    Raises:
+      ShardingError: one argument constrained two different ways by two `shard` calls.
+    """
+    top = set(invars)
+    found: dict = {}
+    where: dict = {}
+    for node in nodes:
+        if node.primitive != "sharding_constraint" or node.inside or node.inputs[0] not in top:
+            continue
+        v, sharding = node.inputs[0], node.eqn.params["sharding"]
+        if v in found and found[v].spec != sharding.spec:
+            raise ShardingError(
+                f"{call}: one argument ({_aval_str(v)}) is constrained two ways: {found[v].spec} by "
+                f"{where[v]} and {sharding.spec} by {node.source}. Configure one strategy for this value, "
+                f"or make the redistribution explicit by sharding a copy."
+            )
+        found.setdefault(v, sharding)
+        where.setdefault(v, node.source)
+    return found
+
+
+def _aval_str(v) -> str:
+    return f"{v.aval.dtype}[{','.join(map(str, v.aval.shape))}]"

@@ -1,0 +1,195 @@
+"""`jshard.shard`: MindSpore's operator-level `shard`, for any JAX callable.
+
+Inside a `parallelize` trace, a sharded call constrains its inputs (and its outputs, where the
+operator's rule or `out_strategy` fixes them) with JAX's own `with_sharding_constraint`, so the
+strategy is an ordinary equation in the jaxpr and `jax.grad` carries it into the backward pass.
+Outside a trace it is the plain function.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from jshard import _context
+from jshard._errors import ShardingError
+from jshard._params import constrain_parameters, contraction_dims
+from jshard.layouts import (
+    TensorLayout,
+    broadcast_layouts,
+    canonicalize_slot,
+    canonicalize_slots,
+    check_divides,
+    dot_layouts,
+    layout_of,
+    with_repeated_calculation,
+)
+from jshard.layouts._mesh import NotRefined
+
+def shard(
+    fn: Callable[..., Any],
+    in_strategy: Sequence[object],
+    out_strategy: Sequence[object] | None = None,
+    parameter_plan: Mapping[str, object] | None = None,
+) -> Callable[..., Any]:
+    """Gives `fn` a MindSpore operator strategy: how each input (and output) is cut across devices.
+
+    Args:
+      fn: any callable: `jnp.matmul`, a `lax` function, a Flax NNX module, a Linen `apply`.
+      in_strategy: one entry per positional input: a tuple of ints (slices per dim), a `Layout` call,
+        or None (not constrained). Tuples on two operands of a contraction follow MindSpore's
+        MatMul device matrix `((a, b), (b, c))` → `[a, b, c]`; tuples on operands that line up
+        from the right are cut alike.
+      out_strategy: optional, one entry per output; otherwise the operator's rule fixes the output
+        where it can (contractions and elementwise ops).
+      parameter_plan: regex on a parameter's path (`"kernel"`, `"layers/0/.*bias"`) → tuple or
+        Layout, for the parameters of a Flax module or of pytree inputs. Each pattern must match.
+
+    Returns:
+      A callable with `fn`'s signature.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> mm = shard(jnp.matmul, ((2, 1), (1, 4)))
+      >>> mm(jnp.ones((4, 8)), jnp.ones((8, 16))).shape  # outside parallelize: plain matmul
+      (4, 16)
+    """
+    name = getattr(fn, "__name__", type(fn).__name__)
+    call = f"jshard.shard({name})"
+    ins = canonicalize_slots(in_strategy, call=call, what="in_strategy")
+    outs = None if out_strategy is None else canonicalize_slots(out_strategy, call=call, what="out_strategy")
+    plan = _canonicalize_parameter_plan(parameter_plan, call=call)
+
+    @functools.wraps(fn)
+    def sharded(*args, **kwargs):
+        ctx = _context.current()
+        if ctx is None or ctx.mode == "data":
+            return fn(*args, **kwargs)
+        source = _caller()
+        return _Call(ctx, fn, name, call, source).run(ins, outs, plan, args, kwargs)
+
+    sharded.in_strategy, sharded.out_strategy = ins, outs
+    return sharded
+
+
+def _canonicalize_parameter_plan(plan, *, call):
+    if plan is None:
+        return ()
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"{call}: parameter_plan must map path regexes to strategies, got {plan!r}.")
+    return tuple(
+        (pattern, canonicalize_slot(value, call=call, what=f"parameter_plan[{pattern!r}]"))
+        for pattern, value in plan.items()
+    )
+
+
+def _caller() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("jshard._", "functools")):
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+
+
+class _Call:
+    """One sharded call traced under a context: validate, constrain, call, constrain, record."""
+
+    def __init__(self, ctx, fn, name, call, source):
+        self.ctx, self.fn, self.name, self.call, self.source = ctx, fn, name, call, source
+        self.op = f"{name} at {source}"
+
+    def run(self, ins, outs, plan, args, kwargs):
+        if len(ins) != len(args):
+            raise ShardingError(
+                f"{self.call}: in_strategy has {len(ins)} entries but {self.op} was called with "
+                f"{len(args)} positional inputs ({', '.join(_describe(a) for a in args)}). Give one "
+                f"entry per input (None leaves an input unconstrained)."
+            )
+        in_layouts, out_rule, partial = self._input_layouts(ins, args)
+        params = []
+        scope = self.ctx.next_scope()
+        with jax.named_scope(scope):
+            args = [
+                self._constrain(a, lay) if lay is not None else a for a, lay in zip(args, in_layouts)
+            ]
+            fn = self.fn
+            if plan:
+                fn, args = constrain_parameters(self, plan, fn, args, params)
+            result = fn(*args, **kwargs)
+            leaves, tree = jax.tree_util.tree_flatten(result)
+            out_layouts = self._output_layouts(outs, out_rule, leaves)
+            leaves = [self._constrain(x, lay) if lay is not None else x for x, lay in zip(leaves, out_layouts)]
+        self.ctx.annotations.append(
+            _context.Annotation(scope, self.name, self.source, tuple(in_layouts), tuple(out_layouts), partial, tuple(params))
+        )
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    def _input_layouts(self, ins, args):
+        n = self.ctx.device_count
+        tuples = [i for i, s in enumerate(ins) if isinstance(s, tuple)]
+        for i in tuples:
+            if not hasattr(args[i], "shape"):
+                raise TypeError(f"{self.call}: in_strategy[{i}] is a tuple but input {i} is {_describe(args[i])}, not an array.")
+            check_divides(TensorLayout(ins[i], tuple((d,) for d in range(len(ins[i])))), args[i].shape,
+                          call=self.call, op=self.op, what=f"in_strategy[{i}]", dtype=_dtype(args[i]))
+        layouts = [layout_of(s, n, call=self.call, op=self.op, what=f"in_strategy[{i}]") if not isinstance(s, tuple) else None
+                   for i, s in enumerate(ins)]
+        out_rule, partial = None, ()
+        if len(tuples) >= 2:
+            dims = contraction_dims(self.fn, args, tuples)
+            if dims is not None:
+                l, r, out_rule, partial = dot_layouts(ins[tuples[0]], ins[tuples[1]], dims, call=self.call, op=self.op)
+                pairs = [(tuples[0], l), (tuples[1], r)]
+            else:
+                lays, out_rule = broadcast_layouts([ins[i] for i in tuples], [args[i].shape for i in tuples],
+                                                   call=self.call, op=self.op)
+                pairs = list(zip(tuples, lays))
+            out_rule = with_repeated_calculation(out_rule, n, call=self.call, op=self.op)
+            for i, lay in pairs:
+                layouts[i] = with_repeated_calculation(lay, n, call=self.call, op=self.op)
+        else:
+            for i in tuples:
+                layouts[i] = layout_of(ins[i], n, call=self.call, op=self.op, what=f"in_strategy[{i}]")
+        for i, lay in enumerate(layouts):
+            if lay is not None:
+                check_divides(lay, args[i].shape, call=self.call, op=self.op, what=f"in_strategy[{i}]", dtype=_dtype(args[i]))
+        return layouts, out_rule, partial
+
+    def _output_layouts(self, outs, out_rule, leaves):
+        n = self.ctx.device_count
+        if outs is not None:
+            if len(outs) != len(leaves):
+                raise ShardingError(
+                    f"{self.call}: out_strategy has {len(outs)} entries but {self.op} returned "
+                    f"{len(leaves)} arrays. Give one entry per output."
+                )
+            layouts = [layout_of(s, n, call=self.call, op=self.op, what=f"out_strategy[{i}]") for i, s in enumerate(outs)]
+            for i, (lay, x) in enumerate(zip(layouts, leaves)):
+                if lay is not None:
+                    check_divides(lay, x.shape, call=self.call, op=self.op, what=f"out_strategy[{i}]", dtype=_dtype(x))
+            return layouts
+        if out_rule is not None and len(leaves) == 1 and getattr(leaves[0], "ndim", -1) == out_rule.rank:
+            return [out_rule]
+        return [None] * len(leaves)
+
+    def _constrain(self, x, layout):
+        try:
+            spec = self.ctx.fine.partition_spec(layout)
+        except NotRefined as e:
+            e.who = self.op
+            raise
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.ctx.mesh, spec))
+
+
+
+def _describe(x) -> str:
+    return f"{_dtype(x)}[{','.join(map(str, x.shape))}]" if hasattr(x, "shape") else type(x).__name__
+
+
+def _dtype(x) -> str:
+    dtype = getattr(x, "dtype", None)
+    return "?" if dtype is None else jax.numpy.dtype(dtype).name.replace("float", "f").replace("int", "i")

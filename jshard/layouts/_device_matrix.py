@@ -1,0 +1,127 @@
+"""Operator device matrices: how an operator's strategy tuples become one device matrix.
+
+MindSpore derives one device matrix per operator from its input strategies. jshard implements the
+two families a `shard` call can meet with plain tuples:
+
+* contraction (`dot_general`, so `matmul`, `einsum` of two operands, `Dense`): the matrix is
+  `[batch..., lhs free..., contracted..., rhs free...]`; MatMul `((a, b), (b, c))` gives `[a, b, c]`.
+* broadcasting (elementwise and anything whose operands line up from the right): the matrix is the
+  operands' common strategy.
+
+Anything else is expressed with a `Layout`, which names its device matrix itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jshard._errors import ShardingError
+from jshard.layouts._strategy import Strategy, TensorLayout, shape_str
+
+DotDims = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
+"""`dot_general`'s dimension numbers: `((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`."""
+
+
+def dot_layouts(
+    lhs: Strategy, rhs: Strategy, dims: DotDims, *, call: str, op: str
+) -> tuple[TensorLayout, TensorLayout, TensorLayout, tuple[int, ...]]:
+    """Layouts of a contraction's operands and result under strategies `lhs` and `rhs`.
+
+    Returns:
+      `(lhs_layout, rhs_layout, out_layout, partial_axes)`: `partial_axes` are the device-matrix axes
+      over which the result holds partial sums (the cut contracted dims), reduced by XLA.
+
+    Raises:
+      ShardingError: a contracted or batch dim is cut differently in the two operands.
+    """
+    (lc, rc), (lb, rb) = dims
+    _check_agree(lhs, rhs, lb, rb, call=call, op=op, kind="batch")
+    _check_agree(lhs, rhs, lc, rc, call=call, op=op, kind="contracted")
+    lfree = [d for d in range(len(lhs)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rhs)) if d not in rc and d not in rb]
+    matrix = (
+        *(lhs[d] for d in lb),
+        *(lhs[d] for d in lfree),
+        *(lhs[d] for d in lc),
+        *(rhs[d] for d in rfree),
+    )
+    nb, nl, nc = len(lb), len(lfree), len(lc)
+    lmap = [()] * len(lhs)
+    rmap = [()] * len(rhs)
+    for i, (l, r) in enumerate(zip(lb, rb)):
+        lmap[l] = rmap[r] = (i,)
+    for j, l in enumerate(lfree):
+        lmap[l] = (nb + j,)
+    for k, (l, r) in enumerate(zip(lc, rc)):
+        lmap[l] = rmap[r] = (nb + nl + k,)
+    for m, r in enumerate(rfree):
+        rmap[r] = (nb + nl + nc + m,)
+    out_map = tuple((i,) for i in range(nb)) + tuple(lmap[l] for l in lfree) + tuple(rmap[r] for r in rfree)
+    partial = tuple(nb + nl + k for k in range(nc) if matrix[nb + nl + k] > 1)
+    return (
+        TensorLayout(matrix, tuple(lmap)),
+        TensorLayout(matrix, tuple(rmap)),
+        TensorLayout(matrix, out_map),
+        partial,
+    )
+
+
+def _check_agree(lhs, rhs, ldims, rdims, *, call, op, kind):
+    for l, r in zip(ldims, rdims):
+        if lhs[l] != rhs[r]:
+            raise ShardingError(
+                f"{call}: {op} contracts lhs dim {l} with rhs dim {r}, but in_strategy cuts them "
+                f"differently ({lhs} cuts lhs dim {l} into {lhs[l]}, {rhs} cuts rhs dim {r} into "
+                f"{rhs[r]}). {kind.capitalize()} dims must be cut alike, as in ((a, b), (b, c)): "
+                f"use {_agreeing(lhs, rhs, l, r)}."
+            )
+
+
+def _agreeing(lhs, rhs, l, r):
+    fixed = list(rhs)
+    fixed[r] = lhs[l]
+    return f"({lhs}, {tuple(fixed)})"
+
+
+def broadcast_layouts(
+    strategies: Sequence[Strategy], shapes: Sequence[Sequence[int]], *, call: str, op: str
+) -> tuple[list[TensorLayout], TensorLayout]:
+    """Layouts of operands that line up from the right (NumPy broadcasting) and of their result.
+
+    A dim of size 1 that is broadcast must not be cut; dims that line up must be cut alike.
+
+    Raises:
+      ShardingError: two operands cut a lined-up dim differently, or a broadcast dim is cut.
+    """
+    rank = max(len(s) for s in strategies)
+    matrix = [1] * rank
+    owner: list[int | None] = [None] * rank
+    for i, (strategy, shape) in enumerate(zip(strategies, shapes)):
+        for d, cut in enumerate(strategy):
+            pos = rank - len(strategy) + d
+            if shape[d] == 1 and cut != 1:
+                raise ShardingError(
+                    f"{call}: {op}: in_strategy[{i}]={strategy} cuts dim {d} of "
+                    f"{shape_str('f32', shape)}, a size-1 dim that is broadcast. Use 1 there."
+                )
+            if shape[d] == 1:
+                continue
+            if owner[pos] is not None and matrix[pos] != cut:
+                j = owner[pos]
+                raise ShardingError(
+                    f"{call}: {op}: in_strategy[{j}]={strategies[j]} and in_strategy[{i}]={strategy} "
+                    f"cut the dim they share ({shape[d]} elements) differently ({matrix[pos]} vs "
+                    f"{cut}). Operands that line up must be cut alike; for a function whose operands "
+                    f"do not line up, give a jshard.Layout per operand instead."
+                )
+            matrix[pos], owner[pos] = cut, i
+    layouts = []
+    for strategy, shape in zip(strategies, shapes):
+        offset = rank - len(strategy)
+        layouts.append(
+            TensorLayout(
+                tuple(matrix),
+                tuple(() if shape[d] == 1 else (offset + d,) for d in range(len(strategy))),
+            )
+        )
+    return layouts, TensorLayout(tuple(matrix), tuple((p,) for p in range(rank)))

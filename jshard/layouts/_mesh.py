@@ -1,0 +1,151 @@
+"""The one fine mesh of a program, and layouts as `PartitionSpec`s over it.
+
+A JAX computation has one mesh, while a MindSpore program has a device matrix per operator. Because
+every device matrix numbers its devices the same way (row-major, last axis fastest), each of its
+axes covers a contiguous range of *strides* of the rank: in `[2, 1, 4]` on 8 devices, axis 0 has
+stride 4 and axis 2 stride 1. jshard builds one mesh whose axes split the rank at every stride
+boundary any device matrix uses (for 2^k devices: k axes of size 2, major to minor). Each
+device-matrix axis is then a run of consecutive fine axes, and each layout exactly a
+`PartitionSpec` over the fine mesh.
+
+Two device matrices whose boundaries do not nest (on 12 devices `[3, 4]` has a boundary at stride
+4, `[4, 3]` at stride 3) cannot share one device order: that is a `LayoutConflictError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jshard._errors import LayoutConflictError
+from jshard.layouts._strategy import TensorLayout
+
+
+def _strides(matrix: Sequence[int]) -> tuple[int, ...]:
+    return tuple(math.prod(matrix[i + 1 :]) for i in range(len(matrix)))
+
+
+def _boundaries(matrix: Sequence[int]) -> set[int]:
+    return {s for s, size in zip(_strides(matrix), matrix) if size > 1} | {
+        s * size for s, size in zip(_strides(matrix), matrix) if size > 1
+    }
+
+
+def _prime_factors(n: int) -> list[int]:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
+
+
+class NotRefined(Exception):
+    """Internal: a layout needs a mesh boundary the current fine mesh lacks (the caller refines)."""
+
+    def __init__(self, matrix: tuple[int, ...]):
+        super().__init__(matrix)
+        self.matrix = matrix
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FineMesh:
+    """Axis sizes (major to minor) of the fine mesh over `device_count` ranks, and their names.
+
+    Examples:
+      >>> FineMesh.for_devices(8).sizes
+      (2, 2, 2)
+      >>> FineMesh.refining(12, [(3, 4)]).sizes
+      (3, 2, 2)
+    """
+
+    sizes: tuple[int, ...]
+
+    @property
+    def device_count(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f"d{i}" for i in range(len(self.sizes)))
+
+    @classmethod
+    def for_devices(cls, n: int) -> "FineMesh":
+        """The default: one axis per prime factor of `n`, largest first (2^k: k axes of 2)."""
+        return cls(tuple(sorted(_prime_factors(n), reverse=True)) or (1,))
+
+    @classmethod
+    def refining(cls, n: int, matrices: Sequence[tuple[int, ...]], who: Sequence[str] | None = None) -> "FineMesh":
+        """The coarsest prime-split mesh whose axes refine every matrix in `matrices`.
+
+        Raises:
+          LayoutConflictError: two matrices split the ranks at boundaries that do not nest.
+        """
+        cuts = _cuts(n, matrices)
+        if cuts is None:
+            who = list(who) if who is not None else [str(list(m)) for m in matrices]
+            raise LayoutConflictError(_conflict_message(n, matrices, who))
+        sizes: list[int] = []
+        for lo, hi in reversed(list(zip(cuts, cuts[1:]))):  # major segment first
+            sizes += sorted(_prime_factors(hi // lo), reverse=True)
+        return cls(tuple(sizes) or (1,))
+
+    def fits(self, matrix: Sequence[int]) -> bool:
+        mine = {s for s in _strides(self.sizes)} | {self.device_count}
+        return _boundaries(matrix) <= mine
+
+    def axes_of(self, matrix: Sequence[int]) -> list[tuple[str, ...]]:
+        """For each axis of `matrix`, the fine axes that make it up (major to minor)."""
+        if not self.fits(matrix):
+            raise NotRefined(tuple(matrix))
+        fine = list(zip(self.names, _strides(self.sizes)))
+        out = []
+        for stride, size in zip(_strides(matrix), matrix):
+            out.append(tuple(name for name, s in fine if stride <= s < stride * size))
+        return out
+
+    def partition_spec(self, layout: TensorLayout) -> PartitionSpec:
+        """The `PartitionSpec` over this mesh that puts every slice where `layout` says."""
+        axes = self.axes_of(layout.device_matrix)
+        entries = []
+        for dim_axes in layout.tensor_map:
+            names = tuple(n for a in dim_axes for n in axes[a])
+            entries.append(None if not names else names[0] if len(names) == 1 else names)
+        while entries and entries[-1] is None:
+            entries.pop()
+        return PartitionSpec(*entries)
+
+    def jax_mesh(self, devices: Sequence[jax.Device]) -> Mesh:
+        """A `jax.sharding.Mesh` placing rank `i` on `devices[i]`."""
+        return Mesh(np.asarray(devices, dtype=object).reshape(self.sizes), self.names)
+
+
+def named_sharding(mesh: Mesh, fine: FineMesh, layout: TensorLayout) -> NamedSharding:
+    return NamedSharding(mesh, fine.partition_spec(layout))
+
+
+def _cuts(n: int, matrices: Sequence[Sequence[int]]) -> list[int] | None:
+    """Sorted stride boundaries of all `matrices`, or None where they do not form a divisor chain."""
+    cuts = sorted({1, n}.union(*(_boundaries(m) for m in matrices)))
+    return None if any(hi % lo for lo, hi in zip(cuts, cuts[1:])) else cuts
+
+
+def _conflict_message(n, matrices, who) -> str:
+    a, b = next(
+        (i, j)
+        for j in range(len(matrices))
+        for i in range(j)
+        if _cuts(n, [matrices[i], matrices[j]]) is None
+    )
+    return (
+        f"jshard.parallelize: {who[a]} uses device matrix {list(matrices[a])} and {who[b]} uses "
+        f"{list(matrices[b])} on {n} devices; their axes split the ranks at strides that do not nest, "
+        f"so no single device order (one JAX mesh) serves both. Give both a jshard.Layout over one "
+        f"device matrix, e.g. Layout({tuple(matrices[a])}, ...), so they share one device order."
+    )
