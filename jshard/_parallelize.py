@@ -252,7 +252,7 @@ class _Builder:
         )
         try:
             parts = jax.tree_util.tree_map(
-                lambda slot, sub: [canonicalize_slot(slot, call=self.call, what=what)] * len(jax.tree_util.tree_leaves(sub)),
+                lambda slot, sub: _Repeat(canonicalize_slot(slot, call=self.call, what=what), len(jax.tree_util.tree_leaves(sub))),
                 prefix, tree, is_leaf=is_slot,
             )
         except ValueError as e:
@@ -261,7 +261,7 @@ class _Builder:
             raise ShardingError(
                 f"{self.call}: {what} is not a pytree prefix of the value it describes: {e}"
             ) from None
-        return [s for part in jax.tree_util.tree_leaves(parts, is_leaf=lambda x: isinstance(x, list)) for s in part]
+        return [p.slot for part in jax.tree_util.tree_leaves(parts, is_leaf=lambda x: isinstance(x, _Repeat)) for p in [part] * part.count]
 
     def _batch_leaf_ids(self) -> set[int]:
         nums = self.config.batch_argnums
@@ -305,6 +305,14 @@ class _Builder:
         layout = layout_of(slot, self.n, call=self.call, op="the function boundary", what=what)
         check_divides(layout, shape, call=self.call, op="the function boundary", what=what)
         return NamedSharding(ctx.mesh, fine.partition_spec(layout))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Repeat:
+    """One strategy slot standing for `count` leaves of the value it describes."""
+
+    slot: Slot
+    count: int
 
 
 def _program(closed: jcore.ClosedJaxpr, out_tree) -> Callable[..., Any]:
