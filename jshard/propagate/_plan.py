@@ -112,7 +112,7 @@ def _table(ops: Sequence[OpRecord]) -> str:
                 _strategies(op.in_strategy),
                 _strategies(op.out_strategy),
                 op.origin,
-                op.source.split(" ")[0],
+                "/".join(op.source.split(" ")[0].split("/")[-2:]),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
