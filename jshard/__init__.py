@@ -22,10 +22,13 @@ from jshard._parallelize import parallelize as parallelize
 from jshard._shard import shard as shard
 from jshard.layouts import Layout as Layout
 from jshard.layouts import TensorLayout as TensorLayout
+from jshard.propagate import Audit as Audit
 from jshard.propagate import OpRecord as OpRecord
 from jshard.propagate import Plan as Plan
+from jshard.propagate import audit as audit
 
 __all__ = [
+    "Audit",
     "DeviceCountError",
     "Layout",
     "LayoutConflictError",
@@ -34,6 +37,7 @@ __all__ = [
     "Plan",
     "ShardingError",
     "TensorLayout",
+    "audit",
     "parallelize",
     "shard",
     "simulate_devices",
