@@ -258,3 +258,18 @@ def _entry(*lines):
 def test_unreadable_hlo_is_an_error(text, message):
     with pytest.raises(ValueError, match=f"^jshard.audit: {message}"):
         _collectives(text)
+
+
+def test_operand_lists_with_index_comments():
+    """XLA writes `/*index=5*/` before the sixth operand of a long list; names must not include it."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    contracted = NamedSharding(mesh, P(None, "b"))
+
+    def many(*xs):
+        return tuple(x @ x.T for x in xs)
+
+    args = [jnp.full((16, 32), float(i)) for i in range(7)]
+    compiled = jax.jit(many, in_shardings=(contracted,) * 7, out_shardings=(NamedSharding(mesh, P()),) * 7).lower(*args).compile()
+    report = audit(compiled)
+    assert report.count("all-reduce") >= 1
+    assert report.bytes("all-reduce") == 7 * 16 * 16 * 4  # seven f32[16,16] partial products

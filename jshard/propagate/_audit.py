@@ -180,7 +180,9 @@ def audit(compiled: jax.stages.Compiled) -> Audit:
             f"jshard.audit expects a jax.stages.Compiled, got {type(compiled).__name__}. "
             "Pass jax.jit(f).lower(*args).compile()."
         )
-    collectives, unknown = _collectives(compiled.as_text())
+    # XLA numbers long operand lists with comments (`/*index=5*/%x`); they are not part of names.
+    text = re.sub(r"/\*.*?\*/", "", compiled.as_text())
+    collectives, unknown = _collectives(text)
     return Audit(collectives, _memory(compiled), unknown)
 
 
