@@ -2,7 +2,8 @@
 
 Data flow: the user function is traced to a jaxpr under a `TraceContext` (so `shard` calls become
 sharding constraints); the plan is read off the flattened jaxpr; the jaxpr itself is then compiled
-by `jax.jit` with the planned argument and result shardings. User Python runs once per signature.
+by `jax.jit` with the planned argument and result shardings. User Python runs once per signature
+(once more where a strategy needs a finer mesh than the first guess, only off 2^k device counts).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jshard.layouts._mesh import NotRefined
 from jshard.propagate import Plan, build_ops, flatten
 
 MODES = ("data", "semi_auto", "manual")
+_BOUNDARY = "the function boundary"
 DATASET_STRATEGIES = ("data_parallel", "full_batch")
 
 
@@ -184,18 +186,52 @@ class _Builder:
         return have[:want]
 
     def build(self) -> _Entry:
+        in_slots = self._slots(self.config.in_strategy, self.args, "in_strategy")
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self.args)[0]]
+        needed = self._boundary_matrices(in_slots, paths)
+        while True:
+            fine = self._fine_mesh(needed)
+            try:
+                return self._build_on(fine, in_slots, paths)
+            except NotRefined as e:
+                if self.config.mode == "manual":
+                    raise ShardingError(_manual_mesh_error(self.call, e, self.config.mesh)) from None
+                needed.append((e.matrix, e.who))
+
+    def _boundary_matrices(self, in_slots, paths) -> list[tuple[tuple[int, ...], str]]:
+        """Device matrices the fine mesh must refine before tracing: the mesh's and `in_strategy`'s."""
+        c = self.config
+        if c.mode == "manual":
+            return []
+        needed = [] if c.mesh is None else [(tuple(c.mesh.devices.shape), f"the mesh {dict(c.mesh.shape)}")]
+        for slot, path in zip(in_slots, paths):
+            what = f"in_strategy{path}"
+            if slot is not None and not isinstance(slot, PartitionSpec):
+                layout = layout_of(slot, self.n, call=self.call, op=_BOUNDARY, what=what)
+                needed.append((layout.device_matrix, what))
+        return needed
+
+    def _fine_mesh(self, needed) -> FineMesh:
+        if self.config.mode == "manual":
+            return FineMesh.of_mesh(self.config.mesh)
+        default = FineMesh.for_devices(self.n)
+        if all(default.fits(m) for m, _ in needed):
+            return default
+        return FineMesh.refining(self.n, [m for m, _ in needed], [w for _, w in needed], call=self.call)
+
+    def _build_on(self, fine, in_slots, paths) -> _Entry:
+        """Traces, plans and jits on one fine mesh; raises `NotRefined` where it is too coarse."""
         c, args = self.config, self.args
         leaves, treedef = jax.tree_util.tree_flatten(args)
-        in_slots = self._slots(c.in_strategy, args, "in_strategy")
-        fine = self._fine_mesh([s for s in in_slots if isinstance(s, TensorLayout)])
-        closed, out_shape, ctx, fine = self._trace(leaves, treedef, fine)
-        out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+        closed, out_shape, ctx = self._trace(leaves, treedef, fine)
+        out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
         nodes = flatten(closed.jaxpr)
         anchors = _boundary_anchors(self.call, nodes, closed.jaxpr.invars, ctx.annotations)
-        in_sh = [self._in_sharding(i, x, s, anchors.get(v), ctx, fine)
-                 for i, (x, s, v) in enumerate(zip(leaves, in_slots, closed.jaxpr.invars))]
-        out_slots = self._slots(c.out_strategy, out_shape, "out_strategy") if c.out_strategy is not None else [None] * len(out_leaves)
-        out_sh = [self._out_sharding(i, x, s, ctx, fine) for i, (x, s) in enumerate(zip(out_leaves, out_slots))]
+        batch = self._batch_leaf_ids()
+        in_sh = [self._in_sharding(path, x, s, anchors.get(v), i in batch, ctx)
+                 for i, (path, x, s, v) in enumerate(zip(paths, leaves, in_slots, closed.jaxpr.invars))]
+        out_slots = self._slots(c.out_strategy, out_shape, "out_strategy")
+        out_sh = [self._out_sharding(jax.tree_util.keystr(p), x, s, ctx) for (p, x), s in zip(out_paths, out_slots)]
         in_tree = jax.tree_util.tree_unflatten(treedef, in_sh)
         out_tree_sh = jax.tree_util.tree_unflatten(out_tree, out_sh)
         run = _program(closed, out_tree)
@@ -206,30 +242,15 @@ class _Builder:
 
     def _trace(self, leaves, treedef, fine):
         avals = [jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)) for x in leaves]
-        needed: list[tuple[tuple[int, ...], str]] = []
 
         def flat_fn(*flat):
             return self.owner.fn(*jax.tree_util.tree_unflatten(treedef, flat))
 
-        while True:
-            mesh = self.config.mesh if self.config.mode == "manual" else fine.jax_mesh(self.devices)
-            ctx = _context.TraceContext(self.call, fine, mesh, self.config.mode)
-            try:
-                with _context.tracing(ctx):
-                    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
-                return closed, out_shape, ctx, fine
-            except NotRefined as e:
-                needed.append((e.matrix, getattr(e, "who", "an operator")))
-                fine = FineMesh.refining(self.n, [m for m, _ in needed], [w for _, w in needed])
-
-    def _fine_mesh(self, layouts: list[TensorLayout]) -> FineMesh:
-        matrices = [lay.device_matrix for lay in layouts]
-        default = FineMesh.for_devices(self.n)
-        if self.config.mesh is not None and self.config.mode != "manual":
-            matrices.append(tuple(self.config.mesh.devices.shape))
-        if all(default.fits(m) for m in matrices):
-            return default
-        return FineMesh.refining(self.n, matrices, [f"{self.call} in_strategy"] * len(matrices))
+        mesh = self.config.mesh if self.config.mode == "manual" else fine.jax_mesh(self.devices)
+        ctx = _context.TraceContext(self.call, fine, mesh, self.config.mode)
+        with _context.tracing(ctx):
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+        return closed, out_shape, ctx
 
     def _slots(self, prefix, tree, what) -> list[Slot]:
         """One canonical slot per leaf of `tree`, from a pytree prefix of strategies (or None)."""
@@ -238,11 +259,7 @@ class _Builder:
             return [None] * len(leaves)
         if what == "in_strategy":
             if not isinstance(prefix, (tuple, list)) or len(prefix) != len(tree):
-                raise ShardingError(
-                    f"{self.call}: in_strategy has {len(prefix) if isinstance(prefix, (tuple, list)) else 1} "
-                    f"entries but the function was called with {len(tree)} positional arguments. Give one "
-                    f"entry per argument (None: the default for that argument)."
-                )
+                raise ShardingError(_in_strategy_count_error(self.call, prefix, len(tree)))
             return [s for p, t, i in zip(prefix, tree, range(len(tree))) for s in self._broadcast(p, t, f"in_strategy[{i}]")]
         return self._broadcast(prefix, tree, what)
 
@@ -275,36 +292,41 @@ class _Builder:
             start += count
         return ids
 
-    def _in_sharding(self, i, x, slot, anchor, ctx, fine) -> NamedSharding:
+    def _in_sharding(self, path, x, slot, anchor, batch, ctx) -> NamedSharding:
         shape = np.shape(x)
-        if self.config.mode == "manual":
-            return NamedSharding(ctx.mesh, slot if isinstance(slot, PartitionSpec) else PartitionSpec())
+        if isinstance(slot, PartitionSpec) and self.config.mode == "manual":
+            return NamedSharding(ctx.mesh, slot)
         if slot is not None:
-            return self._layout_sharding(slot, shape, ctx, fine, f"in_strategy of argument leaf {i}")
+            return self._layout_sharding(slot, shape, ctx, f"in_strategy{path}")
         if anchor is not None and self.config.mode == "semi_auto":
             return anchor
-        if i in self._batch_leaf_ids() and self.config.dataset_strategy == "data_parallel" and len(shape) > 0:
+        cut_batch = self.config.mode != "manual" and self.config.dataset_strategy == "data_parallel"
+        if batch and cut_batch and len(shape) > 0:
             if shape[0] % self.n:
                 raise ShardingError(
-                    f"{self.call}: dataset_strategy='data_parallel' cuts dim 0 of batch input leaf {i} "
-                    f"(shape {list(shape)}) over {self.n} devices, but {self.n} does not divide {shape[0]}. "
-                    f"Use a batch size that is a multiple of {self.n}, give this argument an in_strategy, "
-                    f"or pass dataset_strategy='full_batch'."
+                    f"{self.call}: dataset_strategy='data_parallel' cuts dim 0 of the batch input "
+                    f"args{path} (shape {list(shape)}) over {self.n} devices, but {self.n} does not divide "
+                    f"{shape[0]}. Use a batch size that is a multiple of {self.n}, give this argument an "
+                    f"in_strategy, or pass dataset_strategy='full_batch'."
                 )
-            return NamedSharding(ctx.mesh, PartitionSpec(fine.names))
+            return NamedSharding(ctx.mesh, PartitionSpec(ctx.fine.names))
         return NamedSharding(ctx.mesh, PartitionSpec())
 
-    def _out_sharding(self, i, x, slot, ctx, fine):
+    def _out_sharding(self, path, x, slot, ctx):
         if slot is None:
             return None
-        if self.config.mode == "manual":
+        if isinstance(slot, PartitionSpec) and self.config.mode == "manual":
             return NamedSharding(ctx.mesh, slot)
-        return self._layout_sharding(slot, x.shape, ctx, fine, f"out_strategy of result leaf {i}")
+        return self._layout_sharding(slot, x.shape, ctx, f"out_strategy{path}")
 
-    def _layout_sharding(self, slot, shape, ctx, fine, what) -> NamedSharding:
-        layout = layout_of(slot, self.n, call=self.call, op="the function boundary", what=what)
-        check_divides(layout, shape, call=self.call, op="the function boundary", what=what)
-        return NamedSharding(ctx.mesh, fine.partition_spec(layout))
+    def _layout_sharding(self, slot, shape, ctx, what) -> NamedSharding:
+        layout = layout_of(slot, self.n, call=self.call, op=_BOUNDARY, what=what)
+        check_divides(layout, shape, call=self.call, op=_BOUNDARY, what=what)
+        try:
+            return NamedSharding(ctx.mesh, ctx.fine.partition_spec(layout))
+        except NotRefined as e:
+            e.who = what
+            raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,6 +345,29 @@ def _program(closed: jcore.ClosedJaxpr, out_tree) -> Callable[..., Any]:
         return jax.tree_util.tree_unflatten(out_tree, evaluate(*jax.tree_util.tree_leaves(args)))
 
     return run
+
+
+def _in_strategy_count_error(call, prefix, nargs) -> str:
+    sequence = isinstance(prefix, (tuple, list))
+    hint = ""
+    if sequence and prefix and all(isinstance(v, int) for v in prefix):
+        one = tuple(prefix)
+        hint = f" in_strategy={one} looks like one strategy; for one argument write in_strategy=({one},)."
+    return (
+        f"{call}: in_strategy has {len(prefix) if sequence else 1} entries but the function was called "
+        f"with {nargs} positional arguments. Give one entry per argument (None: the default for that "
+        f"argument).{hint}"
+    )
+
+
+def _manual_mesh_error(call, e: NotRefined, mesh: Mesh) -> str:
+    return (
+        f"{call}: {e.who} uses device matrix {list(e.matrix)}, whose axes do not line up with the axes "
+        f"of your mesh {dict(mesh.shape)}, and mode='manual' keeps the mesh as given. Use a strategy "
+        f"or a jshard.Layout whose device-matrix axes each cover consecutive mesh axes (e.g. "
+        f"Layout({tuple(mesh.devices.shape)}, {tuple(mesh.axis_names)})), or mode='semi_auto' with "
+        f"mesh=... so that jshard refines the mesh."
+    )
 
 
 def _boundary_anchors(call, nodes, invars, annotations) -> dict:

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import jax
 
 from jshard._errors import ShardingError
 from jshard.layouts import check_divides, layout_of
-from jshard.propagate._graph import inline_equations
+from jshard.layouts._device_matrix import DotDims
+from jshard.propagate._graph import inline_equations, resolve
 
 _PASSTHROUGH = {"convert_element_type", "copy", "copy_p"}
+_ELEMENTWISE = _PASSTHROUGH | {
+    "abs", "add", "add_any", "div", "erf", "exp", "integer_pow", "log", "logistic", "max", "min",
+    "mul", "neg", "pow", "rsqrt", "select_n", "sign", "sqrt", "square", "sub", "tanh",
+}
+"""Primitives through which a result keeps its operand's layout (a bias, an activation)."""
 
 
 def path_str(path) -> str:
@@ -67,11 +74,29 @@ def _constrain_module(fn, visit):
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(visit, state))
 
 
-def contraction_dims(fn, args, positions):
-    """`dot_general` dimension numbers when `fn` contracts its inputs at `positions[:2]`, else None.
+class Contraction(NamedTuple):
+    """The one `dot_general` of a `shard`ed function, in terms of the function's own inputs.
 
-    `fn` is traced on abstract values; it counts as a contraction when its jaxpr holds exactly one
-    `dot_general`, whose operands are those two inputs (possibly after a dtype conversion).
+    Attributes:
+      lhs / rhs: positions among the inputs of the dot's left and right operands.
+      dims: its dimension numbers, counted in those inputs' own dims (before any transpose).
+      rules_output: the function returns the dot's result, up to elementwise ops of the same shape
+        (a bias, an activation), so the contraction's output layout is the function's.
+    """
+
+    lhs: int
+    rhs: int
+    dims: DotDims
+    rules_output: bool
+
+
+def contraction_dims(fn, args, positions) -> Contraction | None:
+    """The contraction of the inputs at `positions[:2]` when `fn` has one, else None.
+
+    `fn` is traced on abstract values; it is a contraction when its jaxpr holds exactly one
+    `dot_general`, whose operands are those two inputs, possibly after a dtype conversion or a
+    transpose that keeps the order of the free dims (`x @ w.T`). The operands may come in either
+    order (`einsum("ij,kj->ki", x, w)` multiplies `w` by `x`).
     """
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
     array_pos = [i for i, a in enumerate(args) if hasattr(a, "shape")]
@@ -84,19 +109,43 @@ def contraction_dims(fn, args, positions):
 
     closed = jax.make_jaxpr(on_arrays)(*(avals[i] for i in array_pos))
     invars = closed.jaxpr.invars
-    want = {invars[array_pos.index(positions[0])]: 0, invars[array_pos.index(positions[1])]: 1}
-    dots = []
-    for eqn, env in inline_equations(closed.jaxpr, {}):
-        if eqn.primitive.name in _PASSTHROUGH:
-            env[eqn.outvars[0]] = env.get(eqn.invars[0], eqn.invars[0])
-        if eqn.primitive.name == "dot_general":
-            dots.append((eqn, [env.get(v, v) for v in eqn.invars]))
-    if len(dots) != 1:
+    # var -> (input position, perm): dim d of the var is dim perm[d] of that input.
+    source = {invars[array_pos.index(i)]: (i, tuple(range(len(args[i].shape)))) for i in positions[:2]}
+    dots, env = [], {}
+    for eqn, env in inline_equations(closed.jaxpr, env):
+        ins = [resolve(env, v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name in _PASSTHROUGH and ins[0] in source:
+            source[eqn.outvars[0]] = source[ins[0]]
+        elif name == "transpose" and ins[0] in source:
+            i, perm = source[ins[0]]
+            source[eqn.outvars[0]] = (i, tuple(perm[p] for p in eqn.params["permutation"]))
+        elif name == "dot_general":
+            dots.append((eqn, ins))
+    if len(dots) != 1 or any(v not in source for v in dots[0][1]):
         return None
     eqn, (lhs, rhs) = dots[0]
-    if want.get(lhs) == 0 and want.get(rhs) == 1:
-        return eqn.params["dimension_numbers"]
-    if want.get(lhs) == 1 and want.get(rhs) == 0:
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        return (rc, lc), (rb, lb)
-    return None
+    (li, lperm), (ri, rperm) = source[lhs], source[rhs]
+    if {li, ri} != set(positions[:2]):
+        return None
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if not (_keeps_free_order(lperm, lc, lb) and _keeps_free_order(rperm, rc, rb)):
+        return None
+    on_inputs = lambda perm, ds: tuple(perm[d] for d in ds)
+    dims = (on_inputs(lperm, lc), on_inputs(rperm, rc)), (on_inputs(lperm, lb), on_inputs(rperm, rb))
+    return Contraction(li, ri, dims, _rules_output(closed.jaxpr, env, eqn))
+
+
+def _keeps_free_order(perm, contract, batch) -> bool:
+    free = [perm[d] for d in range(len(perm)) if d not in contract and d not in batch]
+    return free == sorted(free)
+
+
+def _rules_output(jaxpr, env, dot) -> bool:
+    """Whether `jaxpr`'s one output is `dot`'s result after elementwise ops of the same shape."""
+    shape, ruled = dot.outvars[0].aval.shape, {dot.outvars[0]}
+    for eqn, env in inline_equations(jaxpr, env):
+        if eqn.primitive.name in _ELEMENTWISE and any(resolve(env, v) in ruled for v in eqn.invars):
+            ruled.update(v for v in eqn.outvars if v.aval.shape == shape)
+    outs = [resolve(env, v) for v in jaxpr.outvars]
+    return len(outs) == 1 and outs[0] in ruled

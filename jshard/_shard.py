@@ -43,10 +43,11 @@ def shard(
       fn: any callable: `jnp.matmul`, a `lax` function, a Flax NNX module, a Linen `apply`.
       in_strategy: one entry per positional input: a tuple of ints (slices per dim), a `Layout` call,
         or None (not constrained). Tuples on two operands of a contraction follow MindSpore's
-        MatMul device matrix `((a, b), (b, c))` → `[a, b, c]`; tuples on operands that line up
-        from the right are cut alike.
+        MatMul device matrix `((a, b), (b, c))` → `[a, b, c]` (the dot's left operand first,
+        whatever the argument order); tuples on operands that line up from the right are cut
+        alike; any other tuple is its own device matrix.
       out_strategy: optional, one entry per output; otherwise the operator's rule fixes the output
-        where it can (contractions and elementwise ops).
+        where it can (a contraction, possibly followed by elementwise ops, and elementwise ops).
       parameter_plan: regex on a parameter's path (`"kernel"`, `"layers/0/.*bias"`) → tuple or
         Layout, for the parameters of a Flax module or of pytree inputs. Each pattern must match.
 
@@ -136,28 +137,38 @@ class _Call:
                 raise TypeError(f"{self.call}: in_strategy[{i}] is a tuple but input {i} is {_describe(args[i])}, not an array.")
             check_divides(TensorLayout(ins[i], tuple((d,) for d in range(len(ins[i])))), args[i].shape,
                           call=self.call, op=self.op, what=f"in_strategy[{i}]", dtype=_dtype(args[i]))
-        layouts = [layout_of(s, n, call=self.call, op=self.op, what=f"in_strategy[{i}]") if not isinstance(s, tuple) else None
-                   for i, s in enumerate(ins)]
-        out_rule, partial = None, ()
+        out_rule, partial, joint = None, (), {}
         if len(tuples) >= 2:
-            dims = contraction_dims(self.fn, args, tuples)
-            if dims is not None:
-                l, r, out_rule, partial = dot_layouts(ins[tuples[0]], ins[tuples[1]], dims, call=self.call, op=self.op)
-                pairs = [(tuples[0], l), (tuples[1], r)]
-            else:
-                lays, out_rule = broadcast_layouts([ins[i] for i in tuples], [args[i].shape for i in tuples],
-                                                   call=self.call, op=self.op)
-                pairs = list(zip(tuples, lays))
-            out_rule = with_repeated_calculation(out_rule, n, call=self.call, op=self.op)
-            for i, lay in pairs:
-                layouts[i] = with_repeated_calculation(lay, n, call=self.call, op=self.op)
-        else:
-            for i in tuples:
-                layouts[i] = layout_of(ins[i], n, call=self.call, op=self.op, what=f"in_strategy[{i}]")
+            joint, out_rule, partial = self._joint_layouts(ins, args, tuples)
+        layouts = [joint[i] if i in joint else layout_of(s, n, call=self.call, op=self.op, what=f"in_strategy[{i}]")
+                   for i, s in enumerate(ins)]
         for i, lay in enumerate(layouts):
             if lay is not None:
                 check_divides(lay, args[i].shape, call=self.call, op=self.op, what=f"in_strategy[{i}]", dtype=_dtype(args[i]))
         return layouts, out_rule, partial
+
+    def _joint_layouts(self, ins, args, tuples):
+        """Inputs whose tuples share one device matrix: a contraction's two operands, or operands that
+        line up from the right. Any other tuple is its own device matrix."""
+        n = self.ctx.device_count
+        dot = contraction_dims(self.fn, args, tuples)
+        if dot is not None:
+            names = (f"in_strategy[{dot.lhs}]", f"in_strategy[{dot.rhs}]")
+            l, r, out_rule, partial = dot_layouts(
+                ins[dot.lhs], ins[dot.rhs], dot.dims, call=self.call, op=self.op, names=names
+            )
+            pairs = {dot.lhs: l, dot.rhs: r}
+            out_rule = out_rule if dot.rules_output else None
+        else:
+            lays, out_rule = broadcast_layouts([ins[i] for i in tuples], [args[i].shape for i in tuples],
+                                               call=self.call, op=self.op)
+            pairs, partial = dict(zip(tuples, lays)), ()
+        what = "in_strategy=(" + ", ".join(s.describe() if isinstance(s, TensorLayout) else str(s) for s in ins) + ")"
+        repeat = lambda lay: with_repeated_calculation(lay, n, call=self.call, op=self.op, what=what)
+        joint = {i: repeat(lay) for i, lay in pairs.items()}
+        if out_rule is not None:
+            out_rule = repeat(out_rule)
+        return joint, out_rule, partial
 
     def _output_layouts(self, outs, out_rule, leaves):
         n = self.ctx.device_count

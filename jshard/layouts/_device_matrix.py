@@ -23,9 +23,17 @@ DotDims = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequen
 
 
 def dot_layouts(
-    lhs: Strategy, rhs: Strategy, dims: DotDims, *, call: str, op: str
+    lhs: Strategy,
+    rhs: Strategy,
+    dims: DotDims,
+    *,
+    call: str,
+    op: str,
+    names: tuple[str, str] = ("in_strategy[0]", "in_strategy[1]"),
 ) -> tuple[TensorLayout, TensorLayout, TensorLayout, tuple[int, ...]]:
     """Layouts of a contraction's operands and result under strategies `lhs` and `rhs`.
+
+    `names` are what the user called the two strategies, for errors.
 
     Returns:
       `(lhs_layout, rhs_layout, out_layout, partial_axes)`: `partial_axes` are the device-matrix axes
@@ -35,8 +43,8 @@ def dot_layouts(
       ShardingError: a contracted or batch dim is cut differently in the two operands.
     """
     (lc, rc), (lb, rb) = dims
-    _check_agree(lhs, rhs, lb, rb, call=call, op=op, kind="batch")
-    _check_agree(lhs, rhs, lc, rc, call=call, op=op, kind="contracted")
+    _check_agree(lhs, rhs, lb, rb, call=call, op=op, names=names, kind="batch")
+    _check_agree(lhs, rhs, lc, rc, call=call, op=op, names=names, kind="contracted")
     lfree = [d for d in range(len(lhs)) if d not in lc and d not in lb]
     rfree = [d for d in range(len(rhs)) if d not in rc and d not in rb]
     matrix = (
@@ -66,21 +74,21 @@ def dot_layouts(
     )
 
 
-def _check_agree(lhs, rhs, ldims, rdims, *, call, op, kind):
-    for l, r in zip(ldims, rdims):
-        if lhs[l] != rhs[r]:
-            raise ShardingError(
-                f"{call}: {op} contracts lhs dim {l} with rhs dim {r}, but in_strategy cuts them "
-                f"differently ({lhs} cuts lhs dim {l} into {lhs[l]}, {rhs} cuts rhs dim {r} into "
-                f"{rhs[r]}). {kind.capitalize()} dims must be cut alike, as in ((a, b), (b, c)): "
-                f"use {_agreeing(lhs, rhs, l, r)}."
-            )
+def _check_agree(lhs, rhs, ldims, rdims, *, call, op, names, kind):
+    bad = next(((l, r) for l, r in zip(ldims, rdims) if lhs[l] != rhs[r]), None)
+    if bad is not None:
+        raise ShardingError(_disagree_error(lhs, rhs, *bad, call=call, op=op, names=names, kind=kind))
 
 
-def _agreeing(lhs, rhs, l, r):
+def _disagree_error(lhs, rhs, l, r, *, call, op, names, kind):
     fixed = list(rhs)
     fixed[r] = lhs[l]
-    return f"({lhs}, {tuple(fixed)})"
+    verb = "contracts" if kind == "contracted" else "batches"
+    return (
+        f"{call}: {op} {verb} dim {l} of {names[0]}={lhs} with dim {r} of {names[1]}={rhs}, but "
+        f"they cut them differently ({lhs[l]} vs {rhs[r]}). {kind.capitalize()} dims must be cut "
+        f"alike, as in MatMul's ((a, b), (b, c)): e.g. {names[1]}={tuple(fixed)}."
+    )
 
 
 def broadcast_layouts(

@@ -47,16 +47,24 @@ def _prime_factors(n: int) -> list[int]:
 
 
 class NotRefined(Exception):
-    """Internal: a layout needs a mesh boundary the current fine mesh lacks (the caller refines)."""
+    """Internal: a layout needs a mesh boundary the current fine mesh lacks (the caller refines).
+
+    `who` names the operator or strategy that needs it; whoever knows sets it on the way up.
+    """
 
     def __init__(self, matrix: tuple[int, ...]):
         super().__init__(matrix)
         self.matrix = matrix
+        self.who = "an operator"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FineMesh:
     """Axis sizes (major to minor) of the fine mesh over `device_count` ranks, and their names.
+
+    Attributes:
+      sizes: axis sizes, major to minor.
+      axis_names: the axes' names; None names them `d0, d1, ...`. A user's mesh keeps its own.
 
     Examples:
       >>> FineMesh.for_devices(8).sizes
@@ -66,6 +74,7 @@ class FineMesh:
     """
 
     sizes: tuple[int, ...]
+    axis_names: tuple[str, ...] | None = None
 
     @property
     def device_count(self) -> int:
@@ -73,7 +82,14 @@ class FineMesh:
 
     @property
     def names(self) -> tuple[str, ...]:
+        if self.axis_names is not None:
+            return self.axis_names
         return tuple(f"d{i}" for i in range(len(self.sizes)))
+
+    @classmethod
+    def of_mesh(cls, mesh: Mesh) -> "FineMesh":
+        """A user's mesh as it is (`mode="manual"`): layouts must line up with its axes."""
+        return cls(tuple(mesh.devices.shape), tuple(mesh.axis_names))
 
     @classmethod
     def for_devices(cls, n: int) -> "FineMesh":
@@ -81,16 +97,29 @@ class FineMesh:
         return cls(tuple(sorted(_prime_factors(n), reverse=True)) or (1,))
 
     @classmethod
-    def refining(cls, n: int, matrices: Sequence[tuple[int, ...]], who: Sequence[str] | None = None) -> "FineMesh":
+    def refining(
+        cls,
+        n: int,
+        matrices: Sequence[tuple[int, ...]],
+        who: Sequence[str] | None = None,
+        *,
+        call: str = "jshard.parallelize",
+    ) -> "FineMesh":
         """The coarsest prime-split mesh whose axes refine every matrix in `matrices`.
+
+        Args:
+          n: the device count.
+          matrices: device matrices (each multiplying to `n`).
+          who: for errors, what uses each matrix (an operator and its source line).
+          call: for errors, the public call being made.
 
         Raises:
           LayoutConflictError: two matrices split the ranks at boundaries that do not nest.
         """
         cuts = _cuts(n, matrices)
         if cuts is None:
-            who = list(who) if who is not None else [str(list(m)) for m in matrices]
-            raise LayoutConflictError(_conflict_message(n, matrices, who))
+            who = list(who) if who is not None else [f"strategy {i}" for i in range(len(matrices))]
+            raise LayoutConflictError(_conflict_message(call, n, matrices, who))
         sizes: list[int] = []
         for lo, hi in reversed(list(zip(cuts, cuts[1:]))):  # major segment first
             sizes += sorted(_prime_factors(hi // lo), reverse=True)
@@ -136,7 +165,7 @@ def _cuts(n: int, matrices: Sequence[Sequence[int]]) -> list[int] | None:
     return None if any(hi % lo for lo, hi in zip(cuts, cuts[1:])) else cuts
 
 
-def _conflict_message(n, matrices, who) -> str:
+def _conflict_message(call, n, matrices, who) -> str:
     a, b = next(
         (i, j)
         for j in range(len(matrices))
@@ -144,7 +173,7 @@ def _conflict_message(n, matrices, who) -> str:
         if _cuts(n, [matrices[i], matrices[j]]) is None
     )
     return (
-        f"jshard.parallelize: {who[a]} uses device matrix {list(matrices[a])} and {who[b]} uses "
+        f"{call}: {who[a]} uses device matrix {list(matrices[a])} and {who[b]} uses "
         f"{list(matrices[b])} on {n} devices; their axes split the ranks at strides that do not nest, "
         f"so no single device order (one JAX mesh) serves both. Give both a jshard.Layout over one "
         f"device matrix, e.g. Layout({tuple(matrices[a])}, ...), so they share one device order."

@@ -51,4 +51,4 @@ def layout_of(slot: Slot, device_count: int, *, call: str, op: str, what: str) -
             )
         return slot
     layout = TensorLayout(slot, tuple((d,) for d in range(len(slot))))
-    return with_repeated_calculation(layout, device_count, call=call, op=op)
+    return with_repeated_calculation(layout, device_count, call=call, op=op, what=f"{what}={slot}")

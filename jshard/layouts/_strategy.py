@@ -94,11 +94,13 @@ def canonicalize_strategy(value: object, *, call: str, what: str) -> Strategy:
     return tuple(value)
 
 
-def with_repeated_calculation(layout: TensorLayout, device_count: int, *, call: str, op: str) -> TensorLayout:
+def with_repeated_calculation(
+    layout: TensorLayout, device_count: int, *, call: str, op: str, what: str
+) -> TensorLayout:
     """Appends MindSpore's repeated-calculation axis when the device matrix covers too few devices.
 
     The remaining factor `device_count / prod(device_matrix)` becomes the *last* (fastest) axis; the
-    devices along it hold replicas.
+    devices along it hold replicas. `what` names the strategy in errors (`"in_strategy=((3, 1),)"`).
 
     Raises:
       ShardingError: the device matrix's product does not divide `device_count`.
@@ -107,18 +109,18 @@ def with_repeated_calculation(layout: TensorLayout, device_count: int, *, call: 
     if used == device_count:
         return layout
     if device_count % used:
-        raise ShardingError(_device_count_error(call, op, layout, device_count))
+        raise ShardingError(_device_count_error(call, op, what, layout, device_count))
     names = None if layout.axis_names is None else (*layout.axis_names, "repeat")
     return TensorLayout((*layout.device_matrix, device_count // used), layout.tensor_map, names)
 
 
-def _device_count_error(call: str, op: str, layout: TensorLayout, device_count: int) -> str:
+def _device_count_error(call: str, op: str, what: str, layout: TensorLayout, device_count: int) -> str:
     used = layout.device_count
     divisors = [d for d in range(1, device_count + 1) if device_count % d == 0]
     return (
-        f"{call}: {op} uses device matrix {list(layout.device_matrix)} ({used} devices), but {used} "
-        f"does not divide the device count {device_count}. Choose strategies whose device matrix "
-        f"multiplies to a divisor of {device_count} ({', '.join(map(str, divisors))})."
+        f"{call}: {what} gives {op} the device matrix {list(layout.device_matrix)} ({used} devices), "
+        f"but {used} does not divide the device count {device_count}. Choose strategies whose device "
+        f"matrix multiplies to a divisor of {device_count} ({', '.join(map(str, divisors))})."
     )
 
 
@@ -130,8 +132,8 @@ def check_divides(layout: TensorLayout, shape: Sequence[int], *, call: str, op: 
     """
     if len(shape) != layout.rank:
         raise ShardingError(
-            f"{call}: {what}={layout.describe()} has {layout.rank} entries, but {op}'s input is "
-            f"{_shape_str(dtype, shape)} with {len(shape)} dims. Give one entry per dim."
+            f"{call}: {what}={layout.describe()} has {layout.rank} entries, but the tensor it cuts "
+            f"({op}) is {_shape_str(dtype, shape)} with {len(shape)} dims. Give one entry per dim."
         )
     for dim, (size, cut) in enumerate(zip(shape, layout.strategy)):
         if size % cut:
