@@ -100,9 +100,11 @@ def test_layout_worked_example(where):
     "tensor_layout, shape, blocks",
     [
         # rank = 4*dp + 2*sp + mp; ("dp", "sp") cuts rows 4-way, dp major.
-        (LAY(("dp", "sp"), "None"), (8, 4), {((0, 2), (0, 4)): {0, 1}, ((2, 4), (0, 4)): {2, 3}, ((4, 6), (0, 4)): {4, 5}}),
+        (LAY(("dp", "sp"), "None"), (8, 4), {((0, 2), (0, 4)): {0, 1}, ((2, 4), (0, 4)): {2, 3},
+                                             ((6, 8), (0, 4)): {6, 7}}),
         # ("mp", "dp") cuts columns 4-way, mp major: block 1 is (mp=0, dp=1).
-        (LAY("None", ("mp", "dp")), (4, 8), {((0, 4), (0, 2)): {0, 2}, ((0, 4), (2, 4)): {4, 6}, ((0, 4), (4, 6)): {1, 3}}),
+        (LAY("None", ("mp", "dp")), (4, 8), {((0, 4), (0, 2)): {0, 2}, ((0, 4), (2, 4)): {4, 6},
+                                             ((0, 4), (4, 6)): {1, 3}}),
         (LAY("None", "None"), (4, 8), {((0, 4), (0, 8)): set(range(8))}),
     ],
     ids=["(dp,sp)-None", "None-(mp,dp)", "None-None"],
