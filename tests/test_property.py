@@ -1,0 +1,84 @@
+"""Property: any MatMul strategy either runs and equals the single-device product, or is refused with
+a `ShardingError`; it never fails some other way, and never silently drops a cut."""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jshard as js
+
+DIMS = [1, 2, 3, 4, 6, 8, 12, 16]
+CUTS = [1, 2, 3, 4, 8]
+
+
+def _cut(draw, dim):
+    """A cut for `dim`: often one that divides it, so that many cases run; any cut otherwise."""
+    return draw(st.one_of(st.sampled_from([c for c in CUTS if dim % c == 0]), st.sampled_from(CUTS)))
+
+
+@st.composite
+def matmul_cases(draw):
+    m, k, n = (draw(st.sampled_from(DIMS)) for _ in range(3))
+    a, b, d = _cut(draw, m), _cut(draw, k), _cut(draw, n)
+    # Mostly agreeing contracted cuts; sometimes not, so that some cases are refused for it.
+    c = draw(st.one_of(st.just(b), st.sampled_from(CUTS)))
+    return (m, k, n), ((a, b), (c, d))
+
+
+@functools.lru_cache(maxsize=None)
+def _step(strategy):
+    """One `Parallelized` per strategy: it compiles once per shape, so repeated cases reuse it."""
+
+    def step(x, w):
+        return js.shard(jnp.matmul, strategy)(x, w)
+
+    return js.parallelize(step, devices=8)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(matmul_cases())
+def test_matmul_strategy_runs_correctly_or_is_refused(case):
+    (m, k, n), strategy = case
+    rng = np.random.default_rng(m * 10_000 + k * 100 + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    try:
+        out = _step(strategy)(jnp.asarray(x), jnp.asarray(w))
+    except js.ShardingError:
+        return
+    np.testing.assert_allclose(np.asarray(out), x @ w, rtol=1e-5, atol=1e-5)
+    (a, _), (_, d) = strategy
+    assert out.sharding.shard_shape(out.shape) == (m // a, n // d)
+
+
+@st.composite
+def layout_cases(draw):
+    """A Layout over device matrix [2, 2, 2] and a map of its aliases onto the two dims of a tensor."""
+    aliases = draw(st.permutations(["dp", "sp", "mp"]))
+    dims = ([], [])
+    for alias in aliases:
+        where = draw(st.sampled_from([0, 1, None]))
+        if where is not None:
+            dims[where].append(alias)
+    return tuple(tuple(d) if len(d) != 1 else d[0] for d in dims)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(layout_cases())
+def test_layout_places_each_block_on_its_ranks(tensor_map):
+    """Rank r is (dp, sp, mp) = digits of r in base 2; dim i's block is its aliases' digits, major first."""
+    lay = js.Layout((2, 2, 2), ("dp", "sp", "mp"))
+    shape = (8, 8)
+    step = js.parallelize(lambda t: t + 1.0, devices=8, in_strategy=(lay(*(m or "None" for m in tensor_map)),))
+    (sharding,) = step.plan(jnp.zeros(shape)).in_shardings
+    for device, block in sharding.devices_indices_map(shape).items():
+        rank = device.id
+        digits = {"dp": rank // 4, "sp": rank // 2 % 2, "mp": rank % 2}
+        for dim, aliases in enumerate(tensor_map):
+            aliases = (aliases,) if isinstance(aliases, str) else aliases
+            index = functools.reduce(lambda acc, alias: acc * 2 + digits[alias], aliases, 0)
+            size = shape[dim] // 2 ** len(aliases)
+            assert (block[dim].start or 0, block[dim].stop or shape[dim]) == (index * size, (index + 1) * size)
