@@ -382,7 +382,7 @@ def _boundary_anchors(call, nodes, invars, annotations) -> dict:
     for node in nodes:
         if node.primitive != "sharding_constraint" or node.inside or node.inputs[0] not in top:
             continue
-        v, sharding = node.inputs[0], node.eqn.params["sharding"]
+        v, sharding = node.inputs[0], _settled(node.eqn.params["sharding"])
         if v in found and found[v].spec != sharding.spec:
             raise ShardingError(
                 f"{call}: one argument ({_aval_str(v)}) is constrained two ways: {found[v].spec} by "
@@ -392,6 +392,13 @@ def _boundary_anchors(call, nodes, invars, annotations) -> dict:
         found.setdefault(v, sharding)
         where.setdefault(v, node.source)
     return found
+
+
+def _settled(sharding: NamedSharding) -> NamedSharding:
+    """`sharding` with its unconstrained dims (a `vmap`ped constraint's batch dim) left whole, as an
+    argument's sharding must fix every dim."""
+    spec = PartitionSpec(*(None if p is PartitionSpec.UNCONSTRAINED else p for p in sharding.spec))
+    return NamedSharding(sharding.mesh, spec)
 
 
 def _aval_str(v) -> str:

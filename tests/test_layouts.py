@@ -279,6 +279,42 @@ def test_plan_ops_and_summary():
     assert str(plan) == summary
 
 
+def test_shard_inside_checkpoint_is_planned_and_anchors_arguments():
+    x, w = _rand((8, 8)), _rand((8, 8), 1)
+
+    def step(x, w):
+        return jax.checkpoint(lambda x, w: js.shard(jnp.matmul, ((2, 1), (1, 4)))(x, w))(x, w)
+
+    plan = js.parallelize(step, devices=8, dataset_strategy="full_batch").plan(x, w)
+    assert [(op.primitive, op.origin) for op in plan.ops] == [("dot_general", "user")]
+    assert [s.spec for s in plan.in_shardings] == [PartitionSpec("d0"), PartitionSpec(None, ("d1", "d2"))]
+
+
+def test_shard_inside_vmap():
+    xs, w = _rand((3, 8, 8)), _rand((8, 8), 1)
+
+    def step(xs, w):
+        return jax.vmap(lambda x: js.shard(jnp.matmul, ((2, 1), (1, 4)))(x, w))(xs)
+
+    parallel = js.parallelize(step, devices=8, dataset_strategy="full_batch")
+    # The vmapped dim is left to XLA inside; at the boundary it stays whole.
+    assert parallel.plan(xs, w).in_shardings[0].spec == PartitionSpec(None, "d0", None)
+    np.testing.assert_allclose(parallel(xs, w), jax.jit(step)(xs, w), rtol=1e-5, atol=1e-5)
+
+
+def test_shard_inside_scan_refines_the_mesh():
+    def step(x, w):
+        def body(carry, _):
+            return js.shard(jnp.matmul, ((2, 1), (1, 3)))(carry, w), None
+
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    plan = js.parallelize(step, devices=6).plan(_rand((6, 6)), _rand((6, 6), 1))
+    assert plan.fine.sizes == (2, 3)
+    (dot,) = [op for op in plan.ops if op.origin == "user"]
+    assert dot.inside == "scan" and dot.in_strategy == ((2, 1), (1, 3))
+
+
 # --- Which operands a contraction sees --------------------------------------------------------
 
 

@@ -14,7 +14,9 @@ from collections.abc import Iterator
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
-INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat", "checkpoint"})
+INLINE = frozenset(
+    {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat", "remat2", "checkpoint"}
+)
 NESTED = frozenset({"scan", "while", "cond"})
 
 
