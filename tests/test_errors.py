@@ -341,6 +341,41 @@ def test_parameter_plan_matching_nothing():
 
 
 @pytest.mark.parametrize(
+    "strategy, message",
+    [
+        ((1, 4), "parameter_plan['kernel']=(1, 4) cuts dim 1 of f32[16,6] into 4, but 4 does not divide 6"),
+        ((1, 3), "parameter_plan['kernel']=(1, 3) gives parameter kernel the device matrix [1, 3] (3 devices)"),
+        ((1, 2, 1), "parameter_plan['kernel']=(1, 2, 1) has 3 entries, but the tensor it cuts (parameter kernel) "
+                    "is f32[16,6] with 2 dims"),
+    ],
+    ids=["not-dividing", "3-on-8", "wrong-rank"],
+)
+def test_parameter_plan_strategy_errors(strategy, message):
+    def step(p, x):
+        return js.shard(lambda p, x: x @ p["kernel"], (None, (2, 1)), parameter_plan={"kernel": strategy})(p, x)
+
+    with pytest.raises(js.ShardingError, match=parts("jshard.shard(<lambda>): " + message)):
+        js.parallelize(step, devices=8).plan({"kernel": jnp.zeros((16, 6))}, jnp.zeros((8, 16)))
+
+
+def test_parameter_plan_wrong_kinds():
+    with pytest.raises(TypeError, match=parts("parameter_plan must map path regexes to strategies")):
+        js.shard(jnp.matmul, ((2, 1), (1, 4)), parameter_plan=[("kernel", (1, 4))])
+    with pytest.raises(TypeError, match=parts("parameter_plan['kernel'] must be a tuple of ints", "got 'ab'")):
+        js.shard(jnp.matmul, ((2, 1), (1, 4)), parameter_plan={"kernel": "ab"})
+
+
+def test_layout_strategy_shown_with_its_aliases():
+    def step(x, w):
+        return js.shard(jnp.matmul, ((2, 1), (1, 4)), out_strategy=(LAY(("dp", "sp", "mp"), "None"),))(x, w)
+
+    with pytest.raises(js.ShardingError, match=parts(
+        'jshard.shard(matmul): out_strategy[0]=(("dp", "sp", "mp"), "None") cuts dim 0 of f32[4,8] into 8',
+    )):
+        js.parallelize(step, devices=8).plan(jnp.zeros((4, 16)), jnp.zeros((16, 8)))
+
+
+@pytest.mark.parametrize(
     "in_strategy, message",
     [
         (({"w": (1, 4), "c": (4,)}, None), "in_strategy[0] is not a pytree prefix of the value it describes"),

@@ -70,7 +70,8 @@ class TensorLayout:
         dims = []
         for axes in self.tensor_map:
             names = [self.axis_names[a] for a in axes]
-            dims.append('"None"' if not names else f'"{names[0]}"' if len(names) == 1 else str(tuple(names)))
+            quoted = [f'"{n}"' for n in names]
+            dims.append('"None"' if not names else quoted[0] if len(names) == 1 else f"({', '.join(quoted)})")
         return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
 
 
