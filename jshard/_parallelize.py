@@ -297,7 +297,7 @@ class _Builder:
         if isinstance(slot, PartitionSpec) and self.config.mode == "manual":
             return NamedSharding(ctx.mesh, slot)
         if slot is not None:
-            return self._layout_sharding(slot, shape, ctx, f"in_strategy{path}")
+            return self._layout_sharding(slot, x, ctx, f"in_strategy{path}")
         if anchor is not None and self.config.mode == "semi_auto":
             return anchor
         cut_batch = self.config.mode != "manual" and self.config.dataset_strategy == "data_parallel"
@@ -317,11 +317,11 @@ class _Builder:
             return None
         if isinstance(slot, PartitionSpec) and self.config.mode == "manual":
             return NamedSharding(ctx.mesh, slot)
-        return self._layout_sharding(slot, x.shape, ctx, f"out_strategy{path}")
+        return self._layout_sharding(slot, x, ctx, f"out_strategy{path}")
 
-    def _layout_sharding(self, slot, shape, ctx, what) -> NamedSharding:
+    def _layout_sharding(self, slot, x, ctx, what) -> NamedSharding:
         layout = layout_of(slot, self.n, call=self.call, op=_BOUNDARY, what=what)
-        check_divides(layout, shape, call=self.call, op=_BOUNDARY, what=what)
+        check_divides(layout, np.shape(x), call=self.call, op=_BOUNDARY, what=what, dtype=_dtype_of(x))
         try:
             return NamedSharding(ctx.mesh, ctx.fine.partition_spec(layout))
         except NotRefined as e:

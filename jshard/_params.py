@@ -46,7 +46,7 @@ def constrain_parameters(call, plan, fn, args, params):
                 matched.add(pattern)
                 what = f"parameter_plan[{pattern!r}]"
                 layout = layout_of(slot, call.ctx.device_count, call=call.call, op=f"parameter {name}", what=what)
-                check_divides(layout, leaf.shape, call=call.call, op=f"parameter {name}", what=what)
+                check_divides(layout, leaf.shape, call=call.call, op=f"parameter {name}", what=what, dtype=leaf.dtype)
                 params.append((name, layout))
                 return call._constrain(leaf, layout)
         return leaf

@@ -29,6 +29,7 @@ from jshard.layouts import (
     layout_of,
     with_repeated_calculation,
 )
+from jshard.layouts._strategy import shape_str
 from jshard.layouts._mesh import NotRefined
 
 def shard(
@@ -136,7 +137,7 @@ class _Call:
             if not hasattr(args[i], "shape"):
                 raise TypeError(f"{self.call}: in_strategy[{i}] is a tuple but input {i} is {_describe(args[i])}, not an array.")
             check_divides(TensorLayout(ins[i], tuple((d,) for d in range(len(ins[i])))), args[i].shape,
-                          call=self.call, op=self.op, what=f"in_strategy[{i}]", dtype=_dtype(args[i]))
+                          call=self.call, op=self.op, what=f"in_strategy[{i}]", dtype=args[i].dtype)
         out_rule, partial, joint = None, (), {}
         if len(tuples) >= 2:
             joint, out_rule, partial = self._joint_layouts(ins, args, tuples)
@@ -144,7 +145,7 @@ class _Call:
                    for i, s in enumerate(ins)]
         for i, lay in enumerate(layouts):
             if lay is not None:
-                check_divides(lay, args[i].shape, call=self.call, op=self.op, what=f"in_strategy[{i}]", dtype=_dtype(args[i]))
+                check_divides(lay, args[i].shape, call=self.call, op=self.op, what=f"in_strategy[{i}]", dtype=args[i].dtype)
         return layouts, out_rule, partial
 
     def _joint_layouts(self, ins, args, tuples):
@@ -160,8 +161,8 @@ class _Call:
             pairs = {dot.lhs: l, dot.rhs: r}
             out_rule = out_rule if dot.rules_output else None
         else:
-            lays, out_rule = broadcast_layouts([ins[i] for i in tuples], [args[i].shape for i in tuples],
-                                               call=self.call, op=self.op)
+            lays, out_rule = broadcast_layouts([ins[i] for i in tuples], [args[i] for i in tuples], call=self.call,
+                                               op=self.op, names=[f"in_strategy[{i}]" for i in tuples])
             pairs, partial = dict(zip(tuples, lays)), ()
         what = "in_strategy=(" + ", ".join(s.describe() if isinstance(s, TensorLayout) else str(s) for s in ins) + ")"
         repeat = lambda lay: with_repeated_calculation(lay, n, call=self.call, op=self.op, what=what)
@@ -181,7 +182,7 @@ class _Call:
             layouts = [layout_of(s, n, call=self.call, op=self.op, what=f"out_strategy[{i}]") for i, s in enumerate(outs)]
             for i, (lay, x) in enumerate(zip(layouts, leaves)):
                 if lay is not None:
-                    check_divides(lay, x.shape, call=self.call, op=self.op, what=f"out_strategy[{i}]", dtype=_dtype(x))
+                    check_divides(lay, x.shape, call=self.call, op=self.op, what=f"out_strategy[{i}]", dtype=x.dtype)
             return layouts
         if out_rule is not None and len(leaves) == 1 and getattr(leaves[0], "ndim", -1) == out_rule.rank:
             return [out_rule]
@@ -198,9 +199,4 @@ class _Call:
 
 
 def _describe(x) -> str:
-    return f"{_dtype(x)}[{','.join(map(str, x.shape))}]" if hasattr(x, "shape") else type(x).__name__
-
-
-def _dtype(x) -> str:
-    dtype = getattr(x, "dtype", None)
-    return "?" if dtype is None else jax.numpy.dtype(dtype).name.replace("float", "f").replace("int", "i")
+    return shape_str(x.dtype, x.shape) if hasattr(x, "shape") else type(x).__name__

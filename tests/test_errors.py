@@ -151,15 +151,25 @@ def test_tuple_for_a_non_array_input():
         js.parallelize(step, devices=8).plan({"w": jnp.zeros((8, 8))}, jnp.zeros((8, 8)))
 
 
-def test_operands_that_line_up_cut_differently():
-    def step(a, b):
-        return js.shard(jnp.add, ((2, 4), (4, 2)))(a, b)
+@pytest.mark.parametrize(
+    "b_strategy, where, message",
+    [
+        (
+            (1, 2),
+            "<lambda> at test_errors.py:",
+            "in_strategy[1]=(2, 4) and in_strategy[2]=(1, 2) cut dim 1 of i32[8,8] and dim 1 of i32[1,8], "
+            "which line up from the right, differently (4 vs 2)",
+        ),
+        ((2, 4), "", "in_strategy[2]=(2, 4) cuts dim 0 of i32[1,8] into 2, but 2 does not divide 1"),
+    ],
+    ids=["cut-differently", "broadcast-dim-cut"],
+)
+def test_operands_that_line_up(b_strategy, where, message):
+    def step(scale, a, b):
+        return js.shard(lambda s, a, b: s * (a + b), (None, (2, 4), b_strategy))(scale, a, b)
 
-    with pytest.raises(js.ShardingError, match=parts(
-        "jshard.shard(add): add at test_errors.py:", "in_strategy[0]=(2, 4) and in_strategy[1]=(4, 2) cut "
-        "the dim they share (8 elements) differently (2 vs 4)", "give a jshard.Layout per operand",
-    )):
-        js.parallelize(step, devices=8).plan(jnp.zeros((8, 8)), jnp.zeros((8, 8)))
+    with pytest.raises(js.ShardingError, match=parts("jshard.shard(<lambda>): " + where, message)):
+        js.parallelize(step, devices=8).plan(jnp.int32(2), jnp.zeros((8, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32))
 
 
 def test_out_strategy_count():

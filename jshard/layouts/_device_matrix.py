@@ -14,6 +14,7 @@ Anything else is expressed with a `Layout`, which names its device matrix itself
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from jshard._errors import ShardingError
 from jshard.layouts._strategy import Strategy, TensorLayout, shape_str
@@ -29,7 +30,7 @@ def dot_layouts(
     *,
     call: str,
     op: str,
-    names: tuple[str, str] = ("in_strategy[0]", "in_strategy[1]"),
+    names: tuple[str, str],
 ) -> tuple[TensorLayout, TensorLayout, TensorLayout, tuple[int, ...]]:
     """Layouts of a contraction's operands and result under strategies `lhs` and `rhs`.
 
@@ -92,9 +93,12 @@ def _disagree_error(lhs, rhs, l, r, *, call, op, names, kind):
 
 
 def broadcast_layouts(
-    strategies: Sequence[Strategy], shapes: Sequence[Sequence[int]], *, call: str, op: str
+    strategies: Sequence[Strategy], operands: Sequence[Any], *, call: str, op: str, names: Sequence[str]
 ) -> tuple[list[TensorLayout], TensorLayout]:
     """Layouts of operands that line up from the right (NumPy broadcasting) and of their result.
+
+    `operands` are the arrays (anything with `shape` and `dtype`) the strategies cut; `names` are
+    what the user called the strategies (`"in_strategy[1]"`), for errors.
 
     A dim of size 1 that is broadcast must not be cut; dims that line up must be cut alike.
 
@@ -104,32 +108,30 @@ def broadcast_layouts(
     rank = max(len(s) for s in strategies)
     matrix = [1] * rank
     owner: list[int | None] = [None] * rank
-    for i, (strategy, shape) in enumerate(zip(strategies, shapes)):
+    for i, (strategy, x) in enumerate(zip(strategies, operands)):
+        shape = x.shape
         for d, cut in enumerate(strategy):
             pos = rank - len(strategy) + d
             if shape[d] == 1 and cut != 1:
                 raise ShardingError(
-                    f"{call}: {op}: in_strategy[{i}]={strategy} cuts dim {d} of "
-                    f"{shape_str('f32', shape)}, a size-1 dim that is broadcast. Use 1 there."
+                    f"{call}: {op}: {names[i]}={strategy} cuts dim {d} of "
+                    f"{shape_str(x.dtype, shape)}, a size-1 dim that is broadcast. Use 1 there."
                 )
             if shape[d] == 1:
                 continue
             if owner[pos] is not None and matrix[pos] != cut:
                 j = owner[pos]
+                dj = pos - rank + len(strategies[j])
                 raise ShardingError(
-                    f"{call}: {op}: in_strategy[{j}]={strategies[j]} and in_strategy[{i}]={strategy} "
-                    f"cut the dim they share ({shape[d]} elements) differently ({matrix[pos]} vs "
-                    f"{cut}). Operands that line up must be cut alike; for a function whose operands "
-                    f"do not line up, give a jshard.Layout per operand instead."
+                    f"{call}: {op}: {names[j]}={strategies[j]} and {names[i]}={strategy} "
+                    f"cut dim {dj} of {shape_str(operands[j].dtype, operands[j].shape)} and dim {d} of "
+                    f"{shape_str(x.dtype, shape)}, which line up from the right, differently "
+                    f"({matrix[pos]} vs {cut}). Operands that line up must be cut alike; for a function "
+                    f"whose operands do not line up, give a jshard.Layout per operand instead."
                 )
             matrix[pos], owner[pos] = cut, i
-    layouts = []
-    for strategy, shape in zip(strategies, shapes):
-        offset = rank - len(strategy)
-        layouts.append(
-            TensorLayout(
-                tuple(matrix),
-                tuple(() if shape[d] == 1 else (offset + d,) for d in range(len(strategy))),
-            )
-        )
+    layouts = [
+        TensorLayout(tuple(matrix), tuple(() if x.shape[d] == 1 else (rank - len(s) + d,) for d in range(len(s))))
+        for s, x in zip(strategies, operands)
+    ]
     return layouts, TensorLayout(tuple(matrix), tuple((p,) for p in range(rank)))

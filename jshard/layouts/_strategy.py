@@ -13,6 +13,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from jshard._errors import ShardingError
 
 Strategy = tuple[int, ...]
@@ -125,8 +127,10 @@ def _device_count_error(call: str, op: str, what: str, layout: TensorLayout, dev
     )
 
 
-def check_divides(layout: TensorLayout, shape: Sequence[int], *, call: str, op: str, what: str, dtype: str = "f32") -> None:
-    """Checks that every cut divides its dimension.
+def check_divides(
+    layout: TensorLayout, shape: Sequence[int], *, call: str, op: str, what: str, dtype: object
+) -> None:
+    """Checks that every cut divides its dimension of a `dtype[shape]` tensor.
 
     Raises:
       ShardingError: naming the first dim whose size the cut does not divide, with the divisors.
@@ -134,21 +138,28 @@ def check_divides(layout: TensorLayout, shape: Sequence[int], *, call: str, op: 
     if len(shape) != layout.rank:
         raise ShardingError(
             f"{call}: {what}={layout.describe()} has {layout.rank} entries, but the tensor it cuts "
-            f"({op}) is {_shape_str(dtype, shape)} with {len(shape)} dims. Give one entry per dim."
+            f"({op}) is {shape_str(dtype, shape)} with {len(shape)} dims. Give one entry per dim."
         )
     for dim, (size, cut) in enumerate(zip(shape, layout.strategy)):
         if size % cut:
             divisors = [d for d in range(1, size + 1) if size % d == 0]
             shown = ", ".join(map(str, divisors[:12])) + (", ..." if len(divisors) > 12 else "")
             raise ShardingError(
-                f"{call}: {what}={layout.describe()} cuts dim {dim} of {_shape_str(dtype, shape)} "
+                f"{call}: {what}={layout.describe()} cuts dim {dim} of {shape_str(dtype, shape)} "
                 f"into {cut}, but {cut} does not divide {size}. Pad the dim or choose a divisor of "
                 f"{size} ({shown})."
             )
 
 
-def _shape_str(dtype: str, shape: Sequence[int]) -> str:
-    return f"{dtype}[{','.join(map(str, shape))}]"
+_SHORT_DTYPES = (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i"), ("complex", "c"))
 
 
-shape_str = _shape_str
+def dtype_str(dtype: object) -> str:
+    """A dtype as jaxprs print it: `f32`, `bf16`, `i32`, `u8`, `bool`."""
+    name = np.dtype(dtype).name
+    return next((short + name[len(long) :] for long, short in _SHORT_DTYPES if name.startswith(long)), name)
+
+
+def shape_str(dtype: object, shape: Sequence[int]) -> str:
+    """A tensor as jaxprs print it: `f32[784,62]`."""
+    return f"{dtype_str(dtype)}[{','.join(map(str, shape))}]"

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jshard._context import Annotation
 from jshard.layouts import FineMesh, Strategy, TensorLayout
+from jshard.layouts._strategy import dtype_str
 from jshard.propagate._graph import Node
 
 ORIGINS = ("user", "propagated", "searched", "default")
@@ -174,7 +175,7 @@ def _innermost(scope: str) -> str:
 def _shape(v) -> str:
     aval = v.aval
     dtype = getattr(aval, "dtype", None)
-    name = "?" if dtype is None else str(dtype).replace("float", "f").replace("uint", "u").replace("int", "i")
+    name = "?" if dtype is None else dtype_str(dtype)
     return f"{name}[{','.join(map(str, getattr(aval, 'shape', ())))}]"
 
 
