@@ -160,7 +160,7 @@ def _no_kwargs(call, kwargs):
 
 
 def _dtype_of(x):
-    return getattr(x, "dtype", None) or np.asarray(x).dtype
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 class _Builder:
@@ -278,7 +278,8 @@ class _Builder:
             raise ShardingError(
                 f"{self.call}: {what} is not a pytree prefix of the value it describes: {e}"
             ) from None
-        return [p.slot for part in jax.tree_util.tree_leaves(parts, is_leaf=lambda x: isinstance(x, _Repeat)) for p in [part] * part.count]
+        repeats = jax.tree_util.tree_leaves(parts, is_leaf=lambda x: isinstance(x, _Repeat))
+        return [r.slot for r in repeats for _ in range(r.count)]
 
     def _batch_leaf_ids(self) -> set[int]:
         nums = self.config.batch_argnums
