@@ -23,8 +23,13 @@ from jshard._errors import DeviceCountError, ShardingError
 from jshard.layouts import FineMesh, Slot, TensorLayout, canonicalize_slot, check_divides, layout_of
 from jshard.layouts._mesh import NotRefined
 from jshard.propagate import Plan, build_ops, flatten
+from jshard.propagate._cost import CostModel
+from jshard.propagate._emit import emit, to_pspec
+from jshard.propagate._engine import constraint_spec, emission_of, propagate
+from jshard.propagate._factors import replicated
 
 MODES = ("data", "semi_auto", "manual")
+PROPAGATIONS = ("jshard", "xla")
 _BOUNDARY = "the function boundary"
 DATASET_STRATEGIES = ("data_parallel", "full_batch")
 
@@ -39,6 +44,8 @@ class _Config:
     donate_argnums: tuple[int, ...]
     dataset_strategy: str
     batch_argnums: tuple[int, ...] | None
+    propagation: str = "jshard"
+    cost_model: CostModel | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,8 @@ def parallelize(
     donate_argnums: int | Sequence[int] = (),
     dataset_strategy: str = "data_parallel",
     batch_argnums: int | Sequence[int] | None = None,
+    propagation: str = "jshard",
+    cost_model: CostModel | None = None,
 ) -> Any:
     """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
 
@@ -78,6 +87,10 @@ def parallelize(
       dataset_strategy: `"data_parallel"` cuts dim 0 of every array in the batch arguments over all
         devices, `"full_batch"` replicates them; used where `in_strategy` says nothing.
       batch_argnums: which positional arguments are the batch; default the last one.
+      propagation: who lays out the operators no strategy fixes: `"jshard"` (the propagation
+        engine: every operator gets a strategy, an origin and a cost in the `Plan`) or `"xla"`
+        (Shardy propagates from the same anchors; the baseline the benchmarks compare with).
+      cost_model: the α–β `CostModel` propagation minimizes (default: one GPU node).
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`.
@@ -98,6 +111,8 @@ def parallelize(
         (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums),
         dataset_strategy,
         None if batch_argnums is None else (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums),
+        propagation,
+        cost_model,
     )
     if fn is None:
         return lambda f: Parallelized(f, config)
@@ -146,6 +161,8 @@ def _check_config(call: str, c: _Config) -> None:
         )
     if c.mode not in MODES:
         raise ShardingError(f"{call}: mode={c.mode!r} is not one of {MODES}.")
+    if c.propagation not in PROPAGATIONS:
+        raise ShardingError(f"{call}: propagation={c.propagation!r} is not one of {PROPAGATIONS}.")
     if c.dataset_strategy not in DATASET_STRATEGIES:
         raise ShardingError(f"{call}: dataset_strategy={c.dataset_strategy!r} is not one of {DATASET_STRATEGIES}.")
     if c.mode == "manual" and c.mesh is None:
@@ -226,17 +243,28 @@ class _Builder:
         closed, out_shape, ctx = self._trace(leaves, treedef, fine)
         out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
         nodes = flatten(closed.jaxpr)
-        anchors = _boundary_anchors(self.call, nodes, closed.jaxpr.invars, ctx.annotations)
+        invars, outvars = closed.jaxpr.invars, closed.jaxpr.outvars
+        anchors = _boundary_anchors(self.call, nodes, invars, ctx.annotations)
         batch = self._batch_leaf_ids()
         in_sh = [self._in_sharding(path, x, s, anchors.get(v), i in batch, ctx)
-                 for i, (path, x, s, v) in enumerate(zip(paths, leaves, in_slots, closed.jaxpr.invars))]
+                 for i, (path, x, s, v) in enumerate(zip(paths, leaves, in_slots, invars))]
         out_slots = self._slots(c.out_strategy, out_shape, "out_strategy")
         out_sh = [self._out_sharding(jax.tree_util.keystr(p), x, s, ctx) for (p, x), s in zip(out_paths, out_slots)]
+        evaluate, result = jcore.jaxpr_as_fun(closed), None
+        if c.mode != "manual" and c.propagation == "jshard":
+            fixed = {v: constraint_spec(sh, len(np.shape(x))) for v, sh, x in zip(invars, in_sh, leaves) if sh is not None}
+            result = propagate(nodes, fixed, dict(zip(fine.names, fine.sizes)), c.cost_model)
+            in_sh = [sh or NamedSharding(ctx.mesh, to_pspec(result.values.get(v, replicated(np.ndim(x)))))
+                     for v, sh, x in zip(invars, in_sh, leaves)]
+            out_sh = [sh if sh is not None or v not in result.values else NamedSharding(ctx.mesh, to_pspec(result.values[v]))
+                      for v, sh in zip(outvars, out_sh)]
+            evaluate = emit(closed, emission_of(nodes, result), ctx.mesh)
+        in_sh = [sh or NamedSharding(ctx.mesh, PartitionSpec()) for sh in in_sh]
         in_tree = jax.tree_util.tree_unflatten(treedef, in_sh)
         out_tree_sh = jax.tree_util.tree_unflatten(out_tree, out_sh)
-        run = _program(closed, out_tree)
+        run = _program(evaluate, out_tree)
         jitted = jax.jit(run, in_shardings=in_tree, out_shardings=out_tree_sh, donate_argnums=c.donate_argnums)
-        plan = Plan(ctx.mesh, fine, c.mode, build_ops(nodes, ctx.annotations, fine), in_tree, out_tree_sh,
+        plan = Plan(ctx.mesh, fine, c.mode, build_ops(nodes, ctx.annotations, fine, result), in_tree, out_tree_sh,
                     tuple(ctx.annotations))
         return _Entry(plan, jitted, in_tree)
 
@@ -301,6 +329,7 @@ class _Builder:
             return self._layout_sharding(slot, x, ctx, f"in_strategy{path}")
         if anchor is not None and self.config.mode == "semi_auto":
             return anchor
+        free = self.config.mode == "semi_auto" and self.config.propagation == "jshard"
         cut_batch = self.config.mode != "manual" and self.config.dataset_strategy == "data_parallel"
         if batch and cut_batch and len(shape) > 0:
             if shape[0] % self.n:
@@ -311,7 +340,7 @@ class _Builder:
                     f"in_strategy, or pass dataset_strategy='full_batch'."
                 )
             return NamedSharding(ctx.mesh, PartitionSpec(ctx.fine.names))
-        return NamedSharding(ctx.mesh, PartitionSpec())
+        return None if free else NamedSharding(ctx.mesh, PartitionSpec())
 
     def _out_sharding(self, path, x, slot, ctx):
         if slot is None:
@@ -338,9 +367,8 @@ class _Repeat:
     count: int
 
 
-def _program(closed: jcore.ClosedJaxpr, out_tree) -> Callable[..., Any]:
-    """The traced jaxpr as a function of the original (pytree) arguments."""
-    evaluate = jcore.jaxpr_as_fun(closed)
+def _program(evaluate: Callable[..., Any], out_tree) -> Callable[..., Any]:
+    """The traced jaxpr (run by `evaluate`) as a function of the original (pytree) arguments."""
 
     def run(*args):
         return jax.tree_util.tree_unflatten(out_tree, evaluate(*jax.tree_util.tree_leaves(args)))

@@ -3,6 +3,10 @@
 Each block is pre-LayerNorm causal self-attention then a GELU feed-forward. With a `Preset`, the
 query/key/value and up projections are column-parallel and the attention output and down
 projections row-parallel (Megatron-LM), with MindSpore strategy tuples through `jshard.shard`.
+
+With `GPTConfig(scan=True)` the blocks' parameters are stacked on a leading `n_layers` axis and
+the blocks run under `jax.lax.scan`: one traced block instead of `n_layers`, the same numbers.
+A stacked weight keeps its matrix in its last two dims, so `GPT_RULES` cut the same dims.
 """
 
 from __future__ import annotations
@@ -27,10 +31,20 @@ class GPTConfig:
     n_heads: int = 8
     n_layers: int = 2
     d_ff: int = 256
+    scan: bool = False
 
 
 def init_gpt(cfg: GPTConfig, key: jax.Array) -> dict:
-    """Parameters: `embed`, `pos`, `layers` (a list of dicts), `ln_f`, `head`."""
+    """Parameters: `embed`, `pos`, `layers`, `ln_f`, `head`.
+
+    `layers` is a list of per-block dicts, or with `cfg.scan` one dict of the same arrays stacked
+    on a leading `n_layers` axis.
+
+    Examples:
+      >>> params = init_gpt(GPTConfig(n_layers=3, scan=True), jax.random.key(0))
+      >>> params["layers"]["w_up"].shape
+      (3, 64, 256)
+    """
     keys = iter(jax.random.split(key, 3 + 6 * cfg.n_layers))
     dense = lambda a, b: jax.random.normal(next(keys), (a, b), jnp.float32) / np.sqrt(a)
     norm = lambda: {"scale": jnp.ones((cfg.d_model,), jnp.float32), "bias": jnp.zeros((cfg.d_model,), jnp.float32)}
@@ -42,6 +56,8 @@ def init_gpt(cfg: GPTConfig, key: jax.Array) -> dict:
         }
         for _ in range(cfg.n_layers)
     ]
+    if cfg.scan:
+        layers = jax.tree.map(lambda *a: jnp.stack(a), *layers)
     return {
         "embed": jax.random.normal(next(keys), (cfg.vocab, d), jnp.float32) * 0.02,
         "pos": jax.random.normal(next(keys), (cfg.seq_len, d), jnp.float32) * 0.02,
@@ -77,12 +93,19 @@ def _feed_forward(p: dict, x: jax.Array, preset: Preset | None) -> jax.Array:
     return _matmul(preset, "row")(h, p["w_down"])
 
 
+def _block(p: dict, x: jax.Array, cfg: GPTConfig, preset: Preset | None) -> jax.Array:
+    x = x + _attention(p, _layer_norm(x, p["ln1"]), cfg.n_heads, preset)
+    return x + _feed_forward(p, _layer_norm(x, p["ln2"]), preset)
+
+
 def gpt_apply(params: dict, tokens: jax.Array, cfg: GPTConfig, preset: Preset | None = None) -> jax.Array:
     """Logits `[batch, seq, vocab]` for integer `tokens` `[batch, seq]`."""
     x = params["embed"][tokens] + params["pos"][None, : tokens.shape[1]]
-    for p in params["layers"]:
-        x = x + _attention(p, _layer_norm(x, p["ln1"]), cfg.n_heads, preset)
-        x = x + _feed_forward(p, _layer_norm(x, p["ln2"]), preset)
+    if cfg.scan:
+        x, _ = jax.lax.scan(lambda h, p: (_block(p, h, cfg, preset), None), x, params["layers"])
+    else:
+        for p in params["layers"]:
+            x = _block(p, x, cfg, preset)
     return _matmul(preset, "column")(_layer_norm(x, params["ln_f"]), params["head"])
 
 

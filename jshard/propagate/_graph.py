@@ -31,6 +31,8 @@ class Node:
       inside: the enclosing loop or branch primitive (`"scan"`), or `""` at top level.
       scope: its name stack (`jvp(jshard_shard0)`), which ties it to `shard` annotations.
       source: `file:line (function)` of the user code that made it.
+      weight: how many times it runs per call (the product of the enclosing scans' lengths).
+      bodies: for a loop or branch, `(invars, outvars)` of each body, renamed like `inputs`.
     """
 
     eqn: jcore.JaxprEqn
@@ -39,6 +41,8 @@ class Node:
     inside: str
     scope: str
     source: str
+    weight: int = 1
+    bodies: list = dataclasses.field(default_factory=list)
 
     @property
     def primitive(self) -> str:
@@ -90,23 +94,26 @@ def nested_jaxprs(eqn: jcore.JaxprEqn) -> list[jcore.Jaxpr]:
 def flatten(jaxpr: jcore.Jaxpr) -> list[Node]:
     """Every equation of `jaxpr` as a `Node`, in program order, nested jaxprs flattened in place."""
     nodes: list[Node] = []
-    _collect(jaxpr, {}, "", nodes)
+    _collect(jaxpr, {}, "", 1, nodes)
     return nodes
 
 
-def _collect(jaxpr, env, inside, nodes):
+def _collect(jaxpr, env, inside, weight, nodes):
     for eqn, env_now in inline_equations(jaxpr, env):
         info = eqn.source_info
-        nodes.append(
-            Node(
-                eqn,
-                tuple(resolve(env_now, v) for v in eqn.invars),
-                tuple(eqn.outvars),
-                inside,
-                str(info.name_stack),
-                source_info_util.summarize(info),
-            )
+        node = Node(
+            eqn,
+            tuple(resolve(env_now, v) for v in eqn.invars),
+            tuple(eqn.outvars),
+            inside,
+            str(info.name_stack),
+            source_info_util.summarize(info),
+            weight,
         )
+        nodes.append(node)
         if eqn.primitive.name in NESTED:
+            inner = weight * eqn.params.get("length", 1)
             for body in nested_jaxprs(eqn):
-                _collect(body, {}, eqn.primitive.name, nodes)
+                body_env: dict = {}
+                _collect(body, body_env, eqn.primitive.name, inner, nodes)
+                node.bodies.append((list(body.invars), [resolve(body_env, v) for v in body.outvars]))

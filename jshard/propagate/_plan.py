@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jshard._context import Annotation
 from jshard.layouts import FineMesh, Strategy, TensorLayout
 from jshard.layouts._strategy import dtype_str
+from jshard.propagate._emit import to_pspec
 from jshard.propagate._graph import Node
 
 ORIGINS = ("user", "propagated", "searched", "default")
@@ -37,6 +39,12 @@ class OpRecord:
       annotation: the `shard`ed function it belongs to, or `""`.
       backward: whether it belongs to the backward pass.
       inside: the enclosing loop or branch primitive, or `""`.
+      comms: predicted collectives `(kind, bytes per device, mesh axes)` per call of the program
+        (weighted by loop trip counts): redistributing its inputs and its partial sums.
+      seconds: their predicted α–β time.
+      via: the index of the operator (or `"arg"`, `"user"`) whose layout this one took.
+      rejected: the best alternative it did not take, described, or `""`.
+      ruled: False where jshard has no sharding rule for the primitive (left replicated).
     """
 
     index: int
@@ -52,6 +60,11 @@ class OpRecord:
     annotation: str = ""
     backward: bool = False
     inside: str = ""
+    comms: tuple[tuple[str, float, tuple[str, ...]], ...] = ()
+    seconds: float = 0.0
+    via: str = ""
+    rejected: str = ""
+    ruled: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,12 +139,15 @@ def _strategies(value) -> str:
     return "(" + ", ".join("-" if s is None else str(s) for s in value) + ("," if len(value) == 1 else "") + ")"
 
 
-def build_ops(nodes: Sequence[Node], annotations: Sequence[Annotation], fine: FineMesh) -> tuple[OpRecord, ...]:
+def build_ops(
+    nodes: Sequence[Node], annotations: Sequence[Annotation], fine: FineMesh, result=None
+) -> tuple[OpRecord, ...]:
     """One `OpRecord` per operator; the main operator of each `shard` call carries its strategy.
 
     Sharding constraints themselves are not operators and are left out. In a `shard` region the
-    main operator is its first `dot_general` (else its first operator); the region's other forward
-    operators are marked `user` without a strategy of their own.
+    main operator is its first `dot_general` (else its first operator). With a propagation
+    `result`, every operator it decided carries its strategy (`origin="propagated"`, or `user`
+    inside a `shard` region's forward pass).
     """
     by_scope = {a.scope: a for a in annotations}
     main: dict[str, Node] = {}
@@ -140,31 +156,67 @@ def build_ops(nodes: Sequence[Node], annotations: Sequence[Annotation], fine: Fi
         if scope and not node.backward and node.primitive != "sharding_constraint":
             if scope not in main or (node.primitive == "dot_general" and main[scope].primitive != "dot_general"):
                 main[scope] = node
+    number = {}
+    for i, node in enumerate(nodes):
+        if node.primitive != "sharding_constraint":
+            number[i] = len(number)
     records = []
-    for node in nodes:
-        if node.primitive == "sharding_constraint":
+    sizes = dict(zip(fine.names, fine.sizes))
+    for i, node in enumerate(nodes):
+        if i not in number:
             continue
         scope = _innermost(node.scope)
         ann = by_scope.get(scope)
-        is_main = ann is not None and main.get(scope) is node
+        user = ann is not None and not node.backward
+        fields = dict(origin="user" if user else "default", in_strategy=None, out_strategy=None, in_specs=None, out_specs=None)
+        if ann is not None and main.get(scope) is node:
+            fields.update(
+                in_strategy=_strategy_tuple(ann.in_layouts), out_strategy=_strategy_tuple(ann.out_layouts),
+                in_specs=_spec_tuple(ann.in_layouts, fine), out_specs=_spec_tuple(ann.out_layouts, fine),
+            )
+        decision = None if result is None else result.decisions.get(i)
+        if decision is not None:
+            n_in, n_out = len(node.inputs), len(node.outputs)
+            ins, outs = decision.in_specs[:n_in], decision.out_specs[:n_out]
+            if fields["in_strategy"] is None:
+                fields.update(
+                    in_strategy=tuple(_cuts(sp, sizes) for sp in ins), out_strategy=tuple(_cuts(sp, sizes) for sp in outs),
+                    in_specs=tuple(map(to_pspec, ins)), out_specs=tuple(map(to_pspec, outs)),
+                )
+            fields.update(
+                origin="user" if user else "propagated",
+                comms=tuple((c.kind, c.bytes * node.weight, c.axes) for c in decision.comms),
+                seconds=decision.seconds,
+                via=_via(decision.via, number),
+                rejected=_rejected(decision.rejected, n_out, sizes),
+            )
         records.append(
             OpRecord(
-                index=len(records),
-                primitive=node.primitive,
-                source=node.source,
-                in_shapes=tuple(_shape(v) for v in node.inputs),
-                out_shapes=tuple(_shape(v) for v in node.outputs),
-                in_strategy=_strategy_tuple(ann.in_layouts) if is_main else None,
-                out_strategy=_strategy_tuple(ann.out_layouts) if is_main else None,
-                in_specs=_spec_tuple(ann.in_layouts, fine) if is_main else None,
-                out_specs=_spec_tuple(ann.out_layouts, fine) if is_main else None,
-                origin="user" if ann is not None and not node.backward else "default",
-                annotation=ann.name if ann is not None else "",
-                backward=node.backward,
-                inside=node.inside,
+                index=number[i], primitive=node.primitive, source=node.source,
+                in_shapes=tuple(_shape(v) for v in node.inputs), out_shapes=tuple(_shape(v) for v in node.outputs),
+                annotation=ann.name if ann is not None else "", backward=node.backward, inside=node.inside,
+                ruled=result is None or i not in result.unruled, **fields,
             )
         )
     return tuple(records)
+
+
+def _cuts(spec, sizes) -> Strategy:
+    return tuple(math.prod(sizes[a] for a in axes) for axes in spec)
+
+
+def _via(via: str, number: dict[int, int]) -> str:
+    if via.isdigit():
+        i = int(via)
+        return str(number[i]) if i in number else "user"
+    return via
+
+
+def _rejected(rejected, n_out: int, sizes) -> str:
+    if rejected is None:
+        return ""
+    specs, seconds = rejected
+    return f"out_strategy {_strategies(tuple(_cuts(sp, sizes) for sp in specs[:n_out]))} at {seconds * 1e6:.2f} us"
 
 
 def _innermost(scope: str) -> str:

@@ -1,0 +1,129 @@
+"""Reference mixture of experts: Switch-style top-1 routed feed-forward blocks in plain JAX.
+
+Tokens are embedded, then each block adds `moe(layer_norm(x))` to the residual stream; a head maps
+to the vocabulary. The router picks one expert per token (`argmax` of its logits) and scales that
+expert's output by its softmax gate. Dispatch is dense and capacity-free: every expert computes on
+all tokens, with those routed elsewhere masked to zero by a one-hot, so no token is dropped and the
+result is exact. There is no load-balancing loss.
+
+With a `Preset`, the experts run expert-parallel: one `jshard.shard` call cuts the expert dim of
+the dispatched tokens and of the stacked expert weights `preset.mp` ways (the tokens' batch dim
+`preset.dp` ways), and the head is column-parallel. `Preset.parameters` cuts only a weight's last
+two dims, so `MOE_RULES` leaves the expert weights whole and the sharded call cuts them by expert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jshard._errors import ShardingError
+from jshard._shard import shard
+from jshard.models._presets import Preset
+
+MOE_RULES = {r"^head$": "column"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MoEConfig:
+    vocab: int = 32
+    seq_len: int = 8
+    d_model: int = 32
+    d_ff: int = 64
+    n_experts: int = 4
+    n_layers: int = 1
+
+
+def init_moe(cfg: MoEConfig, key: jax.Array) -> dict:
+    """Parameters: `embed`, `pos`, `layers` (dicts with `ln`, `router` `[d, E]`, `w_in` `[E, d, f]`,
+    `w_out` `[E, f, d]`), `ln_f`, `head`.
+
+    Examples:
+      >>> params = init_moe(MoEConfig(), jax.random.key(0))
+      >>> params["layers"][0]["w_in"].shape, params["layers"][0]["w_out"].shape
+      ((4, 32, 64), (4, 64, 32))
+    """
+    keys = iter(jax.random.split(key, 3 + 3 * cfg.n_layers))
+    normal = lambda shape, fan_in: jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(fan_in)
+    norm = lambda: {"scale": jnp.ones((cfg.d_model,), jnp.float32), "bias": jnp.zeros((cfg.d_model,), jnp.float32)}
+    d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
+    layers = [
+        {"ln": norm(), "router": normal((d, e), d), "w_in": normal((e, d, f), d), "w_out": normal((e, f, d), f)}
+        for _ in range(cfg.n_layers)
+    ]
+    return {
+        "embed": normal((cfg.vocab, d), 1) * 0.02,
+        "pos": normal((cfg.seq_len, d), 1) * 0.02,
+        "layers": layers,
+        "ln_f": norm(),
+        "head": normal((d, cfg.vocab), d),
+    }
+
+
+def _layer_norm(x: jax.Array, p: dict) -> jax.Array:
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"][None, None, :] + p["bias"][None, None, :]
+
+
+def _experts(x: jax.Array, w_in: jax.Array, w_out: jax.Array) -> jax.Array:
+    """Every expert's feed-forward on its own copy of the tokens: `[E, b, t, d]` → `[E, b, t, d]`."""
+    h = jax.nn.gelu(jnp.einsum("ebtd,edf->ebtf", x, w_in))
+    return jnp.einsum("ebtf,efd->ebtd", h, w_out)
+
+
+def _expert_parallel(preset: Preset, n_experts: int):
+    if n_experts % preset.mp:
+        raise ShardingError(
+            f"jshard.models.moe_apply: preset {preset.name!r} (dp={preset.dp}, mp={preset.mp}) cuts the "
+            f"expert dim {preset.mp} ways, but {preset.mp} does not divide n_experts={n_experts}. Use a "
+            f"multiple of {preset.mp} experts or a preset whose mp divides {n_experts}."
+        )
+    tokens, weights = preset.layout("mp", "dp", "None", "None"), preset.layout("mp", "None", "None")
+    return shard(_experts, in_strategy=(tokens, weights, weights), out_strategy=(tokens,))
+
+
+def _moe(p: dict, x: jax.Array, preset: Preset | None) -> jax.Array:
+    logits = x @ p["router"]
+    gates = jax.nn.softmax(logits, axis=-1)
+    route = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=x.dtype)
+    experts = _experts if preset is None else _expert_parallel(preset, logits.shape[-1])
+    out = experts(jnp.einsum("bte,btd->ebtd", route, x), p["w_in"], p["w_out"])
+    return jnp.einsum("ebtd,bte->btd", out, route * gates)
+
+
+def moe_apply(params: dict, tokens: jax.Array, cfg: MoEConfig, preset: Preset | None = None) -> jax.Array:
+    """Logits `[batch, seq, vocab]` for integer `tokens` `[batch, seq]`.
+
+    Raises:
+      ShardingError: `preset.mp` does not divide `cfg.n_experts`.
+    """
+    x = params["embed"][tokens] + params["pos"][None, : tokens.shape[1]]
+    for p in params["layers"]:
+        x = x + _moe(p, _layer_norm(x, p["ln"]), preset)
+    head = jnp.matmul if preset is None else preset.matmul("column", 3)
+    return head(_layer_norm(x, params["ln_f"]), params["head"])
+
+
+def moe_loss(params: dict, batch: tuple, cfg: MoEConfig, preset: Preset | None = None) -> jax.Array:
+    """Mean next-token cross-entropy; `batch = (tokens, targets)`, both int32 `[batch, seq]`."""
+    tokens, targets = batch
+    logp = jax.nn.log_softmax(moe_apply(params, tokens, cfg, preset), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+
+def moe_batch(rng: np.random.Generator, cfg: MoEConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of the lookup task: each target is a fixed random permutation of its token, a map
+    the routed feed-forward blocks can learn token by token.
+
+    Examples:
+      >>> tokens, targets = moe_batch(np.random.default_rng(0), MoEConfig(), 2)
+      >>> tokens.shape, targets.dtype
+      ((2, 8), dtype('int32'))
+    """
+    permutation = np.random.default_rng(0).permutation(cfg.vocab)
+    tokens = rng.integers(0, cfg.vocab, size=(batch, cfg.seq_len))
+    return tokens.astype(np.int32), permutation[tokens].astype(np.int32)

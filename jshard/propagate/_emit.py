@@ -1,0 +1,158 @@
+"""Emission: the traced jaxpr re-run with sharding constraints where the plan needs them.
+
+Not every value is constrained: XLA's own propagation already carries a layout through operators
+whose outputs follow from their inputs (elementwise, transpose). jshard constrains the outputs
+whose layout is a choice (contractions and reductions that leave partial sums, reshapes, values
+made from nothing, operators whose rule XLA might read another way) and the inputs an operator
+must receive in another layout than they were made in (a redistribution). `Emission.count` says
+how many constraints that is. Call-like equations (`pjit`, `custom_jvp_call`, ...) are inlined
+where a constraint falls inside them; loop and branch bodies are rebuilt with theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+from jax._src import linear_util as lu
+from jax._src import source_info_util
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import core as jcore
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jshard.propagate._factors import Spec
+from jshard.propagate._graph import INLINE, NESTED
+
+_BODY_KEYS = ("jaxpr", "cond_jaxpr", "body_jaxpr")
+
+
+@dataclasses.dataclass(frozen=True)
+class Emission:
+    """Where to constrain: `outputs` maps a value to its layout, right after it is made;
+    `inputs` maps `(id(eqn), operand index)` to the layout the equation must receive (operand
+    indices past the equation's own inputs are its bodies' results, as in `operand_vars`)."""
+
+    outputs: Mapping
+    inputs: Mapping
+
+    @property
+    def count(self) -> int:
+        return len(self.outputs) + len(self.inputs)
+
+
+def to_pspec(spec: Spec) -> PartitionSpec:
+    entries = [None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+class _Interpreter:
+    def __init__(self, emission: Emission, mesh: Mesh):
+        self.emission, self.mesh = emission, mesh
+        self._touched: dict[int, bool] = {}
+
+    def constrain(self, x, spec: Spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, to_pspec(spec)))
+
+    def run(self, jaxpr: jcore.Jaxpr, consts, args) -> list:
+        env: dict = {}
+        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            ins = [self._in(eqn, k, read(v)) for k, v in enumerate(eqn.invars)]
+            outs = self._eqn(eqn, ins)
+            for v, x in zip(eqn.outvars, outs):
+                env[v] = self._out(v, x)
+        return [read(v) for v in jaxpr.outvars]
+
+    def _in(self, eqn, k, x):
+        spec = self.emission.inputs.get((id(eqn), k))
+        return x if spec is None else self.constrain(x, spec)
+
+    def _out(self, v, x):
+        spec = self.emission.outputs.get(v)
+        return x if spec is None else self.constrain(x, spec)
+
+    def _eqn(self, eqn, ins) -> list:
+        name = eqn.primitive.name
+        if name in INLINE and self._touches(eqn):
+            sub = _closed(eqn)
+            return self.run(sub.jaxpr, sub.consts, ins)
+        params = eqn.params
+        if name in NESTED and self._touches(eqn):
+            params = self._rebuilt(eqn)
+        bind_params = eqn.primitive.get_bind_params(params)
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            out = eqn.primitive.bind(*ins, **bind_params)
+        return list(out) if eqn.primitive.multiple_results else [out]
+
+    def _touches(self, eqn) -> bool:
+        """Whether a constraint falls inside this equation's sub-jaxprs."""
+        key = id(eqn)
+        if key not in self._touched:
+            self._touched[key] = False
+            bodies = [_closed(eqn).jaxpr] if eqn.primitive.name in INLINE else [j.jaxpr for j in _nested_closed(eqn)]
+            constrained = {k[0] for k in self.emission.inputs}
+            self._touched[key] = key in constrained or any(
+                id(e) in constrained or any(v in self.emission.outputs for v in e.outvars) or (e.primitive.name in INLINE | NESTED and self._touches(e))
+                for body in bodies
+                for e in body.eqns
+            )
+        return self._touched[key]
+
+    def _rebuilt(self, eqn) -> dict:
+        """The loop's or branch's params with every body re-run under its constraints."""
+        params = dict(eqn.params)
+        offset = len(eqn.invars)
+        new = []
+        for body in _nested_closed(eqn):
+            start = offset
+            offset += len(body.jaxpr.outvars)
+            new.append(self._rebuild(eqn, body, start))
+        if "branches" in params:
+            params["branches"] = tuple(new)
+        else:
+            for key, body in zip([k for k in _BODY_KEYS if k in params], new):
+                params[key] = body
+        return params
+
+    def _rebuild(self, eqn, body: jcore.ClosedJaxpr, start: int) -> jcore.ClosedJaxpr:
+        def fn(*args):
+            outs = self.run(body.jaxpr, body.consts, args)
+            return [self._in(eqn, start + k, x) for k, x in enumerate(outs)]
+
+        avals = [v.aval for v in body.jaxpr.invars]
+        traced = lu.wrap_init(fn, debug_info=body.jaxpr.debug_info)
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(traced, avals)
+        return jcore.ClosedJaxpr(jaxpr, consts)
+
+
+def _closed(eqn) -> jcore.ClosedJaxpr:
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        sub = eqn.params.get(key)
+        if sub is not None:
+            return sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, ())
+    raise ValueError(f"no sub-jaxpr in {eqn.primitive.name}")
+
+
+def _nested_closed(eqn) -> list[jcore.ClosedJaxpr]:
+    params = eqn.params
+    found = [params[k] for k in _BODY_KEYS if k in params] + list(params.get("branches", ()))
+    return [j if isinstance(j, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(j, ()) for j in found]
+
+
+def emit(closed: jcore.ClosedJaxpr, emission: Emission, mesh: Mesh) -> Callable[..., list]:
+    """A function of the jaxpr's flat inputs that runs it with `emission`'s constraints."""
+    interpreter = _Interpreter(emission, mesh)
+
+    def run(*args):
+        return interpreter.run(closed.jaxpr, closed.consts, args)
+
+    return run
+

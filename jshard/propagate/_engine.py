@@ -1,0 +1,303 @@
+"""Sharding propagation: from the anchors, every other operator takes the layout that costs least.
+
+MindSpore's `sharding_propagation`, over a flattened jaxpr. Anchors are the user's sharding
+constraints (`jshard.shard` calls) and the arguments whose layout is fixed (`in_strategy`, the
+batch). A breadth-first walk leaves each decided operator for its neighbours in both directions;
+an operator takes the candidate strategy (one per known neighbour layout, and their merge) whose
+cost is least: redistribution of its known operands and its own partial sums first (α–β seconds),
+compute per device second. An operator whose inputs are still undecided waits for them while
+anything else can move. Values used by several operators (a parameter) are laid out once, by the
+first; the others redistribute. Operators no walk reaches, and primitives without a rule, stay
+replicated and are counted (`Plan.coverage`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
+
+from jshard.propagate import _rules_control, _rules_dot, _rules_elementwise, _rules_reduce, _rules_shape  # noqa: F401
+from jshard.propagate._cost import Comm, CostModel, local_bytes, redistribution
+from jshard.propagate._emit import Emission
+from jshard.propagate._factors import RULES, Factors, Spec, read_assignment, replicated, shape_of, write_spec
+from jshard.propagate._graph import Node
+
+CONSTRAINT = "sharding_constraint"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """What the engine chose for one operator.
+
+    Attributes:
+      in_specs / out_specs: the layout of each operand the operator works on (loop bodies' results
+        and parameters follow the outer operands).
+      comms: the collectives it costs (redistributing its inputs, its partial sums), per run.
+      seconds: their α–β time, weighted by how often the operator runs.
+      via: the operator index (or `arg<k>`) whose layout it took, or `""`.
+      rejected: the best alternative it did not take, as `(out_specs, seconds)`, or None.
+      implied: whether XLA infers its output layouts from its inputs alone (no constraint needed).
+    """
+
+    in_specs: tuple[Spec, ...]
+    out_specs: tuple[Spec, ...]
+    comms: tuple[Comm, ...]
+    seconds: float
+    via: str
+    rejected: tuple[tuple[Spec, ...], float] | None
+    implied: bool
+
+
+@dataclasses.dataclass
+class Result:
+    """Every decision, the layout of every value, and which nodes had no rule."""
+
+    decisions: dict[int, Decision]
+    values: dict
+    unruled: set[int]
+    anchors: dict
+
+
+def operand_vars(node: Node) -> tuple[list, list]:
+    """The operator's inputs and outputs as the rules see them (bodies' results and parameters
+    appended for loops and branches)."""
+    ins, outs = list(node.inputs), list(node.outputs)
+    for b_in, b_out in node.bodies:
+        ins += b_out
+        outs += b_in
+    return ins, outs
+
+
+def constraint_spec(sharding, rank: int) -> Spec:
+    spec = tuple(sharding.spec) + (None,) * (rank - len(sharding.spec))
+    out = []
+    for p in spec:
+        if p is None or p is PartitionSpec.UNCONSTRAINED:
+            out.append(())
+        else:
+            out.append(tuple(p) if isinstance(p, tuple) else (p,))
+    return tuple(out)
+
+
+class Engine:
+    """One propagation over `nodes` on a mesh with axes `axis_size`."""
+
+    def __init__(self, nodes: Sequence[Node], axis_size: Mapping[str, int], cost: CostModel | None = None):
+        self.nodes, self.axis_size, self.cost = nodes, dict(axis_size), cost or CostModel()
+        self.factors: dict[int, Factors] = {}
+        self.vars: dict[int, tuple[list, list]] = {}
+        self.producer: dict = {}
+        self.consumers: dict = collections.defaultdict(list)
+        self.unruled: set[int] = set()
+        for i, node in enumerate(nodes):
+            ins, outs = operand_vars(node)
+            self.vars[i] = (ins, outs)
+            for v in outs:
+                self.producer[v] = i
+            for k, v in enumerate(ins):
+                if isinstance(v, jcore.Var):
+                    self.consumers[v].append((i, k))
+            fn = RULES.get(node.primitive)
+            if fn is not None:
+                self.factors[i] = fn(node.eqn)
+            elif node.primitive != CONSTRAINT:
+                self.unruled.add(i)
+        self.values: dict = {}
+        self.why: dict = {}
+        self.decisions: dict[int, Decision] = {}
+
+    def run(self, anchors: Mapping) -> Result:
+        """Propagates from `anchors` (var → `Spec`: fixed arguments) and the constraints."""
+        queue: collections.deque[int] = collections.deque()
+        for v, spec in anchors.items():
+            self.values[v] = spec
+            self.why[v] = "arg"
+            queue.extend(i for i, _ in self.consumers[v])
+        for i, node in enumerate(self.nodes):
+            if node.primitive == CONSTRAINT:
+                self._fix_constraint(i, node)
+                queue.extend(self._neighbours(i))
+        waiting: set[int] = set()
+        while True:
+            while queue:
+                i = queue.popleft()
+                if i in self.decisions or i in self.unruled:
+                    continue
+                if self._waits(i):
+                    waiting.add(i)
+                    continue
+                if self._decide(i):
+                    queue.extend(self._neighbours(i))
+            ready = sorted(i for i in waiting if i not in self.decisions and self._known(i))
+            if not ready:
+                break
+            waiting.discard(ready[0])
+            if self._decide(ready[0]):
+                queue.extend(self._neighbours(ready[0]))
+        return Result(self.decisions, self.values, self.unruled, dict(anchors))
+
+    def _fix_constraint(self, i: int, node: Node) -> None:
+        v, out = node.inputs[0], node.outputs[0]
+        spec = constraint_spec(node.eqn.params["sharding"], len(shape_of(out)))
+        self.values[out] = spec
+        self.why[out] = i
+        comms: tuple[Comm, ...] = ()
+        self.decisions[i] = Decision((spec,), (spec,), comms, 0.0, "user", None, False)
+
+    def _neighbours(self, i: int) -> list[int]:
+        ins, outs = self.vars[i]
+        found = [j for v in outs if isinstance(v, jcore.Var) for j, _ in self.consumers[v]]
+        found += [self.producer[v] for v in ins if isinstance(v, jcore.Var) and v in self.producer]
+        found += [j for v in ins if isinstance(v, jcore.Var) and v not in self.producer for j, _ in self.consumers[v]]
+        return [j for j in found if j not in self.decisions]
+
+    def _waits(self, i: int) -> bool:
+        ins, _ = self.vars[i]
+        return any(
+            isinstance(v, jcore.Var) and v not in self.values and v in self.producer
+            and self.producer[v] not in self.decisions
+            for v in ins
+        )
+
+    def _known(self, i: int) -> list[tuple[int, Spec, str]]:
+        """`(operand index, layout, where from)` for each operand whose layout is already fixed."""
+        ins, outs = self.vars[i]
+        known = []
+        for k, v in enumerate(ins):
+            if isinstance(v, jcore.Var) and v in self.values:
+                known.append((k, self.values[v], self._source(v)))
+        for k, v in enumerate(outs):
+            if v in self.values:
+                known.append((len(ins) + k, self.values[v], self._source(v)))
+                continue
+            for j, pos in self.consumers.get(v, ()):
+                if j in self.decisions:
+                    known.append((len(ins) + k, self.decisions[j].in_specs[pos], str(j)))
+                    break
+        return known
+
+    def _source(self, v) -> str:
+        why = self.why.get(v)
+        return "arg" if why == "arg" else str(why)
+
+    def _decide(self, i: int) -> bool:
+        known = self._known(i)
+        if not known:
+            return False
+        f = self.factors[i]
+        ins, outs = self.vars[i]
+        candidates = self._candidates(f, known)
+        scored = sorted(((s[0], s[1], n), s, a) for n, a in enumerate(candidates) for s in [self._score(i, f, a, known)])
+        _, (seconds, _, comms, via), best = scored[0]
+        rejected = None
+        if len(scored) > 1:
+            _, (r_seconds, *_), r = scored[1]
+            rejected = (tuple(write_spec(d, r, f.sizes, self.axis_size) for d in f.outputs), r_seconds)
+        in_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.inputs)
+        out_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.outputs)
+        self.decisions[i] = Decision(in_specs, out_specs, comms, seconds, via, rejected, self._implied(f, best, known, len(ins)))
+        for v, spec in zip(ins, in_specs):
+            if isinstance(v, jcore.Var) and v not in self.values and v not in self.producer:
+                self.values[v] = spec  # a free argument (a parameter) is laid out by its first user
+                self.why[v] = i
+        for v, spec in zip(outs, out_specs):
+            if v not in self.values:
+                self.values[v] = spec
+                self.why[v] = i
+        return True
+
+    def _candidates(self, f: Factors, known) -> list[dict]:
+        reads = []
+        for k, spec, _ in known:
+            a = read_assignment(f.operands[k], spec, f.sizes, self.axis_size)
+            if a is not None:
+                reads.append(a)
+        merged: dict = {}
+        for a in reads:
+            used = {x for axes in merged.values() for x in axes}
+            for fac, axes in a.items():
+                if fac not in merged and not used & set(axes):
+                    merged[fac] = axes
+                    used |= set(axes)
+        out, seen = [], set()
+        for a in [merged] + reads + [{}]:
+            key = tuple(sorted(a.items()))
+            if key not in seen:
+                seen.add(key)
+                out.append(a)
+        return out
+
+    def _score(self, i, f: Factors, a, known):
+        """`(seconds, compute, comms, via)` of assignment `a` for node `i`: the comms of its known
+        operands' redistribution and of its partial sums, then its compute per device."""
+        ins, outs = self.vars[i]
+        operands = ins + outs
+        node = self.nodes[i]
+        comms: list[Comm] = []
+        via, best_fit = "", None
+        for k, spec, source in known:
+            want = write_spec(f.operands[k], a, f.sizes, self.axis_size)
+            v = operands[k]
+            dtype_size = np.dtype(v.aval.dtype).itemsize
+            moved = (
+                redistribution(shape_of(v), dtype_size, spec, want, self.axis_size)
+                if k < len(ins)
+                else redistribution(shape_of(v), dtype_size, want, spec, self.axis_size)
+            )
+            comms += moved
+            if not moved and any(want) and best_fit is None:
+                best_fit = source
+        partial = tuple(x for fac in sorted(f.reduced) for x in a.get(fac, ()))
+        if partial:
+            for d, v in zip(f.outputs, outs):
+                spec = write_spec(d, a, f.sizes, self.axis_size)
+                comms.append(Comm("all-reduce", local_bytes(shape_of(v), np.dtype(v.aval.dtype).itemsize, spec, self.axis_size), partial))
+        seconds = node.weight * sum(self.cost.time(c, self.axis_size) for c in comms)
+        cut = math.prod(self.axis_size[x] for axes in a.values() for x in axes)
+        compute = node.weight * f.flops / cut / self.cost.flops
+        if best_fit is None and known:
+            best_fit = known[0][2]
+        return seconds, compute, tuple(comms), best_fit or ""
+
+    def _implied(self, f: Factors, a, known, n_in) -> bool:
+        """Whether XLA would infer the outputs' layouts from the inputs' (no constraint needed)."""
+        if any(a.get(fac) for fac in f.reduced):
+            return False
+        if any(len(d) > 1 for dims in f.operands for d in dims):
+            return False
+        from_inputs = {fac for dims in f.inputs for d in dims for fac in d}
+        return all(fac in from_inputs for fac in a)
+
+
+def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, int], cost: CostModel | None = None) -> Result:
+    """Runs the engine; see the module docstring."""
+    return Engine(nodes, axis_size, cost).run(anchors)
+
+
+def default_spec(v) -> Spec:
+    return replicated(len(shape_of(v)))
+
+
+def emission_of(nodes: Sequence[Node], result: Result) -> Emission:
+    """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
+    implied by the inputs), and inputs an operator receives in another layout than they were made."""
+    outputs, inputs = {}, {}
+    for i, d in result.decisions.items():
+        node = nodes[i]
+        if node.primitive == CONSTRAINT:
+            continue
+        if not d.implied:
+            for v, spec in zip(node.outputs, d.out_specs):
+                if result.values.get(v) == spec:
+                    outputs[v] = spec
+        ins, _ = operand_vars(node)
+        for k, v in enumerate(ins):
+            if isinstance(v, jcore.Var) and v in result.values and result.values[v] != d.in_specs[k]:
+                inputs[(id(node.eqn), k)] = d.in_specs[k]
+    return Emission(outputs, inputs)
