@@ -238,7 +238,7 @@ def _loss(w, x):
 
 def test_constraints_survive_grad():
     w, x = _rand((16, 8)), _rand((8, 16), 1)
-    grad = js.parallelize(jax.grad(_loss), devices=8)
+    grad = js.parallelize(jax.grad(_loss), devices=8, propagation="xla")  # only the user's constraints
     text = grad.lower(w, x).as_text()
     # Forward: x, w and the product; backward: the product's cotangent and w's gradient.
     assert text.count("sdy.sharding_constraint") == 5
@@ -270,8 +270,10 @@ def test_plan_ops_and_summary():
     assert dot.annotation == "matmul"
     assert dot.in_specs == (PartitionSpec("d0"), PartitionSpec(None, ("d1", "d2")))
     assert f"test_layouts.py:{_ANNOTATED_LINE}:" in dot.source
-    assert (tanh.origin, add.origin) == ("default", "default")
-    assert tanh.in_strategy is None and add.out_strategy is None
+    # Propagated from the matmul's strategy: tanh makes its (2, 1)-cut input, the add keeps (2, 4).
+    assert (tanh.origin, add.origin) == ("propagated", "propagated")
+    assert tanh.in_strategy == ((2, 1),) and add.out_strategy == ((2, 4),)
+    assert (tanh.via, add.via) == ("user", "1")
     summary = plan.summary()
     assert "mesh (d0=2, d1=2, d2=2)" in summary
     assert "8 devices" in summary
@@ -420,7 +422,7 @@ def test_mode_data():
     assert holders(w_sh, w.shape) == {((0, 4), (0, 4)): set(range(8))}
     assert [rows(x_sh, batch.shape, r, 8) for r in range(8)] == [{r} for r in range(8)]
     plan = step.plan(w, batch)
-    assert plan.annotations == () and all(op.origin == "default" for op in plan.ops)
+    assert plan.annotations == () and [(op.origin, op.in_strategy) for op in plan.ops] == [("propagated", ((8, 1), (1, 1)))]
     np.testing.assert_allclose(step(w, batch), batch @ w, rtol=1e-5, atol=1e-5)
 
 
