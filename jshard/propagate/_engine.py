@@ -22,7 +22,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
-from jshard.propagate import _rules_control, _rules_dot, _rules_elementwise, _rules_reduce, _rules_shape  # noqa: F401
+from jshard.propagate import _rules  # noqa: F401  (registers every rule family)
 from jshard.propagate._cost import Comm, CostModel, local_bytes, redistribution
 from jshard.propagate._emit import Emission
 from jshard.propagate._factors import RULES, Factors, Spec, read_assignment, replicated, shape_of, write_spec

@@ -1,0 +1,7 @@
+"""Every rule family, imported for its registrations into `_factors.RULES`."""
+
+from jshard.propagate import _rules_control as _rules_control
+from jshard.propagate import _rules_dot as _rules_dot
+from jshard.propagate import _rules_elementwise as _rules_elementwise
+from jshard.propagate import _rules_reduce as _rules_reduce
+from jshard.propagate import _rules_shape as _rules_shape
