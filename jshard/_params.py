@@ -90,7 +90,26 @@ class Contraction(NamedTuple):
     rules_output: bool
 
 
+_CONTRACTIONS: dict = {}
+_CACHE_SIZE = 4096
+
+
 def contraction_dims(fn, args, positions) -> Contraction | None:
+    """`_contraction_dims`, cached per function and abstract arguments (a model calls the same
+    sharded matmul once per layer; tracing it once is enough)."""
+    key = (fn, tuple((a.shape, a.dtype) if hasattr(a, "shape") else a for a in args), tuple(positions[:2]))
+    try:
+        if key in _CONTRACTIONS:
+            return _CONTRACTIONS[key]
+    except TypeError:  # an unhashable argument: no caching
+        return _contraction_dims(fn, args, positions)
+    if len(_CONTRACTIONS) >= _CACHE_SIZE:
+        _CONTRACTIONS.clear()
+    _CONTRACTIONS[key] = found = _contraction_dims(fn, args, positions)
+    return found
+
+
+def _contraction_dims(fn, args, positions) -> Contraction | None:
     """The contraction of the inputs at `positions[:2]` when `fn` has one, else None.
 
     `fn` is traced on abstract values; it is a contraction when its jaxpr holds exactly one

@@ -75,6 +75,8 @@ def redistribution(
     An axis that moves to another dim is an all-to-all; one that `dst` drops, an all-gather; one
     that only `dst` has, a local slice (free).
     """
+    if src == dst:
+        return []
     where_src = {a: d for d, axes in enumerate(src) for a in axes}
     where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
     moved = tuple(a for a, d in where_src.items() if a in where_dst and where_dst[a] != d)

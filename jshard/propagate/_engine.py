@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 
@@ -106,6 +107,8 @@ class Engine:
             fn = RULES.get(node.primitive)
             if fn is not None:
                 self.factors[i] = fn(node.eqn)
+            elif all(not shape_of(v) for v in ins + outs):
+                self.factors[i] = Factors(tuple(() for _ in ins), tuple(() for _ in outs), ())  # scalars: nothing to cut
             elif node.primitive != CONSTRAINT:
                 self.unruled.add(i)
         self.values: dict = {}
@@ -123,23 +126,23 @@ class Engine:
             if node.primitive == CONSTRAINT:
                 self._fix_constraint(i, node)
                 queue.extend(self._neighbours(i))
-        waiting: set[int] = set()
+        waiting: list[int] = []  # a heap: the earliest waiting operator goes first
         while True:
             while queue:
                 i = queue.popleft()
                 if i in self.decisions or i in self.unruled:
                     continue
                 if self._waits(i):
-                    waiting.add(i)
+                    heapq.heappush(waiting, i)
                     continue
                 if self._decide(i):
                     queue.extend(self._neighbours(i))
-            ready = sorted(i for i in waiting if i not in self.decisions and self._known(i))
-            if not ready:
+            while waiting and not queue:
+                i = heapq.heappop(waiting)  # one without known operands comes back when a neighbour decides
+                if i not in self.decisions and self._decide(i):
+                    queue.extend(self._neighbours(i))
+            if not queue:
                 break
-            waiting.discard(ready[0])
-            if self._decide(ready[0]):
-                queue.extend(self._neighbours(ready[0]))
         return Result(self.decisions, self.values, self.unruled, dict(anchors))
 
     def _fix_constraint(self, i: int, node: Node) -> None:
@@ -244,12 +247,11 @@ class Engine:
         for k, spec, source in known:
             want = write_spec(f.operands[k], a, f.sizes, self.axis_size)
             v = operands[k]
-            dtype_size = np.dtype(v.aval.dtype).itemsize
-            moved = (
-                redistribution(shape_of(v), dtype_size, spec, want, self.axis_size)
-                if k < len(ins)
-                else redistribution(shape_of(v), dtype_size, want, spec, self.axis_size)
-            )
+            moved = []
+            if spec != want:
+                dtype_size = np.dtype(v.aval.dtype).itemsize
+                src, dst = (spec, want) if k < len(ins) else (want, spec)
+                moved = redistribution(shape_of(v), dtype_size, src, dst, self.axis_size)
             comms += moved
             if not moved and any(want) and best_fit is None:
                 best_fit = source
