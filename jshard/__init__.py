@@ -10,7 +10,8 @@ import os as _os
 from jax._src import source_info_util as _source_info_util
 
 # Operators' source lines should name the user's code, not jshard's wrappers.
-for _wrapper in ("_shard.py", "_params.py", "_parallelize.py", _os.path.join("propagate", "_emit.py")):
+for _wrapper in ("_shard.py", "_params.py", "_parallelize.py", _os.path.join("propagate", "_emit.py"),
+                 _os.path.join("propagate", "_plan.py")):
     _source_info_util.register_exclusion(_os.path.join(_os.path.dirname(__file__), _wrapper))
 
 from jshard._devices import simulate_devices as simulate_devices

@@ -27,6 +27,7 @@ from jshard.propagate._cost import CostModel
 from jshard.propagate._emit import emit, to_pspec
 from jshard.propagate._engine import constraint_spec, emission_of, propagate
 from jshard.propagate._factors import replicated
+from jshard.propagate._plan_io import result_from_plan
 
 MODES = ("data", "semi_auto", "manual")
 PROPAGATIONS = ("jshard", "xla")
@@ -46,6 +47,7 @@ class _Config:
     batch_argnums: tuple[int, ...] | None
     propagation: str = "jshard"
     cost_model: CostModel | None = None
+    plan: Plan | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,7 @@ def parallelize(
     batch_argnums: int | Sequence[int] | None = None,
     propagation: str = "jshard",
     cost_model: CostModel | None = None,
+    plan: Plan | None = None,
 ) -> Any:
     """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
 
@@ -91,6 +94,8 @@ def parallelize(
         engine: every operator gets a strategy, an origin and a cost in the `Plan`) or `"xla"`
         (Shardy propagates from the same anchors; the baseline the benchmarks compare with).
       cost_model: the α–β `CostModel` propagation minimizes (default: one GPU node).
+      plan: a `Plan` (from `Plan.load`) to rebuild instead of propagating; it must match the
+        function operator by operator.
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`.
@@ -113,6 +118,7 @@ def parallelize(
         None if batch_argnums is None else (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums),
         propagation,
         cost_model,
+        plan,
     )
     if fn is None:
         return lambda f: Parallelized(f, config)
@@ -252,8 +258,12 @@ class _Builder:
         out_sh = [self._out_sharding(jax.tree_util.keystr(p), x, s, ctx) for (p, x), s in zip(out_paths, out_slots)]
         evaluate, result = jcore.jaxpr_as_fun(closed), None
         if c.mode != "manual" and c.propagation == "jshard":
-            fixed = {v: constraint_spec(sh, len(np.shape(x))) for v, sh, x in zip(invars, in_sh, leaves) if sh is not None}
-            result = propagate(nodes, fixed, dict(zip(fine.names, fine.sizes)), c.cost_model)
+            if c.plan is not None:
+                result = result_from_plan(c.plan, nodes, invars, fine, self.call)
+                in_sh = [sh or (NamedSharding(ctx.mesh, p) if p is not None else None) for sh, p in zip(in_sh, c.plan.in_shardings)]
+            else:
+                fixed = {v: constraint_spec(sh, len(np.shape(x))) for v, sh, x in zip(invars, in_sh, leaves) if sh is not None}
+                result = propagate(nodes, fixed, dict(zip(fine.names, fine.sizes)), c.cost_model)
             in_sh = [sh or NamedSharding(ctx.mesh, to_pspec(result.values.get(v, replicated(np.ndim(x)))))
                      for v, sh, x in zip(invars, in_sh, leaves)]
             out_sh = [sh if sh is not None or v not in result.values else NamedSharding(ctx.mesh, to_pspec(result.values[v]))
@@ -264,8 +274,9 @@ class _Builder:
         out_tree_sh = jax.tree_util.tree_unflatten(out_tree, out_sh)
         run = _program(evaluate, out_tree)
         jitted = jax.jit(run, in_shardings=in_tree, out_shardings=out_tree_sh, donate_argnums=c.donate_argnums)
-        plan = Plan(ctx.mesh, fine, c.mode, build_ops(nodes, ctx.annotations, fine, result), in_tree, out_tree_sh,
-                    tuple(ctx.annotations))
+        ops = build_ops(nodes, ctx.annotations, fine, result)
+        plan = Plan(ctx.mesh, fine, c.mode, ops, in_tree, out_tree_sh, tuple(ctx.annotations),
+                    "xla" if result is None else "jshard", functools.partial(jitted.lower, *args))
         return _Entry(plan, jitted, in_tree)
 
     def _trace(self, leaves, treedef, fine):

@@ -76,7 +76,12 @@ def operand_vars(node: Node) -> tuple[list, list]:
 
 
 def constraint_spec(sharding, rank: int) -> Spec:
-    spec = tuple(sharding.spec) + (None,) * (rank - len(sharding.spec))
+    """The `Spec` of a `NamedSharding` on a value of `rank` dims (unconstrained dims whole)."""
+    return spec_from_pspec(sharding.spec, rank)
+
+
+def spec_from_pspec(pspec: PartitionSpec, rank: int) -> Spec:
+    spec = tuple(pspec) + (None,) * (rank - len(pspec))
     out = []
     for p in spec:
         if p is None or p is PartitionSpec.UNCONSTRAINED:

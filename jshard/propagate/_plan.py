@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
@@ -65,6 +65,9 @@ class OpRecord:
     via: str = ""
     rejected: str = ""
     ruled: bool = True
+    layout: tuple | None = None
+    """For a propagated operator, `(operand specs, result specs, implied)` over the fine mesh, loop
+    bodies included: what emission and `Plan.load` need to rebuild the same program."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,55 +83,128 @@ class Plan:
       annotations: the `shard` calls met while tracing.
     """
 
-    mesh: Mesh
+    mesh: Mesh | None
     fine: FineMesh
     mode: str
     ops: tuple[OpRecord, ...]
     in_shardings: Any
     out_shardings: Any
     annotations: tuple[Annotation, ...] = ()
+    propagation: str = "jshard"
+    lower: Callable[[], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def device_count(self) -> int:
         return self.fine.device_count
 
+    @property
+    def coverage(self) -> float:
+        """The share of operators a real sharding rule laid out (the rest stay replicated)."""
+        return sum(op.ruled for op in self.ops) / len(self.ops) if self.ops else 1.0
+
+    def predicted_bytes(self, kind: str | None = None) -> float:
+        """Predicted collective payload bytes per device per call (the audit's convention)."""
+        return sum(b for op in self.ops for k, b, _ in op.comms if kind is None or k == kind)
+
+    def predicted(self) -> dict[str, float]:
+        """`kind -> predicted bytes` for each kind of collective the plan expects."""
+        out: dict[str, float] = collections.defaultdict(float)
+        for op in self.ops:
+            for k, b, _ in op.comms:
+                out[k] += b
+        return dict(out)
+
+    def audit(self):
+        """Compiles the planned program and reads what XLA emitted; `.compare` sets it against the
+        prediction."""
+        from jshard.propagate._audit import audit
+
+        if self.lower is None:
+            raise ValueError("Plan.audit: this plan has no program (it was loaded from a file); audit the "
+                             "Parallelized function planned with it.")
+        return audit(self.lower().compile())
+
+    def compare(self, report) -> str:
+        """Predicted against compiled collective bytes, per kind, from an `Audit` of this plan."""
+        predicted, compiled = self.predicted(), {k: b for k, (_, b) in report.by_kind().items()}
+        rows = [f"{'kind':<20}{'predicted':>12}{'compiled':>12}{'ratio':>8}"]
+        for kind in sorted(set(predicted) | set(compiled)):
+            p, c = predicted.get(kind, 0.0), compiled.get(kind, 0.0)
+            rows.append(f"{kind:<20}{_human(p):>12}{_human(c):>12}{(p / c if c else float('nan')):>8.2f}")
+        p, c = self.predicted_bytes(), report.bytes()
+        rows.append(f"{'total':<20}{_human(p):>12}{_human(c):>12}{(p / c if c else float('nan')):>8.2f}")
+        return "\n".join(rows)
+
     def summary(self) -> str:
-        """A table of the user-annotated operators, then the rest counted by primitive."""
-        axes = ", ".join(f"{n}={s}" for n, s in zip(self.mesh.axis_names, self.mesh.devices.shape))
-        lines = [f"Plan: {self.device_count} devices, mode={self.mode}, mesh ({axes})"]
-        fixed = [op for op in self.ops if op.in_strategy is not None]
-        if fixed:
-            lines.append(_table(fixed))
-        rest = [op for op in self.ops if op.in_strategy is None]
-        if rest:
-            counts = collections.Counter(op.primitive for op in rest)
-            shown = ", ".join(f"{c} {p}" for p, c in counts.most_common(8))
-            more = "" if len(counts) <= 8 else f", ... ({len(counts) - 8} more kinds)"
-            lines.append(
-                f"{len(rest)} other operators ({shown}{more}): origin=default, their layouts follow from "
-                f"the anchors above through XLA's propagation."
-            )
+        """The plan grouped by source line: per line, its operators, strategies and origins."""
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self.fine.names, self.fine.sizes))
+        origins = collections.Counter(op.origin for op in self.ops)
+        lines = [
+            f"Plan: {self.device_count} devices, mode={self.mode}, propagation={self.propagation}, mesh ({axes})",
+            f"{len(self.ops)} operators: " + ", ".join(f"{origins[o]} {o}" for o in ORIGINS if origins[o])
+            + f"; coverage {self.coverage:.1%}; predicted collectives {_human(self.predicted_bytes())} per device",
+        ]
+        lines.append(_table(_by_line(self.ops)))
         return "\n".join(lines)
+
+    def explain(self, op: OpRecord | int) -> str:
+        """Why operator `op` (a record or its index) got its strategy: the anchor it came from, the
+        chain of operators in between, the cost it paid and the best alternative it rejected."""
+        from jshard.propagate._explain import explain
+
+        return explain(self, op if isinstance(op, OpRecord) else self.ops[op])
+
+    def save(self, path: str) -> None:
+        """Writes the plan as JSON (MindSpore's strategy checkpoint); `parallelize(plan=Plan.load(path))`
+        rebuilds the same program."""
+        from jshard.propagate._plan_io import save
+
+        save(self, path)
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        """Reads a plan written by `save`."""
+        from jshard.propagate._plan_io import load
+
+        return load(path)
 
     def __str__(self) -> str:
         return self.summary()
 
 
-def _table(ops: Sequence[OpRecord]) -> str:
-    rows = [("#", "op", "pass", "inputs", "in_strategy", "out_strategy", "origin", "source")]
+def _by_line(ops: Sequence[OpRecord]) -> list[tuple]:
+    """One row per (source line, pass): its operators, the strategy of its main one, its origins."""
+    groups: dict[tuple[str, bool], list[OpRecord]] = {}
     for op in ops:
-        rows.append(
-            (
-                str(op.index),
-                f"{op.primitive} [{op.annotation}]" if op.annotation else op.primitive,
-                "bwd" if op.backward else "fwd",
-                " ".join(op.in_shapes),
-                _strategies(op.in_strategy),
-                _strategies(op.out_strategy),
-                op.origin,
-                "/".join(op.source.split(" ")[0].split("/")[-2:]),
-            )
-        )
+        groups.setdefault((op.source.split(" ")[0], op.backward), []).append(op)
+    rows = []
+    for (source, backward), members in groups.items():
+        main = next((m for m in members if m.primitive == "dot_general" and m.in_strategy), None)
+        main = main or next((m for m in members if m.in_strategy), members[0])
+        kinds = collections.Counter(m.primitive for m in members)
+        origins = collections.Counter(m.origin for m in members)
+        comm = sum(b for m in members for _, b, _ in m.comms)
+        rows.append((
+            "/".join(source.split("/")[-2:]),
+            "bwd" if backward else "fwd",
+            ", ".join(f"{p}" + (f"×{c}" if c > 1 else "") for p, c in kinds.most_common(3)) + (" ..." if len(kinds) > 3 else ""),
+            f"{main.primitive} {_strategies(main.in_strategy)} -> {_strategies(main.out_strategy)}",
+            ", ".join(f"{c} {o}" for o, c in origins.items()),
+            _human(comm) if comm else "-",
+        ))
+    return rows
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _table(rows: Sequence[tuple]) -> str:
+    rows = [("source", "pass", "operators", "strategy", "origin", "comm")] + list(rows)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -160,6 +236,12 @@ def build_ops(
     for i, node in enumerate(nodes):
         if node.primitive != "sharding_constraint":
             number[i] = len(number)
+    node_index = {id(n): i for i, n in enumerate(nodes)}
+    stands_for = dict(number)  # a shard call's constraints stand for its main operator
+    for i, node in enumerate(nodes):
+        main_node = main.get(_innermost(node.scope))
+        if i not in number and main_node is not None:
+            stands_for[i] = number[node_index[id(main_node)]]
     records = []
     sizes = dict(zip(fine.names, fine.sizes))
     for i, node in enumerate(nodes):
@@ -187,8 +269,9 @@ def build_ops(
                 origin="user" if user else "propagated",
                 comms=tuple((c.kind, c.bytes * node.weight, c.axes) for c in decision.comms),
                 seconds=decision.seconds,
-                via=_via(decision.via, number),
+                via=_via(decision.via, stands_for),
                 rejected=_rejected(decision.rejected, n_out, sizes),
+                layout=(decision.in_specs, decision.out_specs, decision.implied),
             )
         records.append(
             OpRecord(
