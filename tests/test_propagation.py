@@ -1,0 +1,164 @@
+"""Sharding propagation: MindSpore's documented cases, numerics against one device, explain,
+prediction against the compiled program, save/load."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jshard as js
+from jshard import models
+
+def _rand(shape, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+
+
+def _ffn(x, w1, b1, w2):
+    h = js.shard(jnp.matmul, ((2, 1), (1, 4)))(x, w1)
+    h = jax.nn.relu(h + b1[None, :])
+    return h @ w2
+
+
+@pytest.fixture(scope="module")
+def ffn():
+    args = (_rand((8, 16)), _rand((16, 32), 1), _rand((32,), 2), _rand((32, 8), 3))
+    step = js.parallelize(_ffn, devices=8, batch_argnums=0)
+    return step, args, step.plan(*args)
+
+
+def test_ffn_first_matmul_configured_propagates_to_bias_relu_and_second_matmul(ffn):
+    """MindSpore's sharding_propagation example: only the first MatMul is configured."""
+    step, args, plan = ffn
+    dot1, bias, add, relu, dot2 = plan.ops
+    assert [op.primitive for op in plan.ops] == ["dot_general", "broadcast_in_dim", "add", "max", "dot_general"]
+    assert dot1.origin == "user" and dot1.out_strategy == ((2, 4),)
+    assert add.in_strategy == ((2, 4), (1, 4)) and add.out_strategy == ((2, 4),) and add.origin == "propagated"
+    assert relu.out_strategy == ((2, 4),) and relu.origin == "propagated"
+    assert bias.in_strategy == ((4,),)  # the bias is stored cut like the columns it is added to
+    # The second matmul contracts over the 4-way cut: W2 rows cut 4 ways, partial sums all-reduced after it.
+    assert dot2.in_strategy == ((2, 4), (4, 1)) and dot2.out_strategy == ((2, 1),)
+    assert [c[0] for op in plan.ops[:4] for c in op.comms] == []
+    assert [(k, axes) for k, _, axes in dot2.comms] == [("all-reduce", ("d1", "d2"))]
+    report = plan.audit()
+    assert report.by_kind() == {"all-reduce": (1.0, 128.0)}  # none between the two matmuls
+    np.testing.assert_allclose(step(*args), jax.jit(_ffn)(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_two_matmuls_with_different_cuts_all_gather_between():
+    def f(x, w1, w2):
+        h = js.shard(jnp.matmul, ((4, 1), (1, 1)))(x, w1)
+        return js.shard(jnp.matmul, ((1, 1), (1, 4)))(h, w2)
+
+    args = (_rand((8, 16)), _rand((16, 16), 1), _rand((16, 8), 2))
+    step = js.parallelize(f, devices=4, batch_argnums=0)
+    report = js.audit(step.lower(*args).compile())
+    assert set(report.by_kind()) == {"all-gather"}
+    assert report.bytes("all-gather") == 8 * 16 * 4  # the whole [8, 16] activation, gathered
+    np.testing.assert_allclose(step(*args), jax.jit(f)(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_explain_names_anchor_chain_cost_and_rejected(ffn):
+    _, _, plan = ffn
+    text = plan.explain(4)
+    assert text.startswith("op #4 dot_general (")
+    assert "strategy: in ((2, 4), (4, 1)) -> out ((2, 1),); origin propagated" in text
+    assert "came from: #0 dot_general [matmul] (user," in text
+    assert "through: #0 dot_general -> #2 add -> #3 max -> #4 dot_general" in text
+    assert "cost paid: all-reduce of 128 B over d1×d2" in text
+    assert "best rejected alternative: out_strategy ((1, 1),)" in text
+    assert "set by the user: jshard.shard(matmul)" in plan.explain(plan.ops[0])
+
+
+def test_summary_groups_by_source_line(ffn):
+    _, _, plan = ffn
+    text = plan.summary()
+    assert "5 operators: 1 user, 4 propagated; coverage 100.0%" in text
+    assert re.search(r"test_propagation\.py:\d+:\d+\s+fwd\s+add\s+add \(\(2, 4\), \(1, 4\)\) -> \(\(2, 4\),\)\s+1 propagated", text)
+    assert "dot_general ((2, 4), (4, 1)) -> ((2, 1),)" in text
+
+
+def _gpt_step(cfg, preset=None):
+    opt = optax.sgd(0.1)  # Adam's first step is ±lr wherever a gradient is ~0: rounding would decide its sign
+    params = models.init_gpt(cfg, jax.random.key(0))
+    state = opt.init(params)
+    batch = models.copy_task_batch(np.random.default_rng(0), cfg, 16)
+    step = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg, preset), opt)
+    plain = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), opt)
+    return step, plain, (params, state, batch)
+
+
+@pytest.fixture(scope="module")
+def gpt_2d():
+    """The GPT train step with the 2-D preset's matmul strategies and the batch as the only anchors:
+    parameters and optimizer state are laid out by propagation."""
+    preset = models.preset("2d", 8)
+    step, plain, args = _gpt_step(models.GPTConfig(n_layers=1), preset)
+    batch_strategy = tuple(preset.batch(x.ndim) for x in args[2])
+    par = js.parallelize(step, devices=8, in_strategy=(None, None, batch_strategy))
+    return par, plain, args, par.plan(*args)
+
+
+def test_gpt_propagated_equals_one_device(gpt_2d):
+    par, plain, args, plan = gpt_2d
+    got, want = par(*args), jax.jit(plain)(*args)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+    # Weights are stored where the Megatron matmuls use them: w_up cut on its columns 4 ways.
+    w_up = plan.in_shardings[0]["layers"][0]["w_up"]
+    assert w_up.spec == jax.sharding.PartitionSpec(None, ("d1", "d2"))
+
+
+def test_gpt_prediction_matches_compiled_bytes(gpt_2d):
+    _, _, _, plan = gpt_2d
+    report = plan.audit()
+    assert report.bytes() > 0
+    assert abs(plan.predicted_bytes() / report.bytes() - 1) <= 0.10, plan.compare(report)
+
+
+def test_save_load_rebuilds_the_same_program(gpt_2d, tmp_path):
+    par, _, args, plan = gpt_2d
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    loaded = js.Plan.load(str(path))
+    assert [(op.primitive, op.in_strategy, op.out_strategy, op.origin) for op in loaded.ops] == [
+        (op.primitive, op.in_strategy, op.out_strategy, op.origin) for op in plan.ops
+    ]
+    again = js.parallelize(par.fn, devices=8, in_strategy=par.config.in_strategy, plan=loaded)
+    replan = again.plan(*args)
+    assert [op.layout for op in replan.ops] == [op.layout for op in plan.ops]
+    assert jax.tree.leaves(replan.in_shardings) == jax.tree.leaves(plan.in_shardings)
+    assert js.audit(again.lower(*args).compile()).by_kind() == plan.audit().by_kind()
+
+
+def test_loaded_plan_that_does_not_match_names_first_mismatch(gpt_2d, tmp_path):
+    _, _, args, plan = gpt_2d
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    params, state, batch = args
+
+    def other(params, state, batch):  # same arguments, another graph
+        return jax.tree.map(jnp.tanh, params), state, batch[0].sum()
+
+    step = js.parallelize(other, devices=8, plan=js.Plan.load(str(path)))
+    with pytest.raises(js.ShardingError, match=r"the loaded plan does not match this function at operator #0: "
+                                               r"the plan has \w+ .* the function tanh f32\[32,64\]"):
+        step.plan(*args)
+    with pytest.raises(js.ShardingError, match="the loaded plan is for a mesh"):
+        js.parallelize(other, devices=4, plan=js.Plan.load(str(path))).plan(*args)
+
+
+def test_xla_propagation_is_the_baseline(gpt_2d):
+    par, plain, args, _ = gpt_2d
+    base = js.parallelize(par.fn, devices=8, in_strategy=par.config.in_strategy, propagation="xla")
+    plan = base.plan(*args)
+    assert plan.propagation == "xla" and all(op.origin in ("user", "default") for op in plan.ops)
+    np.testing.assert_allclose(base(*args)[2], jax.jit(plain)(*args)[2], rtol=1e-5)
+
+
+def test_propagation_value_is_checked():
+    with pytest.raises(js.ShardingError, match=r"propagation='shardy' is not one of \('jshard', 'xla'\)"):
+        js.parallelize(lambda x: x, propagation="shardy")
