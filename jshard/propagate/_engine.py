@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 import math
 from collections.abc import Mapping, Sequence
@@ -201,7 +202,12 @@ class Engine:
         f = self.factors[i]
         ins, outs = self.vars[i]
         candidates = self._candidates(f, known)
-        scored = sorted(((s[0], s[1], n), s, a) for n, a in enumerate(candidates) for s in [self._score(i, f, a, known)])
+        first = self._score(i, f, candidates[0], known)
+        if first[0] == 0.0:  # the merge of every known layout, with nothing to move: MindSpore takes it at once
+            scored = [((0.0, first[1], 0), first, candidates[0])]
+        else:
+            scored = sorted(((s[0], s[1], n), s, a) for n, a in enumerate(candidates) for s in
+                            [first if n == 0 else self._score(i, f, a, known)])
         _, (seconds, _, comms, via), best = scored[0]
         rejected = None
         if len(scored) > 1:
@@ -251,12 +257,10 @@ class Engine:
         via, best_fit = "", None
         for k, spec, source in known:
             want = write_spec(f.operands[k], a, f.sizes, self.axis_size)
-            v = operands[k]
             moved = []
             if spec != want:
-                dtype_size = np.dtype(v.aval.dtype).itemsize
                 src, dst = (spec, want) if k < len(ins) else (want, spec)
-                moved = redistribution(shape_of(v), dtype_size, src, dst, self.axis_size)
+                moved = redistribution(*_array(operands[k]), src, dst, self.axis_size)
             comms += moved
             if not moved and any(want) and best_fit is None:
                 best_fit = source
@@ -264,7 +268,7 @@ class Engine:
         if partial:
             for d, v in zip(f.outputs, outs):
                 spec = write_spec(d, a, f.sizes, self.axis_size)
-                comms.append(Comm("all-reduce", local_bytes(shape_of(v), np.dtype(v.aval.dtype).itemsize, spec, self.axis_size), partial))
+                comms.append(Comm("all-reduce", local_bytes(*_array(v), spec, self.axis_size), partial))
         seconds = node.weight * sum(self.cost.time(c, self.axis_size) for c in comms)
         cut = math.prod(self.axis_size[x] for axes in a.values() for x in axes)
         compute = node.weight * f.flops / cut / self.cost.flops
@@ -280,6 +284,16 @@ class Engine:
             return False
         from_inputs = {fac for dims in f.inputs for d in dims for fac in d}
         return all(fac in from_inputs for fac in a)
+
+
+@functools.lru_cache(maxsize=4096)
+def _array_of(aval) -> tuple[tuple[int, ...], int]:
+    return tuple(aval.shape), np.dtype(aval.dtype).itemsize
+
+
+def _array(v) -> tuple[tuple[int, ...], int]:
+    """`(shape, itemsize)` of a value."""
+    return _array_of(v.aval)
 
 
 def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, int], cost: CostModel | None = None) -> Result:

@@ -141,6 +141,9 @@ def write_spec(
     """
     spec = []
     for factors in dims:
+        if len(factors) == 1:  # the common case: one factor, its axes as they are
+            spec.append(tuple(assignment.get(factors[0], ())))
+            continue
         axes: list[str] = []
         for f in factors:
             mine = assignment.get(f, ())
@@ -149,4 +152,3 @@ def write_spec(
                 break
         spec.append(tuple(axes))
     return tuple(spec)
-

@@ -307,8 +307,19 @@ def _innermost(scope: str) -> str:
     return found[-1] if found else ""
 
 
+_SHAPES: dict = {}
+
+
 def _shape(v) -> str:
     aval = v.aval
+    key = (getattr(aval, "shape", ()), getattr(aval, "dtype", None))
+    found = _SHAPES.get(key)
+    if found is None:
+        found = _SHAPES[key] = _shape_str(aval)
+    return found
+
+
+def _shape_str(aval) -> str:
     dtype = getattr(aval, "dtype", None)
     name = "?" if dtype is None else dtype_str(dtype)
     return f"{name}[{','.join(map(str, getattr(aval, 'shape', ())))}]"
