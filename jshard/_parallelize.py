@@ -138,18 +138,33 @@ class Parallelized:
 
     def __call__(self, *args, **kwargs):
         _no_kwargs(self.call, kwargs)
-        entry = self._entry(args)
+        entry = self._runnable(args)
         return entry.jitted(*jax.device_put(args, entry.in_shardings))
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The planned program, lowered (as `jax.jit(...).lower`)."""
         _no_kwargs(self.call, kwargs)
-        return self._entry(args).jitted.lower(*args)
+        return self._runnable(args).jitted.lower(*args)
 
     def plan(self, *args, **kwargs) -> Plan:
-        """The `Plan` for these arguments (arrays or `jax.ShapeDtypeStruct`s); nothing is compiled."""
+        """The `Plan` for these arguments (arrays or `jax.ShapeDtypeStruct`s); nothing is compiled.
+
+        With more `devices` than are present, the plan is made on an abstract mesh (planning for a
+        cluster from a laptop); such a plan cannot be run or lowered here.
+        """
         _no_kwargs(self.call, kwargs)
         return self._entry(args).plan
+
+    def _runnable(self, args) -> _Entry:
+        entry = self._entry(args)
+        if entry.jitted is None:
+            have = jax.devices()
+            raise DeviceCountError(
+                f"{self.call}: devices={entry.plan.device_count}, but only {len(have)} device(s) are present "
+                f"({have[0].platform}); such a plan can be made (.plan) but not run. On a CPU, call "
+                f"jshard.simulate_devices({entry.plan.device_count}) before anything else to simulate them."
+            )
+        return entry
 
     def _entry(self, args) -> _Entry:
         leaves, treedef = jax.tree_util.tree_flatten(args)
@@ -192,21 +207,16 @@ class _Builder:
     def __init__(self, owner: Parallelized, args: tuple):
         self.owner, self.config, self.call, self.args = owner, owner.config, owner.call, args
         self.devices = self._devices()
-        self.n = len(self.devices)
+        self.n = owner.config.devices if self.devices is None else len(self.devices)
 
-    def _devices(self) -> list[jax.Device]:
+    def _devices(self) -> list[jax.Device] | None:
+        """The devices to run on; None for more than are present (an abstract mesh: plan only)."""
         c = self.config
         if c.mesh is not None:
             return list(c.mesh.devices.flat)
         have = jax.devices()
         want = len(have) if c.devices is None else c.devices
-        if want > len(have):
-            raise DeviceCountError(
-                f"{self.call}: devices={want}, but only {len(have)} device(s) are present "
-                f"({have[0].platform}). On a CPU, call jshard.simulate_devices({want}) before anything "
-                f"else to simulate them."
-            )
-        return have[:want]
+        return None if want > len(have) else have[:want]
 
     def build(self) -> _Entry:
         in_slots = self._slots(self.config.in_strategy, self.args, "in_strategy")
@@ -273,10 +283,12 @@ class _Builder:
         in_tree = jax.tree_util.tree_unflatten(treedef, in_sh)
         out_tree_sh = jax.tree_util.tree_unflatten(out_tree, out_sh)
         run = _program(evaluate, out_tree)
-        jitted = jax.jit(run, in_shardings=in_tree, out_shardings=out_tree_sh, donate_argnums=c.donate_argnums)
+        jitted = None
+        if self.devices is not None:
+            jitted = jax.jit(run, in_shardings=in_tree, out_shardings=out_tree_sh, donate_argnums=c.donate_argnums)
         ops = build_ops(nodes, ctx.annotations, fine, result)
         plan = Plan(ctx.mesh, fine, c.mode, ops, in_tree, out_tree_sh, tuple(ctx.annotations),
-                    "xla" if result is None else "jshard", functools.partial(jitted.lower, *args))
+                    "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *args))
         return _Entry(plan, jitted, in_tree)
 
     def _trace(self, leaves, treedef, fine):
@@ -285,7 +297,12 @@ class _Builder:
         def flat_fn(*flat):
             return self.owner.fn(*jax.tree_util.tree_unflatten(treedef, flat))
 
-        mesh = self.config.mesh if self.config.mode == "manual" else fine.jax_mesh(self.devices)
+        if self.config.mode == "manual":
+            mesh = self.config.mesh
+        elif self.devices is None:
+            mesh = jax.sharding.AbstractMesh(fine.sizes, fine.names)
+        else:
+            mesh = fine.jax_mesh(self.devices)
         ctx = _context.TraceContext(self.call, fine, mesh, self.config.mode)
         with _context.tracing(ctx):
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)

@@ -300,12 +300,13 @@ def test_simulate_devices_wrong_kind(n):
 
 def test_more_devices_than_present():
     with pytest.raises(js.DeviceCountError, match=parts(
-        "jshard.parallelize(step): devices=16, but only 8 device(s) are present (cpu)", "jshard.simulate_devices(16)",
+        "jshard.parallelize(step): devices=16, but only 8 device(s) are present (cpu)",
+        "such a plan can be made (.plan) but not run", "jshard.simulate_devices(16)",
     )):
         def step(x):
             return x
 
-        js.parallelize(step, devices=16).plan(jnp.zeros(16))
+        js.parallelize(step, devices=16)(jnp.zeros(16))
 
 
 def test_devices_and_mesh_disagree():

@@ -162,3 +162,15 @@ def test_xla_propagation_is_the_baseline(gpt_2d):
 def test_propagation_value_is_checked():
     with pytest.raises(js.ShardingError, match=r"propagation='shardy' is not one of \('jshard', 'xla'\)"):
         js.parallelize(lambda x: x, propagation="shardy")
+
+
+def test_plan_for_more_devices_than_present_on_an_abstract_mesh():
+    """Planning for 64 devices from 8: the plan is made; running it is a DeviceCountError."""
+    x, w1, b1, w2 = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((64, 16), (16, 32), (32,), (32, 8)))
+    step = js.parallelize(_ffn, devices=64, batch_argnums=0)
+    plan = step.plan(x, w1, b1, w2)
+    assert plan.fine.sizes == (2,) * 6 and isinstance(plan.mesh, jax.sharding.AbstractMesh)
+    # ((2, 1), (1, 4)) on 64 devices repeats the calculation 8 ways; the rest follows as on 8.
+    assert plan.ops[2].out_strategy == ((2, 4),) and plan.ops[4].in_strategy == ((2, 4), (4, 1))
+    with pytest.raises(js.DeviceCountError, match="such a plan can be made"):
+        step.lower(x, w1, b1, w2)
