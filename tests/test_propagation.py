@@ -174,3 +174,22 @@ def test_plan_for_more_devices_than_present_on_an_abstract_mesh():
     assert plan.ops[2].out_strategy == ((2, 4),) and plan.ops[4].in_strategy == ((2, 4), (4, 1))
     with pytest.raises(js.DeviceCountError, match="such a plan can be made"):
         step.lower(x, w1, b1, w2)
+
+
+def test_scanned_gpt_plans_the_body_once_and_matches_one_device():
+    preset = models.preset("2d", 8)
+    sizes = []
+    for layers in (2, 4):
+        step, plain, args = _gpt_step(models.GPTConfig(n_layers=layers, scan=True), preset)
+        par = js.parallelize(step, devices=8, in_strategy=(None, None, tuple(preset.batch(x.ndim) for x in args[2])))
+        plan = par.plan(*args)
+        sizes.append(len(plan.ops))
+    assert sizes[0] == sizes[1]  # one body, whatever the depth
+    body = [op for op in plan.ops if op.inside == "scan"]
+    assert body and all(op.origin in ("user", "propagated") for op in body)
+    got, want = par(*args), jax.jit(plain)(*args)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+    report = js.audit(par.lower(*args).compile())
+    assert abs(plan.predicted_bytes() / report.bytes() - 1) <= 0.10, plan.compare(report)

@@ -120,6 +120,7 @@ class Engine:
         self.values: dict = {}
         self.why: dict = {}
         self.decisions: dict[int, Decision] = {}
+        self.entered: set[int] = set()
 
     def run(self, anchors: Mapping) -> Result:
         """Propagates from `anchors` (var → `Spec`: fixed arguments) and the constraints."""
@@ -143,10 +144,14 @@ class Engine:
                     continue
                 if self._decide(i):
                     queue.extend(self._neighbours(i))
+                    if i not in self.decisions:
+                        queue.append(i)  # entered a loop: leave it once its body is planned
             while waiting and not queue:
                 i = heapq.heappop(waiting)  # one without known operands comes back when a neighbour decides
                 if i not in self.decisions and self._decide(i):
                     queue.extend(self._neighbours(i))
+                    if i not in self.decisions:
+                        queue.append(i)
             if not queue:
                 break
         return Result(self.decisions, self.values, self.unruled, dict(anchors))
@@ -168,6 +173,8 @@ class Engine:
 
     def _waits(self, i: int) -> bool:
         ins, _ = self.vars[i]
+        if self.nodes[i].bodies and i not in self.entered:
+            ins = list(self.nodes[i].inputs)  # a loop is entered from its outer operands alone
         return any(
             isinstance(v, jcore.Var) and v not in self.values and v in self.producer
             and self.producer[v] not in self.decisions
@@ -199,6 +206,8 @@ class Engine:
         known = self._known(i)
         if not known:
             return False
+        if self.nodes[i].bodies and i not in self.entered:
+            return self._enter(i, known)
         f = self.factors[i]
         ins, outs = self.vars[i]
         candidates = self._candidates(f, known)
@@ -226,6 +235,20 @@ class Engine:
                 self.why[v] = i
         return True
 
+    def _enter(self, i: int, known) -> bool:
+        """A loop or branch in two steps: entering lays out its bodies' parameters from the outer
+        operands, so the body is planned before the loop's results are (they follow the body's)."""
+        f = self.factors[i]
+        node = self.nodes[i]
+        best = self._candidates(f, known)[0]
+        _, outs = self.vars[i]
+        for v, dims in list(zip(outs, f.outputs))[len(node.outputs):]:
+            if v not in self.values:
+                self.values[v] = write_spec(dims, best, f.sizes, self.axis_size)
+                self.why[v] = i
+        self.entered.add(i)
+        return True
+
     def _candidates(self, f: Factors, known) -> list[dict]:
         reads = []
         for k, spec, _ in known:
@@ -233,12 +256,16 @@ class Engine:
             if a is not None:
                 reads.append(a)
         merged: dict = {}
-        for a in reads:
-            used = {x for axes in merged.values() for x in axes}
-            for fac, axes in a.items():
-                if fac not in merged and not used & set(axes):
-                    merged[fac] = axes
-                    used |= set(axes)
+        if len(reads) > 1:
+            together = _neighbours_of(f)  # factors that share an operand: they may not share an axis
+            for a in reads:
+                for fac, axes in a.items():
+                    if fac not in merged and not any(
+                        set(axes) & set(merged.get(g, ())) for g in together[fac]
+                    ):
+                        merged[fac] = axes
+        elif reads:
+            merged = reads[0]
         out, seen = [], set()
         for a in [merged] + reads + [{}]:
             key = tuple(sorted(a.items()))
@@ -284,6 +311,16 @@ class Engine:
             return False
         from_inputs = {fac for dims in f.inputs for d in dims for fac in d}
         return all(fac in from_inputs for fac in a)
+
+
+def _neighbours_of(f: Factors) -> dict[int, set[int]]:
+    """For each factor, the other factors that appear in one operand with it."""
+    together: dict[int, set[int]] = collections.defaultdict(set)
+    for dims in f.operands:
+        facs = {g for d in dims for g in d}
+        for g in facs:
+            together[g] |= facs - {g}
+    return together
 
 
 @functools.lru_cache(maxsize=4096)
