@@ -15,6 +15,7 @@ two dims, so `MOE_RULES` leaves the expert weights whole and the sharded call cu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ import numpy as np
 
 from jshard._errors import ShardingError
 from jshard._shard import shard
+from jshard.models._gpt import _layer_norm
 from jshard.models._presets import Preset
 
 MOE_RULES = {r"^head$": "column"}
@@ -29,10 +31,13 @@ MOE_RULES = {r"^head$": "column"}
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MoEConfig:
+    """Token sequences of `seq_len` over `vocab`; `n_layers` blocks of width `d_model`, each with
+    `n_experts` feed-forward experts of hidden width `d_ff`."""
+
     vocab: int = 32
     seq_len: int = 8
-    d_model: int = 32
-    d_ff: int = 64
+    d_model: int = 64
+    d_ff: int = 128
     n_experts: int = 4
     n_layers: int = 1
 
@@ -41,32 +46,30 @@ def init_moe(cfg: MoEConfig, key: jax.Array) -> dict:
     """Parameters: `embed`, `pos`, `layers` (dicts with `ln`, `router` `[d, E]`, `w_in` `[E, d, f]`,
     `w_out` `[E, f, d]`), `ln_f`, `head`.
 
+    The weights are drawn on the host by a NumPy generator seeded with `key`'s data: XLA on CPU
+    takes seconds to compile a `jax.random` draw for each new shape.
+
     Examples:
       >>> params = init_moe(MoEConfig(), jax.random.key(0))
       >>> params["layers"][0]["w_in"].shape, params["layers"][0]["w_out"].shape
-      ((4, 32, 64), (4, 64, 32))
+      ((4, 64, 128), (4, 128, 64))
     """
-    keys = iter(jax.random.split(key, 3 + 3 * cfg.n_layers))
-    normal = lambda shape, fan_in: jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(fan_in)
-    norm = lambda: {"scale": jnp.ones((cfg.d_model,), jnp.float32), "bias": jnp.zeros((cfg.d_model,), jnp.float32)}
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
+    dense = lambda *shape: rng.normal(size=shape) / np.sqrt(shape[-2])
+    norm = lambda: {"scale": np.ones(cfg.d_model), "bias": np.zeros(cfg.d_model)}
     d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
     layers = [
-        {"ln": norm(), "router": normal((d, e), d), "w_in": normal((e, d, f), d), "w_out": normal((e, f, d), f)}
+        {"ln": norm(), "router": dense(d, e), "w_in": dense(e, d, f), "w_out": dense(e, f, d)}
         for _ in range(cfg.n_layers)
     ]
-    return {
-        "embed": normal((cfg.vocab, d), 1) * 0.02,
-        "pos": normal((cfg.seq_len, d), 1) * 0.02,
+    params = {
+        "embed": rng.normal(size=(cfg.vocab, d)) * 0.02,
+        "pos": rng.normal(size=(cfg.seq_len, d)) * 0.02,
         "layers": layers,
         "ln_f": norm(),
-        "head": normal((d, cfg.vocab), d),
+        "head": dense(d, cfg.vocab),
     }
-
-
-def _layer_norm(x: jax.Array, p: dict) -> jax.Array:
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"][None, None, :] + p["bias"][None, None, :]
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
 
 
 def _experts(x: jax.Array, w_in: jax.Array, w_out: jax.Array) -> jax.Array:
@@ -86,11 +89,10 @@ def _expert_parallel(preset: Preset, n_experts: int):
     return shard(_experts, in_strategy=(tokens, weights, weights), out_strategy=(tokens,))
 
 
-def _moe(p: dict, x: jax.Array, preset: Preset | None) -> jax.Array:
+def _moe(p: dict, x: jax.Array, experts: Callable[..., jax.Array]) -> jax.Array:
     logits = x @ p["router"]
     gates = jax.nn.softmax(logits, axis=-1)
     route = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=x.dtype)
-    experts = _experts if preset is None else _expert_parallel(preset, logits.shape[-1])
     out = experts(jnp.einsum("bte,btd->ebtd", route, x), p["w_in"], p["w_out"])
     return jnp.einsum("ebtd,bte->btd", out, route * gates)
 
@@ -101,9 +103,10 @@ def moe_apply(params: dict, tokens: jax.Array, cfg: MoEConfig, preset: Preset | 
     Raises:
       ShardingError: `preset.mp` does not divide `cfg.n_experts`.
     """
+    experts = _experts if preset is None else _expert_parallel(preset, cfg.n_experts)
     x = params["embed"][tokens] + params["pos"][None, : tokens.shape[1]]
     for p in params["layers"]:
-        x = x + _moe(p, _layer_norm(x, p["ln"]), preset)
+        x = x + _moe(p, _layer_norm(x, p["ln"]), experts)
     head = jnp.matmul if preset is None else preset.matmul("column", 3)
     return head(_layer_norm(x, params["ln_f"]), params["head"])
 

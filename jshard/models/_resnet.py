@@ -26,25 +26,31 @@ _WAVES = ((0, 1), (1, 0), (1, 1), (1, -1), (0, 2), (2, 0), (2, 2), (2, -2))
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ResNetConfig:
+    """Square `image_size` images with `channels` channels; `widths` are the channels of the stem and
+    first block, and of the second block; `n_classes` outputs (the wave task has at most 8)."""
+
     image_size: int = 8
     channels: int = 3
-    widths: tuple[int, int] = (8, 16)
+    widths: tuple[int, int] = (32, 32)
     n_classes: int = 8
 
 
 def init_resnet(cfg: ResNetConfig, key: jax.Array) -> dict:
     """Parameters: `stem` and `blocks` (dicts of HWIO kernels and norms), `head` (`w`, `b`).
 
+    The weights are drawn on the host by a NumPy generator seeded with `key`'s data: XLA on CPU
+    takes seconds to compile a `jax.random` draw for each new shape.
+
     Examples:
       >>> params = init_resnet(ResNetConfig(), jax.random.key(0))
       >>> params["blocks"][1]["proj"].shape, params["head"]["w"].shape
-      ((1, 1, 8, 16), (16, 8))
+      ((1, 1, 32, 32), (32, 8))
     """
-    keys = iter(jax.random.split(key, 7))
-    conv = lambda k, i, o: jax.random.normal(next(keys), (k, k, i, o), jnp.float32) / np.sqrt(k * k * i)
-    norm = lambda c: {"scale": jnp.ones((c,), jnp.float32), "bias": jnp.zeros((c,), jnp.float32)}
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
+    conv = lambda k, i, o: rng.normal(size=(k, k, i, o)) / np.sqrt(k * k * i)
+    norm = lambda c: {"scale": np.ones(c), "bias": np.zeros(c)}
     c1, c2 = cfg.widths
-    return {
+    params = {
         "stem": {"conv": conv(3, cfg.channels, c1), "norm": norm(c1)},
         "blocks": [
             {"conv1": conv(3, c1, c1), "norm1": norm(c1), "conv2": conv(3, c1, c1), "norm2": norm(c1)},
@@ -53,11 +59,9 @@ def init_resnet(cfg: ResNetConfig, key: jax.Array) -> dict:
                 "proj": conv(1, c1, c2),
             },
         ],
-        "head": {
-            "w": jax.random.normal(next(keys), (c2, cfg.n_classes), jnp.float32) / np.sqrt(c2),
-            "b": jnp.zeros((cfg.n_classes,), jnp.float32),
-        },
+        "head": {"w": rng.normal(size=(c2, cfg.n_classes)) / np.sqrt(c2), "b": np.zeros(cfg.n_classes)},
     }
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
 
 
 def _conv(x: jax.Array, kernel: jax.Array, stride: int = 1) -> jax.Array:
@@ -81,7 +85,11 @@ def _block(p: dict, x: jax.Array, stride: int) -> jax.Array:
 
 
 def resnet_apply(params: dict, images: jax.Array, cfg: ResNetConfig, preset: Preset | None = None) -> jax.Array:
-    """Logits `[batch, n_classes]` for `images` `[batch, height, width, channels]`."""
+    """Logits `[batch, n_classes]` for `images` `[batch, height, width, channels]`.
+
+    The architecture is read off `params`; `cfg` is taken so that every reference model's apply
+    and loss have one signature.
+    """
     x = jax.nn.relu(_norm(_conv(images, params["stem"]["conv"]), params["stem"]["norm"]))
     x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME")
     for p, stride in zip(params["blocks"], (1, 2)):
