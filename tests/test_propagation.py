@@ -193,3 +193,28 @@ def test_scanned_gpt_plans_the_body_once_and_matches_one_device():
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
     report = js.audit(par.lower(*args).compile())
     assert abs(plan.predicted_bytes() / report.bytes() - 1) <= 0.10, plan.compare(report)
+
+
+@pytest.mark.parametrize("name", ["resnet", "moe"])
+def test_reference_model_under_propagation_equals_one_device_and_prediction_holds(name):
+    """Only the preset's shard calls and the batch layout are given; propagation lays out the rest."""
+    rng = np.random.default_rng(0)
+    cfg, init, loss, batch = {
+        "resnet": (models.ResNetConfig(), models.init_resnet, models.resnet_loss, models.resnet_batch),
+        "moe": (models.MoEConfig(), models.init_moe, models.moe_loss, models.moe_batch),
+    }[name]
+    preset, opt = models.preset("2d", 8), optax.sgd(0.1)
+    params = init(cfg, jax.random.key(0))
+    args = (params, opt.init(params), batch(rng, cfg, 16))
+    step = models.make_train_step(lambda p, b: loss(p, b, cfg, preset), opt)
+    par = js.parallelize(step, devices=8, in_strategy=(None, None, tuple(preset.batch(np.ndim(x)) for x in args[2])))
+    plan = par.plan(*args)
+    assert plan.coverage >= 0.98
+    compiled = par.lower(*args).compile()
+    report = js.audit(compiled)
+    assert abs(plan.predicted_bytes() / report.bytes() - 1) <= 0.10, plan.compare(report)
+    got = compiled(*jax.device_put(args, plan.in_shardings))
+    want = jax.jit(models.make_train_step(lambda p, b: loss(p, b, cfg), opt))(*args)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)

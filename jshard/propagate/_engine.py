@@ -224,7 +224,7 @@ class Engine:
             rejected = (tuple(write_spec(d, r, f.sizes, self.axis_size) for d in f.outputs), r_seconds)
         in_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.inputs)
         out_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.outputs)
-        self.decisions[i] = Decision(in_specs, out_specs, comms, seconds, via, rejected, self._implied(f, best, known, len(ins)))
+        self.decisions[i] = Decision(in_specs, out_specs, comms, seconds, via, rejected, not comms and self._implied(i, f, best))
         for v, spec in zip(ins, in_specs):
             if isinstance(v, jcore.Var) and v not in self.values and v not in self.producer:
                 self.values[v] = spec  # a free argument (a parameter) is laid out by its first user
@@ -303,13 +303,21 @@ class Engine:
             best_fit = known[0][2]
         return seconds, compute, tuple(comms), best_fit or ""
 
-    def _implied(self, f: Factors, a, known, n_in) -> bool:
-        """Whether XLA would infer the outputs' layouts from the inputs' (no constraint needed)."""
+    def _implied(self, i: int, f: Factors, a) -> bool:
+        """Whether XLA infers the outputs' layouts from the one input's alone (no constraint needed):
+        an operator of one non-scalar input whose dims all pass through, one factor each (unary
+        elementwise, transpose, a scalar broadcast). Where inputs meet, a dim must be whole, a cut
+        factor is new or partial sums are left, XLA's own propagation may choose otherwise."""
         if any(a.get(fac) for fac in f.reduced):
             return False
-        if any(len(d) > 1 for dims in f.operands for d in dims):
+        ins, outs = self.vars[i]
+        arrays = [(dims, v) for dims, v in zip(f.inputs, ins) if dims]
+        if len(arrays) != 1:
             return False
-        from_inputs = {fac for dims in f.inputs for d in dims for fac in d}
+        for dims, v in arrays + list(zip(f.outputs, outs)):
+            if any(len(d) != 1 for d, n in zip(dims, _array(v)[0]) if n > 1):
+                return False
+        from_inputs = {fac for d in arrays[0][0] for fac in d}
         return all(fac in from_inputs for fac in a)
 
 
