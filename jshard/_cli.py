@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SUMMARY_LINES = 24
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
@@ -68,7 +71,10 @@ def _demo(args: argparse.Namespace) -> int:
     plan = step.plan(params, opt_state, batch)
     compiled = step.lower(params, opt_state, batch).compile()
     console.print(f"traced, planned and compiled in {time.perf_counter() - t0:.1f} s\n")
-    console.print(plan.summary(), markup=False, soft_wrap=True)
+    lines = plan.summary().splitlines()
+    shown = lines[:_SUMMARY_LINES] + ([f"... {len(lines) - _SUMMARY_LINES} more source lines: print(plan.summary())"]
+                                      if len(lines) > _SUMMARY_LINES else [])
+    console.print("\n".join(shown), markup=False, soft_wrap=True)
     console.print()
     console.print(audit(compiled).summary(), markup=False, soft_wrap=True)
     console.print()
