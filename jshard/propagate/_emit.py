@@ -12,6 +12,7 @@ where a constraint falls inside them; loop and branch bodies are rebuilt with th
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 
 import jax
@@ -41,6 +42,7 @@ class Emission:
         return len(self.outputs) + len(self.inputs)
 
 
+@functools.lru_cache(maxsize=8192)
 def to_pspec(spec: Spec) -> PartitionSpec:
     entries = [None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in spec]
     while entries and entries[-1] is None:

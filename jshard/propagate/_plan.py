@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -243,7 +244,7 @@ def build_ops(
         if i not in number and main_node is not None:
             stands_for[i] = number[node_index[id(main_node)]]
     records = []
-    sizes = dict(zip(fine.names, fine.sizes))
+    cuts = _cutter(dict(zip(fine.names, fine.sizes)))
     for i, node in enumerate(nodes):
         if i not in number:
             continue
@@ -262,7 +263,7 @@ def build_ops(
             ins, outs = decision.in_specs[:n_in], decision.out_specs[:n_out]
             if fields["in_strategy"] is None:
                 fields.update(
-                    in_strategy=tuple(_cuts(sp, sizes) for sp in ins), out_strategy=tuple(_cuts(sp, sizes) for sp in outs),
+                    in_strategy=tuple(map(cuts, ins)), out_strategy=tuple(map(cuts, outs)),
                     in_specs=tuple(map(to_pspec, ins)), out_specs=tuple(map(to_pspec, outs)),
                 )
             fields.update(
@@ -270,7 +271,7 @@ def build_ops(
                 comms=tuple((c.kind, c.bytes * node.weight, c.axes) for c in decision.comms),
                 seconds=decision.seconds,
                 via=_via(decision.via, stands_for),
-                rejected=_rejected(decision.rejected, n_out, sizes),
+                rejected=_rejected(decision.rejected, n_out, cuts),
                 layout=(decision.in_specs, decision.out_specs, decision.implied),
             )
         records.append(
@@ -284,8 +285,14 @@ def build_ops(
     return tuple(records)
 
 
-def _cuts(spec, sizes) -> Strategy:
-    return tuple(math.prod(sizes[a] for a in axes) for axes in spec)
+def _cutter(sizes):
+    """`spec -> strategy tuple` over a mesh with axis `sizes`, memoized for one plan."""
+
+    @functools.lru_cache(maxsize=None)
+    def cuts(spec) -> Strategy:
+        return tuple(math.prod(sizes[a] for a in axes) for axes in spec)
+
+    return cuts
 
 
 def _via(via: str, number: dict[int, int]) -> str:
@@ -295,11 +302,11 @@ def _via(via: str, number: dict[int, int]) -> str:
     return via
 
 
-def _rejected(rejected, n_out: int, sizes) -> str:
+def _rejected(rejected, n_out: int, cuts) -> str:
     if rejected is None:
         return ""
     specs, seconds = rejected
-    return f"out_strategy {_strategies(tuple(_cuts(sp, sizes) for sp in specs[:n_out]))} at {seconds * 1e6:.2f} us"
+    return f"out_strategy {_strategies(tuple(map(cuts, specs[:n_out])))} at {seconds * 1e6:.2f} us"
 
 
 def _innermost(scope: str) -> str:
