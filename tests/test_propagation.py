@@ -195,11 +195,13 @@ def test_scanned_gpt_plans_the_body_once_and_matches_one_device():
     assert abs(plan.predicted_bytes() / report.bytes() - 1) <= 0.10, plan.compare(report)
 
 
-@pytest.mark.parametrize("name", ["resnet", "moe"])
+@pytest.mark.parametrize("name", ["mlp", "resnet", "moe"])
 def test_reference_model_under_propagation_equals_one_device_and_prediction_holds(name):
     """Only the preset's shard calls and the batch layout are given; propagation lays out the rest."""
     rng = np.random.default_rng(0)
     cfg, init, loss, batch = {
+        "mlp": (models.MLPConfig(), models.init_mlp, lambda p, b, cfg, preset=None: models.mlp_loss(p, b, preset),
+                models.mlp_batch),
         "resnet": (models.ResNetConfig(), models.init_resnet, models.resnet_loss, models.resnet_batch),
         "moe": (models.MoEConfig(), models.init_moe, models.moe_loss, models.moe_batch),
     }[name]
