@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from jshard.propagate._audit import _human
+from jshard.propagate._plan import _strategies
+
 _MAX_CHAIN = 8
 
 
@@ -10,7 +13,7 @@ def explain(plan, op) -> str:
     alternative it rejected."""
     where = f"{op.source or 'no source line'}, {'backward' if op.backward else 'forward'}" + (f", inside {op.inside}" if op.inside else "")
     lines = [f"op #{op.index} {op.primitive} ({where})"]
-    lines.append(f"  strategy: in {_s(op.in_strategy)} -> out {_s(op.out_strategy)}; origin {op.origin}")
+    lines.append(f"  strategy: in {_strategies(op.in_strategy)} -> out {_strategies(op.out_strategy)}; origin {op.origin}")
     if op.origin == "user" and op.annotation:
         lines.append(f"  set by the user: jshard.shard({op.annotation}) at {op.source}")
     elif op.origin == "default":
@@ -64,14 +67,3 @@ def _anchor(plan, anchor) -> str:
     name = f" [{op.annotation}]" if op.annotation else ""
     return f"#{op.index} {op.primitive}{name} ({op.origin}, {op.source})"
 
-
-def _s(value) -> str:
-    if value is None:
-        return "-"
-    return "(" + ", ".join("-" if s is None else str(s) for s in value) + ("," if len(value) == 1 else "") + ")"
-
-
-def _human(size: float) -> str:
-    from jshard.propagate._plan import _human as human
-
-    return human(size)

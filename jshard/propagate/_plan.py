@@ -15,6 +15,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jshard._context import Annotation
 from jshard.layouts import FineMesh, Strategy, TensorLayout
 from jshard.layouts._strategy import dtype_str
+from jshard.propagate._audit import _human
 from jshard.propagate._emit import to_pspec
 from jshard.propagate._graph import Node
 
@@ -194,14 +195,6 @@ def _by_line(ops: Sequence[OpRecord]) -> list[tuple]:
             _human(comm) if comm else "-",
         ))
     return rows
-
-
-def _human(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
 
 
 def _table(rows: Sequence[tuple]) -> str:
