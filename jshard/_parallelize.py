@@ -184,6 +184,14 @@ def _check_config(call: str, c: _Config) -> None:
         raise ShardingError(f"{call}: mode={c.mode!r} is not one of {MODES}.")
     if c.propagation not in PROPAGATIONS:
         raise ShardingError(f"{call}: propagation={c.propagation!r} is not one of {PROPAGATIONS}.")
+    if c.plan is not None and (c.propagation != "jshard" or c.mode == "manual"):
+        raise ShardingError(
+            f"{call}: plan= rebuilds a plan jshard propagated; it cannot be used with "
+            f"{'mode=' + repr(c.mode) if c.mode == 'manual' else 'propagation=' + repr(c.propagation)}. "
+            f"Drop plan=, or use propagation='jshard' with mode='semi_auto' or 'data'."
+        )
+    if c.plan is not None and not isinstance(c.plan, Plan):
+        raise TypeError(f"{call}: plan= takes a jshard.Plan (from Plan.load), got {type(c.plan).__name__}.")
     if c.dataset_strategy not in DATASET_STRATEGIES:
         raise ShardingError(f"{call}: dataset_strategy={c.dataset_strategy!r} is not one of {DATASET_STRATEGIES}.")
     if c.mode == "manual" and c.mesh is None:

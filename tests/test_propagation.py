@@ -220,3 +220,16 @@ def test_reference_model_under_propagation_equals_one_device_and_prediction_hold
     np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+def test_plan_argument_is_checked(ffn, tmp_path):
+    _, _, plan = ffn
+    with pytest.raises(js.ShardingError, match=r"plan= rebuilds a plan jshard propagated; it cannot be used with "
+                                               r"propagation='xla'"):
+        js.parallelize(_ffn, propagation="xla", plan=plan)
+    with pytest.raises(TypeError, match=r"plan= takes a jshard.Plan \(from Plan.load\), got str"):
+        js.parallelize(_ffn, plan="plan.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "other"}')
+    with pytest.raises(js.ShardingError, match=r"not a jshard plan file \(format 'other', expected 'jshard.plan/1'\)"):
+        js.Plan.load(str(bad))
