@@ -1,0 +1,42 @@
+"""`python -m benchmarks [--quick] [--out PATH]`: measure, print the tables, write them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import jshard
+from benchmarks import _report
+from benchmarks._settings import DEVICES, FULL, QUICK
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="jshard's benchmarks on 8 simulated CPU devices: collective bytes and memory against Shardy "
+        "and expert plans, planning time, compile time and step time against plain jax.jit.",
+    )
+    parser.add_argument("--quick", action="store_true", help="small models and few repetitions: a smoke test")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"where to write the report (default {DEFAULT_OUT})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    jshard.simulate_devices(DEVICES)  # before anything starts JAX's backend
+    start, load = time.perf_counter(), os.getloadavg()[0]
+    tables = _report.run(QUICK if args.quick else FULL, echo=print)
+    took = time.perf_counter() - start
+    args.out.write_text(_report.document(tables, _report.command_line(argv), took, (load, os.getloadavg()[0])))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

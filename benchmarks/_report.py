@@ -1,0 +1,83 @@
+"""The whole run: every table in order, printed as it is done, then written with the machine."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jaxlib
+
+from benchmarks import _abstract, _against_jit, _compiled, _planning
+from benchmarks._models import model_table, workload
+from benchmarks._settings import DEVICES, Settings
+from benchmarks._table import Table
+
+
+def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
+    """Measures everything on `DEVICES` devices; `echo` gets each table's Markdown as it is done."""
+    table, notes = model_table()
+    workloads = [workload(m, settings.size) for m in table]
+    tables: list[Table] = []
+
+    def add(made: Table) -> None:
+        tables.append(made)
+        echo(made.markdown())
+
+    add(Table("Models", "", ("model", "size"), tuple((w.name, w.describe()) for w in workloads), tuple(notes)))
+    figures = [f for w in workloads for f in _compiled.measure(w, DEVICES)]
+    add(_compiled.figures_table(figures, DEVICES))
+    add(_compiled.targets_table(figures))
+    add(_abstract.abstract_table([workload(m, "wide") for m in table]))
+    gpts = [m for m in table if m.name.startswith("GPT")]
+    add(_planning.planning_table(gpts, settings.depths, DEVICES, settings.plan_runs, settings.plan_budget))
+    timings = [_against_jit.measure(w, DEVICES, settings) for w in workloads]
+    add(_against_jit.compile_table(timings, DEVICES))
+    add(_against_jit.step_table(timings, DEVICES))
+    return tables
+
+
+def document(tables: list[Table], command: str, seconds: float, load: tuple[float, float]) -> str:
+    """`BENCHMARKS.md`: the machine and command, then the tables."""
+    head = [
+        "# jshard benchmarks",
+        "",
+        f"Written by `{command}` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} "
+        f"in {seconds / 60:.1f} min. Every figure was measured in that run, beside what it is compared with.",
+        "",
+        f"- machine: {_cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; "
+        f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end",
+        f"- devices: {DEVICES} simulated CPU devices (`jshard.simulate_devices({DEVICES})`)",
+        f"- software: Python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}",
+        f"- jshard: commit {_commit()}",
+        "",
+        "",
+    ]
+    return "\n".join(head) + "\n".join(t.markdown() for t in tables)
+
+
+def command_line(argv: list[str]) -> str:
+    return " ".join(["python -m benchmarks", *argv])
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "unknown CPU"
+
+
+def _commit() -> str:
+    """The checkout's HEAD, marked when jshard/ or benchmarks/ differ from it."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "jshard", "benchmarks"], cwd=root,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return head.stdout.strip() + (" with uncommitted changes in jshard/ or benchmarks/" if dirty.stdout.strip() else "")
