@@ -112,7 +112,7 @@ class Engine:
                     self.consumers[v].append((i, k))
             fn = RULES.get(node.primitive)
             if fn is not None:
-                self.factors[i] = fn(node.eqn)
+                self.factors[i] = _factors_of(fn, node.eqn)
             elif all(not shape_of(v) for v in ins + outs):
                 self.factors[i] = Factors(tuple(() for _ in ins), tuple(() for _ in outs), ())  # scalars: nothing to cut
             elif node.primitive != CONSTRAINT:
@@ -319,6 +319,25 @@ class Engine:
                 return False
         from_inputs = {fac for d in arrays[0][0] for fac in d}
         return all(fac in from_inputs for fac in a)
+
+
+_FACTORS: dict = {}
+
+
+def _factors_of(rule, eqn) -> Factors:
+    """`rule(eqn)`, shared by equations alike in primitive, operand types and parameters (an
+    unrolled model repeats each layer's equations)."""
+    try:
+        key = (eqn.primitive, tuple(v.aval for v in eqn.invars), tuple(v.aval for v in eqn.outvars),
+               tuple(sorted(eqn.params.items())))
+        found = _FACTORS.get(key)
+    except TypeError:  # an unhashable parameter
+        return rule(eqn)
+    if found is None:
+        if len(_FACTORS) > 16384:
+            _FACTORS.clear()
+        found = _FACTORS[key] = rule(eqn)
+    return found
 
 
 def _neighbours_of(f: Factors) -> dict[int, set[int]]:
