@@ -61,16 +61,17 @@ def _take(logp, targets):
 _grad_xw = lambda fn: jax.grad(lambda x, w: fn(x, w).sum(), argnums=(0, 1))
 TABLE, TOKENS, LOGP, IMAGES, KERNEL = f32(32, 16), i32(4, 8), f32(4, 8, 32), f32(8, 6, 6, 4), f32(3, 3, 4, 16)
 
-# (function, arguments, primitive, which one, signature); `.`: whole, upper case: reduced.
+# (function, arguments, primitive, which one, signature); `.`: whole, upper case: reduced (a gather's
+# looked-up dim may stay cut: masked lookups summed by an all-reduce).
 CASES = {
-    "embedding": (lambda t, i: t[i], (TABLE, TOKENS), "gather", 0, ".a,bc.->bca"),
+    "embedding": (lambda t, i: t[i], (TABLE, TOKENS), "gather", 0, "Ab,cd.->cdb"),
     "embedding-grad": (jax.grad(lambda t, i: t[i].sum()), (TABLE, TOKENS), "scatter-add", 0, ".a,BC.,BCa->.a"),
-    "take_along_axis": (_take, (LOGP, TOKENS), "gather", 0, "ab.,abc.->abc"),
+    "take_along_axis": (_take, (LOGP, TOKENS), "gather", 0, "abC,abd.->abd"),
     "take_along_axis-grad": (jax.grad(lambda l, t: _take(l, t).sum()), (LOGP, TOKENS), "scatter-add", 0,
                              "ab.,abC.,abC->ab."),
-    "x[:,idx]": (lambda x, i: x[:, i], (f32(8, 16), i32(4)), "gather", 0, "a.,b.->ab"),
+    "x[:,idx]": (lambda x, i: x[:, i], (f32(8, 16), i32(4)), "gather", 0, "aB,c.->ac"),
     "x[:,idx]-grad": (jax.grad(lambda x, i: x[:, i].sum()), (f32(8, 16), i32(4)), "scatter-add", 0, "a.,B.,aB->a."),
-    "x[idx,2:5]": (lambda x, i: x[i, 2:5], (f32(8, 16), i32(4)), "gather", 0, "..,a.->a."),
+    "x[idx,2:5]": (lambda x, i: x[i, 2:5], (f32(8, 16), i32(4)), "gather", 0, "A.,b.->b."),
     "x.at[idx].set": (lambda x, i: x.at[i].set(1.0), (f32(8, 16), i32(4)), "scatter", 0, ".a,..,.a->.a"),
     "x.at[idx].mul": (lambda x, i: x.at[i].mul(2.0), (f32(8, 16), i32(4)), "scatter-mul", 0, ".a,B.,Ba->.a"),
     "x.at[idx].max": (lambda x, i: x.at[i].max(2.0), (f32(8, 16), i32(4)), "scatter-max", 0, ".a,B.,Ba->.a"),

@@ -41,7 +41,14 @@ def gather(eqn: jcore.JaxprEqn) -> Factors:
         indexed=dn.start_index_map, operand_batching=dn.operand_batching_dims,
         indices_batching=dn.start_indices_batching_dims, cut_batch=True,
     )
-    return b.build([operand, indices], [out], flops=math.prod(shape_of(eqn.outvars[0])))
+    # A dim looked up one element at a time may stay cut: each device gathers from its own range,
+    # zeroes what falls outside it, and an all-reduce sums the pieces (a vocab-parallel lookup).
+    looked_up = []
+    for d in dn.collapsed_slice_dims:
+        if d in dn.start_index_map and eqn.params["slice_sizes"][d] == 1:
+            operand[d] = (b.new(shape_of(eqn.invars[0])[d]),)
+            looked_up.append(operand[d][0])
+    return b.build([operand, indices], [out], reduced=looked_up, flops=math.prod(shape_of(eqn.outvars[0])))
 
 
 @rule("scatter", *COMBINING_SCATTERS)
