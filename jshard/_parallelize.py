@@ -139,7 +139,7 @@ class Parallelized:
     def __call__(self, *args, **kwargs):
         _no_kwargs(self.call, kwargs)
         entry = self._runnable(args)
-        return entry.jitted(*jax.device_put(args, entry.in_shardings))
+        return entry.jitted(*_placed(args, entry.in_shardings))
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The planned program, lowered (as `jax.jit(...).lower`)."""
@@ -172,6 +172,18 @@ class Parallelized:
         if key not in self._cache:
             self._cache[key] = _Builder(self, args).build()
         return self._cache[key]
+
+
+def _placed(args: tuple, shardings: tuple) -> list:
+    """`args` on their planned shardings; arrays already there pass untouched (a train loop feeds
+    back its own outputs, so the hot path moves nothing)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    targets = jax.tree_util.tree_leaves(shardings)
+    moved = [
+        x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s)
+        for x, s in zip(leaves, targets)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, moved)
 
 
 def _check_config(call: str, c: _Config) -> None:
