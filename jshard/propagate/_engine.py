@@ -121,6 +121,7 @@ class Engine:
         self.why: dict = {}
         self.decisions: dict[int, Decision] = {}
         self.entered: set[int] = set()
+        self._memo: dict = {}
 
     def run(self, anchors: Mapping) -> Result:
         """Propagates from `anchors` (var → `Spec`: fixed arguments) and the constraints."""
@@ -210,21 +211,12 @@ class Engine:
             return self._enter(i, known)
         f = self.factors[i]
         ins, outs = self.vars[i]
-        candidates = self._candidates(f, known)
-        first = self._score(i, f, candidates[0], known)
-        if first[0] == 0.0:  # the merge of every known layout, with nothing to move: MindSpore takes it at once
-            scored = [((0.0, first[1], 0), first, candidates[0])]
-        else:
-            scored = sorted(((s[0], s[1], n), s, a) for n, a in enumerate(candidates) for s in
-                            [first if n == 0 else self._score(i, f, a, known)])
-        _, (seconds, _, comms, via), best = scored[0]
-        rejected = None
-        if len(scored) > 1:
-            _, (r_seconds, *_), r = scored[1]
-            rejected = (tuple(write_spec(d, r, f.sizes, self.axis_size) for d in f.outputs), r_seconds)
-        in_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.inputs)
-        out_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.outputs)
-        self.decisions[i] = Decision(in_specs, out_specs, comms, seconds, via, rejected, not comms and self._implied(i, f, best))
+        key = (id(f), self.nodes[i].weight, tuple((k, spec) for k, spec, _ in known))
+        if key not in self._memo:  # an unrolled model meets the same operator in the same layouts per layer
+            self._memo[key] = self._choose(i, f, known)
+        in_specs, out_specs, comms, seconds, j, rejected, implied = self._memo[key]
+        via = known[j][2] if j is not None else ""
+        self.decisions[i] = Decision(in_specs, out_specs, comms, seconds, via, rejected, implied)
         for v, spec in zip(ins, in_specs):
             if isinstance(v, jcore.Var) and v not in self.values and v not in self.producer:
                 self.values[v] = spec  # a free argument (a parameter) is laid out by its first user
@@ -234,6 +226,25 @@ class Engine:
                 self.values[v] = spec
                 self.why[v] = i
         return True
+
+    def _choose(self, i: int, f: Factors, known):
+        """The least-cost candidate for node `i`: its layouts, comms, seconds, the position in `known`
+        of the layout it took, the best rejected alternative, and whether its outputs are implied."""
+        candidates = self._candidates(f, known)
+        first = self._score(i, f, candidates[0], known)
+        if first[0] == 0.0:  # the merge of every known layout, with nothing to move: MindSpore takes it at once
+            scored = [((0.0, first[1], 0), first, candidates[0])]
+        else:
+            scored = sorted(((s[0], s[1], n), s, a) for n, a in enumerate(candidates) for s in
+                            [first if n == 0 else self._score(i, f, a, known)])
+        _, (seconds, _, comms, j), best = scored[0]
+        rejected = None
+        if len(scored) > 1:
+            _, (r_seconds, *_), r = scored[1]
+            rejected = (tuple(write_spec(d, r, f.sizes, self.axis_size) for d in f.outputs), r_seconds)
+        in_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.inputs)
+        out_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.outputs)
+        return in_specs, out_specs, comms, seconds, j, rejected, not comms and self._implied(i, f, best)
 
     def _enter(self, i: int, known) -> bool:
         """A loop or branch in two steps: entering lays out its bodies' parameters from the outer
@@ -276,13 +287,14 @@ class Engine:
 
     def _score(self, i, f: Factors, a, known):
         """`(seconds, compute, comms, via)` of assignment `a` for node `i`: the comms of its known
-        operands' redistribution and of its partial sums, then its compute per device."""
+        operands' redistribution and of its partial sums, then its compute per device; `via` is the
+        position in `known` of the layout it takes as it is."""
         ins, outs = self.vars[i]
         operands = ins + outs
         node = self.nodes[i]
         comms: list[Comm] = []
-        via, best_fit = "", None
-        for k, spec, source in known:
+        best_fit = None
+        for j, (k, spec, _) in enumerate(known):
             want = write_spec(f.operands[k], a, f.sizes, self.axis_size)
             moved = []
             if spec != want:
@@ -290,7 +302,7 @@ class Engine:
                 moved = redistribution(*_array(operands[k]), src, dst, self.axis_size)
             comms += moved
             if not moved and any(want) and best_fit is None:
-                best_fit = source
+                best_fit = j
         partial = tuple(x for fac in sorted(f.reduced) for x in a.get(fac, ()))
         if partial:
             for d, v in zip(f.outputs, outs):
@@ -300,8 +312,8 @@ class Engine:
         cut = math.prod(self.axis_size[x] for axes in a.values() for x in axes)
         compute = node.weight * f.flops / cut / self.cost.flops
         if best_fit is None and known:
-            best_fit = known[0][2]
-        return seconds, compute, tuple(comms), best_fit or ""
+            best_fit = 0
+        return seconds, compute, tuple(comms), best_fit
 
     def _implied(self, i: int, f: Factors, a) -> bool:
         """Whether XLA infers the outputs' layouts from the one input's alone (no constraint needed):
