@@ -81,8 +81,12 @@ class Plan:
       fine: its axis sizes, as a `FineMesh`.
       mode: the `parallelize` mode.
       ops: one `OpRecord` per operator, in program order.
-      in_shardings / out_shardings: the compiled program's argument and result shardings (pytrees).
+      in_shardings / out_shardings: the compiled program's argument and result shardings (pytrees;
+        a loaded plan holds flat lists of `PartitionSpec`s).
       annotations: the `shard` calls met while tracing.
+      propagation: `"jshard"` (the engine laid out every operator) or `"xla"` (Shardy did).
+      lower: lowers the planned program (what `audit` compiles); None for a loaded plan or one made
+        on an abstract mesh.
     """
 
     mesh: Mesh | None
