@@ -31,7 +31,7 @@ class Figures:
       audit: the compiled program's collectives and memory (None where it failed: see `error`).
       loss / reference: its first step's loss, and the single-device step's.
       predicted: jshard's predicted collective bytes per step (the `jshard` plan only).
-      coverage: `Plan.coverage` as text, where this jshard has it.
+      coverage: `Plan.coverage` as text (the `jshard` plan only).
       error: why the plan could not be compiled or run, or `""`.
     """
 
@@ -75,37 +75,13 @@ def _one(name: str, w: Workload, devices: int, reference: float) -> Figures:
         loss = float(compiled(*jax.device_put(w.args(), compiled.input_shardings[0]))[2])
     except Exception as e:  # a plan that fails is a row of the report, not the end of the run
         return Figures(w.name, name, None, float("nan"), reference, error=error_line(e))
-    extra = {} if name != "jshard" else {"predicted": predicted_bytes(plan), "coverage": coverage(plan)}
+    extra = {} if name != "jshard" else {"predicted": plan.predicted_bytes(), "coverage": f"{plan.coverage:.1%}"}
     return Figures(w.name, name, js.audit(compiled), loss, reference, **extra)
 
 
 def error_line(e: Exception, limit: int = 160) -> str:
     text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def predicted_bytes(plan: js.Plan) -> float:
-    """`Plan.predicted_bytes()`, or the sum of every operator's predicted collectives before it existed."""
-    if hasattr(plan, "predicted_bytes"):
-        return float(plan.predicted_bytes())
-    return float(sum(comm[1] for op in plan.ops for comm in op.comms))
-
-
-def coverage(plan: js.Plan) -> str:
-    value = getattr(plan, "coverage", None)
-    if value is None:
-        return "n/a"
-    return f"{value:.1%}" if isinstance(value, float) else str(value)
-
-
-def api_notes() -> list[str]:
-    """What this jshard's `Plan` lacks, and what the tables show instead."""
-    notes = []
-    if not hasattr(js.Plan, "predicted_bytes"):
-        notes.append("Skipped: `Plan.predicted_bytes()` is not in this jshard; predicted bytes are the sum of `op.comms` over `plan.ops`.")
-    if "coverage" not in {f.name for f in dataclasses.fields(js.Plan)} and not hasattr(js.Plan, "coverage"):
-        notes.append("Skipped: `Plan.coverage` is not in this jshard (shown as n/a).")
-    return notes
 
 
 def figures_table(rows: Sequence[Figures], devices: int) -> Table:
@@ -157,7 +133,6 @@ def targets_table(rows: Sequence[Figures]) -> Table:
             f"{1 + EXPERT_SLACK:g} x expert); compare memory in table 1 before reading fewer bytes as better.",
             "predicted bytes: jshard's cost model, summed over the plan's operators (`op.comms`, trip-weighted); "
             "coverage: `Plan.coverage`.",
-            *api_notes(),
         ),
     )
 

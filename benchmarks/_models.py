@@ -2,9 +2,6 @@
 
 Sizes: `quick` (a smoke test), `full` (the benchmark on 8 devices) and `wide` (planning only, on 64
 and 512 devices: abstract parameters, and the dims the 2-D preset cuts divisible by 256).
-
-ResNet, MoE and the scanned GPT join the table when this jshard's `jshard.models` has them; the
-notes say which it lacks.
 """
 
 from __future__ import annotations
@@ -101,23 +98,9 @@ def _shapes(init: Callable[[jax.Array], Any]):
         return _abstract(init(jax.random.key(0)))
 
 
-def model_table() -> tuple[list[Model], list[str]]:
-    """The models this jshard has, and notes on the optional ones it lacks."""
-    table, notes = [_mlp(), _gpt(scan=False)], []
-    if "scan" in {f.name for f in dataclasses.fields(models.GPTConfig)}:
-        table.append(_gpt(scan=True))
-    else:
-        notes.append("Skipped: GPT scan (`GPTConfig` has no `scan` field in this jshard).")
-    for name, make, names in (
-        ("ResNet", _resnet, ("ResNetConfig", "init_resnet", "resnet_loss", "resnet_batch", "RESNET_RULES")),
-        ("MoE", _moe, ("MoEConfig", "init_moe", "moe_loss", "moe_batch", "MOE_RULES")),
-    ):
-        missing = [n for n in names if not hasattr(models, n)]
-        if missing:
-            notes.append(f"Skipped: {name} (`jshard.models` has no {', '.join(missing)} in this jshard).")
-        else:
-            table.append(make(*(getattr(models, n) for n in names)))
-    return table, notes
+def model_table() -> list[Model]:
+    """The reference models: MLP, GPT, GPT scan, ResNet, MoE."""
+    return [_mlp(), _gpt(scan=False), _gpt(scan=True), _resnet(), _moe()]
 
 
 def _dims(rules: Mapping[str, str]) -> dict[str, int]:
@@ -139,7 +122,7 @@ def _mlp() -> Model:
 
 
 def _gpt(scan: bool) -> Model:
-    c = functools.partial(models.GPTConfig, **({"scan": True} if scan else {}))
+    c = functools.partial(models.GPTConfig, scan=scan)
     return Model(
         "GPT scan" if scan else "GPT",
         {
@@ -154,7 +137,8 @@ def _gpt(scan: bool) -> Model:
     )
 
 
-def _resnet(config, init, loss, batch, rules) -> Model:
+def _resnet() -> Model:
+    config = models.ResNetConfig
     return Model(
         "ResNet",
         {
@@ -162,14 +146,15 @@ def _resnet(config, init, loss, batch, rules) -> Model:
             "full": (config(image_size=16, widths=(32, 64)), 32),
             "wide": (config(image_size=16, widths=(256, 512)), 16),
         },
-        init,
-        loss,
-        batch,
-        {**_dims(rules), r"^head/b$": -1},
+        models.init_resnet,
+        models.resnet_loss,
+        models.resnet_batch,
+        {**_dims(models.RESNET_RULES), r"^head/b$": -1},
     )
 
 
-def _moe(config, init, loss, batch, rules) -> Model:
+def _moe() -> Model:
+    config = models.MoEConfig
     return Model(
         "MoE",
         {
@@ -177,9 +162,9 @@ def _moe(config, init, loss, batch, rules) -> Model:
             "full": (config(vocab=64, seq_len=16, d_model=128, d_ff=256, n_experts=8, n_layers=1), 16),
             "wide": (config(vocab=512, seq_len=16, d_model=256, d_ff=512, n_experts=256, n_layers=1), 16),
         },
-        init,
-        loss,
-        batch,
+        models.init_moe,
+        models.moe_loss,
+        models.moe_batch,
         # Expert parallelism: the stacked expert weights are cut by expert.
-        {**_dims(rules), r"/(w_in|w_out)$": 0},
+        {**_dims(models.MOE_RULES), r"/(w_in|w_out)$": 0},
     )

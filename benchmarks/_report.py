@@ -20,7 +20,7 @@ from benchmarks._table import Table
 
 def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     """Measures everything on `DEVICES` devices; `echo` gets each table's Markdown as it is done."""
-    table, notes = model_table()
+    table = model_table()
     workloads = [workload(m, settings.size) for m in table]
     tables: list[Table] = []
 
@@ -28,7 +28,7 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
         tables.append(made)
         echo(made.markdown())
 
-    add(Table("Models", "", ("model", "size"), tuple((w.name, w.describe()) for w in workloads), tuple(notes)))
+    add(Table("Models", "", ("model", "size"), tuple((w.name, w.describe()) for w in workloads)))
     figures = [f for w in workloads for f in _compiled.measure(w, DEVICES)]
     add(_compiled.figures_table(figures, DEVICES))
     add(_compiled.targets_table(figures))

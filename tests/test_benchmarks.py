@@ -9,8 +9,7 @@ from benchmarks._plans import PLANS
 
 
 def _mlp():
-    table, _ = model_table()
-    return next(m for m in table if m.name == "MLP")
+    return next(m for m in model_table() if m.name == "MLP")
 
 
 def test_mlp_quick_rows_equal_one_device_and_render(tmp_path):
