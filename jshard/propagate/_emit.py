@@ -6,7 +6,9 @@ whose layout is a choice (contractions and reductions that leave partial sums, r
 made from nothing, operators whose rule XLA might read another way) and the inputs an operator
 must receive in another layout than they were made in (a redistribution). `Emission.count` says
 how many constraints that is. Call-like equations (`pjit`, `custom_jvp_call`, ...) are inlined
-where a constraint falls inside them; loop and branch bodies are rebuilt with theirs.
+where a constraint falls inside them; loop and branch bodies are rebuilt with theirs. A `remat`
+(`jax.checkpoint`) body that needs a constraint is inlined too, so XLA may keep rather than
+recompute its values (a known limit: rebuilding the remat equation would keep the recompute).
 """
 
 from __future__ import annotations
