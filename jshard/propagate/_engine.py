@@ -158,12 +158,11 @@ class Engine:
         return Result(self.decisions, self.values, self.unruled, dict(anchors))
 
     def _fix_constraint(self, i: int, node: Node) -> None:
-        v, out = node.inputs[0], node.outputs[0]
+        out = node.outputs[0]
         spec = constraint_spec(node.eqn.params["sharding"], len(shape_of(out)))
         self.values[out] = spec
         self.why[out] = i
-        comms: tuple[Comm, ...] = ()
-        self.decisions[i] = Decision((spec,), (spec,), comms, 0.0, "user", None, False)
+        self.decisions[i] = Decision((spec,), (spec,), (), 0.0, "user", None, False)
 
     def _neighbours(self, i: int) -> list[int]:
         ins, outs = self.vars[i]

@@ -11,12 +11,11 @@ from __future__ import annotations
 from jax.extend import core as jcore
 
 from jshard.propagate._factors import FactorBuilder, Factors, rule, shape_of
+from jshard.propagate._graph import nested_jaxprs
 
 
 def body_vars(eqn: jcore.JaxprEqn) -> list[tuple[list, list]]:
     """`(invars, outvars)` of each body of a nested equation, in `nested_jaxprs` order."""
-    from jshard.propagate._graph import nested_jaxprs
-
     return [(list(j.invars), list(j.outvars)) for j in nested_jaxprs(eqn)]
 
 

@@ -8,7 +8,6 @@ sizes divide (`[b, t*h] -> [b, t, h]` keeps a cut of `t*h` on `t`).
 
 from __future__ import annotations
 
-import math
 
 from jax.extend import core as jcore
 
