@@ -276,8 +276,10 @@ class Engine:
                         merged[fac] = axes
         elif reads:
             merged = reads[0]
+        # Each read without its partial-sum factors too: gather the contracted cut, keep the rest.
+        kept = [{g: axes for g, axes in a.items() if g not in f.reduced} for a in reads if f.reduced]
         out, seen = [], set()
-        for a in [merged] + reads + [{}]:
+        for a in [merged] + reads + kept + [{}]:
             key = tuple(sorted(a.items()))
             if key not in seen:
                 seen.add(key)
@@ -382,7 +384,8 @@ def default_spec(v) -> Spec:
 
 def emission_of(nodes: Sequence[Node], result: Result) -> Emission:
     """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
-    implied by the inputs), and inputs an operator receives in another layout than they were made."""
+    implied by the inputs), and inputs an operator receives in another layout than they were made
+    (with the value pinned where it is made too)."""
     outputs, inputs = {}, {}
     for i, d in result.decisions.items():
         node = nodes[i]
@@ -396,4 +399,5 @@ def emission_of(nodes: Sequence[Node], result: Result) -> Emission:
         for k, v in enumerate(ins):
             if isinstance(v, jcore.Var) and v in result.values and result.values[v] != d.in_specs[k]:
                 inputs[(id(node.eqn), k)] = d.in_specs[k]
+                outputs[v] = result.values[v]  # pin the value where it is made, or XLA may move the cut upstream
     return Emission(outputs, inputs)
