@@ -43,7 +43,7 @@ class Decision:
       comms: the collectives it costs (redistributing its inputs, its partial sums), per run.
       seconds: their α–β time, weighted by how often the operator runs.
       via: the operator index (or `arg<k>`) whose layout it took, or `""`.
-      rejected: the best alternative it did not take, as `(out_specs, seconds)`, or None.
+      rejected: the best alternative it did not take, as `(in_specs, out_specs, seconds)`, or None.
       implied: whether XLA infers its output layouts from its inputs alone (no constraint needed).
     """
 
@@ -52,7 +52,7 @@ class Decision:
     comms: tuple[Comm, ...]
     seconds: float
     via: str
-    rejected: tuple[tuple[Spec, ...], float] | None
+    rejected: tuple[tuple[Spec, ...], tuple[Spec, ...], float] | None
     implied: bool
 
 
@@ -240,7 +240,11 @@ class Engine:
         rejected = None
         if len(scored) > 1:
             _, (r_seconds, *_), r = scored[1]
-            rejected = (tuple(write_spec(d, r, f.sizes, self.axis_size) for d in f.outputs), r_seconds)
+            rejected = (
+                tuple(write_spec(d, r, f.sizes, self.axis_size) for d in f.inputs),
+                tuple(write_spec(d, r, f.sizes, self.axis_size) for d in f.outputs),
+                r_seconds,
+            )
         in_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.inputs)
         out_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.outputs)
         return in_specs, out_specs, comms, seconds, j, rejected, not comms and self._implied(i, f, best)

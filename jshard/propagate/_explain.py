@@ -29,7 +29,7 @@ def explain(plan, op) -> str:
             lines.append("  through: " + more + " -> ".join(shown))
     if op.comms:
         paid = "; ".join(f"{k} of {_human(b)} over {'×'.join(a)}" for k, b, a in op.comms)
-        lines.append(f"  cost paid: {paid} ({op.seconds * 1e6:.2f} us predicted)")
+        lines.append(f"  cost paid: {paid} ({op.seconds * 1e6:.8g} us predicted)")
     elif op.origin != "default":
         lines.append("  cost paid: none (no redistribution, no partial sums)")
     if op.rejected:

@@ -268,7 +268,7 @@ def build_ops(
                 comms=tuple((c.kind, c.bytes * node.weight, c.axes) for c in decision.comms),
                 seconds=decision.seconds,
                 via=_via(decision.via, stands_for),
-                rejected=_rejected(decision.rejected, n_out, cuts),
+                rejected=_rejected(decision.rejected, n_in, n_out, cuts),
                 layout=(decision.in_specs, decision.out_specs, decision.implied),
             )
         records.append(
@@ -299,11 +299,12 @@ def _via(via: str, number: dict[int, int]) -> str:
     return via
 
 
-def _rejected(rejected, n_out: int, cuts) -> str:
+def _rejected(rejected, n_in: int, n_out: int, cuts) -> str:
     if rejected is None:
         return ""
-    specs, seconds = rejected
-    return f"out_strategy {_strategies(tuple(map(cuts, specs[:n_out])))} at {seconds * 1e6:.2f} us"
+    ins, outs, seconds = rejected
+    strategy = f"{_strategies(tuple(map(cuts, ins[:n_in])))} -> {_strategies(tuple(map(cuts, outs[:n_out])))}"
+    return f"{strategy} at {seconds * 1e6:.8g} us"
 
 
 def _innermost(scope: str) -> str:
