@@ -174,6 +174,12 @@ class Parallelized:
         return self._cache[key]
 
 
+def _abstract(args: tuple) -> tuple:
+    """`args` as shapes and dtypes: what a plan keeps to lower its program (not the arrays, which
+    may be large or donated)."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)), args)
+
+
 def _placed(args: tuple, shardings: tuple) -> list:
     """`args` on their planned shardings; arrays already there pass untouched (a train loop feeds
     back its own outputs, so the hot path moves nothing)."""
@@ -308,7 +314,7 @@ class _Builder:
             jitted = jax.jit(run, in_shardings=in_tree, out_shardings=out_tree_sh, donate_argnums=c.donate_argnums)
         ops = build_ops(nodes, ctx.annotations, fine, result)
         plan = Plan(ctx.mesh, fine, c.mode, ops, in_tree, out_tree_sh, tuple(ctx.annotations),
-                    "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *args))
+                    "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *_abstract(args)))
         return _Entry(plan, jitted, in_tree)
 
     def _trace(self, leaves, treedef, fine):
