@@ -1,12 +1,12 @@
 """Emission: the traced jaxpr re-run with sharding constraints where the plan needs them.
 
-Not every value is constrained: XLA's own propagation already carries a layout through operators
-whose outputs follow from their inputs (elementwise, transpose). jshard constrains the outputs
-whose layout is a choice (contractions and reductions that leave partial sums, reshapes, values
-made from nothing, operators whose rule XLA might read another way) and the inputs an operator
-must receive in another layout than they were made in (a redistribution). `Emission.count` says
-how many constraints that is. Call-like equations (`pjit`, `custom_jvp_call`, ...) are inlined
-where a constraint falls inside them; loop and branch bodies are rebuilt with theirs. A `remat`
+Not every value is constrained: XLA's own propagation carries a layout through an operator of one
+input whose dims all pass through (unary elementwise, transpose, a scalar broadcast). jshard
+constrains every other output the plan fixes (where inputs meet, a dim must be whole, partial sums
+are left, a reshape or a new factor appears), and, where an operator must receive an input in
+another layout than it was made in (a redistribution), both that input and the value where it is
+made. Call-like equations (`pjit`, `custom_jvp_call`, ...) are inlined where a constraint falls
+inside them; loop and branch bodies are rebuilt with theirs. A `remat`
 (`jax.checkpoint`) body that needs a constraint is inlined too, so XLA may keep rather than
 recompute its values (a known limit: rebuilding the remat equation would keep the recompute).
 """
@@ -38,10 +38,6 @@ class Emission:
 
     outputs: Mapping
     inputs: Mapping
-
-    @property
-    def count(self) -> int:
-        return len(self.outputs) + len(self.inputs)
 
 
 @functools.lru_cache(maxsize=8192)

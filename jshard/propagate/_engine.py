@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 from jshard.propagate import _rules  # noqa: F401  (registers every rule family)
 from jshard.propagate._cost import Comm, CostModel, local_bytes, redistribution
 from jshard.propagate._emit import Emission
-from jshard.propagate._factors import RULES, Factors, Spec, read_assignment, replicated, shape_of, write_spec
+from jshard.propagate._factors import RULES, Factors, Spec, read_assignment, shape_of, write_spec
 from jshard.propagate._graph import Node
 
 CONSTRAINT = "sharding_constraint"
@@ -63,7 +63,6 @@ class Result:
     decisions: dict[int, Decision]
     values: dict
     unruled: set[int]
-    anchors: dict
 
 
 def operand_vars(node: Node) -> tuple[list, list]:
@@ -155,7 +154,7 @@ class Engine:
                         queue.append(i)
             if not queue:
                 break
-        return Result(self.decisions, self.values, self.unruled, dict(anchors))
+        return Result(self.decisions, self.values, self.unruled)
 
     def _fix_constraint(self, i: int, node: Node) -> None:
         out = node.outputs[0]
@@ -381,9 +380,6 @@ def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, i
     """Runs the engine; see the module docstring."""
     return Engine(nodes, axis_size, cost).run(anchors)
 
-
-def default_spec(v) -> Spec:
-    return replicated(len(shape_of(v)))
 
 
 def emission_of(nodes: Sequence[Node], result: Result) -> Emission:

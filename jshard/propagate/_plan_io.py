@@ -97,7 +97,7 @@ def result_from_plan(plan: Plan, nodes: Sequence[Node], invars, fine: FineMesh, 
         decisions[i] = Decision(in_specs, out_specs, comms, op.seconds, "", None, implied)
         for v, spec in zip(operand_vars(node)[1], out_specs):
             values.setdefault(v, spec)
-    return Result(decisions, values, unruled, {})
+    return Result(decisions, values, unruled)
 
 
 def _mismatch(call, i, op, here, node) -> str:

@@ -20,6 +20,7 @@ ELEMENTWISE = (
     "real", "reduce_precision", "rem", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
     "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh",
     "xor", "population_count", "clz", "random_wrap", "random_unwrap", "optimization_barrier",
+    "threefry2x32",  # elementwise over its counters; the key words are scalars
 )
 
 

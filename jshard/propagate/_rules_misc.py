@@ -1,5 +1,5 @@
 """Rules for the operators no other family covers: sorting, splitting and stacking, tiling, bit
-casts, `rng_bit_generator`, and `add_any` (the sum of two cotangents, elementwise).
+casts and `rng_bit_generator`.
 
 Each keeps the dims it leaves alone and their cut; the dim it works along (sorted, split,
 stacked, tiled, bit-cast) is whole.
@@ -12,9 +12,6 @@ import math
 from jax.extend import core as jcore
 
 from jshard.propagate._factors import DimFactors, FactorBuilder, Factors, rule, shape_of, whole
-from jshard.propagate._rules_elementwise import elementwise
-
-rule("add_any")(elementwise)
 
 
 def _all_but(b: FactorBuilder, shape, axis: int) -> list[DimFactors]:

@@ -158,14 +158,10 @@ def rev(eqn: jcore.JaxprEqn) -> Factors:
     return b.build([dims], [dims])
 
 
-@rule("iota", "random_bits", "rng_uniform", "threefry2x32", "random_seed", "random_fold_in", "random_split")
+@rule("iota", "random_bits", "rng_uniform", "random_seed", "random_fold_in", "random_split")
 def generated(eqn: jcore.JaxprEqn) -> Factors:
-    """Values made from nothing cut (iota, random bits): every output dim free, inputs whole.
-
-    `threefry2x32` is elementwise over its counters: its operands share the output's dims.
-    """
+    """Values made from nothing cut (iota, random bits): every output dim free, inputs whole."""
     b = FactorBuilder()
     out_shape = shape_of(eqn.outvars[0])
     out = b.dims(out_shape)
-    ins = [out if shape_of(v) == out_shape and eqn.primitive.name == "threefry2x32" else whole(v) for v in eqn.invars]
-    return b.build(ins, [out if shape_of(v) == out_shape else whole(v) for v in eqn.outvars])
+    return b.build([whole(v) for v in eqn.invars], [out if shape_of(v) == out_shape else whole(v) for v in eqn.outvars])
