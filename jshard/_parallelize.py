@@ -28,10 +28,12 @@ from jshard.propagate._emit import emit, to_pspec
 from jshard.propagate._engine import constraint_spec, emission_of, propagate
 from jshard.propagate._factors import replicated
 from jshard.propagate._plan_io import result_from_plan
+from jshard.propagate._search import SEARCHES, search
 
-MODES = ("data", "semi_auto", "manual")
+MODES = ("data", "semi_auto", "auto", "manual")
 PROPAGATIONS = ("jshard", "xla")
 _BOUNDARY = "the function boundary"
+_BUDGET_ROUNDS = 3
 DATASET_STRATEGIES = ("data_parallel", "full_batch")
 
 
@@ -48,6 +50,9 @@ class _Config:
     propagation: str = "jshard"
     cost_model: CostModel | None = None
     plan: Plan | None = None
+    search: str = "recursive"
+    memory_budget: float | None = None
+    search_time_limit: float = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,9 @@ def parallelize(
     propagation: str = "jshard",
     cost_model: CostModel | None = None,
     plan: Plan | None = None,
+    search: str = "recursive",
+    memory_budget: int | float | str | None = None,
+    search_time_limit: float = 60.0,
 ) -> Any:
     """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
 
@@ -81,8 +89,9 @@ def parallelize(
         with `mode="manual"`, whose PartitionSpecs name its axes.
       mode: `"data"` (the batch is cut over all devices, parameters replicated, `shard` calls
         ignored as in MindSpore's DATA_PARALLEL), `"semi_auto"` (`shard` strategies kept, the rest
-        follows from them), or `"manual"` (`in_strategy`/`out_strategy` are PartitionSpecs over
-        `mesh`; jshard only builds the program).
+        follows from them), `"auto"` (no annotations needed: `search` finds a strategy for every
+        operator, keeping any `shard` calls and `in_strategy` as constraints), or `"manual"`
+        (`in_strategy`/`out_strategy` are PartitionSpecs over `mesh`; jshard only builds the program).
       in_strategy: one entry per positional argument: a strategy tuple, a `Layout` call, a
         PartitionSpec (manual), None, or a pytree prefix of the argument holding those.
       out_strategy: the same for the results (a pytree prefix of the output).
@@ -94,8 +103,16 @@ def parallelize(
         engine: every operator gets a strategy, an origin and a cost in the `Plan`) or `"xla"`
         (Shardy propagates from the same anchors; the baseline the benchmarks compare with).
       cost_model: the α–β `CostModel` propagation minimizes (default: one GPU node).
-      plan: a `Plan` (from `Plan.load`) to rebuild instead of propagating; it must match the
-        function operator by operator.
+      plan: a `Plan` (from `Plan.load`) to rebuild instead of propagating or searching; it must
+        match the function operator by operator.
+      search: with `mode="auto"`: `"recursive"` (bisect the devices one mesh axis at a time, linear
+        in the program's size), `"ilp"` (exact, HiGHS, for a few devices and moderate programs) or
+        `"propagation"` (cut the batch, propagate as `semi_auto` does).
+      memory_budget: with `mode="auto"`: bytes per device the plan must fit (an int, or a string
+        such as `"16GiB"`); where devices are present the compiled program's memory is checked
+        and the search tightened until it fits.
+      search_time_limit: seconds the ILP may take; past it, the best plan found is used and the
+        plan says so.
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`.
@@ -119,6 +136,9 @@ def parallelize(
         propagation,
         cost_model,
         plan,
+        search,
+        parse_bytes(memory_budget),
+        float(search_time_limit),
     )
     if fn is None:
         return lambda f: Parallelized(f, config)
@@ -192,22 +212,49 @@ def _placed(args: tuple, shardings: tuple) -> list:
     return jax.tree_util.tree_unflatten(treedef, moved)
 
 
+def parse_bytes(value: int | float | str | None) -> float | None:
+    """`16GiB`, `512 MiB`, `2e9` or a number of bytes, as bytes; None stays None.
+
+    Examples:
+      >>> parse_bytes("1.5KiB"), parse_bytes(4096), parse_bytes("2GB")
+      (1536.0, 4096.0, 2000000000.0)
+    """
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else float(value)
+    text = value.strip().replace(" ", "")
+    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "B": 1}
+    for unit, size in units.items():
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * size
+    return float(text)
+
+
 def _check_config(call: str, c: _Config) -> None:
-    if c.mode == "auto":
-        raise ShardingError(
-            f"{call}: mode='auto' (strategy search with no annotations) is not part of this jshard "
-            f"yet. Use mode='semi_auto' with jshard.shard strategies on the key operators."
-        )
     if c.mode not in MODES:
         raise ShardingError(f"{call}: mode={c.mode!r} is not one of {MODES}.")
     if c.propagation not in PROPAGATIONS:
         raise ShardingError(f"{call}: propagation={c.propagation!r} is not one of {PROPAGATIONS}.")
     if c.plan is not None and (c.propagation != "jshard" or c.mode == "manual"):
         raise ShardingError(
-            f"{call}: plan= rebuilds a plan jshard propagated; it cannot be used with "
+            f"{call}: plan= rebuilds a plan jshard propagated or searched; it cannot be used with "
             f"{'mode=' + repr(c.mode) if c.mode == 'manual' else 'propagation=' + repr(c.propagation)}. "
-            f"Drop plan=, or use propagation='jshard' with mode='semi_auto' or 'data'."
+            f"Drop plan=, or use propagation='jshard' with mode='semi_auto', 'auto' or 'data'."
         )
+    if c.search not in SEARCHES:
+        raise ShardingError(f"{call}: search={c.search!r} is not one of {SEARCHES}.")
+    if c.mode != "auto" and (c.search != "recursive" or c.memory_budget is not None):
+        what = "memory_budget" if c.memory_budget is not None else f"search={c.search!r}"
+        raise ShardingError(f"{call}: {what} applies to the strategy search, mode='auto' (this call has "
+                            f"mode={c.mode!r}). Pass mode='auto', or drop {what.split('=')[0]}.")
+    if c.mode == "auto" and c.propagation != "jshard":
+        raise ShardingError(f"{call}: mode='auto' searches with jshard's own cost model; it cannot be "
+                            f"used with propagation={c.propagation!r}. Drop propagation=.")
+    if c.mode == "auto" and c.search == "propagation" and c.memory_budget is not None:
+        raise ShardingError(f"{call}: search='propagation' cuts the batch and propagates; it does not "
+                            f"weigh memory, so it cannot meet memory_budget. Use search='recursive' or 'ilp'.")
+    if c.memory_budget is not None and c.memory_budget <= 0:
+        raise ShardingError(f"{call}: memory_budget must be a positive number of bytes per device, "
+                            f"got {c.memory_budget!r}.")
     if c.plan is not None and not isinstance(c.plan, Plan):
         raise TypeError(f"{call}: plan= takes a jshard.Plan (from Plan.load), got {type(c.plan).__name__}.")
     if c.dataset_strategy not in DATASET_STRATEGIES:
@@ -221,6 +268,20 @@ def _check_config(call: str, c: _Config) -> None:
 def _no_kwargs(call, kwargs):
     if kwargs:
         raise TypeError(f"{call}: pass arguments positionally (got keyword arguments {sorted(kwargs)}).")
+
+
+def _compiled_peak(jitted, args) -> float:
+    """Per-device bytes the compiled program holds at once (arguments + results + temporaries -
+    donated), as XLA's buffer assignment reports them."""
+    m = jitted.lower(*_abstract(args)).compile().memory_analysis()
+    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _human(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n:.0f} B"
 
 
 def _dtype_of(x):
@@ -292,14 +353,61 @@ class _Builder:
                  for i, (path, x, s, v) in enumerate(zip(paths, leaves, in_slots, invars))]
         out_slots = self._slots(c.out_strategy, out_shape, "out_strategy")
         out_sh = [self._out_sharding(jax.tree_util.keystr(p), x, s, ctx) for (p, x), s in zip(out_paths, out_slots)]
-        evaluate, result = jcore.jaxpr_as_fun(closed), None
-        if c.mode != "manual" and c.propagation == "jshard":
-            if c.plan is not None:
-                result = result_from_plan(c.plan, nodes, invars, fine, self.call)
-                in_sh = [sh or (NamedSharding(ctx.mesh, p) if p is not None else None) for sh, p in zip(in_sh, c.plan.in_shardings)]
-            else:
-                fixed = {v: constraint_spec(sh, len(np.shape(x))) for v, sh, x in zip(invars, in_sh, leaves) if sh is not None}
-                result = propagate(nodes, fixed, dict(zip(fine.names, fine.sizes)), c.cost_model)
+        axis_size = dict(zip(fine.names, fine.sizes))
+        fixed = {v: constraint_spec(sh, len(np.shape(x))) for v, sh, x in zip(invars, in_sh, leaves) if sh is not None}
+        searching = c.mode == "auto" and c.search != "propagation" and c.plan is None
+        budget, report = c.memory_budget, None
+        for attempt in range(_BUDGET_ROUNDS):
+            result = None
+            if c.mode != "manual" and c.propagation == "jshard":
+                if c.plan is not None:
+                    result = result_from_plan(c.plan, nodes, invars, fine, self.call)
+                    in_sh = [sh or (NamedSharding(ctx.mesh, p) if p is not None else None) for sh, p in zip(in_sh, c.plan.in_shardings)]
+                elif searching:
+                    result, report = self._search(nodes, closed, fixed, axis_size, paths, budget)
+                else:
+                    result = propagate(nodes, fixed, axis_size, c.cost_model)
+            entry = self._program(closed, nodes, result, in_sh, out_sh, leaves, treedef, out_tree, fine, ctx, report)
+            if not searching or c.memory_budget is None or entry.jitted is None:
+                return entry
+            held = _compiled_peak(entry.jitted, args)
+            report = dataclasses.replace(report, compiled_peak_bytes=held)
+            if held <= c.memory_budget:
+                return dataclasses.replace(entry, plan=dataclasses.replace(entry.plan, search=report))
+            budget = budget * c.memory_budget / held * 0.97  # XLA holds more than the estimate: ask for less
+        raise ShardingError(
+            f"{self.call}: memory_budget={_human(c.memory_budget)} per device: the searched plan's "
+            f"compiled program still holds {_human(held)} per device after {_BUDGET_ROUNDS} searches with "
+            f"tighter estimates (XLA's temporary buffers exceed what the search models). Raise "
+            f"memory_budget, or use more devices."
+        )
+
+    def _search(self, nodes, closed, fixed, axis_size, paths, budget):
+        c = self.config
+        invars = closed.jaxpr.invars
+        consts = list(closed.jaxpr.constvars)
+        fixed = {**fixed, **{v: replicated(len(v.aval.shape)) for v in consts}}
+        donated = frozenset(v for i in self._donated_leaf_ids() for v in [invars[i]])
+        names = {v: f"args{p}" for v, p in zip(invars, paths)}
+        return search(nodes, list(invars) + consts, closed.jaxpr.outvars, fixed, axis_size, how=c.search,
+                      cost=c.cost_model, budget=budget, donated=donated, names=names, call=self.call,
+                      time_limit=c.search_time_limit)
+
+    def _donated_leaf_ids(self) -> set[int]:
+        ids, start = set(), 0
+        for i, a in enumerate(self.args):
+            count = len(jax.tree_util.tree_leaves(a))
+            if i in self.config.donate_argnums:
+                ids.update(range(start, start + count))
+            start += count
+        return ids
+
+    def _program(self, closed, nodes, result, in_sh, out_sh, leaves, treedef, out_tree, fine, ctx, report) -> _Entry:
+        """The jitted program and its `Plan` for one planning `result` (None: XLA propagates)."""
+        c, args = self.config, self.args
+        invars, outvars = closed.jaxpr.invars, closed.jaxpr.outvars
+        evaluate = jcore.jaxpr_as_fun(closed)
+        if result is not None:
             in_sh = [sh or NamedSharding(ctx.mesh, to_pspec(result.values.get(v, replicated(np.ndim(x)))))
                      for v, sh, x in zip(invars, in_sh, leaves)]
             out_sh = [sh if sh is not None or v not in result.values else NamedSharding(ctx.mesh, to_pspec(result.values[v]))
@@ -314,7 +422,8 @@ class _Builder:
             jitted = jax.jit(run, in_shardings=in_tree, out_shardings=out_tree_sh, donate_argnums=c.donate_argnums)
         ops = build_ops(nodes, ctx.annotations, fine, result)
         plan = Plan(ctx.mesh, fine, c.mode, ops, in_tree, out_tree_sh, tuple(ctx.annotations),
-                    "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *_abstract(args)))
+                    "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *_abstract(args)),
+                    search=report)
         return _Entry(plan, jitted, in_tree)
 
     def _trace(self, leaves, treedef, fine):
@@ -381,10 +490,12 @@ class _Builder:
             return NamedSharding(ctx.mesh, slot)
         if slot is not None:
             return self._layout_sharding(slot, x, ctx, f"in_strategy{path}")
-        if anchor is not None and self.config.mode == "semi_auto":
+        c = self.config
+        if anchor is not None and c.mode in ("semi_auto", "auto"):
             return anchor
-        free = self.config.mode == "semi_auto" and self.config.propagation == "jshard"
-        cut_batch = self.config.mode != "manual" and self.config.dataset_strategy == "data_parallel"
+        free = c.mode in ("semi_auto", "auto") and c.propagation == "jshard"
+        searched = c.mode == "auto" and c.search != "propagation"  # the search decides the batch too
+        cut_batch = c.mode != "manual" and c.dataset_strategy == "data_parallel" and not searched
         if batch and cut_batch and len(shape) > 0:
             if shape[0] % self.n:
                 raise ShardingError(

@@ -16,6 +16,9 @@ def explain(plan, op) -> str:
     lines.append(f"  strategy: in {_strategies(op.in_strategy)} -> out {_strategies(op.out_strategy)}; origin {op.origin}")
     if op.origin == "user" and op.annotation:
         lines.append(f"  set by the user: jshard.shard({op.annotation}) at {op.source}")
+    elif op.origin == "searched":
+        how = "" if plan.search is None else f" (search={plan.search.search}, {plan.search.status})"
+        lines.append(f"  chosen by the strategy search{how}: the least-cost plan over every operator together")
     elif op.origin == "default":
         reason = "no sharding rule for this primitive" if not op.ruled else "no anchor reaches it"
         lines.append(f"  left replicated ({reason}); XLA decides its layout")

@@ -87,6 +87,7 @@ class Plan:
       propagation: `"jshard"` (the engine laid out every operator) or `"xla"` (Shardy did).
       lower: lowers the planned program (what `audit` compiles); None for a loaded plan or one made
         on an abstract mesh.
+      search: how `mode="auto"` found the plan (a `SearchReport`), or None.
     """
 
     mesh: Mesh | None
@@ -98,6 +99,7 @@ class Plan:
     annotations: tuple[Annotation, ...] = ()
     propagation: str = "jshard"
     lower: Callable[[], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    search: Any = dataclasses.field(default=None, compare=False)
 
     @property
     def device_count(self) -> int:
@@ -150,6 +152,8 @@ class Plan:
             f"{len(self.ops)} operators: " + ", ".join(f"{origins[o]} {o}" for o in ORIGINS if origins[o])
             + f"; coverage {self.coverage:.1%}; predicted collectives {_human(self.predicted_bytes())} per device",
         ]
+        if self.search is not None:
+            lines.append(self.search.line())
         lines.append(_table(_by_line(self.ops)))
         return "\n".join(lines)
 
@@ -220,8 +224,8 @@ def build_ops(
 
     Sharding constraints themselves are not operators and are left out. In a `shard` region the
     main operator is its first `dot_general` (else its first operator). With a propagation
-    `result`, every operator it decided carries its strategy (`origin="propagated"`, or `user`
-    inside a `shard` region's forward pass).
+    `result`, every operator it decided carries its strategy (`origin="propagated"`, `searched`
+    where the strategy search chose it, or `user` inside a `shard` region's forward pass).
     """
     by_scope = {a.scope: a for a in annotations}
     main: dict[str, Node] = {}
@@ -264,7 +268,7 @@ def build_ops(
                     in_specs=tuple(map(to_pspec, ins)), out_specs=tuple(map(to_pspec, outs)),
                 )
             fields.update(
-                origin="user" if user else "propagated",
+                origin="user" if user else "searched" if decision.via == "searched" else "propagated",
                 comms=tuple((c.kind, c.bytes * node.weight, c.axes) for c in decision.comms),
                 seconds=decision.seconds,
                 via=_via(decision.via, stands_for),

@@ -94,7 +94,8 @@ def result_from_plan(plan: Plan, nodes: Sequence[Node], invars, fine: FineMesh, 
             continue
         in_specs, out_specs, implied = op.layout
         comms = tuple(Comm(k, b / node.weight, tuple(a)) for k, b, a in op.comms)
-        decisions[i] = Decision(in_specs, out_specs, comms, op.seconds, "", None, implied)
+        via = "searched" if op.origin == "searched" else ""
+        decisions[i] = Decision(in_specs, out_specs, comms, op.seconds, via, None, implied)
         for v, spec in zip(operand_vars(node)[1], out_specs):
             values.setdefault(v, spec)
     return Result(decisions, values, unruled)
