@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from benchmarks import _abstract, _against_jit, _compiled, _planning
+from benchmarks import _abstract, _against_jit, _compiled, _gpu, _planning
 from benchmarks._models import model_table, workload
 from benchmarks._settings import DEVICES, Settings
 from benchmarks._table import Table
@@ -42,12 +42,14 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
 
 
 def document(tables: list[Table], command: str, seconds: float, load: tuple[float, float]) -> str:
-    """`BENCHMARKS.md`: the machine and command, then the tables."""
+    """`BENCHMARKS.md`: the machine and command, then the tables, then the GPU run's section where
+    `benchmarks/gpu_results.json` exists."""
     head = [
         "# jshard benchmarks",
         "",
         f"Written by `{command}` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} "
-        f"in {seconds / 60:.1f} min. Every figure was measured in that run, beside what it is compared with.",
+        f"in {seconds / 60:.1f} min. Every figure was measured in that run, beside what it is compared with"
+        + (" (except the GPU section at the end: see its first line)." if _gpu.RESULTS.exists() else "."),
         "",
         f"- machine: {_cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; "
         f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end",
@@ -57,7 +59,8 @@ def document(tables: list[Table], command: str, seconds: float, load: tuple[floa
         "",
         "",
     ]
-    return "\n".join(head) + "\n".join(t.markdown() for t in tables)
+    gpu = _gpu.gpu_section()  # from benchmarks/gpu_results.json, measured apart on a real GPU
+    return "\n".join(head) + "\n".join(t.markdown() for t in tables) + ("\n" + gpu if gpu else "")
 
 
 def command_line(argv: list[str]) -> str:

@@ -39,3 +39,36 @@ def test_mlp_quick_rows_equal_one_device_and_render(tmp_path):
     text = out.read_text()
     assert "python -m benchmarks --quick" in text and "cores" in text and "jax " in text
     assert text.count("| MLP | ") == len(PLANS) + 2
+
+
+def test_gpu_section_renders_from_results_json(tmp_path):
+    import json
+
+    import jax.numpy as jnp
+
+    from benchmarks import _gpu
+
+    assert _gpu.gpu_section(tmp_path / "missing.json") == ""
+    assert _gpu.dot_flops(lambda a, b: (a @ b).sum(), jnp.ones((4, 8)), jnp.ones((8, 2))) == {"float32 x float32": 128.0}
+    program = {"step_ms": 80.0, "tokens_per_s": 102400.0, "model_tflops": 128.0, "mfu": 0.26, "first_call_s": 12.0,
+               "loss_first_step": 10.5, "xla_flops_compiled": 9e11}
+    run = {"dtype": "float32", "matmul_precision": "TF32", "peak_tflops": 494.7, "error": "",
+           "dot_flops": {"float32 x float32": 1e13}, "programs": {"jshard": program, "jax.jit": {**program, "step_ms": 79.0}},
+           "ratio": 80 / 79, "ratio_rounds": 1.01, "loss_rel_diff": 0.0, "loss_tolerance": 1e-3, "loss_ok": True,
+           "breakdown_ms": {"forward": 26.0, "forward+backward": 75.0, "step": 79.0}, "peak_memory_bytes": 2**34}
+    results = {"command": "python -m benchmarks._gpu --out x.json", "date": "2026-01-01 00:00 UTC",
+               "device": "NVIDIA H100 80GB HBM3", "jax": "0.11.2", "jaxlib": "0.11.2", "jshard_commit": "abc1234",
+               "config": {"vocab": 32768, "seq_len": 1024, "d_model": 1024, "n_heads": 16, "n_layers": 12, "d_ff": 4096,
+                          "scan": False, "batch": 8},
+               "params": 219203584, "flop_params": 184600576, "tokens_per_step": 8192, "model_flops_per_step": 1.031e13,
+               "flops_formula": _gpu.FLOPS_FORMULA,
+               "matmul": {"float32_default_rel_err": 3e-4, "float32_default": "TF32", "jax_default_matmul_precision": "None",
+                          "ceiling_tflops_float32": 360.0, "ceiling_tflops_bfloat16": 700.0, "ceiling_size": 8192},
+               "runs": [run]}
+    path = tmp_path / "gpu_results.json"
+    path.write_text(json.dumps(results))
+    text = _gpu.gpu_section(path)
+    assert text.startswith("## GPU: reference GPT train step (H100)")
+    assert "| float32 (TF32) | jshard | 80.00 ms | 102,400 | 128.0 | 26.0% | 1.013 (rounds: 1.010) |" in text
+    assert "python -m benchmarks._gpu --out x.json" in text and "2026-01-01" in text and "jax 0.11.2" in text
+    assert "6·N·T + 12·L·d·S·T" in text
