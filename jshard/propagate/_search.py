@@ -233,23 +233,34 @@ def _local(g: SearchGraph, k: int, a: Assignment, choice) -> float:
 
 
 def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str) -> str:
-    """What no plan can fit: the least peak any layout reaches, what is missing, and the tensors
-    that dominate that point."""
+    """Why no plan fits: the least the arguments and results need (a true lower bound: each cut as
+    finely as its dims allow), the search's own least estimate with the activations kept between
+    operators, what is missing and the tensors that dominate."""
     least = {}
     for v in g.memory_values:
         size = float(math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize)
         least[v] = size / _finest_cut(v.aval.shape, g.axis_size)
+    boundary = {v: b for v, b in least.items() if v in g.arg_unit or g.last[v] == g.end}
+    bound = g.live_bytes(boundary)
     live = g.live_bytes(least)
-    t = int(np.argmax(live))
-    top = sorted(g.live_at(t), key=lambda v: least[v], reverse=True)[:_TOP_TENSORS]
     n = math.prod(g.axis_size.values())
+    head = f"{call}: memory_budget={_human(budget)} per device cannot be met on {n} devices (search={how!r}): "
+    if bound.max() > budget:
+        t = int(np.argmax(bound))
+        why = (f"the arguments and results alone, each cut as finely as its dims allow, hold {_human(bound[t])} "
+               f"per device at once ({_human(bound[t] - budget)} missing).")
+        shown = boundary
+    else:
+        t = int(np.argmax(live))
+        why = (f"the search found no plan under it. With every tensor cut as finely as its dims allow, it estimates "
+               f"{_human(live[t])} per device live at {_where(g, t)} ({_human(max(live[t] - budget, 0))} over; the "
+               f"arguments and results alone need {_human(bound.max())}; the estimate counts activations the "
+               f"backward pass keeps, which XLA may fuse away).")
+        shown = least
+    top = sorted((v for v in g.live_at(t) if v in shown), key=lambda v: shown[v], reverse=True)[:_TOP_TENSORS]
     rows = "; ".join(f"{_name(g, v, names)} {_aval(v)} ({_human(least[v])} per device at best)" for v in top)
-    return (
-        f"{call}: memory_budget={_human(budget)} per device cannot be met on {n} devices (search={how!r}): "
-        f"even with every tensor cut as finely as its dims allow, {_human(live[t])} per device is live at "
-        f"once ({_human(live[t] - budget)} missing, at {_where(g, t)}). Largest there: {rows}. "
-        f"Raise memory_budget, use more devices, donate the state (donate_argnums) or shrink the batch."
-    )
+    return (head + why + f" Largest: {rows}. Raise memory_budget, use more devices, donate the state "
+            f"(donate_argnums) or shrink the batch.")
 
 
 def _finest_cut(shape, axis_size: Mapping[str, int]) -> int:

@@ -25,6 +25,7 @@ import numpy as np
 from jshard.propagate._search_graph import Assignment, Group, SearchGraph
 
 _ROUNDS = 4
+_TIE = 1e-18  # seconds per byte held at the peak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,9 @@ def solve(g: SearchGraph, groups: Sequence[Group], budget: float | None, time_li
             for p in set(first) | set(other):
                 row([(int(offset[u]) + j, 1.0) for j in first.get(p, ())]
                     + [(int(offset[w]) + j, -1.0) for j in other.get(p, ())], 0.0, 0.0)
+    peak_at = int(np.argmax(g.live_bytes({v: _size(v) for v in g.memory_values})))
+    for c, b in _memory_row(g, peak_at, cands, offset):  # between plans of equal cost, the one that holds less
+        cost[c] += _TIE * b * 1e6
     n = len(cost)
     integrality = np.zeros(n)
     integrality[:n_x] = 1

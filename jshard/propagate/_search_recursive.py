@@ -24,9 +24,12 @@ from collections.abc import Sequence
 
 from jshard.propagate._search_graph import Assignment, Group, SearchGraph
 
-_DOUBLINGS = 48
-_BISECTIONS = 10
-_PASSES = 4
+_GROWTHS = 24
+_BISECTIONS = 6
+_PASSES = 2
+_ROOTS = 4  # the heaviest units tried with each candidate, one after another, per level
+_TIE = 1e-18  # seconds per byte kept: between plans of equal cost, the one that holds less
+_HEAVY = 0.1  # ... among those with at least this share of the heaviest one's compute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +51,8 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solv
     peak, _ = g.peak(choice)
     if budget is None or peak <= budget:
         return Solved(choice, seconds, peak, "fits" if budget else "no budget", len(levels))
-    low, high, best = 0.0, 1e-15, None
-    for _ in range(_DOUBLINGS):
+    low, high, best = 0.0, max(seconds, 1e-9) / peak, None  # λ's scale: the plan's seconds per byte
+    for _ in range(_GROWTHS):
         choice, seconds = search.run(high)
         peak, _ = g.peak(choice)
         if peak <= budget:
@@ -80,6 +83,9 @@ class _Recursive:
         weight = lambda k: (g.units[k].weight * g.units[k].flops, len(self.neighbours[k]))
         self.order = sorted((k for k, u in enumerate(g.units) if u.free), key=weight, reverse=True)
         self.fixed = [k for k, u in enumerate(g.units) if not u.free]
+        self.program = [k for k, u in enumerate(g.units) if u.free]  # arguments, then operators in program order
+        heaviest = weight(self.order[0])[0] if self.order else 0.0
+        self.roots = [k for k in self.order if weight(k)[0] >= _HEAVY * heaviest][:_ROOTS] or self.order[:1]
         replicated = g.live_bytes({v: float(v.aval.size * v.aval.dtype.itemsize) for v in g.memory_values})
         t = int(replicated.argmax())
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at the peak
@@ -95,20 +101,21 @@ class _Recursive:
 
     def _level(self, group: Group, base: list[Assignment], lam: float):
         g = self.g
-        cands = {}
-        best = None
-        root = self.order[0] if self.order else None
-        trials = [None] if root is None else self._cands(root, group, base, cands)
-        for first in trials:
-            chosen = self._spread(group, base, lam, cands, root, first)
-            self._refine(group, base, lam, cands, chosen)
-            total = self._total(chosen, lam)
-            if best is None or total < best[0]:
-                best = (total, chosen)
-        unused = dict(enumerate(base))  # the axis left unused: the level replicates
-        total = self._total(unused, lam)
-        if total < best[0]:
-            best = (total, unused)
+        cands: dict = {}
+        self._memo = {}
+        best = (self._total(dict(enumerate(base)), lam), dict(enumerate(base)))  # the axis unused: replicate over it
+        pinned: dict[int, Assignment] = {}
+        for root in self.roots:
+            found = None
+            for first in self._cands(root, group, base, cands):
+                chosen = self._spread(group, base, lam, cands, {**pinned, root: first})
+                self._refine(group, base, lam, cands, chosen, set(pinned) | {root})
+                total = self._total(chosen, lam)
+                if found is None or total < found[0]:
+                    found = (total, chosen, first)
+            pinned[root] = found[2]
+            if found[0] < best[0]:
+                best = found[:2]
         _, chosen = best
         return [chosen.get(k, base[k]) for k in range(len(g.units))]
 
@@ -118,32 +125,24 @@ class _Recursive:
             found = cands[k] = self.g.candidates(k, [group], base[k])
         return found
 
-    def _spread(self, group, base, lam, cands, root, first) -> dict[int, Assignment]:
+    def _spread(self, group, base, lam, cands, roots: dict) -> dict[int, Assignment]:
+        """The pinned `roots`, then every other unit in program order (arguments first), each
+        against the neighbours decided before it: a cut made upstream flows down the program."""
         chosen: dict[int, Assignment] = {k: base[k] for k in self.fixed}
-        queue: collections.deque[int] = collections.deque()
-        if root is not None:
-            chosen[root] = first
-            queue.append(root)
-        order = iter(self.order)
-        while True:
-            while queue:
-                k = queue.popleft()
-                for _, j, _ in self.neighbours[k]:
-                    if j not in chosen:
-                        chosen[j] = self._best(j, group, base, lam, cands, chosen)
-                        queue.append(j)
-            k = next((k for k in order if k not in chosen), None)
-            if k is None:
-                return chosen
-            chosen[k] = self._best(k, group, base, lam, cands, chosen)
-            queue.append(k)
+        chosen.update(roots)
+        for k in self.program:
+            if k not in chosen:
+                chosen[k] = self._best(k, group, base, lam, cands, chosen)
+        return chosen
 
-    def _refine(self, group, base, lam, cands, chosen) -> None:
+    def _refine(self, group, base, lam, cands, chosen, keep) -> None:
         """Revisits every unit, heaviest first, against all its neighbours now that they are decided,
         until no unit changes (a few passes): the spread decided each against only some of them."""
         for _ in range(_PASSES):
             changed = False
-            for k in self.order:
+            for k in reversed(self.program):
+                if k in keep:
+                    continue
                 best = self._best(k, group, base, lam, cands, chosen)
                 if best != chosen[k]:
                     chosen[k], changed = best, True
@@ -159,6 +158,15 @@ class _Recursive:
         return best
 
     def _local(self, k, a, lam, chosen) -> float:
+        # Memoized per level by the identities of the candidate and of the neighbours' choices
+        # (all of them live in the level's candidate lists or `base` while the level runs).
+        key = (k, id(a), tuple(id(chosen.get(j)) for _, j, _ in self.neighbours[k]))
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = self._local_cost(k, a, lam, chosen)
+        return found
+
+    def _local_cost(self, k, a, lam, chosen) -> float:
         g = self.g
         cost = g.unit_seconds(k, a)
         for e_index, j, outgoing in self.neighbours[k]:
@@ -168,9 +176,7 @@ class _Recursive:
             mine = g.spec(k, (e.src if outgoing else e.dst)[1], a)
             theirs = g.spec(j, (e.dst if outgoing else e.src)[1], chosen[j])
             cost += g.edge_seconds(e, mine, theirs) if outgoing else g.edge_seconds(e, theirs, mine)
-        if lam:
-            cost += lam * self._kept(k, a)
-        return cost
+        return cost + max(lam, _TIE) * self._kept(k, a)
 
     def _kept(self, k, a) -> float:
         g = self.g

@@ -1,0 +1,167 @@
+"""Strategy search (`mode="auto"`): numerics against one device, memory budgets in the compiled
+program, the plans a user expects at the two extremes, save/load, errors, abstract meshes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jshard as js
+from jshard import models
+
+
+def _mlp_step(cfg):
+    optimizer = optax.adam(1e-3)
+    step = models.make_train_step(lambda p, b: models.mlp_loss(p, b), optimizer)
+    params = models.init_mlp(cfg, jax.random.key(0))
+    return step, params, optimizer.init(params)
+
+
+def _specs(tree):
+    return [s.spec for s in jax.tree_util.tree_leaves(tree)]
+
+
+@pytest.fixture(scope="module")
+def wide_mlp():
+    """Weights (4 x 256x1024) dwarf the activations (batch 16)."""
+    cfg = models.MLPConfig(256, 1024, 256, 4)
+    step, params, opt_state = _mlp_step(cfg)
+    batch = models.mlp_batch(np.random.default_rng(0), cfg, 16)
+    return step, (params, opt_state, batch), jax.jit(step)(params, opt_state, batch)[2]
+
+
+@pytest.mark.parametrize("how", ["recursive", "ilp"])
+def test_tight_budget_on_weight_heavy_mlp_cuts_weights_and_fits_compiled(wide_mlp, how):
+    step, args, ref = wide_mlp
+    free = js.parallelize(step, devices=8, mode="auto", search=how).plan(*args)
+    budget = free.search.peak_bytes / 4
+    auto = js.parallelize(step, devices=8, mode="auto", search=how, memory_budget=budget)
+    plan = auto.plan(*args)
+    weights = _specs(plan.in_shardings[0])
+    assert any(spec != jax.sharding.PartitionSpec() for spec in weights), weights  # weights are cut
+    assert plan.search.compiled_peak_bytes <= budget  # read from the compiled program's memory_analysis
+    _, _, loss = auto(*args)
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
+    assert f"budget {plan.search.budget / 2**20:.4g} MiB" in plan.search.line()
+
+
+@pytest.mark.parametrize("how", [
+    pytest.param("recursive", marks=pytest.mark.xfail(strict=True, reason=(
+        "known gap: the recursive search cuts the batch but also lays w0 out FSDP-style "
+        "(predicted 62 us against the ILP's data-parallel 41 us)"))),
+    "ilp",
+])
+def test_huge_batch_tiny_weights_is_data_parallel(how):
+    cfg = models.MLPConfig(64, 256, 64, 2)
+    step, params, opt_state = _mlp_step(cfg)
+    batch = models.mlp_batch(np.random.default_rng(0), cfg, 65536)
+    auto = js.parallelize(step, devices=8, mode="auto", search=how)
+    plan = auto.plan(params, opt_state, batch)
+    names = plan.fine.names
+    x_spec, y_spec = _specs(plan.in_shardings[2])
+    assert x_spec == jax.sharding.PartitionSpec(names) and y_spec == jax.sharding.PartitionSpec(names)
+    weights = {k: s.spec for k, s in plan.in_shardings[0].items() if k.startswith("w")}
+    assert all(s == jax.sharding.PartitionSpec() for s in weights.values()), weights  # replicated
+    assert plan.predicted().get("all-reduce", 0) >= 0.6 * plan.predicted_bytes()  # the gradients'
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    cfg = models.GPTConfig(vocab=32, seq_len=8, d_model=32, n_heads=4, n_layers=2, d_ff=64, scan=True)
+    optimizer = optax.adam(1e-3)
+    step = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), optimizer)
+    params = models.init_gpt(cfg, jax.random.key(0))
+    args = (params, optimizer.init(params), models.copy_task_batch(np.random.default_rng(0), cfg, 8))
+    return step, args, jax.jit(step)(*args)[2]
+
+
+@pytest.mark.parametrize("how", ["recursive", "ilp"])
+def test_searched_gpt_equals_one_device_and_is_explained(gpt, how):
+    step, args, ref = gpt
+    auto = js.parallelize(step, devices=8, mode="auto", search=how, search_time_limit=8)
+    _, _, loss = auto(*args)
+    np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
+    plan = auto.plan(*args)
+    assert {op.origin for op in plan.ops} == {"searched"}
+    assert f"search={how}" in plan.summary()
+    dot = next(op for op in plan.ops if op.primitive == "dot_general")
+    text = plan.explain(dot)
+    assert "origin searched" in text and "chosen by the strategy search" in text
+    assert "best rejected alternative" in text
+    if how == "recursive":  # known gap: the ILP's GPT plan predicts 0 B where XLA moves 68 KiB
+        assert plan.audit().bytes() == pytest.approx(plan.predicted_bytes(), rel=0.1, abs=1024)
+
+
+def test_searched_moe_and_resnet_equal_one_device():
+    for cfg, init, loss, make_batch in [
+        (models.MoEConfig(), models.init_moe, models.moe_loss, models.moe_batch),
+        (models.ResNetConfig(), models.init_resnet, models.resnet_loss, models.resnet_batch),
+    ]:
+        optimizer = optax.adam(1e-3)
+        step = models.make_train_step(lambda p, b, cfg=cfg, loss=loss: loss(p, b, cfg), optimizer)
+        params = init(cfg, jax.random.key(0))
+        args = (params, optimizer.init(params), make_batch(np.random.default_rng(0), cfg, 8))
+        ref = jax.jit(step)(*args)[2]
+        _, _, got = js.parallelize(step, devices=8, mode="auto")(*args)
+        np.testing.assert_allclose(float(got), float(ref), rtol=1e-5)
+
+
+def test_save_load_rebuilds_the_same_program(gpt, tmp_path):
+    step, args, _ = gpt
+    auto = js.parallelize(step, devices=8, mode="auto", search="recursive")
+    plan = auto.plan(*args)
+    plan.save(tmp_path / "plan.json")
+    loaded = js.Plan.load(tmp_path / "plan.json")
+    again = js.parallelize(step, devices=8, mode="auto", plan=loaded)
+    assert {op.origin for op in again.plan(*args).ops} == {"searched"}
+    assert again.lower(*args).as_text() == auto.lower(*args).as_text()
+
+
+def test_impossible_budget_says_what_is_missing_and_which_tensors(wide_mlp):
+    step, args, _ = wide_mlp
+    auto = js.parallelize(step, devices=8, mode="auto", memory_budget="64KiB")
+    with pytest.raises(js.ShardingError, match=r"memory_budget=64 KiB per device cannot be met on 8 devices") as e:
+        auto.plan(*args)
+    text = str(e.value)
+    assert "missing" in text and "args[0]['w0'] float32[256,1024] (128 KiB per device at best)" in text
+    assert "Raise memory_budget" in text
+
+
+def test_shard_calls_stay_as_constraints_in_auto_mode():
+    def f(x, w1, w2):
+        h = js.shard(jnp.matmul, ((1, 1), (1, 8)))(x, w1)
+        return jnp.tanh(h) @ w2
+
+    rng = np.random.default_rng(0)
+    args = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(16, 32), (32, 64), (64, 8)]]
+    auto = js.parallelize(f, devices=8, mode="auto", search="ilp")
+    plan = auto.plan(*args)
+    dot = plan.ops[0]
+    assert dot.origin == "user" and dot.in_strategy == ((1, 1), (1, 8))
+    assert {op.origin for op in plan.ops[1:]} == {"searched"}
+    np.testing.assert_allclose(auto(*args), f(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_abstract_mesh_plans_for_more_devices_than_present():
+    cfg = models.GPTConfig(vocab=64, seq_len=16, d_model=64, n_heads=8, n_layers=4, d_ff=256, scan=True)
+    optimizer = optax.adam(1e-3)
+    step = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), optimizer)
+    params = jax.eval_shape(lambda: models.init_gpt(cfg, jax.random.key(0)))
+    batch = tuple(jax.ShapeDtypeStruct((64, 16), t) for t in (np.int32, np.int32, np.float32))
+    auto = js.parallelize(step, devices=64, mode="auto")
+    plan = auto.plan(params, jax.eval_shape(optimizer.init, params), batch)
+    assert plan.device_count == 64 and plan.search.mesh == "2·2·2·2·2·2"
+    assert plan.search.peak_bytes > 0 and {op.origin for op in plan.ops} == {"searched"}
+    with pytest.raises(js.DeviceCountError):
+        auto(params, None, batch)
+
+
+def test_search_options_are_checked():
+    f = lambda x: x * 2
+    with pytest.raises(js.ShardingError, match=r"search='bfs' is not one of \('recursive', 'ilp', 'propagation'\)"):
+        js.parallelize(f, devices=8, mode="auto", search="bfs")
+    with pytest.raises(js.ShardingError, match=r"memory_budget applies to the strategy search, mode='auto'"):
+        js.parallelize(f, devices=8, mode="semi_auto", memory_budget="1GiB")
+    with pytest.raises(js.ShardingError, match=r"search='propagation' cuts the batch and propagates"):
+        js.parallelize(f, devices=8, mode="auto", search="propagation", memory_budget="1GiB")
