@@ -103,6 +103,8 @@ def search(
     start = time.perf_counter()
     g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated)
     axes = [(a,) for a, n in axis_size.items() if n > 1]
+    if budget is not None and _boundary_bound(g) > budget:  # nothing can fit: say so before searching
+        raise ShardingError(_too_big(g, budget, names or {}, call, how))
     if how == "recursive":
         try:
             solved = _search_recursive.solve(g, axes, budget)
@@ -232,14 +234,23 @@ def _local(g: SearchGraph, k: int, a: Assignment, choice) -> float:
     return total
 
 
+def _least(g: SearchGraph) -> dict:
+    """Each memory value's bytes per device, cut as finely as its dims allow."""
+    return {v: float(math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize) / _finest_cut(v.aval.shape, g.axis_size)
+            for v in g.memory_values}
+
+
+def _boundary_bound(g: SearchGraph) -> float:
+    """A true lower bound on the peak: the arguments and results alone, each cut as finely as it can be."""
+    least = _least(g)
+    return float(g.live_bytes({v: b for v, b in least.items() if v in g.arg_unit or g.last[v] == g.end}).max())
+
+
 def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str) -> str:
     """Why no plan fits: the least the arguments and results need (a true lower bound: each cut as
     finely as its dims allow), the search's own least estimate with the activations kept between
     operators, what is missing and the tensors that dominate."""
-    least = {}
-    for v in g.memory_values:
-        size = float(math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize)
-        least[v] = size / _finest_cut(v.aval.shape, g.axis_size)
+    least = _least(g)
     boundary = {v: b for v, b in least.items() if v in g.arg_unit or g.last[v] == g.end}
     bound = g.live_bytes(boundary)
     live = g.live_bytes(least)
