@@ -318,18 +318,15 @@ def test_devices_and_mesh_disagree():
 # --- parallelize configuration --------------------------------------------------------------------
 
 
-def test_mode_auto_not_available():
-    with pytest.raises(js.ShardingError, match=parts(
-        "mode='auto' (strategy search with no annotations) is not part",
-        "Use mode='semi_auto'",
-    )):
-        js.parallelize(lambda x: x, mode="auto")
+def test_mode_unknown():
+    with pytest.raises(js.ShardingError, match=parts("mode='autp' is not one of ('data', 'semi_auto', 'auto', 'manual')")):
+        js.parallelize(lambda x: x, mode="autp")
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"mode": "fast"}, "mode='fast' is not one of ('data', 'semi_auto', 'manual')"),
+        ({"mode": "fast"}, "mode='fast' is not one of ('data', 'semi_auto', 'auto', 'manual')"),
         ({"mode": "manual"}, "mode='manual' takes PartitionSpecs over your mesh; pass mesh=... too"),
         ({"dataset_strategy": "shuffled"}, "dataset_strategy='shuffled' is not one of ('data_parallel', 'full_batch')"),
     ],
