@@ -364,7 +364,17 @@ class _Builder:
                     result = result_from_plan(c.plan, nodes, invars, fine, self.call)
                     in_sh = [sh or (NamedSharding(ctx.mesh, p) if p is not None else None) for sh, p in zip(in_sh, c.plan.in_shardings)]
                 elif searching:
-                    result, report = self._search(nodes, closed, fixed, axis_size, paths, budget)
+                    try:
+                        result, report = self._search(nodes, closed, fixed, axis_size, paths, budget)
+                    except ShardingError as e:
+                        if attempt == 0:
+                            raise
+                        raise ShardingError(
+                            f"{self.call}: memory_budget={_human(c.memory_budget)} per device: the searched "
+                            f"plan's compiled program held {_human(held)} per device (XLA's buffers exceed the "
+                            f"search's estimate), and asked for {_human(budget)} instead the search found "
+                            f"nothing: {str(e).split(': ', 1)[-1]}"
+                        ) from None
                 else:
                     result = propagate(nodes, fixed, axis_size, c.cost_model)
             entry = self._program(closed, nodes, result, in_sh, out_sh, leaves, treedef, out_tree, fine, ctx, report)
