@@ -225,7 +225,7 @@ def test_reference_model_under_propagation_equals_one_device_and_prediction_hold
 
 def test_plan_argument_is_checked(ffn, tmp_path):
     _, _, plan = ffn
-    with pytest.raises(js.ShardingError, match=r"plan= rebuilds a plan jshard propagated; it cannot be used with "
+    with pytest.raises(js.ShardingError, match=r"plan= rebuilds a plan jshard propagated or searched; it cannot be used with "
                                                r"propagation='xla'"):
         js.parallelize(_ffn, propagation="xla", plan=plan)
     with pytest.raises(TypeError, match=r"plan= takes a jshard.Plan \(from Plan.load\), got str"):
