@@ -1,4 +1,5 @@
-"""The `jshard` command line: `jshard demo` trains the reference GPT on simulated devices."""
+"""The `jshard` command line: `jshard demo` trains the reference GPT on simulated devices; `jshard
+plan` plans a reference model or a user's function for N devices without materializing anything."""
 
 from __future__ import annotations
 
@@ -26,7 +27,66 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     demo.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    _plan_parser(sub)
     return parser
+
+
+PLAN_DESCRIPTION = """\
+Plans TARGET for N devices with jshard.parallelize (mode=auto: the strategy search) and prints the
+plan summary, the planning time, the estimated peak memory per device against the budget and the
+predicted collective bytes per device. Nothing is materialized or compiled: parameters and optimizer
+state are shapes (jax.eval_shape), and with more devices than are present the plan is made on an
+abstract mesh, so a cluster-sized plan runs on a laptop.
+
+TARGET is either
+  a reference model's Adam train step, step(params, opt_state, batch), its state donated:
+    gpt, gpt-scan (the blocks under lax.scan), mlp, resnet, moe; sized by the options below
+    (defaults: the package's small configs, batch 16), e.g. a GPT-3-like plan:
+      jshard plan gpt-scan --layers 96 --d-model 12288 --heads 96 --seq-len 2048 \\
+        --batch 1536 --vocab 50257 --d-ff 49152 --devices 1024
+  or MODULE:FUNCTION, your own function: MODULE is a dotted module name (importable, the current
+  directory included) or a path to a .py file; FUNCTION takes no arguments and returns (fn, args):
+  the function to parallelize and a tuple of example positional arguments (arrays or
+  jax.ShapeDtypeStructs), or (fn, args, options) with options a dict of extra jshard.parallelize
+  keyword arguments (e.g. {"donate_argnums": (0, 1)}):
+      # mypkg/train.py
+      def example():
+          params = jax.eval_shape(init, jax.random.key(0))
+          batch = jax.ShapeDtypeStruct((64, 512), jnp.float32)
+          return train_step, (params, batch)
+      jshard plan mypkg.train:example --devices 64
+
+Exit status: 0 planned, 1 no plan (e.g. a memory budget nothing can meet), 2 bad arguments or TARGET.
+"""
+
+
+def _plan_parser(sub) -> None:
+    from jshard._examples import SIZE_OPTIONS
+
+    plan = sub.add_parser(
+        "plan",
+        help="plan a reference model or MODULE:FUNCTION for N devices (strategy search, no arrays made)",
+        description=PLAN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("target", metavar="TARGET", help="gpt, gpt-scan, mlp, resnet, moe, or MODULE:FUNCTION")
+    plan.add_argument("--devices", type=int, default=8,
+                      help="devices to plan for (default 8); more than are present: an abstract mesh")
+    plan.add_argument("--mode", choices=("auto", "semi_auto", "data"), default="auto",
+                      help="jshard.parallelize mode (default auto: the strategy search)")
+    plan.add_argument("--search", choices=("recursive", "ilp", "propagation"), default=None,
+                      help="with --mode auto: the search (default recursive)")
+    plan.add_argument("--memory-budget", metavar="BYTES", default=None,
+                      help="with --mode auto: per-device memory the plan must fit, e.g. 16GiB, 512MiB, 2e9")
+    plan.add_argument("--time-limit", metavar="S", type=float, default=None,
+                      help="seconds the ILP search may take (default 60)")
+    plan.add_argument("--save", metavar="PATH", default=None, help="write the plan as JSON (Plan.save)")
+    plan.add_argument("--explain", metavar="K", type=int, default=0,
+                      help="explain the K operators with the highest predicted collective cost")
+    sizes = plan.add_argument_group("reference model size (each defaults to the model's small config)")
+    sizes.add_argument("--batch", type=int, default=None, help="global batch size (default 16)")
+    for flag, (dest, kind, text) in SIZE_OPTIONS.items():
+        sizes.add_argument(flag, dest=dest, type=kind, default=None, help=text)
 
 
 _SUMMARY_LINES = 24
@@ -36,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "plan":
+        return _plan(args)
     return 2  # pragma: no cover - argparse requires a command
 
 
@@ -92,6 +154,95 @@ def _demo(args: argparse.Namespace) -> int:
     console.print("loss by step: " + ", ".join(f"{i + 1}: {losses[i]:.3f}" for i in marks))
     first, last = np.mean(losses[:5]), np.mean(losses[-5:])
     console.print(f"loss fell from {first:.3f} to {last:.3f} (mean of first and last 5 steps; chance is {np.log(cfg.vocab - 3):.3f})")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import jshard
+
+    try:  # CPU stand-ins, before JAX starts; where it already has (a notebook, the tests), use what is there
+        jshard.simulate_devices(8)
+    except jshard.DeviceCountError:
+        pass
+
+    import jax
+
+    from jshard._examples import SIZE_OPTIONS, TargetError, build
+    from jshard._parallelize import _human, parse_bytes
+
+    if args.devices < 1:
+        print(f"jshard plan: error: --devices must be positive, got {args.devices}.", file=sys.stderr)
+        return 2
+    try:
+        budget = parse_bytes(args.memory_budget)
+    except ValueError:
+        print(f"jshard plan: error: --memory-budget {args.memory_budget!r} is not a size (e.g. 16GiB, 512MiB, 2e9).",
+              file=sys.stderr)
+        return 2
+    if args.mode != "auto" and (args.search or budget is not None or args.time_limit is not None):
+        given = "--search" if args.search else "--memory-budget" if budget is not None else "--time-limit"
+        print(f"jshard plan: error: {given} applies to the strategy search, --mode auto (not {args.mode}).",
+              file=sys.stderr)
+        return 2
+    if args.search == "propagation" and budget is not None:
+        print("jshard plan: error: --search propagation does not weigh memory, so it cannot meet --memory-budget; "
+              "use --search recursive or ilp.", file=sys.stderr)
+        return 2
+    sizes = {dest: getattr(args, dest) for dest, _, _ in SIZE_OPTIONS.values()}
+    try:
+        example = build(args.target, sizes, args.batch)
+    except TargetError as e:
+        print(f"jshard plan: error: {e}", file=sys.stderr)
+        return 2
+
+    options = dict(example.options)
+    options.update(devices=args.devices, mode=args.mode)
+    if args.search is not None:
+        options["search"] = args.search
+    if budget is not None:
+        options["memory_budget"] = budget
+    if args.time_limit is not None:
+        options["search_time_limit"] = args.time_limit
+    present = len(jax.devices())
+    where = (f"{present} {jax.devices()[0].platform} device(s) present" if args.devices <= present
+             else f"an abstract mesh (only {present} device(s) present: planning only)")
+    print(f"jshard plan: {example.name} ({example.describe}) on {args.devices} devices, {where}", flush=True)
+
+    t0 = time.perf_counter()
+    try:
+        plan = jshard.parallelize(example.fn, **options).plan(*example.args)
+    except jshard.ShardingError as e:
+        print(f"jshard plan: no plan ({time.perf_counter() - t0:.1f} s): {e}", file=sys.stderr)
+        return 1
+    seconds = time.perf_counter() - t0
+
+    print(plan.summary())
+    print()
+    print(f"planned in {seconds:.2f} s")
+    report = plan.search
+    if report is not None:
+        against = "no memory budget" if report.budget is None else f"budget {_human(report.budget)}"
+        fits = "" if report.budget is None else (" (fits)" if report.peak_bytes <= report.budget else " (over)")
+        line = f"estimated peak memory per device: {_human(report.peak_bytes)}, {against}{fits}"
+        if report.compiled_peak_bytes is not None:
+            line += f"; compiled program holds {_human(report.compiled_peak_bytes)}"
+        print(line)
+    else:
+        print(f"estimated peak memory per device: not estimated (mode={plan.mode}"
+              + (", search=propagation" if plan.mode == "auto" else "") + " does not model memory)")
+    kinds = ", ".join(f"{k} {_human(b)}" for k, b in sorted(plan.predicted().items(), key=lambda kb: -kb[1]) if b)
+    total = _human(plan.predicted_bytes())
+    print(f"predicted collectives per device per call: {total}" + (f" ({kinds})" if kinds else ""))
+    if args.explain > 0:
+        costly = sorted(plan.ops, key=lambda op: (op.seconds, sum(b for _, b, _ in op.comms)), reverse=True)
+        costly = costly[: args.explain]
+        print(f"\nthe {len(costly)} operator(s) with the highest predicted collective cost:")
+        for op in costly:
+            print()
+            print(plan.explain(op))
+    if args.save:
+        plan.save(args.save)
+        print(f"saved the plan to {args.save} (reuse: jshard.parallelize(fn, plan=jshard.Plan.load(path)))")
     return 0
 
 

@@ -1,10 +1,16 @@
-"""`jshard demo`: the README's first command, run in-process on the suite's 8 simulated devices."""
+"""`jshard demo` and `jshard plan`, run in-process on the suite's 8 simulated devices."""
 
+import pathlib
 import re
 
+import jax
+import numpy as np
 import pytest
 
+import jshard as js
+from jshard import models
 from jshard._cli import main
+from jshard._examples import MODEL_NAMES, build, moe_shapes, resnet_shapes
 
 
 def test_demo_help_lists_its_options(capsys):
@@ -24,3 +30,92 @@ def test_demo_trains_and_shows_the_plan(capsys):
     assert "all-reduce" in out and "memory per device" in out
     first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", out).groups())
     assert last < 0.5 * first
+
+
+# `jshard plan`: the strategy search from the command line, on shapes only.
+
+SMALL_GPT = ["--layers", "1", "--d-model", "32", "--heads", "4", "--d-ff", "64", "--seq-len", "8", "--vocab", "32",
+             "--batch", "8"]
+EXAMPLE = str(pathlib.Path(__file__).with_name("_cli_example.py"))
+
+
+def test_plan_help_documents_targets_and_the_user_function_convention(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for text in ("gpt-scan", "MODULE:FUNCTION", "(fn, args)", "ShapeDtypeStruct", "--memory-budget", "--search",
+                 "--d-model", "--heads", "--save", "--explain", "--time-limit", "abstract mesh"):
+        assert text in out
+
+
+def test_plan_gpt_with_the_recursive_search(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "gpt", "--devices", "8", "--search", "recursive", *SMALL_GPT,
+                 "--save", str(path), "--explain", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "GPT train step (1 layers, d_model 32" in out and "batch 8" in out
+    assert "Plan: 8 devices, mode=auto" in out and " searched" in out and "search=recursive" in out
+    assert re.search(r"planned in [\d.]+ s", out)
+    assert re.search(r"estimated peak memory per device: [\d.]+ \w+, no memory budget", out)
+    assert "predicted collectives per device per call:" in out
+    assert "chosen by the strategy search" in out  # --explain 1
+    assert js.Plan.load(str(path)).device_count == 8
+
+
+def test_plan_a_user_function_by_module_name(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent))
+    assert main(["plan", "_cli_example:example", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "mlp_step from _cli_example:example" in out
+    assert "Plan: 8 devices, mode=auto" in out and "search=recursive" in out and "_cli_example.py:" in out
+
+
+def test_plan_for_more_devices_than_present_uses_an_abstract_mesh(capsys):
+    assert main(["plan", f"{EXAMPLE}:example", "--devices", "64", "--memory-budget", "16GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "abstract mesh" in out and "Plan: 64 devices" in out
+    assert "budget 16 GiB (fits)" in out
+
+
+def test_plan_with_a_budget_nothing_can_meet_exits_1(capsys):
+    assert main(["plan", f"{EXAMPLE}:example", "--devices", "8", "--memory-budget", "1KiB"]) == 1
+    captured = capsys.readouterr()
+    assert "cannot be met" in captured.err and "Traceback" not in captured.err + captured.out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["gtp"], "unknown target 'gtp': name a reference model (gpt, gpt-scan, mlp, resnet, moe)"),
+        (["no_such_module_xyz:example"], "cannot import 'no_such_module_xyz'"),
+        ([f"{EXAMPLE}:missing"], "has no attribute 'missing'"),
+        ([f"{EXAMPLE}:not_a_pair"], "must return (fn, args) or (fn, args, options); it returned int"),
+        (["mlp", "--heads", "4"], "--heads does not apply to mlp"),
+        ([f"{EXAMPLE}:example", "--layers", "2"], "--layers size a reference model"),
+        (["gpt", "--d-model", "30", "--heads", "4"], "--heads 4 must divide --d-model 30"),
+        (["gpt", "--memory-budget", "lots"], "--memory-budget 'lots' is not a size"),
+        (["gpt", "--mode", "semi_auto", "--search", "ilp"], "--search applies to the strategy search, --mode auto"),
+    ],
+)
+def test_plan_bad_targets_exit_2(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_reference_targets_are_shapes_only(name):
+    example = build(name, {}, None)
+    leaves = jax.tree.leaves(example.args)
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert example.options == {"donate_argnums": (0, 1)}
+    jax.eval_shape(example.fn, *example.args)  # the step traces on them
+
+
+def test_written_out_shapes_match_the_host_initialisers():
+    """ResNet and MoE draw their weights with NumPy, so their shapes are written out: keep them in step."""
+    shapes = lambda tree: jax.tree.map(lambda x: (np.shape(x), np.dtype(x.dtype)), tree)
+    for config in (models.ResNetConfig(), models.ResNetConfig(image_size=16, channels=1, widths=(8, 16))):
+        assert shapes(resnet_shapes(config)) == shapes(models.init_resnet(config, jax.random.key(0)))
+    for config in (models.MoEConfig(), models.MoEConfig(n_layers=2, n_experts=2, d_ff=16)):
+        assert shapes(moe_shapes(config)) == shapes(models.init_moe(config, jax.random.key(0)))
