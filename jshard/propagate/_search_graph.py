@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jshard.propagate._cost import Comm, CostModel, local_bytes, redistribution
-from jshard.propagate._engine import CONSTRAINT, Engine, constraint_spec
+from jshard.propagate._engine import CONSTRAINT, Engine, _array, constraint_spec
 from jshard.propagate._factors import Factors, Spec, shape_of, write_spec
 from jshard.propagate._graph import Node
 
@@ -355,15 +354,6 @@ def _components(f: Factors) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     first_facs, first_pos = out[0]
     out[0] = (first_facs, tuple(sorted(first_pos + tuple(loose))))
     return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _array_of(aval) -> tuple[tuple[int, ...], int]:
-    return tuple(aval.shape), np.dtype(aval.dtype).itemsize
-
-
-def _array(v) -> tuple[tuple[int, ...], int]:
-    return _array_of(v.aval)
 
 
 def _bytes(v) -> float:
