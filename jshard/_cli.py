@@ -4,6 +4,7 @@ plan` plans a reference model or a user's function for N devices without materia
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 
@@ -160,10 +161,11 @@ def _demo(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import jshard
 
-    try:  # CPU stand-ins, before JAX starts; where it already has (a notebook, the tests), use what is there
+    # 8 CPU stand-ins, before JAX starts. Where it has already started with another count (a
+    # notebook, the tests), plan with the devices present: devices=N beyond them plans on an
+    # abstract mesh, which is all `jshard plan` needs.
+    with contextlib.suppress(jshard.DeviceCountError):
         jshard.simulate_devices(8)
-    except jshard.DeviceCountError:
-        pass
 
     import jax
 
