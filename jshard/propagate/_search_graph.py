@@ -209,8 +209,25 @@ class SearchGraph:
                     break
                 a[fac] = have + axes
             else:
-                out.append(a)
+                if self._expressible(u, a):
+                    out.append(a)
         return out
+
+    def _expressible(self, u: Unit, a: Assignment) -> bool:
+        """Whether every operand can be laid out as `a` says: a minor factor of a merged dim (the
+        head_dim of `[..., heads * head_dim]`) can be cut only under a major one cut completely,
+        else its slices are not contiguous, `write_spec` drops its axes and the operand would need
+        a gather the cost model does not see."""
+        sizes = u.factors.sizes
+        for pos in u.operands:
+            for factors in u.factors.operands[pos]:
+                complete = True
+                for f in factors:
+                    mine = a.get(f, ())
+                    if mine and not complete:
+                        return False
+                    complete = complete and math.prod(self.axis_size[x] for x in mine) == sizes[f]
+        return True
 
     def spec(self, k: int, pos: int, a: Assignment) -> Spec:
         """The layout unit `k` under assignment `a` gives its operand `pos`."""

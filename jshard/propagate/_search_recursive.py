@@ -22,6 +22,8 @@ import collections
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from jshard.propagate._search_graph import Assignment, Group, SearchGraph
 
 _GROWTHS = 24
@@ -76,16 +78,8 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solv
 class _Recursive:
     def __init__(self, g: SearchGraph, levels: Sequence[Group]):
         self.g, self.levels = g, list(levels)
-        self.neighbours: dict[int, list[tuple[int, int, bool]]] = collections.defaultdict(list)
-        for k, e in enumerate(g.edges):
-            self.neighbours[e.src[0]].append((k, e.dst[0], True))
-            self.neighbours[e.dst[0]].append((k, e.src[0], False))
-        weight = lambda k: (g.units[k].weight * g.units[k].flops, len(self.neighbours[k]))
-        self.order = sorted((k for k, u in enumerate(g.units) if u.free), key=weight, reverse=True)
-        self.fixed = [k for k, u in enumerate(g.units) if not u.free]
-        self.program = [k for k, u in enumerate(g.units) if u.free]  # arguments, then operators in program order
-        heaviest = weight(self.order[0])[0] if self.order else 0.0
-        self.roots = [k for k in self.order if weight(k)[0] >= _HEAVY * heaviest][:_ROOTS] or self.order[:1]
+        degree = collections.Counter(k for e in g.edges for k in (e.src[0], e.dst[0]))
+        self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         replicated = g.live_bytes({v: float(v.aval.size * v.aval.dtype.itemsize) for v in g.memory_values})
         t = int(replicated.argmax())
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at the peak
@@ -99,84 +93,10 @@ class _Recursive:
             base = self._level(group, base, lam)
         return base, self._total(dict(enumerate(base)), 0.0)
 
-    def _level(self, group: Group, base: list[Assignment], lam: float):
-        g = self.g
-        cands: dict = {}
-        self._memo = {}
-        best = (self._total(dict(enumerate(base)), lam), dict(enumerate(base)))  # the axis unused: replicate over it
-        pinned: dict[int, Assignment] = {}
-        for root in self.roots:
-            found = None
-            for first in self._cands(root, group, base, cands):
-                chosen = self._spread(group, base, lam, cands, {**pinned, root: first})
-                self._refine(group, base, lam, cands, chosen, set(pinned) | {root})
-                total = self._total(chosen, lam)
-                if found is None or total < found[0]:
-                    found = (total, chosen, first)
-            pinned[root] = found[2]
-            if found[0] < best[0]:
-                best = found[:2]
-        _, chosen = best
-        return [chosen.get(k, base[k]) for k in range(len(g.units))]
-
-    def _cands(self, k, group, base, cands):
-        found = cands.get(k)
-        if found is None:
-            found = cands[k] = self.g.candidates(k, [group], base[k])
-        return found
-
-    def _spread(self, group, base, lam, cands, roots: dict) -> dict[int, Assignment]:
-        """The pinned `roots`, then every other unit in program order (arguments first), each
-        against the neighbours decided before it: a cut made upstream flows down the program."""
-        chosen: dict[int, Assignment] = {k: base[k] for k in self.fixed}
-        chosen.update(roots)
-        for k in self.program:
-            if k not in chosen:
-                chosen[k] = self._best(k, group, base, lam, cands, chosen)
-        return chosen
-
-    def _refine(self, group, base, lam, cands, chosen, keep) -> None:
-        """Revisits every unit, heaviest first, against all its neighbours now that they are decided,
-        until no unit changes (a few passes): the spread decided each against only some of them."""
-        for _ in range(_PASSES):
-            changed = False
-            for k in reversed(self.program):
-                if k in keep:
-                    continue
-                best = self._best(k, group, base, lam, cands, chosen)
-                if best != chosen[k]:
-                    chosen[k], changed = best, True
-            if not changed:
-                return
-
-    def _best(self, k, group, base, lam, cands, chosen) -> Assignment:
-        best, best_cost = None, None
-        for a in self._cands(k, group, base, cands):
-            c = self._local(k, a, lam, chosen)
-            if best_cost is None or c < best_cost:
-                best, best_cost = a, c
-        return best
-
-    def _local(self, k, a, lam, chosen) -> float:
-        # Memoized per level by the identities of the candidate and of the neighbours' choices
-        # (all of them live in the level's candidate lists or `base` while the level runs).
-        key = (k, id(a), tuple(id(chosen.get(j)) for _, j, _ in self.neighbours[k]))
-        found = self._memo.get(key)
-        if found is None:
-            found = self._memo[key] = self._local_cost(k, a, lam, chosen)
-        return found
-
-    def _local_cost(self, k, a, lam, chosen) -> float:
-        g = self.g
-        cost = g.unit_seconds(k, a)
-        for e_index, j, outgoing in self.neighbours[k]:
-            if j not in chosen:
-                continue
-            e = g.edges[e_index]
-            mine = g.spec(k, (e.src if outgoing else e.dst)[1], a)
-            theirs = g.spec(j, (e.dst if outgoing else e.src)[1], chosen[j])
-            cost += g.edge_seconds(e, mine, theirs) if outgoing else g.edge_seconds(e, theirs, mine)
-        return cost + max(lam, _TIE) * self._kept(k, a)
+    def _level(self, group: Group, base: list[Assignment], lam: float) -> list[Assignment]:
+        level = _Level(self, group, base, lam)
+        picks = level.solve()
+        return [level.cands[k][picks[k]] for k in range(len(self.g.units))]
 
     def _kept(self, k, a) -> float:
         g = self.g
@@ -199,3 +119,173 @@ class _Recursive:
         if lam:
             total += lam * sum(self._kept(k, chosen[k]) for k in self.kept)
         return total
+
+
+class _Level:
+    """One level as a pairwise energy: `unary[k][c]`, unit `k`'s own seconds and λ·bytes kept under
+    its candidate `c`, plus one table `[c_a, c_b]` of redistribution seconds per pair of
+    neighbouring units.
+
+    `solve` first eliminates what it can exactly (MindSpore's dynamic-programming eliminations): a
+    unit with one candidate folds into its neighbours, one with one neighbour folds its best answer
+    to each of the neighbour's candidates into the neighbour, one with two neighbours becomes a
+    table between them. Chains (an optimizer's elementwise update, a layer's activations) collapse
+    this way, so a cut the chain would pay for at both ends is weighed as one decision. The core
+    that is left (units with three or more neighbours) is searched heuristically: the axis unused,
+    then each of the heaviest units pinned to each of its candidates and the rest decided in program
+    order, each improved by single and pairwise moves until none helps; the eliminated units then
+    take their best answers to the core's choice.
+    """
+
+    def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float):
+        g = self.g = search.g
+        self.search = search
+        self.cands = [g.candidates(k, [group], base[k]) for k in range(len(g.units))]
+        w = max(lam, _TIE)
+        self.unary = [np.array([g.unit_seconds(k, a) + w * search._kept(k, a) for a in cands])
+                      for k, cands in enumerate(self.cands)]
+        self.tables: dict[tuple[int, int], np.ndarray] = {}
+        self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
+        for e in g.edges:
+            (u, pu), (v, pv) = e.src, e.dst
+            mine = [g.spec(u, pu, a) for a in self.cands[u]]
+            theirs = [g.spec(v, pv, a) for a in self.cands[v]]
+            table = np.array([[g.edge_seconds(e, x, y) for y in theirs] for x in mine])
+            if u == v:
+                self.unary[u] = self.unary[u] + np.diag(table)
+            else:
+                self._add(u, v, table)
+        self.picks: dict[int, int] = {}
+        self.records: list[tuple] = []
+
+    def _add(self, a: int, b: int, table: np.ndarray) -> None:
+        if a > b:
+            a, b, table = b, a, table.T
+        found = self.tables.get((a, b))
+        self.tables[(a, b)] = table if found is None else found + table
+        self.nbrs[a].add(b)
+        self.nbrs[b].add(a)
+
+    def _table(self, k: int, j: int) -> np.ndarray:
+        """The table between `k` and `j`, indexed `[c_k, c_j]`."""
+        return self.tables[(k, j)] if k < j else self.tables[(j, k)].T
+
+    def _drop(self, k: int, j: int) -> None:
+        self.tables.pop((min(k, j), max(k, j)))
+        self.nbrs[k].discard(j)
+        self.nbrs[j].discard(k)
+
+    def solve(self) -> list[int]:
+        core = self._eliminate()
+        self.picks.update(self._search_core(core))
+        for record in reversed(self.records):
+            k, how, *rest = record
+            if how == "one":
+                j, best = rest
+                self.picks[k] = int(best[self.picks[j]])
+            else:
+                a, b, best = rest
+                self.picks[k] = int(best[self.picks[a], self.picks[b]])
+        return [self.picks[k] for k in range(len(self.cands))]
+
+    def _eliminate(self) -> list[int]:
+        gone: set[int] = set()
+        for k, cands in enumerate(self.cands):
+            if len(cands) == 1:  # nothing to decide: its tables become its neighbours' own costs
+                for j in list(self.nbrs[k]):
+                    self.unary[j] = self.unary[j] + self._table(j, k)[:, 0]
+                    self._drop(k, j)
+                self.picks[k] = 0
+                gone.add(k)
+        queue = collections.deque(k for k in range(len(self.cands)) if k not in gone and len(self.nbrs[k]) <= 2)
+        while queue:
+            k = queue.popleft()
+            if k in gone or len(self.nbrs[k]) > 2:
+                continue
+            nbrs = sorted(self.nbrs[k])
+            if not nbrs:
+                self.picks[k] = int(self.unary[k].argmin())
+            elif len(nbrs) == 1:
+                (j,) = nbrs
+                m = self.unary[k][:, None] + self._table(k, j)
+                self.unary[j] = self.unary[j] + m.min(0)
+                self.records.append((k, "one", j, m.argmin(0)))
+                self._drop(k, j)
+            else:
+                a, b = nbrs
+                m = self.unary[k][:, None, None] + self._table(k, a)[:, :, None] + self._table(k, b)[:, None, :]
+                self.records.append((k, "two", a, b, m.argmin(0)))
+                self._drop(k, a)
+                self._drop(k, b)
+                self._add(a, b, m.min(0))
+            gone.add(k)
+            queue.extend(nbrs)
+        return [k for k in range(len(self.cands)) if k not in gone]
+
+    # -- the core: heuristic ------------------------------------------------------------------
+    def _energy(self, choice: dict[int, int]) -> float:
+        total = sum(self.unary[k][c] for k, c in choice.items())
+        return total + sum(t[choice[a], choice[b]] for (a, b), t in self.tables.items())
+
+    def _local(self, k: int, choice: dict[int, int], without: int = -1) -> np.ndarray:
+        cost = self.unary[k]
+        for j in self.nbrs[k]:
+            if j != without and j in choice:
+                cost = cost + self._table(k, j)[:, choice[j]]
+        return cost
+
+    def _search_core(self, core: list[int]) -> dict[int, int]:
+        if not core:
+            return {}
+        weight = self.search.weight
+        heaviest = max(weight(k)[0] for k in core)
+        roots = [k for k in sorted(core, key=weight, reverse=True) if weight(k)[0] >= _HEAVY * heaviest][:_ROOTS]
+        unused = dict.fromkeys(core, 0)
+        best = (self._energy(unused), unused)
+        start = dict(unused)
+        self._improve(core, start, set())
+        best = min(best, (self._energy(start), start), key=lambda t: t[0])
+        pinned: dict[int, int] = {}
+        for root in roots:
+            found = None
+            for c in range(len(self.cands[root])):
+                choice = self._spread(core, {**pinned, root: c})
+                self._improve(core, choice, set(pinned) | {root})
+                total = self._energy(choice)
+                if found is None or total < found[0]:
+                    found = (total, choice, c)
+            pinned[root] = found[2]
+            if found[0] < best[0]:
+                best = found[:2]
+        return best[1]
+
+    def _spread(self, core: list[int], pinned: dict[int, int]) -> dict[int, int]:
+        """The pinned units, then the others in program order, each against those decided before
+        it: a cut made upstream flows down the program."""
+        choice = dict(pinned)
+        for k in core:
+            if k not in choice:
+                choice[k] = int(self._local(k, choice).argmin())
+        return choice
+
+    def _improve(self, core: list[int], choice: dict[int, int], keep: set[int]) -> None:
+        """Single moves (a unit against all its neighbours), then moves of two neighbours at once,
+        while any lowers the energy (a few passes)."""
+        for _ in range(_PASSES):
+            changed = False
+            for k in reversed(core):
+                if k in keep:
+                    continue
+                cost = self._local(k, choice)
+                c = int(cost.argmin())
+                if cost[c] < cost[choice[k]]:
+                    choice[k], changed = c, True
+            for (a, b), t in self.tables.items():
+                if a in keep or b in keep:
+                    continue
+                joint = self._local(a, choice, b)[:, None] + self._local(b, choice, a)[None, :] + t
+                ca, cb = np.unravel_index(int(joint.argmin()), joint.shape)
+                if joint[ca, cb] < joint[choice[a], choice[b]]:
+                    choice[a], choice[b], changed = int(ca), int(cb), True
+            if not changed:
+                return
