@@ -30,6 +30,7 @@ from jshard.propagate._search_graph import Assignment, SearchGraph
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
+_KEY_SHARE = 0.01  # key operators, whose best rejected alternative a plan records: this share of the heaviest's work
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +147,8 @@ def _splits(axes: list) -> list[list[tuple[str, ...]]]:
 
 def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
     """The engine's `Result` for a search's choice: every value's layout where it is made, and per
-    operator its layouts, the collectives it pays, and the best candidate it did not take."""
+    operator its layouts, the collectives it pays, and, for key operators (at least 1% of the
+    heaviest one's work: the contractions), the best candidate it did not take."""
     e, nodes = g.engine, g.nodes
     values: dict = {}
     for v, k in g.arg_unit.items():
@@ -168,6 +170,8 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         for v, dims in zip(outs, f.outputs):
             values.setdefault(v, write_spec(dims, a, f.sizes, g.axis_size))
     decisions: dict[int, Decision] = {}
+    work = [g.units[k].weight * g.units[k].flops for k in range(len(g.units))]
+    key = _KEY_SHARE * max(work, default=0.0)
     for i, a in merged.items():
         node = nodes[i]
         if node.primitive == CONSTRAINT:
@@ -183,7 +187,8 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         in_specs = tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.inputs)
         out_specs = tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.outputs)
         implied = not comms and e._implied(i, f, a)
-        decisions[i] = Decision(in_specs, out_specs, comms, seconds, "searched", _rejected(g, i, choice), implied)
+        rejected = _rejected(g, i, choice) if work[g.node_units[i][0]] >= key > 0 else None
+        decisions[i] = Decision(in_specs, out_specs, comms, seconds, "searched", rejected, implied)
     return Result(decisions, values, set(e.unruled))
 
 

@@ -28,7 +28,7 @@ from jshard.propagate._search_graph import Assignment, Group, SearchGraph
 
 _GROWTHS = 24
 _BISECTIONS = 6
-_PASSES = 2
+_PASSES = 4
 _ROOTS = 4  # the heaviest units tried with each candidate, one after another, per level
 _TIE = 1e-18  # seconds per byte kept: between plans of equal cost, the one that holds less
 _HEAVY = 0.1  # ... among those with at least this share of the heaviest one's compute
@@ -146,10 +146,11 @@ class _Level:
                       for k, cands in enumerate(self.cands)]
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
+        specs: dict[tuple[int, int], list] = {}
         for e in g.edges:
             (u, pu), (v, pv) = e.src, e.dst
-            mine = [g.spec(u, pu, a) for a in self.cands[u]]
-            theirs = [g.spec(v, pv, a) for a in self.cands[v]]
+            mine, theirs = (specs.get(end) or specs.setdefault(end, [g.spec(end[0], end[1], a) for a in self.cands[end[0]]])
+                            for end in (e.src, e.dst))
             table = np.array([[g.edge_seconds(e, x, y) for y in theirs] for x in mine])
             if u == v:
                 self.unary[u] = self.unary[u] + np.diag(table)
@@ -229,34 +230,38 @@ class _Level:
 
     def _local(self, k: int, choice: dict[int, int], without: int = -1) -> np.ndarray:
         cost = self.unary[k]
-        for j in self.nbrs[k]:
+        for j, t in self.around[k]:
             if j != without and j in choice:
-                cost = cost + self._table(k, j)[:, choice[j]]
+                cost = cost + t[:, choice[j]]
         return cost
 
     def _search_core(self, core: list[int]) -> dict[int, int]:
         if not core:
             return {}
+        self.around = {k: [(j, self._table(k, j)) for j in sorted(self.nbrs[k])] for k in core}
         weight = self.search.weight
         heaviest = max(weight(k)[0] for k in core)
         roots = [k for k in sorted(core, key=weight, reverse=True) if weight(k)[0] >= _HEAVY * heaviest][:_ROOTS]
         unused = dict.fromkeys(core, 0)
         best = (self._energy(unused), unused)
         start = dict(unused)
-        self._improve(core, start, set())
+        self._improve(core, start, set(), pairs=False)
         best = min(best, (self._energy(start), start), key=lambda t: t[0])
         pinned: dict[int, int] = {}
         for root in roots:
             found = None
             for c in range(len(self.cands[root])):
                 choice = self._spread(core, {**pinned, root: c})
-                self._improve(core, choice, set(pinned) | {root})
+                self._improve(core, choice, set(pinned) | {root}, pairs=False)
                 total = self._energy(choice)
                 if found is None or total < found[0]:
                     found = (total, choice, c)
             pinned[root] = found[2]
-            if found[0] < best[0]:
-                best = found[:2]
+            choice = found[1]
+            self._improve(core, choice, set(pinned), pairs=True)  # the root's best, polished with pairwise moves
+            total = self._energy(choice)
+            if total < best[0]:
+                best = (total, choice)
         return best[1]
 
     def _spread(self, core: list[int], pinned: dict[int, int]) -> dict[int, int]:
@@ -268,24 +273,36 @@ class _Level:
                 choice[k] = int(self._local(k, choice).argmin())
         return choice
 
-    def _improve(self, core: list[int], choice: dict[int, int], keep: set[int]) -> None:
-        """Single moves (a unit against all its neighbours), then moves of two neighbours at once,
-        while any lowers the energy (a few passes)."""
+    def _improve(self, core: list[int], choice: dict[int, int], keep: set[int], pairs: bool) -> None:
+        """Single moves (a unit against all its neighbours) until none lowers the energy, then,
+        with `pairs`, moves of two neighbours at once; again while those find any (a few rounds).
+        A worklist revisits only the neighbours of a unit that moved."""
+        dirty = [k for k in core if k not in keep]
         for _ in range(_PASSES):
-            changed = False
-            for k in reversed(core):
-                if k in keep:
-                    continue
+            queued = set(dirty)
+            while dirty:
+                k = dirty.pop()
+                queued.discard(k)
                 cost = self._local(k, choice)
                 c = int(cost.argmin())
                 if cost[c] < cost[choice[k]]:
-                    choice[k], changed = c, True
+                    choice[k] = c
+                    for j, _ in self.around[k]:
+                        if j not in queued and j not in keep:
+                            queued.add(j)
+                            dirty.append(j)
+            if not pairs:
+                return
+            local = {k: self._local(k, choice) for k in core}  # each against all its neighbours
             for (a, b), t in self.tables.items():
                 if a in keep or b in keep:
                     continue
-                joint = self._local(a, choice, b)[:, None] + self._local(b, choice, a)[None, :] + t
+                joint = (local[a] - t[:, choice[b]])[:, None] + (local[b] - t[choice[a], :])[None, :] + t
                 ca, cb = np.unravel_index(int(joint.argmin()), joint.shape)
                 if joint[ca, cb] < joint[choice[a], choice[b]]:
-                    choice[a], choice[b], changed = int(ca), int(cb), True
-            if not changed:
+                    choice[a], choice[b] = int(ca), int(cb)
+                    moved = {j for j, _ in self.around[a] + self.around[b]} | {a, b}
+                    local.update((j, self._local(j, choice)) for j in moved)
+                    dirty += [j for j in moved if j not in keep]
+            if not dirty:
                 return
