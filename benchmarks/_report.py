@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from benchmarks import _abstract, _against_jit, _compiled, _gpu, _planning
+from benchmarks import _abstract, _against_jit, _compiled, _gpu, _planning, _search
 from benchmarks._models import model_table, workload
 from benchmarks._settings import DEVICES, Settings
 from benchmarks._table import Table
@@ -38,6 +38,13 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     timings = [_against_jit.measure(w, DEVICES, settings) for w in workloads]
     add(_against_jit.compile_table(timings, DEVICES))
     add(_against_jit.step_table(timings, DEVICES))
+    cases = [c for w in workloads if w.name in settings.search_models
+             for c in _search.measure_quality(w, [f for f in figures if f.model == w.name], DEVICES,
+                                              settings.search_time_limit)]
+    add(_search.quality_table(cases, DEVICES))
+    add(_search.gap_table(cases))
+    add(_search.planning_table(_search.planning_rows(settings.search_depths, settings.search_counts,
+                                                     settings.search_big, settings.search_time_limit)))
     return tables
 
 

@@ -3,7 +3,9 @@
 No timing is asserted: the figures are measured by `python -m benchmarks`, not here.
 """
 
-from benchmarks import _abstract, _compiled, _report
+import pytest
+
+from benchmarks import _abstract, _compiled, _report, _search
 from benchmarks._models import model_table, workload
 from benchmarks._plans import PLANS
 
@@ -12,9 +14,14 @@ def _mlp():
     return next(m for m in model_table() if m.name == "MLP")
 
 
-def test_mlp_quick_rows_equal_one_device_and_render(tmp_path):
+@pytest.fixture(scope="module")
+def mlp_rows():
+    return _compiled.measure(workload(_mlp(), "quick"), 8)
+
+
+def test_mlp_quick_rows_equal_one_device_and_render(tmp_path, mlp_rows):
     mlp = _mlp()
-    rows = _compiled.measure(workload(mlp, "quick"), 8)
+    rows = mlp_rows
 
     assert [(r.model, r.plan) for r in rows] == [("MLP", plan) for plan in PLANS]
     for r in rows:
@@ -72,3 +79,23 @@ def test_gpu_section_renders_from_results_json(tmp_path):
     assert "| float32 (TF32) | jshard | 80.00 ms | 102,400 | 128.0 | 26.0% | 1.013 (rounds: 1.010) |" in text
     assert "python -m benchmarks._gpu --out x.json" in text and "2026-01-01" in text and "jax 0.11.2" in text
     assert "6·N·T + 12·L·d·S·T" in text
+
+
+def test_search_rows_fit_their_budgets_and_render(mlp_rows):
+    w = workload(_mlp(), "quick")
+    cases = _search.measure_quality(w, mlp_rows, 8, time_limit=5.0, searches=("recursive",))
+    budgets = _search.budgets(mlp_rows)
+    data_peak = next(r.audit.memory.peak_bytes for r in mlp_rows if r.plan == "data")
+    assert budgets["fits"] == data_peak and budgets["tight"] < data_peak
+    assert [(c.budget_name, c.search) for c in cases] == [("fits", "recursive"), ("tight", "recursive")]
+    for c in cases:
+        assert c.error == "", c.error
+        assert c.audit.memory.peak_bytes <= c.budget  # the compiled program fits
+        assert abs(c.loss - c.reference) <= 1e-5 * abs(c.reference)
+        assert c.expert is not None and c.expert[2] <= c.budget  # the expert it is held to fits too
+    table = _search.quality_table(cases, 8)
+    assert len(table.rows) == 2 and all(row[-1] in ("meets", "misses") for row in table.rows)
+
+    rows = _search.planning_rows(depths=(2,), counts=(8,), big=False, time_limit=5.0)
+    assert len(rows) == 1 and rows[0][2] == "recursive" and not rows[0][-1].startswith("failed")
+    assert "7. Strategy search: planning time" in _search.planning_table(rows).markdown()

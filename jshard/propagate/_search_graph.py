@@ -98,6 +98,7 @@ class SearchGraph:
             self.in_edges[e.dst[0]].append(k)
         self._specs: dict = {}
         self._moves: dict = {}
+        self._merged: dict[int, list] = {}  # unit -> its operands' dims made of several factors
         self._memory_model(args, outvars, donated)
 
     # -- units -------------------------------------------------------------------------------
@@ -209,24 +210,28 @@ class SearchGraph:
                     break
                 a[fac] = have + axes
             else:
-                if self._expressible(u, a):
+                if self._expressible(k, a):
                     out.append(a)
         return out
 
-    def _expressible(self, u: Unit, a: Assignment) -> bool:
+    def _expressible(self, k: int, a: Assignment) -> bool:
         """Whether every operand can be laid out as `a` says: a minor factor of a merged dim (the
         head_dim of `[..., heads * head_dim]`) can be cut only under a major one cut completely,
         else its slices are not contiguous, `write_spec` drops its axes and the operand would need
         a gather the cost model does not see."""
-        sizes = u.factors.sizes
-        for pos in u.operands:
-            for factors in u.factors.operands[pos]:
-                complete = True
-                for f in factors:
-                    mine = a.get(f, ())
-                    if mine and not complete:
-                        return False
-                    complete = complete and math.prod(self.axis_size[x] for x in mine) == sizes[f]
+        merged = self._merged.get(k)
+        if merged is None:
+            u = self.units[k]
+            merged = self._merged[k] = sorted({factors for pos in u.operands for factors in u.factors.operands[pos]
+                                               if len(factors) > 1})
+        sizes = self.units[k].factors.sizes
+        for factors in merged:
+            complete = True
+            for f in factors:
+                mine = a.get(f, ())
+                if mine and not complete:
+                    return False
+                complete = complete and math.prod(self.axis_size[x] for x in mine) == sizes[f]
         return True
 
     def spec(self, k: int, pos: int, a: Assignment) -> Spec:
