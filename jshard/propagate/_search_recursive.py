@@ -3,16 +3,19 @@ programming over jshard's factors).
 
 At each level one more mesh axis (one prime factor of the device count, major first) is handed out:
 every unit either gives it to one of its factors, on top of what earlier levels gave, or leaves it
-unused. The heaviest unit (most compute, then most bytes) is tried with each of its candidates; from
-it the choice spreads breadth-first, each unit taking the candidate of least cost against the
-neighbours already decided at this level (its partial sums, its compute per device, the
-redistribution of the values it shares with them, and λ·bytes it keeps in memory); then every unit
-is revisited against all its neighbours until none changes; the trial of least total cost is kept,
-or none, if leaving the axis unused (replicating over it) costs less. Units the spread does not reach start their own, in weight order. Each
-level is linear in the graph's size, so a search is linear in operators × log(devices).
+unused. A level is a pairwise energy (`_Level`): each unit's own cost per candidate (its partial
+sums, its compute per device, λ·bytes it keeps at the peak) and, per pair of neighbouring units, a
+table of the redistribution their values pay. MindSpore's dynamic-programming eliminations solve
+most of it exactly: units with one candidate, one neighbour or two neighbours fold into their
+neighbours, so chains (an optimizer's elementwise update between a weight gradient and the next
+step's weight) are weighed as one decision. The core that remains is searched heuristically: the
+axis left unused, then each of the heaviest units pinned to each of its candidates with the rest
+decided in program order, improved by single moves, the best per pinned unit polished with moves of
+two neighbours at once; the eliminated units then take their best answers. Each level is linear in
+the graph's size, so a search is linear in operators × log(devices).
 
 A memory budget sets λ (seconds per byte): zero when the plan fits, else the least λ found by
-doubling and bisection whose plan fits, which moves the plan from replicated parameters to cut ones
+growing and bisection whose plan fits, which moves the plan from replicated parameters to cut ones
 (FSDP-style or tensor-parallel) as far as the budget needs.
 """
 
