@@ -279,8 +279,10 @@ def planning_table(rows: Sequence[tuple]) -> Table:
             "intra-operator search alone on one CPU process, without pipeline stages or profiling, and XLA's "
             "compile of the step comes on top of it (the 12-layer GPT's compile on 8 simulated devices: table 3's "
             "order of seconds).",
-            "The GPT-3 plan has no memory budget: its estimated peak is far above a GPU's, and with a budget of "
-            "80 GiB the search finds no plan, because it does not rematerialize (no recompute) and the "
-            "attention residuals of 96 layers alone exceed it.",
+            "The GPT-3 plan has no memory budget: its estimated peak is far above a GPU's. With a budget "
+            "(measured apart: `jshard plan gpt-scan --layers 96 --d-model 12288 --heads 96 --seq-len 2048 --batch "
+            "1536 --vocab 50257 --d-ff 49152 --devices 1024 --memory-budget 80GiB`) the search finds no plan and "
+            "says why: it does not rematerialize (no recompute), and the attention probabilities the backward "
+            "pass keeps for 96 layers need 216 GiB per device even cut 1024 ways.",
         ),
     )
