@@ -12,6 +12,7 @@ A stacked weight keeps its matrix in its last two dims, so `GPT_RULES` cut the s
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +82,7 @@ def _attention(p: dict, x: jax.Array, n_heads: int, preset: Preset | None) -> ja
     b, t, d = x.shape
     col = _matmul(preset, "column")
     q, k, v = (col(x, p[w]).reshape(b, t, n_heads, d // n_heads) for w in ("wq", "wk", "wv"))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // n_heads)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // n_heads)  # a Python float: keeps bf16 scores bf16
     causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
     weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
