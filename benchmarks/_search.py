@@ -277,8 +277,7 @@ def planning_table(rows: Sequence[tuple]) -> Table:
             f"Alpa (OSDI '22) reported about {ALPA_SECONDS // 60} minutes of compilation for GPT-39B on 64 GPUs, "
             "its inter- and intra-operator search with profiling of the stages on the GPUs; jshard's figure is the "
             "intra-operator search alone on one CPU process, without pipeline stages or profiling, and XLA's "
-            "compile of the step comes on top of it (the 12-layer GPT's compile on 8 simulated devices: table 3's "
-            "order of seconds).",
+            "compile of the step comes on top of it.",
             "The GPT-3 plan has no memory budget: its estimated peak is far above a GPU's. With a budget "
             "(measured apart: `jshard plan gpt-scan --layers 96 --d-model 12288 --heads 96 --seq-len 2048 --batch "
             "1536 --vocab 50257 --d-ff 49152 --devices 1024 --memory-budget 80GiB`) the search finds no plan and "
