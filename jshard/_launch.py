@@ -8,7 +8,8 @@ node 0's first worker hosts the coordination service on `--master-addr:--master-
 The launcher keeps every worker's output (one log per worker under `--log-dir`, streamed with
 `--join`), forwards SIGINT and SIGTERM to the workers, and watches them: when one exits non-zero it
 reports the rank, its exit status and its last log lines, stops the others (SIGTERM, then SIGKILL
-once `--cluster-time-out` has passed) and exits with that first failing status.
+after `--cluster-time-out` or `STOP_GRACE` seconds, whichever is shorter) and exits with that first
+failing status.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from pathlib import Path
 from jshard._distributed import COORDINATOR, INIT_TIMEOUT, LOCAL_DEVICES, NUM_PROCESSES, PROCESS_ID
 
 TAIL_LINES = 20
+STOP_GRACE = 10.0
+"""Seconds (at most; `--cluster-time-out` if shorter) a worker gets to exit after SIGTERM before
+SIGKILL. JAX's distributed runtime catches SIGTERM (its preemption notice), so a worker blocked in a
+collective may never exit on SIGTERM alone."""
 LAUNCH_DESCRIPTION = """\
 Starts --local-worker-num workers of a --worker-num job on this node, each running COMMAND with the
 environment jshard.init() reads. COMMAND is a script (`train.py args`, run with this Python) or any
@@ -114,6 +119,7 @@ def _port_free(host: str, port: int) -> bool:
     """Whether node 0 can bind its coordinator port (where `host` is not this machine's, say yes
     and let `jshard.init()` report it)."""
     with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: only a listener blocks it
         try:
             s.bind((host, port))
         except OSError as e:
@@ -144,6 +150,7 @@ class _Job:
         self.lock = threading.Lock()
         self.launcher_log = None
         self.workers: list[_Worker] = []
+        self.kill_at: float | None = None  # after a forwarded signal: when to SIGKILL the rest
 
     def say(self, text: str) -> None:
         line = f"jshard launch: {text}"
@@ -210,13 +217,20 @@ class _Job:
                 sink.close()
 
     def _forward(self, signum, frame) -> None:
-        self.say(f"got {signal.Signals(signum).name}; forwarding it to the workers")
+        grace = min(self.args.cluster_time_out, STOP_GRACE)
+        self.say(f"got {signal.Signals(signum).name}; forwarding it to the workers (SIGKILL for those still "
+                 f"running in {grace:g} s)")
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + grace
         for w in self.workers:
             _signal(w.proc, signum)
 
     def _watch(self) -> int:
         """Polls the workers; on the first failure reports it and stops the rest."""
         while True:
+            if self.kill_at is not None and time.monotonic() > self.kill_at:
+                for w in self.workers:
+                    _signal(w.proc, signal.SIGKILL)
             running = [w for w in self.workers if w.proc.poll() is None]
             failed = next((w for w in self.workers if w.proc.returncode not in (None, 0)), None)
             if failed is not None:
@@ -235,6 +249,11 @@ class _Job:
         where = f" (log: {failed.log})" if failed.log is not None else ""
         lines = "\n".join(f"  | {line}" for line in failed.tail) or "  | (no output)"
         self.say(f"rank {failed.rank} {how}{where}; its last {len(failed.tail)} log line(s):\n{lines}")
+        if any("RegisterTask" in line or "could not form the job" in line for line in failed.tail):
+            self.say(f"the job did not form within --cluster-time-out {self.args.cluster_time_out:g} s: not all "
+                     f"--worker-num {self.args.worker_num} processes reached the coordinator {self.coordinator}. "
+                     "Start every node (jshard launch with the same --worker-num, --master-addr and --master-port, "
+                     "each with its --node-rank), and check that node 0 is reachable.")
         if running:
             self.say(f"stopping the other {len(running)} worker(s) on this node: ranks "
                      f"{', '.join(str(w.rank) for w in running)}")
@@ -252,10 +271,10 @@ def _signal(proc: subprocess.Popen, signum: int) -> None:
 
 
 def _stop(workers: list[_Worker], grace: float) -> None:
-    """SIGTERM, then SIGKILL for whoever is still there after `grace` seconds (at most 10)."""
+    """SIGTERM, then SIGKILL for whoever is still there after `grace` seconds (at most `STOP_GRACE`)."""
     for w in workers:
         _signal(w.proc, signal.SIGTERM)
-    deadline = time.monotonic() + min(grace, 10.0)
+    deadline = time.monotonic() + min(grace, STOP_GRACE)
     while time.monotonic() < deadline and any(w.proc.poll() is None for w in workers):
         time.sleep(0.05)
     for w in workers:

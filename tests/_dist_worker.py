@@ -95,6 +95,7 @@ def train(args, info):
             os.kill(os.getpid(), signal.SIGKILL)
     if pending is not None:
         pending.wait()
+    print(f"finished ({time.perf_counter() - T0:.1f} s)", flush=True)
 
 
 def matmul(args, info):
@@ -104,7 +105,7 @@ def matmul(args, info):
     mm = jshard.parallelize(lambda x, w: jshard.shard(jnp.matmul, ((2, n // 2), (n // 2, 1)))(x, w), devices=n)
     y = mm(x, w)
     owners = sorted({d.process_index for d in y.sharding.device_set})
-    _write(args.out, {"info": info._asdict(), "y": process_allgather(y).tolist(), "owners": owners,
+    _write(args.out, {"info": info._asdict(), "y": process_allgather(y, tiled=True).tolist(), "owners": owners,
                       "ranks": [[d.id, d.process_index] for d in mm.plan(x, w).mesh.devices.flat]})
 
 
