@@ -213,6 +213,7 @@ class _Job:
                     with self.lock:
                         print(f"[rank {worker.rank}] {line}", flush=True)
         finally:
+            worker.proc.stdout.close()
             if sink is not None:
                 sink.close()
 

@@ -206,8 +206,9 @@ def _plan_shardings(call: str, plan: Plan, like: Any, count: int) -> Any:
         raise ShardingError(f"{call}: a Plan read back by Plan.load keeps its shardings flat, not the state's "
                             "tree; pass like=<the state, or jax.eval_shape of it> along with the plan.")
     mesh = plan.mesh if plan.mesh is not None else plan.fine.jax_mesh(host_major(jax.devices())[: plan.device_count])
-    specs = [s.spec if isinstance(s, NamedSharding) else s for s in jax.tree_util.tree_leaves(
-        plan.in_shardings, is_leaf=lambda s: isinstance(s, (PartitionSpec, NamedSharding)))]
+    flat = jax.tree_util.tree_leaves(plan.in_shardings,
+                                     is_leaf=lambda s: s is None or isinstance(s, (PartitionSpec, NamedSharding)))
+    specs = [s.spec if isinstance(s, NamedSharding) else PartitionSpec() if s is None else s for s in flat]
     leaves, treedef = jax.tree_util.tree_flatten(like)
     return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in specs[: len(leaves)]])
 
