@@ -29,7 +29,7 @@ from pathlib import Path
 from jshard._distributed import COORDINATOR, INIT_TIMEOUT, LOCAL_DEVICES, NUM_PROCESSES, PROCESS_ID
 
 TAIL_LINES = 20
-STOP_GRACE = 10.0
+STOP_GRACE = 5.0
 """Seconds (at most; `--cluster-time-out` if shorter) a worker gets to exit after SIGTERM before
 SIGKILL. JAX's distributed runtime catches SIGTERM (its preemption notice), so a worker blocked in a
 collective may never exit on SIGTERM alone."""
@@ -153,11 +153,14 @@ class _Job:
         self.kill_at: float | None = None  # after a forwarded signal: when to SIGKILL the rest
 
     def say(self, text: str) -> None:
+        """A message to stderr, and to launcher.log stamped with the time (UTC, to the millisecond)."""
         line = f"jshard launch: {text}"
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}"
         with self.lock:
             print(line, file=sys.stderr, flush=True)
             if self.launcher_log is not None:
-                self.launcher_log.write(line + "\n")
+                self.launcher_log.write(f"{stamp} {line}\n")
                 self.launcher_log.flush()
 
     def run(self) -> int:
