@@ -172,8 +172,13 @@ class _Job:
             first = self.args.node_rank * self.local
             self.say(f"node {self.args.node_rank}: ranks {first}..{first + self.local - 1} of {self.args.worker_num}, "
                      f"coordinator {self.coordinator}, command: {' '.join(self.command)}")
-            for rank in range(first, first + self.local):
-                self.workers.append(self._start(rank))
+            try:
+                for rank in range(first, first + self.local):
+                    self.workers.append(self._start(rank))
+            except OSError as e:
+                self.say(f"error: cannot start {self.command[0]!r}: {e.strerror}")
+                _stop(self.workers, 0)
+                return 127
             return self._watch()
         finally:
             for s, handler in previous.items():

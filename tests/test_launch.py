@@ -118,6 +118,11 @@ def test_bad_arguments_exit_2_with_the_reason(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_command_that_cannot_start_exits_127(tmp_path, capsys):
+    assert main(["launch", "--worker-num", "2", "--", str(tmp_path / "no-such-program")]) == 127
+    assert "error: cannot start" in capsys.readouterr().err
+
+
 def test_a_coordinator_port_in_use_is_refused(tmp_path, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
