@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
+import time
 from typing import NamedTuple
 
 import jax
@@ -185,6 +187,8 @@ def _join_detected() -> ProcessInfo:
 def _join(address: str, count: int, rank: int, seconds: float) -> None:
     host = address.rsplit(":", 1)[0].strip("[]")
     loopback = _is_loopback(host)
+    if rank != 0:
+        _wait_for_coordinator(address, count, rank, seconds)
     try:
         jax.distributed.initialize(
             address,
@@ -198,6 +202,25 @@ def _join(address: str, count: int, rank: int, seconds: float) -> None:
         raise ShardingError(_join_error(address, count, rank, seconds, e)) from e
     if loopback:
         _gloo_on_loopback(host)
+
+
+def _wait_for_coordinator(address: str, count: int, rank: int, seconds: float) -> None:
+    """Waits until process 0's coordinator accepts connections. JAX's own client aborts the process
+    when it cannot register in time; this turns an unreachable coordinator into an error first."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, seconds)):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ShardingError(
+                    f"jshard.init(): process {rank} of {count} cannot reach the coordinator at {address} within "
+                    f"{seconds:g} s ({e.strerror or e}). Start process 0 (node 0, --node-rank 0) and give every node "
+                    "its address and port (--master-addr, --master-port); check that the port is open to this host."
+                ) from None
+            time.sleep(0.2)
 
 
 def _join_error(address, count, rank, seconds, e) -> str:

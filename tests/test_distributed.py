@@ -217,6 +217,17 @@ def test_a_node_that_never_arrives_is_a_clear_error_within_the_time_out(tmp_path
            f"coordinator 127.0.0.1:{port}" in only.stderr
 
 
+def test_an_unreachable_coordinator_is_a_clear_error_within_the_time_out(tmp_path):
+    env = dict(worker_env(tmp_path), JSHARD_COORDINATOR=f"127.0.0.1:{free_port()}", JSHARD_NUM_PROCESSES="2",
+               JSHARD_PROCESS_ID="1", JSHARD_INIT_TIMEOUT="1")
+    start = time.monotonic()
+    alone = subprocess.run([sys.executable, "-c", "import jshard; jshard.init()"], env=env, capture_output=True,
+                           text=True, timeout=60)
+    assert alone.returncode == 1 and time.monotonic() - start < 30
+    assert "jshard.init(): process 1 of 2 cannot reach the coordinator at 127.0.0.1:" in alone.stderr
+    assert "within 1 s (Connection refused). Start process 0" in alone.stderr
+
+
 def test_init_is_a_no_op_in_one_process_and_idempotent():
     first, again = js.init(), js.init()
     assert first == again == js.ProcessInfo(0, 1, None, 8, 8)
