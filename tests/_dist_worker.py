@@ -27,7 +27,7 @@ from jax.experimental.multihost_utils import process_allgather
 import jshard
 import jshard.checkpoint
 from jshard import models
-from jshard.data import ShardedLoader
+from jshard.data import ShardedLoader, shard_batch
 
 T0 = time.perf_counter()
 CFG = models.GPTConfig(vocab=16, seq_len=8, d_model=32, n_heads=4, n_layers=1, d_ff=64)
@@ -55,6 +55,16 @@ def init_params():
     return jax.tree_util.tree_map_with_path(one, shapes)
 
 
+def shard_batch_agrees(data, loader, first, preset) -> bool:
+    """`shard_batch` from this process's rows of batch 0 and `"full_batch"` from all of them give the
+    loader's batch 0."""
+    lo, hi = loader.rows
+    mine = shard_batch(tuple(x[lo:hi] for x in data), [preset.batch(2)] * 3)
+    full = shard_batch(tuple(x[:BATCH] for x in data), "full_batch")
+    same = jax.jit(lambda a, b, c: [jnp.array_equal(x, y) & jnp.array_equal(x, z) for x, y, z in zip(a, b, c)])
+    return all(bool(v) for v in same(first, mine, full))
+
+
 def train(args, info):
     preset = models.preset("2d", jax.device_count())
     data = models.copy_task_batch(np.random.default_rng(0), CFG, BATCH * args.steps)
@@ -78,7 +88,8 @@ def train(args, info):
         start = jshard.checkpoint.latest_step(args.ckpt)
         params, opt_state = jshard.checkpoint.restore(args.ckpt, plan)
         print(f"resumed from step {start}", flush=True)
-    record = {"info": info._asdict(), "losses": {}, "reads": reads, "rows": list(loader.rows), "start": start}
+    record = {"info": info._asdict(), "losses": {}, "reads": reads, "rows": list(loader.rows), "start": start,
+              "shard_batch_agrees": shard_batch_agrees(data, loader, first, preset)}
     pending = None
     for k in range(start, args.steps):
         params, opt_state, loss = step(params, opt_state, loader.batch(k))

@@ -150,13 +150,14 @@ def test_the_rerun_resumes_from_the_last_checkpoint_and_reaches_the_same_final_l
     assert jshard.checkpoint.latest_step(runs["ckpt"]) == STEPS
 
 
-def test_each_process_reads_only_its_own_rows(runs):
+def test_each_process_reads_only_its_own_rows_and_shard_batch_agrees(runs):
     for rank in (0, 1):
         record = json.loads((runs["out"] / f"rank{rank}.json").read_text())
         own = [[start + 4 * rank, start + 4 * rank + 4] for start in range(EVERY * 8, STEPS * 8, 8)]
         assert record["rows"] == [4 * rank, 4 * rank + 4]
         assert record["reads"][1:] == own  # reads[0] is batch 0, read to plan
         assert record["info"]["num_processes"] == 2 and record["info"]["local_devices"] == 4
+        assert record["shard_batch_agrees"] is True  # shard_batch from local rows, and from all with full_batch
 
 
 def test_a_two_process_checkpoint_restores_exactly_onto_other_layouts(runs):
