@@ -56,6 +56,17 @@ def launch(args, env, timeout=TIMEOUT, wait=True):
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
+def finish(launcher: subprocess.Popen, timeout=TIMEOUT) -> tuple[str, str]:
+    """A launcher's output once it exits; past `timeout`, SIGTERM (which it forwards, then SIGKILLs
+    its workers) so that no job outlives the test."""
+    try:
+        return launcher.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        launcher.terminate()
+        launcher.communicate(timeout=30)
+        raise
+
+
 def launch_here(args, env) -> subprocess.CompletedProcess:
     """`jshard launch ARGS` run by this process (no interpreter to start), its workers given `env`."""
     saved, err = dict(os.environ), io.StringIO()
@@ -91,7 +102,7 @@ def runs(tmp_path_factory):
     ref_out, ref_ckpt = tmp / "ref", tmp / "ref_ckpt"  # the reference runs meanwhile, in this process
     _dist_worker.main(["train", str(ref_out), "--steps", str(STEPS), "--ckpt", str(ref_ckpt),
                        "--ckpt-every", str(EVERY)])
-    stdout, stderr = running.communicate(timeout=TIMEOUT)
+    stdout, stderr = finish(running)
     killed = subprocess.CompletedProcess(running.args, running.returncode, stdout, stderr)
     killed_losses = {r: losses(out, r) for r in (0, 1)}
     resumed = launch_here([*common, tmp / "logs2", *job], env)
@@ -188,7 +199,7 @@ def test_two_nodes_of_two_workers_through_node_rank(tmp_path):
               "--cluster-time-out", 60]
     node1 = launch([*common, "--node-rank", 1, "--log-dir", tmp_path / "node1", WORKER, "matmul", out], env, wait=False)
     node0 = launch_here([*common, "--node-rank", 0, "--log-dir", tmp_path / "node0", WORKER, "matmul", out], env)
-    results = [node1.communicate(timeout=TIMEOUT), ("", node0.stderr)]
+    results = [finish(node1), ("", node0.stderr)]
     for code, (_, err) in zip((node1.returncode, node0.returncode), results):
         assert code == 0, err
     assert "node 1: ranks 2..3 of 4" in results[0][1] and "node 0: ranks 0..1 of 4" in results[1][1]
