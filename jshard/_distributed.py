@@ -10,6 +10,7 @@ which `init` reads:
 | `JSHARD_PROCESS_ID` | this process's id, `0 .. JSHARD_NUM_PROCESSES - 1` |
 | `JSHARD_LOCAL_DEVICES` | optional: simulated CPU devices for this process (a laptop rehearsal) |
 | `JSHARD_INIT_TIMEOUT` | optional: seconds to wait for every process to arrive (default 300) |
+| `JSHARD_LAUNCHER_PID` | set by `jshard launch`: the worker ends itself if the launcher dies |
 
 Without them, a job that SLURM or Open MPI started with several tasks (or a Kubernetes pod, where
 the `kubernetes` package is installed) is left to JAX's own detection; anything else is a single
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import socket
+import threading
 import time
 from typing import NamedTuple
 
@@ -35,6 +38,7 @@ from jshard._errors import ShardingError
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JSHARD_COORDINATOR", "JSHARD_NUM_PROCESSES", "JSHARD_PROCESS_ID"
 LOCAL_DEVICES, INIT_TIMEOUT = "JSHARD_LOCAL_DEVICES", "JSHARD_INIT_TIMEOUT"
+LAUNCHER_PID = "JSHARD_LAUNCHER_PID"
 DEFAULT_TIMEOUT = 300
 
 
@@ -100,6 +104,7 @@ def init(
             simulate_devices(_int_env(LOCAL_DEVICES, local_devices))
         return _info()
     address, count, rank, devices, seconds = setting
+    _watch_launcher()
     if count == 1:
         if devices is not None:
             simulate_devices(devices)
@@ -115,6 +120,25 @@ def init(
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _join(address, count, rank, seconds)
     return _info()
+
+
+def _watch_launcher() -> None:
+    """Under `jshard launch`, ends this worker (SIGKILL) within a second of the launcher's death, so
+    that a launcher killed with -9 leaves no orphaned job holding ports and devices."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if not launcher or int(launcher) != os.getppid() or _watch_launcher.started:
+        return
+    _watch_launcher.started = True
+
+    def watch():
+        while os.getppid() == int(launcher):
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="jshard-launcher-watch", daemon=True).start()
+
+
+_watch_launcher.started = False
 
 
 def _setting(coordinator, num_processes, process_id, local_devices, timeout):

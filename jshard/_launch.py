@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from jshard._distributed import COORDINATOR, INIT_TIMEOUT, LOCAL_DEVICES, NUM_PROCESSES, PROCESS_ID
+from jshard._distributed import COORDINATOR, INIT_TIMEOUT, LAUNCHER_PID, LOCAL_DEVICES, NUM_PROCESSES, PROCESS_ID
 
 TAIL_LINES = 20
 STOP_GRACE = 5.0
@@ -193,7 +193,7 @@ class _Job:
         env = dict(os.environ)
         env.update({COORDINATOR: self.coordinator, NUM_PROCESSES: str(self.args.worker_num),
                     PROCESS_ID: str(rank), INIT_TIMEOUT: f"{self.args.cluster_time_out:g}",
-                    "PYTHONUNBUFFERED": "1"})
+                    LAUNCHER_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
         if self.args.devices_per_worker is not None:
             env[LOCAL_DEVICES] = str(self.args.devices_per_worker)
         return env

@@ -90,6 +90,34 @@ def test_sigterm_to_the_launcher_reaches_the_workers(tmp_path):
         assert f"worker {rank} got SIGTERM" in (tmp_path / "l" / f"worker_{rank}.log").read_text()
 
 
+def test_workers_of_a_launcher_killed_with_sigkill_end_themselves(tmp_path):
+    pid_file = tmp_path / "pid"
+    worker = script(tmp_path, f"import jshard\njshard.init()\nopen(r'{pid_file}', 'w').write(str(os.getpid()))\n"
+                              "time.sleep(120)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    launcher = subprocess.Popen([sys.executable, "-m", "jshard", "launch", "--worker-num", "1", "--log-dir",
+                                 str(tmp_path / "l"), worker], env=env)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    worker_pid = int(pid_file.read_text())
+    launcher.kill()
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _alive(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker_pid), "the worker outlived its launcher"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by init) is not alive
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
 def test_a_worker_ignoring_sigterm_is_killed_after_the_time_out(tmp_path, capsys):
     worker = script(tmp_path, "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
                               "if rank == 0:\n    sys.exit(5)\ntime.sleep(120)\n")
