@@ -15,6 +15,8 @@ for _wrapper in ("_shard.py", "_params.py", "_parallelize.py", _os.path.join("pr
     _source_info_util.register_exclusion(_os.path.join(_os.path.dirname(__file__), _wrapper))
 
 from jshard._devices import simulate_devices as simulate_devices
+from jshard._distributed import ProcessInfo as ProcessInfo
+from jshard._distributed import init as init
 from jshard._errors import DeviceCountError as DeviceCountError
 from jshard._errors import LayoutConflictError as LayoutConflictError
 from jshard._errors import ShardingError as ShardingError
@@ -36,9 +38,11 @@ __all__ = [
     "OpRecord",
     "Parallelized",
     "Plan",
+    "ProcessInfo",
     "ShardingError",
     "TensorLayout",
     "audit",
+    "init",
     "parallelize",
     "shard",
     "simulate_devices",

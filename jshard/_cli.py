@@ -1,5 +1,6 @@
 """The `jshard` command line: `jshard demo` trains the reference GPT on simulated devices; `jshard
-plan` plans a reference model or a user's function for N devices without materializing anything."""
+plan` plans a reference model or a user's function for N devices without materializing anything;
+`jshard launch` starts a multi-process job's workers; `jshard k8s` prints a Kubernetes manifest."""
 
 from __future__ import annotations
 
@@ -29,7 +30,16 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     _plan_parser(sub)
+    _multiprocess_parsers(sub)
     return parser
+
+
+def _multiprocess_parsers(sub) -> None:
+    from jshard._k8s import k8s_parser
+    from jshard._launch import launch_parser
+
+    launch_parser(sub)
+    k8s_parser(sub)
 
 
 PLAN_DESCRIPTION = """\
@@ -99,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "launch":
+        from jshard._launch import run_launch
+
+        return run_launch(args)
+    if args.command == "k8s":
+        from jshard._k8s import run_k8s
+
+        return run_k8s(args)
     return 2  # pragma: no cover - argparse requires a command
 
 

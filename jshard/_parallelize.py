@@ -19,6 +19,7 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
+from jshard._distributed import host_major
 from jshard._errors import DeviceCountError, ShardingError
 from jshard.layouts import FineMesh, Slot, TensorLayout, canonicalize_slot, check_divides, layout_of
 from jshard.layouts._mesh import NotRefined
@@ -301,7 +302,7 @@ class _Builder:
         c = self.config
         if c.mesh is not None:
             return list(c.mesh.devices.flat)
-        have = jax.devices()
+        have = host_major(jax.devices())  # ranks fill one host before the next
         want = len(have) if c.devices is None else c.devices
         return None if want > len(have) else have[:want]
 

@@ -1,0 +1,296 @@
+"""`jshard launch`: starts a job's workers on this node (MindSpore `msrun`'s counterpart).
+
+Each worker is the user's command with the environment `jshard.init()` reads (`JSHARD_COORDINATOR`,
+`JSHARD_NUM_PROCESSES`, `JSHARD_PROCESS_ID`, and `JSHARD_LOCAL_DEVICES` with
+`--devices-per-worker`). Node `--node-rank r` runs global ranks `r * local .. r * local + local - 1`;
+node 0's first worker hosts the coordination service on `--master-addr:--master-port`.
+
+The launcher keeps every worker's output (one log per worker under `--log-dir`, streamed with
+`--join`), forwards SIGINT and SIGTERM to the workers, and watches them: when one exits non-zero it
+reports the rank, its exit status and its last log lines, stops the others (SIGTERM, then SIGKILL
+after `--cluster-time-out` or `STOP_GRACE` seconds, whichever is shorter) and exits with that first
+failing status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from jshard._distributed import COORDINATOR, INIT_TIMEOUT, LAUNCHER_PID, LOCAL_DEVICES, NUM_PROCESSES, PROCESS_ID
+
+TAIL_LINES = 20
+STOP_GRACE = 5.0
+"""Seconds (at most; `--cluster-time-out` if shorter) a worker gets to exit after SIGTERM before
+SIGKILL. JAX's distributed runtime catches SIGTERM (its preemption notice), so a worker blocked in a
+collective may never exit on SIGTERM alone."""
+LAUNCH_DESCRIPTION = """\
+Starts --local-worker-num workers of a --worker-num job on this node, each running COMMAND with the
+environment jshard.init() reads. COMMAND is a script (`train.py args`, run with this Python) or any
+command after `--`. One node:
+  python -m jshard launch --worker-num 2 --devices-per-worker 4 --log-dir logs train.py
+Two nodes (run on each, with its --node-rank):
+  python -m jshard launch --worker-num 4 --local-worker-num 2 --master-addr 10.0.0.1 \\
+      --master-port 8118 --node-rank 0 -- python train.py
+Exit status: 0 when every worker exits 0; otherwise the first failing worker's status (128 + signal
+for a worker killed by a signal); 2 for bad arguments or a coordinator port already in use.
+"""
+
+
+def launch_parser(sub) -> None:
+    """Adds the `launch` subcommand to the `jshard` command line's subparsers."""
+    p = sub.add_parser("launch", help="start a multi-process job's workers on this node (msrun)",
+                       description=LAUNCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker-num", type=int, default=1, help="processes in the whole job (default 1)")
+    p.add_argument("--local-worker-num", type=int, default=None,
+                   help="processes on this node (default --worker-num: one node)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="coordinator port on node 0 (default: a free port, one node only)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
+    p.add_argument("--log-dir", default=None,
+                   help="write worker_<rank>.log per worker and launcher.log here (default: stream to stdout)")
+    p.add_argument("--join", action="store_true", help="also stream the workers' logs to stdout, prefixed by rank")
+    p.add_argument("--cluster-time-out", type=float, default=300.0,
+                   help="seconds for the job to form, and for the others to stop once one fails (default 300)")
+    p.add_argument("--devices-per-worker", type=int, default=None,
+                   help="simulated CPU devices per worker (rehearse a cluster on a laptop)")
+    p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
+                   help="script.py [args], or -- program [args]")
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """The `launch` subcommand: checks the arguments, runs the workers, returns the exit status."""
+    command = list(args.argv)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    local = args.worker_num if args.local_worker_num is None else args.local_worker_num
+    problem = _check(args, command, local)
+    if problem:
+        print(f"jshard launch: error: {problem}", file=sys.stderr)
+        return 2
+    port = args.master_port if args.master_port is not None else _free_port(args.master_addr)
+    if args.node_rank == 0 and not _port_free(args.master_addr, port):
+        print(f"jshard launch: error: the coordinator port {args.master_addr}:{port} is already in use; "
+              "choose another --master-port.", file=sys.stderr)
+        return 2
+    if command[0].endswith(".py"):
+        command = [sys.executable, *command]
+    job = _Job(args, command, local, f"{args.master_addr}:{port}")
+    return job.run()
+
+
+def _check(args, command, local) -> str:
+    if not command:
+        return "no COMMAND: give a script (train.py args) or `-- program args`."
+    if args.worker_num < 1 or local < 1:
+        return f"--worker-num ({args.worker_num}) and --local-worker-num ({local}) must be positive."
+    if args.worker_num % local:
+        return (f"--worker-num {args.worker_num} is not a multiple of --local-worker-num {local}; every node "
+                "runs the same number of workers.")
+    nodes = args.worker_num // local
+    if not 0 <= args.node_rank < nodes:
+        return f"--node-rank {args.node_rank} with {nodes} node(s) ({args.worker_num} / {local}); ranks run 0..{nodes - 1}."
+    if nodes > 1 and args.master_port is None:
+        return f"{nodes} nodes need one --master-port that every node is given."
+    if args.devices_per_worker is not None and args.devices_per_worker < 1:
+        return f"--devices-per-worker must be positive, got {args.devices_per_worker}."
+    if args.cluster_time_out <= 0:
+        return f"--cluster-time-out must be positive, got {args.cluster_time_out}."
+    return ""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether node 0 can bind its coordinator port (where `host` is not this machine's, say yes
+    and let `jshard.init()` report it)."""
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: only a listener blocks it
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.errno not in (98, 48)  # EADDRINUSE (Linux, macOS)
+    return True
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+class _Worker:
+    """One worker process, its rank, its log and the last lines it wrote."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen, log: Path | None):
+        self.rank, self.proc, self.log = rank, proc, log
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.reader: threading.Thread | None = None
+
+
+class _Job:
+    """The workers of one node, watched until they all exit or one fails."""
+
+    def __init__(self, args, command: Sequence[str], local: int, coordinator: str):
+        self.args, self.command, self.local, self.coordinator = args, list(command), local, coordinator
+        self.log_dir = Path(args.log_dir) if args.log_dir else None
+        self.stream = args.join or self.log_dir is None
+        self.lock = threading.Lock()
+        self.launcher_log = None
+        self.workers: list[_Worker] = []
+        self.kill_at: float | None = None  # after a forwarded signal: when to SIGKILL the rest
+
+    def say(self, text: str) -> None:
+        """A message to stderr, and to launcher.log stamped with the time (UTC, to the millisecond)."""
+        line = f"jshard launch: {text}"
+        now = time.time()
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}"
+        with self.lock:
+            print(line, file=sys.stderr, flush=True)
+            if self.launcher_log is not None:
+                self.launcher_log.write(f"{stamp} {line}\n")
+                self.launcher_log.flush()
+
+    def run(self) -> int:
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self.launcher_log = open(self.log_dir / "launcher.log", "a")
+        previous = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            first = self.args.node_rank * self.local
+            self.say(f"node {self.args.node_rank}: ranks {first}..{first + self.local - 1} of {self.args.worker_num}, "
+                     f"coordinator {self.coordinator}, command: {' '.join(self.command)}")
+            try:
+                for rank in range(first, first + self.local):
+                    self.workers.append(self._start(rank))
+            except OSError as e:
+                self.say(f"error: cannot start {self.command[0]!r}: {e.strerror}")
+                _stop(self.workers, 0)
+                return 127
+            return self._watch()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            for w in self.workers:
+                if w.reader is not None:
+                    w.reader.join(timeout=5)
+            if self.launcher_log is not None:
+                self.launcher_log.close()
+
+    def _env(self, rank: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({COORDINATOR: self.coordinator, NUM_PROCESSES: str(self.args.worker_num),
+                    PROCESS_ID: str(rank), INIT_TIMEOUT: f"{self.args.cluster_time_out:g}",
+                    LAUNCHER_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
+        if self.args.devices_per_worker is not None:
+            env[LOCAL_DEVICES] = str(self.args.devices_per_worker)
+        return env
+
+    def _start(self, rank: int) -> _Worker:
+        log = self.log_dir / f"worker_{rank}.log" if self.log_dir is not None else None
+        proc = subprocess.Popen(self.command, env=self._env(rank), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        worker = _Worker(rank, proc, log)
+        worker.reader = threading.Thread(target=self._pump, args=(worker,), daemon=True)
+        worker.reader.start()
+        return worker
+
+    def _pump(self, worker: _Worker) -> None:
+        """Copies a worker's output to its log (and stdout with --join), keeping its last lines."""
+        sink = open(worker.log, "w") if worker.log is not None else None
+        try:
+            for raw in worker.proc.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                worker.tail.append(line)
+                if sink is not None:
+                    sink.write(line + "\n")
+                    sink.flush()
+                if self.stream:
+                    with self.lock:
+                        print(f"[rank {worker.rank}] {line}", flush=True)
+        finally:
+            worker.proc.stdout.close()
+            if sink is not None:
+                sink.close()
+
+    def _forward(self, signum, frame) -> None:
+        grace = min(self.args.cluster_time_out, STOP_GRACE)
+        self.say(f"got {signal.Signals(signum).name}; forwarding it to the workers (SIGKILL for those still "
+                 f"running in {grace:g} s)")
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + grace
+        for w in self.workers:
+            _signal(w.proc, signum)
+
+    def _watch(self) -> int:
+        """Polls the workers; on the first failure reports it and stops the rest."""
+        while True:
+            if self.kill_at is not None and time.monotonic() > self.kill_at:
+                for w in self.workers:
+                    _signal(w.proc, signal.SIGKILL)
+            running = [w for w in self.workers if w.proc.poll() is None]
+            failed = next((w for w in self.workers if w.proc.returncode not in (None, 0)), None)
+            if failed is not None:
+                return self._fail(failed, running)
+            if not running:
+                self.say(f"all {len(self.workers)} worker(s) on this node exited 0")
+                return 0
+            time.sleep(0.05)
+
+    def _fail(self, failed: _Worker, running: list[_Worker]) -> int:
+        status = _status(failed.proc.returncode)
+        code = failed.proc.returncode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        if failed.reader is not None:
+            failed.reader.join(timeout=2)
+        where = f" (log: {failed.log})" if failed.log is not None else ""
+        lines = "\n".join(f"  | {line}" for line in failed.tail) or "  | (no output)"
+        self.say(f"rank {failed.rank} {how}{where}; its last {len(failed.tail)} log line(s):\n{lines}")
+        if any("RegisterTask" in line or "could not form the job" in line for line in failed.tail):
+            self.say(f"the job did not form within --cluster-time-out {self.args.cluster_time_out:g} s: not all "
+                     f"--worker-num {self.args.worker_num} processes reached the coordinator {self.coordinator}. "
+                     "Start every node (jshard launch with the same --worker-num, --master-addr and --master-port, "
+                     "each with its --node-rank), and check that node 0 is reachable.")
+        if running:
+            self.say(f"stopping the other {len(running)} worker(s) on this node: ranks "
+                     f"{', '.join(str(w.rank) for w in running)}")
+            _stop(running, self.args.cluster_time_out)
+        self.say(f"exit status {status} (rank {failed.rank})")
+        return status
+
+
+def _signal(proc: subprocess.Popen, signum: int) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            return
+
+
+def _stop(workers: list[_Worker], grace: float) -> None:
+    """SIGTERM, then SIGKILL for whoever is still there after `grace` seconds (at most `STOP_GRACE`)."""
+    for w in workers:
+        _signal(w.proc, signal.SIGTERM)
+    deadline = time.monotonic() + min(grace, STOP_GRACE)
+    while time.monotonic() < deadline and any(w.proc.poll() is None for w in workers):
+        time.sleep(0.05)
+    for w in workers:
+        _signal(w.proc, signal.SIGKILL)
+        w.proc.wait()
+
+
+def _status(returncode: int) -> int:
+    """A worker's exit status as a shell reports it: 128 + the signal for a killed worker."""
+    return 128 - returncode if returncode < 0 else returncode

@@ -1,0 +1,236 @@
+"""`save` / `restore`: sharded train state on Orbax, resharded on the way back in.
+
+A checkpoint directory holds one subdirectory per step (`<dir>/<step>/`), each with the state
+(`state/`, every process writing the shards it holds) and, when given, the `Plan` that laid it out
+(`plan/`, JSON as `Plan.save` writes it). Orbax writes a step into a temporary directory and renames
+it into place only once every process has finished (its atomic finalize), so a crash mid-save
+leaves the previous step as the latest one and never a half-written one.
+
+`restore` reads the state onto any shardings: another device count, another strategy, another
+mesh. Each process reads only the slices its devices hold; the values are the saved ones, bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+from jshard._distributed import host_major
+from jshard._errors import ShardingError
+from jshard.layouts._strategy import shape_str
+from jshard.propagate import Plan
+from jshard.propagate._plan_io import to_json
+
+_SHOWN = 12
+
+
+class SaveHandle:
+    """A save in progress (`save(..., blocking=False)`); `wait()` returns once it is on disk."""
+
+    def __init__(self, manager: ocp.CheckpointManager | None, step: int, directory: str):
+        self._manager, self.step, self.directory = manager, step, directory
+
+    def wait(self) -> int:
+        """Blocks until the step is finalized; returns the step."""
+        if self._manager is not None:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._manager = None
+        return self.step
+
+    @property
+    def done(self) -> bool:
+        return self._manager is None
+
+
+def save(directory: str | os.PathLike, state: Any, plan: Plan | None = None, *, step: int = 0,
+         blocking: bool = True, keep: int | None = None) -> SaveHandle:
+    """Writes `state` (a pytree of arrays, sharded or not) as step `step` of `directory`.
+
+    Every process of a job calls it with its (global) arrays; each writes the shards it holds.
+
+    Args:
+      directory: the checkpoint directory (created if missing).
+      state: the pytree to save, e.g. `(params, opt_state)`.
+      plan: the `Plan` the state was laid out by, stored beside it (`load_plan`).
+      step: the step number; a step already saved is an error.
+      blocking: False returns at once while Orbax writes in the background; call `.wait()` on the
+        handle (before the next save, and before exiting).
+      keep: keep only the latest `keep` steps (default: all).
+
+    Returns:
+      A `SaveHandle` (already done when `blocking`).
+
+    Raises:
+      ShardingError: `step` is already in `directory`.
+
+    Examples:
+      >>> import tempfile, numpy as np
+      >>> d = tempfile.mkdtemp()
+      >>> save(d, {"w": np.ones((8, 2))}, step=1).done, latest_step(d)
+      (True, 1)
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    manager = _manager(directory, create=True, async_=not blocking, keep=keep)
+    if step in manager.all_steps():
+        manager.close()
+        raise ShardingError(f"jshard.checkpoint.save({directory!r}): step {step} is already saved there "
+                            f"(steps {list(manager.all_steps())}). Save under a new step number.")
+    items = {"state": ocp.args.StandardSave(state)}
+    if plan is not None:
+        items["plan"] = ocp.args.JsonSave(to_json(plan))
+    manager.save(step, args=ocp.args.Composite(**items))
+    handle = SaveHandle(manager, step, directory)
+    if blocking:
+        handle.wait()
+    return handle
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The newest complete step in `directory`, or None (no directory, or no finished step)."""
+    directory = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(directory):
+        return None
+    with _manager(directory) as manager:
+        return manager.latest_step()
+
+
+def load_plan(directory: str | os.PathLike, step: int | None = None) -> Plan | None:
+    """The `Plan` saved with `step` (default the latest), or None if it was saved without one."""
+    directory = os.path.abspath(os.fspath(directory))
+    step = _step("jshard.checkpoint.load_plan", directory, step)
+    path = os.path.join(directory, str(step), "plan", "metadata")
+    return Plan.load(path) if os.path.exists(path) else None
+
+
+def restore(directory: str | os.PathLike, target: Any, *, step: int | None = None, like: Any = None) -> Any:
+    """Reads step `step` (default the latest) of `directory` onto the shardings `target` names.
+
+    Args:
+      directory: the checkpoint directory.
+      target: where the values go, one of
+        - a pytree like the saved state of `jax.Array`s or `jax.ShapeDtypeStruct`s with shardings
+          (shapes, dtypes and tree are checked against the checkpoint);
+        - a pytree of `jax.sharding.Sharding`s (shapes and dtypes come from the checkpoint);
+        - a `Plan`: the saved state is its function's leading arguments (a train step
+          `step(params, opt_state, batch)` saved as `(params, opt_state)`), laid out as the plan
+          lays them out. A plan read back by `Plan.load` holds no tree: pass `like=`.
+      step: the step to read; default the latest complete one.
+      like: with a loaded `Plan`, a pytree of the state's structure (arrays or shapes).
+
+    Returns:
+      The state, as global arrays on the target shardings.
+
+    Raises:
+      ShardingError: no such step, or the target does not match the checkpoint (leaves missing or
+        extra, other shapes), listing the mismatched leaves.
+    """
+    call = f"jshard.checkpoint.restore({os.fspath(directory)!r})"
+    directory = os.path.abspath(os.fspath(directory))
+    step = _step(call, directory, step)
+    with _manager(directory) as manager:
+        saved = {_path(p): m for p, m in jax.tree_util.tree_flatten_with_path(manager.item_metadata(step)["state"].tree)[0]}
+        abstract = _abstract_target(call, target, like, saved)
+        _check_match(call, step, saved, abstract)
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+    return restored["state"]
+
+
+def _manager(directory: str, *, create: bool = False, async_: bool = False, keep: int | None = None):
+    options = ocp.CheckpointManagerOptions(create=create, enable_async_checkpointing=async_, max_to_keep=keep)
+    handlers = {"state": ocp.StandardCheckpointHandler(), "plan": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def _step(call: str, directory: str, step: int | None) -> int:
+    steps = []
+    if os.path.isdir(directory):
+        with _manager(directory) as manager:
+            steps = list(manager.all_steps())
+    if step is None and steps:
+        return max(steps)
+    if step is not None and step in steps:
+        return step
+    have = f"its complete steps are {sorted(steps)}" if steps else "it holds no complete checkpoint"
+    raise ShardingError(f"{call}: {'no step' if step is None else f'step {step} is not there'}: {have}. "
+                        "Save one with jshard.checkpoint.save first, or give a step that exists.")
+
+
+def _path(path: Sequence[Any]) -> str:
+    """A tree path as Orbax keeps it (named tuples become dicts): `1/0/count`."""
+    parts = []
+    for k in path:
+        parts.append(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))))
+    return "/".join(parts)
+
+
+def _abstract_target(call: str, target: Any, like: Any, saved: dict) -> Any:
+    """`target` as a pytree of `ShapeDtypeStruct`s with shardings."""
+    if isinstance(target, Plan):
+        target = _plan_shardings(call, target, like, len(saved))
+    is_leaf = lambda x: isinstance(x, (Sharding, jax.ShapeDtypeStruct))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_leaf)
+    leaves = []
+    for p, x in flat:
+        if isinstance(x, Sharding):
+            meta = saved.get(_path(p))
+            shape, dtype = (meta.shape, meta.dtype) if meta is not None else ((), None)
+            leaves.append(jax.ShapeDtypeStruct(shape, dtype, sharding=x))
+        elif isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and x.sharding is not None:
+            leaves.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding))
+        else:
+            raise TypeError(f"{call}: target leaf {_path(p) or '(root)'} is {type(x).__name__}; give a "
+                            "jax.sharding.Sharding, a sharded jax.Array or a jax.ShapeDtypeStruct with a sharding.")
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _plan_shardings(call: str, plan: Plan, like: Any, count: int) -> Any:
+    """The shardings a plan gives its leading arguments holding `count` leaves in all."""
+    if plan.mesh is not None and isinstance(plan.in_shardings, tuple) and like is None:
+        flat = jax.tree_util.tree_leaves(plan.in_shardings)
+        taken, k = 0, 0
+        while taken < count and k < len(plan.in_shardings):
+            taken += len(jax.tree_util.tree_leaves(plan.in_shardings[k]))
+            k += 1
+        if taken != count:
+            raise ShardingError(f"{call}: the checkpoint holds {count} arrays, but no run of the plan's leading "
+                                f"arguments holds that many ({len(flat)} in all); pass the shardings themselves.")
+        return tuple(plan.in_shardings[:k])
+    if like is None:
+        raise ShardingError(f"{call}: a Plan read back by Plan.load keeps its shardings flat, not the state's "
+                            "tree; pass like=<the state, or jax.eval_shape of it> along with the plan.")
+    mesh = plan.mesh if plan.mesh is not None else plan.fine.jax_mesh(host_major(jax.devices())[: plan.device_count])
+    flat = jax.tree_util.tree_leaves(plan.in_shardings,
+                                     is_leaf=lambda s: s is None or isinstance(s, (PartitionSpec, NamedSharding)))
+    specs = [s.spec if isinstance(s, NamedSharding) else PartitionSpec() if s is None else s for s in flat]
+    leaves, treedef = jax.tree_util.tree_flatten(like)
+    return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in specs[: len(leaves)]])
+
+
+def _check_match(call: str, step: int, saved: dict, abstract: Any) -> None:
+    """Checks the whole target against the checkpoint, then raises once with every mismatch."""
+    wanted = {_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    problems = [f"{p}: in the checkpoint, not in the target" for p in saved if p not in wanted]
+    problems += [f"{p}: in the target, not in the checkpoint" for p in wanted if p not in saved]
+    for p, x in wanted.items():
+        meta = saved.get(p)
+        if meta is not None and tuple(meta.shape) != tuple(x.shape):
+            problems.append(f"{p}: saved {shape_str(meta.dtype, meta.shape)}, target {shape_str(x.dtype, x.shape)}")
+        elif meta is not None:
+            try:
+                x.sharding.shard_shape(tuple(x.shape))
+            except ValueError:
+                problems.append(f"{p}: the target sharding {x.sharding.spec} does not divide {tuple(x.shape)}")
+    if problems:
+        shown = problems[:_SHOWN] + ([f"... and {len(problems) - _SHOWN} more"] if len(problems) > _SHOWN else [])
+        raise ShardingError(
+            f"{call}: step {step} does not fit the target; {len(problems)} leaf/leaves differ:\n  "
+            + "\n  ".join(shown)
+            + "\nRestore into the model (tree and shapes) that was saved, or convert the state yourself."
+        )

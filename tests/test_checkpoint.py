@@ -1,0 +1,160 @@
+"""`jshard.checkpoint`: sharded saves restored onto other layouts, bit for bit; atomic and async saves;
+mismatches listed. One process of 8 devices here; tests/test_distributed.py restores a checkpoint
+written by two processes."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jshard as js
+import jshard.checkpoint as ckpt
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def state():
+    rng = np.random.default_rng(0)
+    return {"w1": rng.standard_normal((16, 32), np.float32), "w2": rng.standard_normal((32, 8), np.float32),
+            "count": np.int32(7)}
+
+
+def placed(tree, mesh, spec_of):
+    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec_of(x))), tree)
+
+
+def shardings(mesh, spec_of, like):
+    return jax.tree.map(lambda x: NamedSharding(mesh, spec_of(x)), like)
+
+
+DATA8 = Mesh(np.array(jax.devices()), ("dp",))
+TENSOR4 = Mesh(np.array(jax.devices()[:4]), ("mp",))
+rows = lambda x: P("dp") if np.ndim(x) else P()
+last = lambda x: P(*([None] * (np.ndim(x) - 1)), "mp") if np.ndim(x) else P()
+
+
+def test_eight_way_data_parallel_to_four_way_tensor_parallel_and_back_is_exact(tmp_path):
+    s = state()
+    ckpt.save(tmp_path, placed(s, DATA8, rows), step=1)
+    on_tensor = ckpt.restore(tmp_path, shardings(TENSOR4, last, s))
+    assert on_tensor["w1"].sharding.spec == P(None, "mp") and len(on_tensor["w1"].sharding.device_set) == 4
+    assert on_tensor["w1"].addressable_shards[0].data.shape == (16, 8)
+    ckpt.save(tmp_path, on_tensor, step=2)
+    back = ckpt.restore(tmp_path, shardings(DATA8, rows, s), step=2)
+    for name, value in s.items():
+        np.testing.assert_array_equal(np.asarray(on_tensor[name]), value)
+        np.testing.assert_array_equal(np.asarray(back[name]), value)
+    assert back["w2"].sharding.spec == P("dp") and back["count"].dtype == np.int32
+    assert ckpt.latest_step(tmp_path) == 2
+
+
+def _step_and_state():
+    def step(params, opt, x):
+        g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w1"]) @ p["w2"]))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, g), opt
+
+    s = state()
+    params, opt = {"w1": s["w1"], "w2": s["w2"]}, {"count": s["count"]}
+    x = np.ones((8, 16), np.float32)
+    parallel = js.parallelize(step, devices=8, in_strategy=({"w1": (1, 8), "w2": (8, 1)}, None, (8, 1)))
+    return parallel, (params, opt), x
+
+
+def test_restore_onto_a_plan_lays_the_state_out_as_the_plan_does(tmp_path):
+    parallel, (params, opt), x = _step_and_state()
+    plan = parallel.plan(params, opt, x)
+    ckpt.save(tmp_path, (params, opt), plan, step=3)  # saved from host arrays (one device)
+    restored_params, restored_opt = ckpt.restore(tmp_path, plan)
+    assert restored_params["w1"].sharding.spec == plan.in_shardings[0]["w1"].spec
+    assert restored_params["w1"].sharding.spec == P(None, ("d0", "d1", "d2"))
+    np.testing.assert_array_equal(np.asarray(restored_params["w2"]), params["w2"])
+    loaded = ckpt.load_plan(tmp_path)
+    assert isinstance(loaded, js.Plan) and loaded.fine.sizes == plan.fine.sizes
+    again, _ = ckpt.restore(tmp_path, loaded, like=(params, opt))
+    assert again["w2"].sharding.spec == restored_params["w2"].sharding.spec
+    new, _ = parallel(restored_params, restored_opt, x)  # runs without moving anything
+    expected, _ = jax.jit(parallel.fn)(params, opt, x)
+    np.testing.assert_allclose(np.asarray(new["w1"]), np.asarray(expected["w1"]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_loaded_plan_needs_the_state_tree(tmp_path):
+    parallel, (params, opt), x = _step_and_state()
+    ckpt.save(tmp_path, (params, opt), parallel.plan(params, opt, x), step=0)
+    with pytest.raises(js.ShardingError, match=re.escape("pass like=<the state, or jax.eval_shape of it>")):
+        ckpt.restore(tmp_path, ckpt.load_plan(tmp_path))
+
+
+def test_restoring_into_another_model_lists_every_mismatched_leaf(tmp_path):
+    ckpt.save(tmp_path, {"w": np.ones((8, 4), np.float32), "b": np.zeros(4, np.float32)}, step=5)
+    target = {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(DATA8, P("dp"))),
+              "c": jax.ShapeDtypeStruct((4,), np.float32, sharding=NamedSharding(DATA8, P()))}
+    with pytest.raises(js.ShardingError) as info:
+        ckpt.restore(tmp_path, target)
+    text = str(info.value)
+    assert f"jshard.checkpoint.restore('{tmp_path}'): step 5 does not fit the target; 3 leaf/leaves differ:" in text
+    assert "b: in the checkpoint, not in the target" in text
+    assert "c: in the target, not in the checkpoint" in text
+    assert "w: saved f32[8,4], target f32[8,8]" in text
+
+
+def test_a_target_sharding_that_does_not_divide_is_listed(tmp_path):
+    ckpt.save(tmp_path, {"w": np.ones((6, 4), np.float32)}, step=0)
+    with pytest.raises(js.ShardingError, match=re.escape("w: the target sharding P('dp',) does not divide (6, 4)")):
+        ckpt.restore(tmp_path, {"w": NamedSharding(DATA8, P("dp"))})
+
+
+def test_missing_checkpoints_and_steps_are_errors(tmp_path):
+    with pytest.raises(js.ShardingError, match="no step: it holds no complete checkpoint"):
+        ckpt.restore(tmp_path / "none", {"w": NamedSharding(DATA8, P())})
+    ckpt.save(tmp_path, {"w": np.ones(8, np.float32)}, step=1)
+    with pytest.raises(js.ShardingError, match=re.escape("step 4 is not there: its complete steps are [1]")):
+        ckpt.restore(tmp_path, {"w": NamedSharding(DATA8, P())}, step=4)
+    with pytest.raises(js.ShardingError, match="step 1 is already saved there"):
+        ckpt.save(tmp_path, {"w": np.ones(8, np.float32)}, step=1)
+    assert ckpt.latest_step(tmp_path / "none") is None and ckpt.load_plan(tmp_path) is None
+
+
+def test_async_save_returns_a_handle_to_wait_on(tmp_path):
+    s = placed(state(), DATA8, rows)
+    handle = ckpt.save(tmp_path, s, step=7, blocking=False)
+    assert handle.wait() == 7 and handle.done
+    assert ckpt.latest_step(tmp_path) == 7
+    np.testing.assert_array_equal(np.asarray(ckpt.restore(tmp_path, shardings(DATA8, rows, s))["w1"]), state()["w1"])
+
+
+CRASH = """
+import os, signal, sys
+import jshard
+jshard.simulate_devices(8)
+import numpy as np
+import jshard.checkpoint as ckpt
+from orbax.checkpoint._src.path import atomicity
+
+async def crash(self):  # the step's files are written; die before the rename that publishes them
+    print("crashing in finalize", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+atomicity.AtomicRenameTemporaryPath.finalize = crash
+ckpt.save(sys.argv[1], {"w": np.full((8, 4), 2.0, np.float32)}, step=2)
+"""
+
+
+def test_a_crash_mid_save_leaves_the_previous_step_as_the_latest(tmp_path):
+    ckpt.save(tmp_path, {"w": np.full((8, 4), 1.0, np.float32)}, step=1)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    crashed = subprocess.run([sys.executable, "-c", CRASH, str(tmp_path)], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert crashed.returncode == -9 and "crashing in finalize" in crashed.stdout, crashed.stderr
+    assert any("tmp" in p.name for p in tmp_path.iterdir() if p.name != "1")  # the half-written step
+    assert ckpt.latest_step(tmp_path) == 1
+    restored = ckpt.restore(tmp_path, {"w": NamedSharding(DATA8, P("dp"))})
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((8, 4), 1.0))
+    ckpt.save(tmp_path, {"w": np.full((8, 4), 3.0, np.float32)}, step=2)  # the next save goes through
+    assert ckpt.latest_step(tmp_path) == 2

@@ -1,0 +1,103 @@
+"""`jshard.data` in one process of 8 devices: the dataset strategies, agreement with `parallelize`, errors.
+
+Per-process reads over two processes are counted in tests/test_distributed.py.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jshard as js
+from jshard.data import ShardedLoader, batch_shardings, local_slices, shard_batch
+
+
+def images():
+    return np.arange(8 * 4 * 8 * 3, dtype=np.float32).reshape(8, 4, 8, 3)
+
+
+@pytest.mark.parametrize(
+    "strategy, spec, per_device",
+    [
+        ("data_parallel", P(("d0", "d1", "d2")), (1, 4, 8, 3)),
+        ("full_batch", P(), (8, 4, 8, 3)),
+        (((1, 2, 4, 1),), P(None, "d0", ("d1", "d2")), (8, 2, 2, 3)),  # MindSpore's cut of H and W
+        (((2, 1, 1, 1),), P("d0"), (4, 4, 8, 3)),  # 2-way, the rest repeated (the last, fastest axis)
+    ],
+    ids=["data_parallel", "full_batch", "hw", "repeated"],
+)
+def test_dataset_strategies_lay_the_batch_out_as_mindspore_does(strategy, spec, per_device):
+    x = images()
+    (g,) = shard_batch((x,), strategy)
+    assert g.shape == x.shape and g.sharding.spec == spec
+    assert {s.data.shape for s in g.addressable_shards} == {per_device}
+    np.testing.assert_array_equal(np.asarray(g), x)
+
+
+def test_hw_cut_puts_each_block_on_the_mindspore_rank():
+    (g,) = shard_batch((images(),), ((1, 2, 4, 1),))
+    by_device = {s.device: s.index for s in g.addressable_shards}
+    devices = jax.devices()
+    # device matrix [2, 4]: rank r holds H block r // 4 and W block r % 4
+    for rank in range(8):
+        h, w = by_device[devices[rank]][1:3]
+        assert (h.start // 2, w.start // 2) == (rank // 4, rank % 4)
+
+
+def test_shard_batch_gives_what_parallelize_expects_so_nothing_moves():
+    x, w = np.ones((16, 8), np.float32), np.ones((8, 4), np.float32)
+    step = js.parallelize(lambda w, x: jnp.sum(x @ w), devices=8)
+    plan_sharding = step.lower(w, x).compile().input_shardings[0][1]
+    batch = shard_batch(x)
+    assert batch.sharding.is_equivalent_to(plan_sharding, 2)
+    np.testing.assert_allclose(float(step(w, batch)), float(np.sum(x @ w)))
+
+
+def test_layout_calls_are_dataset_strategies_too():
+    lay = js.Layout((2, 4), ("dp", "mp"))
+    tokens, mask = shard_batch((np.zeros((8, 16), np.int32), np.ones((8, 16))), (lay("dp", "None"), lay("dp", "mp")))
+    assert tokens.sharding.spec == P("d0") and mask.sharding.spec == P("d0", ("d1", "d2"))
+
+
+def test_loader_reads_only_the_rows_this_process_holds():
+    data = np.arange(32 * 3, dtype=np.float32).reshape(32, 3)
+    reads = []
+
+    def read(start, stop):
+        reads.append((start, stop))
+        return {"x": data[start:stop]}
+
+    loader = ShardedLoader(read, 8, [(8, 3)])
+    batch = loader.batch(2)
+    assert reads == [(16, 24)] and loader.rows == (0, 8)  # one process holds every row
+    np.testing.assert_array_equal(np.asarray(batch["x"]), data[16:24])
+    assert batch["x"].sharding.spec == P(("d0", "d1", "d2"))
+
+
+def test_local_slices_of_one_process_cover_the_array():
+    (s,) = batch_shardings([4], ((1, 2, 4, 1),))
+    assert local_slices((8, 4, 8, 3), s) == (slice(0, 8), slice(0, 4), slice(0, 8), slice(0, 3))
+
+
+@pytest.mark.parametrize(
+    "batch, strategy, message",
+    [
+        ((np.zeros((8, 2)),), ((2, 1), (2, 1)), "dataset_strategy has 2 entries ((2, 1), (2, 1)), but the batch has 1 arrays"),
+        ((np.zeros((8, 2)),), ((2, 1, 1),), "dataset_strategy[0]=(2, 1, 1) has 3 entries, but batch array 0 has 2 dims"),
+        ((np.zeros((8, 2)),), "model_parallel", "dataset_strategy='model_parallel'; give \"data_parallel\""),
+        ((np.zeros((6, 2)),), "data_parallel", "its devices hold 8 slices of dim 0, but 8 does not divide 6"),
+        ((np.zeros((8, 2)),), ((3, 1),), "does not divide the device count 8"),
+    ],
+    ids=["count", "rank", "unknown", "not-divisible", "device-count"],
+)
+def test_bad_dataset_strategies_name_the_problem(batch, strategy, message):
+    with pytest.raises(js.ShardingError, match=re.escape(message)):
+        shard_batch(batch, strategy)
+
+
+def test_loader_rejects_arrays_of_another_batch_size():
+    with pytest.raises(js.ShardingError, match=re.escape("every array of a batch has batch_size=8 rows in dim 0")):
+        ShardedLoader(lambda a, b: None, 8, [(8, 2), (4,)])

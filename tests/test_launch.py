@@ -1,0 +1,210 @@
+"""`jshard launch` with small Python workers (no JAX in them), and `jshard k8s`'s manifest.
+
+The launcher runs in this process through `jshard._cli.main` (its workers are subprocesses), except
+where a signal must reach it. Everything binds 127.0.0.1 only.
+"""
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from jshard._cli import main
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def script(tmp_path, body: str) -> str:
+    """A worker script: `body` runs with `rank` and `os`, `sys`, `time` at hand."""
+    path = tmp_path / "worker.py"
+    path.write_text("import os, signal, sys, time\nrank = int(os.environ['JSHARD_PROCESS_ID'])\n" + body)
+    return str(path)
+
+
+def test_workers_get_the_environment_jshard_init_reads_and_one_log_each(tmp_path, capsys):
+    worker = script(tmp_path, "print('env', rank, *(os.environ[k] for k in ('JSHARD_COORDINATOR', "
+                              "'JSHARD_NUM_PROCESSES', 'JSHARD_LOCAL_DEVICES', 'JSHARD_INIT_TIMEOUT')))\n")
+    logs = tmp_path / "logs"
+    assert main(["launch", "--worker-num", "3", "--devices-per-worker", "2", "--master-port", "29531",
+                 "--cluster-time-out", "7", "--log-dir", str(logs), worker]) == 0
+    for rank in range(3):
+        assert (logs / f"worker_{rank}.log").read_text() == f"env {rank} 127.0.0.1:29531 3 2 7\n"
+    launcher = (logs / "launcher.log").read_text()
+    assert "node 0: ranks 0..2 of 3, coordinator 127.0.0.1:29531" in launcher
+    assert "all 3 worker(s) on this node exited 0" in launcher
+    assert "env 0" not in capsys.readouterr().out  # a log dir without --join: nothing streamed
+
+
+def test_join_streams_every_worker_prefixed_by_rank(tmp_path, capsys):
+    worker = script(tmp_path, "print('hello from', rank)\n")
+    assert main(["launch", "--worker-num", "2", "--log-dir", str(tmp_path / "logs"), "--join", worker]) == 0
+    out = capsys.readouterr().out
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+
+
+def test_node_rank_runs_its_share_of_the_global_ranks(tmp_path, capsys):
+    worker = script(tmp_path, "print('rank', rank, 'of', os.environ['JSHARD_NUM_PROCESSES'])\n")
+    assert main(["launch", "--worker-num", "4", "--local-worker-num", "2", "--node-rank", "1",
+                 "--master-port", "29533", "--", sys.executable, worker]) == 0
+    out = capsys.readouterr().out
+    assert "[rank 2] rank 2 of 4" in out and "[rank 3] rank 3 of 4" in out and "[rank 0]" not in out
+
+
+def test_a_failing_worker_stops_the_others_and_its_status_is_returned(tmp_path, capsys):
+    worker = script(tmp_path, "print('working', rank, flush=True)\n"
+                              "if rank == 1:\n    print('giving up', flush=True)\n    sys.exit(3)\n"
+                              "time.sleep(120)\n")
+    start = time.monotonic()
+    assert main(["launch", "--worker-num", "3", "--cluster-time-out", "5", "--log-dir", str(tmp_path / "l"),
+                 worker]) == 3
+    assert time.monotonic() - start < 20  # the sleepers were stopped, not waited for
+    err = capsys.readouterr().err
+    assert "jshard launch: rank 1 exited with status 3" in err
+    assert "  | working 1\n  | giving up" in err
+    assert "stopping the other 2 worker(s) on this node: ranks 0, 2" in err
+    assert "exit status 3 (rank 1)" in err
+
+
+def test_sigterm_to_the_launcher_reaches_the_workers(tmp_path):
+    ready = tmp_path / "ready"
+    worker = script(tmp_path, f"signal.signal(signal.SIGTERM, lambda *a: (print('worker', rank, 'got SIGTERM', "
+                              f"flush=True), sys.exit(7)))\nopen(r'{ready}' + str(rank), 'w').close()\n"
+                              "time.sleep(120)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    launcher = subprocess.Popen([sys.executable, "-m", "jshard", "launch", "--worker-num", "2", "--log-dir",
+                                 str(tmp_path / "l"), worker], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 7, err
+    assert "got SIGTERM; forwarding it to the workers" in err
+    for rank in (0, 1):
+        assert f"worker {rank} got SIGTERM" in (tmp_path / "l" / f"worker_{rank}.log").read_text()
+
+
+def test_workers_of_a_launcher_killed_with_sigkill_end_themselves(tmp_path):
+    pid_file = tmp_path / "pid"
+    worker = script(tmp_path, f"import jshard\njshard.init()\nopen(r'{pid_file}', 'w').write(str(os.getpid()))\n"
+                              "time.sleep(120)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    launcher = subprocess.Popen([sys.executable, "-m", "jshard", "launch", "--worker-num", "1", "--log-dir",
+                                 str(tmp_path / "l"), worker], env=env)
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    worker_pid = int(pid_file.read_text())
+    launcher.kill()
+    launcher.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _alive(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker_pid), "the worker outlived its launcher"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped by init) is not alive
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_a_worker_ignoring_sigterm_is_killed_after_the_time_out(tmp_path, capsys):
+    worker = script(tmp_path, "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                              "if rank == 0:\n    sys.exit(5)\ntime.sleep(120)\n")
+    start = time.monotonic()
+    assert main(["launch", "--worker-num", "2", "--cluster-time-out", "2", "--log-dir", str(tmp_path / "l"),
+                 worker]) == 5
+    assert time.monotonic() - start < 15
+    assert "stopping the other 1 worker(s) on this node: ranks 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--worker-num", "3", "--local-worker-num", "2", "w.py"], "--worker-num 3 is not a multiple of --local-worker-num 2"),
+        (["--worker-num", "4", "--local-worker-num", "2", "--node-rank", "2", "--master-port", "1", "w.py"],
+         "--node-rank 2 with 2 node(s) (4 / 2); ranks run 0..1"),
+        (["--worker-num", "4", "--local-worker-num", "2", "w.py"], "2 nodes need one --master-port"),
+        (["--worker-num", "2"], "no COMMAND"),
+        (["--worker-num", "0", "w.py"], "must be positive"),
+        (["--devices-per-worker", "0", "w.py"], "--devices-per-worker must be positive"),
+    ],
+    ids=["not-a-multiple", "node-rank", "no-port", "no-command", "no-workers", "no-devices"],
+)
+def test_bad_arguments_exit_2_with_the_reason(args, message, capsys):
+    assert main(["launch", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_command_that_cannot_start_exits_127(tmp_path, capsys):
+    assert main(["launch", "--worker-num", "2", "--", str(tmp_path / "no-such-program")]) == 127
+    assert "error: cannot start" in capsys.readouterr().err
+
+
+def test_a_coordinator_port_in_use_is_refused(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["launch", "--worker-num", "2", "--master-port", str(port), script(tmp_path, "")]) == 2
+    assert f"the coordinator port 127.0.0.1:{port} is already in use; choose another --master-port" in \
+        capsys.readouterr().err
+
+
+def test_launch_help_documents_the_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["launch", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--worker-num", "--local-worker-num", "--master-addr", "--master-port", "--node-rank",
+                   "--log-dir", "--join", "--cluster-time-out", "--devices-per-worker", "Exit status"):
+        assert option in out
+
+
+# `jshard k8s`
+
+
+def test_k8s_prints_an_indexed_job_and_a_headless_service_wired_for_init(capsys):
+    assert main(["k8s", "--worker-num", "4", "--image", "me/train:1", "--name", "gpt", "--port", "9000",
+                 "--gpus-per-worker", "8", "--", "python", "train.py", "--steps", "100"]) == 0
+    service, job = yaml.safe_load_all(capsys.readouterr().out)
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {"job-name": "gpt"}
+    assert service["spec"]["ports"][0]["port"] == 9000
+    assert job["apiVersion"] == "batch/v1" and job["kind"] == "Job"
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 4, 4)
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == "gpt" and pod["restartPolicy"] == "Never"
+    (container,) = pod["containers"]
+    assert container["image"] == "me/train:1"
+    assert container["command"] == ["python", "train.py", "--steps", "100"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    env = {e["name"]: e for e in container["env"]}
+    assert env["JSHARD_COORDINATOR"]["value"] == "gpt-0.gpt:9000"  # pod 0 of the Job, through the Service
+    assert env["JSHARD_NUM_PROCESSES"]["value"] == "4"
+    assert env["JSHARD_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--worker-num", "0", "--image", "i", "--", "python"], "--worker-num must be positive"),
+        (["--worker-num", "2", "--image", "i"], "no COMMAND"),
+        (["--worker-num", "2", "--image", "i", "--name", "Bad_Name", "--", "python"], "must be a DNS label"),
+    ],
+    ids=["no-workers", "no-command", "bad-name"],
+)
+def test_k8s_bad_arguments(args, message, capsys):
+    assert main(["k8s", *args]) == 2
+    assert message in capsys.readouterr().err
