@@ -10,14 +10,18 @@ tick every stage looks up its own operation (`axis_index("stage")`) and runs it 
 `ppermute` passes forward outputs to the next stage and one passes input gradients to the previous
 stage; what arrives is written into per-chunk slot buffers (slot = micro-batch mod slots).
 
-Backward is hand-written per micro-batch: a backward recomputes its chunk's forward from the
-stage's saved *input* under `jax.vjp` (activation checkpointing at stage boundaries) and
-accumulates parameter gradients in the scan carry. So a stage stores only its inputs still
-waiting for their backward: `M` of them under GPipe, at most `S` under 1F1B, which is why 1F1B's
-memory grows with S and not with M. The price is one extra forward per micro-batch and stage.
+Backward is hand-written per micro-batch: a forward runs its chunk under `jax.vjp` and stores
+the pullback's residuals (the leaves of the `jax.vjp` closure, less the chunk's parameters, which
+stay where they are) in slot buffers; the backward rebuilds the pullback from those leaves, applies
+it to the gradient it received, and accumulates parameter gradients in the scan carry. A stage
+therefore holds the residuals of the micro-batches whose backward it has not run yet: `M` of them
+under GPipe, at most `S` under 1F1B (and `~S` per chunk interleaved), which is why 1F1B's memory
+grows with S and not with M. `first` and `last` are differentiated at their own ticks (recomputed
+from the micro-batch and the stored chunk output), so every stage stores residuals of one shape.
 
 Every switch branch ends by constraining its results to fixed shardings over the stage's own
-axes (XLA requires a conditional's branches to agree).
+axes (XLA requires a conditional's branches to agree). The residuals' shardings are read from a
+small probe compile of one chunk's forward on one stage's devices (`residual_specs`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jshard import _context
 from jshard.pipeline._model import Pipeline, stack_length
-from jshard.pipeline._schedule import Schedule
+from jshard.pipeline._schedule import F_LAST, IDLE, Schedule
 
 STAGE = "stage"
 
@@ -46,12 +51,14 @@ class Specs:
       shared: per leaf of the parameters outside the stack.
       layer: per leaf of the stack, for one layer (the stack's leading dim dropped).
       batch: per leaf of the batch.
+      residuals: per stored residual of one chunk's forward (`residual_specs`); None until known.
     """
 
     act: PartitionSpec
     shared: Any
     layer: Any
     batch: Any
+    residuals: tuple[PartitionSpec, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,22 +70,18 @@ class Program:
     mesh: Mesh
     specs: Specs
 
-    @property
-    def _stages(self) -> int:
-        return self.schedule.stages
-
     def train(self) -> Callable[[dict, Any], tuple[jax.Array, dict]]:
         """`fn(params, batch) -> (loss, grads)`: the loss is the mean over micro-batches."""
 
         def fn(params, batch):
             rest, chunks, micro = self._inputs(params, batch)
             mapped = jax.shard_map(
-                self._train_body, mesh=self.mesh, in_specs=(PartitionSpec(), PartitionSpec(None, STAGE), PartitionSpec()),
-                out_specs=(PartitionSpec(), PartitionSpec(), PartitionSpec(None, STAGE)),
-                axis_names={STAGE}, check_vma=False,
+                self._train_body, mesh=self.mesh, in_specs=(_P(), _P(None, STAGE), _P()),
+                out_specs=(_P(), _P(), _P(None, STAGE)), axis_names={STAGE}, check_vma=False,
             )
             loss, g_rest, g_chunks = mapped(rest, chunks, micro)
-            return loss, self.pipe.join(g_rest, self._unchunk(g_chunks, params))
+            _, stack = self.pipe.split(params)
+            return loss, self.pipe.join(g_rest, jax.tree.map(lambda g, a: g.reshape(a.shape), g_chunks, stack))
 
         return fn
 
@@ -88,158 +91,210 @@ class Program:
 
         def fn(params, batch):
             rest, chunks, micro = self._inputs(params, batch)
-            out_spec = PartitionSpec() if broadcast else PartitionSpec(STAGE)
             mapped = jax.shard_map(
                 lambda r, c, m: self._forward_body(r, c, m, broadcast), mesh=self.mesh,
-                in_specs=(PartitionSpec(), PartitionSpec(None, STAGE), PartitionSpec()),
-                out_specs=out_spec, axis_names={STAGE}, check_vma=False,
+                in_specs=(_P(), _P(None, STAGE), _P()), out_specs=_P() if broadcast else _P(STAGE),
+                axis_names={STAGE}, check_vma=False,
             )
-            out = mapped(rest, chunks, micro)
-            lead = 0 if broadcast else 1
-            return jax.tree.map(lambda a: _unmicro(a, lead), out)
+            return jax.tree.map(lambda a: _unmicro(a, 0 if broadcast else 1), mapped(rest, chunks, micro))
 
         return fn
 
+    def residual_specs(self, params, batch, stage_mesh: Mesh) -> tuple[PartitionSpec, ...]:
+        """The shardings XLA gives one chunk forward's stored residuals on one stage's devices
+        (`stage_mesh`, a probe compile), so that every tick's branches agree on them."""
+        chunk, act = self._chunk_and_act(params, batch)
+        run = self.pipe.stage_runner(0)
+        tagged = isinstance(run, list)
+        probe = lambda ch, x, stage: _residuals(_runner(run, stage) if tagged else run, ch, x)[0]
+        chunk_sh = jax.tree.map(lambda p: NamedSharding(stage_mesh, _P(None, *p)), self.specs.layer, is_leaf=_is_spec)
+        shardings = (chunk_sh, NamedSharding(stage_mesh, self.specs.act), NamedSharding(stage_mesh, _P()))
+        compiled = jax.jit(probe, in_shardings=shardings).lower(chunk, act, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        return tuple(sh.spec for sh in jax.tree.leaves(compiled.output_shardings))
+
+    def residual_shapes(self, params, batch) -> list[jax.ShapeDtypeStruct]:
+        """The residuals one chunk's forward stores for one micro-batch (whole, not per device)."""
+        chunk, act = self._chunk_and_act(params, batch)
+        run = self.pipe.stage_runner(0)
+        run = _runner(run, 0) if isinstance(run, list) else run
+        return jax.eval_shape(lambda ch, x: _residuals(run, ch, x)[0], chunk, act)
+
+    def _chunk_and_act(self, params, batch):
+        rest, chunks, micro = jax.eval_shape(self._inputs, params, batch)
+        chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), chunks)
+        return chunk, self._act(rest, micro)
+
     def _inputs(self, params, batch):
         rest, stack = self.pipe.split(params)
-        s, v = self._stages, self.schedule.virtual
+        s, v = self.schedule.stages, self.schedule.virtual
         k = stack_length(stack) // (s * v)
         chunks = jax.tree.map(lambda a: a.reshape(v, s, k, *a.shape[1:]), stack)
         m = self.schedule.micro_batches
         micro = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1), batch)
         return rest, chunks, micro
 
-    def _unchunk(self, g_chunks, params):
-        _, stack = self.pipe.split(params)
-        return jax.tree.map(lambda g, a: g.reshape(a.shape), g_chunks, stack)
+    def _act(self, rest, micro) -> jax.ShapeDtypeStruct:
+        first_mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), micro)
+        return jax.eval_shape(self.pipe.first, rest, first_mb)
 
     # --- inside shard_map: one stage's view -------------------------------------------------
 
-    def _state(self, rest, chunks, micro):
-        first_mb = jax.tree.map(lambda a: a[0], micro)
-        act = jax.eval_shape(self.pipe.first, rest, first_mb)
-        v = self.schedule.virtual
-        slots_f = self.schedule.slots("F")
-        slots_b = 1 if self.schedule.forward_only else self.schedule.slots("B")
-        return {
-            "xin": jnp.zeros((v, slots_f, *act.shape), act.dtype),
-            "gin": jnp.zeros((v, slots_b, *act.shape), act.dtype),
-        }, act
-
     def _tables(self):
         sch = self.schedule
-        tables = {"code": sch.codes(), "chunk": sch.field("chunk"), "micro": sch.field("micro")}
+        codes = sch.codes()
+        kind = np.where(codes == IDLE, 0, np.where(codes <= F_LAST, 1, 2)).astype(np.int32)
+        tables = {"code": kind, "chunk": sch.field("chunk"), "micro": sch.field("micro")}
         for kind in ("F",) if sch.forward_only else ("F", "B"):
             for name, arr in zip(("valid", "chunk", "micro"), sch.receives(kind)):
                 tables[f"r{kind}_{name}"] = arr
         return {k: jnp.asarray(a) for k, a in tables.items()}
 
     def _perms(self):
-        s, cyclic = self._stages, self.schedule.virtual > 1
-        fwd = [(i, (i + 1) % s) for i in range(s if cyclic else s - 1)]
-        bwd = [((i + 1) % s, i) for i in range(s if cyclic else s - 1)]
-        return fwd, bwd
+        s, cyclic = self.schedule.stages, self.schedule.virtual > 1
+        pairs = range(s if cyclic else s - 1)
+        return [(i, (i + 1) % s) for i in pairs], [((i + 1) % s, i) for i in pairs]
 
-    def _runner(self, stage):
+    def _ops(self, rest, chunks, micro) -> _Ops:
+        ctx = _context.current()
+        if ctx is not None:  # `jshard.shard` inside the stage constrains over the stage-manual mesh
+            ctx.mesh = jax.sharding.get_abstract_mesh()
+        chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [v, 1, k, ...] -> [v, k, ...]
         run = self.pipe.stage_runner(0)
         if isinstance(run, list):
-            fns = run
-            return lambda chunk, x: jax.lax.switch(stage, fns, chunk, x)
-        return run
+            run = _runner(run, jax.lax.axis_index(STAGE))
+        return _Ops(self, rest, chunks, micro, self._act(rest, micro), run)
 
-    def _train_body(self, rest, chunks, micro):
-        chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [v, 1, k, ...] -> [v, k, ...]
+    def _loop(self, carry, branches, directions):
         stage = jax.lax.axis_index(STAGE)
-        bufs, act = self._state(rest, chunks, micro)
-        carry = {**bufs, "g_rest": jax.tree.map(jnp.zeros_like, rest),
-                 "g_chunks": jax.tree.map(jnp.zeros_like, chunks), "loss": jnp.zeros((), jnp.float32)}
-        ops = _Ops(self, rest, chunks, micro, act, self._runner(stage))
-        branches = [self._settled(b) for b in ops.train_branches()]
-        fwd_perm, bwd_perm = self._perms()
+        perms = self._perms()
 
         def tick(carry, row):
             mine = {k: v[stage] for k, v in row.items()}
-            carry, send_f, send_b = jax.lax.switch(mine["code"], branches, carry, mine["chunk"], mine["micro"])
+            carry, *sends = jax.lax.switch(mine["code"], branches, carry, mine["chunk"], mine["micro"])
             carry = dict(carry)
-            carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(send_f, STAGE, fwd_perm), mine, "rF")
-            carry["gin"] = _receive(carry["gin"], jax.lax.ppermute(send_b, STAGE, bwd_perm), mine, "rB")
+            for (buf, prefix), perm, send in zip(directions, perms, sends):
+                carry[buf] = _receive(carry[buf], jax.lax.ppermute(send, STAGE, perm), mine, prefix)
             return carry, None
 
-        carry, _ = jax.lax.scan(tick, carry, self._tables())
-        loss = jax.lax.psum(carry["loss"], STAGE) / self.schedule.micro_batches
+        return jax.lax.scan(tick, carry, self._tables())[0]
+
+    def _train_body(self, rest, chunks, micro):
+        ops = self._ops(rest, chunks, micro)
+        sch, v = self.schedule, self.schedule.virtual
+        res_shapes = ops.residual_shapes
+        r = sch.slots("residuals")
+        carry = {
+            "xin": _zeros((v, sch.slots("activations")), ops.act),
+            "gin": _zeros((v, sch.slots("gradients")), ops.act),
+            "yout": _zeros((v, r), ops.act),
+            "res": [_zeros((v, r), x) for x in res_shapes],
+            "g_rest": jax.tree.map(jnp.zeros_like, rest),
+            "g_chunks": jax.tree.map(jnp.zeros_like, ops.chunks),
+            "loss": jnp.zeros((), jnp.float32),
+        }
+        branches = [self._settled(b) for b in ops.train_branches()]
+        carry = self._loop(carry, branches, [("xin", "rF"), ("gin", "rB")])
+        loss = jax.lax.psum(carry["loss"], STAGE) / sch.micro_batches
         g_rest = jax.lax.psum(carry["g_rest"], STAGE)
         return loss, g_rest, jax.tree.map(lambda a: a[:, None], carry["g_chunks"])
 
     def _forward_body(self, rest, chunks, micro, broadcast):
-        chunks = jax.tree.map(lambda a: a[:, 0], chunks)
-        stage = jax.lax.axis_index(STAGE)
-        bufs, act = self._state(rest, chunks, micro)
-        ops = _Ops(self, rest, chunks, micro, act, self._runner(stage))
-        first_mb = jax.tree.map(lambda a: a[0], micro)
-        out = jax.eval_shape(self.pipe.head, rest, jax.ShapeDtypeStruct(act.shape, act.dtype))
-        del first_mb
-        m = self.schedule.micro_batches
-        carry = {"xin": bufs["xin"], "out": jax.tree.map(lambda o: jnp.zeros((m, *o.shape), o.dtype), out)}
+        ops = self._ops(rest, chunks, micro)
+        out = jax.eval_shape(self.pipe.head, rest, ops.act)
+        m, v = self.schedule.micro_batches, self.schedule.virtual
+        carry = {"xin": _zeros((v, self.schedule.slots("activations")), ops.act),
+                 "out": jax.tree.map(lambda o: jnp.zeros((m, *o.shape), o.dtype), out)}
         branches = [self._settled(b) for b in ops.forward_branches()]
-        fwd_perm, _ = self._perms()
-
-        def tick(carry, row):
-            mine = {k: v[stage] for k, v in row.items()}
-            carry, send_f, _ = jax.lax.switch(mine["code"], branches, carry, mine["chunk"], mine["micro"])
-            carry = dict(carry)
-            carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(send_f, STAGE, fwd_perm), mine, "rF")
-            return carry, None
-
-        carry, _ = jax.lax.scan(tick, carry, self._tables())
+        carry = self._loop(carry, branches, [("xin", "rF")])
         if broadcast:
             return jax.lax.psum(carry["out"], STAGE)
         return jax.tree.map(lambda a: a[None], carry["out"])
 
+    def _carry_specs(self, carry) -> dict:
+        sp = self.specs
+        slot = _P(None, None, *sp.act)
+        table = {
+            "xin": slot, "gin": slot, "yout": slot, "loss": _P(),
+            "res": [_P(None, None, *p) for p in sp.residuals or ()],
+            "g_rest": sp.shared,
+            "g_chunks": jax.tree.map(lambda p: _P(None, None, *p), sp.layer, is_leaf=_is_spec),
+            "out": jax.tree.map(lambda _: _P(None, *sp.act), carry.get("out")),
+        }
+        return {name: table[name] for name in carry}
+
     def _settled(self, branch):
         """`branch` with its results constrained to the fixed shardings every branch shares."""
-        sp = self.specs
-
-        def spec_of(name, leaf_spec_tree, value):
-            if name in ("xin", "gin"):
-                return PartitionSpec(None, None, *sp.act)
-            if name == "g_rest":
-                return leaf_spec_tree
-            if name == "g_chunks":
-                return jax.tree.map(lambda p: PartitionSpec(None, None, *p), sp.layer,
-                                    is_leaf=lambda x: isinstance(x, PartitionSpec))
-            if name == "out":
-                return jax.tree.map(lambda _: PartitionSpec(None, *sp.act), value)
-            return PartitionSpec()
-
-        def constrain(tree, specs):
-            return jax.tree.map(lambda x, p: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, p)),
-                                tree, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
         def run(carry, c, i):
-            carry, send_f, send_b = branch(carry, c, i)
-            carry = {name: constrain(val, _broadcast_spec(spec_of(name, sp.shared, val), val))
-                     for name, val in carry.items()}
-            act = NamedSharding(self.mesh, sp.act)
-            return (carry, jax.lax.with_sharding_constraint(send_f, act),
-                    jax.lax.with_sharding_constraint(send_b, act))
+            carry, *sends = branch(carry, c, i)
+            return (_pin(carry, self._carry_specs(carry)), *(_pin(x, self.specs.act) for x in sends))
 
         return run
 
 
-def _broadcast_spec(spec, value):
-    """A single PartitionSpec stands for every leaf of `value`."""
-    if isinstance(spec, PartitionSpec):
-        return jax.tree.map(lambda _: spec, value)
-    return spec
+def _pin(tree, specs):
+    """Constrains each leaf of `tree` to its spec over the current (stage-manual) mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.tree.map(lambda x, p: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, p)),
+                        tree, specs, is_leaf=_is_spec)
+
+
+def _P(*entries) -> PartitionSpec:
+    return PartitionSpec(*entries)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _zeros(lead: tuple[int, ...], like) -> jax.Array:
+    return jnp.zeros((*lead, *like.shape), like.dtype)
+
+
+def _runner(fns, stage):
+    return lambda chunk, x: jax.lax.switch(stage, fns, chunk, x)
+
+
+def _residuals(run, chunk, x):
+    """`(stored, y, pullback)`: `run(chunk, x)` under `jax.vjp`; `stored` are the pullback's leaves
+    that are not the chunk's own parameters (those are read again at the backward)."""
+    y, pull = jax.vjp(run, chunk, x)
+    params = jax.tree.leaves(chunk)
+    leaves = jax.tree.leaves(pull)
+    return [jnp.asarray(leaf) for leaf in leaves if not any(leaf is p for p in params)], y, pull
+
+
+@dataclasses.dataclass(frozen=True)
+class _PullbackShape:
+    """How to rebuild a chunk's pullback: its pytree structure, and for each leaf the index of the
+    chunk parameter it is (None: a stored residual). Read once per program from one `jax.vjp`."""
+
+    tree: Any
+    param_of: tuple[int | None, ...]
+    stored: tuple[jax.ShapeDtypeStruct, ...]
+
+    @classmethod
+    def of(cls, run, chunk, act) -> "_PullbackShape":
+        _, pull = jax.vjp(run, chunk, jnp.zeros(act.shape, act.dtype))  # its values are unused: XLA drops them
+        params = jax.tree.leaves(chunk)
+        leaves, tree = jax.tree.flatten(pull)
+        param_of = tuple(next((k for k, p in enumerate(params) if leaf is p), None) for leaf in leaves)
+        stored = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x, k in zip(leaves, param_of) if k is None)
+        return cls(tree, param_of, stored)
+
+    def rebuild(self, chunk, stored):
+        params, it = jax.tree.leaves(chunk), iter(stored)
+        return jax.tree.unflatten(self.tree, [next(it) if k is None else params[k] for k in self.param_of])
 
 
 def _receive(buf, value, mine, prefix):
     """Writes `value` into `buf[chunk, micro % slots]` where this stage received something."""
-    slots = buf.shape[1]
-    c, slot = mine[f"{prefix}_chunk"], mine[f"{prefix}_micro"] % slots
-    old = buf[c, slot]
-    new = jnp.where(mine[f"{prefix}_valid"] > 0, value, old)
-    return jax.lax.dynamic_update_index_in_dim(buf, jax.lax.dynamic_update_index_in_dim(buf[c], new, slot, 0), c, 0)
+    c, slot = mine[f"{prefix}_chunk"], mine[f"{prefix}_micro"] % buf.shape[1]
+    return _put(buf, c, slot, jnp.where(mine[f"{prefix}_valid"] > 0, value, buf[c, slot]))
+
+
+def _put(buf, c, slot, value):
+    return jax.lax.dynamic_update_index_in_dim(buf, jax.lax.dynamic_update_index_in_dim(buf[c], value, slot, 0), c, 0)
 
 
 def _unmicro(a, lead):
@@ -249,16 +304,39 @@ def _unmicro(a, lead):
 
 
 class _Ops:
-    """The per-tick operations of one stage: each `(carry, chunk, micro) -> (carry, send_f, send_b)`."""
+    """The per-tick operations of one stage: each `(carry, chunk, micro) -> (carry, send_f, send_b)`.
+
+    Three top-level branches (idle, forward, backward) keep the compiled program small; whether a
+    forward starts from `first` or a backward from `last` depends on the virtual stage
+    (`chunk * S + stage`) and is a small `cond` inside the branch.
+    """
 
     def __init__(self, program: Program, rest, chunks, micro, act, run):
-        self.p, self.rest, self.chunks, self.micro, self.act, self.run = program, rest, chunks, micro, act, run
-        self.m = program.schedule.micro_batches
+        self.pipe, self.rest, self.chunks, self.micro, self.act, self.run = program.pipe, rest, chunks, micro, act, run
+        self.mesh, self.specs = program.mesh, program.specs
+        sch = program.schedule
+        self.m, self.s, self.last_vstage = sch.micro_batches, sch.stages, sch.stages * sch.virtual - 1
+        self.stage = jax.lax.axis_index(STAGE)
+        self.pullback = _PullbackShape.of(run, self.chunk(0), act) if not sch.forward_only else None
+
+    @property
+    def residual_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return self.pullback.stored
 
     def _zero(self):
         return jnp.zeros(self.act.shape, self.act.dtype)
 
-    def _chunk(self, c):
+    def _vstage(self, c):
+        return c * self.s + self.stage
+
+    def _pin(self, tree, specs):
+        return _pin(tree, specs)
+
+    def _cond(self, pred, yes, no, specs):
+        """`lax.cond` whose two results are pinned to `specs` (branches must agree on shardings)."""
+        return jax.lax.cond(pred, lambda: self._pin(yes(), specs), lambda: self._pin(no(), specs))
+
+    def chunk(self, c):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.chunks)
 
     def _mb(self, i):
@@ -269,60 +347,59 @@ class _Ops:
         return buf[c, i % buf.shape[1]]
 
     def train_branches(self) -> list[Callable]:
-        return [self.idle, self.f_first, self.f_mid, self.f_last, self.b_first, self.b_mid, self.b_last]
+        return [self.idle, self.forward, self.backward]
 
     def forward_branches(self) -> list[Callable]:
-        return [self.idle, self.f_first, self.f_mid, self.f_out]
+        return [self.idle, self.infer]
 
     def idle(self, carry, c, i):
         return carry, self._zero(), self._zero()
 
-    def f_first(self, carry, c, i):
-        y = self.run(self._chunk(c), self.p.pipe.first(self.rest, self._mb(i)))
+    def _input(self, carry, c, i):
+        mb = self._mb(i)
+        return self._cond(self._vstage(c) == 0, lambda: self.pipe.first(self.rest, mb),
+                          lambda: self._slot(carry["xin"], c, i), self.specs.act)
+
+    def forward(self, carry, c, i):
+        """Runs chunk `c` on micro-batch `i` under `jax.vjp`, storing its residuals and output; on
+        the last virtual stage adds `last`'s loss."""
+        stored, y, _ = _residuals(self.run, self.chunk(c), self._input(carry, c, i))
+        slot = i % carry["yout"].shape[1]
+        mb = self._mb(i)
+        loss = self._cond(self._vstage(c) == self.last_vstage,
+                          lambda: self.pipe.last(self.rest, y, mb).astype(jnp.float32),
+                          lambda: jnp.zeros((), jnp.float32), _P())
+        carry = {**carry, "res": [_put(b, c, slot, r) for b, r in zip(carry["res"], stored)],
+                 "yout": _put(carry["yout"], c, slot, y), "loss": carry["loss"] + loss}
         return carry, y, self._zero()
 
-    def f_mid(self, carry, c, i):
-        return carry, self.run(self._chunk(c), self._slot(carry["xin"], c, i)), self._zero()
+    def backward(self, carry, c, i):
+        """Applies the stored pullback of (chunk `c`, micro-batch `i`) to the gradient received
+        (or, on the last virtual stage, `last`'s); on virtual stage 0 also differentiates `first`."""
+        mb, slot, j = self._mb(i), i % carry["yout"].shape[1], self._vstage(c)
+        zero_rest = lambda: jax.tree.map(jnp.zeros_like, self.rest)
 
-    def f_last(self, carry, c, i):
-        y = self.run(self._chunk(c), self._slot(carry["xin"], c, i))
-        loss = self.p.pipe.last(self.rest, y, self._mb(i)).astype(jnp.float32)
-        return {**carry, "loss": carry["loss"] + loss}, self._zero(), self._zero()
+        def from_last():
+            y = carry["yout"][c, slot]
+            loss, pull = jax.vjp(lambda r, y: self.pipe.last(r, y, mb), self.rest, y)
+            return pull(jnp.full(loss.shape, 1.0 / self.m, loss.dtype))
 
-    def f_out(self, carry, c, i):
-        y = self.run(self._chunk(c), self._slot(carry["xin"], c, i))
-        out = self.p.pipe.head(self.rest, y)
-        carry = {**carry, "out": jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, i, 0),
-                                              carry["out"], out)}
-        return carry, self._zero(), self._zero()
+        g_rest, g_y = self._cond(j == self.last_vstage, from_last, lambda: (zero_rest(), carry["gin"][c, i % carry["gin"].shape[1]]),
+                                 (self.specs.shared, self.specs.act))
+        chunk = self.chunk(c)
+        pull = self.pullback.rebuild(chunk, [b[c, slot] for b in carry["res"]])
+        g_chunk, g_x = pull(g_y)
+        g_first = self._cond(j == 0, lambda: jax.vjp(lambda r: self.pipe.first(r, mb), self.rest)[1](g_x)[0],
+                             zero_rest, self.specs.shared)
+        g_chunks = jax.tree.map(lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, acc[c] + g, c, 0),
+                                carry["g_chunks"], g_chunk)
+        g_rest = jax.tree.map(lambda a, b, d: a + b + d, carry["g_rest"], g_rest, g_first)
+        return {**carry, "g_chunks": g_chunks, "g_rest": g_rest}, self._zero(), g_x
 
-    def _accumulate(self, carry, c, g_chunk, g_rest=None):
-        g_chunks = jax.tree.map(
-            lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, acc[c] + g, c, 0), carry["g_chunks"], g_chunk)
-        carry = {**carry, "g_chunks": g_chunks}
-        if g_rest is not None:
-            carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], g_rest)
-        return carry
-
-    def b_first(self, carry, c, i):
-        mb = self._mb(i)
-        _, vjp = jax.vjp(lambda r, ch: self.run(ch, self.p.pipe.first(r, mb)), self.rest, self._chunk(c))
-        g_rest, g_chunk = vjp(self._slot(carry["gin"], c, i))
-        return self._accumulate(carry, c, g_chunk, g_rest), self._zero(), self._zero()
-
-    def b_mid(self, carry, c, i):
-        _, vjp = jax.vjp(self.run, self._chunk(c), self._slot(carry["xin"], c, i))
-        g_chunk, g_x = vjp(self._slot(carry["gin"], c, i))
-        return self._accumulate(carry, c, g_chunk), self._zero(), g_x
-
-    def b_last(self, carry, c, i):
-        mb = self._mb(i)
-        loss_of = lambda r, ch, x: self.p.pipe.last(r, self.run(ch, x), mb)
-        loss, vjp = jax.vjp(loss_of, self.rest, self._chunk(c), self._slot(carry["xin"], c, i))
-        g_rest, g_chunk, g_x = vjp(jnp.full(loss.shape, 1.0 / self.m, loss.dtype))
-        return self._accumulate(carry, c, g_chunk, g_rest), self._zero(), g_x
-
-
-def np_tables(schedule: Schedule) -> dict[str, np.ndarray]:
-    """The schedule's tables as numpy arrays (for inspection and tests)."""
-    return {"code": schedule.codes(), "chunk": schedule.field("chunk"), "micro": schedule.field("micro")}
+    def infer(self, carry, c, i):
+        y = self.run(self.chunk(c), self._input(carry, c, i))
+        out_specs = jax.tree.map(lambda _: _P(None, *self.specs.act), carry["out"])
+        write = lambda: jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, i, 0),
+                                     carry["out"], self.pipe.head(self.rest, y))
+        out = self._cond(self._vstage(c) == self.last_vstage, write, lambda: carry["out"], out_specs)
+        return {**carry, "out": out}, y, self._zero()

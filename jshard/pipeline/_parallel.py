@@ -135,9 +135,11 @@ class Pipelined:
         batch_specs = self._batch_specs(batch)
         first_batch = jax.tree.leaves(batch_specs, is_leaf=_is_spec)
         act = PartitionSpec(first_batch[0][0] if first_batch and len(first_batch[0]) else None)
-        specs = Specs(act, r_specs, layer_specs, batch_specs)
         sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
-        program = Program(self.pipe, sched, self.mesh, specs)
+        program = Program(self.pipe, sched, self.mesh, Specs(act, r_specs, layer_specs, batch_specs))
+        stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
+        residuals = self._traced(program.residual_specs, stage_mesh)(params, batch, stage_mesh)
+        program = dataclasses.replace(program, specs=dataclasses.replace(program.specs, residuals=residuals))
         stack_sh = jax.tree.map(lambda p: NamedSharding(self.mesh, PartitionSpec(STAGE, *p)), layer_specs, is_leaf=_is_spec)
         param_sh = self.pipe.join(_named(self.mesh, r_specs), stack_sh)
         batch_sh = _named(self.mesh, batch_specs)
@@ -145,9 +147,10 @@ class Pipelined:
                         out_shardings=(NamedSharding(self.mesh, PartitionSpec()), param_sh))
         return _Entry(program, param_sh, batch_sh, train, layers)
 
-    def _traced(self, fn):
-        """`fn` traced with `jshard.shard` calls resolving against one stage's devices."""
-        ctx_args = (self.call, self.inner, self.mesh, "semi_auto")
+    def _traced(self, fn, mesh: Mesh | None = None):
+        """`fn` traced with `jshard.shard` calls resolving against one stage's devices (over `mesh`,
+        default the pipeline's)."""
+        ctx_args = (self.call, self.inner, self.mesh if mesh is None else mesh, "semi_auto")
 
         @functools.wraps(fn)
         def run(*args):

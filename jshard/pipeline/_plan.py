@@ -39,8 +39,8 @@ class PipelinePlan:
       stages: one `StageInfo` per stage.
       mesh_shape: the mesh, `{"stage": S, ...the stage's own axes}`.
       activation_bytes: bytes per device of one activation passed between stages (one micro-batch).
-      buffer_bytes: bytes per device of the slot buffers every stage holds (received activations
-        kept for backward, received gradients).
+      buffer_bytes: bytes per device of the slot buffers every stage holds: received activations
+        and gradients, chunk outputs, and the residuals forwards keep for their backwards.
       boundary_bytes: bytes that must cross stage boundaries per step (activations forward and
         gradients backward, all micro-batches, whole tensors).
       permute_bytes: bytes per device the program's `collective-permute`s move per step (one
@@ -97,7 +97,13 @@ def plan_of(program, config, mesh, layers: int, params, batch, lower) -> Pipelin
     whole = int(np.prod(act.shape)) * act.dtype.itemsize
     cut = _cut(program.specs.act, dict(mesh.shape))
     per_device = whole // cut
-    slots = sched.slots("F") + (0 if sched.forward_only else sched.slots("B"))
+    slots = sched.slots("activations") + (0 if sched.forward_only else sched.slots("gradients") + sched.slots("residuals"))
+    residual_bytes = 0
+    if not sched.forward_only:
+        sizes = dict(mesh.shape)
+        residual_bytes = sched.slots("residuals") * sum(
+            int(np.prod(r.shape)) * r.dtype.itemsize // _cut(p, sizes)
+            for r, p in zip(program.residual_shapes(params, batch), program.specs.residuals))
     k = layers // (s * v)
     per_stage = mesh.devices.size // s
     stages = tuple(
@@ -108,7 +114,7 @@ def plan_of(program, config, mesh, layers: int, params, batch, lower) -> Pipelin
     )
     crossings = sched.micro_batches * (s * v - 1) * (1 if sched.forward_only else 2)
     directions = 1 if sched.forward_only else 2
-    return PipelinePlan(sched, stages, dict(mesh.shape), per_device, v * slots * per_device,
+    return PipelinePlan(sched, stages, dict(mesh.shape), per_device, v * (slots * per_device + residual_bytes),
                         crossings * whole, directions * sched.ticks * per_device, lower)
 
 

@@ -108,20 +108,26 @@ class Schedule:
                 if op is not None and op.kind == kind and op.vstage != (last if kind == "F" else 0):
                     yield t, op, s
 
-    def slots(self, kind: str) -> int:
-        """Buffer slots per chunk that received values of `kind` need (slot = micro-batch mod slots).
+    def slots(self, what: str) -> int:
+        """Buffer slots per chunk that one kind of stored value needs (slot = micro-batch mod slots).
 
-        A received activation lives until its backward (its forward, when forward-only) reads it,
-        a received gradient until its backward; slots are the fewest for which no two live values
-        of one chunk on one stage share a slot.
+        `what`: `"activations"` (received from the previous stage, until this stage's forward reads
+        them), `"residuals"` (saved by a forward for its backward) or `"gradients"` (received from
+        the next stage, until the backward reads them). The slots are the fewest for which no two
+        live values of one chunk on one stage share a slot.
         """
-        done = {(op.kind, op.vstage, op.micro): t for t, row in enumerate(self.ops) for op in row if op is not None}
-        read_by = "F" if kind == "F" and self.forward_only else "B"
+        when = {(op.kind, op.vstage, op.micro): t for t, row in enumerate(self.ops) for op in row if op is not None}
         lives: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
-        for t, op, _ in self._sends(kind):
-            j = op.vstage + (1 if kind == "F" else -1)
-            end = done[(read_by, j, op.micro)]
-            lives.setdefault((j % self.stages, j // self.stages), []).append((t, end, op.micro))
+        if what == "residuals":
+            spans = [(op.vstage, op.micro, t, when.get(("B", op.vstage, op.micro), t))
+                     for t, row in enumerate(self.ops) for op in row if op is not None and op.kind == "F"]
+        else:
+            kind = "F" if what == "activations" else "B"
+            step = 1 if kind == "F" else -1
+            spans = [(op.vstage + step, op.micro, t, when[(kind, op.vstage + step, op.micro)])
+                     for t, op, _ in self._sends(kind)]
+        for j, micro, start, end in spans:
+            lives.setdefault((j % self.stages, j // self.stages), []).append((start, end, micro))
         for k in range(1, self.micro_batches + 1):
             if all(_fits(v, k) for v in lives.values()):
                 return k
