@@ -42,13 +42,14 @@ class PipelineConfig:
     dataset_strategy: str = "data_parallel"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Entry:
     program: Program
     param_sh: Any
     batch_sh: Any
     train: Any
     stack_layers: int
+    compiled: jax.stages.Compiled | None = None
 
 
 class Pipelined:
@@ -78,11 +79,19 @@ class Pipelined:
     def __call__(self, params: dict, batch: Any) -> tuple[jax.Array, dict]:
         """`(loss, grads)`: the loss is the mean over micro-batches, the grads are those of that loss."""
         e = self._entry(params, batch)
-        return e.train(*_placed((params, batch), (e.param_sh, e.batch_sh)))
+        return self.compile(params, batch)(*_placed((params, batch), (e.param_sh, e.batch_sh)))
 
     def lower(self, params: dict, batch: Any) -> jax.stages.Lowered:
         """The pipelined train program, lowered (as `jax.jit(...).lower`)."""
         return self._entry(params, batch).train.lower(*_abstract((params, batch)))
+
+    def compile(self, params: dict, batch: Any) -> jax.stages.Compiled:
+        """The pipelined train program, compiled once per input signature (calls, `plan().audit()`
+        and `memory_analysis()` share it)."""
+        e = self._entry(params, batch)
+        if e.compiled is None:
+            e.compiled = self.lower(params, batch).compile()
+        return e.compiled
 
     def forward(self, params: dict, batch: Any) -> Any:
         """Inference: the forward-only schedule, `head`'s outputs for every row in batch order.
@@ -107,15 +116,15 @@ class Pipelined:
     def plan(self, params: dict, batch: Any) -> PipelinePlan:
         """The `PipelinePlan`: stages, schedule table and picture, bubble, memory, boundary bytes."""
         e = self._entry(params, batch)
-        lower = functools.partial(e.train.lower, *_abstract((params, batch)))
-        return plan_of(e.program, self.config, self.mesh, e.stack_layers, params, batch, lower)
+        compile_ = functools.partial(self.compile, params, batch)
+        return plan_of(e.program, self.config, self.mesh, e.stack_layers, params, batch, compile_)
 
     def _schedule_name(self) -> str:
         return "gpipe" if self.config.schedule == "gpipe" else self.config.schedule
 
     def _key(self, params, batch):
         leaves, tree = jax.tree_util.tree_flatten((params, batch))
-        return tree, tuple((np.shape(x), np.result_type(x)) for x in leaves)
+        return tree, tuple((np.shape(x), _dtype(x)) for x in leaves)
 
     def _entry(self, params, batch) -> _Entry:
         key = self._key(params, batch)
@@ -178,7 +187,7 @@ class Pipelined:
         if slot is None:
             return PartitionSpec()
         layout = layout_of(slot, self.inner.device_count, call=self.call, op="a pipeline stage", what=what)
-        check_divides(layout, np.shape(x), call=self.call, op="a pipeline stage", what=what, dtype=np.result_type(x))
+        check_divides(layout, np.shape(x), call=self.call, op="a pipeline stage", what=what, dtype=_dtype(x))
         return self.inner.partition_spec(layout)
 
     def _layer_spec(self, spec: PartitionSpec) -> PartitionSpec:
@@ -217,7 +226,7 @@ def _name(pipe) -> str:
 
 
 def _abstract(args):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)), args)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), args)
 
 
 def _placed(args, shardings):
@@ -318,3 +327,7 @@ def pipelined(fn, *, devices, mesh, mode, in_strategy, dataset_strategy, stages,
     if fn is None:
         return lambda f: Pipelined(f, config)
     return Pipelined(fn, config)
+
+
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype

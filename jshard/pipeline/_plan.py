@@ -54,7 +54,7 @@ class PipelinePlan:
     buffer_bytes: int
     boundary_bytes: int
     permute_bytes: int
-    _lower: Callable[[], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    _compile: Callable[[], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def bubble_fraction(self) -> float:
@@ -62,7 +62,7 @@ class PipelinePlan:
 
     def audit(self) -> Audit:
         """Compiles the step and reads its collectives and memory (`jshard.audit`)."""
-        return audit(self._lower().compile())
+        return audit(self._compile())
 
     def summary(self) -> str:
         """Stages, the schedule picture, bubble, memory and boundary traffic, as text."""
@@ -86,7 +86,7 @@ class PipelinePlan:
         return "\n".join(lines)
 
 
-def plan_of(program, config, mesh, layers: int, params, batch, lower) -> PipelinePlan:
+def plan_of(program, config, mesh, layers: int, params, batch, compile_) -> PipelinePlan:
     """The `PipelinePlan` of a built pipeline `program` for these arguments."""
     sched: Schedule = program.schedule
     s, v = sched.stages, sched.virtual
@@ -115,7 +115,7 @@ def plan_of(program, config, mesh, layers: int, params, batch, lower) -> Pipelin
     crossings = sched.micro_batches * (s * v - 1) * (1 if sched.forward_only else 2)
     directions = 1 if sched.forward_only else 2
     return PipelinePlan(sched, stages, dict(mesh.shape), per_device, v * (slots * per_device + residual_bytes),
-                        crossings * whole, directions * sched.ticks * per_device, lower)
+                        crossings * whole, directions * sched.ticks * per_device, compile_)
 
 
 def _peak_in_flight(sched: Schedule, stage: int) -> int:
@@ -139,7 +139,7 @@ def _cut(spec, sizes) -> int:
 
 
 def _shapes(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.result_type(x)), tree)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), tree)
 
 
 def _human(n: float) -> str:
@@ -147,3 +147,7 @@ def _human(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.4g} {unit}"
     return f"{n:.0f} B"
+
+
+def _dtype(x):
+    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
