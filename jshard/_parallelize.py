@@ -137,7 +137,7 @@ def parallelize(
       >>> step(jnp.ones((4, 8)), jnp.ones((8, 16))).shape
       (4, 16)
     """
-    if pipeline_stages is not None:
+    if pipeline_stages is not None or micro_batches is not None or schedule != "1f1b" or virtual_stages != 1:
         from jshard.pipeline._parallel import pipelined
 
         return pipelined(fn, devices=devices, mesh=mesh, mode=mode, in_strategy=in_strategy,

@@ -233,6 +233,11 @@ def test_stage_ids_missing_or_out_of_order_is_an_error(ids, message):
         js.parallelize(pipe, devices=8, pipeline_stages=4, micro_batches=4)
 
 
+def test_pipeline_options_without_stages_are_an_error():
+    with pytest.raises(js.ShardingError, match=r"micro_batches=, schedule= and virtual_stages= configure a pipeline, but pipeline_stages= is missing"):
+        js.parallelize(lambda x: x, devices=8, micro_batches=4)
+
+
 def test_a_plain_function_cannot_be_pipelined():
     with pytest.raises(TypeError, match=r"pipeline_stages= needs a jshard.Pipeline"):
         js.parallelize(lambda x: x, devices=8, pipeline_stages=2, micro_batches=2)

@@ -164,15 +164,22 @@ class Program:
             run = _runner(run, jax.lax.axis_index(STAGE))
         return _Ops(self, rest, chunks, micro, self._act(rest, micro), run)
 
-    def _loop(self, carry, branches, directions):
+    # the tick loop and its bodies
+
+    def _loop(self, carry, ops: _Ops, directions):
+        """Scans the ticks: read this stage's slots, run its operation (a `switch` over small
+        per-tick values only, so the buffers stay in place), write the slots, pass to neighbours."""
         stage = jax.lax.axis_index(STAGE)
         perms = self._perms()
+        branches = [self._settled(b) for b in (ops.forward_branches() if self.schedule.forward_only
+                                               else ops.train_branches())]
 
         def tick(carry, row):
             mine = {k: v[stage] for k, v in row.items()}
-            carry, *sends = jax.lax.switch(mine["code"], branches, carry, mine["chunk"], mine["micro"])
-            carry = dict(carry)
-            for (buf, prefix), perm, send in zip(directions, perms, sends):
+            c, i = mine["chunk"], mine["micro"]
+            out = jax.lax.switch(mine["code"], branches, ops.read(carry, c, i), c, i)
+            carry = ops.write(carry, c, i, out)
+            for (buf, prefix), perm, send in zip(directions, perms, (out["send_f"], out.get("send_b"))):
                 carry[buf] = _receive(carry[buf], jax.lax.ppermute(send, STAGE, perm), mine, prefix)
             return carry, None
 
@@ -181,19 +188,17 @@ class Program:
     def _train_body(self, rest, chunks, micro):
         ops = self._ops(rest, chunks, micro)
         sch, v = self.schedule, self.schedule.virtual
-        res_shapes = ops.residual_shapes
         r = sch.slots("residuals")
         carry = {
             "xin": _zeros((v, sch.slots("activations")), ops.act),
             "gin": _zeros((v, sch.slots("gradients")), ops.act),
             "yout": _zeros((v, r), ops.act),
-            "res": [_zeros((v, r), x) for x in res_shapes],
+            "res": [_zeros((v, r), x) for x in ops.residual_shapes],
             "g_rest": jax.tree.map(jnp.zeros_like, rest),
             "g_chunks": jax.tree.map(jnp.zeros_like, ops.chunks),
             "loss": jnp.zeros((), jnp.float32),
         }
-        branches = [self._settled(b) for b in ops.train_branches()]
-        carry = self._loop(carry, branches, [("xin", "rF"), ("gin", "rB")])
+        carry = self._loop(carry, ops, [("xin", "rF"), ("gin", "rB")])
         loss = jax.lax.psum(carry["loss"], STAGE) / sch.micro_batches
         g_rest = jax.lax.psum(carry["g_rest"], STAGE)
         return loss, g_rest, jax.tree.map(lambda a: a[:, None], carry["g_chunks"])
@@ -204,30 +209,25 @@ class Program:
         m, v = self.schedule.micro_batches, self.schedule.virtual
         carry = {"xin": _zeros((v, self.schedule.slots("activations")), ops.act),
                  "out": jax.tree.map(lambda o: jnp.zeros((m, *o.shape), o.dtype), out)}
-        branches = [self._settled(b) for b in ops.forward_branches()]
-        carry = self._loop(carry, branches, [("xin", "rF")])
+        carry = self._loop(carry, ops, [("xin", "rF")])
         if broadcast:
             return jax.lax.psum(carry["out"], STAGE)
         return jax.tree.map(lambda a: a[None], carry["out"])
 
-    def _carry_specs(self, carry) -> dict:
-        sp = self.specs
-        slot = _P(None, None, *sp.act)
-        table = {
-            "xin": slot, "gin": slot, "yout": slot, "loss": _P(),
-            "res": [_P(None, None, *p) for p in sp.residuals or ()],
-            "g_rest": sp.shared,
-            "g_chunks": jax.tree.map(lambda p: _P(None, None, *p), sp.layer, is_leaf=_is_spec),
-            "out": jax.tree.map(lambda _: _P(None, *sp.act), carry.get("out")),
-        }
-        return {name: table[name] for name in carry}
-
     def _settled(self, branch):
         """`branch` with its results constrained to the fixed shardings every branch shares."""
+        sp = self.specs
+        table = {
+            "x": sp.act, "g": sp.act, "y": sp.act, "send_f": sp.act, "send_b": sp.act, "loss": _P(),
+            "res": [_P(*p) for p in sp.residuals or ()],
+            "g_rest": sp.shared,
+            "g_chunk": jax.tree.map(lambda p: _P(None, *p), sp.layer, is_leaf=_is_spec),
+        }
 
-        def run(carry, c, i):
-            carry, *sends = branch(carry, c, i)
-            return (_pin(carry, self._carry_specs(carry)), *(_pin(x, self.specs.act) for x in sends))
+        def run(view, c, i):
+            out = branch(view, c, i)
+            specs = {k: table[k] if k != "out_i" else jax.tree.map(lambda _: sp.act, out[k]) for k in out}
+            return _pin(out, specs)
 
         return run
 
@@ -304,16 +304,18 @@ def _unmicro(a, lead):
 
 
 class _Ops:
-    """The per-tick operations of one stage: each `(carry, chunk, micro) -> (carry, send_f, send_b)`.
+    """The per-tick operations of one stage on small per-tick values (`read` → branch → `write`).
 
-    Three top-level branches (idle, forward, backward) keep the compiled program small; whether a
-    forward starts from `first` or a backward from `last` depends on the virtual stage
-    (`chunk * S + stage`) and is a small `cond` inside the branch.
+    Three top-level branches (idle, forward, backward; idle and forward for inference) keep the
+    compiled program small; whether a forward starts from `first` or a backward from `last`
+    depends on the virtual stage (`chunk * S + stage`) and is a small `cond` inside the branch.
+    Every branch returns the same dict: what to write back to this tick's slots, the loss and
+    gradient increments, and what to send each way.
     """
 
     def __init__(self, program: Program, rest, chunks, micro, act, run):
         self.pipe, self.rest, self.chunks, self.micro, self.act, self.run = program.pipe, rest, chunks, micro, act, run
-        self.mesh, self.specs = program.mesh, program.specs
+        self.specs = program.specs
         sch = program.schedule
         self.m, self.s, self.last_vstage = sch.micro_batches, sch.stages, sch.stages * sch.virtual - 1
         self.stage = jax.lax.axis_index(STAGE)
@@ -329,12 +331,9 @@ class _Ops:
     def _vstage(self, c):
         return c * self.s + self.stage
 
-    def _pin(self, tree, specs):
-        return _pin(tree, specs)
-
     def _cond(self, pred, yes, no, specs):
         """`lax.cond` whose two results are pinned to `specs` (branches must agree on shardings)."""
-        return jax.lax.cond(pred, lambda: self._pin(yes(), specs), lambda: self._pin(no(), specs))
+        return jax.lax.cond(pred, lambda: _pin(yes(), specs), lambda: _pin(no(), specs))
 
     def chunk(self, c):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.chunks)
@@ -342,64 +341,87 @@ class _Ops:
     def _mb(self, i):
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), self.micro)
 
+    # --- the slots of one tick ---
+
     @staticmethod
-    def _slot(buf, c, i):
+    def _at(buf, c, i):
         return buf[c, i % buf.shape[1]]
+
+    def read(self, carry, c, i) -> dict:
+        if "out" in carry:
+            return {"x": self._at(carry["xin"], c, i),
+                    "out_i": jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False), carry["out"])}
+        return {"x": self._at(carry["xin"], c, i), "g": self._at(carry["gin"], c, i),
+                "y": self._at(carry["yout"], c, i), "res": [self._at(b, c, i) for b in carry["res"]]}
+
+    def write(self, carry, c, i, out) -> dict:
+        carry = dict(carry)
+        if "out" in carry:
+            carry["out"] = jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, i, 0), carry["out"], out["out_i"])
+            return carry
+        slot = i % carry["yout"].shape[1]
+        carry["yout"] = _put(carry["yout"], c, slot, out["y"])
+        carry["res"] = [_put(b, c, slot, r) for b, r in zip(carry["res"], out["res"])]
+        carry["loss"] = carry["loss"] + out["loss"]
+        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], out["g_rest"])
+        carry["g_chunks"] = jax.tree.map(lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, acc[c] + g, c, 0),
+                                         carry["g_chunks"], out["g_chunk"])
+        return carry
+
+    # --- the branches ---
 
     def train_branches(self) -> list[Callable]:
         return [self.idle, self.forward, self.backward]
 
     def forward_branches(self) -> list[Callable]:
-        return [self.idle, self.infer]
+        return [self.idle_inference, self.infer]
 
-    def idle(self, carry, c, i):
-        return carry, self._zero(), self._zero()
+    def _result(self, view, **changes) -> dict:
+        base = {"y": view["y"], "res": view["res"], "loss": jnp.zeros((), jnp.float32),
+                "g_chunk": jax.tree.map(jnp.zeros_like, self.chunk(0)), "g_rest": jax.tree.map(jnp.zeros_like, self.rest),
+                "send_f": self._zero(), "send_b": self._zero()}
+        return {**base, **changes}
 
-    def _input(self, carry, c, i):
+    def idle(self, view, c, i):
+        return self._result(view)
+
+    def _input(self, view, c, i):
         mb = self._mb(i)
-        return self._cond(self._vstage(c) == 0, lambda: self.pipe.first(self.rest, mb),
-                          lambda: self._slot(carry["xin"], c, i), self.specs.act)
+        return self._cond(self._vstage(c) == 0, lambda: self.pipe.first(self.rest, mb), lambda: view["x"], self.specs.act)
 
-    def forward(self, carry, c, i):
-        """Runs chunk `c` on micro-batch `i` under `jax.vjp`, storing its residuals and output; on
+    def forward(self, view, c, i):
+        """Runs chunk `c` on micro-batch `i` under `jax.vjp`, keeping its residuals and output; on
         the last virtual stage adds `last`'s loss."""
-        stored, y, _ = _residuals(self.run, self.chunk(c), self._input(carry, c, i))
-        slot = i % carry["yout"].shape[1]
+        stored, y, _ = _residuals(self.run, self.chunk(c), self._input(view, c, i))
         mb = self._mb(i)
         loss = self._cond(self._vstage(c) == self.last_vstage,
                           lambda: self.pipe.last(self.rest, y, mb).astype(jnp.float32),
                           lambda: jnp.zeros((), jnp.float32), _P())
-        carry = {**carry, "res": [_put(b, c, slot, r) for b, r in zip(carry["res"], stored)],
-                 "yout": _put(carry["yout"], c, slot, y), "loss": carry["loss"] + loss}
-        return carry, y, self._zero()
+        return self._result(view, y=y, res=stored, loss=loss, send_f=y)
 
-    def backward(self, carry, c, i):
+    def backward(self, view, c, i):
         """Applies the stored pullback of (chunk `c`, micro-batch `i`) to the gradient received
         (or, on the last virtual stage, `last`'s); on virtual stage 0 also differentiates `first`."""
-        mb, slot, j = self._mb(i), i % carry["yout"].shape[1], self._vstage(c)
+        mb, j = self._mb(i), self._vstage(c)
         zero_rest = lambda: jax.tree.map(jnp.zeros_like, self.rest)
 
         def from_last():
-            y = carry["yout"][c, slot]
-            loss, pull = jax.vjp(lambda r, y: self.pipe.last(r, y, mb), self.rest, y)
+            loss, pull = jax.vjp(lambda r, y: self.pipe.last(r, y, mb), self.rest, view["y"])
             return pull(jnp.full(loss.shape, 1.0 / self.m, loss.dtype))
 
-        g_rest, g_y = self._cond(j == self.last_vstage, from_last, lambda: (zero_rest(), carry["gin"][c, i % carry["gin"].shape[1]]),
+        g_rest, g_y = self._cond(j == self.last_vstage, from_last, lambda: (zero_rest(), view["g"]),
                                  (self.specs.shared, self.specs.act))
-        chunk = self.chunk(c)
-        pull = self.pullback.rebuild(chunk, [b[c, slot] for b in carry["res"]])
-        g_chunk, g_x = pull(g_y)
+        g_chunk, g_x = self.pullback.rebuild(self.chunk(c), view["res"])(g_y)
         g_first = self._cond(j == 0, lambda: jax.vjp(lambda r: self.pipe.first(r, mb), self.rest)[1](g_x)[0],
                              zero_rest, self.specs.shared)
-        g_chunks = jax.tree.map(lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, acc[c] + g, c, 0),
-                                carry["g_chunks"], g_chunk)
-        g_rest = jax.tree.map(lambda a, b, d: a + b + d, carry["g_rest"], g_rest, g_first)
-        return {**carry, "g_chunks": g_chunks, "g_rest": g_rest}, self._zero(), g_x
+        return self._result(view, g_chunk=g_chunk, g_rest=jax.tree.map(jnp.add, g_rest, g_first), send_b=g_x)
 
-    def infer(self, carry, c, i):
-        y = self.run(self.chunk(c), self._input(carry, c, i))
-        out_specs = jax.tree.map(lambda _: _P(None, *self.specs.act), carry["out"])
-        write = lambda: jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, i, 0),
-                                     carry["out"], self.pipe.head(self.rest, y))
-        out = self._cond(self._vstage(c) == self.last_vstage, write, lambda: carry["out"], out_specs)
-        return {**carry, "out": out}, y, self._zero()
+    def idle_inference(self, view, c, i):
+        return {"out_i": view["out_i"], "send_f": self._zero()}
+
+    def infer(self, view, c, i):
+        y = self.run(self.chunk(c), self._input(view, c, i))
+        specs = jax.tree.map(lambda _: self.specs.act, view["out_i"])
+        out_i = self._cond(self._vstage(c) == self.last_vstage, lambda: self.pipe.head(self.rest, y),
+                           lambda: view["out_i"], specs)
+        return {"out_i": out_i, "send_f": y}

@@ -315,6 +315,12 @@ def _check_batch(call: str, batch: Any, micro: int, data: int) -> None:
 def pipelined(fn, *, devices, mesh, mode, in_strategy, dataset_strategy, stages, micro_batches, schedule,
               virtual_stages, result_broadcast) -> Pipelined | Any:
     """What `parallelize(..., pipeline_stages=S)` returns: a `Pipelined` (or a decorator making one)."""
+    if stages is None:
+        raise ShardingError(
+            f"jshard.parallelize({_name(fn) if fn is not None else 'fn'}): micro_batches=, schedule= and "
+            f"virtual_stages= configure a pipeline, but pipeline_stages= is missing. Pass pipeline_stages=S "
+            f"(and a jshard.Pipeline), or drop them."
+        )
     if mesh is not None or mode != "semi_auto":
         what = "mesh=" if mesh is not None else f"mode={mode!r}"
         raise ShardingError(
