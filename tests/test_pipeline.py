@@ -73,19 +73,25 @@ def _gpt(rows=16):
 
 
 def test_pipeline_with_tensor_parallel_inside_stages_equals_one_device():
-    params, batch = _gpt()
-    preset = models.Preset("tensor", 1, 4)  # Megatron over each stage's 4 devices
-    pipe = models.gpt_pipeline(GPT, preset)
-    strategies = preset.parameters(params, models.GPT_RULES)
+    column = js.shard(jnp.matmul, ((1, 1), (1, 4)))  # Megatron over each stage's 4 devices
+    row = js.shard(jnp.matmul, ((1, 4), (4, 1)))
+    layer = lambda lp, x: x + row(jax.nn.gelu(column(x, lp["up"])), lp["down"])
+    base, params, batch, _ = _mlp()
+    pipe = Pipeline(first=base.first, layer=layer, last=base.last)
+    k = jax.random.split(jax.random.key(5), 2)
+    params = {**params, "layers": {"up": jax.random.normal(k[0], (4, D, 32)) / 4,
+                                   "down": jax.random.normal(k[1], (4, 32, D)) / 6}}
+    strategies = {"w_in": None, "w_out": None, "layers": {"up": (1, 1, 4), "down": (1, 4, 1)}}
     step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, schedule="gpipe",
                           in_strategy=(strategies, None), dataset_strategy="full_batch")
     loss, grads = step(params, batch)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p, b: models.gpt_loss(p, b, GPT)))(params, batch)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(pipe.loss))(params, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     _close(grads, ref_grads)
-    w_up = grads["layers"]["w_up"]  # [4 layers, 32, 64]: layers cut over 2 stages, columns over 4 devices
-    assert w_up.sharding.spec == P("stage", None, ("d0", "d1"))
-    assert {s.data.shape for s in w_up.addressable_shards} == {(2, 32, 16)}
+    up = grads["layers"]["up"]  # [4 layers, 16, 32]: layers cut over 2 stages, columns over 4 devices
+    assert up.sharding.spec == P("stage", None, ("d0", "d1"))
+    assert {s.data.shape for s in up.addressable_shards} == {(2, D, 8)}
+    assert js.audit(step.compile(params, batch)).count("all-reduce") > 0  # the row matmul's partial sums
 
 
 def _tied_pipe():

@@ -75,7 +75,7 @@ class PipelinePlan:
         ]
         for st in self.stages:
             lines.append(f"  stage {st.stage}: ranks {list(st.ranks)}, layers {[list(c) for c in st.layers]}, "
-                         f"peak in-flight inputs {st.peak_in_flight}")
+                         f"micro-batches in flight (peak) {st.peak_in_flight}")
         lines += [
             f"activation per micro-batch {_human(self.activation_bytes)} per device; slot buffers "
             f"{_human(self.buffer_bytes)} per device",
