@@ -46,16 +46,20 @@ def _mlp():
     return pipe, params, batch, (loss, grads)
 
 
+@functools.cache
+def _mlp_step(schedule, stages, micro, broadcast=False):
+    virtual = 2 if schedule == "interleaved" else 1
+    return js.parallelize(_mlp()[0], devices=8, pipeline_stages=stages, micro_batches=micro, schedule=schedule,
+                          virtual_stages=virtual, pipeline_result_broadcast=broadcast)
+
+
 GRID = [(sched, s, m) for sched in ("gpipe", "1f1b", "interleaved") for s in (2, 4) for m in (s, 2 * s, 4 * s)]
 
 
 @pytest.mark.parametrize("schedule,stages,micro", GRID, ids=[f"{a}-S{s}-M{m}" for a, s, m in GRID])
 def test_loss_and_grads_equal_the_unpipelined_step(schedule, stages, micro):
-    pipe, params, batch, (ref_loss, ref_grads) = _mlp()
-    virtual = 2 if schedule == "interleaved" else 1
-    step = js.parallelize(pipe, devices=8, pipeline_stages=stages, micro_batches=micro, schedule=schedule,
-                          virtual_stages=virtual)
-    loss, grads = step(params, batch)
+    _, params, batch, (ref_loss, ref_grads) = _mlp()
+    loss, grads = _mlp_step(schedule, stages, micro)(params, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     _close(grads, ref_grads)
     # the stack lives cut over the stage axis; each stage's rows are cut over its own 8/S devices
@@ -126,8 +130,8 @@ def test_gpt_under_pipeline_and_data_parallel_trains_like_one_device():
     params, _ = _gpt()
     rng = np.random.default_rng(7)
     batches = [models.copy_task_batch(rng, GPT, 32) for _ in range(5)]
-    loss_fn = lambda p, b: models.gpt_loss(p, b, GPT)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(params, batches[0])
+    ref_value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: models.gpt_loss(p, b, GPT)))
+    ref_loss, ref_grads = ref_value_and_grad(params, batches[0])
     step = _gpt_1f1b_s4_m16()
     loss, grads = step(params, batches[0])
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
@@ -136,13 +140,13 @@ def test_gpt_under_pipeline_and_data_parallel_trains_like_one_device():
 
     opt = optax.adam(3e-3)
     update = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*opt.update(g, s, p)))
-    ref_step = jax.jit(models.make_train_step(loss_fn, opt))
     p, s, rp, rs = params, opt.init(params), params, opt.init(params)
     got, want = [], []
     for b in batches:
         loss, grads = step(p, b)
         p, s = update(p, s, grads)
-        rp, rs, ref_loss = ref_step(rp, rs, b)
+        ref_loss, ref_grads = ref_value_and_grad(rp, b)
+        rp, rs = update(rp, rs, ref_grads)
         got.append(float(loss))
         want.append(float(ref_loss))
     np.testing.assert_allclose(got, want, rtol=1e-4)
@@ -163,8 +167,7 @@ def test_tagged_stage_functions_run_on_their_stages():
 @pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "last-stage"])
 def test_inference_runs_forward_only(broadcast):
     pipe, params, batch, _ = _mlp()
-    step = js.parallelize(pipe, devices=8, pipeline_stages=4, micro_batches=4, pipeline_result_broadcast=broadcast)
-    out = step.forward(params, batch)
+    out = _mlp_step("1f1b", 4, 4, broadcast).forward(params, batch)
     want = pipe.apply(params, batch)
     if broadcast:
         _close(out, want)
@@ -175,9 +178,8 @@ def test_inference_runs_forward_only(broadcast):
 
 
 def test_plan_shows_stages_schedule_bubble_memory_and_bytes():
-    pipe, params, batch, _ = _mlp()
-    step = js.parallelize(pipe, devices=8, pipeline_stages=4, micro_batches=8, schedule="1f1b")
-    plan = step.plan(params, batch)
+    _, params, batch, _ = _mlp()
+    plan = _mlp_step("1f1b", 4, 8).plan(params, batch)  # the grid's program, compiled once
     s = plan.schedule
     assert s.ticks == 2 * (8 + 4 - 1) and plan.bubble_fraction == pytest.approx(3 / 11)
     assert [st.ranks for st in plan.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]

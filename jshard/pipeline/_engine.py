@@ -76,10 +76,10 @@ class Program:
         def fn(params, batch):
             rest, chunks, micro = self._inputs(params, batch)
             mapped = jax.shard_map(
-                self._train_body, mesh=self.mesh, in_specs=(_P(), _P(None, STAGE), _P()),
+                self._train_body, mesh=self.mesh, in_specs=(_P(), _P(None, STAGE), _P(), _P(None, STAGE)),
                 out_specs=(_P(), _P(), _P(None, STAGE)), axis_names={STAGE}, check_vma=False,
             )
-            loss, g_rest, g_chunks = mapped(rest, chunks, micro)
+            loss, g_rest, g_chunks = mapped(rest, chunks, micro, self._table())
             _, stack = self.pipe.split(params)
             return loss, self.pipe.join(g_rest, jax.tree.map(lambda g, a: g.reshape(a.shape), g_chunks, stack))
 
@@ -92,11 +92,12 @@ class Program:
         def fn(params, batch):
             rest, chunks, micro = self._inputs(params, batch)
             mapped = jax.shard_map(
-                lambda r, c, m: self._forward_body(r, c, m, broadcast), mesh=self.mesh,
-                in_specs=(_P(), _P(None, STAGE), _P()), out_specs=_P() if broadcast else _P(STAGE),
+                lambda r, c, m, t: self._forward_body(r, c, m, t, broadcast), mesh=self.mesh,
+                in_specs=(_P(), _P(None, STAGE), _P(), _P(None, STAGE)), out_specs=_P() if broadcast else _P(STAGE),
                 axis_names={STAGE}, check_vma=False,
             )
-            return jax.tree.map(lambda a: _unmicro(a, 0 if broadcast else 1), mapped(rest, chunks, micro))
+            out = mapped(rest, chunks, micro, self._table())
+            return jax.tree.map(lambda a: _unmicro(a, 0 if broadcast else 1), out)
 
         return fn
 
@@ -139,15 +140,20 @@ class Program:
 
     # --- inside shard_map: one stage's view -------------------------------------------------
 
-    def _tables(self):
+    def _fields(self) -> tuple[str, ...]:
+        kinds = ("F",) if self.schedule.forward_only else ("F", "B")
+        return ("code", "chunk", "micro") + tuple(f"r{k}_{n}" for k in kinds for n in ("valid", "chunk", "micro"))
+
+    def _table(self) -> np.ndarray:
+        """The schedule as one int32 `[ticks, stages, fields]` array (`_fields`); each stage is
+        handed its own column by `shard_map`."""
         sch = self.schedule
         codes = sch.codes()
-        kind = np.where(codes == IDLE, 0, np.where(codes <= F_LAST, 1, 2)).astype(np.int32)
-        tables = {"code": kind, "chunk": sch.field("chunk"), "micro": sch.field("micro")}
-        for kind in ("F",) if sch.forward_only else ("F", "B"):
-            for name, arr in zip(("valid", "chunk", "micro"), sch.receives(kind)):
-                tables[f"r{kind}_{name}"] = arr
-        return {k: jnp.asarray(a) for k, a in tables.items()}
+        kind = np.where(codes == IDLE, 0, np.where(codes <= F_LAST, 1, 2))
+        columns = [kind, sch.field("chunk"), sch.field("micro")]
+        for k in ("F",) if sch.forward_only else ("F", "B"):
+            columns += list(sch.receives(k))
+        return np.stack(columns, axis=-1).astype(np.int32)
 
     def _perms(self):
         s, cyclic = self.schedule.stages, self.schedule.virtual > 1
@@ -166,16 +172,15 @@ class Program:
 
     # the tick loop and its bodies
 
-    def _loop(self, carry, ops: _Ops, directions):
+    def _loop(self, carry, ops: _Ops, table, directions):
         """Scans the ticks: read this stage's slots, run its operation (a `switch` over small
         per-tick values only, so the buffers stay in place), write the slots, pass to neighbours."""
-        stage = jax.lax.axis_index(STAGE)
-        perms = self._perms()
+        perms, fields = self._perms(), self._fields()
         branches = [self._settled(b) for b in (ops.forward_branches() if self.schedule.forward_only
                                                else ops.train_branches())]
 
         def tick(carry, row):
-            mine = {k: v[stage] for k, v in row.items()}
+            mine = dict(zip(fields, row))
             c, i = mine["chunk"], mine["micro"]
             out = jax.lax.switch(mine["code"], branches, ops.read(carry, c, i), c, i)
             carry = ops.write(carry, c, i, out)
@@ -183,9 +188,9 @@ class Program:
                 carry[buf] = _receive(carry[buf], jax.lax.ppermute(send, STAGE, perm), mine, prefix)
             return carry, None
 
-        return jax.lax.scan(tick, carry, self._tables())[0]
+        return jax.lax.scan(tick, carry, table[:, 0])[0]
 
-    def _train_body(self, rest, chunks, micro):
+    def _train_body(self, rest, chunks, micro, table):
         ops = self._ops(rest, chunks, micro)
         sch, v = self.schedule, self.schedule.virtual
         r = sch.slots("residuals")
@@ -198,18 +203,18 @@ class Program:
             "g_chunks": jax.tree.map(jnp.zeros_like, ops.chunks),
             "loss": jnp.zeros((), jnp.float32),
         }
-        carry = self._loop(carry, ops, [("xin", "rF"), ("gin", "rB")])
+        carry = self._loop(carry, ops, table, [("xin", "rF"), ("gin", "rB")])
         loss = jax.lax.psum(carry["loss"], STAGE) / sch.micro_batches
         g_rest = jax.lax.psum(carry["g_rest"], STAGE)
         return loss, g_rest, jax.tree.map(lambda a: a[:, None], carry["g_chunks"])
 
-    def _forward_body(self, rest, chunks, micro, broadcast):
+    def _forward_body(self, rest, chunks, micro, table, broadcast):
         ops = self._ops(rest, chunks, micro)
         out = jax.eval_shape(self.pipe.head, rest, ops.act)
         m, v = self.schedule.micro_batches, self.schedule.virtual
         carry = {"xin": _zeros((v, self.schedule.slots("activations")), ops.act),
                  "out": jax.tree.map(lambda o: jnp.zeros((m, *o.shape), o.dtype), out)}
-        carry = self._loop(carry, ops, [("xin", "rF")])
+        carry = self._loop(carry, ops, table, [("xin", "rF")])
         if broadcast:
             return jax.lax.psum(carry["out"], STAGE)
         return jax.tree.map(lambda a: a[None], carry["out"])
@@ -275,12 +280,18 @@ class _PullbackShape:
 
     @classmethod
     def of(cls, run, chunk, act) -> "_PullbackShape":
-        _, pull = jax.vjp(run, chunk, jnp.zeros(act.shape, act.dtype))  # its values are unused: XLA drops them
-        params = jax.tree.leaves(chunk)
-        leaves, tree = jax.tree.flatten(pull)
-        param_of = tuple(next((k for k, p in enumerate(params) if leaf is p), None) for leaf in leaves)
-        stored = tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x, k in zip(leaves, param_of) if k is None)
-        return cls(tree, param_of, stored)
+        found = {}
+
+        def probe(chunk, x):
+            _, pull = jax.vjp(run, chunk, x)
+            params = jax.tree.leaves(chunk)
+            leaves, found["tree"] = jax.tree.flatten(pull)
+            found["param_of"] = tuple(next((k for k, p in enumerate(params) if leaf is p), None) for leaf in leaves)
+            return [leaf for leaf, k in zip(leaves, found["param_of"]) if k is None]
+
+        shapes = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+        stored = jax.eval_shape(probe, shapes(chunk), shapes(act))
+        return cls(found["tree"], found["param_of"], tuple(stored))
 
     def rebuild(self, chunk, stored):
         params, it = jax.tree.leaves(chunk), iter(stored)
