@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
 from jshard._errors import DeviceCountError, ShardingError
+from jshard._parallelize import _abstract, _dtype_of, _placed
 from jshard.layouts import FineMesh, TensorLayout, canonicalize_slot, check_divides, layout_of
 from jshard.pipeline._engine import STAGE, Program, Specs
 from jshard.pipeline._model import Pipeline, check_stage_ids, stack_length
@@ -124,7 +125,7 @@ class Pipelined:
 
     def _key(self, params, batch):
         leaves, tree = jax.tree_util.tree_flatten((params, batch))
-        return tree, tuple((np.shape(x), _dtype(x)) for x in leaves)
+        return tree, tuple((np.shape(x), _dtype_of(x)) for x in leaves)
 
     def _entry(self, params, batch) -> _Entry:
         key = self._key(params, batch)
@@ -187,7 +188,7 @@ class Pipelined:
         if slot is None:
             return PartitionSpec()
         layout = layout_of(slot, self.inner.device_count, call=self.call, op="a pipeline stage", what=what)
-        check_divides(layout, np.shape(x), call=self.call, op="a pipeline stage", what=what, dtype=_dtype(x))
+        check_divides(layout, np.shape(x), call=self.call, op="a pipeline stage", what=what, dtype=_dtype_of(x))
         return self.inner.partition_spec(layout)
 
     def _layer_spec(self, spec: PartitionSpec) -> PartitionSpec:
@@ -223,15 +224,6 @@ def _named(mesh, specs):
 
 def _name(pipe) -> str:
     return getattr(pipe, "__name__", type(pipe).__name__)
-
-
-def _abstract(args):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), args)
-
-
-def _placed(args, shardings):
-    return jax.tree.map(lambda x, s: x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s),
-                        args, shardings)
 
 
 def _divisors(n: int) -> list[int]:
@@ -333,7 +325,3 @@ def pipelined(fn, *, devices, mesh, mode, in_strategy, dataset_strategy, stages,
     if fn is None:
         return lambda f: Pipelined(f, config)
     return Pipelined(fn, config)
-
-
-def _dtype(x):
-    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jshard._parallelize import _abstract, _human
 from jshard.pipeline._schedule import Schedule
 from jshard.propagate._audit import Audit, audit
 
@@ -92,8 +93,8 @@ def plan_of(program, config, mesh, layers: int, params, batch, compile_) -> Pipe
     s, v = sched.stages, sched.virtual
     rest, _ = program.pipe.split(params)
     first_mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // sched.micro_batches, *a.shape[1:]), a.dtype),
-                            _shapes(batch))
-    act = jax.eval_shape(program.pipe.first, _shapes(rest), first_mb)
+                            _abstract(batch))
+    act = jax.eval_shape(program.pipe.first, _abstract(rest), first_mb)
     whole = int(np.prod(act.shape)) * act.dtype.itemsize
     cut = _cut(program.specs.act, dict(mesh.shape))
     per_device = whole // cut
@@ -136,18 +137,3 @@ def _cut(spec, sizes) -> int:
             if name is not None:
                 out *= sizes[name]
     return out
-
-
-def _shapes(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), tree)
-
-
-def _human(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.4g} {unit}"
-    return f"{n:.0f} B"
-
-
-def _dtype(x):
-    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
