@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jshard as js
 from jshard import models
 from jshard.pipeline import Pipeline, build_schedule
+from jshard.propagate import Collective
 
 D, LAYERS, ROWS = 16, 8, 32
 
@@ -136,7 +137,16 @@ def test_gpt_under_pipeline_and_data_parallel_trains_like_one_device():
     loss, grads = step(params, batches[0])
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     _close(grads, ref_grads)
-    assert step.plan(params, batches[0]).activation_bytes == 1 * 8 * 32 * 4  # one row of [8, 32] per device
+    plan = step.plan(params, batches[0])
+    assert plan.activation_bytes == 1 * 8 * 32 * 4  # one row of [8, 32] per device
+    # gradients are summed once per step, not per micro-batch: one all-reduce of each stage's layers
+    # over its 2 devices, one of the embedding / head gradients and the loss over all 8
+    stage_layers = sum(a.nbytes for a in jax.tree.leaves(params["layers"])) // 4
+    rest = sum(a.nbytes for k, a in jax.tree_util.tree_leaves_with_path(params) if "layers" not in str(k)) + 4
+    ticks = plan.schedule.ticks
+    assert js.audit(step.compile(params, batches[0])).collectives == (
+        Collective("all-reduce", 1.0, stage_layers, 2), Collective("all-reduce", 1.0, rest, 8),
+        Collective("collective-permute", 2.0 * ticks, 2.0 * ticks * plan.activation_bytes, 4))
 
     opt = optax.adam(3e-3)
     update = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*opt.update(g, s, p)))

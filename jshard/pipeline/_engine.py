@@ -2,13 +2,16 @@
 
 Why this design. A step is ONE `jax.jit` program, so XLA sees (and schedules, and the audit reads)
 everything, and no host loop drives the schedule. The mesh has a leading `stage` axis; `shard_map`
-makes only that axis manual (`axis_names={"stage"}`), so inside a stage the other axes stay
-automatic and the stage's data / tensor strategies (`jshard.shard` calls, cut batch) still apply.
-The schedule is a static tick table (`_schedule.py`); a `lax.scan` walks its ticks, and at each
-tick every stage looks up its own operation (`axis_index("stage")`) and runs it through
-`lax.switch`: idle, a forward, or a backward of one micro-batch on one chunk. Then one
-`ppermute` passes forward outputs to the next stage and one passes input gradients to the previous
-stage; what arrives is written into per-chunk slot buffers (slot = micro-batch mod slots).
+makes that axis manual. Inside a stage the other axes stay automatic (`axis_names={"stage"}`), so
+the stage's data / tensor strategies (`jshard.shard` calls, `in_strategy`) still apply; or, for
+pure data parallel inside stages (no strategies, `dataset_strategy="data_parallel"`), they are
+manual too (`data_axes`): every device runs its own rows, accumulates its own gradients, and the
+gradients are all-reduced once per step rather than once per micro-batch. The schedule is a static
+tick table (`_schedule.py`); each stage gets its own column of it from `shard_map`, a `lax.scan`
+walks the ticks, and at each tick a `lax.switch` runs the stage's operation: idle, a forward, or
+a backward of one micro-batch on one chunk. Then one `ppermute` passes forward outputs to the next
+stage and one passes input gradients to the previous stage; what arrives is written into per-chunk
+slot buffers (slot = micro-batch mod slots).
 
 Backward is hand-written per micro-batch: a forward runs its chunk under `jax.vjp` and stores
 the pullback's residuals (the leaves of the `jax.vjp` closure, less the chunk's parameters, which
@@ -69,6 +72,17 @@ class Program:
     schedule: Schedule
     mesh: Mesh
     specs: Specs
+    data_axes: tuple[str, ...] = ()
+
+    @property
+    def _manual(self) -> set[str]:
+        """The manual axes: the stage axis, and with `data_axes` the stage's data axes too (pure
+        data parallel inside stages: every device runs its own rows, and gradients are summed
+        once per step rather than per micro-batch)."""
+        return {STAGE, *self.data_axes}
+
+    def _micro_spec(self) -> PartitionSpec:
+        return _P(None, self.data_axes) if self.data_axes else _P()
 
     def train(self) -> Callable[[dict, Any], tuple[jax.Array, dict]]:
         """`fn(params, batch) -> (loss, grads)`: the loss is the mean over micro-batches."""
@@ -76,8 +90,8 @@ class Program:
         def fn(params, batch):
             rest, chunks, micro = self._inputs(params, batch)
             mapped = jax.shard_map(
-                self._train_body, mesh=self.mesh, in_specs=(_P(), _P(None, STAGE), _P(), _P(None, STAGE)),
-                out_specs=(_P(), _P(), _P(None, STAGE)), axis_names={STAGE}, check_vma=False,
+                self._train_body, mesh=self.mesh, in_specs=(_P(), _P(None, STAGE), self._micro_spec(), _P(None, STAGE)),
+                out_specs=(_P(), _P(), _P(None, STAGE)), axis_names=self._manual, check_vma=False,
             )
             loss, g_rest, g_chunks = mapped(rest, chunks, micro, self._table())
             _, stack = self.pipe.split(params)
@@ -93,8 +107,9 @@ class Program:
             rest, chunks, micro = self._inputs(params, batch)
             mapped = jax.shard_map(
                 lambda r, c, m, t: self._forward_body(r, c, m, t, broadcast), mesh=self.mesh,
-                in_specs=(_P(), _P(None, STAGE), _P(), _P(None, STAGE)), out_specs=_P() if broadcast else _P(STAGE),
-                axis_names={STAGE}, check_vma=False,
+                in_specs=(_P(), _P(None, STAGE), self._micro_spec(), _P(None, STAGE)),
+                out_specs=_P(None, self.data_axes or None) if broadcast else _P(STAGE, None, self.data_axes or None),
+                axis_names=self._manual, check_vma=False,
             )
             out = mapped(rest, chunks, micro, self._table())
             return jax.tree.map(lambda a: _unmicro(a, 0 if broadcast else 1), out)
@@ -204,9 +219,16 @@ class Program:
             "loss": jnp.zeros((), jnp.float32),
         }
         carry = self._loop(carry, ops, table, [("xin", "rF"), ("gin", "rB")])
-        loss = jax.lax.psum(carry["loss"], STAGE) / sch.micro_batches
-        g_rest = jax.lax.psum(carry["g_rest"], STAGE)
-        return loss, g_rest, jax.tree.map(lambda a: a[:, None], carry["g_chunks"])
+        everyone, data = (STAGE, *self.data_axes), self._data_degree()
+        loss = jax.lax.psum(carry["loss"], everyone) / (sch.micro_batches * data)
+        g_rest = jax.tree.map(lambda g: g / data, jax.lax.psum(carry["g_rest"], everyone))
+        g_chunks = carry["g_chunks"]
+        if self.data_axes:  # each device differentiated the mean over its own rows
+            g_chunks = jax.tree.map(lambda g: g / data, jax.lax.psum(g_chunks, self.data_axes))
+        return loss, g_rest, jax.tree.map(lambda a: a[:, None], g_chunks)
+
+    def _data_degree(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in self.data_axes])) if self.data_axes else 1
 
     def _forward_body(self, rest, chunks, micro, table, broadcast):
         ops = self._ops(rest, chunks, micro)
@@ -238,8 +260,11 @@ class Program:
 
 
 def _pin(tree, specs):
-    """Constrains each leaf of `tree` to its spec over the current (stage-manual) mesh."""
+    """Constrains each leaf of `tree` to its spec over the current (stage-manual) mesh; with no
+    automatic axes left (data axes manual too) there is nothing to constrain."""
     mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.auto_axes:
+        return tree
     return jax.tree.map(lambda x, p: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, p)),
                         tree, specs, is_leaf=_is_spec)
 

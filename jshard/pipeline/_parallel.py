@@ -146,9 +146,13 @@ class Pipelined:
         first_batch = jax.tree.leaves(batch_specs, is_leaf=_is_spec)
         act = PartitionSpec(first_batch[0][0] if first_batch and len(first_batch[0]) else None)
         sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
-        program = Program(self.pipe, sched, self.mesh, Specs(act, r_specs, layer_specs, batch_specs))
-        stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
-        residuals = self._traced(program.residual_specs, stage_mesh)(params, batch, stage_mesh)
+        data_axes = self.inner.names if self._pure_data() else ()
+        program = Program(self.pipe, sched, self.mesh, Specs(act, r_specs, layer_specs, batch_specs), data_axes)
+        if data_axes:
+            residuals = tuple(PartitionSpec() for _ in program.residual_shapes(params, batch))
+        else:
+            stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
+            residuals = self._traced(program.residual_specs, stage_mesh)(params, batch, stage_mesh)
         program = dataclasses.replace(program, specs=dataclasses.replace(program.specs, residuals=residuals))
         stack_sh = jax.tree.map(lambda p: NamedSharding(self.mesh, PartitionSpec(STAGE, *p)), layer_specs, is_leaf=_is_spec)
         param_sh = self.pipe.join(_named(self.mesh, r_specs), stack_sh)
@@ -160,7 +164,8 @@ class Pipelined:
     def _traced(self, fn, mesh: Mesh | None = None):
         """`fn` traced with `jshard.shard` calls resolving against one stage's devices (over `mesh`,
         default the pipeline's)."""
-        ctx_args = (self.call, self.inner, self.mesh if mesh is None else mesh, "semi_auto")
+        mode = "data" if self._pure_data() else "semi_auto"  # as mode="data", shard calls are then plain
+        ctx_args = (self.call, self.inner, self.mesh if mesh is None else mesh, mode)
 
         @functools.wraps(fn)
         def run(*args):
@@ -168,6 +173,11 @@ class Pipelined:
                 return fn(*args)
 
         return run
+
+    def _pure_data(self) -> bool:
+        """Pure data parallel inside stages: the rows cut over the stage's devices, no strategies."""
+        c = self.config
+        return c.dataset_strategy == "data_parallel" and not c.in_strategy and self.inner.device_count > 1
 
     def _data_degree(self) -> int:
         return self.inner.device_count if self.config.dataset_strategy == "data_parallel" else 1
