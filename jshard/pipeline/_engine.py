@@ -129,15 +129,20 @@ class Program:
         return tuple(sh.spec for sh in jax.tree.leaves(compiled.output_shardings))
 
     def residual_shapes(self, params, batch) -> list[jax.ShapeDtypeStruct]:
-        """The residuals one chunk's forward stores for one micro-batch (whole, not per device)."""
+        """The residuals one chunk's forward stores for one micro-batch (whole over the stage's
+        automatic axes; with manual `data_axes`, one device's)."""
         chunk, act = self._chunk_and_act(params, batch)
         run = self.pipe.stage_runner(0)
         run = _runner(run, 0) if isinstance(run, list) else run
         return jax.eval_shape(lambda ch, x: _residuals(run, ch, x)[0], chunk, act)
 
     def _chunk_and_act(self, params, batch):
+        """One chunk's parameters and the activation, as one device of a stage sees them (with
+        manual `data_axes`, its own rows only)."""
         rest, chunks, micro = jax.eval_shape(self._inputs, params, batch)
         chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), chunks)
+        d = self._data_degree()
+        micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], a.shape[1] // d, *a.shape[2:]), a.dtype), micro)
         return chunk, self._act(rest, micro)
 
     def _inputs(self, params, batch):
