@@ -98,6 +98,14 @@ def test_pipeline_with_tensor_parallel_inside_stages_equals_one_device():
     assert {s.data.shape for s in up.addressable_shards} == {(2, D, 8)}
     assert js.audit(step.compile(params, batch)).count("all-reduce") > 0  # the row matmul's partial sums
 
+    # without in_strategy the shard calls still apply (rows cut over the stage, weights left to XLA)
+    plain = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, schedule="gpipe")
+    loss, grads = plain(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(grads, ref_grads)
+    ticks = plain.plan(params, batch).schedule.ticks
+    assert js.audit(plain.compile(params, batch)).count("all-reduce") > ticks  # per tick, not once per step
+
 
 def _tied_pipe():
     first = lambda p, b: p["embed"][b[0]]

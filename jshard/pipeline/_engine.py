@@ -4,8 +4,8 @@ Why this design. A step is ONE `jax.jit` program, so XLA sees (and schedules, an
 everything, and no host loop drives the schedule. The mesh has a leading `stage` axis; `shard_map`
 makes that axis manual. Inside a stage the other axes stay automatic (`axis_names={"stage"}`), so
 the stage's data / tensor strategies (`jshard.shard` calls, `in_strategy`) still apply; or, for
-pure data parallel inside stages (no strategies, `dataset_strategy="data_parallel"`), they are
-manual too (`data_axes`): every device runs its own rows, accumulates its own gradients, and the
+pure data parallel inside stages (no `shard` calls, no `in_strategy`, `dataset_strategy=
+"data_parallel"`), they are manual too (`data_axes`): every device runs its own rows, accumulates its own gradients, and the
 gradients are all-reduced once per step rather than once per micro-batch. The schedule is a static
 tick table (`_schedule.py`); each stage gets its own column of it from `shard_map`, a `lax.scan`
 walks the ticks, and at each tick a `lax.switch` runs the stage's operation: idle, a forward, or

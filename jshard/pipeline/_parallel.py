@@ -50,6 +50,7 @@ class _Entry:
     batch_sh: Any
     train: Any
     stack_layers: int
+    mode: str
     compiled: jax.stages.Compiled | None = None
 
 
@@ -110,7 +111,7 @@ class Pipelined:
                                    micro_batches=self.config.micro_batches, virtual=self.config.virtual_stages,
                                    forward_only=True)
             prog = dataclasses.replace(e.program, schedule=sched)
-            self._forwards[key] = jax.jit(self._traced(prog.forward(self.config.result_broadcast)),
+            self._forwards[key] = jax.jit(self._traced(prog.forward(self.config.result_broadcast), e.mode),
                                           in_shardings=(e.param_sh, e.batch_sh))
         return self._forwards[key](*_placed((params, batch), (e.param_sh, e.batch_sh)))
 
@@ -146,25 +147,26 @@ class Pipelined:
         first_batch = jax.tree.leaves(batch_specs, is_leaf=_is_spec)
         act = PartitionSpec(first_batch[0][0] if first_batch and len(first_batch[0]) else None)
         sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
-        data_axes = self.inner.names if self._pure_data() else ()
-        program = Program(self.pipe, sched, self.mesh, Specs(act, r_specs, layer_specs, batch_specs), data_axes)
-        if data_axes:
+        stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
+        pure = self._pure_data() and not self._has_shard_calls(params, batch, stage_mesh)
+        mode = "data" if pure else "semi_auto"
+        program = Program(self.pipe, sched, self.mesh, Specs(act, r_specs, layer_specs, batch_specs),
+                          self.inner.names if pure else ())
+        if pure:
             residuals = tuple(PartitionSpec() for _ in program.residual_shapes(params, batch))
         else:
-            stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
-            residuals = self._traced(program.residual_specs, stage_mesh)(params, batch, stage_mesh)
+            residuals = self._traced(program.residual_specs, mode, stage_mesh)(params, batch, stage_mesh)
         program = dataclasses.replace(program, specs=dataclasses.replace(program.specs, residuals=residuals))
         stack_sh = jax.tree.map(lambda p: NamedSharding(self.mesh, PartitionSpec(STAGE, *p)), layer_specs, is_leaf=_is_spec)
         param_sh = self.pipe.join(_named(self.mesh, r_specs), stack_sh)
         batch_sh = _named(self.mesh, batch_specs)
-        train = jax.jit(self._traced(program.train()), in_shardings=(param_sh, batch_sh),
+        train = jax.jit(self._traced(program.train(), mode), in_shardings=(param_sh, batch_sh),
                         out_shardings=(NamedSharding(self.mesh, PartitionSpec()), param_sh))
-        return _Entry(program, param_sh, batch_sh, train, layers)
+        return _Entry(program, param_sh, batch_sh, train, layers, mode)
 
-    def _traced(self, fn, mesh: Mesh | None = None):
+    def _traced(self, fn, mode: str, mesh: Mesh | None = None):
         """`fn` traced with `jshard.shard` calls resolving against one stage's devices (over `mesh`,
-        default the pipeline's)."""
-        mode = "data" if self._pure_data() else "semi_auto"  # as mode="data", shard calls are then plain
+        default the pipeline's); with `mode="data"` they are plain calls."""
         ctx_args = (self.call, self.inner, self.mesh if mesh is None else mesh, mode)
 
         @functools.wraps(fn)
@@ -175,9 +177,18 @@ class Pipelined:
         return run
 
     def _pure_data(self) -> bool:
-        """Pure data parallel inside stages: the rows cut over the stage's devices, no strategies."""
+        """Pure data parallel inside stages asked for: rows cut over the stage's devices, no
+        `in_strategy` (the model must also have no `jshard.shard` calls: `_has_shard_calls`)."""
         c = self.config
         return c.dataset_strategy == "data_parallel" and not c.in_strategy and self.inner.device_count > 1
+
+    def _has_shard_calls(self, params, batch, stage_mesh: Mesh) -> bool:
+        """Whether the model calls `jshard.shard` (traced once, shapes only): then its strategies
+        apply inside the stages, which keep their axes automatic."""
+        ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto")
+        with _context.tracing(ctx):
+            jax.eval_shape(self.pipe.loss, params, batch)
+        return bool(ctx.annotations)
 
     def _data_degree(self) -> int:
         return self.inner.device_count if self.config.dataset_strategy == "data_parallel" else 1
