@@ -192,34 +192,23 @@ class Program:
 
     # the tick loop and its bodies
 
-    def _loop(self, carry, ops: _Ops, table):
-        """Scans the ticks, one `scan` per phase of the schedule (`Schedule.phases`): read this
-        stage's slots, run its operation (a `switch` over small per-tick values only, so the
-        buffers stay in place), write the slots, pass to the neighbours in the phase's directions."""
-        fields = self._fields()
-        fwd_perm, bwd_perm = self._perms()
-        ways = {"F": ("xin", "rF", fwd_perm, "send_f"), "B": ("gin", "rB", bwd_perm, "send_b")}
-        every = [self._settled(b) for b in (ops.forward_branches() if self.schedule.forward_only
-                                            else ops.train_branches())]
+    def _loop(self, carry, ops: _Ops, table, directions):
+        """Scans the ticks: read this stage's slots, run its operation (a `switch` over small
+        per-tick values only, so the buffers stay in place), write the slots, pass to neighbours."""
+        perms, fields = self._perms(), self._fields()
+        branches = [self._settled(b) for b in (ops.forward_branches() if self.schedule.forward_only
+                                               else ops.train_branches())]
 
-        def tick(branches, kinds):
-            def run(carry, row):
-                mine = dict(zip(fields, row))
-                c, i = mine["chunk"], mine["micro"]
-                index = mine["code"] if len(branches) == len(every) else jnp.minimum(mine["code"], 1)
-                out = jax.lax.switch(index, branches, ops.read(carry, c, i), c, i)
-                carry = ops.write(carry, c, i, out)
-                for buf, prefix, perm, send in (ways[k] for k in kinds):
-                    carry[buf] = _receive(carry[buf], jax.lax.ppermute(out[send], STAGE, perm), mine, prefix)
-                return carry, None
+        def tick(carry, row):
+            mine = dict(zip(fields, row))
+            c, i = mine["chunk"], mine["micro"]
+            out = jax.lax.switch(mine["code"], branches, ops.read(carry, c, i), c, i)
+            carry = ops.write(carry, c, i, out)
+            for (buf, prefix), perm, send in zip(directions, perms, (out["send_f"], out.get("send_b"))):
+                carry[buf] = _receive(carry[buf], jax.lax.ppermute(send, STAGE, perm), mine, prefix)
+            return carry, None
 
-            return run
-
-        for start, stop, kinds in self.schedule.phases():
-            branches = every if kinds == ("F", "B") or self.schedule.forward_only else \
-                [every[0], every[1 if kinds == ("F",) else 2]]
-            carry = jax.lax.scan(tick(branches, kinds), carry, table[start:stop, 0])[0]
-        return carry
+        return jax.lax.scan(tick, carry, table[:, 0])[0]
 
     def _train_body(self, rest, chunks, micro, table):
         ops = self._ops(rest, chunks, micro)
@@ -234,7 +223,7 @@ class Program:
             "g_chunks": jax.tree.map(jnp.zeros_like, ops.chunks),
             "loss": jnp.zeros((), jnp.float32),
         }
-        carry = self._loop(carry, ops, table)
+        carry = self._loop(carry, ops, table, [("xin", "rF"), ("gin", "rB")])
         everyone, data = (STAGE, *self.data_axes), self._data_degree()
         loss = jax.lax.psum(carry["loss"], everyone) / (sch.micro_batches * data)
         g_rest = jax.tree.map(lambda g: g / data, jax.lax.psum(carry["g_rest"], everyone))
@@ -252,7 +241,7 @@ class Program:
         m, v = self.schedule.micro_batches, self.schedule.virtual
         carry = {"xin": _zeros((v, self.schedule.slots("activations")), ops.act),
                  "out": jax.tree.map(lambda o: jnp.zeros((m, *o.shape), o.dtype), out)}
-        carry = self._loop(carry, ops, table)
+        carry = self._loop(carry, ops, table, [("xin", "rF")])
         if broadcast:
             return jax.lax.psum(carry["out"], STAGE)
         return jax.tree.map(lambda a: a[None], carry["out"])

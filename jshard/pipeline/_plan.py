@@ -45,7 +45,7 @@ class PipelinePlan:
       boundary_bytes: bytes that must cross stage boundaries per step (activations forward and
         gradients backward, all micro-batches, whole tensors).
       permute_bytes: bytes per device the program's `collective-permute`s move per step (one
-        activation per tick in each direction its phase passes, idle ticks included).
+        activation per direction per tick, idle ticks included).
     """
 
     schedule: Schedule
@@ -114,9 +114,9 @@ def plan_of(program, config, mesh, layers: int, params, batch, compile_) -> Pipe
         for st in range(s)
     )
     crossings = sched.micro_batches * (s * v - 1) * (1 if sched.forward_only else 2)
-    permutes = sum((stop - start) * len(kinds) for start, stop, kinds in sched.phases())
+    directions = 1 if sched.forward_only else 2
     return PipelinePlan(sched, stages, dict(mesh.shape), per_device, v * (slots * per_device + residual_bytes),
-                        crossings * whole, permutes * per_device, compile_)
+                        crossings * whole, directions * sched.ticks * per_device, compile_)
 
 
 def _peak_in_flight(sched: Schedule, stage: int) -> int:

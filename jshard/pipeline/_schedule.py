@@ -70,24 +70,6 @@ class Schedule:
         s, m, v = self.stages, self.micro_batches, self.virtual
         return (s - 1) / (v * m + s - 1)
 
-    def phases(self) -> list[tuple[int, int, tuple[str, ...]]]:
-        """`(start, stop, kinds)` runs of ticks that pass values only in the directions `kinds`
-        (`"F"`: activations forward, `"B"`: gradients backward). A schedule whose forwards all come
-        before its backwards (GPipe) has two phases, so each tick passes one way only; otherwise
-        one phase passing both ways.
-
-        Examples:
-          >>> build_schedule("gpipe", stages=2, micro_batches=2).phases()
-          [(0, 3, ('F',)), (3, 6, ('B',))]
-        """
-        if self.forward_only:
-            return [(0, self.ticks, ("F",))]
-        kinds = [{op.kind for op in row if op is not None} for row in self.ops]
-        split = next(t for t, k in enumerate(kinds) if "B" in k)
-        if all(k <= {"F"} for k in kinds[:split]) and all(k <= {"B"} for k in kinds[split:]):
-            return [(0, split, ("F",)), (split, self.ticks, ("B",))]
-        return [(0, self.ticks, ("F", "B"))]
-
     def codes(self) -> np.ndarray:
         """`[ticks, stages]` int32 operation codes (`IDLE`, `F_FIRST`, ..., `B_LAST`)."""
         last = self.stages * self.virtual - 1
