@@ -249,6 +249,13 @@ def test_batch_not_divisible_by_micro_batches_is_an_error():
         step(params, batch)
 
 
+def test_a_scalar_in_the_batch_is_an_error():
+    pipe, params, batch, _ = _mlp()
+    step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=r"batch\[1\] \(shape \[\]\) is a scalar; every batch array needs a leading row dim"):
+        step(params, (batch[0], jnp.float32(1.0)))
+
+
 def test_devices_not_divisible_by_stages_is_an_error():
     with pytest.raises(js.ShardingError, match=r"devices=6 is not divisible by pipeline_stages=4; .* Use pipeline_stages in \[2, 3, 6\]"):
         js.parallelize(_mlp_pipe(), devices=6, pipeline_stages=4, micro_batches=4)

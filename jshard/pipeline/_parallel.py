@@ -309,13 +309,16 @@ def _check_layers(call: str, layers: int, stages: int, virtual: int) -> None:
 
 def _check_batch(call: str, batch: Any, micro: int, data: int) -> None:
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        rows = np.shape(x)[0] if np.ndim(x) else None
         where = f"batch{jax.tree_util.keystr(path)} (shape {list(np.shape(x))})"
-        if rows is None or rows % micro:
+        if not np.ndim(x):
+            raise ShardingError(f"{call}: {where} is a scalar; every batch array needs a leading row dim "
+                                f"that micro_batches={micro} cuts. Pass scalars in params, or give them rows.")
+        rows = np.shape(x)[0]
+        if rows % micro:
             raise ShardingError(
                 f"{call}: micro_batches={micro} must divide the batch's rows, but {where} has "
                 f"{rows} rows. Use a batch size that is a multiple of {micro}, or micro_batches in "
-                f"{[d for d in _divisors(rows or 1) if d > 1]}."
+                f"{[d for d in _divisors(rows) if d > 1]}."
             )
         if (rows // micro) % data:
             raise ShardingError(
