@@ -25,6 +25,8 @@ from jshard._parallelize import parallelize as parallelize
 from jshard._shard import shard as shard
 from jshard.layouts import Layout as Layout
 from jshard.layouts import TensorLayout as TensorLayout
+from jshard.pipeline import Pipeline as Pipeline
+from jshard.pipeline import pipeline_stage as pipeline_stage
 from jshard.propagate import Audit as Audit
 from jshard.propagate import OpRecord as OpRecord
 from jshard.propagate import Plan as Plan
@@ -37,6 +39,7 @@ __all__ = [
     "LayoutConflictError",
     "OpRecord",
     "Parallelized",
+    "Pipeline",
     "Plan",
     "ProcessInfo",
     "ShardingError",
@@ -44,6 +47,7 @@ __all__ = [
     "audit",
     "init",
     "parallelize",
+    "pipeline_stage",
     "shard",
     "simulate_devices",
 ]

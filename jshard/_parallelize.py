@@ -80,6 +80,11 @@ def parallelize(
     search: str = "recursive",
     memory_budget: int | float | str | None = None,
     search_time_limit: float = 60.0,
+    pipeline_stages: int | None = None,
+    micro_batches: int | None = None,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    pipeline_result_broadcast: bool = False,
 ) -> Any:
     """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
 
@@ -114,6 +119,14 @@ def parallelize(
         and the search tightened until it fits.
       search_time_limit: seconds the ILP may take; past it, the best plan found is used and the
         plan says so.
+      pipeline_stages: S, to pipeline `fn`, a `jshard.Pipeline`: the devices form S stages of
+        `devices / S` each, and the result is a `jshard.pipeline.Pipelined` step (`jshard.pipeline`).
+        Only `devices`, `in_strategy` (strategies over one stage's devices) and `dataset_strategy`
+        apply with it.
+      micro_batches: M, how many micro-batches a step's batch is cut into (M >= S).
+      schedule: `"1f1b"`, `"gpipe"` or `"interleaved"` (with `virtual_stages`).
+      virtual_stages: v, model chunks per stage for `schedule="interleaved"`.
+      pipeline_result_broadcast: inference outputs on every device (else on the last stage).
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`.
@@ -125,6 +138,12 @@ def parallelize(
       >>> step(jnp.ones((4, 8)), jnp.ones((8, 16))).shape
       (4, 16)
     """
+    if pipeline_stages is not None or micro_batches is not None or schedule != "1f1b" or virtual_stages != 1:
+        from jshard.pipeline._parallel import pipelined
+
+        return pipelined(fn, devices=devices, mesh=mesh, mode=mode, in_strategy=in_strategy,
+                         dataset_strategy=dataset_strategy, stages=pipeline_stages, micro_batches=micro_batches,
+                         schedule=schedule, virtual_stages=virtual_stages, result_broadcast=pipeline_result_broadcast)
     config = _Config(
         devices,
         mesh,

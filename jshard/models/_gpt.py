@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jshard.models._presets import Preset
+from jshard.pipeline._model import Pipeline
 
 GPT_RULES = {r"/(wq|wk|wv|w_up)$": "column", r"/(wo|w_down)$": "row", r"^head$": "column"}
 BOS, SEP, EOS = 0, 1, 2
@@ -101,21 +102,59 @@ def _block(p: dict, x: jax.Array, cfg: GPTConfig, preset: Preset | None) -> jax.
 
 def gpt_apply(params: dict, tokens: jax.Array, cfg: GPTConfig, preset: Preset | None = None) -> jax.Array:
     """Logits `[batch, seq, vocab]` for integer `tokens` `[batch, seq]`."""
-    x = params["embed"][tokens] + params["pos"][None, : tokens.shape[1]]
+    x = _embed(params, tokens)
     if cfg.scan:
         x, _ = jax.lax.scan(lambda h, p: (_block(p, h, cfg, preset), None), x, params["layers"])
     else:
         for p in params["layers"]:
             x = _block(p, x, cfg, preset)
+    return _logits(params, x, preset)
+
+
+def _embed(params: dict, tokens: jax.Array) -> jax.Array:
+    return params["embed"][tokens] + params["pos"][None, : tokens.shape[1]]
+
+
+def _logits(params: dict, x: jax.Array, preset: Preset | None) -> jax.Array:
     return _matmul(preset, "column")(_layer_norm(x, params["ln_f"]), params["head"])
+
+
+def _masked_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return (nll * mask).sum() / mask.sum()
 
 
 def gpt_loss(params: dict, batch: tuple, cfg: GPTConfig, preset: Preset | None = None) -> jax.Array:
     """Masked next-token cross-entropy; `batch = (tokens, targets, mask)`."""
     tokens, targets, mask = batch
-    logp = jax.nn.log_softmax(gpt_apply(params, tokens, cfg, preset), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return (nll * mask).sum() / mask.sum()
+    return _masked_nll(gpt_apply(params, tokens, cfg, preset), targets, mask)
+
+
+def gpt_pipeline(cfg: GPTConfig, preset: Preset | None = None) -> Pipeline:
+    """The GPT as a `jshard.Pipeline`: embedding first, the stacked blocks, then head and loss.
+
+    Needs `cfg.scan` (blocks stacked under `params["layers"]`). `pipe.loss(params, batch)` is
+    `gpt_loss`; under `parallelize(pipe, pipeline_stages=S, micro_batches=M)` the loss is the mean
+    of the micro-batches' masked means, equal to it when every row's mask counts the same tokens
+    (as in `copy_task_batch`). `preset`'s strategies apply inside each stage (its `dp * mp` is the
+    stage's device count).
+
+    Examples:
+      >>> cfg = GPTConfig(n_layers=2, scan=True)
+      >>> params = init_gpt(cfg, jax.random.key(0))
+      >>> batch = copy_task_batch(np.random.default_rng(0), cfg, 4)
+      >>> bool(jnp.allclose(gpt_pipeline(cfg).loss(params, batch), gpt_loss(params, batch, cfg)))
+      True
+    """
+    if not cfg.scan:
+        raise ValueError("gpt_pipeline: needs GPTConfig(scan=True), whose blocks are stacked on a layer axis.")
+    return Pipeline(
+        first=lambda p, batch: _embed(p, batch[0]),
+        layer=lambda lp, x: _block(lp, x, cfg, preset),
+        last=lambda p, x, batch: _masked_nll(_logits(p, x, preset), batch[1], batch[2]),
+        head=lambda p, x: _logits(p, x, preset),
+    )
 
 
 def copy_task_batch(rng: np.random.Generator, cfg: GPTConfig, batch: int) -> tuple[np.ndarray, ...]:

@@ -1,0 +1,468 @@
+"""The SPMD program of one pipelined step: `shard_map` over the stage axis, a `scan` over ticks.
+
+Why this design. A step is ONE `jax.jit` program, so XLA sees (and schedules, and the audit reads)
+everything, and no host loop drives the schedule. The mesh has a leading `stage` axis; `shard_map`
+makes that axis manual. Inside a stage the other axes stay automatic (`axis_names={"stage"}`), so
+the stage's data / tensor strategies (`jshard.shard` calls, `in_strategy`) still apply; or, for
+pure data parallel inside stages (no `shard` calls, no `in_strategy`, `dataset_strategy=
+"data_parallel"`), they are manual too (`data_axes`): every device runs its own rows, accumulates its own gradients, and the
+gradients are all-reduced once per step rather than once per micro-batch. The schedule is a static
+tick table (`_schedule.py`); each stage gets its own column of it from `shard_map`, a `lax.scan`
+walks the ticks, and at each tick a `lax.switch` runs the stage's operation: idle, a forward, or
+a backward of one micro-batch on one chunk. Then one `ppermute` passes forward outputs to the next
+stage and one passes input gradients to the previous stage; what arrives is written into per-chunk
+slot buffers (slot = micro-batch mod slots).
+
+Backward is hand-written per micro-batch: a forward runs its chunk under `jax.vjp` and stores
+the pullback's residuals (the leaves of the `jax.vjp` closure, less the chunk's parameters, which
+stay where they are) in slot buffers; the backward rebuilds the pullback from those leaves, applies
+it to the gradient it received, and accumulates parameter gradients in the scan carry. A stage
+therefore holds the residuals of the micro-batches whose backward it has not run yet: `M` of them
+under GPipe, at most `S` under 1F1B (and `~S` per chunk interleaved), which is why 1F1B's memory
+grows with S and not with M. `first` and `last` are differentiated at their own ticks (recomputed
+from the micro-batch and the stored chunk output), so every stage stores residuals of one shape.
+
+Every switch branch ends by constraining its results to fixed shardings over the stage's own
+axes (XLA requires a conditional's branches to agree). The residuals' shardings are read from a
+small probe compile of one chunk's forward on one stage's devices (`residual_specs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jshard import _context
+from jshard.pipeline._model import Pipeline, stack_length
+from jshard.pipeline._schedule import F_LAST, IDLE, Schedule
+
+STAGE = "stage"
+
+
+@dataclasses.dataclass(frozen=True)
+class Specs:
+    """Shardings over the stage's own (automatic) axes.
+
+    Attributes:
+      act: the activation passed between stages (its rows cut like the batch).
+      shared: per leaf of the parameters outside the stack.
+      layer: per leaf of the stack, for one layer (the stack's leading dim dropped).
+      batch: per leaf of the batch.
+      residuals: per stored residual of one chunk's forward (`residual_specs`); None until known.
+    """
+
+    act: PartitionSpec
+    shared: Any
+    layer: Any
+    batch: Any
+    residuals: tuple[PartitionSpec, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """Builds the pipelined train and inference functions of `pipe` under `schedule` on `mesh`."""
+
+    pipe: Pipeline
+    schedule: Schedule
+    mesh: Mesh
+    specs: Specs
+    data_axes: tuple[str, ...] = ()
+
+    @property
+    def _manual(self) -> set[str]:
+        """The manual axes: the stage axis, and with `data_axes` the stage's data axes too (pure
+        data parallel inside stages: every device runs its own rows, and gradients are summed
+        once per step rather than per micro-batch)."""
+        return {STAGE, *self.data_axes}
+
+    def _micro_spec(self) -> PartitionSpec:
+        return _P(None, self.data_axes) if self.data_axes else _P()
+
+    def train(self) -> Callable[[dict, Any], tuple[jax.Array, dict]]:
+        """`fn(params, batch) -> (loss, grads)`: the loss is the mean over micro-batches."""
+
+        def fn(params, batch):
+            rest, chunks, micro = self._inputs(params, batch)
+            mapped = jax.shard_map(
+                self._train_body, mesh=self.mesh, in_specs=(_P(), _P(None, STAGE), self._micro_spec(), _P(None, STAGE)),
+                out_specs=(_P(), _P(), _P(None, STAGE)), axis_names=self._manual, check_vma=False,
+            )
+            loss, g_rest, g_chunks = mapped(rest, chunks, micro, self._table())
+            _, stack = self.pipe.split(params)
+            return loss, self.pipe.join(g_rest, jax.tree.map(lambda g, a: g.reshape(a.shape), g_chunks, stack))
+
+        return fn
+
+    def forward(self, broadcast: bool) -> Callable[[dict, Any], Any]:
+        """`fn(params, batch) -> outputs` of `head`, rows in batch order; with `broadcast` on every
+        device, otherwise with a leading stage dim whose last entry holds them."""
+
+        def fn(params, batch):
+            rest, chunks, micro = self._inputs(params, batch)
+            mapped = jax.shard_map(
+                lambda r, c, m, t: self._forward_body(r, c, m, t, broadcast), mesh=self.mesh,
+                in_specs=(_P(), _P(None, STAGE), self._micro_spec(), _P(None, STAGE)),
+                out_specs=_P(None, self.data_axes or None) if broadcast else _P(STAGE, None, self.data_axes or None),
+                axis_names=self._manual, check_vma=False,
+            )
+            out = mapped(rest, chunks, micro, self._table())
+            return jax.tree.map(lambda a: _unmicro(a, 0 if broadcast else 1), out)
+
+        return fn
+
+    def residual_specs(self, params, batch, stage_mesh: Mesh) -> tuple[PartitionSpec, ...]:
+        """The shardings XLA gives one chunk forward's stored residuals on one stage's devices
+        (`stage_mesh`, a probe compile), so that every tick's branches agree on them."""
+        chunk, act = self._chunk_and_act(params, batch)
+        run = self.pipe.stage_runner(0)
+        tagged = isinstance(run, list)
+        probe = lambda ch, x, stage: _residuals(_runner(run, stage) if tagged else run, ch, x)[0]
+        chunk_sh = jax.tree.map(lambda p: NamedSharding(stage_mesh, _P(None, *p)), self.specs.layer, is_leaf=_is_spec)
+        shardings = (chunk_sh, NamedSharding(stage_mesh, self.specs.act), NamedSharding(stage_mesh, _P()))
+        compiled = jax.jit(probe, in_shardings=shardings).lower(chunk, act, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        return tuple(sh.spec for sh in jax.tree.leaves(compiled.output_shardings))
+
+    def residual_shapes(self, params, batch) -> list[jax.ShapeDtypeStruct]:
+        """The residuals one chunk's forward stores for one micro-batch (whole over the stage's
+        automatic axes; with manual `data_axes`, one device's)."""
+        chunk, act = self._chunk_and_act(params, batch)
+        run = self.pipe.stage_runner(0)
+        run = _runner(run, 0) if isinstance(run, list) else run
+        return jax.eval_shape(lambda ch, x: _residuals(run, ch, x)[0], chunk, act)
+
+    def _chunk_and_act(self, params, batch):
+        """One chunk's parameters and the activation, as one device of a stage sees them (with
+        manual `data_axes`, its own rows only)."""
+        rest, chunks, micro = jax.eval_shape(self._inputs, params, batch)
+        chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), chunks)
+        d = self._data_degree()
+        micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], a.shape[1] // d, *a.shape[2:]), a.dtype), micro)
+        return chunk, self._act(rest, micro)
+
+    def _inputs(self, params, batch):
+        rest, stack = self.pipe.split(params)
+        s, v = self.schedule.stages, self.schedule.virtual
+        k = stack_length(stack) // (s * v)
+        chunks = jax.tree.map(lambda a: a.reshape(v, s, k, *a.shape[1:]), stack)
+        m = self.schedule.micro_batches
+        micro = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1), batch)
+        return rest, chunks, micro
+
+    def _act(self, rest, micro) -> jax.ShapeDtypeStruct:
+        first_mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), micro)
+        return jax.eval_shape(self.pipe.first, rest, first_mb)
+
+    # --- inside shard_map: one stage's view -------------------------------------------------
+
+    def _fields(self) -> tuple[str, ...]:
+        kinds = ("F",) if self.schedule.forward_only else ("F", "B")
+        return ("code", "chunk", "micro") + tuple(f"r{k}_{n}" for k in kinds for n in ("valid", "chunk", "micro"))
+
+    def _table(self) -> np.ndarray:
+        """The schedule as one int32 `[ticks, stages, fields]` array (`_fields`); each stage is
+        handed its own column by `shard_map`."""
+        sch = self.schedule
+        codes = sch.codes()
+        kind = np.where(codes == IDLE, 0, np.where(codes <= F_LAST, 1, 2))
+        columns = [kind, sch.field("chunk"), sch.field("micro")]
+        for k in ("F",) if sch.forward_only else ("F", "B"):
+            columns += list(sch.receives(k))
+        return np.stack(columns, axis=-1).astype(np.int32)
+
+    def _perms(self):
+        s, cyclic = self.schedule.stages, self.schedule.virtual > 1
+        pairs = range(s if cyclic else s - 1)
+        return [(i, (i + 1) % s) for i in pairs], [((i + 1) % s, i) for i in pairs]
+
+    def _ops(self, rest, chunks, micro) -> _Ops:
+        ctx = _context.current()
+        if ctx is not None:  # `jshard.shard` inside the stage constrains over the stage-manual mesh
+            ctx.mesh = jax.sharding.get_abstract_mesh()
+        chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [v, 1, k, ...] -> [v, k, ...]
+        run = self.pipe.stage_runner(0)
+        if isinstance(run, list):
+            run = _runner(run, jax.lax.axis_index(STAGE))
+        return _Ops(self, rest, chunks, micro, self._act(rest, micro), run)
+
+    # the tick loop and its bodies
+
+    def _loop(self, carry, ops: _Ops, table, directions):
+        """Scans the ticks: read this stage's slots, run its operation (a `switch` over small
+        per-tick values only, so the buffers stay in place), write the slots, pass to neighbours."""
+        perms, fields = self._perms(), self._fields()
+        branches = [self._settled(b) for b in (ops.forward_branches() if self.schedule.forward_only
+                                               else ops.train_branches())]
+
+        def tick(carry, row):
+            mine = dict(zip(fields, row))
+            c, i = mine["chunk"], mine["micro"]
+            out = jax.lax.switch(mine["code"], branches, ops.read(carry, c, i), c, i)
+            carry = ops.write(carry, c, i, out)
+            for (buf, prefix), perm, send in zip(directions, perms, (out["send_f"], out.get("send_b"))):
+                carry[buf] = _receive(carry[buf], jax.lax.ppermute(send, STAGE, perm), mine, prefix)
+            return carry, None
+
+        return jax.lax.scan(tick, carry, table[:, 0])[0]
+
+    def _train_body(self, rest, chunks, micro, table):
+        ops = self._ops(rest, chunks, micro)
+        sch, v = self.schedule, self.schedule.virtual
+        r = sch.slots("residuals")
+        carry = {
+            "xin": _zeros((v, sch.slots("activations")), ops.act),
+            "gin": _zeros((v, sch.slots("gradients")), ops.act),
+            "yout": _zeros((v, r), ops.act),
+            "res": [_zeros((v, r), x) for x in ops.residual_shapes],
+            "g_rest": jax.tree.map(jnp.zeros_like, rest),
+            "g_chunks": jax.tree.map(jnp.zeros_like, ops.chunks),
+            "loss": jnp.zeros((), jnp.float32),
+        }
+        carry = self._loop(carry, ops, table, [("xin", "rF"), ("gin", "rB")])
+        everyone, data = (STAGE, *self.data_axes), self._data_degree()
+        loss = jax.lax.psum(carry["loss"], everyone) / (sch.micro_batches * data)
+        g_rest = jax.tree.map(lambda g: g / data, jax.lax.psum(carry["g_rest"], everyone))
+        g_chunks = carry["g_chunks"]
+        if self.data_axes:  # each device differentiated the mean over its own rows
+            g_chunks = jax.tree.map(lambda g: g / data, jax.lax.psum(g_chunks, self.data_axes))
+        return loss, g_rest, jax.tree.map(lambda a: a[:, None], g_chunks)
+
+    def _data_degree(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in self.data_axes])) if self.data_axes else 1
+
+    def _forward_body(self, rest, chunks, micro, table, broadcast):
+        ops = self._ops(rest, chunks, micro)
+        out = jax.eval_shape(self.pipe.head, rest, ops.act)
+        m, v = self.schedule.micro_batches, self.schedule.virtual
+        carry = {"xin": _zeros((v, self.schedule.slots("activations")), ops.act),
+                 "out": jax.tree.map(lambda o: jnp.zeros((m, *o.shape), o.dtype), out)}
+        carry = self._loop(carry, ops, table, [("xin", "rF")])
+        if broadcast:
+            return jax.lax.psum(carry["out"], STAGE)
+        return jax.tree.map(lambda a: a[None], carry["out"])
+
+    def _settled(self, branch):
+        """`branch` with its results constrained to the fixed shardings every branch shares."""
+        sp = self.specs
+        table = {
+            "x": sp.act, "g": sp.act, "y": sp.act, "send_f": sp.act, "send_b": sp.act, "loss": _P(),
+            "res": [_P(*p) for p in sp.residuals or ()],
+            "g_rest": sp.shared,
+            "g_chunk": jax.tree.map(lambda p: _P(None, *p), sp.layer, is_leaf=_is_spec),
+        }
+
+        def run(view, c, i):
+            out = branch(view, c, i)
+            specs = {k: table[k] if k != "out_i" else jax.tree.map(lambda _: sp.act, out[k]) for k in out}
+            return _pin(out, specs)
+
+        return run
+
+
+def _pin(tree, specs):
+    """Constrains each leaf of `tree` to its spec over the current (stage-manual) mesh; with no
+    automatic axes left (data axes manual too) there is nothing to constrain."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.auto_axes:
+        return tree
+    return jax.tree.map(lambda x, p: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, p)),
+                        tree, specs, is_leaf=_is_spec)
+
+
+def _P(*entries) -> PartitionSpec:
+    return PartitionSpec(*entries)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _zeros(lead: tuple[int, ...], like) -> jax.Array:
+    return jnp.zeros((*lead, *like.shape), like.dtype)
+
+
+def _runner(fns, stage):
+    return lambda chunk, x: jax.lax.switch(stage, fns, chunk, x)
+
+
+def _residuals(run, chunk, x):
+    """`(stored, y, pullback)`: `run(chunk, x)` under `jax.vjp`; `stored` are the pullback's leaves
+    that are not the chunk's own parameters (those are read again at the backward)."""
+    y, pull = jax.vjp(run, chunk, x)
+    params = jax.tree.leaves(chunk)
+    leaves = jax.tree.leaves(pull)
+    return [jnp.asarray(leaf) for leaf in leaves if not any(leaf is p for p in params)], y, pull
+
+
+@dataclasses.dataclass(frozen=True)
+class _PullbackShape:
+    """How to rebuild a chunk's pullback: its pytree structure, and for each leaf the index of the
+    chunk parameter it is (None: a stored residual). Read once per program from one `jax.vjp`."""
+
+    tree: Any
+    param_of: tuple[int | None, ...]
+    stored: tuple[jax.ShapeDtypeStruct, ...]
+
+    @classmethod
+    def of(cls, run, chunk, act) -> "_PullbackShape":
+        found = {}
+
+        def probe(chunk, x):
+            _, pull = jax.vjp(run, chunk, x)
+            params = jax.tree.leaves(chunk)
+            leaves, found["tree"] = jax.tree.flatten(pull)
+            found["param_of"] = tuple(next((k for k, p in enumerate(params) if leaf is p), None) for leaf in leaves)
+            return [leaf for leaf, k in zip(leaves, found["param_of"]) if k is None]
+
+        shapes = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
+        stored = jax.eval_shape(probe, shapes(chunk), shapes(act))
+        return cls(found["tree"], found["param_of"], tuple(stored))
+
+    def rebuild(self, chunk, stored):
+        params, it = jax.tree.leaves(chunk), iter(stored)
+        return jax.tree.unflatten(self.tree, [next(it) if k is None else params[k] for k in self.param_of])
+
+
+def _receive(buf, value, mine, prefix):
+    """Writes `value` into `buf[chunk, micro % slots]` where this stage received something."""
+    c, slot = mine[f"{prefix}_chunk"], mine[f"{prefix}_micro"] % buf.shape[1]
+    return _put(buf, c, slot, jnp.where(mine[f"{prefix}_valid"] > 0, value, buf[c, slot]))
+
+
+def _put(buf, c, slot, value):
+    return jax.lax.dynamic_update_index_in_dim(buf, jax.lax.dynamic_update_index_in_dim(buf[c], value, slot, 0), c, 0)
+
+
+def _unmicro(a, lead):
+    """`[..., M, mb, ...]` (micro-batch i = rows i::M) back to `[..., M·mb, ...]` in batch order."""
+    a = jnp.swapaxes(a, lead, lead + 1)
+    return a.reshape(*a.shape[:lead], a.shape[lead] * a.shape[lead + 1], *a.shape[lead + 2:])
+
+
+class _Ops:
+    """The per-tick operations of one stage on small per-tick values (`read` → branch → `write`).
+
+    Three top-level branches (idle, forward, backward; idle and forward for inference) keep the
+    compiled program small; whether a forward starts from `first` or a backward from `last`
+    depends on the virtual stage (`chunk * S + stage`) and is a small `cond` inside the branch.
+    Every branch returns the same dict: what to write back to this tick's slots, the loss and
+    gradient increments, and what to send each way.
+    """
+
+    def __init__(self, program: Program, rest, chunks, micro, act, run):
+        self.pipe, self.rest, self.chunks, self.micro, self.act, self.run = program.pipe, rest, chunks, micro, act, run
+        self.specs = program.specs
+        sch = program.schedule
+        self.m, self.s, self.last_vstage = sch.micro_batches, sch.stages, sch.stages * sch.virtual - 1
+        self.stage = jax.lax.axis_index(STAGE)
+        self.pullback = _PullbackShape.of(run, self.chunk(0), act) if not sch.forward_only else None
+
+    @property
+    def residual_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return self.pullback.stored
+
+    def _zero(self):
+        return jnp.zeros(self.act.shape, self.act.dtype)
+
+    def _vstage(self, c):
+        return c * self.s + self.stage
+
+    def _cond(self, pred, yes, no, specs):
+        """`lax.cond` whose two results are pinned to `specs` (branches must agree on shardings)."""
+        return jax.lax.cond(pred, lambda: _pin(yes(), specs), lambda: _pin(no(), specs))
+
+    def chunk(self, c):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.chunks)
+
+    def _mb(self, i):
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), self.micro)
+
+    # --- the slots of one tick ---
+
+    @staticmethod
+    def _at(buf, c, i):
+        return buf[c, i % buf.shape[1]]
+
+    def read(self, carry, c, i) -> dict:
+        if "out" in carry:
+            return {"x": self._at(carry["xin"], c, i),
+                    "out_i": jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False), carry["out"])}
+        return {"x": self._at(carry["xin"], c, i), "g": self._at(carry["gin"], c, i),
+                "y": self._at(carry["yout"], c, i), "res": [self._at(b, c, i) for b in carry["res"]]}
+
+    def write(self, carry, c, i, out) -> dict:
+        carry = dict(carry)
+        if "out" in carry:
+            carry["out"] = jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, i, 0), carry["out"], out["out_i"])
+            return carry
+        slot = i % carry["yout"].shape[1]
+        carry["yout"] = _put(carry["yout"], c, slot, out["y"])
+        carry["res"] = [_put(b, c, slot, r) for b, r in zip(carry["res"], out["res"])]
+        carry["loss"] = carry["loss"] + out["loss"]
+        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], out["g_rest"])
+        carry["g_chunks"] = jax.tree.map(lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, acc[c] + g, c, 0),
+                                         carry["g_chunks"], out["g_chunk"])
+        return carry
+
+    # --- the branches ---
+
+    def train_branches(self) -> list[Callable]:
+        return [self.idle, self.forward, self.backward]
+
+    def forward_branches(self) -> list[Callable]:
+        return [self.idle_inference, self.infer]
+
+    def _result(self, view, **changes) -> dict:
+        base = {"y": view["y"], "res": view["res"], "loss": jnp.zeros((), jnp.float32),
+                "g_chunk": jax.tree.map(jnp.zeros_like, self.chunk(0)), "g_rest": jax.tree.map(jnp.zeros_like, self.rest),
+                "send_f": self._zero(), "send_b": self._zero()}
+        return {**base, **changes}
+
+    def idle(self, view, c, i):
+        return self._result(view)
+
+    def _input(self, view, c, i):
+        mb = self._mb(i)
+        return self._cond(self._vstage(c) == 0, lambda: self.pipe.first(self.rest, mb), lambda: view["x"], self.specs.act)
+
+    def forward(self, view, c, i):
+        """Runs chunk `c` on micro-batch `i` under `jax.vjp`, keeping its residuals and output; on
+        the last virtual stage adds `last`'s loss."""
+        stored, y, _ = _residuals(self.run, self.chunk(c), self._input(view, c, i))
+        mb = self._mb(i)
+        loss = self._cond(self._vstage(c) == self.last_vstage,
+                          lambda: self.pipe.last(self.rest, y, mb).astype(jnp.float32),
+                          lambda: jnp.zeros((), jnp.float32), _P())
+        return self._result(view, y=y, res=stored, loss=loss, send_f=y)
+
+    def backward(self, view, c, i):
+        """Applies the stored pullback of (chunk `c`, micro-batch `i`) to the gradient received
+        (or, on the last virtual stage, `last`'s); on virtual stage 0 also differentiates `first`."""
+        mb, j = self._mb(i), self._vstage(c)
+        zero_rest = lambda: jax.tree.map(jnp.zeros_like, self.rest)
+
+        def from_last():
+            loss, pull = jax.vjp(lambda r, y: self.pipe.last(r, y, mb), self.rest, view["y"])
+            return pull(jnp.full(loss.shape, 1.0 / self.m, loss.dtype))
+
+        g_rest, g_y = self._cond(j == self.last_vstage, from_last, lambda: (zero_rest(), view["g"]),
+                                 (self.specs.shared, self.specs.act))
+        g_chunk, g_x = self.pullback.rebuild(self.chunk(c), view["res"])(g_y)
+        g_first = self._cond(j == 0, lambda: jax.vjp(lambda r: self.pipe.first(r, mb), self.rest)[1](g_x)[0],
+                             zero_rest, self.specs.shared)
+        return self._result(view, g_chunk=g_chunk, g_rest=jax.tree.map(jnp.add, g_rest, g_first), send_b=g_x)
+
+    def idle_inference(self, view, c, i):
+        return {"out_i": view["out_i"], "send_f": self._zero()}
+
+    def infer(self, view, c, i):
+        y = self.run(self.chunk(c), self._input(view, c, i))
+        specs = jax.tree.map(lambda _: self.specs.act, view["out_i"])
+        out_i = self._cond(self._vstage(c) == self.last_vstage, lambda: self.pipe.head(self.rest, y),
+                           lambda: view["out_i"], specs)
+        return {"out_i": out_i, "send_f": y}

@@ -1,0 +1,351 @@
+"""`parallelize(pipe, pipeline_stages=S, micro_batches=M, schedule=...)`: a pipelined step.
+
+The front end of the pipeline package: it checks the configuration (raising `ShardingError`s that
+name the call, the value and the fix), builds the mesh (a leading `stage` axis of size S, then the
+stage's own fine mesh over `devices / S` devices), turns the stage-internal strategies into
+PartitionSpecs, and jits the `Program` of `_engine.py` once per input signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jshard import _context
+from jshard._errors import DeviceCountError, ShardingError
+from jshard._parallelize import _abstract, _dtype_of, _placed
+from jshard.layouts import FineMesh, TensorLayout, canonicalize_slot, check_divides, layout_of
+from jshard.pipeline._engine import STAGE, Program, Specs
+from jshard.pipeline._model import Pipeline, check_stage_ids, stack_length
+from jshard.pipeline._plan import PipelinePlan, plan_of
+from jshard.pipeline._schedule import SCHEDULES, build_schedule
+
+DATASET_STRATEGIES = ("data_parallel", "full_batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The pipeline options of one `parallelize` call (see `jshard.parallelize`)."""
+
+    devices: int | None
+    stages: int
+    micro_batches: int | None
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    result_broadcast: bool = False
+    in_strategy: Any = None
+    dataset_strategy: str = "data_parallel"
+
+
+@dataclasses.dataclass
+class _Entry:
+    program: Program
+    param_sh: Any
+    batch_sh: Any
+    train: Any
+    stack_layers: int
+    mode: str
+    compiled: jax.stages.Compiled | None = None
+
+
+class Pipelined:
+    """A pipelined step: call it for `(loss, grads)`, `forward` it for inference, or read its `plan`.
+
+    Made by `jshard.parallelize(pipe, pipeline_stages=..., micro_batches=...)` for a `jshard.Pipeline`.
+    """
+
+    def __init__(self, pipe: Pipeline, config: PipelineConfig):
+        self.pipe, self.config = pipe, config
+        self.call = f"jshard.parallelize({_name(pipe)})"
+        _check_config(self.call, pipe, config)
+        have = jax.devices()
+        self.n = len(have) if config.devices is None else config.devices
+        if self.n > len(have):
+            raise DeviceCountError(
+                f"{self.call}: devices={self.n}, but only {len(have)} device(s) are present; a pipelined "
+                f"step runs on devices present. On a CPU call jshard.simulate_devices({self.n}) first."
+            )
+        _check_divides_devices(self.call, self.n, config.stages)
+        self.inner = FineMesh.for_devices(self.n // config.stages)
+        self.mesh = Mesh(np.asarray(have[: self.n], dtype=object).reshape(config.stages, *self.inner.sizes),
+                         (STAGE, *self.inner.names))
+        self._cache: dict[Any, _Entry] = {}
+        self._forwards: dict[Any, Any] = {}
+
+    def __call__(self, params: dict, batch: Any) -> tuple[jax.Array, dict]:
+        """`(loss, grads)`: the loss is the mean over micro-batches, the grads are those of that loss."""
+        e = self._entry(params, batch)
+        return self.compile(params, batch)(*_placed((params, batch), (e.param_sh, e.batch_sh)))
+
+    def lower(self, params: dict, batch: Any) -> jax.stages.Lowered:
+        """The pipelined train program, lowered (as `jax.jit(...).lower`)."""
+        return self._entry(params, batch).train.lower(*_abstract((params, batch)))
+
+    def compile(self, params: dict, batch: Any) -> jax.stages.Compiled:
+        """The pipelined train program, compiled once per input signature (calls, `plan().audit()`
+        and `memory_analysis()` share it)."""
+        e = self._entry(params, batch)
+        if e.compiled is None:
+            e.compiled = self.lower(params, batch).compile()
+        return e.compiled
+
+    def forward(self, params: dict, batch: Any) -> Any:
+        """Inference: the forward-only schedule, `head`'s outputs for every row in batch order.
+
+        With `pipeline_result_broadcast=True` every device holds them; otherwise they keep a
+        leading stage dim and only `out[-1]` (the last stage's) holds them.
+        """
+        if self.pipe.head is None:
+            raise ShardingError(f"{self.call}.forward: the Pipeline has no head; pass head=fn(params, x) "
+                                f"returning the outputs to run inference.")
+        e = self._entry(params, batch)
+        key = self._key(params, batch)
+        if key not in self._forwards:
+            sched = build_schedule(self._schedule_name(), stages=self.config.stages,
+                                   micro_batches=self.config.micro_batches, virtual=self.config.virtual_stages,
+                                   forward_only=True)
+            prog = dataclasses.replace(e.program, schedule=sched)
+            self._forwards[key] = jax.jit(self._traced(prog.forward(self.config.result_broadcast), e.mode),
+                                          in_shardings=(e.param_sh, e.batch_sh))
+        return self._forwards[key](*_placed((params, batch), (e.param_sh, e.batch_sh)))
+
+    def plan(self, params: dict, batch: Any) -> PipelinePlan:
+        """The `PipelinePlan`: stages, schedule table and picture, bubble, memory, boundary bytes."""
+        e = self._entry(params, batch)
+        compile_ = functools.partial(self.compile, params, batch)
+        return plan_of(e.program, self.config, self.mesh, e.stack_layers, params, batch, compile_)
+
+    def _schedule_name(self) -> str:
+        return "gpipe" if self.config.schedule == "gpipe" else self.config.schedule
+
+    def _key(self, params, batch):
+        leaves, tree = jax.tree_util.tree_flatten((params, batch))
+        return tree, tuple((np.shape(x), _dtype_of(x)) for x in leaves)
+
+    def _entry(self, params, batch) -> _Entry:
+        key = self._key(params, batch)
+        if key not in self._cache:
+            self._cache[key] = self._build(params, batch)
+        return self._cache[key]
+
+    def _build(self, params, batch) -> _Entry:
+        c = self.config
+        rest, stack = self.pipe.split(params)
+        layers = stack_length(stack)
+        _check_layers(self.call, layers, c.stages, c.virtual_stages)
+        _check_batch(self.call, batch, c.micro_batches, self._data_degree())
+        rest_specs = self._specs(c.in_strategy[0] if c.in_strategy else None, params, "in_strategy[0]")
+        r_specs, s_specs = self.pipe.split(rest_specs)
+        layer_specs = jax.tree.map(lambda p: self._layer_spec(p), s_specs, is_leaf=_is_spec)
+        batch_specs = self._batch_specs(batch)
+        first_batch = jax.tree.leaves(batch_specs, is_leaf=_is_spec)
+        act = PartitionSpec(first_batch[0][0] if first_batch and len(first_batch[0]) else None)
+        sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
+        stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
+        pure = self._pure_data() and not self._has_shard_calls(params, batch, stage_mesh)
+        mode = "data" if pure else "semi_auto"
+        program = Program(self.pipe, sched, self.mesh, Specs(act, r_specs, layer_specs, batch_specs),
+                          self.inner.names if pure else ())
+        if pure:
+            residuals = tuple(PartitionSpec() for _ in program.residual_shapes(params, batch))
+        else:
+            residuals = self._traced(program.residual_specs, mode, stage_mesh)(params, batch, stage_mesh)
+        program = dataclasses.replace(program, specs=dataclasses.replace(program.specs, residuals=residuals))
+        stack_sh = jax.tree.map(lambda p: NamedSharding(self.mesh, PartitionSpec(STAGE, *p)), layer_specs, is_leaf=_is_spec)
+        param_sh = self.pipe.join(_named(self.mesh, r_specs), stack_sh)
+        batch_sh = _named(self.mesh, batch_specs)
+        train = jax.jit(self._traced(program.train(), mode), in_shardings=(param_sh, batch_sh),
+                        out_shardings=(NamedSharding(self.mesh, PartitionSpec()), param_sh))
+        return _Entry(program, param_sh, batch_sh, train, layers, mode)
+
+    def _traced(self, fn, mode: str, mesh: Mesh | None = None):
+        """`fn` traced with `jshard.shard` calls resolving against one stage's devices (over `mesh`,
+        default the pipeline's); with `mode="data"` they are plain calls."""
+        ctx_args = (self.call, self.inner, self.mesh if mesh is None else mesh, mode)
+
+        @functools.wraps(fn)
+        def run(*args):
+            with _context.tracing(_context.TraceContext(*ctx_args)):
+                return fn(*args)
+
+        return run
+
+    def _pure_data(self) -> bool:
+        """Pure data parallel inside stages asked for: rows cut over the stage's devices, no
+        `in_strategy` (the model must also have no `jshard.shard` calls: `_has_shard_calls`)."""
+        c = self.config
+        return c.dataset_strategy == "data_parallel" and not c.in_strategy and self.inner.device_count > 1
+
+    def _has_shard_calls(self, params, batch, stage_mesh: Mesh) -> bool:
+        """Whether the model calls `jshard.shard` (traced once, shapes only): then its strategies
+        apply inside the stages, which keep their axes automatic."""
+        ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto")
+        with _context.tracing(ctx):
+            jax.eval_shape(self.pipe.loss, params, batch)
+        return bool(ctx.annotations)
+
+    def _data_degree(self) -> int:
+        return self.inner.device_count if self.config.dataset_strategy == "data_parallel" else 1
+
+    def _specs(self, prefix, tree, what):
+        if prefix is None:
+            return jax.tree.map(lambda _: PartitionSpec(), tree)
+        try:
+            return jax.tree.map(lambda slot, sub: jax.tree.map(lambda x: self._spec(slot, x, what), sub),
+                                prefix, tree, is_leaf=_is_slot)
+        except ValueError as e:
+            if isinstance(e, ShardingError):
+                raise
+            raise ShardingError(f"{self.call}: {what} is not a pytree prefix of the value it describes: {e}") from None
+
+    def _spec(self, slot, x, what) -> PartitionSpec:
+        slot = canonicalize_slot(slot, call=self.call, what=what)
+        if slot is None:
+            return PartitionSpec()
+        layout = layout_of(slot, self.inner.device_count, call=self.call, op="a pipeline stage", what=what)
+        check_divides(layout, np.shape(x), call=self.call, op="a pipeline stage", what=what, dtype=_dtype_of(x))
+        return self.inner.partition_spec(layout)
+
+    def _layer_spec(self, spec: PartitionSpec) -> PartitionSpec:
+        if len(spec) and spec[0] is not None:
+            raise ShardingError(
+                f"{self.call}: a layer-stack parameter's strategy cuts its leading (layer) dim ({spec}); "
+                f"the pipeline cuts that dim over stages itself. Give 1 (or 'None') for dim 0."
+            )
+        return PartitionSpec(*spec[1:])
+
+    def _batch_specs(self, batch):
+        c = self.config
+        if c.in_strategy and len(c.in_strategy) > 1 and c.in_strategy[1] is not None:
+            return self._specs(c.in_strategy[1], batch, "in_strategy[1]")
+        if c.dataset_strategy == "full_batch":
+            return jax.tree.map(lambda _: PartitionSpec(), batch)
+        axes = self.inner.names if self.inner.device_count > 1 else None
+        return jax.tree.map(lambda x: PartitionSpec(axes) if np.ndim(x) else PartitionSpec(), batch)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _is_slot(x) -> bool:
+    return x is None or isinstance(x, (TensorLayout, PartitionSpec)) or (
+        isinstance(x, (tuple, list)) and len(x) > 0 and all(isinstance(i, int) for i in x))
+
+
+def _named(mesh, specs):
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=_is_spec)
+
+
+def _name(pipe) -> str:
+    return getattr(pipe, "__name__", type(pipe).__name__)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_config(call: str, pipe: Any, c: PipelineConfig) -> None:
+    if not isinstance(pipe, Pipeline):
+        raise TypeError(
+            f"{call}: pipeline_stages= needs a jshard.Pipeline (first / layer stack / last), got "
+            f"{type(pipe).__name__}. Describe the model as jshard.Pipeline(first=..., layer=..., last=...)."
+        )
+    if not isinstance(c.stages, int) or c.stages < 2:
+        raise ShardingError(f"{call}: pipeline_stages={c.stages!r}; a pipeline needs at least 2 stages "
+                            f"(drop pipeline_stages= to run without one).")
+    if c.schedule not in SCHEDULES:
+        raise ShardingError(f"{call}: schedule={c.schedule!r} is not one of {SCHEDULES}.")
+    if c.micro_batches is None or c.micro_batches < c.stages:
+        raise ShardingError(
+            f"{call}: micro_batches={c.micro_batches} with pipeline_stages={c.stages}: every stage needs a "
+            f"micro-batch in flight, so micro_batches must be at least {c.stages}. Pass micro_batches="
+            f"{2 * c.stages} or more (the bubble is (S-1)/(M+S-1))."
+        )
+    if c.virtual_stages != 1 and c.schedule != "interleaved":
+        raise ShardingError(f"{call}: virtual_stages={c.virtual_stages} needs schedule='interleaved' "
+                            f"(got {c.schedule!r}).")
+    if not isinstance(c.virtual_stages, int) or c.virtual_stages < 1:
+        raise ShardingError(f"{call}: virtual_stages={c.virtual_stages!r} must be a positive int.")
+    if c.schedule == "interleaved" and c.micro_batches % c.stages:
+        raise ShardingError(
+            f"{call}: schedule='interleaved' runs micro-batches in groups of pipeline_stages={c.stages}, but "
+            f"micro_batches={c.micro_batches} is not a multiple of {c.stages}. Use micro_batches="
+            f"{math.ceil(c.micro_batches / c.stages) * c.stages}."
+        )
+    if pipe.tagged:
+        if c.virtual_stages != 1:
+            raise ShardingError(f"{call}: per-stage functions (pipeline_stage) run one chunk per stage; "
+                                f"virtual_stages={c.virtual_stages} needs one layer function instead.")
+        check_stage_ids(call, list(pipe.layer), c.stages)
+    if c.dataset_strategy not in DATASET_STRATEGIES:
+        raise ShardingError(f"{call}: dataset_strategy={c.dataset_strategy!r} is not one of {DATASET_STRATEGIES}.")
+
+
+def _check_divides_devices(call: str, n: int, stages: int) -> None:
+    if n % stages:
+        raise ShardingError(
+            f"{call}: devices={n} is not divisible by pipeline_stages={stages}; each stage runs on "
+            f"devices / pipeline_stages devices. Use pipeline_stages in {_divisors(n)[1:]}, or a device "
+            f"count that is a multiple of {stages}."
+        )
+
+
+def _check_layers(call: str, layers: int, stages: int, virtual: int) -> None:
+    chunks = stages * virtual
+    if layers % chunks:
+        raise ShardingError(
+            f"{call}: the layer stack has {layers} layers, which pipeline_stages={stages} × virtual_stages="
+            f"{virtual} = {chunks} chunks cannot share equally. Use a layer count that is a multiple of "
+            f"{chunks}, or pipeline_stages × virtual_stages in {_divisors(layers)}."
+        )
+
+
+def _check_batch(call: str, batch: Any, micro: int, data: int) -> None:
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        where = f"batch{jax.tree_util.keystr(path)} (shape {list(np.shape(x))})"
+        if not np.ndim(x):
+            raise ShardingError(f"{call}: {where} is a scalar; every batch array needs a leading row dim "
+                                f"that micro_batches={micro} cuts. Pass scalars in params, or give them rows.")
+        rows = np.shape(x)[0]
+        if rows % micro:
+            raise ShardingError(
+                f"{call}: micro_batches={micro} must divide the batch's rows, but {where} has "
+                f"{rows} rows. Use a batch size that is a multiple of {micro}, or micro_batches in "
+                f"{[d for d in _divisors(rows) if d > 1]}."
+            )
+        if (rows // micro) % data:
+            raise ShardingError(
+                f"{call}: {where} gives micro-batches of {rows // micro} rows, which the stage's "
+                f"{data} devices cannot cut equally (dataset_strategy='data_parallel'). Use a batch size "
+                f"that is a multiple of {micro * data}, fewer micro_batches, or dataset_strategy='full_batch'."
+            )
+
+
+def pipelined(fn, *, devices, mesh, mode, in_strategy, dataset_strategy, stages, micro_batches, schedule,
+              virtual_stages, result_broadcast) -> Pipelined | Any:
+    """What `parallelize(..., pipeline_stages=S)` returns: a `Pipelined` (or a decorator making one)."""
+    if stages is None:
+        raise ShardingError(
+            f"jshard.parallelize({_name(fn) if fn is not None else 'fn'}): micro_batches=, schedule= and "
+            f"virtual_stages= configure a pipeline, but pipeline_stages= is missing. Pass pipeline_stages=S "
+            f"(and a jshard.Pipeline), or drop them."
+        )
+    if mesh is not None or mode != "semi_auto":
+        what = "mesh=" if mesh is not None else f"mode={mode!r}"
+        raise ShardingError(
+            f"jshard.parallelize({_name(fn) if fn is not None else 'fn'}): pipeline_stages= builds its own "
+            f"mesh (a stage axis, then each stage's devices) with stage-internal strategies as in "
+            f"semi_auto; {what} cannot be combined with it. Drop {what.split('=')[0]}=."
+        )
+    config = PipelineConfig(devices, stages, micro_batches, schedule, virtual_stages, result_broadcast,
+                            in_strategy, dataset_strategy)
+    if fn is None:
+        return lambda f: Pipelined(f, config)
+    return Pipelined(fn, config)

@@ -1,0 +1,282 @@
+"""Pipeline parallel on 8 simulated devices: loss and gradients equal the non-pipelined step for every
+schedule, stage count and micro-batch count; with data and tensor parallel inside stages; tied
+embeddings; GPT training; inference; the plan's schedule, bubble, memory and bytes; bad input."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jshard as js
+from jshard import models
+from jshard.pipeline import Pipeline, build_schedule
+from jshard.propagate import Collective
+
+D, LAYERS, ROWS = 16, 8, 512
+
+
+def _close(got, want, rtol=1e-5):
+    """Every leaf within `rtol` of the largest magnitude of its reference leaf (fp32)."""
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        scale = float(jnp.abs(b).max()) + 1e-6
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=rtol * scale)
+
+
+def _mlp_pipe():
+    first = lambda p, b: jnp.tanh(b[0] @ p["w_in"])
+    layer = lambda lp, x: jnp.tanh(x @ lp["w"] + lp["b"][None, :]) + x
+    last = lambda p, x, b: ((x @ p["w_out"] - b[1]) ** 2).mean()
+    return Pipeline(first=first, layer=layer, last=last, head=lambda p, x: x @ p["w_out"])
+
+
+@functools.cache
+def _mlp():
+    k = jax.random.split(jax.random.key(0), 5)
+    params = {
+        "w_in": jax.random.normal(k[0], (8, D)) / 3,
+        "layers": {"w": jax.random.normal(k[1], (LAYERS, D, D)) / 4, "b": jax.random.normal(k[2], (LAYERS, D)) / 4},
+        "w_out": jax.random.normal(k[3], (D, 4)) / 4,
+    }
+    batch = (jax.random.normal(k[4], (ROWS, 8)), jnp.ones((ROWS, 4)))
+    pipe = _mlp_pipe()
+    loss, grads = jax.jit(jax.value_and_grad(pipe.loss))(params, batch)
+    return pipe, params, batch, (loss, grads)
+
+
+@functools.cache
+def _mlp_step(schedule, stages, micro, broadcast=False):
+    virtual = 2 if schedule == "interleaved" else 1
+    return js.parallelize(_mlp()[0], devices=8, pipeline_stages=stages, micro_batches=micro, schedule=schedule,
+                          virtual_stages=virtual, pipeline_result_broadcast=broadcast)
+
+
+GRID = [(sched, s, m) for sched in ("gpipe", "1f1b", "interleaved") for s in (2, 4) for m in (s, 2 * s, 4 * s)]
+
+
+@pytest.mark.parametrize("schedule,stages,micro", GRID, ids=[f"{a}-S{s}-M{m}" for a, s, m in GRID])
+def test_loss_and_grads_equal_the_unpipelined_step(schedule, stages, micro):
+    _, params, batch, (ref_loss, ref_grads) = _mlp()
+    loss, grads = _mlp_step(schedule, stages, micro)(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(grads, ref_grads)
+    # the stack lives cut over the stage axis; each stage's rows are cut over its own 8/S devices
+    assert grads["layers"]["w"].sharding.spec == P("stage")
+
+
+GPT = models.GPTConfig(vocab=16, seq_len=8, d_model=32, n_heads=4, n_layers=4, d_ff=64, scan=True)
+
+
+@functools.cache
+def _gpt(rows=16):
+    params = models.init_gpt(GPT, jax.random.key(0))
+    batch = models.copy_task_batch(np.random.default_rng(1), GPT, rows)
+    return params, batch
+
+
+def test_pipeline_with_tensor_parallel_inside_stages_equals_one_device():
+    column = js.shard(jnp.matmul, ((1, 1), (1, 4)))  # Megatron over each stage's 4 devices
+    row = js.shard(jnp.matmul, ((1, 4), (4, 1)))
+    layer = lambda lp, x: x + row(jax.nn.gelu(column(x, lp["up"])), lp["down"])
+    base, params, batch, _ = _mlp()
+    pipe = Pipeline(first=base.first, layer=layer, last=base.last)
+    k = jax.random.split(jax.random.key(5), 2)
+    params = {**params, "layers": {"up": jax.random.normal(k[0], (4, D, 32)) / 4,
+                                   "down": jax.random.normal(k[1], (4, 32, D)) / 6}}
+    strategies = {"w_in": None, "w_out": None, "layers": {"up": (1, 1, 4), "down": (1, 4, 1)}}
+    step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, schedule="gpipe",
+                          in_strategy=(strategies, None), dataset_strategy="full_batch")
+    loss, grads = step(params, batch)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(pipe.loss))(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(grads, ref_grads)
+    up = grads["layers"]["up"]  # [4 layers, 16, 32]: layers cut over 2 stages, columns over 4 devices
+    assert up.sharding.spec == P("stage", None, ("d0", "d1"))
+    assert {s.data.shape for s in up.addressable_shards} == {(2, D, 8)}
+    assert js.audit(step.compile(params, batch)).count("all-reduce") > 0  # the row matmul's partial sums
+
+    # without in_strategy the shard calls still apply (rows cut over the stage, weights left to XLA)
+    plain = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, schedule="gpipe")
+    loss, grads = plain(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(grads, ref_grads)
+    ticks = plain.plan(params, batch).schedule.ticks
+    assert js.audit(plain.compile(params, batch)).count("all-reduce") > ticks  # per tick, not once per step
+
+
+def _tied_pipe():
+    first = lambda p, b: p["embed"][b[0]]
+    layer = lambda lp, x: x + jnp.tanh(x @ lp)
+    def last(p, x, b):
+        logp = jax.nn.log_softmax(x @ p["embed"].T, axis=-1)  # the output projection is the embedding
+        return -jnp.take_along_axis(logp, b[1][..., None], axis=-1).mean()
+    return Pipeline(first=first, layer=layer, last=last)
+
+
+def test_tied_embedding_gradients_combine_first_and_last_stage():
+    pipe = _tied_pipe()
+    k = jax.random.split(jax.random.key(3), 3)
+    params = {"embed": jax.random.normal(k[0], (16, 8)), "layers": jax.random.normal(k[1], (4, 8, 8)) / 3}
+    tokens = jax.random.randint(k[2], (16, 4), 0, 16)
+    batch = (tokens, jnp.roll(tokens, 1, axis=1))
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(pipe.loss))(params, batch)
+    loss, grads = js.parallelize(pipe, devices=8, pipeline_stages=4, micro_batches=4)(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(grads, ref_grads)
+
+
+@functools.cache
+def _gpt_1f1b_s4_m16():
+    """The GPT under 1F1B, 4 stages × 2-way data parallel, 16 micro-batches of 2 rows (1 per device)."""
+    pipe = models.gpt_pipeline(GPT)
+    return js.parallelize(pipe, devices=8, pipeline_stages=4, micro_batches=16, schedule="1f1b")
+
+
+def test_gpt_under_pipeline_and_data_parallel_trains_like_one_device():
+    params, _ = _gpt()
+    rng = np.random.default_rng(7)
+    batches = [models.copy_task_batch(rng, GPT, 32) for _ in range(5)]
+    ref_value_and_grad = jax.jit(jax.value_and_grad(lambda p, b: models.gpt_loss(p, b, GPT)))
+    ref_loss, ref_grads = ref_value_and_grad(params, batches[0])
+    step = _gpt_1f1b_s4_m16()
+    loss, grads = step(params, batches[0])
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(grads, ref_grads)
+    plan = step.plan(params, batches[0])
+    assert plan.activation_bytes == 1 * 8 * 32 * 4  # one row of [8, 32] per device
+    # gradients are summed once per step, not per micro-batch: one all-reduce of each stage's layers
+    # over its 2 devices, one of the embedding / head gradients and the loss over all 8
+    stage_layers = sum(a.nbytes for a in jax.tree.leaves(params["layers"])) // 4
+    rest = sum(a.nbytes for k, a in jax.tree_util.tree_leaves_with_path(params) if "layers" not in str(k)) + 4
+    ticks = plan.schedule.ticks
+    assert js.audit(step.compile(params, batches[0])).collectives == (
+        Collective("all-reduce", 1.0, stage_layers, 2), Collective("all-reduce", 1.0, rest, 8),
+        Collective("collective-permute", 2.0 * ticks, 2.0 * ticks * plan.activation_bytes, 4))
+
+    opt = optax.adam(3e-3)
+    update = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*opt.update(g, s, p)))
+    p, s, rp, rs = params, opt.init(params), params, opt.init(params)
+    got, want = [], []
+    for b in batches:
+        loss, grads = step(p, b)
+        p, s = update(p, s, grads)
+        ref_loss, ref_grads = ref_value_and_grad(rp, b)
+        rp, rs = update(rp, rs, ref_grads)
+        got.append(float(loss))
+        want.append(float(ref_loss))
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert want[-1] < want[0]
+
+
+def test_tagged_stage_functions_run_on_their_stages():
+    pipe0, params, batch, _ = _mlp()
+    scan = pipe0.stage_runner(0)
+    tagged = [js.pipeline_stage(scan, 0), js.pipeline_stage(lambda ch, x: 0.5 * scan(ch, x), 1)]
+    pipe = Pipeline(first=pipe0.first, layer=tagged, last=pipe0.last)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(pipe.loss))(params, batch)
+    loss, grads = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4)(params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    _close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "last-stage"])
+def test_inference_runs_forward_only(broadcast):
+    pipe, params, batch, _ = _mlp()
+    out = _mlp_step("1f1b", 4, 4, broadcast).forward(params, batch)
+    want = pipe.apply(params, batch)
+    if broadcast:
+        _close(out, want)
+        assert out.sharding.spec == P("d0")  # every stage holds all rows, cut over its own 2 devices
+    else:
+        _close(out[-1], want)
+        assert float(jnp.abs(out[0]).max()) == 0.0  # only the last stage holds the result
+
+
+def test_plan_shows_stages_schedule_bubble_memory_and_bytes():
+    _, params, batch, _ = _mlp()
+    plan = _mlp_step("1f1b", 4, 8).plan(params, batch)  # the grid's program, compiled once
+    s = plan.schedule
+    assert s.ticks == 2 * (8 + 4 - 1) and plan.bubble_fraction == pytest.approx(3 / 11)
+    assert [st.ranks for st in plan.stages] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert [st.layers for st in plan.stages] == [((0, 1),), ((2, 3),), ((4, 5),), ((6, 7),)]
+    assert [st.peak_in_flight for st in plan.stages] == [4, 3, 2, 1]
+    rows = ROWS // 8  # per micro-batch, cut over the stage's 2 devices; f32
+    assert plan.activation_bytes == rows // 2 * D * 4
+    assert plan.boundary_bytes == 2 * 8 * 3 * rows * D * 4  # forward + backward, 8 micro-batches, 3 boundaries
+    assert "stage 3 |...FBFBFBFBFBFBFBFB...|" in plan.summary()
+    # what XLA emitted: one activation per direction per tick
+    permutes = plan.audit().by_kind()["collective-permute"]
+    assert permutes == (2 * s.ticks, plan.permute_bytes)
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
+def test_bubble_fraction_is_the_theory(schedule, virtual):
+    for stages, micro in ((2, 4), (4, 8), (4, 16)):
+        s = build_schedule(schedule, stages=stages, micro_batches=micro, virtual=virtual)
+        assert s.bubble_fraction == pytest.approx((stages - 1) / (virtual * micro + stages - 1))
+
+
+def test_1f1b_holds_under_half_the_temporary_memory_of_gpipe():
+    """At S=4, M=16 GPipe keeps 16 micro-batches' residuals per stage, 1F1B at most 4 (the grid's
+    compiled programs; the reference GPT's figure is in notebooks/pipeline.ipynb and
+    benchmarks/_pipeline.py)."""
+    _, params, batch, _ = _mlp()
+    temp = {name: _mlp_step(name, 4, 16).compile(params, batch).memory_analysis().temp_size_in_bytes
+            for name in ("gpipe", "1f1b")}
+    assert temp["1f1b"] <= 0.5 * temp["gpipe"], temp
+    plans = {name: _mlp_step(name, 4, 16).plan(params, batch) for name in ("gpipe", "1f1b")}
+    assert [st.peak_in_flight for st in plans["gpipe"].stages] == [16] * 4
+    assert [st.peak_in_flight for st in plans["1f1b"].stages] == [4, 3, 2, 1]
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+
+def test_fewer_micro_batches_than_stages_is_an_error():
+    with pytest.raises(js.ShardingError, match=r"micro_batches=2 with pipeline_stages=4: .* at least 4\. Pass micro_batches=8"):
+        js.parallelize(_mlp_pipe(), devices=8, pipeline_stages=4, micro_batches=2)
+
+
+def test_batch_not_divisible_by_micro_batches_is_an_error():
+    pipe, params, _, _ = _mlp()
+    batch = (jnp.ones((30, 8)), jnp.ones((30, 4)))
+    step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=r"micro_batches=4 must divide the batch's rows, but batch\[0\] "
+                                               r"\(shape \[30, 8\]\) has 30 rows\. Use a batch size that is a multiple of 4"):
+        step(params, batch)
+
+
+def test_a_scalar_in_the_batch_is_an_error():
+    pipe, params, batch, _ = _mlp()
+    step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=r"batch\[1\] \(shape \[\]\) is a scalar; every batch array needs a leading row dim"):
+        step(params, (batch[0], jnp.float32(1.0)))
+
+
+def test_devices_not_divisible_by_stages_is_an_error():
+    with pytest.raises(js.ShardingError, match=r"devices=6 is not divisible by pipeline_stages=4; .* Use pipeline_stages in \[2, 3, 6\]"):
+        js.parallelize(_mlp_pipe(), devices=6, pipeline_stages=4, micro_batches=4)
+
+
+@pytest.mark.parametrize("ids,message", [
+    ((0, 2, 3), r"stage ids \(0, 2, 3\) with pipeline_stages=4: stage\(s\) \[1\] have no function"),
+    ((1, 0, 2, 3), r"stage ids \(1, 0, 2, 3\) are out of order\. List the per-stage functions in stage order"),
+], ids=["missing", "out-of-order"])
+def test_stage_ids_missing_or_out_of_order_is_an_error(ids, message):
+    fns = [js.pipeline_stage(lambda ch, x: x, i) for i in ids]
+    pipe = Pipeline(first=lambda p, b: b, layer=fns, last=lambda p, x, b: x.mean())
+    with pytest.raises(js.ShardingError, match=message):
+        js.parallelize(pipe, devices=8, pipeline_stages=4, micro_batches=4)
+
+
+def test_pipeline_options_without_stages_are_an_error():
+    with pytest.raises(js.ShardingError, match=r"micro_batches=, schedule= and virtual_stages= configure a pipeline, but pipeline_stages= is missing"):
+        js.parallelize(lambda x: x, devices=8, micro_batches=4)
+
+
+def test_a_plain_function_cannot_be_pipelined():
+    with pytest.raises(TypeError, match=r"pipeline_stages= needs a jshard.Pipeline"):
+        js.parallelize(lambda x: x, devices=8, pipeline_stages=2, micro_batches=2)
