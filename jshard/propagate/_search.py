@@ -26,7 +26,7 @@ from jshard.propagate._cost import CostModel
 from jshard.propagate._engine import CONSTRAINT, Decision, Result, operand_vars
 from jshard.propagate._factors import write_spec
 from jshard.propagate._graph import Node
-from jshard.propagate._search_graph import Assignment, SearchGraph
+from jshard.propagate._search_graph import Assignment, Infeasible, SearchGraph
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
@@ -109,7 +109,7 @@ def search(
     if how == "recursive":
         try:
             solved = _search_recursive.solve(g, axes, budget)
-        except _search_recursive.Infeasible:
+        except Infeasible:
             raise ShardingError(_too_big(g, budget, names or {}, call, how)) from None
         choice, mesh_text = solved.choice, "·".join(str(axis_size[a]) for (a,) in axes) or "1"
         candidates = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units)))
@@ -119,7 +119,7 @@ def search(
         for groups in splits:
             try:
                 solved = _search_ilp.solve(g, groups, budget, time_limit / len(splits))
-            except _search_ilp.Infeasible:
+            except Infeasible:
                 continue
             if best is None or solved.seconds < best[0].seconds:
                 best = (solved, groups)

@@ -35,6 +35,26 @@ Assignment = dict  # factor id -> mesh axes (major to minor)
 Group = tuple[str, ...]  # mesh axes that a search step hands out together
 
 
+TIE = 1e-18
+"""Seconds per byte held at the peak, added to every plan's cost: between plans of equal cost, the
+searches take the one that holds less."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Solved:
+    """A search's answer: a choice per unit, its predicted seconds per call, its estimated per-device
+    peak and how the search ended."""
+
+    choice: list[Assignment]
+    seconds: float
+    peak: float
+    status: str
+
+
+class Infeasible(Exception):
+    """No choice the search finds fits the memory budget."""
+
+
 @dataclasses.dataclass(slots=True)
 class Unit:
     """One decision of the search.

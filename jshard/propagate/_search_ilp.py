@@ -15,33 +15,15 @@ solution overflows is added and the problem solved again (a few rounds at most).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from jshard.propagate._search_graph import Assignment, Group, SearchGraph
+from jshard.propagate._search_graph import TIE, Assignment, Group, Infeasible, SearchGraph, Solved
 
 _ROUNDS = 4
-_TIE = 1e-18  # seconds per byte held at the peak
-
-
-@dataclasses.dataclass(frozen=True)
-class Solved:
-    """A choice per unit, its cost, its per-device peak and how the solver ended."""
-
-    choice: list[Assignment]
-    seconds: float
-    peak: float
-    status: str
-    solve_seconds: float
-    variables: int
-
-
-class Infeasible(Exception):
-    """No choice fits the memory budget."""
 
 
 def solve(g: SearchGraph, groups: Sequence[Group], budget: float | None, time_limit: float) -> Solved:
@@ -107,7 +89,7 @@ def solve(g: SearchGraph, groups: Sequence[Group], budget: float | None, time_li
                     + [(int(offset[w]) + j, -1.0) for j in other.get(p, ())], 0.0, 0.0)
     peak_at = int(np.argmax(g.live_bytes({v: _size(v) for v in g.memory_values})))
     for c, b in _memory_row(g, peak_at, cands, offset):  # between plans of equal cost, the one that holds less
-        cost[c] += _TIE * b * 1e6
+        cost[c] += TIE * b * 1e6
     n = len(cost)
     integrality = np.zeros(n)
     integrality[:n_x] = 1
@@ -145,7 +127,7 @@ def solve(g: SearchGraph, groups: Sequence[Group], budget: float | None, time_li
         status = f"time limit ({time_limit:g} s): best solution found" + (
             f", within {gap:.1%} of optimal" if gap is not None and math.isfinite(gap) else "")
     seconds = (float(result.fun) + constant) / 1e6
-    return Solved(choice, seconds, peak, status, time.perf_counter() - start, n)
+    return Solved(choice, seconds, peak, status)
 
 
 def _by_spec(g: SearchGraph, k: int, pos: int, cands: Sequence[Assignment]) -> dict:

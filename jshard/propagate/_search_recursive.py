@@ -22,32 +22,17 @@ growing and bisection whose plan fits, which moves the plan from replicated para
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
-from jshard.propagate._search_graph import Assignment, Group, SearchGraph
+from jshard.propagate._search_graph import TIE, Assignment, Group, Infeasible, SearchGraph, Solved
 
 _GROWTHS = 24
 _BISECTIONS = 6
 _PASSES = 4
 _ROOTS = 4  # the heaviest units tried with each candidate, one after another, per level
-_TIE = 1e-18  # seconds per byte kept: between plans of equal cost, the one that holds less
 _HEAVY = 0.1  # ... among those with at least this share of the heaviest one's compute
-
-
-@dataclasses.dataclass(frozen=True)
-class Solved:
-    choice: list[Assignment]
-    seconds: float
-    peak: float
-    status: str
-    levels: int
-
-
-class Infeasible(Exception):
-    """Even the most memory-bound plan the search finds does not fit the budget."""
 
 
 def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solved:
@@ -55,7 +40,7 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solv
     choice, seconds = search.run(0.0)
     peak, _ = g.peak(choice)
     if budget is None or peak <= budget:
-        return Solved(choice, seconds, peak, "fits" if budget else "no budget", len(levels))
+        return Solved(choice, seconds, peak, "fits" if budget else "no budget")
     low, high, best = 0.0, max(seconds, 1e-9) / peak, None  # λ's scale: the plan's seconds per byte
     for _ in range(_GROWTHS):
         choice, seconds = search.run(high)
@@ -75,7 +60,7 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solv
         else:
             low = mid
     choice, seconds, peak = best
-    return Solved(choice, seconds, peak, f"memory weight {high:.3g} s/byte to fit the budget", len(levels))
+    return Solved(choice, seconds, peak, f"memory weight {high:.3g} s/byte to fit the budget")
 
 
 class _Recursive:
@@ -144,16 +129,22 @@ class _Level:
         g = self.g = search.g
         self.search = search
         self.cands = [g.candidates(k, [group], base[k]) for k in range(len(g.units))]
-        w = max(lam, _TIE)
+        w = max(lam, TIE)
         self.unary = [np.array([g.unit_seconds(k, a) + w * search._kept(k, a) for a in cands])
                       for k, cands in enumerate(self.cands)]
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
-        specs: dict[tuple[int, int], list] = {}
+        specs: dict[tuple[int, int], list] = {}  # (unit, operand) -> its layout under each candidate
+
+        def laid(end: tuple[int, int]) -> list:
+            found = specs.get(end)
+            if found is None:
+                found = specs[end] = [g.spec(end[0], end[1], a) for a in self.cands[end[0]]]
+            return found
+
         for e in g.edges:
-            (u, pu), (v, pv) = e.src, e.dst
-            mine, theirs = (specs.get(end) or specs.setdefault(end, [g.spec(end[0], end[1], a) for a in self.cands[end[0]]])
-                            for end in (e.src, e.dst))
+            u, v = e.src[0], e.dst[0]
+            mine, theirs = laid(e.src), laid(e.dst)
             table = np.array([[g.edge_seconds(e, x, y) for y in theirs] for x in mine])
             if u == v:
                 self.unary[u] = self.unary[u] + np.diag(table)
