@@ -30,6 +30,7 @@ from jshard.propagate._engine import constraint_spec, emission_of, propagate
 from jshard.propagate._factors import replicated
 from jshard.propagate._plan_io import result_from_plan
 from jshard.propagate._search import SEARCHES, search
+from jshard.propagate._search import _human as _human  # one byte formatter for budgets and peaks
 
 MODES = ("data", "semi_auto", "auto", "manual")
 PROPAGATIONS = ("jshard", "xla")
@@ -297,13 +298,6 @@ def _compiled_peak(jitted, args) -> float:
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
-def _human(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.4g} {unit}"
-    return f"{n:.0f} B"
-
-
 def _dtype_of(x):
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
@@ -366,7 +360,7 @@ class _Builder:
         closed, out_shape, ctx = self._trace(leaves, treedef, fine)
         out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
         nodes = flatten(closed.jaxpr)
-        invars, outvars = closed.jaxpr.invars, closed.jaxpr.outvars
+        invars = closed.jaxpr.invars
         anchors = _boundary_anchors(self.call, nodes, invars, ctx.annotations)
         batch = self._batch_leaf_ids()
         in_sh = [self._in_sharding(path, x, s, anchors.get(v), i in batch, ctx)
