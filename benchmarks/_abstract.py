@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jshard import models
-
 from benchmarks._compiled import error_line
 from benchmarks._models import Workload
 from benchmarks._plans import parallelized
 from benchmarks._table import Table, size
 from benchmarks._timing import timed
+from jshard import models
 
 COUNTS = (64, 512)
 

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import jax
 
 import jshard as js
-
 from benchmarks._compiled import loss_check
 from benchmarks._models import Workload
 from benchmarks._plans import parallelized, same_shardings

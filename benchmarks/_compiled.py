@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import jax
 
 import jshard as js
-
 from benchmarks._models import Workload
 from benchmarks._plans import MATCHING_EXPERT, PLANS, expert, parallelized
 from benchmarks._table import Table, percent, size, verdict

@@ -341,7 +341,7 @@ def _jaxlib_version() -> str:
 
 
 def _commit() -> str:
-    from benchmarks._report import _commit as commit
+    from benchmarks._report import commit
 
     return commit()
 
@@ -368,8 +368,8 @@ def gpu_section(path: Path = RESULTS) -> str:
         f"{c['n_layers']} layers, d_model {c['d_model']}, {c['n_heads']} heads, d_ff {c['d_ff']}, "
         f"vocab {c['vocab']}, seq_len {c['seq_len']}, batch {c['batch']}; {r['params']:,} parameters, Adam; "
         f"{r['tokens_per_step']:,} tokens/step",
-        f"- programs: `jshard.parallelize(step, devices=1, mode=\"data\", donate_argnums=(0, 1))` and "
-        f"`jax.jit(step, donate_argnums=(0, 1))`, the same train step and inputs",
+        "- programs: `jshard.parallelize(step, devices=1, mode=\"data\", donate_argnums=(0, 1))` and "
+        "`jax.jit(step, donate_argnums=(0, 1))`, the same train step and inputs",
         "",
         "| dtype (matmuls) | program | step | tokens/s | model TFLOP/s | MFU | jshard / jax.jit | first call | loss, first step |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",

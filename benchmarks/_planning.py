@@ -6,11 +6,11 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+import jax
+
 from benchmarks._models import Model, workload
 from benchmarks._plans import parallelized
 from benchmarks._table import Table, seconds, verdict
-import jax
-
 from benchmarks._timing import repeated, timed
 
 UNROLLED_TARGET = (48, 2.0)

@@ -23,9 +23,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jshard as js
-from jshard import models
-
 from benchmarks._models import Workload
+from jshard import models
 
 PLANS = ("jshard", "shardy", "data", "fsdp", "megatron", "2d")
 MATCHING_EXPERT = "2d"

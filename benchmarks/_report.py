@@ -62,7 +62,7 @@ def document(tables: list[Table], command: str, seconds: float, load: tuple[floa
         f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end",
         f"- devices: {DEVICES} simulated CPU devices (`jshard.simulate_devices({DEVICES})`)",
         f"- software: Python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}",
-        f"- jshard: commit {_commit()}",
+        f"- jshard: commit {commit()}",
         "",
         "",
     ]
@@ -81,7 +81,7 @@ def _cpu_model() -> str:
     return names[0] if names else platform.processor() or "unknown CPU"
 
 
-def _commit() -> str:
+def commit() -> str:
     """The checkout's HEAD, marked when jshard/ or benchmarks/ differ from it."""
     root = Path(__file__).resolve().parent.parent
     try:

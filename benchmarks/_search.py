@@ -25,12 +25,11 @@ import numpy as np
 import optax
 
 import jshard as js
-from jshard import models
-from jshard.propagate._search import SearchReport
-
 from benchmarks._compiled import EXPERT_SLACK, Figures, error_line, loss_check
-from benchmarks._models import Workload, workload
+from benchmarks._models import Workload
 from benchmarks._table import Table, size, verdict
+from jshard import models
+from jshard.search import SearchReport
 
 SEARCHES = ("recursive", "ilp")
 EXPERTS = ("data", "fsdp", "megatron", "2d")

@@ -7,13 +7,7 @@ hands the program to XLA.
 
 import os as _os
 
-from jax._src import source_info_util as _source_info_util
-
-# Operators' source lines should name the user's code, not jshard's wrappers.
-for _wrapper in ("_shard.py", "_params.py", "_parallelize.py", _os.path.join("propagate", "_emit.py"),
-                 _os.path.join("propagate", "_plan.py")):
-    _source_info_util.register_exclusion(_os.path.join(_os.path.dirname(__file__), _wrapper))
-
+from jshard._compat import source_info_util as _source_info_util
 from jshard._devices import simulate_devices as simulate_devices
 from jshard._distributed import ProcessInfo as ProcessInfo
 from jshard._distributed import init as init
@@ -23,14 +17,19 @@ from jshard._errors import ShardingError as ShardingError
 from jshard._parallelize import Parallelized as Parallelized
 from jshard._parallelize import parallelize as parallelize
 from jshard._shard import shard as shard
+from jshard.audit import Audit as Audit
+from jshard.audit import audit as audit
 from jshard.layouts import Layout as Layout
 from jshard.layouts import TensorLayout as TensorLayout
 from jshard.pipeline import Pipeline as Pipeline
 from jshard.pipeline import pipeline_stage as pipeline_stage
-from jshard.propagate import Audit as Audit
-from jshard.propagate import OpRecord as OpRecord
-from jshard.propagate import Plan as Plan
-from jshard.propagate import audit as audit
+from jshard.plan import OpRecord as OpRecord
+from jshard.plan import Plan as Plan
+
+# Operators' source lines should name the user's code, not jshard's wrappers.
+for _wrapper in ("_shard.py", "_params.py", "_parallelize.py", _os.path.join("propagate", "_emit.py"),
+                 _os.path.join("plan", "_plan.py"), "compile"):
+    _source_info_util.register_exclusion(_os.path.join(_os.path.dirname(__file__), _wrapper))
 
 __all__ = [
     "Audit",

@@ -129,10 +129,16 @@ def _demo(args: argparse.Namespace) -> int:
     import numpy as np
     import optax
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from jshard import models
-    from jshard.propagate import audit
+    from jshard.audit import audit
 
     console = Console(highlight=False)
     cfg = models.GPTConfig(n_layers=args.layers)
@@ -188,7 +194,8 @@ def _plan(args: argparse.Namespace) -> int:
     import jax
 
     from jshard._examples import SIZE_OPTIONS, TargetError, build
-    from jshard._parallelize import _human, parse_bytes
+    from jshard._format import human_bytes
+    from jshard.compile import Options, parse_bytes
 
     if args.devices < 1:
         print(f"jshard plan: error: --devices must be positive, got {args.devices}.", file=sys.stderr)
@@ -199,14 +206,9 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"jshard plan: error: --memory-budget {args.memory_budget!r} is not a size (e.g. 16GiB, 512MiB, 2e9).",
               file=sys.stderr)
         return 2
-    if args.mode != "auto" and (args.search or budget is not None or args.time_limit is not None):
-        given = "--search" if args.search else "--memory-budget" if budget is not None else "--time-limit"
-        print(f"jshard plan: error: {given} applies to the strategy search, --mode auto (not {args.mode}).",
+    if args.mode != "auto" and args.time_limit is not None:
+        print(f"jshard plan: error: --time-limit applies to the strategy search, --mode auto (not {args.mode}).",
               file=sys.stderr)
-        return 2
-    if args.search == "propagation" and budget is not None:
-        print("jshard plan: error: --search propagation does not weigh memory, so it cannot meet --memory-budget; "
-              "use --search recursive or ilp.", file=sys.stderr)
         return 2
     sizes = {dest: getattr(args, dest) for dest, _, _ in SIZE_OPTIONS.values()}
     try:
@@ -223,6 +225,11 @@ def _plan(args: argparse.Namespace) -> int:
         options["memory_budget"] = budget
     if args.time_limit is not None:
         options["search_time_limit"] = args.time_limit
+    try:  # the option rules parallelize checks, reported as the CLI's usage errors
+        Options.create(**options).check("jshard plan")
+    except (jshard.ShardingError, TypeError) as e:
+        print(f"jshard plan: error: {str(e).removeprefix('jshard plan: ')}", file=sys.stderr)
+        return 2
     present = len(jax.devices())
     where = (f"{present} {jax.devices()[0].platform} device(s) present" if args.devices <= present
              else f"an abstract mesh (only {present} device(s) present: planning only)")
@@ -241,17 +248,17 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"planned in {seconds:.2f} s")
     report = plan.search
     if report is not None:
-        against = "no memory budget" if report.budget is None else f"budget {_human(report.budget)}"
+        against = "no memory budget" if report.budget is None else f"budget {human_bytes(report.budget)}"
         fits = "" if report.budget is None else (" (fits)" if report.peak_bytes <= report.budget else " (over)")
-        line = f"estimated peak memory per device: {_human(report.peak_bytes)}, {against}{fits}"
+        line = f"estimated peak memory per device: {human_bytes(report.peak_bytes)}, {against}{fits}"
         if report.compiled_peak_bytes is not None:
-            line += f"; compiled program holds {_human(report.compiled_peak_bytes)}"
+            line += f"; compiled program holds {human_bytes(report.compiled_peak_bytes)}"
         print(line)
     else:
         print(f"estimated peak memory per device: not estimated (mode={plan.mode}"
               + (", search=propagation" if plan.mode == "auto" else "") + " does not model memory)")
-    kinds = ", ".join(f"{k} {_human(b)}" for k, b in sorted(plan.predicted().items(), key=lambda kb: -kb[1]) if b)
-    total = _human(plan.predicted_bytes())
+    kinds = ", ".join(f"{k} {human_bytes(b)}" for k, b in sorted(plan.predicted().items(), key=lambda kb: -kb[1]) if b)
+    total = human_bytes(plan.predicted_bytes())
     print(f"predicted collectives per device per call: {total}" + (f" ({kinds})" if kinds else ""))
     if args.explain > 0:
         costly = sorted(plan.ops, key=lambda op: (op.seconds, sum(b for _, b, _ in op.comms)), reverse=True)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import jax
-from jax._src import xla_bridge
 
+from jshard._compat import xla_bridge
 from jshard._errors import DeviceCountError
 
 

@@ -29,10 +29,10 @@ import time
 from typing import NamedTuple
 
 import jax
-from jax._src import distributed as _jax_distributed
-from jax._src import xla_bridge
-from jax._src.lib import _jax
 
+from jshard._compat import distributed as _jax_distributed
+from jshard._compat import xla_bridge
+from jshard._compat import xla_client as _jax
 from jshard._devices import simulate_devices
 from jshard._errors import ShardingError
 

@@ -26,7 +26,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from jshard._distributed import COORDINATOR, INIT_TIMEOUT, LAUNCHER_PID, LOCAL_DEVICES, NUM_PROCESSES, PROCESS_ID
+from jshard._distributed import (
+    COORDINATOR,
+    INIT_TIMEOUT,
+    LAUNCHER_PID,
+    LOCAL_DEVICES,
+    NUM_PROCESSES,
+    PROCESS_ID,
+)
 
 TAIL_LINES = 20
 STOP_GRACE = 5.0

@@ -8,9 +8,8 @@ from typing import NamedTuple
 import jax
 
 from jshard._errors import ShardingError
-from jshard.layouts import check_divides, layout_of
-from jshard.layouts._device_matrix import DotDims
-from jshard.propagate._graph import inline_equations, resolve
+from jshard.graph import inline_equations, resolve
+from jshard.layouts import DotDims, check_divides, layout_of
 
 _PASSTHROUGH = {"convert_element_type", "copy", "copy_p"}
 _ELEMENTWISE = _PASSTHROUGH | {

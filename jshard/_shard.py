@@ -18,8 +18,10 @@ from jax.sharding import NamedSharding
 
 from jshard import _context
 from jshard._errors import ShardingError
+from jshard._format import shape_str
 from jshard._params import constrain_parameters, contraction_dims
 from jshard.layouts import (
+    NotRefined,
     TensorLayout,
     broadcast_layouts,
     canonicalize_slot,
@@ -29,8 +31,7 @@ from jshard.layouts import (
     layout_of,
     with_repeated_calculation,
 )
-from jshard.layouts._strategy import shape_str
-from jshard.layouts._mesh import NotRefined
+
 
 def shard(
     fn: Callable[..., Any],

@@ -10,13 +10,12 @@ It writes `OUT/rank<process id>.json` (losses by step, rows read) after every st
 """
 
 import argparse
+import functools
 import json
 import os
 import signal
 import sys
 import time
-
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -7,8 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jshard.propagate import Audit, Collective, MemoryFigures, audit
-from jshard.propagate._audit import _collectives
+from jshard.audit import Audit, Collective, MemoryFigures, audit, read_collectives
 
 F32 = 4
 MESH = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
@@ -177,7 +176,7 @@ ENTRY main (p0: (s32[], bf16[4,8]), e1: f32[8], e2: f64[2]) -> f32[8] {
 
 
 def test_hlo_formats_loops_and_async_pairs():
-    collectives, unknown = _collectives(SYNTHETIC)
+    collectives, unknown = read_collectives(SYNTHETIC)
     assert collectives == (
         Collective("all-gather", 6.0, 6 * 16 * 8 * 2, 4),  # async pair in 3 x 2 nested loops; iota groups
         Collective("all-gather", 1.0, 16 * 4, 8),  # inside an async-start, counted once
@@ -191,11 +190,11 @@ def test_hlo_formats_loops_and_async_pairs():
 
 
 def test_summary_flags_loops_of_unknown_trip_count():
-    report = Audit(_collectives(SYNTHETIC)[0], MemoryFigures(0, 0, 0, 0, 0), unknown_trip_counts=1)
+    report = Audit(read_collectives(SYNTHETIC)[0], MemoryFigures(0, 0, 0, 0, 0), unknown_trip_counts=1)
     assert report.count() == 6 + 1 + 6 + 1 + 1 + 3 + 1
     assert report.by_kind()["all-reduce"] == (7.0, 6 * 32 + 48)
     lines = report.summary().splitlines()
-    assert lines[1].split() == ["all-gather", "7", "1.6", "KiB", "4,", "8"]  # 1600 bytes, two group sizes
+    assert lines[1].split() == ["all-gather", "7", "1.562", "KiB", "4,", "8"]  # 1600 bytes, two group sizes
     assert lines[6] == "1 while loop(s) without a known trip count, counted once"
 
 
@@ -257,7 +256,7 @@ def _entry(*lines):
 )
 def test_unreadable_hlo_is_an_error(text, message):
     with pytest.raises(ValueError, match=f"^jshard.audit: {message}"):
-        _collectives(text)
+        read_collectives(text)
 
 
 def test_operand_lists_with_index_comments():

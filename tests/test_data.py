@@ -87,7 +87,7 @@ def test_local_slices_of_one_process_cover_the_array():
     [
         ((np.zeros((8, 2)),), ((2, 1), (2, 1)), "dataset_strategy has 2 entries ((2, 1), (2, 1)), but the batch has 1 arrays"),
         ((np.zeros((8, 2)),), ((2, 1, 1),), "dataset_strategy[0]=(2, 1, 1) has 3 entries, but batch array 0 has 2 dims"),
-        ((np.zeros((8, 2)),), "model_parallel", "dataset_strategy='model_parallel'; give \"data_parallel\""),
+        ((np.zeros((8, 2)),), "model_parallel", "dataset_strategy='model_parallel' is not one of ('data_parallel', 'full_batch'), nor"),
         ((np.zeros((6, 2)),), "data_parallel", "its devices hold 8 slices of dim 0, but 8 does not divide 6"),
         ((np.zeros((8, 2)),), ((3, 1),), "does not divide the device count 8"),
     ],

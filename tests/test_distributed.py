@@ -131,7 +131,7 @@ def test_a_killed_worker_is_detected_and_reported(runs):
     assert killed.returncode == 128 + 9, killed.stderr
     err = killed.stderr
     assert "jshard launch: rank 1 was killed by SIGKILL" in err
-    assert f"rank 1 kills itself with SIGKILL" in err  # its last log lines
+    assert "rank 1 kills itself with SIGKILL" in err  # its last log lines
     assert "stopping the other 1 worker(s) on this node: ranks 0" in err
     assert "exit status 137 (rank 1)" in err
     log = (runs["logs1"] / "worker_1.log").read_text()

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import jshard as js
 from jshard import models
+from jshard.audit import Collective
 from jshard.pipeline import Pipeline, build_schedule
-from jshard.propagate import Collective
 
 D, LAYERS, ROWS = 16, 8, 512
 

@@ -12,6 +12,7 @@ import pytest
 import jshard as js
 from jshard import models
 
+
 def _rand(shape, seed=0):
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
@@ -128,7 +129,7 @@ def test_save_load_rebuilds_the_same_program(gpt_2d, tmp_path):
     assert [(op.primitive, op.in_strategy, op.out_strategy, op.origin) for op in loaded.ops] == [
         (op.primitive, op.in_strategy, op.out_strategy, op.origin) for op in plan.ops
     ]
-    again = js.parallelize(par.fn, devices=8, in_strategy=par.config.in_strategy, plan=loaded)
+    again = js.parallelize(par.fn, devices=8, in_strategy=par.options.in_strategy, plan=loaded)
     replan = again.plan(*args)
     assert [op.layout for op in replan.ops] == [op.layout for op in plan.ops]
     assert jax.tree.leaves(replan.in_shardings) == jax.tree.leaves(plan.in_shardings)
@@ -154,7 +155,7 @@ def test_loaded_plan_that_does_not_match_names_first_mismatch(gpt_2d, tmp_path):
 
 def test_xla_propagation_is_the_baseline(gpt_2d):
     par, plain, args, _ = gpt_2d
-    base = js.parallelize(par.fn, devices=8, in_strategy=par.config.in_strategy, propagation="xla")
+    base = js.parallelize(par.fn, devices=8, in_strategy=par.options.in_strategy, propagation="xla")
     plan = base.plan(*args)
     assert plan.propagation == "xla" and all(op.origin in ("user", "default") for op in plan.ops)
     np.testing.assert_allclose(base(*args)[2], jax.jit(plain)(*args)[2], rtol=1e-5)

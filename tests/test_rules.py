@@ -12,10 +12,10 @@ import pytest
 
 import jshard as js
 from jshard import models
+from jshard.graph import flatten
 from jshard.models._moe import MoEConfig, init_moe, moe_batch, moe_loss
 from jshard.models._resnet import ResNetConfig, init_resnet, resnet_batch, resnet_loss
-from jshard.propagate import flatten
-from jshard.propagate._factors import RULES, Factors
+from jshard.rules import RULES, Factors
 
 f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
 i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)

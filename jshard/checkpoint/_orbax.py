@@ -23,9 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jshard._distributed import host_major
 from jshard._errors import ShardingError
-from jshard.layouts._strategy import shape_str
-from jshard.propagate import Plan
-from jshard.propagate._plan_io import to_json
+from jshard._format import shape_str
+from jshard.plan import Plan, to_json
 
 _SHOWN = 12
 
@@ -192,25 +191,23 @@ def _abstract_target(call: str, target: Any, like: Any, saved: dict) -> Any:
 
 def _plan_shardings(call: str, plan: Plan, like: Any, count: int) -> Any:
     """The shardings a plan gives its leading arguments holding `count` leaves in all."""
-    if plan.mesh is not None and isinstance(plan.in_shardings, tuple) and like is None:
-        flat = jax.tree_util.tree_leaves(plan.in_shardings)
+    if plan.mesh is not None and plan.in_tree is not None and like is None:
+        per_argument = plan.in_shardings
         taken, k = 0, 0
-        while taken < count and k < len(plan.in_shardings):
-            taken += len(jax.tree_util.tree_leaves(plan.in_shardings[k]))
+        while taken < count and k < len(per_argument):
+            taken += len(jax.tree_util.tree_leaves(per_argument[k]))
             k += 1
         if taken != count:
             raise ShardingError(f"{call}: the checkpoint holds {count} arrays, but no run of the plan's leading "
-                                f"arguments holds that many ({len(flat)} in all); pass the shardings themselves.")
-        return tuple(plan.in_shardings[:k])
+                                f"arguments holds that many ({len(plan.in_specs)} in all); pass the shardings themselves.")
+        return tuple(per_argument[:k])
     if like is None:
         raise ShardingError(f"{call}: a Plan read back by Plan.load keeps its shardings flat, not the state's "
                             "tree; pass like=<the state, or jax.eval_shape of it> along with the plan.")
     mesh = plan.mesh if plan.mesh is not None else plan.fine.jax_mesh(host_major(jax.devices())[: plan.device_count])
-    flat = jax.tree_util.tree_leaves(plan.in_shardings,
-                                     is_leaf=lambda s: s is None or isinstance(s, (PartitionSpec, NamedSharding)))
-    specs = [s.spec if isinstance(s, NamedSharding) else PartitionSpec() if s is None else s for s in flat]
     leaves, treedef = jax.tree_util.tree_flatten(like)
-    return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in specs[: len(leaves)]])
+    specs = [PartitionSpec() if s is None else s for s in plan.in_specs[: len(leaves)]]
+    return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
 
 
 def _check_match(call: str, step: int, saved: dict, abstract: Any) -> None:

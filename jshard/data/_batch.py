@@ -19,10 +19,7 @@ from jax.sharding import NamedSharding
 
 from jshard._distributed import host_major
 from jshard._errors import ShardingError
-from jshard.layouts import FineMesh, TensorLayout, canonicalize_slot, layout_of
-
-DatasetStrategy = str | Sequence[tuple[int, ...] | TensorLayout]
-"""`"data_parallel"`, `"full_batch"`, or one strategy tuple / `Layout` call per array of the batch."""
+from jshard.layouts import DatasetStrategy, FineMesh, dataset_slots, layout_of
 
 
 def batch_shardings(ndims: Sequence[int], strategy: DatasetStrategy = "data_parallel", *,
@@ -44,7 +41,7 @@ def batch_shardings(ndims: Sequence[int], strategy: DatasetStrategy = "data_para
     chosen = _devices(devices, call)
     n = len(chosen)
     layouts = [layout_of(slot, n, call=call, op="the batch", what=f"dataset_strategy[{i}]")
-               for i, slot in enumerate(_slots(ndims, strategy, n, call))]
+               for i, slot in enumerate(dataset_slots(ndims, strategy, n, call=call))]
     fine = FineMesh.refining(n, [lay.device_matrix for lay in layouts], [f"dataset_strategy[{i}]" for i in range(len(layouts))],
                              call=call)
     mesh = fine.jax_mesh(chosen)
@@ -158,26 +155,6 @@ def _devices(count: int | None, call: str) -> list[jax.Device]:
     if count < 1 or count > len(have):
         raise ShardingError(f"{call}: devices={count}, but {len(have)} device(s) are present; give 1..{len(have)}.")
     return have[:count]
-
-
-def _slots(ndims: Sequence[int], strategy: DatasetStrategy, n: int, call: str) -> list:
-    if strategy == "data_parallel":
-        return [(n,) + (1,) * (d - 1) if d else () for d in ndims]
-    if strategy == "full_batch":
-        return [(1,) * d for d in ndims]
-    if isinstance(strategy, str) or not isinstance(strategy, Sequence):
-        raise ShardingError(f"{call}: dataset_strategy={strategy!r}; give \"data_parallel\", \"full_batch\", or one "
-                            "strategy tuple per batch array, e.g. ((1, 1, 2, 4),) for one NHWC image array.")
-    if len(strategy) != len(ndims):
-        raise ShardingError(f"{call}: dataset_strategy has {len(strategy)} entries {tuple(strategy)}, but the batch "
-                            f"has {len(ndims)} arrays; give one strategy per array.")
-    slots = [canonicalize_slot(s, call=call, what=f"dataset_strategy[{i}]") for i, s in enumerate(strategy)]
-    for i, (slot, d) in enumerate(zip(slots, ndims)):
-        rank = slot.rank if isinstance(slot, TensorLayout) else len(slot)
-        if rank != d:
-            raise ShardingError(f"{call}: dataset_strategy[{i}]={slot} has {rank} entries, but batch array {i} has "
-                                f"{d} dims; give one entry per dim.")
-    return slots
 
 
 def _check_local(call: str, i: int, x: np.ndarray, sharding: NamedSharding) -> None:

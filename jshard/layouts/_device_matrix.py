@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from jshard._errors import ShardingError
-from jshard.layouts._strategy import Strategy, TensorLayout, shape_str
+from jshard._format import shape_str
+from jshard.layouts._strategy import Strategy, TensorLayout
 
 DotDims = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 """`dot_general`'s dimension numbers: `((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`."""

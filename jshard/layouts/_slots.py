@@ -8,7 +8,11 @@ from jax.sharding import PartitionSpec
 
 from jshard._errors import ShardingError
 from jshard.layouts._layout import Layout
-from jshard.layouts._strategy import TensorLayout, canonicalize_strategy, with_repeated_calculation
+from jshard.layouts._strategy import (
+    TensorLayout,
+    canonicalize_strategy,
+    with_repeated_calculation,
+)
 
 Slot = tuple[int, ...] | TensorLayout | PartitionSpec | None
 """One input's or output's strategy after canonicalization."""

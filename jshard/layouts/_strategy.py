@@ -13,9 +13,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-import numpy as np
-
 from jshard._errors import ShardingError
+from jshard._format import shape_str
 
 Strategy = tuple[int, ...]
 """One positive integer per tensor dimension: how many equal slices that dimension is cut into."""
@@ -149,17 +148,3 @@ def check_divides(
                 f"into {cut}, but {cut} does not divide {size}. Pad the dim or choose a divisor of "
                 f"{size} ({shown})."
             )
-
-
-_SHORT_DTYPES = (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i"), ("complex", "c"))
-
-
-def dtype_str(dtype: object) -> str:
-    """A dtype as jaxprs print it: `f32`, `bf16`, `i32`, `u8`, `bool`."""
-    name = np.dtype(dtype).name
-    return next((short + name[len(long) :] for long, short in _SHORT_DTYPES if name.startswith(long)), name)
-
-
-def shape_str(dtype: object, shape: Sequence[int]) -> str:
-    """A tensor as jaxprs print it: `f32[784,62]`."""
-    return f"{dtype_str(dtype)}[{','.join(map(str, shape))}]"

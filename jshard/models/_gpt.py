@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jshard.models._presets import Preset
-from jshard.pipeline._model import Pipeline
+from jshard.pipeline import Pipeline
 
 GPT_RULES = {r"/(wq|wk|wv|w_up)$": "column", r"/(wo|w_down)$": "row", r"^head$": "column"}
 BOS, SEP, EOS = 0, 1, 2
@@ -69,7 +69,7 @@ def init_gpt(cfg: GPTConfig, key: jax.Array) -> dict:
     }
 
 
-def _layer_norm(x: jax.Array, p: dict) -> jax.Array:
+def layer_norm(x: jax.Array, p: dict) -> jax.Array:
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)
     return (x - mean) * jax.lax.rsqrt(var + 1e-5) * p["scale"][None, None, :] + p["bias"][None, None, :]
@@ -96,8 +96,8 @@ def _feed_forward(p: dict, x: jax.Array, preset: Preset | None) -> jax.Array:
 
 
 def _block(p: dict, x: jax.Array, cfg: GPTConfig, preset: Preset | None) -> jax.Array:
-    x = x + _attention(p, _layer_norm(x, p["ln1"]), cfg.n_heads, preset)
-    return x + _feed_forward(p, _layer_norm(x, p["ln2"]), preset)
+    x = x + _attention(p, layer_norm(x, p["ln1"]), cfg.n_heads, preset)
+    return x + _feed_forward(p, layer_norm(x, p["ln2"]), preset)
 
 
 def gpt_apply(params: dict, tokens: jax.Array, cfg: GPTConfig, preset: Preset | None = None) -> jax.Array:
@@ -116,7 +116,7 @@ def _embed(params: dict, tokens: jax.Array) -> jax.Array:
 
 
 def _logits(params: dict, x: jax.Array, preset: Preset | None) -> jax.Array:
-    return _matmul(preset, "column")(_layer_norm(x, params["ln_f"]), params["head"])
+    return _matmul(preset, "column")(layer_norm(x, params["ln_f"]), params["head"])
 
 
 def _masked_nll(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> jax.Array:

@@ -23,7 +23,7 @@ import numpy as np
 
 from jshard._errors import ShardingError
 from jshard._shard import shard
-from jshard.models._gpt import _layer_norm
+from jshard.models._gpt import layer_norm
 from jshard.models._presets import Preset
 
 MOE_RULES = {r"^head$": "column"}
@@ -106,9 +106,9 @@ def moe_apply(params: dict, tokens: jax.Array, cfg: MoEConfig, preset: Preset | 
     experts = _experts if preset is None else _expert_parallel(preset, cfg.n_experts)
     x = params["embed"][tokens] + params["pos"][None, : tokens.shape[1]]
     for p in params["layers"]:
-        x = x + _moe(p, _layer_norm(x, p["ln"]), experts)
+        x = x + _moe(p, layer_norm(x, p["ln"]), experts)
     head = jnp.matmul if preset is None else preset.matmul("column", 3)
-    return head(_layer_norm(x, params["ln_f"]), params["head"])
+    return head(layer_norm(x, params["ln_f"]), params["head"])
 
 
 def moe_loss(params: dict, batch: tuple, cfg: MoEConfig, preset: Preset | None = None) -> jax.Array:

@@ -9,8 +9,8 @@ functions; `jshard.parallelize(pipe, pipeline_stages=S, micro_batches=M, schedul
 from jshard.pipeline._model import Pipeline as Pipeline
 from jshard.pipeline._model import StageFunction as StageFunction
 from jshard.pipeline._model import pipeline_stage as pipeline_stage
-from jshard.pipeline._parallel import PipelineConfig as PipelineConfig
 from jshard.pipeline._parallel import Pipelined as Pipelined
+from jshard.pipeline._parallel import pipelined as pipelined
 from jshard.pipeline._plan import PipelinePlan as PipelinePlan
 from jshard.pipeline._plan import StageInfo as StageInfo
 from jshard.pipeline._schedule import SCHEDULES as SCHEDULES

@@ -1,8 +1,10 @@
 """`parallelize(pipe, pipeline_stages=S, micro_batches=M, schedule=...)`: a pipelined step.
 
-The front end of the pipeline package: it checks the configuration (raising `ShardingError`s that
-name the call, the value and the fix), builds the mesh (a leading `stage` axis of size S, then the
-stage's own fine mesh over `devices / S` devices), turns the stage-internal strategies into
+The front end of the pipeline package, on the compile core's pieces: the same validated `Options`
+(with its `PipelineOptions`), the same per-signature cache, strategy canonicalizer and dataset
+policy as `parallelize`. It checks the pipeline's own rules (raising `ShardingError`s that name the
+call, the value and the fix), builds the mesh (a leading `stage` axis of size S, then the stage's
+own fine mesh over `devices / S` devices), turns the stage-internal strategies into
 PartitionSpecs, and jits the `Program` of `_engine.py` once per input signature.
 """
 
@@ -19,28 +21,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
 from jshard._errors import DeviceCountError, ShardingError
-from jshard._parallelize import _abstract, _dtype_of, _placed
-from jshard.layouts import FineMesh, TensorLayout, canonicalize_slot, check_divides, layout_of
+from jshard.compile import (
+    Options,
+    SignatureCache,
+    abstract,
+    dtype_of,
+    placed,
+)
+from jshard.layouts import (
+    FineMesh,
+    canonicalize_strategy_tree,
+    check_dataset_strategy,
+    check_divides,
+    dataset_slots,
+    layout_of,
+)
 from jshard.pipeline._engine import STAGE, Program, Specs
 from jshard.pipeline._model import Pipeline, check_stage_ids, stack_length
 from jshard.pipeline._plan import PipelinePlan, plan_of
 from jshard.pipeline._schedule import SCHEDULES, build_schedule
-
-DATASET_STRATEGIES = ("data_parallel", "full_batch")
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-    """The pipeline options of one `parallelize` call (see `jshard.parallelize`)."""
-
-    devices: int | None
-    stages: int
-    micro_batches: int | None
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    result_broadcast: bool = False
-    in_strategy: Any = None
-    dataset_strategy: str = "data_parallel"
 
 
 @dataclasses.dataclass
@@ -60,32 +59,32 @@ class Pipelined:
     Made by `jshard.parallelize(pipe, pipeline_stages=..., micro_batches=...)` for a `jshard.Pipeline`.
     """
 
-    def __init__(self, pipe: Pipeline, config: PipelineConfig):
-        self.pipe, self.config = pipe, config
+    def __init__(self, pipe: Pipeline, options: Options):
+        self.pipe, self.options, self.config = pipe, options, options.pipeline
         self.call = f"jshard.parallelize({_name(pipe)})"
-        _check_config(self.call, pipe, config)
+        _check_config(self.call, pipe, options)
         have = jax.devices()
-        self.n = len(have) if config.devices is None else config.devices
+        self.n = len(have) if options.devices is None else options.devices
         if self.n > len(have):
             raise DeviceCountError(
                 f"{self.call}: devices={self.n}, but only {len(have)} device(s) are present; a pipelined "
                 f"step runs on devices present. On a CPU call jshard.simulate_devices({self.n}) first."
             )
-        _check_divides_devices(self.call, self.n, config.stages)
-        self.inner = FineMesh.for_devices(self.n // config.stages)
-        self.mesh = Mesh(np.asarray(have[: self.n], dtype=object).reshape(config.stages, *self.inner.sizes),
+        _check_divides_devices(self.call, self.n, self.config.stages)
+        self.inner = FineMesh.for_devices(self.n // self.config.stages)
+        self.mesh = Mesh(np.asarray(have[: self.n], dtype=object).reshape(self.config.stages, *self.inner.sizes),
                          (STAGE, *self.inner.names))
-        self._cache: dict[Any, _Entry] = {}
-        self._forwards: dict[Any, Any] = {}
+        self._cache: SignatureCache[_Entry] = SignatureCache()
+        self._forwards: SignatureCache[Any] = SignatureCache()
 
     def __call__(self, params: dict, batch: Any) -> tuple[jax.Array, dict]:
         """`(loss, grads)`: the loss is the mean over micro-batches, the grads are those of that loss."""
         e = self._entry(params, batch)
-        return self.compile(params, batch)(*_placed((params, batch), (e.param_sh, e.batch_sh)))
+        return self.compile(params, batch)(*placed((params, batch), (e.param_sh, e.batch_sh)))
 
     def lower(self, params: dict, batch: Any) -> jax.stages.Lowered:
         """The pipelined train program, lowered (as `jax.jit(...).lower`)."""
-        return self._entry(params, batch).train.lower(*_abstract((params, batch)))
+        return self._entry(params, batch).train.lower(*abstract((params, batch)))
 
     def compile(self, params: dict, batch: Any) -> jax.stages.Compiled:
         """The pipelined train program, compiled once per input signature (calls, `plan().audit()`
@@ -105,42 +104,36 @@ class Pipelined:
             raise ShardingError(f"{self.call}.forward: the Pipeline has no head; pass head=fn(params, x) "
                                 f"returning the outputs to run inference.")
         e = self._entry(params, batch)
-        key = self._key(params, batch)
-        if key not in self._forwards:
+
+        def build():
             sched = build_schedule(self._schedule_name(), stages=self.config.stages,
                                    micro_batches=self.config.micro_batches, virtual=self.config.virtual_stages,
                                    forward_only=True)
             prog = dataclasses.replace(e.program, schedule=sched)
-            self._forwards[key] = jax.jit(self._traced(prog.forward(self.config.result_broadcast), e.mode),
-                                          in_shardings=(e.param_sh, e.batch_sh))
-        return self._forwards[key](*_placed((params, batch), (e.param_sh, e.batch_sh)))
+            return jax.jit(self._traced(prog.forward(self.config.result_broadcast), e.mode),
+                           in_shardings=(e.param_sh, e.batch_sh))
+
+        return self._forwards.get((params, batch), build)(*placed((params, batch), (e.param_sh, e.batch_sh)))
 
     def plan(self, params: dict, batch: Any) -> PipelinePlan:
         """The `PipelinePlan`: stages, schedule table and picture, bubble, memory, boundary bytes."""
         e = self._entry(params, batch)
         compile_ = functools.partial(self.compile, params, batch)
-        return plan_of(e.program, self.config, self.mesh, e.stack_layers, params, batch, compile_)
+        return plan_of(e.program, self.mesh, e.stack_layers, params, batch, compile_)
 
     def _schedule_name(self) -> str:
         return "gpipe" if self.config.schedule == "gpipe" else self.config.schedule
 
-    def _key(self, params, batch):
-        leaves, tree = jax.tree_util.tree_flatten((params, batch))
-        return tree, tuple((np.shape(x), _dtype_of(x)) for x in leaves)
-
     def _entry(self, params, batch) -> _Entry:
-        key = self._key(params, batch)
-        if key not in self._cache:
-            self._cache[key] = self._build(params, batch)
-        return self._cache[key]
+        return self._cache.get((params, batch), lambda: self._build(params, batch))
 
     def _build(self, params, batch) -> _Entry:
-        c = self.config
+        c, strategy = self.config, self.options.in_strategy
         rest, stack = self.pipe.split(params)
         layers = stack_length(stack)
         _check_layers(self.call, layers, c.stages, c.virtual_stages)
         _check_batch(self.call, batch, c.micro_batches, self._data_degree())
-        rest_specs = self._specs(c.in_strategy[0] if c.in_strategy else None, params, "in_strategy[0]")
+        rest_specs = self._specs(strategy[0] if strategy else None, params, "in_strategy[0]")
         r_specs, s_specs = self.pipe.split(rest_specs)
         layer_specs = jax.tree.map(lambda p: self._layer_spec(p), s_specs, is_leaf=_is_spec)
         batch_specs = self._batch_specs(batch)
@@ -179,7 +172,7 @@ class Pipelined:
     def _pure_data(self) -> bool:
         """Pure data parallel inside stages asked for: rows cut over the stage's devices, no
         `in_strategy` (the model must also have no `jshard.shard` calls: `_has_shard_calls`)."""
-        c = self.config
+        c = self.options
         return c.dataset_strategy == "data_parallel" and not c.in_strategy and self.inner.device_count > 1
 
     def _has_shard_calls(self, params, batch, stage_mesh: Mesh) -> bool:
@@ -191,25 +184,19 @@ class Pipelined:
         return bool(ctx.annotations)
 
     def _data_degree(self) -> int:
-        return self.inner.device_count if self.config.dataset_strategy == "data_parallel" else 1
+        return self.inner.device_count if self.options.dataset_strategy == "data_parallel" else 1
 
     def _specs(self, prefix, tree, what):
-        if prefix is None:
-            return jax.tree.map(lambda _: PartitionSpec(), tree)
-        try:
-            return jax.tree.map(lambda slot, sub: jax.tree.map(lambda x: self._spec(slot, x, what), sub),
-                                prefix, tree, is_leaf=_is_slot)
-        except ValueError as e:
-            if isinstance(e, ShardingError):
-                raise
-            raise ShardingError(f"{self.call}: {what} is not a pytree prefix of the value it describes: {e}") from None
+        """One `PartitionSpec` over a stage's devices per leaf of `tree`, from a strategy pytree prefix."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        slots = canonicalize_strategy_tree(prefix, tree, call=self.call, what=what)
+        return jax.tree_util.tree_unflatten(treedef, [self._spec(s, x, what) for s, x in zip(slots, leaves)])
 
     def _spec(self, slot, x, what) -> PartitionSpec:
-        slot = canonicalize_slot(slot, call=self.call, what=what)
         if slot is None:
             return PartitionSpec()
         layout = layout_of(slot, self.inner.device_count, call=self.call, op="a pipeline stage", what=what)
-        check_divides(layout, np.shape(x), call=self.call, op="a pipeline stage", what=what, dtype=_dtype_of(x))
+        check_divides(layout, np.shape(x), call=self.call, op="a pipeline stage", what=what, dtype=dtype_of(x))
         return self.inner.partition_spec(layout)
 
     def _layer_spec(self, spec: PartitionSpec) -> PartitionSpec:
@@ -221,22 +208,16 @@ class Pipelined:
         return PartitionSpec(*spec[1:])
 
     def _batch_specs(self, batch):
-        c = self.config
+        c = self.options
         if c.in_strategy and len(c.in_strategy) > 1 and c.in_strategy[1] is not None:
             return self._specs(c.in_strategy[1], batch, "in_strategy[1]")
-        if c.dataset_strategy == "full_batch":
-            return jax.tree.map(lambda _: PartitionSpec(), batch)
-        axes = self.inner.names if self.inner.device_count > 1 else None
-        return jax.tree.map(lambda x: PartitionSpec(axes) if np.ndim(x) else PartitionSpec(), batch)
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        slots = dataset_slots([np.ndim(x) for x in leaves], c.dataset_strategy, self.inner.device_count, call=self.call)
+        return jax.tree_util.tree_unflatten(treedef, [self._spec(s, x, "dataset_strategy") for s, x in zip(slots, leaves)])
 
 
 def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec)
-
-
-def _is_slot(x) -> bool:
-    return x is None or isinstance(x, (TensorLayout, PartitionSpec)) or (
-        isinstance(x, (tuple, list)) and len(x) > 0 and all(isinstance(i, int) for i in x))
 
 
 def _named(mesh, specs):
@@ -251,7 +232,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_config(call: str, pipe: Any, c: PipelineConfig) -> None:
+def _check_config(call: str, pipe: Any, options: Options) -> None:
+    c = options.pipeline
     if not isinstance(pipe, Pipeline):
         raise TypeError(
             f"{call}: pipeline_stages= needs a jshard.Pipeline (first / layer stack / last), got "
@@ -284,8 +266,7 @@ def _check_config(call: str, pipe: Any, c: PipelineConfig) -> None:
             raise ShardingError(f"{call}: per-stage functions (pipeline_stage) run one chunk per stage; "
                                 f"virtual_stages={c.virtual_stages} needs one layer function instead.")
         check_stage_ids(call, list(pipe.layer), c.stages)
-    if c.dataset_strategy not in DATASET_STRATEGIES:
-        raise ShardingError(f"{call}: dataset_strategy={c.dataset_strategy!r} is not one of {DATASET_STRATEGIES}.")
+    check_dataset_strategy(options.dataset_strategy, call=call, tuples=False)
 
 
 def _check_divides_devices(call: str, n: int, stages: int) -> None:
@@ -328,24 +309,24 @@ def _check_batch(call: str, batch: Any, micro: int, data: int) -> None:
             )
 
 
-def pipelined(fn, *, devices, mesh, mode, in_strategy, dataset_strategy, stages, micro_batches, schedule,
-              virtual_stages, result_broadcast) -> Pipelined | Any:
-    """What `parallelize(..., pipeline_stages=S)` returns: a `Pipelined` (or a decorator making one)."""
-    if stages is None:
+def pipelined(fn: Any, options: Options) -> Pipelined | Any:
+    """What `parallelize(..., pipeline_stages=S)` returns: a `Pipelined` (or a decorator making one).
+
+    Of the `Options`, only `devices`, `in_strategy` (strategies over one stage's devices),
+    `dataset_strategy` and `pipeline` apply.
+    """
+    call = f"jshard.parallelize({_name(fn) if fn is not None else 'fn'})"
+    if options.pipeline.stages is None:
         raise ShardingError(
-            f"jshard.parallelize({_name(fn) if fn is not None else 'fn'}): micro_batches=, schedule= and "
-            f"virtual_stages= configure a pipeline, but pipeline_stages= is missing. Pass pipeline_stages=S "
-            f"(and a jshard.Pipeline), or drop them."
+            f"{call}: micro_batches=, schedule= and virtual_stages= configure a pipeline, but pipeline_stages= "
+            f"is missing. Pass pipeline_stages=S (and a jshard.Pipeline), or drop them."
         )
-    if mesh is not None or mode != "semi_auto":
-        what = "mesh=" if mesh is not None else f"mode={mode!r}"
+    if options.mesh is not None or options.mode != "semi_auto":
+        what = "mesh=" if options.mesh is not None else f"mode={options.mode!r}"
         raise ShardingError(
-            f"jshard.parallelize({_name(fn) if fn is not None else 'fn'}): pipeline_stages= builds its own "
-            f"mesh (a stage axis, then each stage's devices) with stage-internal strategies as in "
-            f"semi_auto; {what} cannot be combined with it. Drop {what.split('=')[0]}=."
+            f"{call}: pipeline_stages= builds its own mesh (a stage axis, then each stage's devices) with "
+            f"stage-internal strategies as in semi_auto; {what} cannot be combined with it. Drop {what.split('=')[0]}=."
         )
-    config = PipelineConfig(devices, stages, micro_batches, schedule, virtual_stages, result_broadcast,
-                            in_strategy, dataset_strategy)
     if fn is None:
-        return lambda f: Pipelined(f, config)
-    return Pipelined(fn, config)
+        return lambda f: Pipelined(f, options)
+    return Pipelined(fn, options)

@@ -9,9 +9,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jshard._parallelize import _abstract, _human
+from jshard._format import human_bytes
+from jshard.audit import Audit, audit
+from jshard.compile import abstract
 from jshard.pipeline._schedule import Schedule
-from jshard.propagate._audit import Audit, audit
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,23 +79,23 @@ class PipelinePlan:
             lines.append(f"  stage {st.stage}: ranks {list(st.ranks)}, layers {[list(c) for c in st.layers]}, "
                          f"micro-batches in flight (peak) {st.peak_in_flight}")
         lines += [
-            f"activation per micro-batch {_human(self.activation_bytes)} per device; slot buffers "
-            f"{_human(self.buffer_bytes)} per device",
-            f"must cross stages per step: {_human(self.boundary_bytes)}; the program's collective-permutes "
-            f"move {_human(self.permute_bytes)} per device",
+            f"activation per micro-batch {human_bytes(self.activation_bytes)} per device; slot buffers "
+            f"{human_bytes(self.buffer_bytes)} per device",
+            f"must cross stages per step: {human_bytes(self.boundary_bytes)}; the program's collective-permutes "
+            f"move {human_bytes(self.permute_bytes)} per device",
             s.picture(),
         ]
         return "\n".join(lines)
 
 
-def plan_of(program, config, mesh, layers: int, params, batch, compile_) -> PipelinePlan:
+def plan_of(program, mesh, layers: int, params, batch, compile_) -> PipelinePlan:
     """The `PipelinePlan` of a built pipeline `program` for these arguments."""
     sched: Schedule = program.schedule
     s, v = sched.stages, sched.virtual
     rest, _ = program.pipe.split(params)
     first_mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // sched.micro_batches, *a.shape[1:]), a.dtype),
-                            _abstract(batch))
-    act = jax.eval_shape(program.pipe.first, _abstract(rest), first_mb)
+                            abstract(batch))
+    act = jax.eval_shape(program.pipe.first, abstract(rest), first_mb)
     whole = int(np.prod(act.shape)) * act.dtype.itemsize
     cut = _cut(program.specs.act, dict(mesh.shape))
     per_device = whole // cut

@@ -1,12 +1,10 @@
-"""jaxpr → OpGraph, plans and their records (the propagation engine grows here)."""
+"""Sharding propagation over the OpGraph (MindSpore's `sharding_propagation`), and emission: the
+traced program re-run with the constraints that make XLA follow a plan."""
 
-from jshard.propagate._graph import Node as Node
-from jshard.propagate._graph import flatten as flatten
-from jshard.propagate._plan import ORIGINS as ORIGINS
-from jshard.propagate._plan import OpRecord as OpRecord
-from jshard.propagate._plan import Plan as Plan
-from jshard.propagate._plan import build_ops as build_ops
-from jshard.propagate._audit import Audit as Audit
-from jshard.propagate._audit import Collective as Collective
-from jshard.propagate._audit import MemoryFigures as MemoryFigures
-from jshard.propagate._audit import audit as audit
+from jshard.propagate._emit import emit as emit
+from jshard.propagate._engine import Decision as Decision
+from jshard.propagate._engine import Engine as Engine
+from jshard.propagate._engine import Rejected as Rejected
+from jshard.propagate._engine import Result as Result
+from jshard.propagate._engine import emission_of as emission_of
+from jshard.propagate._engine import propagate as propagate

@@ -14,18 +14,17 @@ recompute its values (a known limit: rebuilding the remat equation would keep th
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping
 
 import jax
-from jax._src import linear_util as lu
-from jax._src import source_info_util
-from jax._src.interpreters import partial_eval as pe
 from jax.extend import core as jcore
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
-from jshard.propagate._factors import Spec
-from jshard.propagate._graph import INLINE, NESTED
+from jshard._compat import linear_util as lu
+from jshard._compat import partial_eval as pe
+from jshard._compat import source_info_util
+from jshard.graph import INLINE, NESTED
+from jshard.layouts import Spec, to_pspec
 
 _BODY_KEYS = ("jaxpr", "cond_jaxpr", "body_jaxpr")
 
@@ -38,14 +37,6 @@ class Emission:
 
     outputs: Mapping
     inputs: Mapping
-
-
-@functools.lru_cache(maxsize=8192)
-def to_pspec(spec: Spec) -> PartitionSpec:
-    entries = [None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in spec]
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
 
 
 class _Interpreter:

@@ -15,22 +15,26 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import heapq
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
-import numpy as np
 from jax.extend import core as jcore
-from jax.sharding import PartitionSpec
 
-from jshard.propagate import _rules  # noqa: F401  (registers every rule family)
-from jshard.propagate._cost import Comm, CostModel, local_bytes, redistribution
+from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution
+from jshard.graph import CONSTRAINT, Node, operand_vars
+from jshard.layouts import Spec, constraint_spec
 from jshard.propagate._emit import Emission
-from jshard.propagate._factors import RULES, Factors, Spec, read_assignment, shape_of, write_spec
-from jshard.propagate._graph import Node
+from jshard.rules import Factors, OpTable, neighbours_of, read_assignment, shape_of, write_spec
 
-CONSTRAINT = "sharding_constraint"
+
+class Rejected(NamedTuple):
+    """The best alternative an operator did not take: its operands' layouts and its predicted seconds."""
+
+    in_specs: tuple[Spec, ...]
+    out_specs: tuple[Spec, ...]
+    seconds: float
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,7 +47,7 @@ class Decision:
       comms: the collectives it costs (redistributing its inputs, its partial sums), per run.
       seconds: their α–β time, weighted by how often the operator runs.
       via: the operator index (or `arg<k>`) whose layout it took, or `""`.
-      rejected: the best alternative it did not take, as `(in_specs, out_specs, seconds)`, or None.
+      rejected: the best alternative it did not take, or None.
       implied: whether XLA infers its output layouts from its inputs alone (no constraint needed).
     """
 
@@ -52,7 +56,7 @@ class Decision:
     comms: tuple[Comm, ...]
     seconds: float
     via: str
-    rejected: tuple[tuple[Spec, ...], tuple[Spec, ...], float] | None
+    rejected: Rejected | None
     implied: bool
 
 
@@ -65,57 +69,16 @@ class Result:
     unruled: set[int]
 
 
-def operand_vars(node: Node) -> tuple[list, list]:
-    """The operator's inputs and outputs as the rules see them (bodies' results and parameters
-    appended for loops and branches)."""
-    ins, outs = list(node.inputs), list(node.outputs)
-    for b_in, b_out in node.bodies:
-        ins += b_out
-        outs += b_in
-    return ins, outs
-
-
-def constraint_spec(sharding, rank: int) -> Spec:
-    """The `Spec` of a `NamedSharding` on a value of `rank` dims (unconstrained dims whole)."""
-    return spec_from_pspec(sharding.spec, rank)
-
-
-def spec_from_pspec(pspec: PartitionSpec, rank: int) -> Spec:
-    spec = tuple(pspec) + (None,) * (rank - len(pspec))
-    out = []
-    for p in spec:
-        if p is None or p is PartitionSpec.UNCONSTRAINED:
-            out.append(())
-        else:
-            out.append(tuple(p) if isinstance(p, tuple) else (p,))
-    return tuple(out)
-
-
 class Engine:
     """One propagation over `nodes` on a mesh with axes `axis_size`."""
 
-    def __init__(self, nodes: Sequence[Node], axis_size: Mapping[str, int], cost: CostModel | None = None):
+    def __init__(self, nodes: Sequence[Node], axis_size: Mapping[str, int], cost: CostModel | None = None,
+                 table: OpTable | None = None):
         self.nodes, self.axis_size, self.cost = nodes, dict(axis_size), cost or CostModel()
-        self.factors: dict[int, Factors] = {}
-        self.vars: dict[int, tuple[list, list]] = {}
-        self.producer: dict = {}
-        self.consumers: dict = collections.defaultdict(list)
-        self.unruled: set[int] = set()
-        for i, node in enumerate(nodes):
-            ins, outs = operand_vars(node)
-            self.vars[i] = (ins, outs)
-            for v in outs:
-                self.producer[v] = i
-            for k, v in enumerate(ins):
-                if isinstance(v, jcore.Var):
-                    self.consumers[v].append((i, k))
-            fn = RULES.get(node.primitive)
-            if fn is not None:
-                self.factors[i] = _factors_of(fn, node.eqn)
-            elif all(not shape_of(v) for v in ins + outs):
-                self.factors[i] = Factors(tuple(() for _ in ins), tuple(() for _ in outs), ())  # scalars: nothing to cut
-            elif node.primitive != CONSTRAINT:
-                self.unruled.add(i)
+        self.table = table or OpTable(nodes)
+        t = self.table
+        self.factors, self.vars, self.unruled = t.factors, t.vars, t.unruled
+        self.producer, self.consumers = t.producer, t.consumers
         self.values: dict = {}
         self.why: dict = {}
         self.decisions: dict[int, Decision] = {}
@@ -229,24 +192,24 @@ class Engine:
         """The least-cost candidate for node `i`: its layouts, comms, seconds, the position in `known`
         of the layout it took, the best rejected alternative, and whether its outputs are implied."""
         candidates = self._candidates(f, known)
-        first = self._score(i, f, candidates[0], known)
+        first = self.score(i, f, candidates[0], known)
         if first[0] == 0.0:  # the merge of every known layout, with nothing to move: MindSpore takes it at once
             scored = [((0.0, first[1], 0), first, candidates[0])]
         else:
             scored = sorted(((s[0], s[1], n), s, a) for n, a in enumerate(candidates) for s in
-                            [first if n == 0 else self._score(i, f, a, known)])
+                            [first if n == 0 else self.score(i, f, a, known)])
         _, (seconds, _, comms, j), best = scored[0]
         rejected = None
         if len(scored) > 1:
             _, (r_seconds, *_), r = scored[1]
-            rejected = (
+            rejected = Rejected(
                 tuple(write_spec(d, r, f.sizes, self.axis_size) for d in f.inputs),
                 tuple(write_spec(d, r, f.sizes, self.axis_size) for d in f.outputs),
                 r_seconds,
             )
         in_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.inputs)
         out_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.outputs)
-        return in_specs, out_specs, comms, seconds, j, rejected, not comms and self._implied(i, f, best)
+        return in_specs, out_specs, comms, seconds, j, rejected, not comms and self.implied(i, f, best)
 
     def _enter(self, i: int, known) -> bool:
         """A loop or branch in two steps: entering lays out its bodies' parameters from the outer
@@ -270,7 +233,7 @@ class Engine:
                 reads.append(a)
         merged: dict = {}
         if len(reads) > 1:
-            together = _neighbours_of(f)  # factors that share an operand: they may not share an axis
+            together = neighbours_of(f)  # factors that share an operand: they may not share an axis
             for a in reads:
                 for fac, axes in a.items():
                     if fac not in merged and not any(
@@ -289,7 +252,7 @@ class Engine:
                 out.append(a)
         return out
 
-    def _score(self, i, f: Factors, a, known):
+    def score(self, i, f: Factors, a, known):
         """`(seconds, compute, comms, via)` of assignment `a` for node `i`: the comms of its known
         operands' redistribution and of its partial sums, then its compute per device; `via` is the
         position in `known` of the layout it takes as it is."""
@@ -303,7 +266,7 @@ class Engine:
             moved = []
             if spec != want:
                 src, dst = (spec, want) if k < len(ins) else (want, spec)
-                moved = redistribution(*_array(operands[k]), src, dst, self.axis_size)
+                moved = redistribution(*array_of(operands[k]), src, dst, self.axis_size)
             comms += moved
             if not moved and any(want) and best_fit is None:
                 best_fit = j
@@ -311,7 +274,7 @@ class Engine:
         if partial:
             for d, v in zip(f.outputs, outs):
                 spec = write_spec(d, a, f.sizes, self.axis_size)
-                comms.append(Comm("all-reduce", local_bytes(*_array(v), spec, self.axis_size), partial))
+                comms.append(Comm("all-reduce", local_bytes(*array_of(v), spec, self.axis_size), partial))
         seconds = node.weight * sum(self.cost.time(c, self.axis_size) for c in comms)
         cut = math.prod(self.axis_size[x] for axes in a.values() for x in axes)
         compute = node.weight * f.flops / cut / self.cost.flops
@@ -319,7 +282,7 @@ class Engine:
             best_fit = 0
         return seconds, compute, tuple(comms), best_fit
 
-    def _implied(self, i: int, f: Factors, a) -> bool:
+    def implied(self, i: int, f: Factors, a) -> bool:
         """Whether XLA infers the outputs' layouts from the one input's alone (no constraint needed):
         an operator of one non-scalar input whose dims all pass through, one factor each (unary
         elementwise, transpose, a scalar broadcast). Where inputs meet, a dim must be whole, a cut
@@ -331,49 +294,10 @@ class Engine:
         if len(arrays) != 1:
             return False
         for dims, v in arrays + list(zip(f.outputs, outs)):
-            if any(len(d) != 1 for d, n in zip(dims, _array(v)[0]) if n > 1):
+            if any(len(d) != 1 for d, n in zip(dims, array_of(v)[0]) if n > 1):
                 return False
         from_inputs = {fac for d in arrays[0][0] for fac in d}
         return all(fac in from_inputs for fac in a)
-
-
-_FACTORS: dict = {}
-
-
-def _factors_of(rule, eqn) -> Factors:
-    """`rule(eqn)`, shared by equations alike in primitive, operand types and parameters (an
-    unrolled model repeats each layer's equations)."""
-    try:
-        key = (eqn.primitive, tuple(v.aval for v in eqn.invars), tuple(v.aval for v in eqn.outvars),
-               tuple(sorted(eqn.params.items())))
-        found = _FACTORS.get(key)
-    except TypeError:  # an unhashable parameter
-        return rule(eqn)
-    if found is None:
-        if len(_FACTORS) > 16384:
-            _FACTORS.clear()
-        found = _FACTORS[key] = rule(eqn)
-    return found
-
-
-def _neighbours_of(f: Factors) -> dict[int, set[int]]:
-    """For each factor, the other factors that appear in one operand with it."""
-    together: dict[int, set[int]] = collections.defaultdict(set)
-    for dims in f.operands:
-        facs = {g for d in dims for g in d}
-        for g in facs:
-            together[g] |= facs - {g}
-    return together
-
-
-@functools.lru_cache(maxsize=4096)
-def _array_of(aval) -> tuple[tuple[int, ...], int]:
-    return tuple(aval.shape), np.dtype(aval.dtype).itemsize
-
-
-def _array(v) -> tuple[tuple[int, ...], int]:
-    """`(shape, itemsize)` of a value."""
-    return _array_of(v.aval)
 
 
 def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, int], cost: CostModel | None = None) -> Result:

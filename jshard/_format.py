@@ -1,0 +1,49 @@
+"""How jshard writes sizes and tensors in plans, reports and errors: one formatter for each.
+
+Examples:
+  >>> human_bytes(1600), human_bytes(16 * 2**30), human_bytes(512)
+  ('1.562 KiB', '16 GiB', '512 B')
+  >>> shape_str("float32", (784, 62)), shape_str("bfloat16", (8,), short=False)
+  ('f32[784,62]', 'bfloat16[8]')
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+_SHORT_DTYPES = (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i"), ("complex", "c"))
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the figure at least 1, to 4 significant digits."""
+    for unit, size in _UNITS:
+        if abs(n) >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n:.0f} B"
+
+
+def dtype_str(dtype: object) -> str:
+    """A dtype as jaxprs print it: `f32`, `bf16`, `i32`, `u8`, `bool`."""
+    name = np.dtype(dtype).name
+    return next((short + name[len(long) :] for long, short in _SHORT_DTYPES if name.startswith(long)), name)
+
+
+def shape_str(dtype: object, shape: Sequence[int], *, short: bool = True) -> str:
+    """A tensor as jaxprs print it (`f32[784,62]`), or with NumPy's dtype name (`float32[784,62]`)."""
+    name = "?" if dtype is None else dtype_str(dtype) if short else np.dtype(dtype).name
+    return f"{name}[{','.join(map(str, shape))}]"
+
+
+def var_str(v: object, *, short: bool = True) -> str:
+    """A jaxpr value's type: `f32[8,64]`."""
+    aval = v.aval
+    return _aval_str(getattr(aval, "shape", ()), getattr(aval, "dtype", None), short)
+
+
+@functools.lru_cache(maxsize=4096)
+def _aval_str(shape: tuple, dtype: object, short: bool) -> str:
+    return shape_str(dtype, shape, short=short)

@@ -1,0 +1,8 @@
+"""The audit: what XLA actually emitted (collectives per kind, bytes weighted by loop trip counts)
+and the per-device memory of a compiled program."""
+
+from jshard.audit._audit import Audit as Audit
+from jshard.audit._audit import Collective as Collective
+from jshard.audit._audit import MemoryFigures as MemoryFigures
+from jshard.audit._audit import audit as audit
+from jshard.audit._audit import read_collectives as read_collectives

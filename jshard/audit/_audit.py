@@ -1,0 +1,395 @@
+"""`audit`: the collectives and per-device memory of a compiled program, read from XLA's own output.
+
+The figures come from the program XLA will run, after SPMD partitioning: the collectives from the
+HLO text of `jax.stages.Compiled.as_text()`, the memory from `Compiled.memory_analysis()`. Nothing is
+estimated from the jaxpr, so the audit sees what the partitioner really inserted.
+
+Payload convention, in bytes per device for one execution of the instruction: the operand bytes
+of an `all-reduce`, `reduce-scatter` (the tensor before the scatter), `all-to-all` or
+`collective-permute`; the result bytes of an `all-gather` (the gathered tensor). Combined
+(tuple-shaped) collectives sum their elements. An asynchronous pair counts once, at its `-start`
+(the `-done` carries no payload of its own); an `all-gather-start` result is the tuple (operands,
+gathered), so its payload is its result bytes less its operand bytes.
+
+Group size is the number of devices in one replica group, whichever way XLA prints the groups:
+explicit (`{{0,1},{2,3}}`: 2), iota (`[2,4]<=[8]`: 4), mesh axes
+(`mesh['x'=2,'y'=4] {'y'}`: 4, a sub-axis `'y':(1)2`: 2) or empty (`{}`: every device of the
+program). A `collective-permute` has source-target pairs instead; its group is the largest set of
+devices its pairs connect.
+
+Loops and calls: an instruction counts once per execution. A `while` body runs `n` times when XLA
+records `known_trip_count` `n` in the loop's `backend_config`, its condition `n + 1` times; nested
+loops multiply. Fusions, calls, reducers and conditional branches run with their caller's weight
+(every branch counted, so a conditional gives an upper bound). A loop without a known trip count
+weighs 1 and is counted in `Audit.unknown_trip_counts`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from collections.abc import Iterator
+
+import jax
+
+from jshard._format import human_bytes
+
+_KINDS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+_WIDTHLESS = {"pred": 8, "token": 0}
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_CALLEE = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation|branch_computations"
+    r"|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+_TRIP = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)')
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Collective:
+    """The collectives of one kind and replica-group size in a compiled program.
+
+    Attributes:
+      kind: `all-reduce`, `all-gather`, `reduce-scatter`, `all-to-all` or `collective-permute`.
+      count: executions, weighted by the trip counts of the loops around them.
+      bytes: payload bytes per device over all those executions (see the module docstring).
+      group_size: devices per replica group.
+    """
+
+    kind: str
+    count: float
+    bytes: float
+    group_size: int
+
+    def __post_init__(self):
+        if self.kind not in _KINDS:
+            raise ValueError(f"Collective: kind {self.kind!r} is not one of {', '.join(_KINDS)}.")
+        if self.group_size < 1:
+            raise ValueError(f"Collective: group_size must be at least 1, got {self.group_size}.")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryFigures:
+    """Per-device memory of a compiled program, as XLA's buffer assignment reports it.
+
+    Attributes:
+      argument_bytes / output_bytes / temp_bytes: the arguments, results and scratch buffers.
+      alias_bytes: bytes shared between arguments and results (donated buffers).
+      code_bytes: generated code.
+    """
+
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    code_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """`argument + output + temp - alias`: an upper bound on the bytes live at once.
+
+        Buffer assignment may free arguments early or reuse them, so the true peak can be lower.
+        """
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Audit:
+    """What a compiled program communicates and holds, per device.
+
+    Attributes:
+      collectives: one `Collective` per (kind, group size), sorted by kind then group size.
+      memory: the program's `MemoryFigures`.
+      unknown_trip_counts: `while` loops XLA gave no trip count; their collectives count once.
+
+    Examples:
+      >>> report = Audit((Collective("all-reduce", 5.0, 10240.0, 4),),
+      ...                MemoryFigures(1536, 512, 4256, 0, 0), unknown_trip_counts=0)
+      >>> report.count("all-reduce"), report.bytes()
+      (5.0, 10240.0)
+      >>> print(report.summary())
+      kind                 count       bytes  groups
+      all-reduce               5      10 KiB  4
+      memory per device: argument 1.5 KiB, output 512 B, temp 4.156 KiB, alias 0 B, code 0 B
+      peak (upper bound): 6.156 KiB
+    """
+
+    collectives: tuple[Collective, ...]
+    memory: MemoryFigures
+    unknown_trip_counts: int
+
+    def count(self, kind: str | None = None) -> float:
+        """Trip-weighted executions of `kind` (every kind when None)."""
+        return sum((c.count for c in self._of(kind)), 0.0)
+
+    def bytes(self, kind: str | None = None) -> float:
+        """Trip-weighted payload bytes per device of `kind` (every kind when None)."""
+        return sum((c.bytes for c in self._of(kind)), 0.0)
+
+    def by_kind(self) -> dict[str, tuple[float, float]]:
+        """`kind -> (count, bytes)` for each kind present, group sizes merged."""
+        return {kind: (self.count(kind), self.bytes(kind)) for kind in dict.fromkeys(c.kind for c in self.collectives)}
+
+    def summary(self) -> str:
+        """A short table of the collectives, then the memory figures."""
+        lines = [f"{'kind':<20}{'count':>6}{'bytes':>12}  groups" if self.collectives else "no collectives"]
+        for kind, (count, size) in self.by_kind().items():
+            groups = ", ".join(str(c.group_size) for c in self._of(kind))
+            lines.append(f"{kind:<20}{count:>6g}{human_bytes(size):>12}  {groups}")
+        if self.unknown_trip_counts:
+            lines.append(f"{self.unknown_trip_counts} while loop(s) without a known trip count, counted once")
+        m = self.memory
+        pairs = (f"{f.name.removesuffix('_bytes')} {human_bytes(getattr(m, f.name))}" for f in dataclasses.fields(m))
+        lines += [f"memory per device: {', '.join(pairs)}", f"peak (upper bound): {human_bytes(m.peak_bytes)}"]
+        return "\n".join(lines)
+
+    def _of(self, kind: str | None) -> Iterator[Collective]:
+        if kind is not None and kind not in _KINDS:
+            raise ValueError(f"Audit: unknown collective kind {kind!r}; use one of {', '.join(_KINDS)} or None.")
+        return (c for c in self.collectives if kind in (None, c.kind))
+
+
+def audit(compiled: jax.stages.Compiled) -> Audit:
+    """Counts the collectives and reads the per-device memory of a compiled program.
+
+    Args:
+      compiled: `jax.jit(f).lower(*args).compile()`.
+
+    Returns:
+      An `Audit`; see the module docstring for how payloads, group sizes and loops are counted.
+
+    Raises:
+      TypeError: if `compiled` is not a `jax.stages.Compiled` (a `Lowered` needs `.compile()`).
+      ValueError: if the backend reports no memory analysis, or the HLO text cannot be read.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+      >>> f = jax.jit(lambda x: x @ x.T, in_shardings=NamedSharding(mesh, P(None, "b")),
+      ...             out_shardings=NamedSharding(mesh, P()))
+      >>> report = audit(f.lower(jax.numpy.ones((16, 32))).compile())
+      >>> report.by_kind()  # the f32[16,16] partial products, summed over "b"
+      {'all-reduce': (1.0, 1024.0)}
+      >>> report.collectives[0].group_size
+      4
+    """
+    if not isinstance(compiled, jax.stages.Compiled):
+        raise TypeError(
+            f"jshard.audit expects a jax.stages.Compiled, got {type(compiled).__name__}. "
+            "Pass jax.jit(f).lower(*args).compile()."
+        )
+    # XLA numbers long operand lists with comments (`/*index=5*/%x`); they are not part of names.
+    text = re.sub(r"/\*.*?\*/", "", compiled.as_text())
+    collectives, unknown = read_collectives(text)
+    return Audit(collectives, _memory(compiled), unknown)
+
+
+def _memory(compiled: jax.stages.Compiled) -> MemoryFigures:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise ValueError("jshard.audit: this backend reports no memory analysis for the compiled program.")
+    return MemoryFigures(
+        argument_bytes=int(stats.argument_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        temp_bytes=int(stats.temp_size_in_bytes),
+        alias_bytes=int(stats.alias_size_in_bytes),
+        code_bytes=int(stats.generated_code_size_in_bytes),
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Instr:
+    """One HLO instruction: `name = shape opcode(operands), attributes`; `rest` follows `opcode(`."""
+
+    name: str
+    shape: str
+    opcode: str
+    rest: str
+
+
+def read_collectives(text: str) -> tuple[tuple[Collective, ...], int]:
+    """The trip-weighted collectives of an HLO module's text, and its loops of unknown trip count."""
+    computations, entry = _computations(text)
+    header = text.split("\n", 1)[0]
+    devices = math.prod(int(n) for n in re.findall(r"\b(?:num_partitions|replica_count)=(\d+)", header))
+    totals: dict[tuple[str, int], list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    weights = _weights(computations, entry)
+    for name, weight in weights.items():
+        shapes = {instr.name: instr.shape for instr in computations[name]}
+        for instr in computations[name]:
+            kind = instr.opcode.removesuffix("-start")
+            if kind in _KINDS:
+                total = totals[kind, _group_size(instr.rest, devices)]
+                total[0] += weight
+                total[1] += weight * _payload(instr, kind, shapes)
+    unknown = sum(i.opcode == "while" and _trip(i) is None for n in weights for i in computations[n])
+    found = (Collective(kind, count, size, group) for (kind, group), (count, size) in totals.items())
+    return tuple(sorted(found, key=lambda c: (c.kind, c.group_size))), unknown
+
+
+def _computations(text: str) -> tuple[dict[str, list[_Instr]], str]:
+    """Splits the module into computations (name -> instructions) and names the entry."""
+    computations: dict[str, list[_Instr]] = {}
+    entry, current = "", None
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
+            head = re.match(r"(ENTRY\s+)?%?([^\s(]+)", line)
+            current = computations.setdefault(head[2], [])
+            entry = head[2] if head[1] else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (instr := _instruction(line)):
+            current.append(instr)
+    if not entry:
+        raise ValueError("jshard.audit: the compiled program's HLO text has no ENTRY computation.")
+    return computations, entry
+
+
+def _instruction(line: str) -> _Instr | None:
+    match = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if match is None:
+        return None
+    text = line[match.end() :]
+    end = _close(text, 0) + 1 if text.startswith("(") else text.find(" ")
+    op = re.match(r"\s*([\w\-]+)\(", text[end:]) if end > 0 else None
+    if op is None:
+        return None
+    return _Instr(match[1], text[:end], op[1], text[end + op.end() :])
+
+
+def _close(text: str, start: int) -> int:
+    """Index of the bracket closing the one at `start`, counting `()`, `[]` and `{}` alike."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += (text[i] in "([{") - (text[i] in ")]}")
+        if depth == 0:
+            return i
+    raise ValueError(f"jshard.audit: unbalanced brackets in HLO text: {text!r}")
+
+
+def _weights(computations: dict[str, list[_Instr]], entry: str) -> dict[str, float]:
+    """How many times each computation reachable from `entry` runs per execution of the program."""
+    weights: dict[str, float] = collections.Counter()
+    stack = [(entry, 1.0)]
+    while stack:
+        name, weight = stack.pop()
+        if name not in computations:
+            raise ValueError(f"jshard.audit: the HLO text calls computation {name!r} but never defines it.")
+        weights[name] += weight
+        for instr in computations[name]:
+            stack.extend((callee, weight * factor) for callee, factor in _calls(instr))
+    return weights
+
+
+def _calls(instr: _Instr) -> list[tuple[str, float]]:
+    """The computations `instr` calls, each with how many times it runs per execution of `instr`."""
+    if instr.opcode in ("async-update", "async-done"):
+        return []  # the same computation as their async-start: count it once
+    trip = _trip(instr) if instr.opcode == "while" else None
+    factors = {} if trip is None else {"body": trip, "condition": trip + 1}
+    return [
+        (callee, float(factors.get(attribute, 1)))
+        for attribute, value in _CALLEE.findall(_STRING.sub('""', instr.rest))
+        for callee in re.findall(r"%?([\w.\-]+)", value)
+    ]
+
+
+def _trip(instr: _Instr) -> int | None:
+    match = _TRIP.search(instr.rest)
+    return int(match[1]) if match else None
+
+
+def _payload(instr: _Instr, kind: str, shapes: dict[str, str]) -> float:
+    """Bytes per device moved by one execution of the collective `instr` (see the module docstring)."""
+    operands = sum(_operand_bytes(operand, shapes) for operand in _operands(instr.rest))
+    if kind != "all-gather":
+        return operands
+    result = _shape_bytes(instr.shape)
+    return result - operands if instr.opcode.endswith("-start") else result
+
+
+def _operands(rest: str) -> list[str]:
+    """The operands that open `rest` (the text after `opcode(`), split at their top-level commas."""
+    text = rest[: _close("(" + rest, 0) - 1]
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [part.strip() for part in [*parts, text[start:]] if part.strip()]
+
+
+def _operand_bytes(operand: str, shapes: dict[str, str]) -> float:
+    """Bytes of an operand printed as `%name` (looked up) or `f32[8]{0} %name` (shape inline)."""
+    shape, _, name = operand.rpartition(" ")
+    if shape:
+        return _shape_bytes(shape)
+    if name.lstrip("%") not in shapes:
+        raise ValueError(f"jshard.audit: no shape for operand {name!r} in the HLO text.")
+    return _shape_bytes(shapes[name.lstrip("%")])
+
+
+def _shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape such as `f32[8,16]{1,0}` or a tuple of them (summed)."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape):
+        elements = 1
+        for dim in filter(None, dims.split(",")):
+            elements *= int(dim.strip().removeprefix("<="))
+        total += elements * _element_bits(dtype) / 8
+    return total
+
+
+def _element_bits(dtype: str) -> int:
+    """Bits of an HLO element type: `pred` 8, `token` 0, else the width in its name (`bf16`, `f8e4m3fn`)."""
+    if dtype in _WIDTHLESS:
+        return _WIDTHLESS[dtype]
+    width = re.search(r"\d+", dtype)
+    if width is None:
+        raise ValueError(f"jshard.audit: unknown HLO element type {dtype!r}.")
+    return int(width[0])
+
+
+def _group_size(attributes: str, devices: int) -> int:
+    """Devices per replica group of a collective, from `replica_groups=` or `source_target_pairs=`."""
+    at = attributes.find("replica_groups=")
+    if at < 0:
+        pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attributes)
+        return _permute_group(re.findall(r"\{(\d+),(\d+)\}", pairs[1]) if pairs else [])
+    groups = attributes[at + len("replica_groups=") :]
+    if groups.startswith("{{"):
+        return len(groups[2 : groups.index("}")].split(","))
+    if groups.startswith("["):
+        return int(groups[1 : groups.index("]")].split(",")[-1])
+    if groups.startswith("mesh["):
+        return _mesh_group(groups)
+    return devices  # `{}`: one group of every device
+
+
+def _mesh_group(groups: str) -> int:
+    """Group size of `mesh['x'=2,'y'=4](, device_ids=...) {'y'}`: the product of the named axes."""
+    mesh = groups[: _close(groups, 4) + 1]
+    sizes = dict(re.findall(r"'?([\w.\-]+)'?=(\d+)", mesh))
+    axes = re.match(r"(?:,\s*device_ids=\(.*?\))?\s*\{([^}]*)\}", groups[len(mesh) :])
+    if axes is None:
+        raise ValueError(f"jshard.audit: cannot read the replica groups {groups[:80]!r}.")
+    size = 1
+    for axis in filter(None, axes[1].split(",")):
+        name, _, sub = axis.strip().partition(":")
+        size *= int(sub.rpartition(")")[2]) if sub else int(sizes[name.strip("'\"")])
+    return size
+
+
+def _permute_group(pairs: list[tuple[str, str]]) -> int:
+    """The most devices that a collective-permute's source-target pairs connect."""
+    groups: list[set[str]] = []
+    for source, target in pairs:
+        touching = [group for group in groups if source in group or target in group]
+        groups = [group for group in groups if not any(group is t for t in touching)]
+        groups.append({source, target}.union(*touching))
+    return max((len(group) for group in groups), default=1)
+

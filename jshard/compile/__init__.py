@@ -1,0 +1,17 @@
+"""The compile core every front end shares: validated `Options`, the trace stage (`Traced`), the
+`Planner` contract and its planners, the program stage (`Program`: emission, `jax.jit`, `Plan`), the
+per-signature cache, and `build`, which runs them in order (see ARCHITECTURE.md)."""
+
+from jshard.compile._core import build as build
+from jshard.compile._options import Options as Options
+from jshard.compile._options import PipelineOptions as PipelineOptions
+from jshard.compile._options import parse_bytes as parse_bytes
+from jshard.compile._planners import Planned as Planned
+from jshard.compile._planners import Planner as Planner
+from jshard.compile._planners import Problem as Problem
+from jshard.compile._program import Program as Program
+from jshard.compile._signature import SignatureCache as SignatureCache
+from jshard.compile._signature import abstract as abstract
+from jshard.compile._signature import dtype_of as dtype_of
+from jshard.compile._signature import placed as placed
+from jshard.compile._trace import Traced as Traced

@@ -1,0 +1,122 @@
+"""The anchors at the function boundary: each argument's and result's sharding before planning.
+
+An argument takes, in order: its `in_strategy`; the sharding of a `shard` call it flows straight
+into (`semi_auto`, `auto`); the dataset policy where it is the batch; else it is left to the
+planner (`semi_auto`, `auto` with jshard's engine) or replicated. A result takes its
+`out_strategy`, or is left to the planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jshard._errors import ShardingError
+from jshard._format import var_str
+from jshard.compile._options import Options
+from jshard.compile._signature import dtype_of
+from jshard.compile._trace import Traced
+from jshard.graph import CONSTRAINT
+from jshard.layouts import (
+    NotRefined,
+    Slot,
+    canonicalize_strategy_tree,
+    check_batch_rows,
+    check_divides,
+    dataset_slots,
+    layout_of,
+)
+
+BOUNDARY = "the function boundary"
+
+
+def argument_leaves(args: tuple, argnums: Sequence[int]) -> set[int]:
+    """Leaf indices of the positional arguments `argnums` (negative counts from the end)."""
+    ids, start = set(), 0
+    for i, a in enumerate(args):
+        count = len(jax.tree_util.tree_leaves(a))
+        if i in argnums or i - len(args) in argnums:
+            ids.update(range(start, start + count))
+        start += count
+    return ids
+
+
+def in_shardings(traced: Traced, slots: Sequence[Slot], batch: set[int], options: Options, call: str) -> list:
+    """Each argument leaf's `NamedSharding`, or None where the planner decides it."""
+    anchors = boundary_anchors(traced, call)
+    return [_in_sharding(traced, path, x, slot, anchors.get(v), i in batch, options, call)
+            for i, (path, x, slot, v) in enumerate(zip(traced.paths, traced.leaves, slots, traced.invars))]
+
+
+def out_shardings(traced: Traced, options: Options, call: str) -> list:
+    """Each result leaf's `NamedSharding` from `out_strategy`, or None where the planner decides it."""
+    slots = canonicalize_strategy_tree(options.out_strategy, jax.tree_util.tree_unflatten(traced.out_tree, traced.out_leaves),
+                                       call=call, what="out_strategy")
+    return [None if slot is None else _given(traced, slot, x, f"out_strategy{path}", options, call)
+            for path, x, slot in zip(traced.out_paths, traced.out_leaves, slots)]
+
+
+def _in_sharding(traced: Traced, path, x, slot, anchor, batch: bool, c: Options, call: str):
+    if slot is not None:
+        return _given(traced, slot, x, f"in_strategy{path}", c, call)
+    if anchor is not None and c.mode in ("semi_auto", "auto"):
+        return anchor
+    free = c.mode in ("semi_auto", "auto") and c.propagation == "jshard"
+    searched = c.mode == "auto" and c.search != "propagation"  # the search decides the batch too
+    cut_batch = c.mode != "manual" and c.dataset_strategy == "data_parallel" and not searched
+    if batch and cut_batch and np.ndim(x) > 0:
+        n = traced.fine.device_count
+        check_batch_rows(np.shape(x), n, call=call, where=f"args{path}")
+        (rows,) = dataset_slots([np.ndim(x)], c.dataset_strategy, n, call=call)
+        return _layout_sharding(traced, rows, x, f"dataset_strategy for args{path}", call)
+    return None if free else NamedSharding(traced.mesh, PartitionSpec())
+
+
+def _given(traced: Traced, slot, x, what: str, c: Options, call: str) -> NamedSharding:
+    if isinstance(slot, PartitionSpec) and c.mode == "manual":
+        return NamedSharding(traced.mesh, slot)
+    return _layout_sharding(traced, slot, x, what, call)
+
+
+def _layout_sharding(traced: Traced, slot, x, what: str, call: str) -> NamedSharding:
+    layout = layout_of(slot, traced.fine.device_count, call=call, op=BOUNDARY, what=what)
+    check_divides(layout, np.shape(x), call=call, op=BOUNDARY, what=what, dtype=dtype_of(x))
+    try:
+        return NamedSharding(traced.mesh, traced.fine.partition_spec(layout))
+    except NotRefined as e:
+        e.who = what
+        raise
+
+
+def boundary_anchors(traced: Traced, call: str) -> dict:
+    """Arguments that flow straight into a user constraint take its sharding as their own.
+
+    Raises:
+      ShardingError: one argument constrained two different ways by two `shard` calls.
+    """
+    top = set(traced.invars)
+    found: dict = {}
+    where: dict = {}
+    for node in traced.nodes:
+        if node.primitive != CONSTRAINT or node.inside or node.inputs[0] not in top:
+            continue
+        v, sharding = node.inputs[0], _settled(node.eqn.params["sharding"])
+        if v in found and found[v].spec != sharding.spec:
+            raise ShardingError(
+                f"{call}: one argument ({var_str(v, short=False)}) is constrained two ways: {found[v].spec} by "
+                f"{where[v]} and {sharding.spec} by {node.source}. Configure one strategy for this value, "
+                f"or make the redistribution explicit by sharding a copy."
+            )
+        found.setdefault(v, sharding)
+        where.setdefault(v, node.source)
+    return found
+
+
+def _settled(sharding: NamedSharding) -> NamedSharding:
+    """`sharding` with its unconstrained dims (a `vmap`ped constraint's batch dim) left whole, as an
+    argument's sharding must fix every dim."""
+    spec = PartitionSpec(*(None if p is PartitionSpec.UNCONSTRAINED else p for p in sharding.spec))
+    return NamedSharding(sharding.mesh, spec)

@@ -1,0 +1,125 @@
+"""The compile core: trace → anchors → plan → program, once per input signature.
+
+`parallelize` calls `build` with validated `Options`. It chooses the fine mesh (refining it and
+tracing again where a strategy met while tracing needs a finer one), fixes the boundary, asks the
+`Planner` the options name, and builds the `Program`. With `memory_budget` and devices present, the
+searched program's compiled memory is checked and the search asked again for less, up to
+`BUDGET_ROUNDS` times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from jshard._errors import ShardingError
+from jshard._format import human_bytes
+from jshard.compile._boundary import (
+    BOUNDARY,
+    argument_leaves,
+    in_shardings,
+    out_shardings,
+)
+from jshard.compile._options import Options
+from jshard.compile._planners import Problem, planner_for
+from jshard.compile._program import Program, build_program, compiled_peak
+from jshard.compile._trace import devices_for, trace
+from jshard.layouts import FineMesh, NotRefined, canonicalize_in_strategy, layout_of
+
+BUDGET_ROUNDS = 3
+"""How many searches a `memory_budget` gets when XLA's compiled program holds more than estimated."""
+
+
+def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:
+    """The `Program` of `fn` for the signature of `args`."""
+    devices = devices_for(options)
+    n = options.devices if devices is None else len(devices)
+    slots = canonicalize_in_strategy(options.in_strategy, args, call=call)
+    needed = _boundary_matrices(options, slots, args, n, call)
+    while True:
+        fine = _fine_mesh(options, n, needed, call)
+        try:
+            return _build_on(fn, args, fine, devices, slots, options, call)
+        except NotRefined as e:
+            if options.mode == "manual":
+                raise ShardingError(_manual_mesh_error(call, e, options.mesh)) from None
+            needed.append((e.matrix, e.who))
+
+
+def _build_on(fn, args, fine: FineMesh, devices, slots, c: Options, call: str) -> Program:
+    """Traces, plans and builds on one fine mesh; raises `NotRefined` where it is too coarse."""
+    traced = trace(fn, args, fine, devices, c, call)
+    batch = argument_leaves(args, (len(args) - 1,) if c.batch_argnums is None else c.batch_argnums)
+    in_sh = in_shardings(traced, slots, batch, c, call)
+    out_sh = out_shardings(traced, c, call)
+    planner = planner_for(c, call)
+    problem = Problem(traced, in_sh, frozenset(argument_leaves(args, c.donate_argnums)), c.memory_budget)
+    checked = c.searching and c.memory_budget is not None and devices is not None
+    held = 0.0
+    for attempt in range(BUDGET_ROUNDS):
+        try:
+            planned = planner.plan(problem)
+        except ShardingError as e:
+            if attempt == 0:
+                raise
+            raise ShardingError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e)) from None
+        given = planned.in_shardings or [None] * len(in_sh)
+        program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args)
+        if not checked:
+            return program
+        held = compiled_peak(program.jitted, args)
+        report = dataclasses.replace(planned.report, compiled_peak_bytes=held)
+        if held <= c.memory_budget:
+            return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
+        # XLA holds more than the search's estimate: ask for less.
+        problem = dataclasses.replace(problem, budget=problem.budget * c.memory_budget / held * 0.97)
+    raise ShardingError(
+        f"{call}: memory_budget={human_bytes(c.memory_budget)} per device: the searched plan's "
+        f"compiled program still holds {human_bytes(held)} per device after {BUDGET_ROUNDS} searches with "
+        f"tighter estimates (XLA's temporary buffers exceed what the search models). Raise "
+        f"memory_budget, or use more devices."
+    )
+
+
+def _boundary_matrices(c: Options, slots, args, n: int, call: str) -> list[tuple[tuple[int, ...], str]]:
+    """Device matrices the fine mesh must refine before tracing: the mesh's and `in_strategy`'s."""
+    if c.mode == "manual":
+        return []
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    needed = [] if c.mesh is None else [(tuple(c.mesh.devices.shape), f"the mesh {dict(c.mesh.shape)}")]
+    for slot, path in zip(slots, paths):
+        what = f"in_strategy{path}"
+        if slot is not None and not isinstance(slot, PartitionSpec):
+            needed.append((layout_of(slot, n, call=call, op=BOUNDARY, what=what).device_matrix, what))
+    return needed
+
+
+def _fine_mesh(c: Options, n: int, needed, call: str) -> FineMesh:
+    if c.mode == "manual":
+        return FineMesh.of_mesh(c.mesh)
+    default = FineMesh.for_devices(n)
+    if all(default.fits(m) for m, _ in needed):
+        return default
+    return FineMesh.refining(n, [m for m, _ in needed], [w for _, w in needed], call=call)
+
+
+def _budget_retry_error(call: str, budget: float, held: float, asked: float, e: ShardingError) -> str:
+    return (
+        f"{call}: memory_budget={human_bytes(budget)} per device: the searched plan's compiled program held "
+        f"{human_bytes(held)} per device (XLA's buffers exceed the search's estimate), and asked for "
+        f"{human_bytes(asked)} instead the search found nothing: {str(e).split(': ', 1)[-1]}"
+    )
+
+
+def _manual_mesh_error(call: str, e: NotRefined, mesh: Mesh) -> str:
+    return (
+        f"{call}: {e.who} uses device matrix {list(e.matrix)}, whose axes do not line up with the axes "
+        f"of your mesh {dict(mesh.shape)}, and mode='manual' keeps the mesh as given. Use a strategy "
+        f"or a jshard.Layout whose device-matrix axes each cover consecutive mesh axes (e.g. "
+        f"Layout({tuple(mesh.devices.shape)}, {tuple(mesh.axis_names)})), or mode='semi_auto' with "
+        f"mesh=... so that jshard refines the mesh."
+    )

@@ -1,0 +1,154 @@
+"""The options of one parallelized function, validated once for every front end.
+
+`parallelize`, the pipeline front end and `jshard plan` build one `Options` (with a
+`PipelineOptions` where a pipeline is asked for) and call `check`; each rule raises one
+`ShardingError` naming the call, the value and the fix. A new feature adds a field and a rule
+here, not another keyword check in a front end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import Mesh
+
+from jshard._errors import ShardingError
+from jshard.cost import CostModel
+from jshard.layouts import check_dataset_strategy
+from jshard.plan import Plan
+from jshard.search import SEARCHES
+
+MODES = ("data", "semi_auto", "auto", "manual")
+"""`parallelize`'s modes (see its docstring)."""
+
+PROPAGATIONS = ("jshard", "xla")
+"""Who lays out the operators no strategy fixes: jshard's engine, or Shardy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """How to pipeline (`parallelize(..., pipeline_stages=S, micro_batches=M, schedule=...)`).
+
+    Attributes:
+      stages: S, the number of stages.
+      micro_batches: M, micro-batches per step.
+      schedule: `"1f1b"`, `"gpipe"` or `"interleaved"`.
+      virtual_stages: v, model chunks per stage (interleaved).
+      result_broadcast: inference outputs on every device (else on the last stage).
+    """
+
+    stages: int | None
+    micro_batches: int | None
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    result_broadcast: bool = False
+
+    @property
+    def asked(self) -> bool:
+        """Whether any pipeline option differs from its default (a pipeline was asked for)."""
+        return (self.stages is not None or self.micro_batches is not None or self.schedule != "1f1b"
+                or self.virtual_stages != 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Every option of one `parallelize` call (see `jshard.parallelize` for each)."""
+
+    devices: int | None = None
+    mesh: Mesh | None = None
+    mode: str = "semi_auto"
+    in_strategy: Any = None
+    out_strategy: Any = None
+    donate_argnums: tuple[int, ...] = ()
+    dataset_strategy: str = "data_parallel"
+    batch_argnums: tuple[int, ...] | None = None
+    propagation: str = "jshard"
+    cost_model: CostModel | None = None
+    plan: Plan | None = None
+    search: str = "recursive"
+    memory_budget: float | None = None
+    search_time_limit: float = 60.0
+    pipeline: PipelineOptions | None = None
+
+    @classmethod
+    def create(cls, *, donate_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] | None = None,
+               memory_budget: int | float | str | None = None, search_time_limit: float = 60.0,
+               pipeline_stages: int | None = None, micro_batches: int | None = None, schedule: str = "1f1b",
+               virtual_stages: int = 1, pipeline_result_broadcast: bool = False, **fields: Any) -> Options:
+        """Options from `parallelize`'s keywords, normalized (argnums as tuples, sizes as bytes, the
+        pipeline's keywords as one `PipelineOptions`, or None where none differs from its default)."""
+        pipeline = PipelineOptions(pipeline_stages, micro_batches, schedule, virtual_stages, pipeline_result_broadcast)
+        return cls(donate_argnums=_argnums(donate_argnums), batch_argnums=None if batch_argnums is None else _argnums(batch_argnums),
+                   memory_budget=parse_bytes(memory_budget), search_time_limit=float(search_time_limit),
+                   pipeline=pipeline if pipeline.asked else None, **fields)
+
+    @property
+    def searching(self) -> bool:
+        """Whether the strategy search plans (`mode="auto"` with a search, no loaded plan)."""
+        return self.mode == "auto" and self.search != "propagation" and self.plan is None
+
+    def check(self, call: str) -> None:
+        """Raises `ShardingError` (or `TypeError`) for the first rule these options break."""
+        _check_choices(call, self)
+        _check_search(call, self)
+        if self.plan is not None and not isinstance(self.plan, Plan):
+            raise TypeError(f"{call}: plan= takes a jshard.Plan (from Plan.load), got {type(self.plan).__name__}.")
+        check_dataset_strategy(self.dataset_strategy, call=call, tuples=False)
+        if self.mode == "manual" and self.mesh is None:
+            raise ShardingError(f"{call}: mode='manual' takes PartitionSpecs over your mesh; pass mesh=... too.")
+        if self.mesh is not None and self.devices is not None and self.devices != self.mesh.devices.size:
+            raise ShardingError(f"{call}: devices={self.devices} but mesh has {self.mesh.devices.size} devices; pass one of them.")
+
+
+def _check_choices(call: str, c: Options) -> None:
+    if c.mode not in MODES:
+        raise ShardingError(f"{call}: mode={c.mode!r} is not one of {MODES}.")
+    if c.propagation not in PROPAGATIONS:
+        raise ShardingError(f"{call}: propagation={c.propagation!r} is not one of {PROPAGATIONS}.")
+    if c.plan is not None and (c.propagation != "jshard" or c.mode == "manual"):
+        raise ShardingError(
+            f"{call}: plan= rebuilds a plan jshard propagated or searched; it cannot be used with "
+            f"{'mode=' + repr(c.mode) if c.mode == 'manual' else 'propagation=' + repr(c.propagation)}. "
+            f"Drop plan=, or use propagation='jshard' with mode='semi_auto', 'auto' or 'data'."
+        )
+    if c.search not in SEARCHES:
+        raise ShardingError(f"{call}: search={c.search!r} is not one of {SEARCHES}.")
+
+
+def _check_search(call: str, c: Options) -> None:
+    if c.mode != "auto" and (c.search != "recursive" or c.memory_budget is not None):
+        what = "memory_budget" if c.memory_budget is not None else f"search={c.search!r}"
+        raise ShardingError(f"{call}: {what} applies to the strategy search, mode='auto' (this call has "
+                            f"mode={c.mode!r}). Pass mode='auto', or drop {what.split('=')[0]}.")
+    if c.mode == "auto" and c.propagation != "jshard":
+        raise ShardingError(f"{call}: mode='auto' searches with jshard's own cost model; it cannot be "
+                            f"used with propagation={c.propagation!r}. Drop propagation=.")
+    if c.mode == "auto" and c.search == "propagation" and c.memory_budget is not None:
+        raise ShardingError(f"{call}: search='propagation' cuts the batch and propagates; it does not "
+                            f"weigh memory, so it cannot meet memory_budget. Use search='recursive' or 'ilp'.")
+    if c.memory_budget is not None and c.memory_budget <= 0:
+        raise ShardingError(f"{call}: memory_budget must be a positive number of bytes per device, "
+                            f"got {c.memory_budget!r}.")
+
+
+def _argnums(value: int | Sequence[int]) -> tuple[int, ...]:
+    return (value,) if isinstance(value, int) else tuple(value)
+
+
+def parse_bytes(value: int | float | str | None) -> float | None:
+    """`16GiB`, `512 MiB`, `2e9` or a number of bytes, as bytes; None stays None.
+
+    Examples:
+      >>> parse_bytes("1.5KiB"), parse_bytes(4096), parse_bytes("2GB")
+      (1536.0, 4096.0, 2000000000.0)
+    """
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else float(value)
+    text = value.strip().replace(" ", "")
+    units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "B": 1}
+    for unit, size in units.items():
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * size
+    return float(text)

@@ -1,0 +1,12 @@
+"""The cost model (α–β collectives per mesh axis, redistribution between layouts, compute) and the
+memory model (live bytes per device at each program point) that propagation, the search and the
+memory planners share."""
+
+from jshard.cost._collectives import Comm as Comm
+from jshard.cost._collectives import CostModel as CostModel
+from jshard.cost._collectives import local_bytes as local_bytes
+from jshard.cost._collectives import redistribution as redistribution
+from jshard.cost._memory import LiveRanges as LiveRanges
+from jshard.cost._memory import array_of as array_of
+from jshard.cost._memory import live_ranges as live_ranges
+from jshard.cost._memory import value_bytes as value_bytes

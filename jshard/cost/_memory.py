@@ -1,0 +1,88 @@
+"""The memory model: which values one device holds at each top-level program point.
+
+A value is live from the operator that makes it to its last top-level use (a use inside a loop or
+branch counts at the loop); arguments from the start to the end unless donated; the function's
+results to the end. Bytes per device follow from each value's layout, so the search (and the
+recompute, offload and pipeline planners after it) weigh a layout's memory the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from jax.extend import core as jcore
+
+from jshard.graph import Node
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_itemsize(aval) -> tuple[tuple[int, ...], int]:
+    return tuple(aval.shape), np.dtype(aval.dtype).itemsize
+
+
+def array_of(v) -> tuple[tuple[int, ...], int]:
+    """`(shape, itemsize)` of a jaxpr value."""
+    return _shape_itemsize(v.aval)
+
+
+def value_bytes(v) -> float:
+    """Bytes of a whole jaxpr value (on one device holding all of it)."""
+    shape, itemsize = array_of(v)
+    return float(math.prod(shape) * itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveRanges:
+    """Live ranges over the top-level program points `0..end` of a flattened program.
+
+    Attributes:
+      first / last: value -> the first and last program point it is held at.
+      end: the point after the last operator (the function's results).
+    """
+
+    first: Mapping
+    last: Mapping
+    end: int
+
+    def live_bytes(self, held: Mapping) -> np.ndarray:
+        """Bytes live at each program point, given the bytes one device holds of each value."""
+        delta = np.zeros(self.end + 2)
+        for v, b in held.items():
+            delta[self.first[v]] += b
+            delta[self.last[v] + 1] -= b
+        return np.cumsum(delta)[: self.end + 1]
+
+    def live_at(self, t: int, values: Sequence) -> list:
+        """Those of `values` held at program point `t`."""
+        return [v for v in values if self.first[v] <= t <= self.last[v]]
+
+
+def live_ranges(nodes: Sequence[Node], args: Sequence, outvars: Sequence, donated: frozenset = frozenset()) -> LiveRanges:
+    """The `LiveRanges` of the non-scalar values of a flattened program (see the module docstring)."""
+    top, enclosing = [], -1
+    for i, node in enumerate(nodes):
+        if not node.inside:
+            enclosing = i
+        top.append(enclosing)
+    end = len(nodes)
+    first: dict = {}
+    last: dict = {}
+    for v in args:
+        if isinstance(v, jcore.Var) and getattr(v.aval, "shape", ()):
+            first[v], last[v] = 0, (0 if v in donated else end)
+    for i, node in enumerate(nodes):
+        for v in node.inputs:
+            if isinstance(v, jcore.Var) and v in first:
+                last[v] = max(last[v], top[i])
+        if not node.inside:
+            for v in node.outputs:
+                if getattr(v.aval, "shape", ()):
+                    first[v] = last[v] = i
+    for v in outvars:
+        if isinstance(v, jcore.Var) and v in last:
+            last[v] = end
+    return LiveRanges(first, last, end)

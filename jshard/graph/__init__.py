@@ -1,0 +1,12 @@
+"""jaxpr → OpGraph: the traced program as a flat list of operator `Node`s (calls inlined, loop and
+branch bodies nested in place), the form every planner reads."""
+
+from jshard.graph._graph import CONSTRAINT as CONSTRAINT
+from jshard.graph._graph import INLINE as INLINE
+from jshard.graph._graph import NESTED as NESTED
+from jshard.graph._graph import Node as Node
+from jshard.graph._graph import flatten as flatten
+from jshard.graph._graph import inline_equations as inline_equations
+from jshard.graph._graph import nested_jaxprs as nested_jaxprs
+from jshard.graph._graph import operand_vars as operand_vars
+from jshard.graph._graph import resolve as resolve

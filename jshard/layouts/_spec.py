@@ -1,0 +1,45 @@
+"""`Spec`: a value's layout over the fine mesh's named axes, and its `PartitionSpec` forms.
+
+The engine, the search, the cost model and emission all reason in `Spec`s (per dim, the mesh axes
+that cut it, major to minor); JAX speaks `PartitionSpec`. These are the only conversions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jax.sharding import PartitionSpec
+
+Spec = tuple[tuple[str, ...], ...]
+"""A value's layout: per dimension, the fine-mesh axes that cut it (major to minor); `()`: whole."""
+
+
+def replicated(rank: int) -> Spec:
+    """Every dim whole."""
+    return tuple(() for _ in range(rank))
+
+
+@functools.lru_cache(maxsize=8192)
+def to_pspec(spec: Spec) -> PartitionSpec:
+    """`spec` as a `PartitionSpec` (trailing whole dims dropped)."""
+    entries = [None if not axes else axes[0] if len(axes) == 1 else tuple(axes) for axes in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def constraint_spec(sharding, rank: int) -> Spec:
+    """The `Spec` of a `NamedSharding` on a value of `rank` dims (unconstrained dims whole)."""
+    return spec_from_pspec(sharding.spec, rank)
+
+
+def spec_from_pspec(pspec: PartitionSpec, rank: int) -> Spec:
+    """A `PartitionSpec` on a value of `rank` dims as a `Spec` (unconstrained dims whole)."""
+    spec = tuple(pspec) + (None,) * (rank - len(pspec))
+    out = []
+    for p in spec:
+        if p is None or p is PartitionSpec.UNCONSTRAINED:
+            out.append(())
+        else:
+            out.append(tuple(p) if isinstance(p, tuple) else (p,))
+    return tuple(out)

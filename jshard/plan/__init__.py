@@ -1,0 +1,9 @@
+"""`Plan`: the typed record of what jshard decided for every operator (`OpRecord`), how it explains
+a choice, and its JSON form (MindSpore's strategy checkpoint)."""
+
+from jshard.plan._io import to_json as to_json
+from jshard.plan._plan import Plan as Plan
+from jshard.plan._records import ORIGINS as ORIGINS
+from jshard.plan._records import OpLayout as OpLayout
+from jshard.plan._records import OpRecord as OpRecord
+from jshard.plan._records import build_ops as build_ops

@@ -1,0 +1,72 @@
+"""`Plan.explain`: why one operator got its strategy, in words."""
+
+from __future__ import annotations
+
+from jshard._format import human_bytes
+from jshard.plan._records import strategies_str
+
+_MAX_CHAIN = 8
+
+
+def explain(plan, op) -> str:
+    """The operator's strategy, the anchor it came from and the chain between, its cost, and the best
+    alternative it rejected."""
+    where = f"{op.source or 'no source line'}, {'backward' if op.backward else 'forward'}" + (f", inside {op.inside}" if op.inside else "")
+    lines = [f"op #{op.index} {op.primitive} ({where})"]
+    lines.append(f"  strategy: in {strategies_str(op.in_strategy)} -> out {strategies_str(op.out_strategy)}; origin {op.origin}")
+    if op.origin == "user" and op.annotation:
+        lines.append(f"  set by the user: jshard.shard({op.annotation}) at {op.source}")
+    elif op.origin == "searched":
+        how = "" if plan.search is None else f" (search={plan.search.search}, {plan.search.status})"
+        lines.append(f"  chosen by the strategy search{how}: the least-cost plan over every operator together")
+    elif op.origin == "default":
+        reason = "no sharding rule for this primitive" if not op.ruled else "no anchor reaches it"
+        lines.append(f"  left replicated ({reason}); XLA decides its layout")
+    else:
+        chain = _chain(plan, op)
+        anchor = chain[-1]
+        lines.append(f"  came from: {_anchor(plan, anchor)}")
+        if len(chain) > 1:
+            shown = [f"#{i} {plan.ops[i].primitive}" for i in reversed(chain[:_MAX_CHAIN]) if isinstance(i, int)]
+            more = f"... {len(chain) - _MAX_CHAIN} more ... -> " if len(chain) > _MAX_CHAIN else ""
+            lines.append("  through: " + more + " -> ".join(shown))
+    if op.comms:
+        paid = "; ".join(f"{k} of {human_bytes(b)} over {'×'.join(a)}" for k, b, a in op.comms)
+        lines.append(f"  cost paid: {paid} ({op.seconds * 1e6:.8g} us predicted)")
+    elif op.origin != "default":
+        lines.append("  cost paid: none (no redistribution, no partial sums)")
+    if op.rejected:
+        lines.append(f"  best rejected alternative: {op.rejected}")
+    return "\n".join(lines)
+
+
+def _chain(plan, op) -> list:
+    """Operator indices from `op` back to its anchor; the last entry is the anchor (an index, or
+    `"arg"`/`"user"`)."""
+    chain: list = [op.index]
+    seen = {op.index}
+    current = op
+    while True:
+        via = current.via
+        if not via.isdigit():
+            chain.append(via or "user")
+            return chain
+        i = int(via)
+        if i in seen:
+            return chain
+        seen.add(i)
+        chain.append(i)
+        current = plan.ops[i]
+        if current.origin == "user":
+            return chain
+
+
+def _anchor(plan, anchor) -> str:
+    if anchor == "arg":
+        return "an argument whose layout is fixed (in_strategy, a shard call's input, or the batch)"
+    if anchor == "user":
+        return "a sharding constraint of a jshard.shard call"
+    op = plan.ops[anchor]
+    name = f" [{op.annotation}]" if op.annotation else ""
+    return f"#{op.index} {op.primitive}{name} ({op.origin}, {op.source})"
+

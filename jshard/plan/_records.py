@@ -1,0 +1,200 @@
+"""`OpRecord`: one operator of a planned program, as a person reads it, and `build_ops`, which makes
+them from the OpGraph and a planning result."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from jax.sharding import PartitionSpec
+
+from jshard._context import Annotation
+from jshard._format import var_str
+from jshard.cost import Comm
+from jshard.graph import Node
+from jshard.layouts import FineMesh, Spec, Strategy, TensorLayout, to_pspec
+
+ORIGINS = ("user", "propagated", "searched", "default")
+"""Where an operator's strategy came from: a `shard` call, the propagation engine, the search, or
+nowhere (left to XLA's own propagation from the anchors)."""
+
+_SCOPE = re.compile(r"jshard_shard\d+")
+
+
+class OpLayout(NamedTuple):
+    """An operator's layouts over the fine mesh, as the engine decided them.
+
+    Attributes:
+      in_specs / out_specs: each operand's `Spec` (loop bodies' results and parameters follow).
+      implied: whether XLA infers the results' layouts from the inputs alone (no constraint).
+    """
+
+    in_specs: tuple[Spec, ...]
+    out_specs: tuple[Spec, ...]
+    implied: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpRecord:
+    """One operator of the planned program.
+
+    Attributes:
+      index: position in program order (nested jaxprs flattened in place).
+      primitive: the JAX primitive (`dot_general`, `add`, ...).
+      source: `file:line (function)` of the user code that made it.
+      in_shapes / out_shapes: shapes as `f32[8,64]`.
+      in_strategy / out_strategy: MindSpore tuples per operand (None: not fixed by jshard).
+      in_specs / out_specs: the same as `PartitionSpec`s over the plan's mesh.
+      origin: `user`, `propagated`, `searched` or `default`.
+      annotation: the `shard`ed function it belongs to, or `""`.
+      backward: whether it belongs to the backward pass.
+      inside: the enclosing loop or branch primitive, or `""`.
+      comms: predicted collectives (`Comm`: kind, bytes per device, mesh axes) per call of the
+        program (weighted by loop trip counts): redistributing its inputs and its partial sums.
+      seconds: their predicted α–β time.
+      via: the index of the operator (or `"arg"`, `"user"`) whose layout this one took.
+      rejected: the best alternative it did not take, described, or `""`.
+      ruled: False where jshard has no sharding rule for the primitive (left replicated).
+    """
+
+    index: int
+    primitive: str
+    source: str
+    in_shapes: tuple[str, ...]
+    out_shapes: tuple[str, ...]
+    in_strategy: tuple[Strategy | None, ...] | None
+    out_strategy: tuple[Strategy | None, ...] | None
+    in_specs: tuple[PartitionSpec | None, ...] | None
+    out_specs: tuple[PartitionSpec | None, ...] | None
+    origin: str
+    annotation: str = ""
+    backward: bool = False
+    inside: str = ""
+    comms: tuple[Comm, ...] = ()
+    seconds: float = 0.0
+    via: str = ""
+    rejected: str = ""
+    ruled: bool = True
+    layout: OpLayout | None = None
+    """For a propagated or searched operator, its operands' layouts over the fine mesh, loop bodies
+    included: what emission and `Plan.load` need to rebuild the same program."""
+
+
+
+
+def strategies_str(value) -> str:
+    """Per-operand strategy tuples as plans print them: `((2, 1), (1, 4))`, `-` for none."""
+    if value is None:
+        return "-"
+    return "(" + ", ".join("-" if s is None else str(s) for s in value) + ("," if len(value) == 1 else "") + ")"
+
+
+def build_ops(
+    nodes: Sequence[Node], annotations: Sequence[Annotation], fine: FineMesh, result=None
+) -> tuple[OpRecord, ...]:
+    """One `OpRecord` per operator; the main operator of each `shard` call carries its strategy.
+
+    Sharding constraints themselves are not operators and are left out. In a `shard` region the
+    main operator is its first `dot_general` (else its first operator). With a propagation
+    `result`, every operator it decided carries its strategy (`origin="propagated"`, `searched`
+    where the strategy search chose it, or `user` inside a `shard` region's forward pass).
+    """
+    by_scope = {a.scope: a for a in annotations}
+    main: dict[str, Node] = {}
+    for node in nodes:
+        scope = _innermost(node.scope)
+        if scope and not node.backward and node.primitive != "sharding_constraint":
+            if scope not in main or (node.primitive == "dot_general" and main[scope].primitive != "dot_general"):
+                main[scope] = node
+    number = {}
+    for i, node in enumerate(nodes):
+        if node.primitive != "sharding_constraint":
+            number[i] = len(number)
+    node_index = {id(n): i for i, n in enumerate(nodes)}
+    stands_for = dict(number)  # a shard call's constraints stand for its main operator
+    for i, node in enumerate(nodes):
+        main_node = main.get(_innermost(node.scope))
+        if i not in number and main_node is not None:
+            stands_for[i] = number[node_index[id(main_node)]]
+    records = []
+    cuts = _cutter(dict(zip(fine.names, fine.sizes)))
+    for i, node in enumerate(nodes):
+        if i not in number:
+            continue
+        scope = _innermost(node.scope)
+        ann = by_scope.get(scope)
+        user = ann is not None and not node.backward
+        fields = dict(origin="user" if user else "default", in_strategy=None, out_strategy=None, in_specs=None, out_specs=None)
+        if ann is not None and main.get(scope) is node:
+            fields.update(
+                in_strategy=_strategy_tuple(ann.in_layouts), out_strategy=_strategy_tuple(ann.out_layouts),
+                in_specs=_spec_tuple(ann.in_layouts, fine), out_specs=_spec_tuple(ann.out_layouts, fine),
+            )
+        decision = None if result is None else result.decisions.get(i)
+        if decision is not None:
+            n_in, n_out = len(node.inputs), len(node.outputs)
+            ins, outs = decision.in_specs[:n_in], decision.out_specs[:n_out]
+            if fields["in_strategy"] is None:
+                fields.update(
+                    in_strategy=tuple(map(cuts, ins)), out_strategy=tuple(map(cuts, outs)),
+                    in_specs=tuple(map(to_pspec, ins)), out_specs=tuple(map(to_pspec, outs)),
+                )
+            fields.update(
+                origin="user" if user else "searched" if decision.via == "searched" else "propagated",
+                comms=tuple(Comm(c.kind, c.bytes * node.weight, c.axes) for c in decision.comms),
+                seconds=decision.seconds,
+                via=_via(decision.via, stands_for),
+                rejected=_rejected(decision.rejected, n_in, n_out, cuts),
+                layout=OpLayout(decision.in_specs, decision.out_specs, decision.implied),
+            )
+        records.append(
+            OpRecord(
+                index=number[i], primitive=node.primitive, source=node.source,
+                in_shapes=tuple(var_str(v) for v in node.inputs), out_shapes=tuple(var_str(v) for v in node.outputs),
+                annotation=ann.name if ann is not None else "", backward=node.backward, inside=node.inside,
+                ruled=result is None or i not in result.unruled, **fields,
+            )
+        )
+    return tuple(records)
+
+
+def _cutter(sizes):
+    """`spec -> strategy tuple` over a mesh with axis `sizes`, memoized for one plan."""
+
+    @functools.lru_cache(maxsize=None)
+    def cuts(spec) -> Strategy:
+        return tuple(math.prod(sizes[a] for a in axes) for axes in spec)
+
+    return cuts
+
+
+def _via(via: str, number: dict[int, int]) -> str:
+    if via.isdigit():
+        i = int(via)
+        return str(number[i]) if i in number else "user"
+    return via
+
+
+def _rejected(rejected, n_in: int, n_out: int, cuts) -> str:
+    if rejected is None:
+        return ""
+    ins, outs, seconds = rejected.in_specs, rejected.out_specs, rejected.seconds
+    strategy = f"{strategies_str(tuple(map(cuts, ins[:n_in])))} -> {strategies_str(tuple(map(cuts, outs[:n_out])))}"
+    return f"{strategy} at {seconds * 1e6:.8g} us"
+
+
+def _innermost(scope: str) -> str:
+    found = _SCOPE.findall(scope)
+    return found[-1] if found else ""
+
+
+def _strategy_tuple(layouts: Sequence[TensorLayout | None]):
+    return tuple(None if lay is None else lay.strategy for lay in layouts)
+
+
+def _spec_tuple(layouts: Sequence[TensorLayout | None], fine: FineMesh):
+    return tuple(None if lay is None else fine.partition_spec(lay) for lay in layouts)

@@ -1,0 +1,149 @@
+"""Sharding rules as *factors*, and the one registry every rule family writes to.
+
+A rule describes an operator by the loops it runs, as Shardy's `OpShardingRule` does: every
+tensor dimension is a product of factors (most dims are one factor; a reshape's merged dim is two),
+and two dims that share a factor must be cut the same way. A factor that appears in the inputs but
+in no output is *reduced* (a contraction, a sum) where the rule says so: cutting it leaves partial
+results, summed by an all-reduce; otherwise a dim with no factor must be whole.
+
+Values are laid out by a `Spec`: for each dimension, the mesh axes that cut it, major to minor.
+A candidate strategy for an operator is an assignment of mesh axes to its factors (each axis used
+once); every operand's `Spec` follows from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from jax.extend import core as jcore
+
+from jshard.layouts import Spec
+
+DimFactors = tuple[int, ...]
+"""The factors one dimension is made of, major to minor (`()`: the dim must be whole)."""
+
+Assignment = Mapping[int, tuple[str, ...]]
+"""Mesh axes per factor id."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Factors:
+    """How an operator's operands share their dimensions.
+
+    Attributes:
+      inputs: per input operand, per dim, its factors.
+      outputs: per result, per dim, its factors.
+      sizes: the size of each factor (factor ids index this tuple).
+      reduced: factors whose cut leaves partial results on the outputs (summed by an all-reduce).
+      flops: the operator's floating-point work on one device holding everything.
+    """
+
+    inputs: tuple[tuple[DimFactors, ...], ...]
+    outputs: tuple[tuple[DimFactors, ...], ...]
+    sizes: tuple[int, ...]
+    reduced: frozenset[int] = frozenset()
+    flops: float = 0.0
+
+    @property
+    def operands(self) -> tuple[tuple[DimFactors, ...], ...]:
+        return self.inputs + self.outputs
+
+
+Rule = Callable[[jcore.JaxprEqn], Factors]
+RULES: dict[str, Rule] = {}
+"""Primitive name → its rule. Each rule family module registers itself with `rule`."""
+
+
+def rule(*names: str) -> Callable[[Rule], Rule]:
+    """Registers the decorated function as the rule of the primitives `names`."""
+
+    def register(fn: Rule) -> Rule:
+        for name in names:
+            RULES[name] = fn
+        return fn
+
+    return register
+
+
+class FactorBuilder:
+    """Numbers factors while a rule describes an operator.
+
+    Examples:
+      >>> b = FactorBuilder()
+      >>> i, j = b.new(4), b.new(8)
+      >>> b.build([((i,), (j,))], [((i,), (j,))]).sizes
+      (4, 8)
+    """
+
+    def __init__(self):
+        self.sizes: list[int] = []
+
+    def new(self, size: int) -> int:
+        self.sizes.append(int(size))
+        return len(self.sizes) - 1
+
+    def dims(self, shape: Sequence[int]) -> tuple[DimFactors, ...]:
+        """A fresh factor for every dim of `shape`."""
+        return tuple((self.new(d),) for d in shape)
+
+    def build(self, inputs, outputs, reduced: Iterable[int] = (), flops: float = 0.0) -> Factors:
+        return Factors(
+            tuple(tuple(d) for d in inputs), tuple(tuple(d) for d in outputs), tuple(self.sizes), frozenset(reduced),
+            float(flops),
+        )
+
+
+def shape_of(v) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def whole(v) -> tuple[DimFactors, ...]:
+    """Every dim of `v` whole (a scalar literal, an operand the op needs in one piece)."""
+    return tuple(() for _ in shape_of(v))
+
+
+def read_assignment(dims: Sequence[DimFactors], spec: Spec, sizes: Sequence[int], axis_size: Mapping[str, int]):
+    """The factor axes an operand laid out by `spec` implies; None where `spec` cannot be read so.
+
+    A dim's axes go to its factors major first: a factor takes axes while their product divides its
+    size, and only a factor cut completely lets the rest spill to the next (minor) one.
+    """
+    out: dict[int, tuple[str, ...]] = {}
+    for factors, axes in zip(dims, spec):
+        axes = list(axes)
+        for k, f in enumerate(factors):
+            taken: list[str] = []
+            while axes and sizes[f] % (math.prod(axis_size[a] for a in taken) * axis_size[axes[0]]) == 0:
+                taken.append(axes.pop(0))
+            if taken:
+                out[f] = tuple(taken)
+            if axes and math.prod(axis_size[a] for a in taken) != sizes[f]:
+                break
+        if axes:
+            return None
+    return out
+
+
+def write_spec(
+    dims: Sequence[DimFactors], assignment: Assignment, sizes: Sequence[int], axis_size: Mapping[str, int]
+) -> Spec:
+    """The layout of an operand whose dims are `dims`, under `assignment`.
+
+    A minor factor's axes count only when every factor before it in the dim is cut completely
+    (otherwise the slices would not be contiguous); such axes are dropped from this operand.
+    """
+    spec = []
+    for factors in dims:
+        if len(factors) == 1:  # the common case: one factor, its axes as they are
+            spec.append(tuple(assignment.get(factors[0], ())))
+            continue
+        axes: list[str] = []
+        for f in factors:
+            mine = assignment.get(f, ())
+            axes += mine
+            if math.prod(axis_size[a] for a in mine) != sizes[f]:
+                break
+        spec.append(tuple(axes))
+    return tuple(spec)

@@ -1,0 +1,79 @@
+"""The rule table of one traced program: each operator's operands and factors, read once.
+
+The propagation engine and the strategy search both read operators through an `OpTable`: which
+values each operator works on (`operand_vars`), the factors its rule gives them (or that it has no
+rule), and who makes and who uses each value.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from jax.extend import core as jcore
+
+from jshard.graph import CONSTRAINT, Node, operand_vars
+from jshard.rules._factors import RULES, Factors, shape_of
+
+
+class OpTable:
+    """Operands, factors, producers and consumers of every node of a flattened program.
+
+    Attributes:
+      vars: node index -> `(inputs, outputs)` as the rules see them (`operand_vars`).
+      factors: node index -> its `Factors` (scalar-only operators get empty ones).
+      unruled: nodes whose primitive has no rule (their operands stay whole).
+      producer: value -> the node that makes it.
+      consumers: value -> `[(node, operand position)]` that use it.
+    """
+
+    def __init__(self, nodes: Sequence[Node]):
+        self.factors: dict[int, Factors] = {}
+        self.vars: dict[int, tuple[list, list]] = {}
+        self.producer: dict = {}
+        self.consumers: dict = collections.defaultdict(list)
+        self.unruled: set[int] = set()
+        for i, node in enumerate(nodes):
+            ins, outs = operand_vars(node)
+            self.vars[i] = (ins, outs)
+            for v in outs:
+                self.producer[v] = i
+            for k, v in enumerate(ins):
+                if isinstance(v, jcore.Var):
+                    self.consumers[v].append((i, k))
+            fn = RULES.get(node.primitive)
+            if fn is not None:
+                self.factors[i] = _factors_of(fn, node.eqn)
+            elif all(not shape_of(v) for v in ins + outs):
+                self.factors[i] = Factors(tuple(() for _ in ins), tuple(() for _ in outs), ())  # scalars: nothing to cut
+            elif node.primitive != CONSTRAINT:
+                self.unruled.add(i)
+
+
+_FACTORS: dict = {}
+
+
+def _factors_of(rule, eqn) -> Factors:
+    """`rule(eqn)`, shared by equations alike in primitive, operand types and parameters (an
+    unrolled model repeats each layer's equations)."""
+    try:
+        key = (eqn.primitive, tuple(v.aval for v in eqn.invars), tuple(v.aval for v in eqn.outvars),
+               tuple(sorted(eqn.params.items())))
+        found = _FACTORS.get(key)
+    except TypeError:  # an unhashable parameter
+        return rule(eqn)
+    if found is None:
+        if len(_FACTORS) > 16384:
+            _FACTORS.clear()
+        found = _FACTORS[key] = rule(eqn)
+    return found
+
+
+def neighbours_of(f: Factors) -> dict[int, set[int]]:
+    """For each factor, the other factors that appear in one operand with it."""
+    together: dict[int, set[int]] = collections.defaultdict(set)
+    for dims in f.operands:
+        facs = {g for d in dims for g in d}
+        for g in facs:
+            together[g] |= facs - {g}
+    return together

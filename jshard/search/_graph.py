@@ -1,0 +1,381 @@
+"""The graph both strategy searches choose over (`search="recursive"` and `search="ilp"`).
+
+A *unit* is one decision. An operator's factors that share operands form one unit (a matrix
+product is one; a loop is one per value it carries or stacks, since those are independent); an
+argument whose layout is not fixed is a unit whose factors are its dims; a sharding constraint and
+a fixed argument are units with one candidate. A *candidate* gives each mesh-axis group of the
+search one of the unit's factors, or none (axes given to one factor are concatenated, major first),
+and every operand's `Spec` follows from it as in propagation.
+
+Costs are the engine's (`CostModel`, α–β seconds): a unit pays its partial sums and its compute per
+device, weighted by how often it runs; an *edge* (a value from the unit that makes it to one that
+uses it) pays the redistribution between the two layouts it is given. Memory is per device: at each
+top-level program point, the arguments, the function's results and every value made before the point
+and used after it (activations kept for the backward pass, gradients awaiting the update), each at
+its local size under the layout chosen for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from jax.extend import core as jcore
+
+from jshard.cost import (
+    Comm,
+    CostModel,
+    array_of,
+    live_ranges,
+    local_bytes,
+    redistribution,
+    value_bytes,
+)
+from jshard.graph import CONSTRAINT, Node
+from jshard.layouts import Spec, constraint_spec
+from jshard.rules import Factors, OpTable, shape_of, write_spec
+
+Assignment = dict  # factor id -> mesh axes (major to minor)
+Group = tuple[str, ...]  # mesh axes that a search step hands out together
+
+
+TIE = 1e-18
+"""Seconds per byte held at the peak, added to every plan's cost: between plans of equal cost, the
+searches take the one that holds less."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Solved:
+    """A search's answer: a choice per unit, its predicted seconds per call, its estimated per-device
+    peak and how the search ended."""
+
+    choice: list[Assignment]
+    seconds: float
+    peak: float
+    status: str
+
+
+class Infeasible(Exception):
+    """No choice the search finds fits the memory budget."""
+
+
+@dataclasses.dataclass(slots=True)
+class Unit:
+    """One decision of the search.
+
+    Attributes:
+      node: the operator's node index, or -1 for an argument.
+      var: the argument (node -1), else None.
+      factors: the operator's `Factors` (an argument's: one factor per dim, as an output).
+      own: the factor ids this unit decides.
+      operands: operand positions (into the operator's inputs + outputs) this unit lays out.
+      weight: how often it runs per call.
+      flops: its floating-point work on one device holding everything, per run.
+      fixed: for a constraint or a fixed argument, its one layout per operand position.
+    """
+
+    node: int
+    var: object
+    factors: Factors
+    own: tuple[int, ...]
+    operands: tuple[int, ...]
+    weight: int
+    flops: float
+    fixed: dict | None = None
+
+    @property
+    def free(self) -> bool:
+        return self.fixed is None and bool(self.own)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Edge:
+    """A value from `(producer unit, operand position)` to `(consumer unit, operand position)`."""
+
+    var: object
+    src: tuple[int, int]
+    dst: tuple[int, int]
+    weight: int
+
+
+class SearchGraph:
+    """Units, edges and the memory model of one traced program on a mesh with `axis_size`."""
+
+    def __init__(self, nodes: Sequence[Node], args: Sequence, outvars: Sequence, fixed: Mapping,
+                 axis_size: Mapping[str, int], cost: CostModel | None = None, donated: frozenset = frozenset()):
+        self.nodes, self.axis_size = nodes, dict(axis_size)
+        self.cost = cost or CostModel()
+        self.table = OpTable(nodes)
+        self.units: list[Unit] = []
+        self.unit_of: dict[tuple[int, int], int] = {}  # (node, operand position) -> unit
+        self.arg_unit: dict = {}
+        self.node_units: dict[int, list[int]] = collections.defaultdict(list)
+        for v in args:
+            self._add_arg(v, fixed.get(v))
+        for i, node in enumerate(nodes):
+            self._add_node(i, node)
+        self.edges = self._edges() + self._state_edges(args, outvars)
+        self.out_edges: dict[int, list[int]] = collections.defaultdict(list)
+        self.in_edges: dict[int, list[int]] = collections.defaultdict(list)
+        for k, e in enumerate(self.edges):
+            self.out_edges[e.src[0]].append(k)
+            self.in_edges[e.dst[0]].append(k)
+        self._specs: dict = {}
+        self._moves: dict = {}
+        self._merged: dict[int, list] = {}  # unit -> its operands' dims made of several factors
+        self._memory_model(args, outvars, donated)
+
+    # -- units -------------------------------------------------------------------------------
+    def _add_arg(self, v, spec: Spec | None) -> None:
+        shape = shape_of(v)
+        if not shape or not isinstance(v, jcore.Var):
+            return
+        f = Factors((), (tuple((k,) for k in range(len(shape))),), tuple(shape))
+        own = tuple(k for k, n in enumerate(shape) if n > 1)
+        u = Unit(-1, v, f, own, (0,), 1, 0.0, None if spec is None else {0: spec})
+        self.arg_unit[v] = len(self.units)
+        self.units.append(u)
+
+    def _add_node(self, i: int, node: Node) -> None:
+        e = self.table
+        ins, outs = e.vars[i]
+        if node.primitive == CONSTRAINT:
+            spec = constraint_spec(node.eqn.params["sharding"], len(shape_of(node.outputs[0])))
+            self._unit(Unit(i, None, Factors((), (), ()), (), (0, 1), node.weight, 0.0, {0: spec, 1: spec}))
+            return
+        operands = ins + outs
+        if i in e.unruled:  # no rule: every operand whole, as the engine leaves it
+            fixed = {k: tuple(() for _ in shape_of(v)) for k, v in enumerate(operands)}
+            self._unit(Unit(i, None, Factors((), (), ()), (), tuple(range(len(operands))), node.weight, 0.0, fixed))
+            return
+        f = e.factors[i]
+        groups = _components(f)
+        if not groups:
+            groups = [((), tuple(range(len(operands))))]
+        for n, (own, positions) in enumerate(groups):
+            flops = f.flops if n == 0 else 0.0
+            self._unit(Unit(i, None, f, own, positions, node.weight, flops))
+
+    def _unit(self, u: Unit) -> None:
+        k = len(self.units)
+        self.units.append(u)
+        self.node_units[u.node].append(k)
+        for pos in u.operands:
+            self.unit_of[(u.node, pos)] = k
+
+    def _edges(self) -> list[Edge]:
+        """Each use of a value, from the operator that made it for that use. A sub-jaxpr that JAX
+        caches (`relu`'s `custom_jvp`) is inlined at every call with the same variables, so a
+        value can have several makers: a use takes the nearest one before it (a loop's body results
+        come after the loop: the nearest after). `self.producers` keeps them all."""
+        e = self.table
+        producers: dict = collections.defaultdict(list)  # var -> [(node, unit, position)]
+        for k, u in enumerate(self.units):
+            if u.node < 0:
+                producers[u.var].append((-1, k, 0))
+                continue
+            ins, outs = e.vars[u.node]
+            for pos in u.operands:
+                if pos >= len(ins):
+                    producers[outs[pos - len(ins)]].append((u.node, k, pos))
+        self.producers = producers
+        edges = []
+        for k, u in enumerate(self.units):
+            if u.node < 0:
+                continue
+            ins, _ = e.vars[u.node]
+            for pos in u.operands:
+                v = ins[pos] if pos < len(ins) else None
+                if not (isinstance(v, jcore.Var) and shape_of(v) and v in producers):
+                    continue
+                makers = producers[v]
+                before = [m for m in makers if m[0] < u.node]
+                _, src_unit, src_pos = before[-1] if before else makers[0]
+                weight = max(self.units[src_unit].weight, u.weight)
+                edges.append(Edge(v, (src_unit, src_pos), (k, pos), weight))
+        return edges
+
+    def _state_edges(self, args, outvars) -> list[Edge]:
+        """A result that is the next call's argument (a train step's parameters and optimizer
+        state) pays, if laid out otherwise, the redistribution back before the next call. Results
+        are paired with arguments of the same shape and dtype in order, as JAX pairs donated buffers."""
+        free = collections.defaultdict(list)
+        for v in args:
+            if v in self.arg_unit:
+                free[(shape_of(v), str(v.aval.dtype))].append(v)
+        edges = []
+        for v in outvars:
+            if not (isinstance(v, jcore.Var) and shape_of(v) and v in self.producers):
+                continue
+            queue = free.get((shape_of(v), str(v.aval.dtype)))
+            if queue:
+                arg = queue.pop(0)
+                _, src_unit, src_pos = self.producers[v][-1]
+                edges.append(Edge(v, (src_unit, src_pos), (self.arg_unit[arg], 0), 1))
+        return edges
+
+    # -- candidates and their layouts ----------------------------------------------------------------
+    def candidates(self, k: int, groups: Sequence[Group], base: Assignment | None = None) -> list[Assignment]:
+        """Every way to give each of `groups` to one of unit `k`'s factors (or none), on top of `base`."""
+        u = self.units[k]
+        base = dict(base or {})
+        if not u.free:
+            return [base]
+        sizes = u.factors.sizes
+        out = []
+        for choice in itertools.product((None,) + u.own, repeat=len(groups)):
+            a = dict(base)
+            for fac, axes in zip(choice, groups):
+                if fac is None:
+                    continue
+                have = a.get(fac, ())
+                cut = math.prod(self.axis_size[x] for x in have + axes)
+                if sizes[fac] % cut:
+                    break
+                a[fac] = have + axes
+            else:
+                if self._expressible(k, a):
+                    out.append(a)
+        return out
+
+    def _expressible(self, k: int, a: Assignment) -> bool:
+        """Whether every operand can be laid out as `a` says: a minor factor of a merged dim (the
+        head_dim of `[..., heads * head_dim]`) can be cut only under a major one cut completely,
+        else its slices are not contiguous, `write_spec` drops its axes and the operand would need
+        a gather the cost model does not see."""
+        merged = self._merged.get(k)
+        if merged is None:
+            u = self.units[k]
+            merged = self._merged[k] = sorted({factors for pos in u.operands for factors in u.factors.operands[pos]
+                                               if len(factors) > 1})
+        sizes = self.units[k].factors.sizes
+        for factors in merged:
+            complete = True
+            for f in factors:
+                mine = a.get(f, ())
+                if mine and not complete:
+                    return False
+                complete = complete and math.prod(self.axis_size[x] for x in mine) == sizes[f]
+        return True
+
+    def spec(self, k: int, pos: int, a: Assignment) -> Spec:
+        """The layout unit `k` under assignment `a` gives its operand `pos`."""
+        u = self.units[k]
+        if u.fixed is not None:
+            return u.fixed[pos]
+        key = (k, pos, tuple(sorted(a.items())))
+        found = self._specs.get(key)
+        if found is None:
+            dims = u.factors.operands[pos]
+            found = self._specs[key] = write_spec(dims, a, u.factors.sizes, self.axis_size)
+        return found
+
+    def unit_seconds(self, k: int, a: Assignment) -> float:
+        """Unit `k`'s own cost under `a`: its partial sums, then its compute per device."""
+        u = self.units[k]
+        if not u.free:
+            return 0.0
+        f = u.factors
+        seconds = 0.0
+        partial = tuple(x for fac in sorted(f.reduced) if fac in u.own for x in a.get(fac, ()))
+        if partial:
+            n_in = len(f.inputs)
+            outs = self.table.vars[u.node][1]
+            for pos in u.operands:
+                if pos >= n_in:
+                    v = outs[pos - n_in]
+                    shape, itemsize = array_of(v)
+                    comm = Comm("all-reduce", local_bytes(shape, itemsize, self.spec(k, pos, a), self.axis_size), partial)
+                    seconds += self.cost.time(comm, self.axis_size)
+        if u.flops:
+            cut = math.prod(self.axis_size[x] for fac in u.own for x in a.get(fac, ()))
+            seconds += u.flops / cut / self.cost.flops
+        return u.weight * seconds
+
+    def edge_seconds(self, e: Edge, src: Spec, dst: Spec) -> float:
+        if src == dst:
+            return 0.0
+        key = (array_of(e.var), src, dst)
+        found = self._moves.get(key)
+        if found is None:
+            comms = redistribution(*key[0], src, dst, self.axis_size)
+            found = self._moves[key] = sum(self.cost.time(c, self.axis_size) for c in comms)
+        return e.weight * found
+
+    # -- memory --------------------------------------------------------------------------------
+    def _memory_model(self, args, outvars, donated) -> None:
+        """The program's live ranges (`jshard.cost.live_ranges`) and, for each value held, the unit
+        that lays it out."""
+        self.ranges = live_ranges(self.nodes, args, outvars, donated)
+        self.first, self.last, self.end = self.ranges.first, self.ranges.last, self.ranges.end
+        self.makers = self._makers()
+        self.memory_values = [v for v in self.first if v in self.makers]
+
+    def _makers(self) -> dict:
+        """Value -> `(unit, operand position)` that lays it out where it is made."""
+        found = {v: (k, 0) for v, k in self.arg_unit.items()}
+        e = self.table
+        for k, u in enumerate(self.units):
+            if u.node >= 0:
+                ins, outs = e.vars[u.node]
+                for pos in u.operands:
+                    if pos >= len(ins):
+                        found.setdefault(outs[pos - len(ins)], (k, pos))
+        return found
+
+    def live_bytes(self, value_bytes: Mapping) -> np.ndarray:
+        """Bytes live at each top-level program point, given each memory value's bytes."""
+        return self.ranges.live_bytes(value_bytes)
+
+    def peak(self, choice: Sequence[Assignment]) -> tuple[float, int]:
+        """The most bytes one device holds at any program point under `choice`, and that point."""
+        live = self.live_bytes({v: self.local(v, choice) for v in self.memory_values})
+        t = int(np.argmax(live))
+        return float(live[t]), t
+
+    def local(self, v, choice: Sequence[Assignment]) -> float:
+        k, pos = self.makers[v]
+        spec = self.spec(k, pos, choice[k])
+        return value_bytes(v) / math.prod(self.axis_size[x] for axes in spec for x in axes)
+
+    def live_at(self, t: int) -> list:
+        return self.ranges.live_at(t, self.memory_values)
+
+
+def _components(f: Factors) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The operator's factors split into groups that share operands: `(factors, operand positions)`.
+    Operands with no factor (whole, or scalars) go to the first group."""
+    parent = list(range(len(f.sizes)))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for dims in f.operands:
+        facs = [g for d in dims for g in d]
+        for g in facs[1:]:
+            parent[find(g)] = find(facs[0])
+    groups: dict[int, tuple[list, list]] = {}
+    loose = []
+    for pos, dims in enumerate(f.operands):
+        facs = [g for d in dims for g in d]
+        if not facs:
+            loose.append(pos)
+            continue
+        root = find(facs[0])
+        groups.setdefault(root, (set(), []))
+        groups[root][0].update(facs)
+        groups[root][1].append(pos)
+    out = [(tuple(sorted(g for g in facs if f.sizes[g] > 1)), tuple(pos)) for facs, pos in groups.values()]
+    if not out:
+        return []
+    first_facs, first_pos = out[0]
+    out[0] = (first_facs, tuple(sorted(first_pos + tuple(loose))))
+    return out
+

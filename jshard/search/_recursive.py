@@ -1,0 +1,302 @@
+"""`search="recursive"`: bisect the device count one mesh axis at a time (MindSpore's recursive
+programming over jshard's factors).
+
+At each level one more mesh axis (one prime factor of the device count, major first) is handed out:
+every unit either gives it to one of its factors, on top of what earlier levels gave, or leaves it
+unused. A level is a pairwise energy (`_Level`): each unit's own cost per candidate (its partial
+sums, its compute per device, λ·bytes it keeps at the peak) and, per pair of neighbouring units, a
+table of the redistribution their values pay. MindSpore's dynamic-programming eliminations solve
+most of it exactly: units with one candidate, one neighbour or two neighbours fold into their
+neighbours, so chains (an optimizer's elementwise update between a weight gradient and the next
+step's weight) are weighed as one decision. The core that remains is searched heuristically: the
+axis left unused, then each of the heaviest units pinned to each of its candidates with the rest
+decided in program order, improved by single moves, the best per pinned unit polished with moves of
+two neighbours at once; the eliminated units then take their best answers. Each level is linear in
+the graph's size, so a search is linear in operators × log(devices).
+
+A memory budget sets λ (seconds per byte): zero when the plan fits, else the least λ found by
+growing and bisection whose plan fits, which moves the plan from replicated parameters to cut ones
+(FSDP-style or tensor-parallel) as far as the budget needs.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import numpy as np
+
+from jshard.search._graph import TIE, Assignment, Group, Infeasible, SearchGraph, Solved
+
+_GROWTHS = 24
+_BISECTIONS = 6
+_PASSES = 4
+_ROOTS = 4  # the heaviest units tried with each candidate, one after another, per level
+_HEAVY = 0.1  # ... among those with at least this share of the heaviest one's compute
+
+
+def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solved:
+    search = _Recursive(g, levels)
+    choice, seconds = search.run(0.0)
+    peak, _ = g.peak(choice)
+    if budget is None or peak <= budget:
+        return Solved(choice, seconds, peak, "fits" if budget else "no budget")
+    low, high, best = 0.0, max(seconds, 1e-9) / peak, None  # λ's scale: the plan's seconds per byte
+    for _ in range(_GROWTHS):
+        choice, seconds = search.run(high)
+        peak, _ = g.peak(choice)
+        if peak <= budget:
+            best = (choice, seconds, peak)
+            break
+        low, high = high, high * 4
+    if best is None:
+        raise Infeasible(f"the most memory-bound plan found holds {peak:.0f} bytes per device")
+    for _ in range(_BISECTIONS):
+        mid = (low + high) / 2
+        choice, seconds = search.run(mid)
+        peak, _ = g.peak(choice)
+        if peak <= budget:
+            high, best = mid, (choice, seconds, peak)
+        else:
+            low = mid
+    choice, seconds, peak = best
+    return Solved(choice, seconds, peak, f"memory weight {high:.3g} s/byte to fit the budget")
+
+
+class _Recursive:
+    def __init__(self, g: SearchGraph, levels: Sequence[Group]):
+        self.g, self.levels = g, list(levels)
+        degree = collections.Counter(k for e in g.edges for k in (e.src[0], e.dst[0]))
+        self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
+        replicated = g.live_bytes({v: float(v.aval.size * v.aval.dtype.itemsize) for v in g.memory_values})
+        t = int(replicated.argmax())
+        self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at the peak
+        for v in g.live_at(t):
+            k, pos = g.makers[v]
+            self.kept[k].append((pos, v))
+
+    def run(self, lam: float) -> tuple[list[Assignment], float]:
+        base: list[Assignment] = [{} for _ in self.g.units]
+        for group in self.levels:
+            base = self._level(group, base, lam)
+        return base, self._total(dict(enumerate(base)), 0.0)
+
+    def _level(self, group: Group, base: list[Assignment], lam: float) -> list[Assignment]:
+        level = _Level(self, group, base, lam)
+        picks = level.solve()
+        return [level.cands[k][picks[k]] for k in range(len(self.g.units))]
+
+    def _kept(self, k, a) -> float:
+        g = self.g
+        total = 0.0
+        for pos, v in self.kept.get(k, ()):
+            spec = g.spec(k, pos, a)
+            cut = 1
+            for axes in spec:
+                for x in axes:
+                    cut *= g.axis_size[x]
+            total += v.aval.size * v.aval.dtype.itemsize / cut
+        return total
+
+    def _total(self, chosen, lam) -> float:
+        g = self.g
+        total = sum(g.unit_seconds(k, a) for k, a in chosen.items())
+        for e in g.edges:
+            (u, pu), (w, pw) = e.src, e.dst
+            total += g.edge_seconds(e, g.spec(u, pu, chosen[u]), g.spec(w, pw, chosen[w]))
+        if lam:
+            total += lam * sum(self._kept(k, chosen[k]) for k in self.kept)
+        return total
+
+
+class _Level:
+    """One level as a pairwise energy: `unary[k][c]`, unit `k`'s own seconds and λ·bytes kept under
+    its candidate `c`, plus one table `[c_a, c_b]` of redistribution seconds per pair of
+    neighbouring units.
+
+    `solve` first eliminates what it can exactly (MindSpore's dynamic-programming eliminations): a
+    unit with one candidate folds into its neighbours, one with one neighbour folds its best answer
+    to each of the neighbour's candidates into the neighbour, one with two neighbours becomes a
+    table between them. Chains (an optimizer's elementwise update, a layer's activations) collapse
+    this way, so a cut the chain would pay for at both ends is weighed as one decision. The core
+    that is left (units with three or more neighbours) is searched heuristically: the axis unused,
+    then each of the heaviest units pinned to each of its candidates and the rest decided in program
+    order, each improved by single and pairwise moves until none helps; the eliminated units then
+    take their best answers to the core's choice.
+    """
+
+    def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float):
+        g = self.g = search.g
+        self.search = search
+        self.cands = [g.candidates(k, [group], base[k]) for k in range(len(g.units))]
+        w = max(lam, TIE)
+        self.unary = [np.array([g.unit_seconds(k, a) + w * search._kept(k, a) for a in cands])
+                      for k, cands in enumerate(self.cands)]
+        self.tables: dict[tuple[int, int], np.ndarray] = {}
+        self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
+        specs: dict[tuple[int, int], list] = {}  # (unit, operand) -> its layout under each candidate
+
+        def laid(end: tuple[int, int]) -> list:
+            found = specs.get(end)
+            if found is None:
+                found = specs[end] = [g.spec(end[0], end[1], a) for a in self.cands[end[0]]]
+            return found
+
+        for e in g.edges:
+            u, v = e.src[0], e.dst[0]
+            mine, theirs = laid(e.src), laid(e.dst)
+            table = np.array([[g.edge_seconds(e, x, y) for y in theirs] for x in mine])
+            if u == v:
+                self.unary[u] = self.unary[u] + np.diag(table)
+            else:
+                self._add(u, v, table)
+        self.picks: dict[int, int] = {}
+        self.records: list[tuple] = []
+
+    def _add(self, a: int, b: int, table: np.ndarray) -> None:
+        if a > b:
+            a, b, table = b, a, table.T
+        found = self.tables.get((a, b))
+        self.tables[(a, b)] = table if found is None else found + table
+        self.nbrs[a].add(b)
+        self.nbrs[b].add(a)
+
+    def _table(self, k: int, j: int) -> np.ndarray:
+        """The table between `k` and `j`, indexed `[c_k, c_j]`."""
+        return self.tables[(k, j)] if k < j else self.tables[(j, k)].T
+
+    def _drop(self, k: int, j: int) -> None:
+        self.tables.pop((min(k, j), max(k, j)))
+        self.nbrs[k].discard(j)
+        self.nbrs[j].discard(k)
+
+    def solve(self) -> list[int]:
+        core = self._eliminate()
+        self.picks.update(self._search_core(core))
+        for record in reversed(self.records):
+            k, how, *rest = record
+            if how == "one":
+                j, best = rest
+                self.picks[k] = int(best[self.picks[j]])
+            else:
+                a, b, best = rest
+                self.picks[k] = int(best[self.picks[a], self.picks[b]])
+        return [self.picks[k] for k in range(len(self.cands))]
+
+    def _eliminate(self) -> list[int]:
+        gone: set[int] = set()
+        for k, cands in enumerate(self.cands):
+            if len(cands) == 1:  # nothing to decide: its tables become its neighbours' own costs
+                for j in list(self.nbrs[k]):
+                    self.unary[j] = self.unary[j] + self._table(j, k)[:, 0]
+                    self._drop(k, j)
+                self.picks[k] = 0
+                gone.add(k)
+        queue = collections.deque(k for k in range(len(self.cands)) if k not in gone and len(self.nbrs[k]) <= 2)
+        while queue:
+            k = queue.popleft()
+            if k in gone or len(self.nbrs[k]) > 2:
+                continue
+            nbrs = sorted(self.nbrs[k])
+            if not nbrs:
+                self.picks[k] = int(self.unary[k].argmin())
+            elif len(nbrs) == 1:
+                (j,) = nbrs
+                m = self.unary[k][:, None] + self._table(k, j)
+                self.unary[j] = self.unary[j] + m.min(0)
+                self.records.append((k, "one", j, m.argmin(0)))
+                self._drop(k, j)
+            else:
+                a, b = nbrs
+                m = self.unary[k][:, None, None] + self._table(k, a)[:, :, None] + self._table(k, b)[:, None, :]
+                self.records.append((k, "two", a, b, m.argmin(0)))
+                self._drop(k, a)
+                self._drop(k, b)
+                self._add(a, b, m.min(0))
+            gone.add(k)
+            queue.extend(nbrs)
+        return [k for k in range(len(self.cands)) if k not in gone]
+
+    # -- the core: heuristic ------------------------------------------------------------------
+    def _energy(self, choice: dict[int, int]) -> float:
+        total = sum(self.unary[k][c] for k, c in choice.items())
+        return total + sum(t[choice[a], choice[b]] for (a, b), t in self.tables.items())
+
+    def _local(self, k: int, choice: dict[int, int], without: int = -1) -> np.ndarray:
+        cost = self.unary[k]
+        for j, t in self.around[k]:
+            if j != without and j in choice:
+                cost = cost + t[:, choice[j]]
+        return cost
+
+    def _search_core(self, core: list[int]) -> dict[int, int]:
+        if not core:
+            return {}
+        self.around = {k: [(j, self._table(k, j)) for j in sorted(self.nbrs[k])] for k in core}
+        weight = self.search.weight
+        heaviest = max(weight(k)[0] for k in core)
+        roots = [k for k in sorted(core, key=weight, reverse=True) if weight(k)[0] >= _HEAVY * heaviest][:_ROOTS]
+        unused = dict.fromkeys(core, 0)
+        best = (self._energy(unused), unused)
+        start = dict(unused)
+        self._improve(core, start, set(), pairs=False)
+        best = min(best, (self._energy(start), start), key=lambda t: t[0])
+        pinned: dict[int, int] = {}
+        for root in roots:
+            found = None
+            for c in range(len(self.cands[root])):
+                choice = self._spread(core, {**pinned, root: c})
+                self._improve(core, choice, set(pinned) | {root}, pairs=False)
+                total = self._energy(choice)
+                if found is None or total < found[0]:
+                    found = (total, choice, c)
+            pinned[root] = found[2]
+            choice = found[1]
+            self._improve(core, choice, set(pinned), pairs=True)  # the root's best, polished with pairwise moves
+            total = self._energy(choice)
+            if total < best[0]:
+                best = (total, choice)
+        return best[1]
+
+    def _spread(self, core: list[int], pinned: dict[int, int]) -> dict[int, int]:
+        """The pinned units, then the others in program order, each against those decided before
+        it: a cut made upstream flows down the program."""
+        choice = dict(pinned)
+        for k in core:
+            if k not in choice:
+                choice[k] = int(self._local(k, choice).argmin())
+        return choice
+
+    def _improve(self, core: list[int], choice: dict[int, int], keep: set[int], pairs: bool) -> None:
+        """Single moves (a unit against all its neighbours) until none lowers the energy, then,
+        with `pairs`, moves of two neighbours at once; again while those find any (a few rounds).
+        A worklist revisits only the neighbours of a unit that moved."""
+        dirty = [k for k in core if k not in keep]
+        for _ in range(_PASSES):
+            queued = set(dirty)
+            while dirty:
+                k = dirty.pop()
+                queued.discard(k)
+                cost = self._local(k, choice)
+                c = int(cost.argmin())
+                if cost[c] < cost[choice[k]]:
+                    choice[k] = c
+                    for j, _ in self.around[k]:
+                        if j not in queued and j not in keep:
+                            queued.add(j)
+                            dirty.append(j)
+            if not pairs:
+                return
+            local = {k: self._local(k, choice) for k in core}  # each against all its neighbours
+            for (a, b), t in self.tables.items():
+                if a in keep or b in keep:
+                    continue
+                joint = (local[a] - t[:, choice[b]])[:, None] + (local[b] - t[choice[a], :])[None, :] + t
+                ca, cb = np.unravel_index(int(joint.argmin()), joint.shape)
+                if joint[ca, cb] < joint[choice[a], choice[b]]:
+                    choice[a], choice[b] = int(ca), int(cb)
+                    moved = {j for j, _ in self.around[a] + self.around[b]} | {a, b}
+                    local.update((j, self._local(j, choice)) for j in moved)
+                    dirty += [j for j in moved if j not in keep]
+            if not dirty:
+                return

@@ -1,0 +1,309 @@
+"""Strategy search (`mode="auto"`): a strategy for every operator with no annotations.
+
+`search(...)` builds the `SearchGraph` of a traced program, runs the recursive bisection or the ILP
+over it and turns the choice into the engine's `Result`, so a searched plan is emitted, explained,
+audited and saved exactly like a propagated one (its operators have `origin="searched"`). The
+user's annotations (`shard` calls, `in_strategy`) stay as fixed units the search plans around.
+
+The ILP hands out the mesh in two groups of axes (a 2-D logical mesh) and solves once per way to
+split the mesh's axes in two (for 8 devices: 2×4 and 4×2; each also covers the 1-D 8), keeping the
+cheaper; the recursive search hands out one axis per level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from jax.extend import core as jcore
+
+from jshard._errors import ShardingError
+from jshard._format import human_bytes, var_str
+from jshard.cost import CostModel
+from jshard.graph import CONSTRAINT, Node, operand_vars
+from jshard.propagate import Decision, Engine, Rejected, Result
+from jshard.rules import write_spec
+from jshard.search import _ilp, _recursive
+from jshard.search._graph import Assignment, Infeasible, SearchGraph
+
+SEARCHES = ("recursive", "ilp", "propagation")
+_TOP_TENSORS = 5
+_KEY_SHARE = 0.01  # key operators, whose best rejected alternative a plan records: this share of the heaviest's work
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchReport:
+    """How a searched plan was found.
+
+    Attributes:
+      search: `"recursive"` or `"ilp"`.
+      status: how the search ended (`optimal`, a time limit with the best solution found, or the
+        memory weight the recursive search needed to fit the budget).
+      seconds: the plan's predicted cost per call (collectives and compute, α–β).
+      peak_bytes: the plan's estimated per-device memory at its peak program point.
+      budget: the memory budget per device, or None.
+      mesh: how the search handed out the mesh (`"2×4"`, or the recursive levels `"2·2·2"`).
+      units / candidates: the decisions and the candidate strategies they chose among.
+      planning_seconds: the search's own time.
+      compiled_peak_bytes: with a budget and devices present, what the compiled program holds per
+        device (XLA's memory analysis), else None.
+    """
+
+    search: str
+    status: str
+    seconds: float
+    peak_bytes: float
+    budget: float | None
+    mesh: str
+    units: int
+    candidates: int
+    planning_seconds: float
+    compiled_peak_bytes: float | None = None
+
+    def line(self) -> str:
+        budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
+        return (f"search={self.search} over mesh {self.mesh}: {self.status}; {self.units} decisions among "
+                f"{self.candidates} candidates in {self.planning_seconds:.2f} s; predicted "
+                f"{self.seconds * 1e6:.6g} us per call; estimated peak {human_bytes(self.peak_bytes)} per device, {budget}" + (
+                    "" if self.compiled_peak_bytes is None else f"; compiled {human_bytes(self.compiled_peak_bytes)}"))
+
+
+def search(
+    nodes: Sequence[Node],
+    args: Sequence,
+    outvars: Sequence,
+    fixed: Mapping,
+    axis_size: Mapping[str, int],
+    *,
+    how: str,
+    cost: CostModel | None = None,
+    budget: float | None = None,
+    donated: frozenset = frozenset(),
+    names: Mapping | None = None,
+    call: str = "jshard.parallelize",
+    time_limit: float = 60.0,
+) -> tuple[Result, SearchReport]:
+    """Searches a strategy for every operator of `nodes`; see the module docstring.
+
+    Args:
+      nodes: the flattened program.
+      args: its arguments (jaxpr invars and constvars).
+      outvars: its results.
+      fixed: argument var -> `Spec` the user fixed.
+      axis_size: the fine mesh, major to minor.
+      how: `"recursive"` or `"ilp"`.
+      budget: bytes per device the plan must fit, or None.
+      donated: arguments whose buffers the results reuse.
+      names: var -> a name for errors (an argument's pytree path).
+
+    Raises:
+      ShardingError: nothing the search can find fits `budget`.
+    """
+    start = time.perf_counter()
+    g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated)
+    axes = [(a,) for a, n in axis_size.items() if n > 1]
+    if budget is not None and _boundary_bound(g) > budget:  # nothing can fit: say so before searching
+        raise ShardingError(_too_big(g, budget, names or {}, call, how))
+    if how == "recursive":
+        try:
+            solved = _recursive.solve(g, axes, budget)
+        except Infeasible:
+            raise ShardingError(_too_big(g, budget, names or {}, call, how)) from None
+        choice, mesh_text = solved.choice, "·".join(str(axis_size[a]) for (a,) in axes) or "1"
+        candidates = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units)))
+        seconds, peak, status = solved.seconds, solved.peak, solved.status
+    elif how == "ilp":
+        best, splits = None, _splits(axes)
+        for groups in splits:
+            try:
+                solved = _ilp.solve(g, groups, budget, time_limit / len(splits))
+            except Infeasible:
+                continue
+            if best is None or solved.seconds < best[0].seconds:
+                best = (solved, groups)
+        if best is None:
+            raise ShardingError(_too_big(g, budget, names or {}, call, how))
+        solved, groups = best
+        choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
+        mesh_text = "×".join(str(math.prod(axis_size[a] for a in grp)) for grp in groups) or "1"
+        candidates = sum(len(g.candidates(k, groups)) for k in range(len(g.units)))
+    else:
+        raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
+    result = assemble(g, choice)
+    report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
+                          candidates, time.perf_counter() - start)
+    return result, report
+
+
+def _splits(axes: list) -> list[list[tuple[str, ...]]]:
+    """The ways to hand the mesh out as two groups of consecutive axes (one group for one axis)."""
+    names = [a for (a,) in axes]
+    if len(names) <= 1:
+        return [[tuple(names)]] if names else [[]]
+    return [[tuple(names[:s]), tuple(names[s:])] for s in range(1, len(names))]
+
+
+def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
+    """The engine's `Result` for a search's choice: every value's layout where it is made, and per
+    operator its layouts, the collectives it pays, and, for key operators (at least 1% of the
+    heaviest one's work: the contractions), the best candidate it did not take."""
+    e, nodes = Engine(g.nodes, g.axis_size, g.cost, g.table), g.nodes
+    values: dict = {}
+    for v, k in g.arg_unit.items():
+        values[v] = g.spec(k, 0, choice[k])
+    merged: dict[int, Assignment] = {}
+    for i, units in g.node_units.items():
+        a: Assignment = {}
+        for k in units:
+            a.update(choice[k])
+        merged[i] = a
+        node = nodes[i]
+        _, outs = e.vars[i]
+        if node.primitive == CONSTRAINT:
+            values[node.outputs[0]] = g.units[units[0]].fixed[1]
+            continue
+        if i in e.unruled:
+            continue
+        f = e.factors[i]
+        for v, dims in zip(outs, f.outputs):
+            values.setdefault(v, write_spec(dims, a, f.sizes, g.axis_size))
+    decisions: dict[int, Decision] = {}
+    work = [g.units[k].weight * g.units[k].flops for k in range(len(g.units))]
+    key = _KEY_SHARE * max(work, default=0.0)
+    for i, a in merged.items():
+        node = nodes[i]
+        if node.primitive == CONSTRAINT:
+            spec = values[node.outputs[0]]
+            decisions[i] = Decision((spec,), (spec,), (), 0.0, "user", None, False)
+            continue
+        if i in e.unruled:
+            continue
+        f = e.factors[i]
+        ins, _ = operand_vars(node)
+        known = [(k, values[v], "") for k, v in enumerate(ins) if isinstance(v, jcore.Var) and v in values]
+        seconds, _, comms, _ = e.score(i, f, a, known)
+        in_specs = tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.inputs)
+        out_specs = tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.outputs)
+        implied = not comms and e.implied(i, f, a)
+        rejected = _rejected(g, i, choice) if work[g.node_units[i][0]] >= key > 0 else None
+        decisions[i] = Decision(in_specs, out_specs, comms, seconds, "searched", rejected, implied)
+    return Result(decisions, values, set(e.unruled))
+
+
+def _rejected(g: SearchGraph, i: int, choice: Sequence[Assignment]):
+    """The cheapest other candidate of node `i`'s main unit that moves one mesh axis (to another
+    factor, or off the operator), its neighbours kept as chosen."""
+    k = g.node_units[i][0]
+    u = g.units[k]
+    if not u.free:
+        return None
+    scored = [(_local(g, k, a, choice), a) for a in _moves(g, k, choice[k])]
+    if not scored:
+        return None
+    seconds, a = min(scored, key=lambda s: s[0])
+    f = u.factors
+    return Rejected(tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.inputs),
+            tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.outputs), seconds)
+
+
+def _moves(g: SearchGraph, k: int, mine: Assignment) -> list[Assignment]:
+    u = g.units[k]
+    out = []
+    for x, n in g.axis_size.items():
+        if n <= 1:
+            continue
+        rest = {fac: tuple(a for a in axes if a != x) for fac, axes in mine.items()}
+        rest = {fac: axes for fac, axes in rest.items() if axes}
+        for target in (None,) + u.own:
+            a = dict(rest)
+            if target is not None:
+                axes = a.get(target, ()) + (x,)
+                if u.factors.sizes[target] % math.prod(g.axis_size[y] for y in axes):
+                    continue
+                a[target] = axes
+            if a != mine and a not in out:
+                out.append(a)
+    return out
+
+
+def _local(g: SearchGraph, k: int, a: Assignment, choice) -> float:
+    total = g.unit_seconds(k, a)
+    for n in g.out_edges.get(k, ()):
+        e = g.edges[n]
+        total += g.edge_seconds(e, g.spec(k, e.src[1], a), g.spec(e.dst[0], e.dst[1], choice[e.dst[0]]))
+    for n in g.in_edges.get(k, ()):
+        e = g.edges[n]
+        total += g.edge_seconds(e, g.spec(e.src[0], e.src[1], choice[e.src[0]]), g.spec(k, e.dst[1], a))
+    return total
+
+
+def _least(g: SearchGraph) -> dict:
+    """Each memory value's bytes per device, cut as finely as its dims allow."""
+    return {v: float(math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize) / _finest_cut(v.aval.shape, g.axis_size)
+            for v in g.memory_values}
+
+
+def _boundary_bound(g: SearchGraph) -> float:
+    """A true lower bound on the peak: the arguments and results alone, each cut as finely as it can be."""
+    least = _least(g)
+    return float(g.live_bytes({v: b for v, b in least.items() if v in g.arg_unit or g.last[v] == g.end}).max())
+
+
+def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str) -> str:
+    """Why no plan fits: the least the arguments and results need (a true lower bound: each cut as
+    finely as its dims allow), the search's own least estimate with the activations kept between
+    operators, what is missing and the tensors that dominate."""
+    least = _least(g)
+    boundary = {v: b for v, b in least.items() if v in g.arg_unit or g.last[v] == g.end}
+    bound = g.live_bytes(boundary)
+    live = g.live_bytes(least)
+    n = math.prod(g.axis_size.values())
+    head = f"{call}: memory_budget={human_bytes(budget)} per device cannot be met on {n} devices (search={how!r}): "
+    if bound.max() > budget:
+        t = int(np.argmax(bound))
+        why = (f"the arguments and results alone, each cut as finely as its dims allow, hold {human_bytes(bound[t])} "
+               f"per device at once ({human_bytes(bound[t] - budget)} missing).")
+        shown = boundary
+    else:
+        t = int(np.argmax(live))
+        why = (f"the search found no plan under it. With every tensor cut as finely as its dims allow, it estimates "
+               f"{human_bytes(live[t])} per device live at {_where(g, t)} ({human_bytes(max(live[t] - budget, 0))} over; the "
+               f"arguments and results alone need {human_bytes(bound.max())}; the estimate counts activations the "
+               f"backward pass keeps, which XLA may fuse away).")
+        shown = least
+    top = sorted((v for v in g.live_at(t) if v in shown), key=lambda v: shown[v], reverse=True)[:_TOP_TENSORS]
+    rows = "; ".join(f"{_name(g, v, names)} {var_str(v, short=False)} ({human_bytes(least[v])} per device at best)" for v in top)
+    return (head + why + f" Largest: {rows}. Raise memory_budget, use more devices, donate the state "
+            f"(donate_argnums) or shrink the batch.")
+
+
+def _finest_cut(shape, axis_size: Mapping[str, int]) -> int:
+    """The most devices a tensor of `shape` can be cut over, each mesh axis on a dim it divides."""
+    left = list(shape)
+    cut = 1
+    for n in sorted((n for n in axis_size.values() if n > 1), reverse=True):
+        for d, m in enumerate(left):
+            if m % n == 0:
+                left[d] = m // n
+                cut *= n
+                break
+    return cut
+
+
+def _name(g: SearchGraph, v, names: Mapping) -> str:
+    if v in names:
+        return names[v]
+    k, _ = g.makers[v]
+    node = g.nodes[g.units[k].node] if g.units[k].node >= 0 else None
+    return "a value" if node is None else f"the {node.primitive} result at {node.source or 'no source'}"
+
+
+def _where(g: SearchGraph, t: int) -> str:
+    if t >= len(g.nodes):
+        return "the end of the program"
+    node = g.nodes[t]
+    return f"{node.primitive} ({node.source or 'no source'})"
+
