@@ -60,7 +60,7 @@ class Pipelined:
     """
 
     def __init__(self, pipe: Pipeline, options: Options):
-        self.pipe, self.options, self.config = pipe, options, options.pipeline
+        self.pipe, self.options, self.pipeline = pipe, options, options.pipeline
         self.call = f"jshard.parallelize({_name(pipe)})"
         _check_config(self.call, pipe, options)
         have = jax.devices()
@@ -70,9 +70,9 @@ class Pipelined:
                 f"{self.call}: devices={self.n}, but only {len(have)} device(s) are present; a pipelined "
                 f"step runs on devices present. On a CPU call jshard.simulate_devices({self.n}) first."
             )
-        _check_divides_devices(self.call, self.n, self.config.stages)
-        self.inner = FineMesh.for_devices(self.n // self.config.stages)
-        self.mesh = Mesh(np.asarray(have[: self.n], dtype=object).reshape(self.config.stages, *self.inner.sizes),
+        _check_divides_devices(self.call, self.n, self.pipeline.stages)
+        self.inner = FineMesh.for_devices(self.n // self.pipeline.stages)
+        self.mesh = Mesh(np.asarray(have[: self.n], dtype=object).reshape(self.pipeline.stages, *self.inner.sizes),
                          (STAGE, *self.inner.names))
         self._cache: SignatureCache[_Entry] = SignatureCache()
         self._forwards: SignatureCache[Any] = SignatureCache()
@@ -106,11 +106,11 @@ class Pipelined:
         e = self._entry(params, batch)
 
         def build():
-            sched = build_schedule(self._schedule_name(), stages=self.config.stages,
-                                   micro_batches=self.config.micro_batches, virtual=self.config.virtual_stages,
+            sched = build_schedule(self._schedule_name(), stages=self.pipeline.stages,
+                                   micro_batches=self.pipeline.micro_batches, virtual=self.pipeline.virtual_stages,
                                    forward_only=True)
             prog = dataclasses.replace(e.program, schedule=sched)
-            return jax.jit(self._traced(prog.forward(self.config.result_broadcast), e.mode),
+            return jax.jit(self._traced(prog.forward(self.pipeline.result_broadcast), e.mode),
                            in_shardings=(e.param_sh, e.batch_sh))
 
         return self._forwards.get((params, batch), build)(*placed((params, batch), (e.param_sh, e.batch_sh)))
@@ -122,13 +122,13 @@ class Pipelined:
         return plan_of(e.program, self.mesh, e.stack_layers, params, batch, compile_)
 
     def _schedule_name(self) -> str:
-        return "gpipe" if self.config.schedule == "gpipe" else self.config.schedule
+        return "gpipe" if self.pipeline.schedule == "gpipe" else self.pipeline.schedule
 
     def _entry(self, params, batch) -> _Entry:
         return self._cache.get((params, batch), lambda: self._build(params, batch))
 
     def _build(self, params, batch) -> _Entry:
-        c, strategy = self.config, self.options.in_strategy
+        c, strategy = self.pipeline, self.options.in_strategy
         rest, stack = self.pipe.split(params)
         layers = stack_length(stack)
         _check_layers(self.call, layers, c.stages, c.virtual_stages)
