@@ -53,7 +53,7 @@ def test_shard_batch_gives_what_parallelize_expects_so_nothing_moves():
     plan_sharding = step.lower(w, x).compile().input_shardings[0][1]
     batch = shard_batch(x)
     assert batch.sharding.is_equivalent_to(plan_sharding, 2)
-    np.testing.assert_allclose(float(step(w, batch)), float(np.sum(x @ w)))
+    assert float(step(w, batch)) == float(np.sum(x @ w))  # sums of ones: whole numbers below 2**24, exact in any order
 
 
 def test_layout_calls_are_dataset_strategies_too():

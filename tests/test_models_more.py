@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _tolerance import assert_close, fan_in, step_terms
 
 import jshard as js
 from jshard import models
@@ -79,9 +80,12 @@ def test_train_step_equals_single_device(name, preset):
         params, opt_state, value = step(params, opt_state, batch)
         losses.append(float(value))
     ref_losses, ref_params = _reference(name)
-    np.testing.assert_allclose(losses, ref_losses[:PARALLEL_STEPS], rtol=1e-4, atol=1e-5)
-    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    # Each step adds its rounding to the parameters. Adam divides by |grad| + eps: a gradient's rounding
+    # moves a step by up to lr / eps = 10 times as much, which the worst-case count, far above the
+    # typical sqrt(terms), leaves room for.
+    terms = PARALLEL_STEPS * step_terms(params, batches[0])
+    assert_close(losses, ref_losses[:PARALLEL_STEPS], dtype=np.float32, terms=terms)
+    assert_close(params, ref_params, terms=terms)
 
 
 def test_moe_needs_mp_to_divide_the_experts():
@@ -109,7 +113,7 @@ def test_scanned_gpt_equals_unrolled():
     jax.tree.map(np.testing.assert_array_equal, models.init_gpt(scanned_cfg, jax.random.key(0)), stacked)
     tokens = models.copy_task_batch(np.random.default_rng(0), GPT_CFG, 4)[0]
     apply = jax.jit(models.gpt_apply, static_argnums=2)
-    np.testing.assert_allclose(apply(stacked, tokens, scanned_cfg), apply(params, tokens, GPT_CFG), rtol=1e-5, atol=1e-6)
+    assert_close(apply(stacked, tokens, scanned_cfg), apply(params, tokens, GPT_CFG), terms=fan_in(params))  # forward
 
 
 def test_gpt_rules_cut_the_matrix_dims_of_stacked_weights():

@@ -5,7 +5,8 @@ import functools
 
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings
+from _tolerance import assert_close
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import jshard as js
@@ -38,8 +39,12 @@ def _step(strategy):
     return js.parallelize(step, devices=8)
 
 
+# The derandomized draws follow the test's source text; these two always reach the comparison with a
+# contraction cut (partial sums all-reduced), whatever the draws.
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(matmul_cases())
+@example(((12, 16, 8), ((1, 8), (8, 1))))
+@example(((8, 16, 12), ((2, 4), (4, 1))))
 def test_matmul_strategy_runs_correctly_or_is_refused(case):
     (m, k, n), strategy = case
     rng = np.random.default_rng(m * 10_000 + k * 100 + n)
@@ -49,7 +54,8 @@ def test_matmul_strategy_runs_correctly_or_is_refused(case):
         out = _step(strategy)(jnp.asarray(x), jnp.asarray(w))
     except js.ShardingError:
         return
-    np.testing.assert_allclose(np.asarray(out), x @ w, rtol=1e-5, atol=1e-5)
+    # k terms each side, of at most |x| @ |w| in magnitude (tests/_tolerance.py)
+    assert_close(out, x @ w, terms=k, scale=float(np.max(np.abs(x) @ np.abs(w))))
     (a, _), (_, d) = strategy
     assert out.sharding.shard_shape(out.shape) == (m // a, n // d)
 
