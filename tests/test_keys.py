@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from clients import assert_close, linen_dropout, nnx_dropout
+from clients import assert_close, linen_dropout, nnx_dropout, one_device
 
 import jshard as js
 from jshard._format import shape_str
@@ -21,11 +21,6 @@ MODES = {
     "xla": {"mode": "semi_auto", "propagation": "xla"},
 }
 KEYS = {"typed": lambda seed: jax.random.key(seed), "raw": lambda seed: jax.random.PRNGKey(seed)}
-
-
-def one_device(fn, *args, **jit_options):
-    """`fn(*args)` under `jax.jit` on the first device alone."""
-    return jax.jit(fn, **jit_options)(*jax.device_put(args, jax.devices()[0]))
 
 
 @pytest.mark.parametrize("key", KEYS)

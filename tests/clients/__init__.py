@@ -2,7 +2,8 @@
 
 Each module holds one model and its train step as a Flax user writes them (Linen `nn.Module` with
 `TrainState`, or NNX modules with `nnx.Rngs`), kept small so that every mode compiles quickly.
-`assert_close` compares a parallelized result with a one-device `jax.jit` run.
+`one_device` runs the reference (`jax.jit` on one device) and `assert_close` compares a
+parallelized result with it.
 """
 
 import jax
@@ -12,6 +13,13 @@ import numpy as np
 ULPS = 64
 """How many units of the dtype's eps (times the reference's largest magnitude) results may differ by:
 cutting a sum over devices changes its order of additions, nothing else."""
+
+
+def one_device(fn, *args, jit_options: dict | None = None, **kwargs):
+    """`fn(*args, **kwargs)` under `jax.jit(fn, **jit_options)` with every array on the first device."""
+    first = jax.devices()[0]
+    args, kwargs = jax.tree.map(lambda a: jax.device_put(a, first) if isinstance(a, jax.Array) else a, (args, kwargs))
+    return jax.jit(fn, **(jit_options or {}))(*args, **kwargs)
 
 
 def assert_close(got, want) -> None:
