@@ -71,9 +71,12 @@ def test_key_arrays_cut_over_devices_draw_what_one_device_draws(mode, key):
     assert step.plan(w, keys, x).in_specs[1] == jax.sharding.PartitionSpec(("d0", "d1", "d2"))
 
 
-def test_the_plan_prints_key_arrays():
+def test_the_plan_prints_saves_and_loads_key_arrays(tmp_path):
     w, x, keys = jnp.ones((16, 4)), jnp.ones((8, 16)), jax.random.split(jax.random.key(0), 8)
     plan = js.parallelize(per_example_noise, devices=8, in_strategy=(None, (8,), None)).plan(w, keys, x)
+    plan.save(str(tmp_path / "plan.json"))
+    again = js.parallelize(per_example_noise, devices=8, plan=js.Plan.load(str(tmp_path / "plan.json")))
+    assert_close(again(w, keys, x), one_device(per_example_noise, w, keys, x))
     bits = next(op for op in plan.ops if op.primitive == "random_bits")
     assert bits.in_shapes == ("key<fry>[8]",) and bits.out_shapes == ("u32[8,4]",)
     assert bits.in_strategy == ((8,),) and bits.out_strategy == ((8, 1),)  # the keys' cut leads the bits'
