@@ -5,6 +5,8 @@ Examples:
   ('1.562 KiB', '16 GiB', '512 B')
   >>> shape_str("float32", (784, 62)), shape_str("bfloat16", (8,), short=False)
   ('f32[784,62]', 'bfloat16[8]')
+  >>> shape_str(jax.random.key(0).dtype, (8,))
+  'key<fry>[8]'
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
@@ -27,14 +30,21 @@ def human_bytes(n: float) -> str:
 
 
 def dtype_str(dtype: object) -> str:
-    """A dtype as jaxprs print it: `f32`, `bf16`, `i32`, `u8`, `bool`."""
-    name = np.dtype(dtype).name
+    """A dtype as jaxprs print it: `f32`, `bf16`, `i32`, `u8`, `bool`, `key<fry>`."""
+    name = dtype_name(dtype)
     return next((short + name[len(long) :] for long, short in _SHORT_DTYPES if name.startswith(long)), name)
+
+
+def dtype_name(dtype: object) -> str:
+    """NumPy's name of a dtype (`float32`), or JAX's for one NumPy does not know (`key<fry>`)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return str(dtype)
+    return np.dtype(dtype).name
 
 
 def shape_str(dtype: object, shape: Sequence[int], *, short: bool = True) -> str:
     """A tensor as jaxprs print it (`f32[784,62]`), or with NumPy's dtype name (`float32[784,62]`)."""
-    name = "?" if dtype is None else dtype_str(dtype) if short else np.dtype(dtype).name
+    name = "?" if dtype is None else dtype_str(dtype) if short else dtype_name(dtype)
     return f"{name}[{','.join(map(str, shape))}]"
 
 

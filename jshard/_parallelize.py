@@ -16,13 +16,17 @@ from jax.sharding import Mesh
 
 from jshard._errors import DeviceCountError
 from jshard.compile import (
+    Bound,
     Options,
     Program,
     SignatureCache,
+    bind,
     build,
     placed,
+    resolve,
 )
 from jshard.cost import CostModel
+from jshard.layouts import DatasetStrategy
 from jshard.plan import Plan
 
 
@@ -35,7 +39,10 @@ def parallelize(
     in_strategy: Sequence[Any] | None = None,
     out_strategy: Any = None,
     donate_argnums: int | Sequence[int] = (),
-    dataset_strategy: str = "data_parallel",
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_argnames: str | Sequence[str] = (),
+    dataset_strategy: DatasetStrategy = "data_parallel",
     batch_argnums: int | Sequence[int] | None = None,
     propagation: str = "jshard",
     cost_model: CostModel | None = None,
@@ -62,12 +69,22 @@ def parallelize(
         operator, keeping any `shard` calls and `in_strategy` as constraints), or `"manual"`
         (`in_strategy`/`out_strategy` are PartitionSpecs over `mesh`; jshard only builds the program).
       in_strategy: one entry per positional argument: a strategy tuple, a `Layout` call, a
-        PartitionSpec (manual), None, or a pytree prefix of the argument holding those.
+        PartitionSpec (manual), None, or a pytree prefix of the argument holding those. A static
+        argument's entry is None. Keyword arguments take no entry: they are laid out as any
+        argument without one (left to the planner in `semi_auto` and `auto` with
+        `propagation="jshard"`, else replicated), and are never the batch.
       out_strategy: the same for the results (a pytree prefix of the output).
       donate_argnums: as `jax.jit`.
-      dataset_strategy: `"data_parallel"` cuts dim 0 of every array in the batch arguments over all
-        devices, `"full_batch"` replicates them; used where `in_strategy` says nothing.
-      batch_argnums: which positional arguments are the batch; default the last one.
+      static_argnums: as `jax.jit`: these positional arguments are not traced; their values must be
+        hashable, and each new value builds (traces, plans, compiles) a new program.
+      static_argnames: as `jax.jit`: the same for arguments by name (completed from
+        `static_argnums` through `fn`'s signature, and the other way round).
+      donate_argnames: as `jax.jit`: donate arguments by name (keyword arguments too).
+      dataset_strategy: MindSpore's: `"data_parallel"` cuts dim 0 of every array in the batch
+        arguments over all devices, `"full_batch"` replicates them, and a tuple holds one strategy
+        tuple or `Layout` call per leaf of the batch arguments (in leaf order), as `jshard.data`
+        takes it; used where `in_strategy` says nothing.
+      batch_argnums: which positional arguments are the batch; default the last one not static.
       propagation: who lays out the operators no strategy fixes: `"jshard"` (the propagation
         engine: every operator gets a strategy, an origin and a cost in the `Plan`) or `"xla"`
         (Shardy propagates from the same anchors; the baseline the benchmarks compare with).
@@ -92,7 +109,11 @@ def parallelize(
       pipeline_result_broadcast: inference outputs on every device (else on the last stage).
 
     Returns:
-      A `Parallelized` callable with `lower` and `plan`.
+      A `Parallelized` callable with `lower` and `plan`. Call it as `fn` is called: keyword
+      arguments are traced as `jax.jit` traces them. PRNG keys (`jax.random.key`, or raw `uint32`
+      `jax.random.PRNGKey`s) may be arguments and results, and `jax.random` (dropout) may run
+      inside: a key array's dims are laid out like any tensor's, and each device draws the values
+      one device would.
 
     Examples:
       >>> import jax.numpy as jnp, jshard as js
@@ -100,10 +121,17 @@ def parallelize(
       ...                       devices=8, in_strategy=((2, 1), (1, 4)))
       >>> step(jnp.ones((4, 8)), jnp.ones((8, 16))).shape
       (4, 16)
+
+      As `jax.jit`, with static and keyword arguments (the batch: `x`, the last one not static):
+
+      >>> power = js.parallelize(lambda x, n, *, bias: x**n + bias, devices=8, static_argnums=1)
+      >>> power(jnp.full(8, 2.0), 3, bias=jnp.float32(1.0))[:2]
+      Array([9., 9.], dtype=float32)
     """
     options = Options.create(
         devices=devices, mesh=mesh, mode=mode, in_strategy=in_strategy, out_strategy=out_strategy,
-        donate_argnums=donate_argnums, dataset_strategy=dataset_strategy, batch_argnums=batch_argnums,
+        donate_argnums=donate_argnums, static_argnums=static_argnums, static_argnames=static_argnames,
+        donate_argnames=donate_argnames, dataset_strategy=dataset_strategy, batch_argnums=batch_argnums,
         propagation=propagation, cost_model=cost_model, plan=plan, search=search, memory_budget=memory_budget,
         search_time_limit=search_time_limit, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
         schedule=schedule, virtual_stages=virtual_stages, pipeline_result_broadcast=pipeline_result_broadcast,
@@ -121,22 +149,24 @@ class Parallelized:
     """A parallelized function: call it, `lower` it, or read its `plan`, as with `jax.jit`."""
 
     def __init__(self, fn: Callable[..., Any], options: Options):
+        functools.update_wrapper(self, fn)  # first, so that fn's own attributes cannot shadow ours
         self.fn, self.options = fn, options
         self.name = getattr(fn, "__name__", type(fn).__name__)
         self.call = f"jshard.parallelize({self.name})"
         options.check(self.call)
+        self.options = resolve(fn, options, self.call)
         self._cache: SignatureCache[Program] = SignatureCache()
-        functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        _no_kwargs(self.call, kwargs)
-        program = self._runnable(args)
-        return program.jitted(*placed(args, program.in_shardings))
+        bound = bind(self.fn, self.options, args, kwargs, self.call)
+        program = self._runnable(bound)
+        return program.jitted(*placed(bound.args, program.in_shardings))
 
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-        """The planned program, lowered (as `jax.jit(...).lower`)."""
-        _no_kwargs(self.call, kwargs)
-        return self._runnable(args).jitted.lower(*args)
+        """The planned program, lowered (as `jax.jit(...).lower`). Its arguments are the traced ones:
+        the positional arguments (a static one as None), then the keyword arguments' values in name order."""
+        bound = bind(self.fn, self.options, args, kwargs, self.call)
+        return self._runnable(bound).jitted.lower(*bound.args)
 
     def plan(self, *args, **kwargs) -> Plan:
         """The `Plan` for these arguments (arrays or `jax.ShapeDtypeStruct`s); nothing is compiled.
@@ -144,14 +174,14 @@ class Parallelized:
         With more `devices` than are present, the plan is made on an abstract mesh (planning for a
         cluster from a laptop); such a plan cannot be run or lowered here.
         """
-        _no_kwargs(self.call, kwargs)
-        return self._program(args).plan
+        return self._program(bind(self.fn, self.options, args, kwargs, self.call)).plan
 
-    def _program(self, args: tuple) -> Program:
-        return self._cache.get(args, lambda: build(self.fn, args, self.options, self.call))
+    def _program(self, bound: Bound) -> Program:
+        return self._cache.get(bound.args, lambda: build(bound.fn, bound.args, bound.options(self.options, self.call),
+                                                         self.call), bound.key)
 
-    def _runnable(self, args: tuple) -> Program:
-        program = self._program(args)
+    def _runnable(self, bound: Bound) -> Program:
+        program = self._program(bound)
         if program.jitted is None:
             have = jax.devices()
             raise DeviceCountError(
@@ -161,7 +191,3 @@ class Parallelized:
             )
         return program
 
-
-def _no_kwargs(call: str, kwargs: dict) -> None:
-    if kwargs:
-        raise TypeError(f"{call}: pass arguments positionally (got keyword arguments {sorted(kwargs)}).")

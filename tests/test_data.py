@@ -101,3 +101,53 @@ def test_bad_dataset_strategies_name_the_problem(batch, strategy, message):
 def test_loader_rejects_arrays_of_another_batch_size():
     with pytest.raises(js.ShardingError, match=re.escape("every array of a batch has batch_size=8 rows in dim 0")):
         ShardedLoader(lambda a, b: None, 8, [(8, 2), (4,)])
+
+
+# --- parallelize(dataset_strategy=<tuple>): the same policy at the function boundary -----------
+
+
+def conv_loss(w, batch):
+    """An NHWC image batch (the strategy cuts H and W) and its labels through a 1x1 conv."""
+    images, labels = batch
+    return ((jnp.einsum("nhwc,cd->nhwd", images, w).mean(axis=(1, 2)) - labels) ** 2).mean()
+
+
+HW = ((1, 2, 4, 1), (1, 1))
+HW_LAYOUT = (js.Layout((2, 4), ("h", "w"))("None", "h", "w", "None"), js.Layout((2, 4), ("h", "w"))("None", "None"))
+
+
+@pytest.mark.parametrize("mode", ["data", "semi_auto", "auto"])
+@pytest.mark.parametrize("strategy", [HW, HW_LAYOUT, ((2, 1, 1, 1), (2, 1))], ids=["hw", "layout", "repeated"])
+def test_parallelize_takes_a_tuple_dataset_strategy_as_shard_batch_does(strategy, mode):
+    w = np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)
+    batch = (images() / images().size, np.ones((8, 2), np.float32))
+    step = js.parallelize(conv_loss, devices=8, mode=mode, dataset_strategy=strategy)
+    got = float(step(w, batch))
+    want = float(jax.jit(conv_loss)(*jax.device_put((w, batch), jax.devices()[0])))
+    np.testing.assert_allclose(got, want, rtol=64 * np.finfo(np.float32).eps)
+    planned = step.lower(w, batch).compile().input_shardings[0][1]
+    for have, expected, ndim in zip(planned, batch_shardings([4, 2], strategy), (4, 2)):
+        assert have.is_equivalent_to(expected, ndim)  # shard_batch's batch moves nowhere
+
+
+def test_a_tuple_dataset_strategy_puts_each_block_on_the_mindspore_rank():
+    step = js.parallelize(conv_loss, devices=8, dataset_strategy=HW)
+    batch = (images(), np.ones((8, 2), np.float32))
+    sharding = step.lower(np.ones((3, 2), np.float32), batch).compile().input_shardings[0][1][0]
+    blocks = sharding.devices_indices_map(images().shape)
+    devices = jax.devices()
+    for rank in range(8):  # device matrix [2, 4]: rank r holds H block r // 4 and W block r % 4
+        h, w = blocks[devices[rank]][1:3]
+        assert (h.start // 2, w.start // 2) == (rank // 4, rank % 4)
+
+
+def test_parallelize_checks_a_tuple_dataset_strategy_against_the_batch():
+    with pytest.raises(js.ShardingError, match=re.escape(
+        "jshard.parallelize(conv_loss): dataset_strategy has 1 entries ((1, 2, 4, 1),), but the batch has 2 "
+        "arrays; give one strategy per array.")):
+        js.parallelize(conv_loss, devices=8, dataset_strategy=((1, 2, 4, 1),)).plan(
+            np.ones((3, 2), np.float32), (images(), np.ones((8, 2), np.float32)))
+    with pytest.raises(js.ShardingError, match=re.escape(
+        "jshard.parallelize(conv_loss): mode='manual' lays out arguments by in_strategy's PartitionSpecs only; a "
+        "dataset_strategy of strategy tuples needs mode='data', 'semi_auto' or 'auto'.")):
+        js.parallelize(conv_loss, mode="manual", mesh=jax.make_mesh((8,), ("x",)), dataset_strategy=HW)

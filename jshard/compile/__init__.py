@@ -1,7 +1,11 @@
-"""The compile core every front end shares: validated `Options`, the trace stage (`Traced`), the
-`Planner` contract and its planners, the program stage (`Program`: emission, `jax.jit`, `Plan`), the
-per-signature cache, and `build`, which runs them in order (see ARCHITECTURE.md)."""
+"""The compile core every front end shares: validated `Options` (jit's argument options resolved
+by `resolve` and bound per call by `bind`), the trace stage (`Traced`), the `Planner` contract and
+its planners, the program stage (`Program`: emission, `jax.jit`, `Plan`), the per-signature cache,
+and `build`, which runs them in order (see ARCHITECTURE.md)."""
 
+from jshard.compile._arguments import Bound as Bound
+from jshard.compile._arguments import bind as bind
+from jshard.compile._arguments import resolve as resolve
 from jshard.compile._core import build as build
 from jshard.compile._options import Options as Options
 from jshard.compile._options import PipelineOptions as PipelineOptions

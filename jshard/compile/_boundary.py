@@ -1,9 +1,10 @@
 """The anchors at the function boundary: each argument's and result's sharding before planning.
 
 An argument takes, in order: its `in_strategy`; the sharding of a `shard` call it flows straight
-into (`semi_auto`, `auto`); the dataset policy where it is the batch; else it is left to the
-planner (`semi_auto`, `auto` with jshard's engine) or replicated. A result takes its
-`out_strategy`, or is left to the planner.
+into (`semi_auto`, `auto`); the dataset policy where it is the batch (`dataset_anchors`: a tuple
+`dataset_strategy` has one entry per batch leaf); else it is left to the planner (`semi_auto`,
+`auto` with jshard's engine) or replicated. A result takes its `out_strategy`, or is left to the
+planner.
 """
 
 from __future__ import annotations
@@ -44,10 +45,32 @@ def argument_leaves(args: tuple, argnums: Sequence[int]) -> set[int]:
     return ids
 
 
-def in_shardings(traced: Traced, slots: Sequence[Slot], batch: set[int], options: Options, call: str) -> list:
-    """Each argument leaf's `NamedSharding`, or None where the planner decides it."""
+def dataset_anchors(args: tuple, batch: set[int], options: Options, n: int, call: str) -> dict[int, Slot]:
+    """The batch leaves the dataset policy lays out, each with its slot (before tracing).
+
+    A tuple or `Layout`-call `dataset_strategy` gives every leaf of the batch arguments its entry,
+    in leaf order, in every mode but manual. `"data_parallel"` cuts dim 0 of the batch's arrays
+    (not its scalars), except where the strategy search decides the batch too; `"full_batch"`
+    and manual mode lay out nothing here.
+    """
+    strategy = options.dataset_strategy
+    if options.mode == "manual" or strategy == "full_batch":
+        return {}
+    ndims = [np.ndim(x) for x in jax.tree_util.tree_leaves(args)]
+    if strategy != "data_parallel":
+        ids = sorted(batch)
+    elif options.mode == "auto" and options.search != "propagation":
+        return {}
+    else:
+        ids = [i for i in sorted(batch) if ndims[i] > 0]
+    return dict(zip(ids, dataset_slots([ndims[i] for i in ids], strategy, n, call=call)))
+
+
+def in_shardings(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options, call: str) -> list:
+    """Each argument leaf's `NamedSharding`, or None where the planner decides it (`dataset`: the
+    batch leaves' slots from `dataset_anchors`)."""
     anchors = boundary_anchors(traced, call)
-    return [_in_sharding(traced, path, x, slot, anchors.get(v), i in batch, options, call)
+    return [_in_sharding(traced, path, x, slot, anchors.get(v), dataset.get(i), options, call)
             for i, (path, x, slot, v) in enumerate(zip(traced.paths, traced.leaves, slots, traced.invars))]
 
 
@@ -59,19 +82,16 @@ def out_shardings(traced: Traced, options: Options, call: str) -> list:
             for path, x, slot in zip(traced.out_paths, traced.out_leaves, slots)]
 
 
-def _in_sharding(traced: Traced, path, x, slot, anchor, batch: bool, c: Options, call: str):
+def _in_sharding(traced: Traced, path, x, slot, anchor, rows, c: Options, call: str):
     if slot is not None:
         return _given(traced, slot, x, f"in_strategy{path}", c, call)
     if anchor is not None and c.mode in ("semi_auto", "auto"):
         return anchor
-    free = c.mode in ("semi_auto", "auto") and c.propagation == "jshard"
-    searched = c.mode == "auto" and c.search != "propagation"  # the search decides the batch too
-    cut_batch = c.mode != "manual" and c.dataset_strategy == "data_parallel" and not searched
-    if batch and cut_batch and np.ndim(x) > 0:
-        n = traced.fine.device_count
-        check_batch_rows(np.shape(x), n, call=call, where=f"args{path}")
-        (rows,) = dataset_slots([np.ndim(x)], c.dataset_strategy, n, call=call)
+    if rows is not None:
+        if c.dataset_strategy == "data_parallel":
+            check_batch_rows(np.shape(x), traced.fine.device_count, call=call, where=f"args{path}")
         return _layout_sharding(traced, rows, x, f"dataset_strategy for args{path}", call)
+    free = c.mode in ("semi_auto", "auto") and c.propagation == "jshard"
     return None if free else NamedSharding(traced.mesh, PartitionSpec())
 
 

@@ -21,6 +21,7 @@ from jshard._format import human_bytes
 from jshard.compile._boundary import (
     BOUNDARY,
     argument_leaves,
+    dataset_anchors,
     in_shardings,
     out_shardings,
 )
@@ -39,22 +40,23 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
     devices = devices_for(options)
     n = options.devices if devices is None else len(devices)
     slots = canonicalize_in_strategy(options.in_strategy, args, call=call)
-    needed = _boundary_matrices(options, slots, args, n, call)
+    batch = argument_leaves(args, (len(args) - 1,) if options.batch_argnums is None else options.batch_argnums)
+    dataset = dataset_anchors(args, batch, options, n, call)
+    needed = _boundary_matrices(options, slots, dataset, args, n, call)
     while True:
         fine = _fine_mesh(options, n, needed, call)
         try:
-            return _build_on(fn, args, fine, devices, slots, options, call)
+            return _build_on(fn, args, fine, devices, slots, dataset, options, call)
         except NotRefined as e:
             if options.mode == "manual":
                 raise ShardingError(_manual_mesh_error(call, e, options.mesh)) from None
             needed.append((e.matrix, e.who))
 
 
-def _build_on(fn, args, fine: FineMesh, devices, slots, c: Options, call: str) -> Program:
+def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, call: str) -> Program:
     """Traces, plans and builds on one fine mesh; raises `NotRefined` where it is too coarse."""
     traced = trace(fn, args, fine, devices, c, call)
-    batch = argument_leaves(args, (len(args) - 1,) if c.batch_argnums is None else c.batch_argnums)
-    in_sh = in_shardings(traced, slots, batch, c, call)
+    in_sh = in_shardings(traced, slots, dataset, c, call)
     out_sh = out_shardings(traced, c, call)
     planner = planner_for(c, call)
     problem = Problem(traced, in_sh, frozenset(argument_leaves(args, c.donate_argnums)), c.memory_budget)
@@ -85,14 +87,16 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, c: Options, call: str) -
     )
 
 
-def _boundary_matrices(c: Options, slots, args, n: int, call: str) -> list[tuple[tuple[int, ...], str]]:
-    """Device matrices the fine mesh must refine before tracing: the mesh's and `in_strategy`'s."""
+def _boundary_matrices(c: Options, slots, dataset, args, n: int, call: str) -> list[tuple[tuple[int, ...], str]]:
+    """Device matrices the fine mesh must refine before tracing: the mesh's, `in_strategy`'s and
+    the dataset policy's."""
     if c.mode == "manual":
         return []
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
     needed = [] if c.mesh is None else [(tuple(c.mesh.devices.shape), f"the mesh {dict(c.mesh.shape)}")]
-    for slot, path in zip(slots, paths):
-        what = f"in_strategy{path}"
+    given = [(slot, f"in_strategy{path}") for slot, path in zip(slots, paths)]
+    given += [(slot, f"dataset_strategy for args{paths[i]}") for i, slot in dataset.items() if slots[i] is None]
+    for slot, what in given:
         if slot is not None and not isinstance(slot, PartitionSpec):
             needed.append((layout_of(slot, n, call=call, op=BOUNDARY, what=what).device_matrix, what))
     return needed

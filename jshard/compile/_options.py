@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jshard._errors import ShardingError
 from jshard.cost import CostModel
-from jshard.layouts import check_dataset_strategy
+from jshard.layouts import DatasetStrategy, check_dataset_strategy
 from jshard.plan import Plan
 from jshard.search import SEARCHES
 
@@ -62,7 +62,10 @@ class Options:
     in_strategy: Any = None
     out_strategy: Any = None
     donate_argnums: tuple[int, ...] = ()
-    dataset_strategy: str = "data_parallel"
+    static_argnums: tuple[int, ...] = ()
+    static_argnames: tuple[str, ...] = ()
+    donate_argnames: tuple[str, ...] = ()
+    dataset_strategy: DatasetStrategy = "data_parallel"
     batch_argnums: tuple[int, ...] | None = None
     propagation: str = "jshard"
     cost_model: CostModel | None = None
@@ -74,13 +77,18 @@ class Options:
 
     @classmethod
     def create(cls, *, donate_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] | None = None,
-               memory_budget: int | float | str | None = None, search_time_limit: float = 60.0,
+               static_argnums: int | Sequence[int] = (), static_argnames: str | Sequence[str] = (),
+               donate_argnames: str | Sequence[str] = (), memory_budget: int | float | str | None = None,
+               search_time_limit: float = 60.0,
                pipeline_stages: int | None = None, micro_batches: int | None = None, schedule: str = "1f1b",
                virtual_stages: int = 1, pipeline_result_broadcast: bool = False, **fields: Any) -> Options:
-        """Options from `parallelize`'s keywords, normalized (argnums as tuples, sizes as bytes, the
-        pipeline's keywords as one `PipelineOptions`, or None where none differs from its default)."""
+        """Options from `parallelize`'s keywords, normalized (argnums and argnames as tuples, sizes as
+        bytes, the pipeline's keywords as one `PipelineOptions`, or None where none differs from its
+        default)."""
         pipeline = PipelineOptions(pipeline_stages, micro_batches, schedule, virtual_stages, pipeline_result_broadcast)
-        return cls(donate_argnums=_argnums(donate_argnums), batch_argnums=None if batch_argnums is None else _argnums(batch_argnums),
+        return cls(donate_argnums=_as_tuple(donate_argnums), batch_argnums=None if batch_argnums is None else _as_tuple(batch_argnums),
+                   static_argnums=_as_tuple(static_argnums), static_argnames=_as_tuple(static_argnames),
+                   donate_argnames=_as_tuple(donate_argnames),
                    memory_budget=parse_bytes(memory_budget), search_time_limit=float(search_time_limit),
                    pipeline=pipeline if pipeline.asked else None, **fields)
 
@@ -95,7 +103,12 @@ class Options:
         _check_search(call, self)
         if self.plan is not None and not isinstance(self.plan, Plan):
             raise TypeError(f"{call}: plan= takes a jshard.Plan (from Plan.load), got {type(self.plan).__name__}.")
-        check_dataset_strategy(self.dataset_strategy, call=call, tuples=False)
+        check_dataset_strategy(self.dataset_strategy, call=call)
+        if self.mode == "manual" and not isinstance(self.dataset_strategy, str):
+            raise ShardingError(f"{call}: mode='manual' lays out arguments by in_strategy's PartitionSpecs only; a "
+                                f"dataset_strategy of strategy tuples needs mode='data', 'semi_auto' or 'auto'. Give "
+                                f"the batch its PartitionSpecs in in_strategy instead.")
+        check_arguments(call, self)
         if self.mode == "manual" and self.mesh is None:
             raise ShardingError(f"{call}: mode='manual' takes PartitionSpecs over your mesh; pass mesh=... too.")
         if self.mesh is not None and self.devices is not None and self.devices != self.mesh.devices.size:
@@ -133,8 +146,47 @@ def _check_search(call: str, c: Options) -> None:
                             f"got {c.memory_budget!r}.")
 
 
-def _argnums(value: int | Sequence[int]) -> tuple[int, ...]:
-    return (value,) if isinstance(value, int) else tuple(value)
+def check_arguments(call: str, c: Options) -> None:
+    """jit's argument options: numbers are ints and names strs (else `TypeError`), and no argument is
+    both static and donated, static and the batch, or static with an `in_strategy` entry."""
+    for what, values, kind in (("static_argnums", c.static_argnums, int), ("donate_argnums", c.donate_argnums, int),
+                               ("batch_argnums", c.batch_argnums or (), int), ("static_argnames", c.static_argnames, str),
+                               ("donate_argnames", c.donate_argnames, str)):
+        bad = [v for v in values if not isinstance(v, kind) or isinstance(v, bool)]
+        if bad:
+            raise TypeError(f"{call}: {what} takes {kind.__name__}s (or one {kind.__name__}), got {bad[0]!r} "
+                            f"in {what}={values!r}.")
+    for (what, given), why in ((("donate_argnums", c.donate_argnums), "a static argument is no buffer to donate"),
+                               (("batch_argnums", c.batch_argnums or ()), "a static argument is not traced, so no "
+                                                                           "device holds a part of it")):
+        both = sorted(set(c.static_argnums) & set(given))
+        if both:
+            raise ShardingError(f"{call}: argument {both[0]} is in both static_argnums={c.static_argnums} and "
+                                f"{what}={given}; {why}. Drop it from one of them.")
+    both = sorted(set(c.static_argnames) & set(c.donate_argnames))
+    if both:
+        raise ShardingError(f"{call}: {both[0]!r} is in both static_argnames={c.static_argnames} and donate_argnames="
+                            f"{c.donate_argnames}; a static argument is no buffer to donate. Drop it from one of them.")
+    _check_static_strategy(call, c)
+
+
+def _check_static_strategy(call: str, c: Options) -> None:
+    """`in_strategy` has one entry per positional argument; a static one's must be None."""
+    if not isinstance(c.in_strategy, (tuple, list)):
+        return
+    n = len(c.in_strategy)
+    for i in sorted({i % n for i in c.static_argnums if -n <= i < n}):
+        if c.in_strategy[i] is not None:
+            raise ShardingError(
+                f"{call}: in_strategy[{i}]={c.in_strategy[i]!r} lays out argument {i}, which is static "
+                f"(static_argnums={c.static_argnums}); a static argument is not traced, so it has no layout. "
+                f"Give None there.")
+
+
+def _as_tuple(value: Any) -> tuple:
+    """Argument numbers or names as a tuple: one (an int, a str, or a wrong kind for `check` to
+    name) or a sequence of them."""
+    return tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else (value,)
 
 
 def parse_bytes(value: int | float | str | None) -> float | None:

@@ -47,9 +47,10 @@ class SignatureCache(Generic[T]):
     def __init__(self) -> None:
         self._entries: dict[Hashable, T] = {}
 
-    def get(self, args: Any, build: Callable[[], T]) -> T:
-        """The entry for `args`' signature, built by `build()` the first time."""
-        key = signature(args)
+    def get(self, args: Any, build: Callable[[], T], static: Hashable = ()) -> T:
+        """The entry for `args`' signature and the `static` values (a call's static arguments, as
+        `jax.jit` keys its executables by them), built by `build()` the first time."""
+        key = (signature(args), static)
         if key not in self._entries:
             self._entries[key] = build()
         return self._entries[key]

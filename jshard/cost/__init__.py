@@ -8,5 +8,6 @@ from jshard.cost._collectives import local_bytes as local_bytes
 from jshard.cost._collectives import redistribution as redistribution
 from jshard.cost._memory import LiveRanges as LiveRanges
 from jshard.cost._memory import array_of as array_of
+from jshard.cost._memory import itemsize as itemsize
 from jshard.cost._memory import live_ranges as live_ranges
 from jshard.cost._memory import value_bytes as value_bytes

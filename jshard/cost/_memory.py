@@ -21,7 +21,12 @@ from jshard.graph import Node
 
 @functools.lru_cache(maxsize=4096)
 def _shape_itemsize(aval) -> tuple[tuple[int, ...], int]:
-    return tuple(aval.shape), np.dtype(aval.dtype).itemsize
+    return tuple(aval.shape), itemsize(aval.dtype)
+
+
+def itemsize(dtype: object) -> int:
+    """Bytes per element of `dtype`; a PRNG key's (`key<fry>`) is its key data's (8 for threefry)."""
+    return int(dtype.itemsize) if hasattr(dtype, "itemsize") else np.dtype(dtype).itemsize
 
 
 def array_of(v) -> tuple[tuple[int, ...], int]:

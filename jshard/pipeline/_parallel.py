@@ -327,6 +327,13 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
             f"{call}: pipeline_stages= builds its own mesh (a stage axis, then each stage's devices) with "
             f"stage-internal strategies as in semi_auto; {what} cannot be combined with it. Drop {what.split('=')[0]}=."
         )
+    jit_options = [k for k in ("static_argnums", "static_argnames", "donate_argnames") if getattr(options, k)]
+    if jit_options:
+        raise ShardingError(
+            f"{call}: a pipeline step takes (params, batch), both traced; {jit_options[0]}= applies to "
+            f"parallelize's own program, not to a pipeline. Bind static values into the stage functions "
+            f"(functools.partial), or drop pipeline_stages=."
+        )
     if fn is None:
         return lambda f: Pipelined(f, options)
     return Pipelined(fn, options)

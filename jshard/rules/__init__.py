@@ -3,7 +3,8 @@
 The contract a rule keeps (written where rules register, in `_factors.py`): a rule takes a jaxpr
 equation and returns its `Factors` (every operand dim as a product of factors; dims sharing a
 factor are cut alike; `reduced` factors leave partial sums); it never looks at a mesh. One family
-per module: dot, elementwise, reduce, shape ops, gather/scatter, conv, window, control flow, misc.
+per module: dot, elementwise, reduce, shape ops, gather/scatter, conv, window, control flow, PRNG
+keys, misc.
 Importing this package registers every family.
 """
 
@@ -13,6 +14,7 @@ from jshard.rules import _dot as _dot  # noqa: F401
 from jshard.rules import _elementwise as _elementwise  # noqa: F401
 from jshard.rules import _gather as _gather  # noqa: F401
 from jshard.rules import _misc as _misc  # noqa: F401
+from jshard.rules import _random as _random  # noqa: F401
 from jshard.rules import _reduce as _reduce  # noqa: F401
 from jshard.rules import _shape as _shape  # noqa: F401
 from jshard.rules import _window as _window  # noqa: F401

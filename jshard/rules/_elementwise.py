@@ -19,8 +19,8 @@ ELEMENTWISE = (
     "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "polygamma", "pow",
     "real", "reduce_precision", "rem", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
     "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh",
-    "xor", "population_count", "clz", "random_wrap", "random_unwrap", "optimization_barrier",
-    "threefry2x32",  # elementwise over its counters; the key words are scalars
+    "xor", "population_count", "clz", "optimization_barrier",
+    "threefry2x32",  # elementwise over its counters; the key words are scalars (keys: `_random.py`)
 )
 
 

@@ -157,9 +157,9 @@ def rev(eqn: jcore.JaxprEqn) -> Factors:
     return b.build([dims], [dims])
 
 
-@rule("iota", "random_bits", "rng_uniform", "random_seed", "random_fold_in", "random_split")
+@rule("iota", "rng_uniform")
 def generated(eqn: jcore.JaxprEqn) -> Factors:
-    """Values made from nothing cut (iota, random bits): every output dim free, inputs whole."""
+    """Values made from nothing cut (iota, `rng_uniform`): every output dim free, inputs whole."""
     b = FactorBuilder()
     out_shape = shape_of(eqn.outvars[0])
     out = b.dims(out_shape)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jshard.cost import value_bytes
 from jshard.search._graph import TIE, Assignment, Group, Infeasible, SearchGraph, Solved
 
 _ROUNDS = 4
@@ -87,13 +88,13 @@ def solve(g: SearchGraph, groups: Sequence[Group], budget: float | None, time_li
             for p in set(first) | set(other):
                 row([(int(offset[u]) + j, 1.0) for j in first.get(p, ())]
                     + [(int(offset[w]) + j, -1.0) for j in other.get(p, ())], 0.0, 0.0)
-    peak_at = int(np.argmax(g.live_bytes({v: _size(v) for v in g.memory_values})))
+    peak_at = int(np.argmax(g.live_bytes({v: value_bytes(v) for v in g.memory_values})))
     for c, b in _memory_row(g, peak_at, cands, offset):  # between plans of equal cost, the one that holds less
         cost[c] += TIE * b * 1e6
     n = len(cost)
     integrality = np.zeros(n)
     integrality[:n_x] = 1
-    points = [] if budget is None else [int(np.argmax(g.live_bytes({v: _size(v) for v in g.memory_values})))]
+    points = [] if budget is None else [int(np.argmax(g.live_bytes({v: value_bytes(v) for v in g.memory_values})))]
     status, result = "", None
     for _ in range(_ROUNDS):
         m_rows, m_cols, m_vals, m_hi = list(rows), list(cols), list(vals), list(hi)
@@ -142,14 +143,10 @@ def _memory_row(g: SearchGraph, t: int, cands, offset):
     coef: dict[int, float] = {}
     for v in g.live_at(t):
         k, pos = g.makers[v]
-        size = _size(v)
+        size = value_bytes(v)
         for j, a in enumerate(cands[k]):
             spec = g.spec(k, pos, a)
             cut = math.prod(g.axis_size[x] for axes in spec for x in axes)
             c = int(offset[k]) + j
             coef[c] = coef.get(c, 0.0) + size / cut
     return list(coef.items())
-
-
-def _size(v) -> float:
-    return float(math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize)

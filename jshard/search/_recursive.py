@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jshard.cost import value_bytes
 from jshard.search._graph import TIE, Assignment, Group, Infeasible, SearchGraph, Solved
 
 _GROWTHS = 24
@@ -68,7 +69,7 @@ class _Recursive:
         self.g, self.levels = g, list(levels)
         degree = collections.Counter(k for e in g.edges for k in (e.src[0], e.dst[0]))
         self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
-        replicated = g.live_bytes({v: float(v.aval.size * v.aval.dtype.itemsize) for v in g.memory_values})
+        replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
         t = int(replicated.argmax())
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at the peak
         for v in g.live_at(t):
@@ -95,7 +96,7 @@ class _Recursive:
             for axes in spec:
                 for x in axes:
                     cut *= g.axis_size[x]
-            total += v.aval.size * v.aval.dtype.itemsize / cut
+            total += value_bytes(v) / cut
         return total
 
     def _total(self, chosen, lam) -> float:

@@ -22,7 +22,7 @@ from jax.extend import core as jcore
 
 from jshard._errors import ShardingError
 from jshard._format import human_bytes, var_str
-from jshard.cost import CostModel
+from jshard.cost import CostModel, value_bytes
 from jshard.graph import CONSTRAINT, Node, operand_vars
 from jshard.propagate import Decision, Engine, Rejected, Result
 from jshard.rules import write_spec
@@ -242,7 +242,7 @@ def _local(g: SearchGraph, k: int, a: Assignment, choice) -> float:
 
 def _least(g: SearchGraph) -> dict:
     """Each memory value's bytes per device, cut as finely as its dims allow."""
-    return {v: float(math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize) / _finest_cut(v.aval.shape, g.axis_size)
+    return {v: value_bytes(v) / _finest_cut(v.aval.shape, g.axis_size)
             for v in g.memory_values}
 
 
