@@ -35,7 +35,7 @@ def tolerance(desired, *, dtype=None, terms=1, scale=None) -> float:
 
 def assert_close(actual, desired, *, dtype=None, terms=1, scale=None, err_msg=""):
     """Every float leaf of the pytree `actual` within `tolerance` of the same leaf of `desired`;
-    integer and boolean leaves equal.
+    integer and boolean leaves, and PRNG keys (their key data), equal.
 
     dtype: the precision the values were computed in; by default the leaf's, the coarser of the two
     (pass it for Python floats, which are float64 whatever they were computed in).
@@ -43,6 +43,7 @@ def assert_close(actual, desired, *, dtype=None, terms=1, scale=None, err_msg=""
     got, want = jax.tree.leaves(actual), jax.tree.leaves(desired)
     assert len(got) == len(want), f"{len(got)} leaves against {len(want)}"
     for i, (a, b) in enumerate(zip(got, want)):
+        a, b = _key_data(a), _key_data(b)
         a, b = np.asarray(a), np.asarray(b)
         if not (np.issubdtype(a.dtype, np.inexact) or np.issubdtype(b.dtype, np.inexact)):
             np.testing.assert_array_equal(a, b, err_msg=f"leaf {i} {err_msg}".rstrip())
@@ -70,3 +71,9 @@ def step_terms(params, batch, *, backward=True) -> int:
 def _coarser(*dtypes):
     """The float dtype with the larger eps (float32 results against a float64 reference: float32)."""
     return max((t for t in dtypes if np.issubdtype(t, np.inexact)), key=lambda t: np.finfo(t).eps)
+
+
+def _key_data(x):
+    """A typed PRNG key array as its raw key data (compared exactly); anything else as it is."""
+    dtype = getattr(x, "dtype", None)
+    return jax.random.key_data(x) if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else x

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from clients import assert_close, linen_dropout, nnx_dropout, one_device
+from _tolerance import assert_close
+from clients import linen_dropout, nnx_dropout, one_device
 from jax.sharding import PartitionSpec as P
 
 import jshard as js
@@ -29,6 +30,9 @@ def layers(w, x, n, *, scale=1.0, act="tanh"):
 
 
 W, X = jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32), jnp.ones((8, 16))
+TERMS = 16 + 4 + 3 * 4
+"""What `layers` sums (tests/_tolerance.py): `x @ w` 16 terms, the row sum 4, and up to 3 layers of
+tanh at a few ulps each."""
 
 
 class Counted:
@@ -49,7 +53,7 @@ class Counted:
 def test_static_argnums_equal_jax_jit(mode):
     step = js.parallelize(layers, devices=8, mode=mode, static_argnums=2)
     for n in (1, 3):
-        assert_close(step(W, X, n), one_device(layers, W, X, n, jit_options={"static_argnums": 2}))
+        assert_close(step(W, X, n), one_device(layers, W, X, n, jit_options={"static_argnums": 2}), terms=TERMS)
     if mode != "auto":  # (the search lays out the batch too)
         assert step.plan(W, X, 3).in_specs[1] == P(("d0", "d1", "d2"))  # the batch: X, the last argument not static
 
@@ -58,8 +62,8 @@ def test_static_argnums_equal_jax_jit(mode):
 def test_static_argnames_equal_jax_jit_by_keyword_and_by_position(mode):
     step = js.parallelize(layers, devices=8, mode=mode, static_argnames=("n", "act"))
     want = one_device(layers, W, X, 2, act="relu", jit_options={"static_argnames": ("n", "act")})
-    assert_close(step(W, X, 2, act="relu"), want)
-    assert_close(step(W, X, n=2, act="relu"), want)  # n numbered from its name through the signature
+    assert_close(step(W, X, 2, act="relu"), want, terms=TERMS)
+    assert_close(step(W, X, n=2, act="relu"), want, terms=TERMS)  # n numbered from its name through the signature
 
 
 def test_static_values_key_the_programs_as_jax_jit_does():
@@ -87,7 +91,7 @@ def test_nnx_graphdef_as_a_static_argument():
     key = jax.random.key(1)
     step = js.parallelize(nnx_dropout.train_step, devices=8, static_argnums=0)
     want = one_device(nnx_dropout.train_step, graphdef, state, key, batch, jit_options={"static_argnums": 0})
-    assert_close(step(graphdef, state, key, batch), want)
+    assert_close(step(graphdef, state, key, batch), want, terms=nnx_dropout.terms())
 
 
 # --- keyword arguments ------------------------------------------------------------------------
@@ -98,7 +102,8 @@ def test_keyword_arguments_are_traced_as_jax_jit_traces_them(mode):
     step = js.parallelize(layers, devices=8, mode=mode, static_argnums=2)
     for scale in (0.5, 2.0):  # one program: a traced keyword argument is no cache key
         got = step(W, X, 2, scale=jnp.float32(scale))
-        assert_close(got, one_device(layers, W, X, 2, scale=jnp.float32(scale), jit_options={"static_argnums": 2}))
+        assert_close(got, one_device(layers, W, X, 2, scale=jnp.float32(scale), jit_options={"static_argnums": 2}),
+                     terms=TERMS)
 
 
 def test_keyword_arguments_are_never_the_batch():
@@ -109,7 +114,7 @@ def test_keyword_arguments_are_never_the_batch():
     plan = js.parallelize(loss, devices=8, mode="data").plan(W, X, bias=bias)
     assert plan.in_specs == (P(), P(("d0", "d1", "d2")), P())  # x cut as the batch, bias replicated
     got = js.parallelize(loss, devices=8)(W, X, bias=bias)
-    assert_close(got, one_device(loss, W, X, bias=bias))
+    assert_close(got, one_device(loss, W, X, bias=bias), terms=16 + 32)  # x @ w, then the mean of 32
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -118,13 +123,13 @@ def test_linen_step_with_its_dropout_key_by_keyword(mode):
     state, batch = linen_dropout.create_state()
     rng = jax.random.key(1)
     got = js.parallelize(linen_dropout.train_step, devices=8, mode=mode)(state, batch, dropout_rng=rng)
-    assert_close(got, one_device(linen_dropout.train_step, state, batch, dropout_rng=rng))
+    assert_close(got, one_device(linen_dropout.train_step, state, batch, dropout_rng=rng), terms=linen_dropout.terms())
 
 
 def test_in_strategy_counts_positional_arguments_only():
     step = js.parallelize(layers, devices=8, static_argnums=2, in_strategy=(None, (8, 1), None))
     assert_close(step(W, X, 2, scale=jnp.float32(3.0)), one_device(layers, W, X, 2, scale=jnp.float32(3.0),
-                                                                       jit_options={"static_argnums": 2}))
+                                                                       jit_options={"static_argnums": 2}), terms=TERMS)
     with pytest.raises(js.ShardingError, match=parts(
         "jshard.parallelize(layers): in_strategy has 4 entries but the function was called with 3 positional arguments",
     )):
@@ -144,7 +149,7 @@ def test_donate_argnames_donates_positional_and_keyword_arguments():
     params, grads = jax.tree.map(jnp.copy, (params, grads))
     step = js.parallelize(update, devices=8, donate_argnames=("params", "grads"))
     got = step(params, X, grads=grads)
-    assert_close(got, want)
+    assert_close(got, want, terms=16 * 8)  # x.sum(): 128 terms
     assert params["w"].is_deleted() and grads["w"].is_deleted() and not X.is_deleted()
 
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _tolerance import step_terms
 from flax import nnx
 
 
@@ -41,3 +42,9 @@ def train_step(graphdef, state, dropout_key, batch):
     params = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
     return nnx.state(model), loss
+
+
+def terms() -> int:
+    """The terms one train step's results sum (`tests/_tolerance.py`): what `assert_close` allows for."""
+    _, state, batch = create_state()
+    return step_terms(state, batch)
