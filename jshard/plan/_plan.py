@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -131,18 +132,29 @@ class Plan:
         chain of operators in between, the cost it paid and the best alternative it rejected."""
         return explain(self, op if isinstance(op, OpRecord) else self.ops[op])
 
-    def save(self, path: str) -> None:
-        """Writes the plan as JSON (MindSpore's strategy checkpoint); `parallelize(plan=Plan.load(path))`
-        rebuilds the same program."""
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the plan as JSON (MindSpore's strategy checkpoint; format in `jshard/plan/_io.py`);
+        `parallelize(plan=Plan.load(path))` rebuilds the same program. The file is replaced
+        atomically: a crash mid-save leaves the previous one."""
         write_json(to_json(self), path)
 
     @classmethod
-    def load(cls, path: str) -> "Plan":
-        """Reads a plan written by `save`."""
-        return cls(mesh=None, **read_fields(path))
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        """Reads a plan written by `save` (JSON only: nothing in the file is executed).
+
+        Raises:
+          ShardingError: the file is not a plan `save` wrote (not JSON, cut short, another format,
+            hand-edited keys, types or axis names), naming the file and what is wrong.
+        """
+        return load(path, f"jshard.Plan.load({os.fspath(path)!r})")
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def load(path: str | os.PathLike, call: str) -> Plan:
+    """`Plan.load`, its errors naming `call` (the public call that read the file)."""
+    return Plan(mesh=None, **read_fields(path, call))
 
 
 def _by_line(ops: Sequence[OpRecord]) -> list[tuple]:
