@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jshard._errors import DeviceCountError
+from jshard._errors import DeviceCountError, api_boundary
 from jshard.compile import (
     Options,
     Program,
@@ -26,6 +26,7 @@ from jshard.cost import CostModel
 from jshard.plan import Plan
 
 
+@api_boundary
 def parallelize(
     fn: Callable[..., Any] | None = None,
     *,
@@ -128,16 +129,19 @@ class Parallelized:
         self._cache: SignatureCache[Program] = SignatureCache()
         functools.update_wrapper(self, fn)
 
+    @api_boundary
     def __call__(self, *args, **kwargs):
         _no_kwargs(self.call, kwargs)
         program = self._runnable(args)
         return program.jitted(*placed(args, program.in_shardings))
 
+    @api_boundary
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The planned program, lowered (as `jax.jit(...).lower`)."""
         _no_kwargs(self.call, kwargs)
         return self._runnable(args).jitted.lower(*args)
 
+    @api_boundary
     def plan(self, *args, **kwargs) -> Plan:
         """The `Plan` for these arguments (arrays or `jax.ShapeDtypeStruct`s); nothing is compiled.
 

@@ -28,7 +28,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jshard._distributed import host_major
-from jshard._errors import ShardingError
+from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
 from jshard.checkpoint._files import damage, record
 from jshard.plan import Plan, load, to_json
@@ -57,6 +57,7 @@ class SaveHandle:
         return self._manager is None
 
 
+@api_boundary
 def save(directory: str | os.PathLike, state: Any, plan: Plan | None = None, *, step: int = 0,
          blocking: bool = True, keep: int | None = None) -> SaveHandle:
     """Writes `state` (a pytree of arrays, sharded or not) as step `step` of `directory`.
@@ -100,6 +101,7 @@ def save(directory: str | os.PathLike, state: Any, plan: Plan | None = None, *, 
     return handle
 
 
+@api_boundary
 def latest_step(directory: str | os.PathLike) -> int | None:
     """The newest complete step in `directory`, or None (no directory, or no finished step)."""
     directory = os.path.abspath(os.fspath(directory))
@@ -109,6 +111,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
         return manager.latest_step()
 
 
+@api_boundary
 def load_plan(directory: str | os.PathLike, step: int | None = None) -> Plan | None:
     """The `Plan` saved with `step` (default the latest), or None if it was saved without one.
 
@@ -123,6 +126,7 @@ def load_plan(directory: str | os.PathLike, step: int | None = None) -> Plan | N
     return load(path, call) if os.path.exists(path) else None
 
 
+@api_boundary
 def restore(directory: str | os.PathLike, target: Any, *, step: int | None = None, like: Any = None) -> Any:
     """Reads step `step` (default the latest) of `directory` onto the shardings `target` names.
 

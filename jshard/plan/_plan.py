@@ -12,7 +12,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard._context import Annotation
-from jshard._errors import ShardingError
+from jshard._errors import ShardingError, api_boundary
 from jshard._format import human_bytes
 from jshard.audit import Audit, audit
 from jshard.layouts import FineMesh
@@ -94,6 +94,7 @@ class Plan:
                 out[k] += b
         return dict(out)
 
+    @api_boundary
     def audit(self) -> Audit:
         """Compiles the planned program and reads what XLA emitted; `.compare` sets it against the
         prediction."""
@@ -127,6 +128,7 @@ class Plan:
         lines.append(_table(_by_line(self.ops)))
         return "\n".join(lines)
 
+    @api_boundary
     def explain(self, op: OpRecord | int) -> str:
         """Why operator `op` (a record or its index) got its strategy: the anchor it came from, the
         chain of operators in between, the cost it paid and the best alternative it rejected."""
@@ -139,6 +141,7 @@ class Plan:
         write_json(to_json(self), path)
 
     @classmethod
+    @api_boundary
     def load(cls, path: str | os.PathLike) -> "Plan":
         """Reads a plan written by `save` (JSON only: nothing in the file is executed).
 
