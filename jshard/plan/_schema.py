@@ -27,7 +27,7 @@ class _Null:
 
 
 class _Either:
-    """One of two schemas."""
+    """Any one of `schemas`."""
 
     def __init__(self, *schemas):
         self.schemas = schemas
@@ -50,7 +50,8 @@ _PLAN = {
 }
 _PLAN_V1 = dict(_PLAN, ops=[{**{k.lstrip("?"): v for k, v in _OP.items()}, "source": str}])
 del _PLAN_V1["sources"]
-_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+_NAMES = {str: ("a string", "strings"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+          bool: ("true or false", "booleans")}
 
 
 def check_plan_json(data: Any) -> list[str]:
@@ -101,32 +102,19 @@ def _is(value: Any, kind: type) -> bool:
     return isinstance(value, kind)
 
 
-def _expected(schema: Any) -> str:
+def _expected(schema: Any, plural: bool = False) -> str:
+    """What `schema` accepts, in words: `a list of integers` (plural: `lists of integers`)."""
     if isinstance(schema, _Null):
-        return f"{_expected(schema.schema)} or null"
+        return f"{_expected(schema.schema, plural)} or {'nulls' if plural else 'null'}"
     if isinstance(schema, _Either):
-        return " or ".join(map(_expected, schema.schemas))
+        return " or ".join(_expected(s, plural) for s in schema.schemas)
     if isinstance(schema, dict):
-        return "an object"
+        return "objects" if plural else "an object"
     if isinstance(schema, tuple):
-        return "[" + ", ".join(map(_expected, schema)) + "]"
+        return "[" + ", ".join(map(_expected, schema)) + "]" + (" entries" if plural else "")
     if isinstance(schema, list):
-        return f"a list of {_plural(schema[0])}"
-    return _NAMES[schema]
-
-
-def _plural(schema: Any) -> str:
-    if isinstance(schema, _Null):
-        return f"{_plural(schema.schema)} or nulls"
-    if isinstance(schema, _Either):
-        return " or ".join(map(_plural, schema.schemas))
-    if isinstance(schema, dict):
-        return "objects"
-    if isinstance(schema, tuple):
-        return f"{_expected(schema)} entries"
-    if isinstance(schema, list):
-        return f"lists of {_plural(schema[0])}"
-    return {str: "strings", int: "integers", float: "numbers", bool: "booleans"}[schema]
+        return f"{'lists' if plural else 'a list'} of {_expected(schema[0], plural=True)}"
+    return _NAMES[schema][plural]
 
 
 def _kind(value: Any) -> str:
