@@ -245,3 +245,16 @@ def test_another_functions_plan_is_named(tmp_path):
     with pytest.raises(js.ShardingError, match=r"like= holds 3 arrays, but the plan lays out only 1 arguments: it is "
                                                r"another function's plan"):
         ckpt.restore(tmp_path, other, like=(params, opt))
+
+
+def test_a_damaged_record_is_named_and_deleting_it_reads_the_step_unchecked(tmp_path):
+    _two_steps(tmp_path)
+    (tmp_path / "2" / "jshard_files.json").write_text('{"format": "jshard.checkpoint.files/1", "files": {"a": 3}}')
+    target = {"w": NamedSharding(DATA8, P("dp"))}
+    with pytest.raises(js.ShardingError, match=re.escape("jshard_files.json: the record of the step's files is itself "
+                                                         "damaged, so they cannot be checked (delete it to read the "
+                                                         "step unchecked)")):
+        ckpt.restore(tmp_path, target)
+    (tmp_path / "2" / "jshard_files.json").unlink()
+    np.testing.assert_array_equal(np.asarray(ckpt.restore(tmp_path, target)["w"]),
+                                  np.arange(4096, dtype=np.float32).reshape(64, 64) * 2)

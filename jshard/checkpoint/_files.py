@@ -43,7 +43,8 @@ def damage(step_dir: str, under: str) -> list[str] | None:
         return None
     saved = _read_record(path)
     if saved is None:
-        return [f"{RECORD}: the record of the step's files is itself damaged, so its files cannot be checked"]
+        return [f"{RECORD}: the record of the step's files is itself damaged, so they cannot be checked (delete "
+                "it to read the step unchecked)"]
     problems = []
     for relative, (size, crc) in saved.items():
         if not relative.startswith(under):
