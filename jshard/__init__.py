@@ -3,8 +3,13 @@
 Annotate a few operators with MindSpore strategy tuples (`((2, 1), (1, 4))`) or `Layout`s; jshard
 compiles them into one `jax.sharding.Mesh` and `PartitionSpec`s, plans the rest, explains it and
 hands the program to XLA.
+
+`jshard.checkpoint` (Orbax checkpoints), `jshard.data` (dataset sharding) and `jshard.models`
+(reference models) are imported on first use (`__getattr__` below), so `import jshard` stays cheap
+and `import jshard; jshard.checkpoint.save(...)` works.
 """
 
+import importlib as _importlib
 import os as _os
 
 from jshard._compat import source_info_util as _source_info_util
@@ -30,6 +35,21 @@ from jshard.plan import Plan as Plan
 for _wrapper in ("_shard.py", "_params.py", "_parallelize.py", _os.path.join("propagate", "_emit.py"),
                  _os.path.join("plan", "_plan.py"), "compile"):
     _source_info_util.register_exclusion(_os.path.join(_os.path.dirname(__file__), _wrapper))
+
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
+
+_LAZY = ("checkpoint", "data", "models")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return _importlib.import_module(f"jshard.{name}")  # sets the attribute: called once per name
+    raise AttributeError(f"module 'jshard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "Audit",

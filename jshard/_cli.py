@@ -1,6 +1,13 @@
 """The `jshard` command line: `jshard demo` trains the reference GPT on simulated devices; `jshard
 plan` plans a reference model or a user's function for N devices without materializing anything;
-`jshard launch` starts a multi-process job's workers; `jshard k8s` prints a Kubernetes manifest."""
+`jshard launch` starts a multi-process job's workers; `jshard k8s` prints a Kubernetes manifest;
+`jshard --version`.
+
+Errors are one paragraph on stderr, never a traceback: a `ShardingError` (`DeviceCountError`
+included) from `demo` or `plan` prints as `jshard <command>: error: <message>` and exits 1; options
+that do not fit (a preset the demo's GPT cannot split over `--devices`) exit 2 and name the options
+that would (`_demo_preset`).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ PRESET_HELP = "data: batch cut over all devices; tensor: Megatron weights cut ov
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jshard", description="MindSpore-style automatic parallelism for JAX.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
@@ -24,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     demo.add_argument("--steps", type=int, default=150, help="training steps (default 150)")
-    demo.add_argument("--preset", choices=("data", "tensor", "2d"), default="2d", help=PRESET_HELP + " (default 2d)")
+    demo.add_argument("--preset", choices=("data", "tensor", "2d"), default=None,
+                      help=PRESET_HELP + " (default 2d, or the first of tensor, data that fits --devices)")
     demo.add_argument("--batch", type=int, default=16, help="global batch size (default 16)")
     demo.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     demo.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
@@ -32,6 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     _plan_parser(sub)
     _multiprocess_parsers(sub)
     return parser
+
+
+def _version() -> str:
+    import jax
+
+    import jshard
+
+    return f"jshard {jshard.__version__} (jax {jax.__version__})"
 
 
 def _multiprocess_parsers(sub) -> None:
@@ -104,11 +121,17 @@ _SUMMARY_LINES = 24
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jshard._errors import ShardingError
+
     args = _parser().parse_args(argv)
-    if args.command == "demo":
-        return _demo(args)
-    if args.command == "plan":
-        return _plan(args)
+    try:
+        if args.command == "demo":
+            return _demo(args)
+        if args.command == "plan":
+            return _plan(args)
+    except ShardingError as e:  # DeviceCountError included: the message says it all
+        print(f"jshard {args.command}: error: {str(e).removeprefix(f'jshard {args.command}: ')}", file=sys.stderr)
+        return 1
     if args.command == "launch":
         from jshard._launch import run_launch
 
@@ -122,7 +145,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     import jshard
+    from jshard import models
 
+    if args.devices < 1:
+        print(f"jshard demo: error: --devices must be positive, got {args.devices}.", file=sys.stderr)
+        return 2
+    cfg = models.GPTConfig(n_layers=args.layers)
+    preset, note = _demo_preset(args, cfg)
+    if preset is None:
+        print(f"jshard demo: error: {note}", file=sys.stderr)
+        return 2
     jshard.simulate_devices(args.devices)  # before anything else touches JAX's backend
 
     import jax
@@ -137,12 +169,9 @@ def _demo(args: argparse.Namespace) -> int:
         TimeElapsedColumn,
     )
 
-    from jshard import models
     from jshard.audit import audit
 
     console = Console(highlight=False)
-    cfg = models.GPTConfig(n_layers=args.layers)
-    preset = models.preset(args.preset, args.devices)
     params = models.init_gpt(cfg, jax.random.key(args.seed))
     optimizer = optax.adam(args.lr)
     opt_state = optimizer.init(params)
@@ -152,7 +181,7 @@ def _demo(args: argparse.Namespace) -> int:
     step = models.parallel_train_step(loss_fn, optimizer, params, opt_state, batch, preset, models.GPT_RULES)
 
     console.rule(f"jshard demo: GPT ({cfg.n_layers} layers, d_model {cfg.d_model}) on {args.devices} simulated CPU devices")
-    console.print(f"preset [bold]{preset.name}[/]: data parallel {preset.dp} x tensor parallel {preset.mp}")
+    console.print(f"preset [bold]{preset.name}[/]: data parallel {preset.dp} x tensor parallel {preset.mp}{note}")
     console.print(f"column-parallel matmul in_strategy = {preset.column(3)}, row-parallel = {preset.row(3)}")
     t0 = time.perf_counter()
     plan = step.plan(params, opt_state, batch)
@@ -180,6 +209,43 @@ def _demo(args: argparse.Namespace) -> int:
     first, last = np.mean(losses[:5]), np.mean(losses[-5:])
     console.print(f"loss fell from {first:.3f} to {last:.3f} (mean of first and last 5 steps; chance is {np.log(cfg.vocab - 3):.3f})")
     return 0
+
+
+def _demo_preset(args: argparse.Namespace, cfg) -> tuple:
+    """`(preset, note)`: the preset `--preset` names (default: 2d, else the first of tensor, data that
+    splits the GPT over `--devices`), or `(None, why)`, naming each preset's problem and the options
+    that would run: another batch where only the batch is in the way, the nearest device counts."""
+    from jshard import models
+
+    n, batch = args.devices, args.batch
+    names = [args.preset] if args.preset else ["2d", "tensor", "data"]
+    problems = {name: _preset_problems(name, n, cfg, batch) for name in models.PRESETS}
+    fits = next((name for name in names if not problems[name]), None)
+    if fits is not None:
+        note = "" if fits == names[0] else f" (2d does not fit {n} devices: {'; '.join(problems['2d'])})"
+        return models.preset(fits, n), note
+    would = [f"--preset {name}" for name in models.PRESETS if not problems[name]]
+    for name in models.PRESETS:
+        if problems[name] and all("batch" in p for p in problems[name]):  # only the batch is in the way
+            dp = models.preset(name, n).dp
+            would.append(f"--preset {name} --batch {-(-batch // dp) * dp}")
+    counts = [m for m in range(1, 4 * n + 1) if any(not _preset_problems(x, m, cfg, batch) for x in names)]
+    would += [f"--devices {m}" for m in sorted(sorted(counts, key=lambda m: (abs(m - n), m))[:2])]
+    tried = "; ".join(f"--preset {name}: {', '.join(problems[name])}" for name in names)
+    return None, (f"the demo's GPT (d_model {cfg.d_model}, d_ff {cfg.d_ff}, vocab {cfg.vocab}) and a batch of {batch} "
+                  f"do not split over {n} devices with {'that preset' if args.preset else 'any preset'} ({tried}). "
+                  f"These options would run: {'; '.join(would)}.")
+
+
+def _preset_problems(name: str, n: int, cfg, batch: int) -> list[str]:
+    from jshard import models
+    from jshard._errors import ShardingError
+
+    try:
+        preset = models.preset(name, n)
+    except ShardingError as e:
+        return [str(e).split(": ", 1)[1].rstrip(".")]
+    return models.gpt_split_problems(cfg, preset, batch)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -268,7 +334,11 @@ def _plan(args: argparse.Namespace) -> int:
             print()
             print(plan.explain(op))
     if args.save:
-        plan.save(args.save)
+        try:
+            plan.save(args.save)
+        except OSError as e:
+            print(f"jshard plan: error: cannot write the plan to {args.save}: {e.strerror or e}.", file=sys.stderr)
+            return 1
         print(f"saved the plan to {args.save} (reuse: jshard.parallelize(fn, plan=jshard.Plan.load(path)))")
     return 0
 

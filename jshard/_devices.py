@@ -5,9 +5,10 @@ from __future__ import annotations
 import jax
 
 from jshard._compat import xla_bridge
-from jshard._errors import DeviceCountError
+from jshard._errors import DeviceCountError, api_boundary
 
 
+@api_boundary
 def simulate_devices(n: int) -> list[jax.Device]:
     """Makes JAX's CPU backend expose `n` devices, for planning, tests and demos without accelerators.
 

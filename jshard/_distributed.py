@@ -34,7 +34,7 @@ from jshard._compat import distributed as _jax_distributed
 from jshard._compat import xla_bridge
 from jshard._compat import xla_client as _jax
 from jshard._devices import simulate_devices
-from jshard._errors import ShardingError
+from jshard._errors import ShardingError, api_boundary
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JSHARD_COORDINATOR", "JSHARD_NUM_PROCESSES", "JSHARD_PROCESS_ID"
 LOCAL_DEVICES, INIT_TIMEOUT = "JSHARD_LOCAL_DEVICES", "JSHARD_INIT_TIMEOUT"
@@ -60,6 +60,7 @@ class ProcessInfo(NamedTuple):
     devices: int
 
 
+@api_boundary
 def init(
     coordinator: str | None = None,
     num_processes: int | None = None,

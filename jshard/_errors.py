@@ -3,9 +3,22 @@
 Every error a user can act on is a `ShardingError` (a `ValueError`), whose message names the public
 call, the operator, the tensor's shape, the strategy, the device count and a fix. A wrong *kind* of
 value (a string where a tuple of ints belongs) is a `TypeError`.
+
+As JAX hides its own frames, jshard's are left out of the traceback of an error raised through a
+public call (each decorated with `api_boundary`): the traceback shows the user's lines, then the
+message. `JAX_TRACEBACK_FILTERING=off` shows every frame.
 """
 
 from __future__ import annotations
+
+import os
+
+from jshard._compat import traceback_util
+
+traceback_util.register_exclusion(os.path.dirname(__file__))
+
+api_boundary = traceback_util.api_boundary
+"""Decorates a public jshard call: an exception raised below it loses jshard's and JAX's frames."""
 
 
 class ShardingError(ValueError):
@@ -18,3 +31,7 @@ class LayoutConflictError(ShardingError):
 
 class DeviceCountError(ShardingError):
     """A device count that does not fit: too few devices, or a backend already started."""
+
+
+for _error in (ShardingError, LayoutConflictError, DeviceCountError):
+    _error.__module__ = "jshard"  # as tracebacks print it: jshard.ShardingError, the name users import

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jshard._errors import DeviceCountError
+from jshard._errors import DeviceCountError, api_boundary
 from jshard.compile import (
     Bound,
     Options,
@@ -30,6 +30,7 @@ from jshard.layouts import DatasetStrategy
 from jshard.plan import Plan
 
 
+@api_boundary
 def parallelize(
     fn: Callable[..., Any] | None = None,
     *,
@@ -157,17 +158,20 @@ class Parallelized:
         self.options = resolve(fn, options, self.call)
         self._cache: SignatureCache[Program] = SignatureCache()
 
+    @api_boundary
     def __call__(self, *args, **kwargs):
         bound = bind(self.fn, self.options, args, kwargs, self.call)
         program = self._runnable(bound)
         return program.jitted(*placed(bound.args, program.in_shardings))
 
+    @api_boundary
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The planned program, lowered (as `jax.jit(...).lower`). Its arguments are the traced ones:
         the positional arguments (a static one as None), then the keyword arguments' values in name order."""
         bound = bind(self.fn, self.options, args, kwargs, self.call)
         return self._runnable(bound).jitted.lower(*bound.args)
 
+    @api_boundary
     def plan(self, *args, **kwargs) -> Plan:
         """The `Plan` for these arguments (arrays or `jax.ShapeDtypeStruct`s); nothing is compiled.
 

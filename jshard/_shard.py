@@ -17,7 +17,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from jshard import _context
-from jshard._errors import ShardingError
+from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
 from jshard._params import constrain_parameters, contraction_dims
 from jshard.layouts import (
@@ -33,6 +33,7 @@ from jshard.layouts import (
 )
 
 
+@api_boundary
 def shard(
     fn: Callable[..., Any],
     in_strategy: Sequence[object],

@@ -161,3 +161,102 @@ def test_a_crash_mid_save_leaves_the_previous_step_as_the_latest(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((8, 4), 1.0))
     ckpt.save(tmp_path, {"w": np.full((8, 4), 3.0, np.float32)}, step=2)  # the next save goes through
     assert ckpt.latest_step(tmp_path) == 2
+
+
+# Bad files: named, never read as wrong values; the earlier steps stay restorable.
+
+
+def _two_steps(directory, plan=None):
+    ckpt.save(directory, {"w": np.arange(4096, dtype=np.float32).reshape(64, 64)}, step=1)
+    ckpt.save(directory, {"w": np.arange(4096, dtype=np.float32).reshape(64, 64) * 2}, plan, step=2)
+    shard = max((directory / "2" / "state").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+    return shard, shard.relative_to(directory / "2")
+
+
+def _cut(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {"cut short": (_cut, r"\d+ bytes, \d+ were saved \(cut short\)"),
+          "one byte changed": (_flip, r"its contents changed since it was saved \(CRC-32 \w{8}, saved \w{8}\)"),
+          "missing": (os.remove, r"missing \(\d+ bytes were saved\)")}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_shard_is_named_and_the_previous_step_still_restores(tmp_path, damage):
+    shard, relative = _two_steps(tmp_path)
+    spoil, what = DAMAGE[damage]
+    spoil(shard)
+    target = {"w": NamedSharding(DATA8, P("dp"))}
+    with pytest.raises(js.ShardingError, match=re.escape(f"step 2 is damaged; 1 file(s) in {tmp_path / '2'} differ from "
+                                                         f"what was saved:\n  {relative}: ") + what
+                       + re.escape("\nThe other steps are untouched: restore the previous complete one with step=1 "
+                                   "(complete steps [1, 2]).")):
+        ckpt.restore(tmp_path, target)
+    np.testing.assert_array_equal(np.asarray(ckpt.restore(tmp_path, target, step=1)["w"]),
+                                  np.arange(4096, dtype=np.float32).reshape(64, 64))
+
+
+def test_a_step_saved_without_a_record_is_still_never_read_wrong(tmp_path):
+    _two_steps(tmp_path)
+    (tmp_path / "2" / "jshard_files.json").unlink()  # as a step saved by an earlier jshard
+    _cut(tmp_path / "2" / "state" / "manifest.ocdbt")
+    with pytest.raises(js.ShardingError, match=re.escape(f"step 2 ({tmp_path / '2'}) cannot be read: ValueError: ")
+                       + r".*manifest\.ocdbt.*\nIts files were cut short, changed or removed after it was saved\. "
+                       + re.escape("The other steps are untouched: restore the previous complete one with step=1")):
+        ckpt.restore(tmp_path, {"w": NamedSharding(DATA8, P("dp"))})
+
+
+def test_a_damaged_plan_file_is_named_and_the_state_still_restores(tmp_path):
+    parallel, (params, opt), x = _step_and_state()
+    ckpt.save(tmp_path, (params, opt), parallel.plan(params, opt, x), step=0)
+    plan_file = tmp_path / "0" / "plan" / "metadata"
+    _cut(plan_file)
+    with pytest.raises(js.ShardingError, match=re.escape("step 0 is damaged; 1 file(s)") + ".*\n  plan/metadata: .*cut short"):
+        ckpt.load_plan(tmp_path)
+    (tmp_path / "0" / "jshard_files.json").unlink()
+    with pytest.raises(js.ShardingError, match=re.escape(f"jshard.checkpoint.load_plan({str(tmp_path)!r}): {plan_file} is "
+                                                         "not valid JSON: ")):
+        ckpt.load_plan(tmp_path)
+    like = jax.eval_shape(lambda: (params, opt))
+    restored, _ = ckpt.restore(tmp_path, jax.tree.map(lambda _: NamedSharding(DATA8, P()), like))
+    np.testing.assert_array_equal(np.asarray(restored["w1"]), params["w1"])
+
+
+def test_a_directory_another_program_wrote_is_named(tmp_path):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path) as manager:
+        manager.save(3, args=ocp.args.StandardSave({"w": np.ones(8, np.float32)}))
+        manager.wait_until_finished()
+    with pytest.raises(js.ShardingError, match=re.escape(f"step 3 ({tmp_path / '3'}) holds the items ['default'], not the "
+                                                         "'state' jshard.checkpoint.save writes")):
+        ckpt.restore(tmp_path, {"w": NamedSharding(DATA8, P())})
+
+
+def test_another_functions_plan_is_named(tmp_path):
+    parallel, (params, opt), x = _step_and_state()
+    ckpt.save(tmp_path, (params, opt), parallel.plan(params, opt, x), step=0)
+    other = js.parallelize(lambda w: w * 2, devices=8).plan(np.ones((8, 4), np.float32))
+    with pytest.raises(js.ShardingError, match=r"like= holds 3 arrays, but the plan lays out only 1 arguments: it is "
+                                               r"another function's plan"):
+        ckpt.restore(tmp_path, other, like=(params, opt))
+
+
+def test_a_damaged_record_is_named_and_deleting_it_reads_the_step_unchecked(tmp_path):
+    _two_steps(tmp_path)
+    (tmp_path / "2" / "jshard_files.json").write_text('{"format": "jshard.checkpoint.files/1", "files": {"a": 3}}')
+    target = {"w": NamedSharding(DATA8, P("dp"))}
+    with pytest.raises(js.ShardingError, match=re.escape("jshard_files.json: the record of the step's files is itself "
+                                                         "damaged, so they cannot be checked (delete it to read the "
+                                                         "step unchecked)")):
+        ckpt.restore(tmp_path, target)
+    (tmp_path / "2" / "jshard_files.json").unlink()
+    np.testing.assert_array_equal(np.asarray(ckpt.restore(tmp_path, target)["w"]),
+                                  np.arange(4096, dtype=np.float32).reshape(64, 64) * 2)

@@ -1,7 +1,10 @@
 """`jshard demo` and `jshard plan`, run in-process on the suite's 8 simulated devices."""
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -119,3 +122,52 @@ def test_written_out_shapes_match_the_host_initialisers():
         assert shapes(resnet_shapes(config)) == shapes(models.init_resnet(config, jax.random.key(0)))
     for config in (models.MoEConfig(), models.MoEConfig(n_layers=2, n_experts=2, d_ff=16)):
         assert shapes(moe_shapes(config)) == shapes(models.init_moe(config, jax.random.key(0)))
+
+
+# First contact: --version, errors as one paragraph, a demo that fits the device count or says what would.
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"jshard {js.__version__} (jax {jax.__version__})"
+
+
+def test_demo_on_a_device_count_no_preset_fits_names_the_options_that_would(capsys):
+    assert main(["demo", "--devices", "6"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1  # one paragraph
+    assert captured.err.startswith("jshard demo: error: the demo's GPT (d_model 64, d_ff 256, vocab 32) and a batch of "
+                                   "16 do not split over 6 devices with any preset (--preset 2d: tensor parallel 3 does "
+                                   "not divide d_model 64, d_ff 256, vocab 32;")
+    assert captured.err.endswith("These options would run: --preset data --batch 18; --devices 4; --devices 8.\n")
+
+
+def test_demo_without_a_preset_takes_the_first_that_fits(capsys):
+    assert main(["demo", "--batch", "9", "--steps", "2", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "preset tensor: data parallel 1 x tensor parallel 8 (2d does not fit 8 devices: data parallel 2 does not " \
+           "divide the batch of 9)" in " ".join(out.split())
+
+
+def test_a_sharding_error_is_one_paragraph_and_exit_1(capsys):
+    assert main(["demo", "--devices", "4", "--steps", "1"]) == 1  # the suite's backend already has 8 devices
+    captured = capsys.readouterr()
+    assert captured.err.startswith("jshard demo: error: jshard.simulate_devices(4): JAX's backend has already started "
+                                   "with 8 CPU device(s)")
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+
+
+def test_an_unwritable_save_path_is_one_line(capsys, tmp_path):
+    path = tmp_path / "missing" / "plan.json"
+    assert main(["plan", "gpt", *SMALL_GPT, "--save", str(path)]) == 1
+    assert capsys.readouterr().err == f"jshard plan: error: cannot write the plan to {path}: No such file or directory.\n"
+
+
+def test_the_command_prints_no_traceback(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    run = subprocess.run([sys.executable, "-m", "jshard", "demo", "--devices", "6"], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.startswith("jshard demo: error: ") and run.stderr.count("\n") == 1, run.stderr

@@ -1,7 +1,9 @@
 """Every error a user can act on: its type, and a message naming the call, operator, shape, strategy,
 device count and fix."""
 
+import pathlib
 import re
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -465,3 +467,47 @@ def test_keyword_arguments_the_function_does_not_take_are_type_errors_as_under_j
 
     with pytest.raises(TypeError, match=parts("step() got an unexpected keyword argument 'y'")):
         js.parallelize(step).plan(jnp.zeros(8), y=jnp.zeros(8))
+
+
+# --- Tracebacks: jshard's frames hidden, as JAX hides its own -----------------------------------
+
+JSHARD_DIR = str(pathlib.Path(js.__file__).parent)
+
+
+def _bad_matmul(x, w):
+    return js.shard(jnp.matmul, ((2, 1), (1, 3)))(x, w)
+
+
+def _load_a_cut_plan(tmp):
+    (tmp / "plan.json").write_text("{")
+    js.Plan.load(tmp / "plan.json")
+
+
+RAISING = {
+    "a call traced under parallelize": lambda tmp: js.parallelize(_bad_matmul, devices=8)(np.ones((8, 16)), np.ones((16, 64))),
+    "parallelize's options": lambda tmp: js.parallelize(_bad_matmul, mode="sideways"),
+    "Plan.load": _load_a_cut_plan,
+    "checkpoint.restore": lambda tmp: js.checkpoint.restore(tmp, {}),  # js.checkpoint: imported on first use
+}
+
+
+@pytest.mark.parametrize("where", RAISING)
+def test_tracebacks_show_the_users_frames_not_jshards(where, tmp_path):
+    with pytest.raises(js.ShardingError) as info:
+        RAISING[where](tmp_path)
+    files = [frame.filename for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert files and all(f == __file__ for f in files), files  # this test's lines only: no jshard, no JAX
+    assert "JAX has removed its internal frames" in info.value.__notes__[-1]
+    assert type(info.value).__module__ == "jshard"  # printed as jshard.ShardingError
+
+
+def test_traceback_filtering_off_keeps_every_frame(tmp_path):
+    before = jax.config.jax_traceback_filtering
+    jax.config.update("jax_traceback_filtering", "off")
+    try:
+        with pytest.raises(js.ShardingError) as info:
+            RAISING["a call traced under parallelize"](tmp_path)
+    finally:
+        jax.config.update("jax_traceback_filtering", before)
+    files = [frame.filename for frame in traceback.extract_tb(info.value.__traceback__)]
+    assert any(f.startswith(JSHARD_DIR) for f in files)

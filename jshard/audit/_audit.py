@@ -34,6 +34,7 @@ from collections.abc import Iterator
 
 import jax
 
+from jshard._errors import api_boundary
 from jshard._format import human_bytes
 
 _KINDS = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
@@ -151,6 +152,7 @@ class Audit:
         return (c for c in self.collectives if kind in (None, c.kind))
 
 
+@api_boundary
 def audit(compiled: jax.stages.Compiled) -> Audit:
     """Counts the collectives and reads the per-device memory of a compiled program.
 

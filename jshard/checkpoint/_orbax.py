@@ -9,6 +9,12 @@ leaves the previous step as the latest one and never a half-written one.
 `restore` reads the state onto any shardings: another device count, another strategy, another
 mesh. Each process reads only the slices its devices hold; the values are the saved ones, bit for
 bit.
+
+Bad files are errors that name them, never wrong values: once a step is complete, the size and
+CRC-32 of each of its files are recorded (`_files.py`), and `restore` / `load_plan` check the files
+they read first. A damaged step, a directory another program wrote, or a file Orbax cannot read is
+a `ShardingError` naming the file and the earlier complete step to restore instead; a damaged step
+never touches the others. Only JSON and array data are read: nothing in a checkpoint is executed.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jshard._distributed import host_major
-from jshard._errors import ShardingError
+from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
-from jshard.plan import Plan, to_json
+from jshard.checkpoint._files import damage, record
+from jshard.plan import Plan, load, to_json
 
 _SHOWN = 12
 
@@ -36,11 +43,13 @@ class SaveHandle:
         self._manager, self.step, self.directory = manager, step, directory
 
     def wait(self) -> int:
-        """Blocks until the step is finalized; returns the step."""
+        """Blocks until the step is finalized (and its files recorded); returns the step."""
         if self._manager is not None:
             self._manager.wait_until_finished()
             self._manager.close()
             self._manager = None
+            if jax.process_index() == 0:
+                record(os.path.join(self.directory, str(self.step)))
         return self.step
 
     @property
@@ -48,6 +57,7 @@ class SaveHandle:
         return self._manager is None
 
 
+@api_boundary
 def save(directory: str | os.PathLike, state: Any, plan: Plan | None = None, *, step: int = 0,
          blocking: bool = True, keep: int | None = None) -> SaveHandle:
     """Writes `state` (a pytree of arrays, sharded or not) as step `step` of `directory`.
@@ -91,6 +101,7 @@ def save(directory: str | os.PathLike, state: Any, plan: Plan | None = None, *, 
     return handle
 
 
+@api_boundary
 def latest_step(directory: str | os.PathLike) -> int | None:
     """The newest complete step in `directory`, or None (no directory, or no finished step)."""
     directory = os.path.abspath(os.fspath(directory))
@@ -100,14 +111,22 @@ def latest_step(directory: str | os.PathLike) -> int | None:
         return manager.latest_step()
 
 
+@api_boundary
 def load_plan(directory: str | os.PathLike, step: int | None = None) -> Plan | None:
-    """The `Plan` saved with `step` (default the latest), or None if it was saved without one."""
+    """The `Plan` saved with `step` (default the latest), or None if it was saved without one.
+
+    Raises:
+      ShardingError: no such step, or its plan file is damaged (naming the file).
+    """
+    call = f"jshard.checkpoint.load_plan({os.fspath(directory)!r})"
     directory = os.path.abspath(os.fspath(directory))
-    step = _step("jshard.checkpoint.load_plan", directory, step)
+    step = _step(call, directory, step)
+    _check_files(call, directory, step, "plan")
     path = os.path.join(directory, str(step), "plan", "metadata")
-    return Plan.load(path) if os.path.exists(path) else None
+    return load(path, call) if os.path.exists(path) else None
 
 
+@api_boundary
 def restore(directory: str | os.PathLike, target: Any, *, step: int | None = None, like: Any = None) -> Any:
     """Reads step `step` (default the latest) of `directory` onto the shardings `target` names.
 
@@ -127,18 +146,75 @@ def restore(directory: str | os.PathLike, target: Any, *, step: int | None = Non
       The state, as global arrays on the target shardings.
 
     Raises:
-      ShardingError: no such step, or the target does not match the checkpoint (leaves missing or
-        extra, other shapes), listing the mismatched leaves.
+      ShardingError: no such step; the target does not match the checkpoint (leaves missing or
+        extra, other shapes), listing the mismatched leaves; the step is damaged (a file cut short,
+        changed or missing, naming it) or was not written by `save`.
     """
     call = f"jshard.checkpoint.restore({os.fspath(directory)!r})"
     directory = os.path.abspath(os.fspath(directory))
     step = _step(call, directory, step)
+    _check_files(call, directory, step, "state")
     with _manager(directory) as manager:
-        saved = {_path(p): m for p, m in jax.tree_util.tree_flatten_with_path(manager.item_metadata(step)["state"].tree)[0]}
+        saved = _saved_leaves(call, manager, directory, step)
         abstract = _abstract_target(call, target, like, saved)
         _check_match(call, step, saved, abstract)
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        except Exception as e:  # TensorStore raises bare Exceptions
+            raise ShardingError(_unreadable_error(call, manager, directory, step, e)) from e
     return restored["state"]
+
+
+def _check_files(call: str, directory: str, step: int, item: str) -> None:
+    """Checks the files of `step`'s `item` against the record made when it was saved."""
+    problems = damage(os.path.join(directory, str(step)), item + os.sep)
+    if problems:
+        with _manager(directory) as manager:
+            earlier = _earlier(manager, step)
+        raise ShardingError(
+            f"{call}: step {step} is damaged; {len(problems)} file(s) in {os.path.join(directory, str(step))} differ "
+            "from what was saved:\n  " + "\n  ".join(problems[:_SHOWN])
+            + (f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else "") + f"\n{earlier}"
+        )
+
+
+def _saved_leaves(call: str, manager: ocp.CheckpointManager, directory: str, step: int) -> dict:
+    """`path -> metadata` of every array of `step`'s state."""
+    step_dir = os.path.join(directory, str(step))
+    try:
+        state = manager.item_metadata(step)["state"]
+    except KeyError as e:
+        items = sorted(p for p in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, p)))
+        raise ShardingError(
+            f"{call}: step {step} ({step_dir}) holds the items {items}, not the 'state' jshard.checkpoint.save "
+            "writes: another program (Orbax's own CheckpointManager?) wrote this directory. Restore it with the "
+            "program that wrote it, or give a directory jshard.checkpoint.save wrote."
+        ) from e
+    except Exception as e:  # its metadata cut short or changed
+        raise ShardingError(_unreadable_error(call, manager, directory, step, e)) from e
+    if state is None:
+        raise ShardingError(_unreadable_error(call, manager, directory, step, FileNotFoundError(
+            f"the state's metadata, {os.path.join(step_dir, 'state', '_METADATA')}, is missing")))
+    return {_path(p): m for p, m in jax.tree_util.tree_flatten_with_path(state.tree)[0]}
+
+
+def _unreadable_error(call: str, manager: ocp.CheckpointManager, directory: str, step: int, error: Exception) -> str:
+    while (error.__cause__ or error.__context__) is not None:  # TensorStore's own error names the file
+        error = error.__cause__ or error.__context__
+    what = str(error).split(" [tensorstore_spec=")[0].split("\n")[0]
+    what = what if len(what) <= 400 else what[:400] + " ..."
+    return (f"{call}: step {step} ({os.path.join(directory, str(step))}) cannot be read: {type(error).__name__}: "
+            f"{what}\nIts files were cut short, changed or removed after it was saved. {_earlier(manager, step)}")
+
+
+def _earlier(manager: ocp.CheckpointManager, step: int) -> str:
+    """Where a user whose `step` is damaged can go back to."""
+    steps = sorted(manager.all_steps())
+    earlier = [s for s in steps if s < step]
+    if not earlier:
+        return f"No earlier complete step to go back to (complete steps {steps}); save the state again."
+    return (f"The other steps are untouched: restore the previous complete one with step={earlier[-1]} "
+            f"(complete steps {steps}).")
 
 
 def _manager(directory: str, *, create: bool = False, async_: bool = False, keep: int | None = None):
@@ -206,6 +282,10 @@ def _plan_shardings(call: str, plan: Plan, like: Any, count: int) -> Any:
                             "tree; pass like=<the state, or jax.eval_shape of it> along with the plan.")
     mesh = plan.mesh if plan.mesh is not None else plan.fine.jax_mesh(host_major(jax.devices())[: plan.device_count])
     leaves, treedef = jax.tree_util.tree_flatten(like)
+    if len(leaves) > len(plan.in_specs):
+        raise ShardingError(f"{call}: like= holds {len(leaves)} arrays, but the plan lays out only "
+                            f"{len(plan.in_specs)} arguments: it is another function's plan. Pass the plan saved "
+                            "with this state (jshard.checkpoint.load_plan), or the shardings themselves.")
     specs = [PartitionSpec() if s is None else s for s in plan.in_specs[: len(leaves)]]
     return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
 

@@ -18,10 +18,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jshard._distributed import host_major
-from jshard._errors import ShardingError
+from jshard._errors import ShardingError, api_boundary
 from jshard.layouts import DatasetStrategy, FineMesh, dataset_slots, layout_of
 
 
+@api_boundary
 def batch_shardings(ndims: Sequence[int], strategy: DatasetStrategy = "data_parallel", *,
                     devices: int | None = None, call: str = "jshard.data.batch_shardings") -> list[NamedSharding]:
     """The `NamedSharding` of each batch array (given by its number of dims) under `strategy`.
@@ -48,6 +49,7 @@ def batch_shardings(ndims: Sequence[int], strategy: DatasetStrategy = "data_para
     return [NamedSharding(mesh, fine.partition_spec(lay)) for lay in layouts]
 
 
+@api_boundary
 def shard_batch(local_batch: Any, strategy: DatasetStrategy = "data_parallel", *, devices: int | None = None) -> Any:
     """Global arrays from each process's part of a batch (`jax.make_array_from_process_local_data`).
 
@@ -83,6 +85,7 @@ def shard_batch(local_batch: Any, strategy: DatasetStrategy = "data_parallel", *
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
 
+@api_boundary
 def local_slices(global_shape: Sequence[int], sharding: NamedSharding) -> tuple[slice, ...]:
     """The block of a `global_shape` array that this process's devices hold under `sharding`.
 
@@ -138,6 +141,7 @@ class ShardedLoader:
         self.rows: tuple[int, int] = rows.pop()
         """This process's rows of every batch, `(start, stop)`."""
 
+    @api_boundary
     def batch(self, k: int) -> Any:
         """Batch `k` as global arrays; this process reads only its rows of it."""
         start = k * self.batch_size

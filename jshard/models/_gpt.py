@@ -36,6 +36,27 @@ class GPTConfig:
     scan: bool = False
 
 
+def gpt_split_problems(cfg: GPTConfig, preset: Preset, batch: int) -> list[str]:
+    """What keeps `preset` from splitting the GPT of `cfg` and a batch of `batch` rows (empty: it fits).
+
+    Data parallel cuts the batch `dp` ways; tensor parallel cuts the dims `GPT_RULES` name `mp`
+    ways: `d_model` (attention), `d_ff` (feed-forward) and `vocab` (the head).
+
+    Examples:
+      >>> gpt_split_problems(GPTConfig(), Preset("2d", 2, 3), 16)
+      ['tensor parallel 3 does not divide d_model 64, d_ff 256, vocab 32']
+      >>> gpt_split_problems(GPTConfig(), Preset("tensor", 1, 64), 16)
+      ['tensor parallel 64 does not divide vocab 32']
+    """
+    problems = []
+    if batch % preset.dp:
+        problems.append(f"data parallel {preset.dp} does not divide the batch of {batch}")
+    cut = {"d_model": cfg.d_model, "d_ff": cfg.d_ff, "vocab": cfg.vocab}
+    if uncut := [f"{name} {size}" for name, size in cut.items() if size % preset.mp]:
+        problems.append(f"tensor parallel {preset.mp} does not divide {', '.join(uncut)}")
+    return problems
+
+
 def init_gpt(cfg: GPTConfig, key: jax.Array) -> dict:
     """Parameters: `embed`, `pos`, `layers`, `ln_f`, `head`.
 

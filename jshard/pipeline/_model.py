@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from jshard._errors import ShardingError
+from jshard._errors import ShardingError, api_boundary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,7 @@ class StageFunction:
         return self.fn(*args, **kwargs)
 
 
+@api_boundary
 def pipeline_stage(fn: Callable[..., Any], stage: int) -> StageFunction:
     """Tags `fn` (a layer function) to run on pipeline stage `stage` (MindSpore `Cell.pipeline_stage`).
 

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
-from jshard._errors import DeviceCountError, ShardingError
+from jshard._errors import DeviceCountError, ShardingError, api_boundary
 from jshard.compile import (
     Options,
     SignatureCache,
@@ -77,15 +77,18 @@ class Pipelined:
         self._cache: SignatureCache[_Entry] = SignatureCache()
         self._forwards: SignatureCache[Any] = SignatureCache()
 
+    @api_boundary
     def __call__(self, params: dict, batch: Any) -> tuple[jax.Array, dict]:
         """`(loss, grads)`: the loss is the mean over micro-batches, the grads are those of that loss."""
         e = self._entry(params, batch)
         return self.compile(params, batch)(*placed((params, batch), (e.param_sh, e.batch_sh)))
 
+    @api_boundary
     def lower(self, params: dict, batch: Any) -> jax.stages.Lowered:
         """The pipelined train program, lowered (as `jax.jit(...).lower`)."""
         return self._entry(params, batch).train.lower(*abstract((params, batch)))
 
+    @api_boundary
     def compile(self, params: dict, batch: Any) -> jax.stages.Compiled:
         """The pipelined train program, compiled once per input signature (calls, `plan().audit()`
         and `memory_analysis()` share it)."""
@@ -94,6 +97,7 @@ class Pipelined:
             e.compiled = self.lower(params, batch).compile()
         return e.compiled
 
+    @api_boundary
     def forward(self, params: dict, batch: Any) -> Any:
         """Inference: the forward-only schedule, `head`'s outputs for every row in batch order.
 
@@ -115,6 +119,7 @@ class Pipelined:
 
         return self._forwards.get((params, batch), build)(*placed((params, batch), (e.param_sh, e.batch_sh)))
 
+    @api_boundary
     def plan(self, params: dict, batch: Any) -> PipelinePlan:
         """The `PipelinePlan`: stages, schedule table and picture, bubble, memory, boundary bytes."""
         e = self._entry(params, batch)

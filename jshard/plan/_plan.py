@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard._context import Annotation
-from jshard._errors import ShardingError
+from jshard._errors import ShardingError, api_boundary
 from jshard._format import human_bytes
 from jshard.audit import Audit, audit
 from jshard.layouts import FineMesh
@@ -93,6 +94,7 @@ class Plan:
                 out[k] += b
         return dict(out)
 
+    @api_boundary
     def audit(self) -> Audit:
         """Compiles the planned program and reads what XLA emitted; `.compare` sets it against the
         prediction."""
@@ -126,23 +128,36 @@ class Plan:
         lines.append(_table(_by_line(self.ops)))
         return "\n".join(lines)
 
+    @api_boundary
     def explain(self, op: OpRecord | int) -> str:
         """Why operator `op` (a record or its index) got its strategy: the anchor it came from, the
         chain of operators in between, the cost it paid and the best alternative it rejected."""
         return explain(self, op if isinstance(op, OpRecord) else self.ops[op])
 
-    def save(self, path: str) -> None:
-        """Writes the plan as JSON (MindSpore's strategy checkpoint); `parallelize(plan=Plan.load(path))`
-        rebuilds the same program."""
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the plan as JSON (MindSpore's strategy checkpoint; format in `jshard/plan/_io.py`);
+        `parallelize(plan=Plan.load(path))` rebuilds the same program. The file is replaced
+        atomically: a crash mid-save leaves the previous one."""
         write_json(to_json(self), path)
 
     @classmethod
-    def load(cls, path: str) -> "Plan":
-        """Reads a plan written by `save`."""
-        return cls(mesh=None, **read_fields(path))
+    @api_boundary
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        """Reads a plan written by `save` (JSON only: nothing in the file is executed).
+
+        Raises:
+          ShardingError: the file is not a plan `save` wrote (not JSON, cut short, another format,
+            hand-edited keys, types or axis names), naming the file and what is wrong.
+        """
+        return load(path, f"jshard.Plan.load({os.fspath(path)!r})")
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def load(path: str | os.PathLike, call: str) -> Plan:
+    """`Plan.load`, its errors naming `call` (the public call that read the file)."""
+    return Plan(mesh=None, **read_fields(path, call))
 
 
 def _by_line(ops: Sequence[OpRecord]) -> list[tuple]:

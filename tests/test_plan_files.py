@@ -1,0 +1,169 @@
+"""plan.json (`Plan.save` / `Plan.load`): an exact round trip, the earlier format still read, and every
+bad file (cut short, not JSON, another format, hand-edited) a `ShardingError` naming the file and
+what is wrong, with nothing in it executed."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import pickle
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jshard as js
+from jshard.plan import _io
+
+V1 = pathlib.Path(__file__).with_name("data") / "plan_v1_ffn.json"
+
+
+def _ffn(x, w1, w2):  # tests/data/plan_v1_ffn.json was saved (format 1) from this function's gradient
+    h = js.shard(jnp.matmul, ((2, 1), (1, 4)))(x, w1)
+    return jnp.tanh(h) @ w2
+
+
+_grad = jax.grad(lambda x, w1, w2: _ffn(x, w1, w2).sum(), argnums=(1, 2))
+ARGS = tuple(np.random.default_rng(k).standard_normal(s).astype(np.float32)
+             for k, s in enumerate([(8, 16), (16, 32), (32, 8)]))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    plan = js.parallelize(_grad, devices=8).plan(*ARGS)
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    plan.save(path)
+    return plan, path, path.read_text()
+
+
+def test_round_trip_is_exact(saved):
+    plan, path, _ = saved
+    loaded = js.Plan.load(path)
+    assert loaded.ops == plan.ops
+    assert (loaded.in_specs, loaded.out_specs) == (plan.in_specs, plan.out_specs)
+    assert (loaded.fine.sizes, loaded.fine.names, loaded.mode, loaded.propagation) == (
+        plan.fine.sizes, plan.fine.names, plan.mode, plan.propagation)
+
+
+def test_the_file_is_one_operator_per_line_with_sources_once(saved):
+    plan, _, text = saved
+    data = json.loads(text)
+    assert data["format"] == "jshard.plan/2"
+    assert len(data["sources"]) == len({op.source for op in plan.ops})
+    for op, line in zip(plan.ops, text.split('"ops": [\n')[1].splitlines()):
+        assert json.loads(line.strip().rstrip(",")) == data["ops"][op.index]
+    propagated = next(d for d in data["ops"] if d["origin"] == "propagated")
+    assert "in_strategy" not in propagated and "layout" in propagated  # the strategy follows from the layout
+
+
+def test_format_1_files_still_load_and_rebuild_the_program():
+    loaded = js.Plan.load(V1)
+    fresh = js.parallelize(_grad, devices=8).plan(*ARGS)
+    assert [dataclass_without_source(op) for op in loaded.ops] == [dataclass_without_source(op) for op in fresh.ops]
+    rebuilt = js.parallelize(_grad, devices=8, plan=loaded)
+    for got, want in zip(rebuilt(*ARGS), jax.jit(_grad)(*ARGS)):
+        tolerance = 64 * np.finfo(np.float32).eps * float(np.max(np.abs(want)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=tolerance)
+
+
+def dataclass_without_source(op):
+    return {f.name: getattr(op, f.name) for f in dataclasses.fields(op) if f.name != "source"}
+
+
+def test_a_failed_save_keeps_the_previous_file(saved, tmp_path, monkeypatch):
+    plan, _, text = saved
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+
+    def fail(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(_io.os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        plan.save(path)
+    assert path.read_text() == text and os.listdir(tmp_path) == ["plan.json"]
+
+
+def _edited(text, edit):
+    data = json.loads(text)
+    edit(data)
+    return json.dumps(data)
+
+
+def _set(path, value):
+    def edit(data):
+        *keys, last = path
+        for k in keys:
+            data = data[k]
+        if value is KeyError:
+            del data[last]
+        else:
+            data[last] = value
+
+    return edit
+
+
+BAD = {
+    "cut short": (lambda t: t[: len(t) // 2],
+                  r"valid JSON: .* \(line \d+, column \d+\); it ends before its closing brace \(cut short"),
+    "empty": (lambda t: "", r"valid JSON: Expecting value \(line 1, column 1\); it ends before its closing"),
+    "not an object": (lambda t: "[1, 2]", r'a jshard plan file: format: the file holds a list \[1, 2\] with no '
+                                          r'"format" key'),
+    "another format": (lambda t: '{"format": "other"}', r"a jshard plan file: format 'other', expected one of "
+                                                        r"\('jshard.plan/1', 'jshard.plan/2'\)\."),
+    "a newer format": (lambda t: _edited(t, _set(["format"], "jshard.plan/9")),
+                       r"format 'jshard.plan/9', .* \(written by a newer jshard: upgrade jshard to read it\)"),
+    "a missing key": (lambda t: _edited(t, _set(["ops", 1, "in_shapes"], KeyError)),
+                      r"1 problem\(s\):\n  ops\[1\]: missing key 'in_shapes'\nWas it edited by hand\?"),
+    "a wrong type": (lambda t: _edited(t, _set(["mesh", "sizes", 0], "2")),
+                     r"mesh.sizes\[0\]: expected an integer, got a string \"2\""),
+    "an unknown key": (lambda t: _edited(t, _set(["ops", 0, "strategy"], [[2, 1]])), r"ops\[0\]: unknown key 'strategy'"),
+    "an unknown axis": (lambda t: _edited(t, _set(["ops", 1, "layout", "in", 0], [["d0"], ["d9"]])),
+                        r"axis name\(s\) \['d9'\] used, but the mesh has only \['d0', 'd1', 'd2'\]"),
+    "a wrong rank": (lambda t: _edited(t, _set(["ops", 1, "layout", "out", 0], [["d0"]])),
+                     r"ops\[1\] \(\w+\)\.layout\.out\[0\]: 1 dim\(s\) for f32\[\d+,\d+\]"),
+    "an axis used twice": (lambda t: _edited(t, _set(["ops", 1, "layout", "out", 0], [["d0"], ["d0"]])),
+                           r"layout\.out\[0\]: an axis cuts two dims, or one dim twice"),
+    "an unknown origin": (lambda t: _edited(t, _set(["ops", 2, "origin"], "guessed")),
+                          r"ops\[2\] \(\w+\)\.origin: 'guessed' is not one of \('user', 'propagated'"),
+    "a source out of range": (lambda t: _edited(t, _set(["ops", 2, "source"], 99)),
+                              r"\.source: 99 is not a position in sources"),
+}
+
+
+@pytest.mark.parametrize("damage", BAD, ids=list(BAD))
+def test_a_bad_file_names_itself_and_what_is_wrong(saved, tmp_path, damage):
+    _, _, text = saved
+    change, message = BAD[damage]
+    path = tmp_path / "plan.json"
+    path.write_text(change(text))
+    names_the_file = re.escape(f"jshard.Plan.load({str(path)!r}): {path} is not ")
+    with pytest.raises(js.ShardingError, match=names_the_file + "(?s:.*)" + message):
+        js.Plan.load(path)
+
+
+def test_every_problem_of_an_edited_file_is_listed_at_once(saved, tmp_path):
+    _, _, text = saved
+    data = json.loads(text)
+    for k in range(15):
+        data["ops"][k]["primitive"] = k
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(js.ShardingError, match=r"15 problem\(s\):\n(  ops\[\d+\]\.primitive: .*\n){12}  \.\.\. and 3 more"):
+        js.Plan.load(path)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.mkdir, (str(_Payload.target),))
+
+
+def test_nothing_in_a_file_is_executed(tmp_path):
+    _Payload.target = tmp_path / "executed"
+    path = tmp_path / "plan.json"
+    path.write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(js.ShardingError, match=r"is not a text file \(byte 0 is not UTF-8\)"):
+        js.Plan.load(path)
+    assert not _Payload.target.exists()
