@@ -56,6 +56,9 @@ def parallelize(
     schedule: str = "1f1b",
     virtual_stages: int = 1,
     pipeline_result_broadcast: bool = False,
+    optimizer_parallel: int | None = None,
+    optimizer_parallel_threshold: int | float | str = "64KiB",
+    optimizer_state_argnums: int | Sequence[int] | None = None,
 ) -> Any:
     """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
 
@@ -108,6 +111,19 @@ def parallelize(
       schedule: `"1f1b"`, `"gpipe"` or `"interleaved"` (with `virtual_stages`).
       virtual_stages: v, model chunks per stage for `schedule="interleaved"`.
       pipeline_result_broadcast: inference outputs on every device (else on the last stage).
+      optimizer_parallel: MindSpore's `enable_parallel_optimizer` / `optimizer_level` (ZeRO), in
+        `mode="data"` and `"semi_auto"`: `1` cuts every optimizer-state leaf of at least
+        `optimizer_parallel_threshold` bytes over the data-parallel devices (the mesh axes its
+        layout leaves replicated) on its largest dim they divide, as the argument's and the
+        updated result's sharding, so the state stays cut between steps; the update is computed
+        cut, so the gradients feeding it are reduce-scattered (`2` asks for the same; XLA emits it
+        at level 1 already); `3` cuts the parameters too, all-gathered before use (FSDP). Roles:
+        argument 0 is the parameters, the batch is the batch, the other arguments the state. A
+        result updates an argument where it has the argument's tree, shapes and dtypes. A leaf
+        no free axis divides stays whole (`plan.summary()` names it). None: off.
+      optimizer_parallel_threshold: bytes, or a size such as `"64KiB"` (the default, as
+        MindSpore's `parallel_optimizer_threshold`); smaller leaves stay whole.
+      optimizer_state_argnums: the optimizer-state arguments, where not every other one is.
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`. Call it as `fn` is called: keyword
@@ -136,6 +152,8 @@ def parallelize(
         propagation=propagation, cost_model=cost_model, plan=plan, search=search, memory_budget=memory_budget,
         search_time_limit=search_time_limit, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
         schedule=schedule, virtual_stages=virtual_stages, pipeline_result_broadcast=pipeline_result_broadcast,
+        optimizer_parallel=optimizer_parallel, optimizer_parallel_threshold=optimizer_parallel_threshold,
+        optimizer_state_argnums=optimizer_state_argnums,
     )
     if options.pipeline is not None:
         from jshard.pipeline import pipelined  # noqa: PLC0415  (the pipeline front end builds on this module's core)

@@ -1,7 +1,8 @@
 """The compile core: trace → anchors → plan → program, once per input signature.
 
 `parallelize` calls `build` with validated `Options`. It chooses the fine mesh (refining it and
-tracing again where a strategy met while tracing needs a finer one), fixes the boundary, asks the
+tracing again where a strategy met while tracing needs a finer one), fixes the boundary (with
+`optimizer_parallel`, cutting the optimizer state and parameters there: `_optimizer.py`), asks the
 `Planner` the options name, and builds the `Program`. With `memory_budget` and devices present, the
 searched program's compiled memory is checked and the search asked again for less, up to
 `BUDGET_ROUNDS` times.
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard._errors import ShardingError
 from jshard._format import human_bytes
@@ -25,11 +26,12 @@ from jshard.compile._boundary import (
     in_shardings,
     out_shardings,
 )
+from jshard.compile._optimizer import cuts, gathered, result_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._trace import devices_for, trace
-from jshard.layouts import FineMesh, NotRefined, canonicalize_in_strategy, layout_of
+from jshard.layouts import FineMesh, NotRefined, canonicalize_in_strategy, layout_of, to_pspec
 
 BUDGET_ROUNDS = 3
 """How many searches a `memory_budget` gets when XLA's compiled program holds more than estimated."""
@@ -59,7 +61,14 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
     in_sh = in_shardings(traced, slots, dataset, c, call)
     out_sh = out_shardings(traced, c, call)
     planner = planner_for(c, call)
-    problem = Problem(traced, in_sh, frozenset(argument_leaves(args, c.donate_argnums)), c.memory_budget)
+    donated = frozenset(argument_leaves(args, c.donate_argnums))
+    optimizer = None
+    if c.optimizer is not None:
+        cut = cuts(traced, args, _layouts(traced, in_sh, planner, donated, c), c, call)
+        if cut.gather:  # level 3: the function all-gathers the cut parameters before use
+            traced = trace(gathered(fn, cut.gather), args, fine, devices, c, call)
+        in_sh, out_sh, optimizer = [cut.args.get(i, sh) for i, sh in enumerate(in_sh)], result_shardings(out_sh, cut), cut.report
+    problem = Problem(traced, in_sh, donated, c.memory_budget)
     checked = c.searching and c.memory_budget is not None and devices is not None
     held = 0.0
     for attempt in range(BUDGET_ROUNDS):
@@ -71,6 +80,7 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
             raise ShardingError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e)) from None
         given = planned.in_shardings or [None] * len(in_sh)
         program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args)
+        program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=optimizer))
         if not checked:
             return program
         held = compiled_peak(program.jitted, args)
@@ -85,6 +95,18 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
         f"tighter estimates (XLA's temporary buffers exceed what the search models). Raise "
         f"memory_budget, or use more devices."
     )
+
+
+def _layouts(traced, in_sh: list, planner, donated: frozenset[int], c: Options) -> list[NamedSharding]:
+    """Each argument leaf's sharding before the optimizer-parallel cut: its anchor, else the one
+    the planner gives it without the cut (else replicated, as the program would lay it out)."""
+    if all(sh is not None for sh in in_sh):
+        return list(in_sh)
+    planned = planner.plan(Problem(traced, in_sh, donated, c.memory_budget))
+    given = planned.in_shardings or [None] * len(in_sh)
+    values = {} if planned.result is None else planned.result.values
+    return [sh or g or NamedSharding(traced.mesh, to_pspec(values[v]) if v in values else PartitionSpec())
+            for sh, g, v in zip(in_sh, given, traced.invars)]
 
 
 def _boundary_matrices(c: Options, slots, dataset, args, n: int, call: str) -> list[tuple[tuple[int, ...], str]]:

@@ -53,6 +53,28 @@ class PipelineOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class OptimizerParallel:
+    """Optimizer parallel (`parallelize(..., optimizer_parallel=level, optimizer_parallel_threshold=...)`,
+    MindSpore's `enable_parallel_optimizer` with `optimizer_level` and `parallel_optimizer_threshold`).
+
+    Attributes:
+      level: 1 cuts the optimizer state over the data-parallel devices, 2 also reduce-scatters the
+        gradients, 3 also cuts the parameters (all-gathered before use: ZeRO-3 / FSDP).
+      threshold: bytes (or a size such as `"64KiB"`, as given); smaller leaves stay whole.
+      state_argnums: the optimizer-state arguments; None: every one but argument 0 (the
+        parameters) and the batch.
+    """
+
+    level: Any
+    threshold: Any = "64KiB"
+    state_argnums: tuple[int, ...] | None = None
+
+    @property
+    def threshold_bytes(self) -> float:
+        return parse_bytes(self.threshold)
+
+
+@dataclasses.dataclass(frozen=True)
 class Options:
     """Every option of one `parallelize` call (see `jshard.parallelize` for each)."""
 
@@ -74,6 +96,7 @@ class Options:
     memory_budget: float | None = None
     search_time_limit: float = 60.0
     pipeline: PipelineOptions | None = None
+    optimizer: OptimizerParallel | None = None
 
     @classmethod
     def create(cls, *, donate_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] | None = None,
@@ -81,16 +104,21 @@ class Options:
                donate_argnames: str | Sequence[str] = (), memory_budget: int | float | str | None = None,
                search_time_limit: float = 60.0,
                pipeline_stages: int | None = None, micro_batches: int | None = None, schedule: str = "1f1b",
-               virtual_stages: int = 1, pipeline_result_broadcast: bool = False, **fields: Any) -> Options:
+               virtual_stages: int = 1, pipeline_result_broadcast: bool = False, optimizer_parallel: int | None = None,
+               optimizer_parallel_threshold: int | float | str = "64KiB",
+               optimizer_state_argnums: int | Sequence[int] | None = None, **fields: Any) -> Options:
         """Options from `parallelize`'s keywords, normalized (argnums and argnames as tuples, sizes as
         bytes, the pipeline's keywords as one `PipelineOptions`, or None where none differs from its
-        default)."""
+        default; the optimizer-parallel keywords as one `OptimizerParallel`, or None without a level)."""
+        optimizer = None if optimizer_parallel is None else OptimizerParallel(
+            optimizer_parallel, optimizer_parallel_threshold,
+            None if optimizer_state_argnums is None else _as_tuple(optimizer_state_argnums))
         pipeline = PipelineOptions(pipeline_stages, micro_batches, schedule, virtual_stages, pipeline_result_broadcast)
         return cls(donate_argnums=_as_tuple(donate_argnums), batch_argnums=None if batch_argnums is None else _as_tuple(batch_argnums),
                    static_argnums=_as_tuple(static_argnums), static_argnames=_as_tuple(static_argnames),
                    donate_argnames=_as_tuple(donate_argnames),
                    memory_budget=parse_bytes(memory_budget), search_time_limit=float(search_time_limit),
-                   pipeline=pipeline if pipeline.asked else None, **fields)
+                   pipeline=pipeline if pipeline.asked else None, optimizer=optimizer, **fields)
 
     @property
     def searching(self) -> bool:
@@ -109,6 +137,7 @@ class Options:
                                 f"dataset_strategy of strategy tuples needs mode='data', 'semi_auto' or 'auto'. Give "
                                 f"the batch its PartitionSpecs in in_strategy instead.")
         check_arguments(call, self)
+        _check_optimizer(call, self)
         if self.mode == "manual" and self.mesh is None:
             raise ShardingError(f"{call}: mode='manual' takes PartitionSpecs over your mesh; pass mesh=... too.")
         if self.mesh is not None and self.devices is not None and self.devices != self.mesh.devices.size:
@@ -144,6 +173,32 @@ def _check_search(call: str, c: Options) -> None:
     if c.memory_budget is not None and c.memory_budget <= 0:
         raise ShardingError(f"{call}: memory_budget must be a positive number of bytes per device, "
                             f"got {c.memory_budget!r}.")
+
+
+def _check_optimizer(call: str, c: Options) -> None:
+    o = c.optimizer
+    if o is None:
+        return
+    if isinstance(o.level, bool) or o.level not in (1, 2, 3):
+        raise ShardingError(f"{call}: optimizer_parallel={o.level!r} is not a level; give 1 (cut the optimizer "
+                            f"state), 2 (also reduce-scatter the gradients) or 3 (also cut the parameters), or "
+                            f"None for no optimizer parallel.")
+    try:
+        threshold = o.threshold_bytes
+    except (TypeError, ValueError):
+        threshold = None
+    if threshold is None or not threshold >= 0:
+        raise ShardingError(f"{call}: optimizer_parallel_threshold={o.threshold!r} is not a size; give bytes (an "
+                            f"int) or a string such as '64KiB' or '1MiB'.")
+    if c.mode in ("auto", "manual") or c.pipeline is not None:
+        what = "a pipeline" if c.pipeline is not None else f"mode={c.mode!r}"
+        raise ShardingError(f"{call}: optimizer_parallel cuts the optimizer state over the axes the strategies "
+                            f"leave replicated, in mode='data' or 'semi_auto'; it cannot be used with {what} "
+                            f"yet. Use mode='data' or 'semi_auto', or drop optimizer_parallel.")
+    if o.state_argnums is not None:
+        bad = [v for v in o.state_argnums if not isinstance(v, int) or isinstance(v, bool)]
+        if bad:
+            raise TypeError(f"{call}: optimizer_state_argnums takes ints (or one int), got {bad[0]!r}.")
 
 
 def check_arguments(call: str, c: Options) -> None:
@@ -198,6 +253,8 @@ def parse_bytes(value: int | float | str | None) -> float | None:
     """
     if value is None or isinstance(value, (int, float)):
         return None if value is None else float(value)
+    if not isinstance(value, str):
+        raise TypeError(f"a size is bytes (a number) or a string such as '64KiB', not {type(value).__name__}")
     text = value.strip().replace(" ", "")
     units = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "B": 1}
     for unit, size in units.items():

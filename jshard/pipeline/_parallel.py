@@ -339,6 +339,12 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
             f"parallelize's own program, not to a pipeline. Bind static values into the stage functions "
             f"(functools.partial), or drop pipeline_stages=."
         )
+    if options.optimizer is not None:
+        raise ShardingError(
+            f"{call}: optimizer_parallel cuts the optimizer state over the axes the strategies leave replicated, "
+            f"in mode='data' or 'semi_auto'; it cannot be used with a pipeline yet. Use mode='data' or "
+            f"'semi_auto', or drop optimizer_parallel."
+        )
     if fn is None:
         return lambda f: Pipelined(f, options)
     return Pipelined(fn, options)

@@ -18,6 +18,7 @@ from jshard.audit import Audit, audit
 from jshard.layouts import FineMesh
 from jshard.plan._explain import explain
 from jshard.plan._io import read_fields, to_json, write_json
+from jshard.plan._optimizer import OptimizerReport
 from jshard.plan._records import ORIGINS, OpRecord, strategies_str
 from jshard.search import SearchReport
 
@@ -39,6 +40,7 @@ class Plan:
       lower: lowers the planned program (what `audit` compiles); None for a loaded plan or one made
         on an abstract mesh.
       search: how `mode="auto"` found the plan (a `SearchReport`), or None.
+      optimizer: what optimizer parallel cut (an `OptimizerReport`), or None.
     """
 
     mesh: Mesh | None
@@ -53,6 +55,7 @@ class Plan:
     propagation: str = "jshard"
     lower: Callable[[], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
     search: SearchReport | None = dataclasses.field(default=None, compare=False)
+    optimizer: OptimizerReport | None = dataclasses.field(default=None, compare=False)
 
     @property
     def device_count(self) -> int:
@@ -125,6 +128,8 @@ class Plan:
         ]
         if self.search is not None:
             lines.append(self.search.line())
+        if self.optimizer is not None:
+            lines.append(self.optimizer.line())
         lines.append(_table(_by_line(self.ops)))
         return "\n".join(lines)
 

@@ -1,0 +1,176 @@
+"""The optimizer-parallel stage (ZeRO; MindSpore's `enable_parallel_optimizer`): which argument
+leaves are cut over the data-parallel devices, and how.
+
+A leaf at or above the threshold is cut over the mesh axes its layout leaves free (in data mode:
+all of them), on its largest dim they divide; it is the argument's sharding and the sharding of the
+result that updates it (a result subtree with the argument's tree and shapes), so it stays cut
+between steps. Level 1 and 2 cut the optimizer state (the planner then lays out the update, and the
+gradients feeding it, cut: XLA reduce-scatters them); level 3 cuts the parameters too, which the
+function all-gathers to their planned layout before use (`gathered`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jshard._errors import ShardingError
+from jshard._format import human_bytes, shape_str
+from jshard.compile._boundary import argument_leaves
+from jshard.compile._options import Options
+from jshard.compile._signature import dtype_of
+from jshard.compile._trace import Traced
+from jshard.plan import OptimizerReport
+
+
+@dataclasses.dataclass(frozen=True)
+class Cuts:
+    """The optimizer-parallel decisions for one signature.
+
+    Attributes:
+      args: argument leaf -> its cut sharding.
+      results: result leaf -> the sharding of the parameter or state leaf it updates, before the
+        cut and after.
+      gather: parameter leaf -> the sharding it is all-gathered to before use (level 3).
+      report: what the `Plan` records.
+    """
+
+    args: dict[int, NamedSharding]
+    results: dict[int, tuple[NamedSharding, NamedSharding]]
+    gather: dict[int, NamedSharding]
+    report: OptimizerReport
+
+
+def roles(args: tuple, options: Options) -> tuple[set[int], set[int]]:
+    """The parameter and optimizer-state argument leaves: argument 0, and `state_argnums` (default
+    every argument but 0 and the batch)."""
+    n = len(args)
+    batch = {i % n for i in ((n - 1,) if options.batch_argnums is None else options.batch_argnums) if -n <= i < n}
+    given = options.optimizer.state_argnums
+    state = [i for i in range(1, n) if i not in batch] if given is None else [i % n for i in given if -n <= i < n]
+    return argument_leaves(args, (0,)), argument_leaves(args, [i for i in state if i != 0])
+
+
+def cuts(traced: Traced, args: tuple, layouts: Sequence[NamedSharding], options: Options, call: str) -> Cuts:
+    """The cuts for `traced`, whose argument leaves are laid out as `layouts` before the cut.
+
+    Raises:
+      ShardingError: no leaf at or above the threshold has a mesh axis its layout leaves free.
+    """
+    o = options.optimizer
+    params, state = roles(args, options)
+    targets = sorted(state | params) if o.level == 3 else sorted(state)
+    big = [i for i in targets if _bytes(traced.leaves[i]) >= o.threshold_bytes]
+    cut, whole, saved = {}, [], 0.0
+    for i in big:
+        x, sh = traced.leaves[i], layouts[i]
+        spec = _cut_spec(np.shape(x), sh.spec, traced.axis_size)
+        if spec is None:
+            whole.append(f"args{traced.paths[i]}")
+            continue
+        cut[i] = NamedSharding(sh.mesh, spec)
+        saved += _bytes(x) / _ways(sh.spec, traced.axis_size) - _bytes(x) / _ways(spec, traced.axis_size)
+    if big and not cut and all(_free(sh.spec, traced.axis_size) == () for sh in (layouts[i] for i in big)):
+        raise ShardingError(_no_axis_error(call, traced, big, layouts, o.level))
+    report = OptimizerReport(o.level, o.threshold_bytes, len(cut.keys() & state), len(state),
+                             len(cut.keys() & params), len(params), saved, tuple(whole))
+    gather = {i: layouts[i] for i in cut if i in params}
+    kept = {i: (layouts[i], cut.get(i, layouts[i])) for i in params | state}
+    return Cuts(cut, _updating(traced, args, kept), gather, report)
+
+
+def result_shardings(out_sh: Sequence[NamedSharding | None], c: Cuts) -> list:
+    """The results' shardings with the cuts: a result that updates a parameter or state leaf is laid
+    out as that leaf (cut or not), unless `out_strategy` gave it another layout than the leaf's."""
+    out = []
+    for i, sh in enumerate(out_sh):
+        before, after = c.results.get(i, (None, None))
+        out.append(after if after is not None and (sh is None or sh.spec == before.spec) else sh)
+    return out
+
+
+def gathered(fn: Callable[..., Any], shardings: dict[int, NamedSharding]) -> Callable[..., Any]:
+    """`fn` with the argument leaves `shardings` names laid out so before use (an all-gather of a
+    parameter level 3 keeps cut)."""
+
+    def run(*args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        leaves = [jax.lax.with_sharding_constraint(x, shardings[i]) if i in shardings else x
+                  for i, x in enumerate(leaves)]
+        return fn(*jax.tree_util.tree_unflatten(tree, leaves))
+
+    return run
+
+
+def _cut_spec(shape: tuple[int, ...], spec: PartitionSpec, axis_size: dict[str, int]) -> PartitionSpec | None:
+    """`spec` with the free axes added to the largest dim (per device) they divide; None: none."""
+    free = _free(spec, axis_size)
+    if not free:
+        return None
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    ways = math.prod(axis_size[a] for a in free)
+    local = [(d // _ways(PartitionSpec(e), axis_size), k) for k, (d, e) in enumerate(zip(shape, entries))]
+    fits = [(n, -k) for n, k in local if n % ways == 0]
+    if not fits:
+        return None
+    k = -max(fits)[1]
+    entries[k] = _axes(entries[k]) + free
+    return PartitionSpec(*(None if not e else e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in entries))
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _free(spec: PartitionSpec, axis_size: dict[str, int]) -> tuple[str, ...]:
+    used = {a for e in spec for a in _axes(e)}
+    return tuple(a for a, s in axis_size.items() if a not in used and s > 1)
+
+
+def _ways(spec: PartitionSpec, axis_size: dict[str, int]) -> int:
+    return math.prod(axis_size[a] for e in spec for a in _axes(e))
+
+
+def _bytes(x) -> float:
+    return float(math.prod(np.shape(x)) * np.dtype(dtype_of(x)).itemsize) if _is_array(x) else 0.0
+
+
+def _is_array(x) -> bool:
+    return not jax.dtypes.issubdtype(dtype_of(x), jax.dtypes.extended)
+
+
+def _updating(traced: Traced, args: tuple, kept: dict[int, tuple]) -> dict[int, tuple]:
+    """Result leaf -> `kept`'s entry for the argument leaf it updates (its sharding before the cut
+    and after, so that the next step takes it as it is): a result subtree with an argument's tree structure, shapes
+    and dtypes (as a train step returns its new parameters and state)."""
+    starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(a)) for a in args])
+    trees = [jax.tree_util.tree_structure(a) for a in args]
+    outs = jax.tree_util.tree_unflatten(traced.out_tree, range(len(traced.out_leaves)))
+    found: dict[int, tuple] = {}
+    for part in outs if isinstance(outs, (tuple, list)) else (outs,):
+        ids = jax.tree_util.tree_leaves(part)
+        for a, tree in enumerate(trees):
+            ins = range(starts[a], starts[a + 1])
+            same = tree == jax.tree_util.tree_structure(part) and all(
+                np.shape(traced.out_leaves[o]) == np.shape(traced.leaves[i]) for o, i in zip(ids, ins))
+            if same and any(i in kept for i in ins):
+                found.update({o: kept[i] for o, i in zip(ids, ins) if i in kept})
+                break
+    return found
+
+
+def _no_axis_error(call: str, traced: Traced, big: list[int], layouts, level: int) -> str:
+    i = big[0]
+    x = traced.leaves[i]
+    mesh = ", ".join(f"{a}={s}" for a, s in traced.axis_size.items() if s > 1) or "one device"
+    return (f"{call}: optimizer_parallel={level} cuts optimizer state over the data-parallel devices (the mesh "
+            f"axes a leaf's layout leaves replicated), but no leaf of {human_bytes(_bytes(x))} or more has one: "
+            f"e.g. args{traced.paths[i]} {shape_str(dtype_of(x), np.shape(x))} is laid out "
+            f"{layouts[i].spec} over the mesh ({mesh}). Run on more devices than the "
+            f"strategies use (a data-parallel axis), or drop optimizer_parallel.")

@@ -1,0 +1,38 @@
+"""`OptimizerReport`: what optimizer parallel (ZeRO, MindSpore's `enable_parallel_optimizer`) cut."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jshard._format import human_bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OptimizerReport:
+    """The leaves `parallelize(..., optimizer_parallel=level)` cut over the data-parallel devices.
+
+    Attributes:
+      level: 1 (optimizer state cut), 2 (and gradients reduce-scattered), 3 (and parameters cut).
+      threshold: bytes; smaller leaves stay whole.
+      state_cut / state_total: optimizer-state leaves cut, and how many there are.
+      params_cut / params_total: the same for the parameters (cut at level 3 only).
+      saved_bytes: bytes per device the cuts save in the arguments.
+      whole: paths of the leaves at or above the threshold that no free mesh axis divides (kept
+        whole).
+    """
+
+    level: int
+    threshold: float
+    state_cut: int
+    state_total: int
+    params_cut: int
+    params_total: int
+    saved_bytes: float
+    whole: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        """One line for `Plan.summary`."""
+        kept = f"; kept whole (no free axis divides them): {', '.join(self.whole)}" if self.whole else ""
+        return (f"optimizer parallel level {self.level} (threshold {human_bytes(self.threshold)}): "
+                f"{self.state_cut}/{self.state_total} optimizer-state and {self.params_cut}/{self.params_total} "
+                f"parameter leaves cut, {human_bytes(self.saved_bytes)} per device saved{kept}")

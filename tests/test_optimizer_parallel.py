@@ -1,0 +1,186 @@
+"""Optimizer parallel (ZeRO; `parallelize(..., optimizer_parallel=1 | 2 | 3)`): the reference GPT
+with Adam under data parallel 8 and under the 2-D preset equals one device over 3 steps, with its
+optimizer state (and at level 3 its parameters) cut 8 ways per leaf above the threshold, read from
+the compiled program."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _tolerance import assert_close, step_terms
+
+import jshard as js
+from jshard import models
+from jshard._format import human_bytes
+
+STEPS = 3
+CFG = models.GPTConfig(n_layers=1)
+THRESHOLD = 16 * 2**10  # bytes: the attention (16 KiB) and feed-forward (64 KiB) weights, not the rest
+OPT = optax.adam(1e-3)
+
+
+def _problem():
+    params = models.init_gpt(CFG, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    batches = [models.copy_task_batch(rng, CFG, 8) for _ in range(STEPS)]
+    return params, OPT.init(params), batches
+
+
+def _run(step, params, state, batches):
+    losses = []
+    for batch in batches:
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))
+    return params, state, losses
+
+
+@functools.cache
+def _reference():
+    params, state, batches = _problem()
+    return _run(jax.jit(models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)), params, state, batches)
+
+
+def _per_device(x, sharding) -> int:
+    return math.prod(sharding.shard_shape(np.shape(x))) * np.dtype(x.dtype).itemsize
+
+
+def _big(x) -> bool:
+    return np.size(x) * np.dtype(x.dtype).itemsize >= THRESHOLD
+
+
+def _check_cut(leaves, shardings, ways: int, cut: bool, small: bool = True):
+    """Every leaf above the threshold is held `ways` times smaller per device than whole (all of them
+    when `cut`), every other leaf whole (unless not `small`: the strategy lays them out)."""
+    for x, sh in zip(leaves, shardings):
+        whole = np.size(x) * np.dtype(x.dtype).itemsize
+        if not small and not _big(x):
+            continue
+        assert _per_device(x, sh) == (whole // ways if cut and _big(x) else whole), (np.shape(x), sh)
+
+
+def _compare(step, params, state, batches):
+    got_params, got_state, got_losses = _run(step, params, state, batches)
+    ref_params, ref_state, ref_losses = _reference()
+    terms = STEPS * step_terms(params, batches[0])
+    assert_close(got_losses, ref_losses, dtype=np.float32, terms=terms)
+    assert_close(got_params, ref_params, terms=terms)
+    return got_params, got_state
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_data_parallel_levels_cut_state_and_equal_one_device(level):
+    params, state, batches = _problem()
+    train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
+    step = js.parallelize(train, devices=8, mode="data", optimizer_parallel=level,
+                          optimizer_parallel_threshold="16KiB")
+    compiled = step.lower(params, state, batches[0]).compile()
+    (p_sh, s_sh, _), _ = compiled.input_shardings
+    p_leaves, s_leaves = jax.tree.leaves(params), jax.tree.leaves(state)
+    _check_cut(s_leaves, jax.tree.leaves(s_sh), 8, cut=True)
+    _check_cut(p_leaves, jax.tree.leaves(p_sh), 8, cut=level == 3)
+    # XLA's buffer assignment holds exactly these bytes per device for the arguments.
+    held = sum(_per_device(x, sh) for x, sh in zip(jax.tree.leaves((params, state, batches[0])),
+                                                   jax.tree.leaves(compiled.input_shardings[0])))
+    assert compiled.memory_analysis().argument_size_in_bytes == held
+    big_params = sum(x.nbytes for x in p_leaves if _big(x))
+    report = js.audit(compiled)
+    # Level 1 and 2 gather the cut updates of the parameters above the threshold, level 3 the
+    # parameters themselves before use; the gradients are summed over all 8 devices, once.
+    assert report.bytes("all-gather") == big_params
+    assert report.count("all-reduce") + report.count("reduce-scatter") > 0
+    new_params, new_state = _compare(step, params, state, batches)
+    _check_cut(jax.tree.leaves(new_state), [x.sharding for x in jax.tree.leaves(new_state)], 8, cut=True)
+    _check_cut(jax.tree.leaves(new_params), [x.sharding for x in jax.tree.leaves(new_params)], 8, cut=level == 3)
+
+
+def test_the_plan_shows_the_cut():
+    params, state, batches = _problem()
+    train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
+    plan = js.parallelize(train, devices=8, mode="data", optimizer_parallel=3,
+                          optimizer_parallel_threshold=THRESHOLD).plan(params, state, batches[0])
+    specs = jax.tree.leaves(plan.in_shardings[0]["layers"][0]["w_up"])[0].spec, plan.in_shardings[0]["pos"].spec
+    assert specs == (jax.sharding.PartitionSpec(None, ("d0", "d1", "d2")), jax.sharding.PartitionSpec())
+    n_state, n_params = len(jax.tree.leaves(state)), len(jax.tree.leaves(params))
+    saved = sum(x.nbytes * 7 / 8 for x in jax.tree.leaves((params, state)) if _big(x))
+    line = next(s for s in plan.summary().splitlines() if s.startswith("optimizer parallel"))
+    assert line == (f"optimizer parallel level 3 (threshold 16 KiB): 12/{n_state} optimizer-state and "
+                    f"6/{n_params} parameter leaves cut, {human_bytes(saved)} per device saved")
+
+
+def test_tensor_parallel_inside_cuts_over_the_free_axis():
+    """The 2-D preset (dp=2, mp=4) lays out weights and state over the mp axis; level 1 cuts the
+    state over the dp axis too (8 ways in all), and the result equals one device."""
+    params, state, batches = _problem()
+    preset = models.preset("2d", 8)
+    p_strats = preset.parameters(params, models.GPT_RULES)
+    s_strats = models.state_strategies(p_strats, params, state)
+    train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG, preset), OPT)
+    step = js.parallelize(train, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
+                          out_strategy=(p_strats, s_strats, None), optimizer_parallel=1,
+                          optimizer_parallel_threshold=THRESHOLD)
+    (_, s_sh, _), _ = step.lower(params, state, batches[0]).compile().input_shardings
+    _check_cut(jax.tree.leaves(state), jax.tree.leaves(s_sh), 8, cut=True, small=False)
+    _, new_state = _compare(step, params, state, batches)
+    _check_cut(jax.tree.leaves(new_state), [x.sharding for x in jax.tree.leaves(new_state)], 8, cut=True, small=False)
+
+
+def test_a_leaf_no_axis_divides_stays_whole_and_is_named():
+    def step(w, m, x):
+        return w - jnp.sum(m), m * 0.9 + jnp.sum(x), jnp.sum(x @ w)
+
+    args = (jnp.ones((8, 8)), jnp.ones((7, 9)), jnp.ones((8, 8)))
+    par = js.parallelize(step, devices=8, mode="data", optimizer_parallel=1, optimizer_parallel_threshold=0)
+    plan = par.plan(*args)
+    assert plan.in_specs[1] == jax.sharding.PartitionSpec()
+    assert "0/1 optimizer-state" in plan.summary() and "kept whole (no free axis divides them): args[1]" in plan.summary()
+
+
+def test_state_argnums_choose_the_state():
+    def step(w, x, m):
+        return w - jnp.sum(m), jnp.sum(x @ w), m * 0.9
+
+    args = (jnp.ones((8, 8)), jnp.ones((8, 8)), jnp.ones((8, 16)))
+    plan = js.parallelize(step, devices=8, mode="data", batch_argnums=1, optimizer_parallel=1,
+                          optimizer_parallel_threshold=0).plan(*args)
+    assert plan.in_specs[2] == jax.sharding.PartitionSpec(None, ("d0", "d1", "d2"))
+    plan = js.parallelize(step, devices=8, mode="data", batch_argnums=1, optimizer_parallel=1, optimizer_state_argnums=(),
+                          optimizer_parallel_threshold=0).plan(*args)
+    assert plan.in_specs[2] == jax.sharding.PartitionSpec()
+
+
+@pytest.mark.parametrize("level", [0, 4, "2", True])
+def test_a_level_outside_1_to_3_is_named(level):
+    with pytest.raises(js.ShardingError, match=rf"jshard.parallelize\(<lambda>\): optimizer_parallel={level!r} is "
+                                               r"not a level; give 1 \(cut the optimizer state\), 2 .* or 3"):
+        js.parallelize(lambda p, s, x: p, optimizer_parallel=level)
+
+
+@pytest.mark.parametrize("threshold", ["lots", [1], -1, "KiB"])
+def test_a_threshold_that_is_not_a_size_is_named(threshold):
+    with pytest.raises(js.ShardingError, match=r"optimizer_parallel_threshold=.* is not a size; give bytes \(an int\) "
+                                               r"or a string such as '64KiB'"):
+        js.parallelize(lambda p, s, x: p, optimizer_parallel=1, optimizer_parallel_threshold=threshold)
+
+
+@pytest.mark.parametrize("kw", [{"mode": "auto"}, {"mode": "manual"}, {"pipeline_stages": 2, "micro_batches": 2}])
+def test_modes_without_optimizer_parallel_are_named(kw):
+    with pytest.raises(js.ShardingError, match=r"optimizer_parallel cuts the optimizer state over the axes the "
+                                               r"strategies leave replicated, in mode='data' or 'semi_auto'.*Use "
+                                               r"mode='data' or 'semi_auto', or drop optimizer_parallel"):
+        js.parallelize(lambda p, s, x: p, optimizer_parallel=1, **kw)
+
+
+def test_no_data_parallel_axis_is_named():
+    def step(w, m, x):
+        return w - 0.1 * m, m * 0.9, jnp.sum(x @ w)
+
+    args = (jnp.ones((8, 8)), jnp.ones((8, 8)), jnp.ones((8, 8)))
+    with pytest.raises(js.ShardingError, match=r"optimizer_parallel=1 cuts optimizer state over the data-parallel "
+                                               r"devices .* but no leaf of 256 B or more has one: e.g. args\[1\] "
+                                               r"f32\[8,8\] is laid out P\(\) over the mesh \(one "
+                                               r"device\)\. Run on more devices than the strategies use"):
+        js.parallelize(step, devices=1, mode="data", optimizer_parallel=1, optimizer_parallel_threshold=0).plan(*args)
