@@ -102,7 +102,7 @@ def test_the_plan_shows_the_cut():
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
     plan = js.parallelize(train, devices=8, mode="data", optimizer_parallel=3,
                           optimizer_parallel_threshold=THRESHOLD).plan(params, state, batches[0])
-    specs = jax.tree.leaves(plan.in_shardings[0]["layers"][0]["w_up"])[0].spec, plan.in_shardings[0]["pos"].spec
+    specs = plan.in_shardings[0]["layers"][0]["w_up"].spec, plan.in_shardings[0]["pos"].spec
     assert specs == (jax.sharding.PartitionSpec(None, ("d0", "d1", "d2")), jax.sharding.PartitionSpec())
     n_state, n_params = len(jax.tree.leaves(state)), len(jax.tree.leaves(params))
     saved = sum(x.nbytes * 7 / 8 for x in jax.tree.leaves((params, state)) if _big(x))
