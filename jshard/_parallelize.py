@@ -116,8 +116,10 @@ def parallelize(
         `optimizer_parallel_threshold` bytes over the data-parallel devices (the mesh axes its
         layout leaves replicated) on its largest dim they divide, as the argument's and the
         updated result's sharding, so the state stays cut between steps; the update is computed
-        cut, so the gradients feeding it are reduce-scattered (`2` asks for the same; XLA emits it
-        at level 1 already); `3` cuts the parameters too, all-gathered before use (FSDP). Roles:
+        cut, from each device's slice of the summed gradients. `2` (the gradients reduce-scattered)
+        builds the same program: XLA:CPU compiles the sum and slice to all-reduce + dynamic-slice,
+        XLA:GPU has a pass that rewrites that pair into a reduce-scatter. `3` cuts the parameters
+        too, all-gathered before use (FSDP). Roles:
         argument 0 is the parameters, the batch is the batch, the other arguments the state. A
         result updates an argument where it has the argument's tree, shapes and dtypes. A leaf
         no free axis divides stays whole (`plan.summary()` names it). None: off.

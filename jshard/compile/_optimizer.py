@@ -4,9 +4,10 @@ leaves are cut over the data-parallel devices, and how.
 A leaf at or above the threshold is cut over the mesh axes its layout leaves free (in data mode:
 all of them), on its largest dim they divide; it is the argument's sharding and the sharding of the
 result that updates it (a result subtree with the argument's tree and shapes), so it stays cut
-between steps. Level 1 and 2 cut the optimizer state (the planner then lays out the update, and the
-gradients feeding it, cut: XLA reduce-scatters them); level 3 cuts the parameters too, which the
-function all-gathers to their planned layout before use (`gathered`).
+between steps. Level 1 and 2 cut the optimizer state: the planner lays out the update cut, from
+each device's slice of the summed gradients (all-reduce + dynamic-slice on XLA:CPU, which has no
+reduce-scatter rewrite; so level 2 builds level 1's program). Level 3 cuts the parameters too,
+which the function all-gathers to their planned layout before use (`gathered`).
 """
 
 from __future__ import annotations
