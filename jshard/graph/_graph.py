@@ -15,9 +15,9 @@ from jax.extend import core as jcore
 
 from jshard._compat import source_info_util
 
-INLINE = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat", "remat2", "checkpoint"}
-)
+REMAT = frozenset({"remat", "remat2", "checkpoint"})
+"""The primitives `jax.checkpoint` (and so `flax.linen.remat`, `nnx.remat`, `jshard.recompute`) leaves."""
+INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}) | REMAT
 NESTED = frozenset({"scan", "while", "cond"})
 CONSTRAINT = "sharding_constraint"
 """The primitive `jax.lax.with_sharding_constraint` (and so `jshard.shard`) leaves in a jaxpr."""
