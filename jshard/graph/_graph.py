@@ -2,6 +2,7 @@
 
 `pjit`, `closed_call`, `custom_jvp_call`, `custom_vjp_call` and `remat` bodies are inlined: their
 variables are renamed to the outer ones, so a value keeps one identity across the boundary.
+(Emission binds a `remat` equation again around its body's constraints, so the recompute stays.)
 Loop and branch bodies (`scan`, `while`, `cond`) stay nested: the loop is one node, and its body's
 equations follow it as nodes marked with the enclosing primitive.
 """
