@@ -7,7 +7,6 @@ emitter rebuilds the remat equation with its sharding constraints inside (`jshar
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -50,15 +49,11 @@ def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy = "full") 
       >>> jax.grad(lambda w, x: layer(w, x).sum())(jnp.eye(2), jnp.ones((1, 2))).shape
       (2, 2)
     """
-    call = f"jshard.recompute({getattr(fn, '__name__', 'fn') if fn is not None else 'policy=' + repr(policy)})"
-    resolved = _policy(policy, call)
+    named = f"policy={policy!r}" if fn is None else getattr(fn, "__name__", type(fn).__name__)
+    resolved = _policy(policy, f"jshard.recompute({named})")
     if fn is None:
-        return lambda f: _wrapped(f, resolved)
-    return _wrapped(fn, resolved)
-
-
-def _wrapped(fn: Callable[..., Any], policy: Callable[..., bool] | None) -> Callable[..., Any]:
-    return functools.wraps(fn)(jax.checkpoint(fn, policy=policy))
+        return lambda f: jax.checkpoint(f, policy=resolved)
+    return jax.checkpoint(fn, policy=resolved)  # keeps fn's name and docstring
 
 
 def _policy(policy: Policy, call: str) -> Callable[..., bool] | None:
