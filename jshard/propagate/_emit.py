@@ -86,8 +86,6 @@ class _Interpreter:
         """The remat equation bound again, its body re-run under its constraints, its params kept."""
         body = _closed(eqn)
         rebuilt = _retraced(lambda *args: self.run(body.jaxpr, body.consts, args), body)
-        if isinstance(eqn.params["jaxpr"], jcore.ClosedJaxpr):
-            return _bind(eqn, {**eqn.params, "jaxpr": rebuilt}, ins)
         jaxpr = pe.convert_constvars_jaxpr(rebuilt.jaxpr)  # as jax.checkpoint binds: consts first
         return _bind(eqn, {**eqn.params, "jaxpr": jaxpr}, [*rebuilt.consts, *ins])
 
