@@ -21,6 +21,7 @@ from jshard._errors import LayoutConflictError as LayoutConflictError
 from jshard._errors import ShardingError as ShardingError
 from jshard._parallelize import Parallelized as Parallelized
 from jshard._parallelize import parallelize as parallelize
+from jshard._recompute import recompute as recompute
 from jshard._shard import shard as shard
 from jshard.audit import Audit as Audit
 from jshard.audit import audit as audit
@@ -32,7 +33,7 @@ from jshard.plan import OpRecord as OpRecord
 from jshard.plan import Plan as Plan
 
 # Operators' source lines should name the user's code, not jshard's wrappers.
-for _wrapper in ("_shard.py", "_params.py", "_parallelize.py", _os.path.join("propagate", "_emit.py"),
+for _wrapper in ("_shard.py", "_params.py", "_parallelize.py", "_recompute.py", _os.path.join("propagate", "_emit.py"),
                  _os.path.join("plan", "_plan.py"), "compile"):
     _source_info_util.register_exclusion(_os.path.join(_os.path.dirname(__file__), _wrapper))
 
@@ -67,6 +68,7 @@ __all__ = [
     "init",
     "parallelize",
     "pipeline_stage",
+    "recompute",
     "shard",
     "simulate_devices",
 ]

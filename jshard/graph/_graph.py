@@ -2,6 +2,7 @@
 
 `pjit`, `closed_call`, `custom_jvp_call`, `custom_vjp_call` and `remat` bodies are inlined: their
 variables are renamed to the outer ones, so a value keeps one identity across the boundary.
+(Emission binds a `remat` equation again around its body's constraints, so the recompute stays.)
 Loop and branch bodies (`scan`, `while`, `cond`) stay nested: the loop is one node, and its body's
 equations follow it as nodes marked with the enclosing primitive.
 """
@@ -15,9 +16,9 @@ from jax.extend import core as jcore
 
 from jshard._compat import source_info_util
 
-INLINE = frozenset(
-    {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat", "remat2", "checkpoint"}
-)
+REMAT = frozenset({"remat", "remat2", "checkpoint"})
+"""The primitives `jax.checkpoint` (and so `flax.linen.remat`, `nnx.remat`, `jshard.recompute`) leaves."""
+INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}) | REMAT
 NESTED = frozenset({"scan", "while", "cond"})
 CONSTRAINT = "sharding_constraint"
 """The primitive `jax.lax.with_sharding_constraint` (and so `jshard.shard`) leaves in a jaxpr."""

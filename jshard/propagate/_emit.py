@@ -6,9 +6,10 @@ constrains every other output the plan fixes (where inputs meet, a dim must be w
 are left, a reshape or a new factor appears), and, where an operator must receive an input in
 another layout than it was made in (a redistribution), both that input and the value where it is
 made. Call-like equations (`pjit`, `custom_jvp_call`, ...) are inlined where a constraint falls
-inside them; loop and branch bodies are rebuilt with theirs. A `remat`
-(`jax.checkpoint`) body that needs a constraint is inlined too, so XLA may keep rather than
-recompute its values (a known limit: rebuilding the remat equation would keep the recompute).
+inside them; loop and branch bodies are rebuilt with theirs, and so are `remat` bodies
+(`jax.checkpoint`, `jshard.recompute`): the remat equation is bound again with its policy,
+`prevent_cse` and `differentiated` params, so the program recomputes what `jax.jit` would (inlined,
+XLA would merge the recomputed forward pass with the first and keep its values).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jshard._compat import linear_util as lu
 from jshard._compat import partial_eval as pe
 from jshard._compat import source_info_util
-from jshard.graph import INLINE, NESTED
+from jshard.graph import INLINE, NESTED, REMAT
 from jshard.layouts import Spec, to_pspec
 
 _BODY_KEYS = ("jaxpr", "cond_jaxpr", "body_jaxpr")
@@ -71,17 +72,22 @@ class _Interpreter:
 
     def _eqn(self, eqn, ins) -> list:
         name = eqn.primitive.name
+        if name in REMAT and self._touches(eqn):
+            return self._remat(eqn, ins)
         if name in INLINE and self._touches(eqn):
             sub = _closed(eqn)
             return self.run(sub.jaxpr, sub.consts, ins)
         params = eqn.params
         if name in NESTED and self._touches(eqn):
             params = self._rebuilt(eqn)
-        bind_params = eqn.primitive.get_bind_params(params)
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            out = eqn.primitive.bind(*ins, **bind_params)
-        return list(out) if eqn.primitive.multiple_results else [out]
+        return _bind(eqn, params, ins)
+
+    def _remat(self, eqn, ins) -> list:
+        """The remat equation bound again, its body re-run under its constraints, its params kept."""
+        body = _closed(eqn)
+        rebuilt = _retraced(lambda *args: self.run(body.jaxpr, body.consts, args), body)
+        jaxpr = pe.convert_constvars_jaxpr(rebuilt.jaxpr)  # as jax.checkpoint binds: consts first
+        return _bind(eqn, {**eqn.params, "jaxpr": jaxpr}, [*rebuilt.consts, *ins])
 
     def _touches(self, eqn) -> bool:
         """Whether a constraint falls inside this equation's sub-jaxprs."""
@@ -118,10 +124,23 @@ class _Interpreter:
             outs = self.run(body.jaxpr, body.consts, args)
             return [self._in(eqn, start + k, x) for k, x in enumerate(outs)]
 
-        avals = [v.aval for v in body.jaxpr.invars]
-        traced = lu.wrap_init(fn, debug_info=body.jaxpr.debug_info)
-        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(traced, avals)
-        return jcore.ClosedJaxpr(jaxpr, consts)
+        return _retraced(fn, body)
+
+
+def _retraced(fn: Callable[..., list], body: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """`fn` traced on the avals of `body`'s inputs."""
+    traced = lu.wrap_init(fn, debug_info=body.jaxpr.debug_info)
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(traced, [v.aval for v in body.jaxpr.invars])
+    return jcore.ClosedJaxpr(jaxpr, consts)
+
+
+def _bind(eqn, params: dict, ins) -> list:
+    """`eqn`'s primitive bound to `ins` with `params`, under the equation's source line and context."""
+    bind_params = eqn.primitive.get_bind_params(params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*ins, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _closed(eqn) -> jcore.ClosedJaxpr:
