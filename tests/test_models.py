@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _loop import run_steps
 from _tolerance import assert_close, step_terms
 
 import jshard as js
@@ -13,13 +14,6 @@ from jshard import models
 
 STEPS = 3
 
-
-def _run(step, params, opt_state, batches):
-    losses = []
-    for batch in batches:
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-    return params, opt_state, losses
 
 
 GPT_CFG = models.GPTConfig(n_layers=1)
@@ -45,7 +39,7 @@ def _reference(model):
     params, batches, loss, _ = {"gpt": _gpt, "mlp": _mlp}[model]()
     opt = optax.sgd(0.1)
     step = jax.jit(models.make_train_step(lambda p, b: loss(p, b, None), opt))
-    return _run(step, params, opt.init(params), batches)
+    return run_steps(step, params, opt.init(params), batches)
 
 
 @pytest.mark.parametrize("preset", models.PRESETS)
@@ -55,7 +49,7 @@ def test_train_step_equals_single_device(model, preset):
     opt = optax.sgd(0.1)
     opt_state = opt.init(params)
     step = models.parallel_train_step(loss, opt, params, opt_state, batches[0], models.preset(preset, 8), rules)
-    got_params, _, got_losses = _run(step, params, opt_state, batches)
+    got_params, _, got_losses = run_steps(step, params, opt_state, batches)
     ref_params, _, ref_losses = _reference(model)
     terms = STEPS * step_terms(params, batches[0])  # each step adds its rounding to the parameters
     assert_close(got_losses, ref_losses, dtype=np.float32, terms=terms)

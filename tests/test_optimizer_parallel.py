@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _loop import run_steps
 from _tolerance import assert_close, step_terms
 
 import jshard as js
@@ -30,18 +31,11 @@ def _problem():
     return params, OPT.init(params), batches
 
 
-def _run(step, params, state, batches):
-    losses = []
-    for batch in batches:
-        params, state, loss = step(params, state, batch)
-        losses.append(float(loss))
-    return params, state, losses
-
 
 @functools.cache
 def _reference():
     params, state, batches = _problem()
-    return _run(jax.jit(models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)), params, state, batches)
+    return run_steps(jax.jit(models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)), params, state, batches)
 
 
 def _per_device(x, sharding) -> int:
@@ -63,7 +57,7 @@ def _check_cut(leaves, shardings, ways: int, cut: bool, small: bool = True):
 
 
 def _compare(step, params, state, batches):
-    got_params, got_state, got_losses = _run(step, params, state, batches)
+    got_params, got_state, got_losses = run_steps(step, params, state, batches)
     ref_params, ref_state, ref_losses = _reference()
     terms = STEPS * step_terms(params, batches[0])
     assert_close(got_losses, ref_losses, dtype=np.float32, terms=terms)
