@@ -27,6 +27,7 @@ from jshard.compile._boundary import argument_leaves
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
+from jshard.layouts import slices, spec_from_pspec
 from jshard.plan import OptimizerReport
 
 
@@ -114,28 +115,24 @@ def _cut_spec(shape: tuple[int, ...], spec: PartitionSpec, axis_size: dict[str, 
     free = _free(spec, axis_size)
     if not free:
         return None
-    entries = list(spec) + [None] * (len(shape) - len(spec))
+    dims = list(spec_from_pspec(spec, len(shape)))
     ways = math.prod(axis_size[a] for a in free)
-    local = [(d // _ways(PartitionSpec(e), axis_size), k) for k, (d, e) in enumerate(zip(shape, entries))]
+    local = [(d // c, k) for k, (d, c) in enumerate(zip(shape, slices(spec, len(shape), axis_size)))]
     fits = [(n, -k) for n, k in local if n % ways == 0]
     if not fits:
         return None
     k = -max(fits)[1]
-    entries[k] = _axes(entries[k]) + free
-    return PartitionSpec(*(None if not e else e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in entries))
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    dims[k] += free
+    return PartitionSpec(*(None if not a else a[0] if len(a) == 1 else a for a in dims))
 
 
 def _free(spec: PartitionSpec, axis_size: dict[str, int]) -> tuple[str, ...]:
-    used = {a for e in spec for a in _axes(e)}
+    used = {a for axes in spec_from_pspec(spec, len(spec)) for a in axes}
     return tuple(a for a, s in axis_size.items() if a not in used and s > 1)
 
 
 def _ways(spec: PartitionSpec, axis_size: dict[str, int]) -> int:
-    return math.prod(axis_size[a] for e in spec for a in _axes(e))
+    return math.prod(slices(spec, len(spec), axis_size))
 
 
 def _bytes(x) -> float:

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 from jshard._distributed import host_major
 from jshard._errors import ShardingError, api_boundary
-from jshard.layouts import DatasetStrategy, FineMesh, dataset_slots, layout_of
+from jshard.layouts import DatasetStrategy, FineMesh, dataset_slots, layout_of, slices
 
 
 @api_boundary
@@ -163,7 +163,7 @@ def _devices(count: int | None, call: str) -> list[jax.Device]:
 
 def _check_local(call: str, i: int, x: np.ndarray, sharding: NamedSharding) -> None:
     """The local block must split evenly into the slices this process's devices hold."""
-    for d, (size, s) in enumerate(zip(x.shape, local_slices(_cut_shape(sharding, x.ndim), sharding))):
+    for d, (size, s) in enumerate(zip(x.shape, local_slices(slices(sharding.spec, x.ndim, dict(sharding.mesh.shape)), sharding))):
         pieces = s.stop - s.start
         if size % pieces:
             raise ShardingError(
@@ -172,13 +172,3 @@ def _check_local(call: str, i: int, x: np.ndarray, sharding: NamedSharding) -> N
                 f"process a block whose dim {d} is a multiple of {pieces}."
             )
 
-
-def _cut_shape(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
-    """A shape with one element per slice of each dim (the number of slices the sharding makes)."""
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-    sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
-    out = []
-    for entry in spec:
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        out.append(int(np.prod([sizes[a] for a in names])) if names else 1)
-    return tuple(out)

@@ -18,6 +18,7 @@ from jshard.layouts._slots import layout_of as layout_of
 from jshard.layouts._spec import Spec as Spec
 from jshard.layouts._spec import constraint_spec as constraint_spec
 from jshard.layouts._spec import replicated as replicated
+from jshard.layouts._spec import slices as slices
 from jshard.layouts._spec import spec_from_pspec as spec_from_pspec
 from jshard.layouts._spec import to_pspec as to_pspec
 from jshard.layouts._strategy import Strategy as Strategy

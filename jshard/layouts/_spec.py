@@ -7,6 +7,8 @@ that cut it, major to minor); JAX speaks `PartitionSpec`. These are the only con
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Mapping
 
 from jax.sharding import PartitionSpec
 
@@ -43,3 +45,14 @@ def spec_from_pspec(pspec: PartitionSpec, rank: int) -> Spec:
         else:
             out.append(tuple(p) if isinstance(p, tuple) else (p,))
     return tuple(out)
+
+
+def slices(pspec: PartitionSpec, rank: int, axis_size: Mapping[str, int]) -> tuple[int, ...]:
+    """How many slices a `PartitionSpec` cuts each of a value's `rank` dims into, on a mesh with
+    `axis_size`.
+
+    Examples:
+      >>> slices(PartitionSpec(("d0", "d1"), None), 3, {"d0": 2, "d1": 4})
+      (8, 1, 1)
+    """
+    return tuple(math.prod(axis_size[a] for a in axes) for axes in spec_from_pspec(pspec, rank))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ import numpy as np
 from jshard._format import human_bytes
 from jshard.audit import Audit, audit
 from jshard.compile import abstract
+from jshard.layouts import slices
 from jshard.pipeline._schedule import Schedule
 
 
@@ -97,14 +99,14 @@ def plan_of(program, mesh, layers: int, params, batch, compile_) -> PipelinePlan
                             abstract(batch))
     act = jax.eval_shape(program.pipe.first, abstract(rest), first_mb)
     whole = int(np.prod(act.shape)) * act.dtype.itemsize
-    cut = _cut(program.specs.act, dict(mesh.shape))
+    cut = math.prod(slices(program.specs.act, len(program.specs.act), dict(mesh.shape)))
     per_device = whole // cut
     slots = sched.slots("activations") + (0 if sched.forward_only else sched.slots("gradients") + sched.slots("residuals"))
     residual_bytes = 0
     if not sched.forward_only:
         sizes = dict(mesh.shape)
         residual_bytes = sched.slots("residuals") * sum(
-            int(np.prod(r.shape)) * r.dtype.itemsize // _cut(p, sizes)
+            int(np.prod(r.shape)) * r.dtype.itemsize // math.prod(slices(p, len(p), sizes))
             for r, p in zip(program.residual_shapes(params, batch), program.specs.residuals))
     k = layers // (s * v)
     per_stage = mesh.devices.size // s
@@ -130,11 +132,3 @@ def _peak_in_flight(sched: Schedule, stage: int) -> int:
             peak = max(peak, live)
     return peak
 
-
-def _cut(spec, sizes) -> int:
-    out = 1
-    for entry in spec:
-        for name in (entry if isinstance(entry, tuple) else (entry,)):
-            if name is not None:
-                out *= sizes[name]
-    return out
