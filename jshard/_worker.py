@@ -19,10 +19,14 @@ command. A script that ends normally (status 0) leaves through JAX's shutdown as
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # run as `python .../jshard/_worker.py`: Python put jshard/ first on sys.path,
+    del sys.path[0]  # where its modules could shadow the standard library's for the imports below
+
 import json
 import os
 import runpy
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -87,7 +91,7 @@ def run(argv: list[str]) -> None:
     module = argv[0] == "-m"
     target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     sys.argv = [target, *args]
-    sys.path[0] = "" if module else os.path.dirname(os.path.abspath(target))
+    sys.path.insert(0, "" if module else os.path.dirname(os.path.abspath(target)))  # as `python` puts it
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -101,6 +101,14 @@ def test_a_python_command_after_the_dashes_runs_through_the_wrapper(tmp_path, ca
     assert "jshard launch: rank 0 exited with status 1 (sys.exit('no data')); its last 1 log line(s):\n  | no data" in err
 
 
+def test_a_wrapped_script_sees_sys_path_and_argv_as_python_gives_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "extra"))
+    worker = script(tmp_path, "print('path', sys.path[0] == os.path.dirname(__file__), "
+                              "os.environ['PYTHONPATH'] in sys.path, sys.argv, __name__)\n")
+    assert main(["launch", "--worker-num", "1", "--", sys.executable, worker, "--steps", "3"]) == 0
+    assert f"[rank 0] path True True {[worker, '--steps', '3']} __main__" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "command, wrapped",
     [
