@@ -79,7 +79,9 @@ def init(
 
     Call it first thing, before any array is made. Arguments left None come from the environment
     `jshard launch` sets (module docstring), else from SLURM / Open MPI / Kubernetes as JAX detects
-    them. Calling it again is harmless: it returns where the process stands.
+    them. Calling it again is harmless: it returns where the process stands. Once joined to a job of
+    several processes, an uncaught exception ends this process at once rather than in JAX's shutdown
+    barrier (module docstring).
 
     Args:
       coordinator: `host:port` of process 0's coordination service.
