@@ -11,6 +11,11 @@ which `init` reads:
 | `JSHARD_LOCAL_DEVICES` | optional: simulated CPU devices for this process (a laptop rehearsal) |
 | `JSHARD_INIT_TIMEOUT` | optional: seconds to wait for every process to arrive (default 300) |
 | `JSHARD_LAUNCHER_PID` | set by `jshard launch`: the worker ends itself if the launcher dies |
+| `JSHARD_FAILURE_DIR` | set by `jshard launch`: where a failing worker writes its failure record |
+
+Once joined to a job of several processes, an uncaught exception ends the process at once
+(`jshard._worker.excepthook`: traceback, failure record, `os._exit(1)`) instead of leaving it in JAX's
+shutdown barrier, where it would hold the whole job for minutes.
 
 Without them, a job that SLURM or Open MPI started with several tasks (or a Kubernetes pod, where
 the `kubernetes` package is installed) is left to JAX's own detection; anything else is a single
@@ -35,6 +40,7 @@ from jshard._compat import xla_bridge
 from jshard._compat import xla_client as _jax
 from jshard._devices import simulate_devices
 from jshard._errors import ShardingError, api_boundary
+from jshard._worker import install_excepthook
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JSHARD_COORDINATOR", "JSHARD_NUM_PROCESSES", "JSHARD_PROCESS_ID"
 LOCAL_DEVICES, INIT_TIMEOUT = "JSHARD_LOCAL_DEVICES", "JSHARD_INIT_TIMEOUT"
@@ -73,7 +79,9 @@ def init(
 
     Call it first thing, before any array is made. Arguments left None come from the environment
     `jshard launch` sets (module docstring), else from SLURM / Open MPI / Kubernetes as JAX detects
-    them. Calling it again is harmless: it returns where the process stands.
+    them. Calling it again is harmless: it returns where the process stands. Once joined to a job of
+    several processes, an uncaught exception ends this process at once rather than in JAX's shutdown
+    barrier (module docstring).
 
     Args:
       coordinator: `host:port` of process 0's coordination service.
@@ -206,6 +214,7 @@ def _join_detected() -> ProcessInfo:
             f"jshard.init(): JAX detected a cluster (SLURM, Open MPI or Kubernetes) but could not join it: {e}. "
             f"Set {COORDINATOR}, {NUM_PROCESSES} and {PROCESS_ID} to say where the job is."
         ) from e
+    install_excepthook()
     return _info()
 
 
@@ -225,6 +234,7 @@ def _join(address: str, count: int, rank: int, seconds: float) -> None:
         )
     except Exception as e:  # JAX raises RuntimeError / XlaRuntimeError here, with the gRPC status
         raise ShardingError(_join_error(address, count, rank, seconds, e)) from e
+    install_excepthook()
     if loopback:
         _gloo_on_loopback(host)
 

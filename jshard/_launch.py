@@ -7,9 +7,12 @@ node 0's first worker hosts the coordination service on `--master-addr:--master-
 
 The launcher keeps every worker's output (one log per worker under `--log-dir`, streamed with
 `--join`), forwards SIGINT and SIGTERM to the workers, and watches them: when one exits non-zero it
-reports the rank, its exit status and its last log lines, stops the others (SIGTERM, then SIGKILL
-after `--cluster-time-out` or `STOP_GRACE` seconds, whichever is shorter) and exits with that first
-failing status.
+reports the rank, its exit status and either its exception (the failure record `jshard._worker`
+writes: a Python script runs through `jshard/_worker.py`, so an exception or a non-zero `sys.exit`
+ends the worker at once instead of hanging in JAX's shutdown barrier) or its last log lines, stops
+the others (SIGTERM, then SIGKILL after `--cluster-time-out` or `STOP_GRACE` seconds, whichever is
+shorter) and exits with that first failing status. Where several workers fail at once (the others
+of a job often fail *because* one did), the earliest failure is the one reported.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -34,12 +39,18 @@ from jshard._distributed import (
     NUM_PROCESSES,
     PROCESS_ID,
 )
+from jshard._worker import FAILURE_DIR, WRAPPER, failure_path, read_failure
 
 TAIL_LINES = 20
 STOP_GRACE = 5.0
 """Seconds (at most; `--cluster-time-out` if shorter) a worker gets to exit after SIGTERM before
 SIGKILL. JAX's distributed runtime catches SIGTERM (its preemption notice), so a worker blocked in a
 collective may never exit on SIGTERM alone."""
+GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+| is connected to \d+ peer ranks\. Expected number of connected "
+                          r"peer ranks is : \d+")
+"""What gloo prints to stdout (std::cout, no setting silences it) each time a worker connects to its
+peers; two workers' threads may interleave it mid-line. Kept in the worker logs, left out of the
+`--join` stream and the failure report."""
 LAUNCH_DESCRIPTION = """\
 Starts --local-worker-num workers of a --worker-num job on this node, each running COMMAND with the
 environment jshard.init() reads. COMMAND is a script (`train.py args`, run with this Python) or any
@@ -90,10 +101,21 @@ def run_launch(args: argparse.Namespace) -> int:
         print(f"jshard launch: error: the coordinator port {args.master_addr}:{port} is already in use; "
               "choose another --master-port.", file=sys.stderr)
         return 2
-    if command[0].endswith(".py"):
-        command = [sys.executable, *command]
     job = _Job(args, command, local, f"{args.master_addr}:{port}")
     return job.run()
+
+
+def worker_command(command: Sequence[str]) -> list[str]:
+    """The command each worker runs: a Python script (`train.py args` with this Python, `python
+    train.py args`, `python -m module args`) through `jshard._worker.run`, so that its failure ends it
+    at once with a failure record; any other program as given."""
+    command = list(command)
+    if command[0].endswith(".py"):
+        return [sys.executable, WRAPPER, *command]
+    python = os.path.basename(command[0]).startswith("python")
+    if python and len(command) > 1 and (command[1].endswith(".py") or command[1] == "-m" and len(command) > 2):
+        return [command[0], WRAPPER, *command[1:]]
+    return command
 
 
 def _check(args, command, local) -> str:
@@ -145,6 +167,7 @@ class _Worker:
         self.rank, self.proc, self.log = rank, proc, log
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.reader: threading.Thread | None = None
+        self.ended: float | None = None  # when the launcher first saw it exit (time.time())
 
 
 class _Job:
@@ -158,6 +181,7 @@ class _Job:
         self.launcher_log = None
         self.workers: list[_Worker] = []
         self.kill_at: float | None = None  # after a forwarded signal: when to SIGKILL the rest
+        self.failures = self.log_dir  # where workers write failure records (a temporary directory without a log dir)
 
     def say(self, text: str) -> None:
         """A message to stderr, and to launcher.log stamped with the time (UTC, to the millisecond)."""
@@ -171,9 +195,15 @@ class _Job:
                 self.launcher_log.flush()
 
     def run(self) -> int:
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            self.launcher_log = open(self.log_dir / "launcher.log", "a")
+        if self.log_dir is None:
+            with tempfile.TemporaryDirectory(prefix="jshard-launch-") as failures:
+                self.failures = Path(failures)
+                return self._run()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.launcher_log = open(self.log_dir / "launcher.log", "a")
+        return self._run()
+
+    def _run(self) -> int:
         previous = {s: signal.signal(s, self._forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             first = self.args.node_rank * self.local
@@ -200,14 +230,15 @@ class _Job:
         env = dict(os.environ)
         env.update({COORDINATOR: self.coordinator, NUM_PROCESSES: str(self.args.worker_num),
                     PROCESS_ID: str(rank), INIT_TIMEOUT: f"{self.args.cluster_time_out:g}",
-                    LAUNCHER_PID: str(os.getpid()), "PYTHONUNBUFFERED": "1"})
+                    LAUNCHER_PID: str(os.getpid()), FAILURE_DIR: str(self.failures), "PYTHONUNBUFFERED": "1"})
         if self.args.devices_per_worker is not None:
             env[LOCAL_DEVICES] = str(self.args.devices_per_worker)
         return env
 
     def _start(self, rank: int) -> _Worker:
         log = self.log_dir / f"worker_{rank}.log" if self.log_dir is not None else None
-        proc = subprocess.Popen(self.command, env=self._env(rank), stdin=subprocess.DEVNULL,
+        failure_path(self.failures, rank).unlink(missing_ok=True)  # a previous run's, in the same log dir
+        proc = subprocess.Popen(worker_command(self.command), env=self._env(rank), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         worker = _Worker(rank, proc, log)
         worker.reader = threading.Thread(target=self._pump, args=(worker,), daemon=True)
@@ -220,10 +251,13 @@ class _Job:
         try:
             for raw in worker.proc.stdout:
                 line = raw.decode(errors="replace").rstrip("\n")
-                worker.tail.append(line)
                 if sink is not None:
                     sink.write(line + "\n")
                     sink.flush()
+                line = _without_chatter(line)
+                if line is None:
+                    continue
+                worker.tail.append(line)
                 if self.stream:
                     with self.lock:
                         print(f"[rank {worker.rank}] {line}", flush=True)
@@ -248,23 +282,38 @@ class _Job:
                 for w in self.workers:
                     _signal(w.proc, signal.SIGKILL)
             running = [w for w in self.workers if w.proc.poll() is None]
-            failed = next((w for w in self.workers if w.proc.returncode not in (None, 0)), None)
-            if failed is not None:
-                return self._fail(failed, running)
+            for w in self.workers:
+                if w.ended is None and w.proc.returncode is not None:
+                    w.ended = time.time()
+            failed = [w for w in self.workers if w.proc.returncode not in (None, 0)]
+            if failed:
+                return self._fail(min(failed, key=self._failed_at), running)
             if not running:
                 self.say(f"all {len(self.workers)} worker(s) on this node exited 0")
                 return 0
             time.sleep(0.05)
 
+    def _failed_at(self, worker: _Worker) -> float:
+        """When a worker failed: its failure record's time, else when the launcher saw it exit."""
+        record = read_failure(self.failures, worker.rank)
+        return record["time"] if record else worker.ended
+
     def _fail(self, failed: _Worker, running: list[_Worker]) -> int:
         status = _status(failed.proc.returncode)
         code = failed.proc.returncode
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+        where = f" (log: {failed.log})" if failed.log is not None else ""
         if failed.reader is not None:
             failed.reader.join(timeout=2)
-        where = f" (log: {failed.log})" if failed.log is not None else ""
-        lines = "\n".join(f"  | {line}" for line in failed.tail) or "  | (no output)"
-        self.say(f"rank {failed.rank} {how}{where}; its last {len(failed.tail)} log line(s):\n{lines}")
+        record = read_failure(self.failures, failed.rank)
+        if record is not None and record["type"] != "SystemExit":
+            lines = "\n".join(f"  | {line}" for line in record["lines"])
+            self.say(f"rank {failed.rank} raised {record['type']}: {record['message']} and {how}{where}; "
+                     f"its traceback's last lines:\n{lines}")
+        else:
+            how += f" ({record['message']})" if record is not None else ""
+            lines = "\n".join(f"  | {line}" for line in failed.tail) or "  | (no output)"
+            self.say(f"rank {failed.rank} {how}{where}; its last {len(failed.tail)} log line(s):\n{lines}")
         if any("RegisterTask" in line or "could not form the job" in line for line in failed.tail):
             self.say(f"the job did not form within --cluster-time-out {self.args.cluster_time_out:g} s: not all "
                      f"--worker-num {self.args.worker_num} processes reached the coordinator {self.coordinator}. "
@@ -276,6 +325,14 @@ class _Job:
             _stop(running, self.args.cluster_time_out)
         self.say(f"exit status {status} (rank {failed.rank})")
         return status
+
+
+def _without_chatter(line: str) -> str | None:
+    """`line` less gloo's connection messages (`GLOO_CHATTER`); None where nothing else is left."""
+    rest = GLOO_CHATTER.sub("", line)
+    if rest == line:
+        return line
+    return rest if rest.strip() else None
 
 
 def _signal(proc: subprocess.Popen, signum: int) -> None:

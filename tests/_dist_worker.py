@@ -7,6 +7,10 @@ with `--ckpt DIR` it resumes from the latest checkpoint and saves (asynchronousl
 It writes `OUT/rank<process id>.json` (losses by step, rows read) after every step.
 
 `matmul OUT`: a 2-D `shard`ed matmul over all devices; writes its result (for the nodes test).
+
+`fail OUT --fail-at K --how raise|exit`: that matmul step after step; after step K process
+`--die-rank` raises `RuntimeError` (`raise`) or calls `sys.exit(3)` (`exit`) while the others go on
+to their next step's collective, as a training job's ranks would.
 """
 
 import argparse
@@ -119,15 +123,31 @@ def matmul(args, info):
                       "ranks": [[d.id, d.process_index] for d in mm.plan(x, w).mesh.devices.flat]})
 
 
+def fail(args, info):
+    n = jax.device_count()
+    mm = jshard.parallelize(lambda x, w: jshard.shard(jnp.matmul, ((2, n // 2), (n // 2, 1)))(x, w), devices=n)
+    x, w = np.ones((8, 16), np.float32), np.ones((16, 8), np.float32)
+    for k in range(args.steps):
+        y = mm(x, w)
+        print(f"step {k + 1}: {float(y[0, 0])}", flush=True)
+        if k + 1 == args.fail_at and info.process_id == args.die_rank:
+            print(f"rank {info.process_id} fails at {time.time():.3f}", flush=True)
+            if args.how == "raise":
+                raise RuntimeError(f"data file missing on rank {info.process_id}")
+            sys.exit(3)
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=("train", "matmul"))
+    p.add_argument("what", choices=("train", "matmul", "fail"))
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--ckpt-every", type=int, default=3)
     p.add_argument("--die-at", type=int, default=None)
     p.add_argument("--die-rank", type=int, default=1)
+    p.add_argument("--fail-at", type=int, default=2)
+    p.add_argument("--how", choices=("raise", "exit"), default="raise")
     return p.parse_args(argv)
 
 
@@ -136,7 +156,7 @@ def main(argv=None, info=None):
     info = jshard.init() if info is None else info  # first: joins the job, or simulates devices alone
     args = parse(argv)
     os.makedirs(args.out, exist_ok=True)
-    train(args, info) if args.what == "train" else matmul(args, info)
+    {"train": train, "matmul": matmul, "fail": fail}[args.what](args, info)
 
 
 if __name__ == "__main__":

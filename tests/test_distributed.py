@@ -151,6 +151,29 @@ def test_a_killed_worker_is_detected_and_reported(runs):
     assert (runs["logs1"] / "worker_0.log").exists()
 
 
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_a_failing_worker_is_reported_at_once_not_after_jax_s_shutdown_barrier(tmp_path, how):
+    """Rank 1 raises (or calls sys.exit(3)) while rank 0 waits in the next step's collective: the
+    launcher names rank 1 and its exception at once and stops rank 0; JAX's shutdown barrier would
+    have held both for 300 s and blamed rank 0's SIGABRT."""
+    env, logs = worker_env(tmp_path), tmp_path / "logs"
+    done = launch_here(["--worker-num", 2, "--devices-per-worker", 2, "--cluster-time-out", 60, "--log-dir", logs,
+                        WORKER, "fail", tmp_path / "out", "--steps", 50, "--fail-at", 2, "--how", how], env)
+    status, what = (1, "raised RuntimeError: data file missing on rank 1 and exited with status 1") if how == "raise" \
+        else (3, "exited with status 3 (sys.exit(3))")
+    assert done.returncode == status, done.stderr
+    assert f"jshard launch: rank 1 {what}" in done.stderr
+    if how == "raise":
+        assert "  |     raise RuntimeError(f\"data file missing on rank {info.process_id}\")\n" \
+               "  | RuntimeError: data file missing on rank 1" in done.stderr
+    assert f"exit status {status} (rank 1)" in done.stderr
+    failed = float(re.search(r"rank 1 fails at ([\d.]+)", (logs / "worker_1.log").read_text()).group(1))
+    launcher = (logs / "launcher.log").read_text()
+    seen, stopped = (_stamp(launcher, text) - failed for text in (f"rank 1 {what.split()[0]}", "exit status"))
+    print(f"{how} on rank 1: reported after {seen:.2f} s, the job stopped after {stopped:.2f} s")
+    assert seen < 5 and stopped < 5 + STOP_GRACE, "the launcher took too long to notice or to stop the job"
+
+
 def _stamp(launcher_log: str, text: str) -> float:
     """When launcher.log says `text`, in seconds since the epoch."""
     stamp = re.search(rf"^([\d-]+ [\d:.]+) jshard launch: {text}", launcher_log, re.M).group(1)

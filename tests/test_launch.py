@@ -4,6 +4,7 @@ The launcher runs in this process through `jshard._cli.main` (its workers are su
 where a signal must reach it. Everything binds 127.0.0.1 only.
 """
 
+import json
 import os
 import pathlib
 import signal
@@ -16,6 +17,8 @@ import pytest
 import yaml
 
 from jshard._cli import main
+from jshard._launch import worker_command
+from jshard._worker import WRAPPER
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -69,6 +72,79 @@ def test_a_failing_worker_stops_the_others_and_its_status_is_returned(tmp_path, 
     assert "  | working 1\n  | giving up" in err
     assert "stopping the other 2 worker(s) on this node: ranks 0, 2" in err
     assert "exit status 3 (rank 1)" in err
+
+
+def test_an_exception_names_its_rank_and_its_last_lines_and_leaves_a_failure_record(tmp_path, capsys):
+    worker = script(tmp_path, "print('working', rank, flush=True)\n"
+                              "if rank == 1:\n    raise RuntimeError('data file missing on rank 1')\n"
+                              "time.sleep(120)\n")
+    logs = tmp_path / "l"
+    (logs).mkdir()
+    (logs / "failure_0.json").write_text('{"rank": 0, "type": "OSError", "time": 0}')  # a previous run's: ignored
+    assert main(["launch", "--worker-num", "2", "--cluster-time-out", "5", "--log-dir", str(logs), worker]) == 1
+    err = capsys.readouterr().err
+    assert "jshard launch: rank 1 raised RuntimeError: data file missing on rank 1 and exited with status 1" in err
+    assert f'  |   File "{worker}", line 5, in <module>\n' \
+           "  |     raise RuntimeError('data file missing on rank 1')\n" \
+           "  | RuntimeError: data file missing on rank 1\n" in err
+    assert "_worker.py" not in err and "runpy" not in err  # the wrapper's frames are left out
+    assert "stopping the other 1 worker(s) on this node: ranks 0" in err and "exit status 1 (rank 1)" in err
+    record = json.loads((logs / "failure_1.json").read_text())
+    assert (record["rank"], record["type"], record["status"]) == (1, "RuntimeError", 1)
+    assert not (logs / "failure_0.json").exists()
+
+
+def test_a_python_command_after_the_dashes_runs_through_the_wrapper(tmp_path, capsys):
+    worker = script(tmp_path, "if rank == 0:\n    sys.exit('no data')\ntime.sleep(120)\n")
+    assert main(["launch", "--worker-num", "2", "--cluster-time-out", "5", "--", sys.executable, worker]) == 1
+    err = capsys.readouterr().err
+    assert "jshard launch: rank 0 exited with status 1 (sys.exit('no data')); its last 1 log line(s):\n  | no data" in err
+
+
+def test_a_wrapped_script_sees_sys_path_and_argv_as_python_gives_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "extra"))
+    worker = script(tmp_path, "print('path', sys.path[0] == os.path.dirname(__file__), "
+                              "os.environ['PYTHONPATH'] in sys.path, sys.argv, __name__)\n")
+    assert main(["launch", "--worker-num", "1", "--", sys.executable, worker, "--steps", "3"]) == 0
+    assert f"[rank 0] path True True {[worker, '--steps', '3']} __main__" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "command, wrapped",
+    [
+        (["train.py", "--steps", "3"], [sys.executable, WRAPPER, "train.py", "--steps", "3"]),
+        (["python3", "train.py"], ["python3", WRAPPER, "train.py"]),
+        (["/usr/bin/python", "-m", "pkg.train", "-x"], ["/usr/bin/python", WRAPPER, "-m", "pkg.train", "-x"]),
+        (["python", "-c", "pass"], ["python", "-c", "pass"]),
+        (["./run.sh", "train.py"], ["./run.sh", "train.py"]),
+    ],
+    ids=["script", "python-script", "python-module", "python-c", "other-program"],
+)
+def test_python_scripts_and_modules_run_through_the_failure_wrapper(command, wrapped):
+    assert worker_command(command) == wrapped
+
+
+def test_init_s_excepthook_ends_the_process_at_once_with_a_failure_record(tmp_path):
+    program = ("import atexit, os, sys, time\nfrom jshard._worker import install_excepthook\n"
+               "atexit.register(lambda: time.sleep(60))  # stands for JAX's shutdown barrier\n"
+               "install_excepthook()\nraise KeyError('shard 3')\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), JSHARD_FAILURE_DIR=str(tmp_path), JSHARD_PROCESS_ID="2")
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 1 and "KeyError: 'shard 3'" in done.stderr
+    record = json.loads((tmp_path / "failure_2.json").read_text())
+    assert (record["rank"], record["type"], record["message"]) == (2, "KeyError", "'shard 3'")
+    assert record["lines"][-1] == "KeyError: 'shard 3'"
+
+
+def test_gloo_s_connection_chatter_is_left_out_of_the_stream_but_kept_in_the_log(tmp_path, capsys):
+    chatter = "[Gloo] Rank {} is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
+    worker = script(tmp_path, f"print({chatter!r}.format(rank))\n"
+                              "print('[Gloo] Rank 3[Gloo] Rank 2 is connected to 3 peer ranks. Expected number of "
+                              "connected peer ranks is : 3')\nprint('step 1 done')\n")
+    assert main(["launch", "--worker-num", "2", "--log-dir", str(tmp_path / "l"), "--join", worker]) == 0
+    out = capsys.readouterr().out
+    assert "Gloo" not in out and "peer ranks" not in out and "[rank 1] step 1 done" in out
+    assert chatter.format(1) in (tmp_path / "l" / "worker_1.log").read_text()
 
 
 def test_sigterm_to_the_launcher_reaches_the_workers(tmp_path):
