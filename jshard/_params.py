@@ -70,7 +70,20 @@ def _constrain_module(fn, visit):
     if not isinstance(fn, nnx.Module):
         return fn
     graphdef, state = nnx.split(fn)
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(visit, state))
+    copy = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(visit, state))
+
+    def call(*args, **kwargs):
+        # The module runs on a copy holding the constrained parameters; what the call changes in it
+        # (batch statistics, an RNG stream's count) is written back to `fn`, as a direct call leaves it.
+        before = [jax.tree_util.tree_leaves(v) for _, v in nnx.to_flat_state(nnx.state(copy))]
+        result = copy(*args, **kwargs)
+        changed = [(path, v) for (path, v), old in zip(nnx.to_flat_state(nnx.state(copy)), before)
+                   if any(a is not b for a, b in zip(jax.tree_util.tree_leaves(v), old))]
+        if changed:
+            nnx.update(fn, nnx.from_flat_state(changed))
+        return result
+
+    return call
 
 
 class Contraction(NamedTuple):
