@@ -1,4 +1,5 @@
-"""Parameters and operator shapes for `shard`: `parameter_plan` matching and contraction detection."""
+"""Parameters and operator shapes for `shard`: `parameter_plan` matching, and contraction and lookup
+detection."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import re
 from typing import NamedTuple
 
 import jax
+from jax.extend import core as jcore
 
 from jshard._errors import ShardingError
 from jshard.graph import inline_equations, resolve
@@ -180,3 +182,78 @@ def _rules_output(jaxpr, env, dot) -> bool:
             ruled.update(v for v in eqn.outvars if v.aval.shape == shape)
     outs = [resolve(env, v) for v in jaxpr.outvars]
     return len(outs) == 1 and outs[0] in ruled
+
+
+class Lookup(NamedTuple):
+    """The one `gather` of a `shard`ed function that is MindSpore's Gather (`jnp.take(table,
+    indices, axis)`, `table[indices]`, an embedding lookup), in terms of the function's inputs.
+
+    Attributes:
+      table / indices: positions among the inputs of the gathered tensor (MindSpore's
+        `input_params`) and of the indices.
+      axis: the table dim the indices select along.
+    """
+
+    table: int
+    indices: int
+    axis: int
+
+
+def lookup_dims(fn, args, positions) -> Lookup | None:
+    """The lookup of the inputs at `positions[:2]` when `fn` is one, else None (see `Lookup`).
+
+    `fn` is traced on abstract values; it is a lookup when its jaxpr holds exactly one `gather`
+    whose operand is one of the two inputs (possibly after a dtype conversion) and whose indices
+    are computed from the other alone (JAX's negative-index wrap-around), taking one element along
+    one axis and every other dim whole, and `fn` returns its result.
+    """
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
+    pos = list(positions[:2])
+    if any(not hasattr(args[i], "shape") for i in pos):
+        return None
+
+    def on_two(a, b):
+        full = list(avals)
+        full[pos[0]], full[pos[1]] = a, b
+        return fn(*full)
+
+    closed = jax.make_jaxpr(on_two)(avals[pos[0]], avals[pos[1]])
+    invars = closed.jaxpr.invars
+    source = {invars[0]: pos[0], invars[1]: pos[1]}  # var -> the input it is (up to a conversion)
+    depends = {invars[0]: {pos[0]}, invars[1]: {pos[1]}}  # var -> the inputs it is computed from
+    gathers, env = [], {}
+    for eqn, env in inline_equations(closed.jaxpr, env):
+        ins = [resolve(env, v) for v in eqn.invars]
+        used = set().union(*(depends.get(v, set()) for v in ins if isinstance(v, jcore.Var)))
+        for v in eqn.outvars:
+            depends[v] = used
+        if eqn.primitive.name in _PASSTHROUGH and isinstance(ins[0], jcore.Var) and ins[0] in source:
+            source[eqn.outvars[0]] = source[ins[0]]
+        elif eqn.primitive.name == "gather":
+            gathers.append((eqn, ins))
+    if len(gathers) != 1:
+        return None
+    eqn, (operand, indices) = gathers[0]
+    outs = [resolve(env, v) for v in closed.jaxpr.outvars]
+    if operand not in source or len(outs) != 1 or outs[0] is not eqn.outvars[0]:
+        return None
+    table = source[operand]
+    other = pos[1] if table == pos[0] else pos[0]
+    if depends.get(indices) != {other}:
+        return None
+    axis = _gather_axis(eqn, args[table].shape, args[other].shape)
+    return None if axis is None else Lookup(table, other, axis)
+
+
+def _gather_axis(eqn, table_shape, indices_shape) -> int | None:
+    """The axis of a `gather` that takes one element along it and every other table dim whole, its
+    result `table[:axis] + indices + table[axis + 1:]`; else None."""
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    if len(dn.collapsed_slice_dims) != 1 or tuple(dn.start_index_map) != tuple(dn.collapsed_slice_dims):
+        return None
+    if dn.operand_batching_dims:
+        return None
+    axis = dn.collapsed_slice_dims[0]
+    whole = all(s == (1 if d == axis else n) for d, (s, n) in enumerate(zip(sizes, table_shape)))
+    want = (*table_shape[:axis], *indices_shape, *table_shape[axis + 1:])
+    return axis if whole and tuple(eqn.outvars[0].aval.shape) == want else None
