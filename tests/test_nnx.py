@@ -1,0 +1,143 @@
+"""Flax NNX graph objects as arguments of `jshard.parallelize`, with `nnx.jit`'s semantics: a
+module, its `nnx.Optimizer` and an `nnx.Rngs` stream are updated in place (parameters, optimizer
+state and step, batch statistics, RNG counts), graph objects come back as results, `js.shard` on a
+submodule keeps the submodule's own updates; pmap-era collectives get an error that says what to
+write instead; the default batch argument skips PRNG keys. Every result equals `nnx.jit` / `jax.jit`
+on one device."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tolerance import assert_close
+from clients import nnx_optimizer
+from flax import nnx
+
+import jshard as js
+
+MODES = {
+    "data": {"mode": "data"},
+    "semi_auto": {"mode": "semi_auto"},
+    "auto": {"mode": "auto"},
+    "xla": {"mode": "semi_auto", "propagation": "xla"},
+}
+STEPS = 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nnx_optimizer_step_updates_in_place_as_nnx_jit(mode):
+    model, optimizer, batch = nnx_optimizer.create()
+    want_model, want_optimizer, _ = nnx_optimizer.create()
+    step = js.parallelize(nnx_optimizer.train_step, devices=8, **MODES[mode])
+    reference = nnx.jit(nnx_optimizer.train_step)
+    for _ in range(STEPS):
+        loss = step(model, optimizer, batch)
+        want_loss = reference(want_model, want_optimizer, batch)
+    got = (nnx.state(model), nnx.state(optimizer), loss)
+    assert_close(got, (nnx.state(want_model), nnx.state(want_optimizer), want_loss), terms=STEPS * nnx_optimizer.terms())
+    assert int(optimizer.step[...]) == STEPS
+    assert int(model.dropout.rngs.count[...]) == STEPS  # the dropout stream moved on, as under nnx.jit
+
+
+def _ones_linear(din, dout):
+    return nnx.Linear(din, dout, kernel_init=nnx.initializers.ones, rngs=nnx.Rngs(0))
+
+
+def test_rngs_argument_and_graph_results():
+    """An `nnx.Rngs` argument's count moves on; a result that is an argument is that object, a
+    result built inside comes back as a new object, as with `nnx.jit`."""
+
+    def step(model, rngs, x):
+        noise = jax.random.uniform(rngs.noise(), x.shape)
+        return model, _ones_linear(4, 2), model(x + noise)
+
+    model, rngs = _ones_linear(4, 4), nnx.Rngs(noise=3)
+    want_model, want_rngs = _ones_linear(4, 4), nnx.Rngs(noise=3)
+    x = jnp.ones((8, 4))
+    same, new, y = js.parallelize(step, devices=8)(model, rngs, x)
+    _, want_new, want_y = nnx.jit(step)(want_model, want_rngs, x)
+    assert same is model
+    assert isinstance(new, nnx.Linear) and new is not model
+    assert_close((nnx.state(new), y, nnx.state(rngs)), (nnx.state(want_new), want_y, nnx.state(want_rngs)), terms=4)
+    assert int(rngs.noise.count[...]) == 1
+
+
+def test_changing_a_graph_objects_structure_is_an_error():
+    def step(model, x):
+        model.extra = nnx.Param(jnp.zeros(3))
+        return model(x)
+
+    with pytest.raises(js.ShardingError, match=r"jshard.parallelize\(step\): the function changed the structure of its "
+                                               r"graph objects \(Linear\): it added or removed an attribute"):
+        js.parallelize(step, devices=8)(_ones_linear(4, 4), jnp.ones((8, 4)))
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = nnx.Linear(16, 32, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.down = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        h = js.shard(self.up, ((2, 1),), parameter_plan={"kernel": (1, 4)})(x)
+        h = js.shard(self.norm, ((2, 4),), parameter_plan={"scale": (4,)})(h)
+        return self.down(nnx.relu(h))
+
+
+def test_shard_on_submodules_keeps_their_updates():
+    """`js.shard(self.norm, ..., parameter_plan=...)` runs the BatchNorm on constrained parameters;
+    its batch statistics still land in the model, as without `shard`."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 16), dtype=np.float32))
+    model, want_model = _Block(nnx.Rngs(0)), _Block(nnx.Rngs(0))
+    step = js.parallelize(lambda model, x: model(x).sum(), devices=8)
+    got, want = step(model, x), nnx.jit(lambda model, x: model(x).sum())(want_model, x)
+    assert_close((nnx.state(model), got), (nnx.state(want_model), want), terms=16 + 32 + 16 * 16)
+    assert not np.allclose(model.norm.mean[...], 0.0)
+    kinds = [a.in_layouts[0].strategy for a in step.plan(model, x).annotations]
+    assert kinds == [(2, 1), (2, 4)]
+
+
+# --- pmap-era collectives ---------------------------------------------------------------------------
+
+ADVICE = ("this is pmap-era code (lax.psum/pmean/all_gather/axis_index over a named axis, or a BatchNorm with "
+          "axis_name='batch', which calls pmean). Under jshard the function sees the global batch")
+
+
+def _pmean(x):
+    return jax.lax.pmean(x, "batch").sum()
+
+
+def _linen_batchnorm(x):
+    norm = nn.BatchNorm(use_running_average=False, axis_name="batch")
+    variables = norm.init(jax.random.key(0), x)
+    return norm.apply(variables, x, mutable=["batch_stats"])[0].sum()
+
+
+def _nnx_batchnorm(x):
+    return nnx.BatchNorm(4, axis_name="batch", rngs=nnx.Rngs(0))(x).sum()
+
+
+@pytest.mark.parametrize("fn", [_pmean, _linen_batchnorm, _nnx_batchnorm], ids=["lax.pmean", "linen.BatchNorm", "nnx.BatchNorm"])
+def test_pmap_era_collectives_say_what_to_write(fn):
+    with pytest.raises(js.ShardingError, match=rf"jshard.parallelize\({fn.__name__}\): `psum` over the axis name 'batch' "
+                                               r"at test_nnx.py:\d+ has no such axis to run on") as e:
+        js.parallelize(fn, devices=8)(jnp.ones((8, 4)))
+    assert ADVICE in str(e.value)
+    assert "drop the collective (jnp.mean over the batch dim for lax.pmean) and the BatchNorm's axis_name=" in str(e.value)
+
+
+# --- the default batch argument ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", [jax.random.PRNGKey(0), jax.random.key(0)], ids=["raw", "typed"])
+def test_default_batch_is_not_a_trailing_key(key):
+    """`step(w, x, key)`: the batch is `x`, the last argument holding an array that is not a key."""
+
+    def step(w, x, key):
+        return (x @ w) * jax.random.bernoulli(key, 0.5, (x.shape[0], w.shape[1]))
+
+    w, x = jnp.ones((4, 3)), jnp.ones((16, 4))
+    parallel = js.parallelize(step, devices=8)
+    assert parallel.plan(w, x, key).in_specs[1] == jax.sharding.PartitionSpec(("d0", "d1", "d2"))
+    assert_close(parallel(w, x, key), jax.jit(step)(w, x, key), terms=4)
