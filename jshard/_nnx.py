@@ -7,7 +7,8 @@ step, batch statistics, an RNG stream's count) and the caller expects to see the
 core sees pytrees only:
 
 - before the call, every graph object among the arguments (at any depth of their pytrees; objects
-  shared between arguments once) is split into its graph definition and its state
+  shared between arguments once; a bare `nnx.Variable`, or an `nnx.State` from `nnx.split`, is a
+  pytree as under `jax.jit`, so NNX's functional form keeps `jax.jit`'s semantics) is split into its graph definition and its state
   (`nnx.split`), and the argument keeps its place with the state in the object's place, so that
   `in_strategy`, `batch_argnums` and `donate_argnums` address the same arguments;
 - the traced function merges them back (`nnx.merge`), runs the user's function on the objects, and
@@ -121,9 +122,12 @@ def split_graphs(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], st
 
 
 def _is_graph(x) -> bool:
+    """A graph object split at the boundary: a module, an optimizer, an RNG stream... but not a bare
+    `nnx.Variable` (nor so an `nnx.State` of them, NNX's functional form), a pytree as `jax.jit` has it."""
+    from flax import nnx  # noqa: PLC0415
     from flax.nnx import graph  # noqa: PLC0415
 
-    return graph.is_graph_node(x)
+    return graph.is_graph_node(x) and not isinstance(x, nnx.Variable)
 
 
 def _split_results(result, merged: tuple):

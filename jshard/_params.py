@@ -104,22 +104,31 @@ class Contraction(NamedTuple):
     rules_output: bool
 
 
-_CONTRACTIONS: dict = {}
+_FOUND: dict = {}
 _CACHE_SIZE = 4096
 
 
 def contraction_dims(fn, args, positions) -> Contraction | None:
     """`_contraction_dims`, cached per function and abstract arguments (a model calls the same
     sharded matmul once per layer; tracing it once is enough)."""
-    key = (fn, tuple((a.shape, a.dtype) if hasattr(a, "shape") else a for a in args), tuple(positions[:2]))
+    return _cached(_contraction_dims, fn, args, positions)
+
+
+def lookup_dims(fn, args, positions) -> Lookup | None:
+    """`_lookup_dims`, cached as `contraction_dims` is."""
+    return _cached(_lookup_dims, fn, args, positions)
+
+
+def _cached(find, fn, args, positions):
+    key = (find, fn, tuple((a.shape, a.dtype) if hasattr(a, "shape") else a for a in args), tuple(positions[:2]))
     try:
-        if key in _CONTRACTIONS:
-            return _CONTRACTIONS[key]
+        if key in _FOUND:
+            return _FOUND[key]
     except TypeError:  # an unhashable argument: no caching
-        return _contraction_dims(fn, args, positions)
-    if len(_CONTRACTIONS) >= _CACHE_SIZE:
-        _CONTRACTIONS.clear()
-    _CONTRACTIONS[key] = found = _contraction_dims(fn, args, positions)
+        return find(fn, args, positions)
+    if len(_FOUND) >= _CACHE_SIZE:
+        _FOUND.clear()
+    _FOUND[key] = found = find(fn, args, positions)
     return found
 
 
@@ -199,7 +208,7 @@ class Lookup(NamedTuple):
     axis: int
 
 
-def lookup_dims(fn, args, positions) -> Lookup | None:
+def _lookup_dims(fn, args, positions) -> Lookup | None:
     """The lookup of the inputs at `positions[:2]` when `fn` is one, else None (see `Lookup`).
 
     `fn` is traced on abstract values; it is a lookup when its jaxpr holds exactly one `gather`
@@ -208,19 +217,18 @@ def lookup_dims(fn, args, positions) -> Lookup | None:
     one axis and every other dim whole, and `fn` returns its result.
     """
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
-    pos = list(positions[:2])
-    if any(not hasattr(args[i], "shape") for i in pos):
-        return None
+    array_pos = [i for i, a in enumerate(args) if hasattr(a, "shape")]
 
-    def on_two(a, b):
+    def on_arrays(*arrays):
         full = list(avals)
-        full[pos[0]], full[pos[1]] = a, b
+        for i, x in zip(array_pos, arrays):
+            full[i] = x
         return fn(*full)
 
-    closed = jax.make_jaxpr(on_two)(avals[pos[0]], avals[pos[1]])
-    invars = closed.jaxpr.invars
-    source = {invars[0]: pos[0], invars[1]: pos[1]}  # var -> the input it is (up to a conversion)
-    depends = {invars[0]: {pos[0]}, invars[1]: {pos[1]}}  # var -> the inputs it is computed from
+    closed = jax.make_jaxpr(on_arrays)(*(avals[i] for i in array_pos))
+    invars = dict(zip(array_pos, closed.jaxpr.invars))
+    source = {invars[i]: i for i in positions[:2]}  # var -> the input it is (up to a conversion)
+    depends = {v: {i} for i, v in invars.items()}  # var -> the inputs it is computed from
     gathers, env = [], {}
     for eqn, env in inline_equations(closed.jaxpr, env):
         ins = [resolve(env, v) for v in eqn.invars]
@@ -235,11 +243,11 @@ def lookup_dims(fn, args, positions) -> Lookup | None:
         return None
     eqn, (operand, indices) = gathers[0]
     outs = [resolve(env, v) for v in closed.jaxpr.outvars]
-    if operand not in source or len(outs) != 1 or outs[0] is not eqn.outvars[0]:
+    if not isinstance(operand, jcore.Var) or operand not in source or len(outs) != 1 or outs[0] is not eqn.outvars[0]:
         return None
     table = source[operand]
-    other = pos[1] if table == pos[0] else pos[0]
-    if depends.get(indices) != {other}:
+    other = positions[1] if table == positions[0] else positions[0]
+    if not isinstance(indices, jcore.Var) or depends.get(indices) != {other}:
         return None
     axis = _gather_axis(eqn, args[table].shape, args[other].shape)
     return None if axis is None else Lookup(table, other, axis)
