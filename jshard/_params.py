@@ -105,6 +105,7 @@ class Contraction(NamedTuple):
 
 
 _FOUND: dict = {}
+"""`contraction_dims` and `lookup_dims` answers by (finder, function, abstract arguments, positions)."""
 _CACHE_SIZE = 4096
 
 
