@@ -141,19 +141,9 @@ def _contraction_dims(fn, args, positions) -> Contraction | None:
     transpose that keeps the order of the free dims (`x @ w.T`). The operands may come in either
     order (`einsum("ij,kj->ki", x, w)` multiplies `w` by `x`).
     """
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
-    array_pos = [i for i, a in enumerate(args) if hasattr(a, "shape")]
-
-    def on_arrays(*arrays):
-        full = list(avals)
-        for i, x in zip(array_pos, arrays):
-            full[i] = x
-        return fn(*full)
-
-    closed = jax.make_jaxpr(on_arrays)(*(avals[i] for i in array_pos))
-    invars = closed.jaxpr.invars
+    closed, invars = _traced(fn, args)
     # var -> (input position, perm): dim d of the var is dim perm[d] of that input.
-    source = {invars[array_pos.index(i)]: (i, tuple(range(len(args[i].shape)))) for i in positions[:2]}
+    source = {invars[i]: (i, tuple(range(len(args[i].shape)))) for i in positions[:2]}
     dots, env = [], {}
     for eqn, env in inline_equations(closed.jaxpr, env):
         ins = [resolve(env, v) for v in eqn.invars]
@@ -177,6 +167,22 @@ def _contraction_dims(fn, args, positions) -> Contraction | None:
     on_inputs = lambda perm, ds: tuple(perm[d] for d in ds)
     dims = (on_inputs(lperm, lc), on_inputs(rperm, rc)), (on_inputs(lperm, lb), on_inputs(rperm, rb))
     return Contraction(li, ri, dims, _rules_output(closed.jaxpr, env, eqn))
+
+
+def _traced(fn, args):
+    """`fn` traced on abstract values of its array inputs (the others as they are): the closed jaxpr
+    and, per array input's position, its input var."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
+    array_pos = [i for i, a in enumerate(args) if hasattr(a, "shape")]
+
+    def on_arrays(*arrays):
+        full = list(avals)
+        for i, x in zip(array_pos, arrays):
+            full[i] = x
+        return fn(*full)
+
+    closed = jax.make_jaxpr(on_arrays)(*(avals[i] for i in array_pos))
+    return closed, dict(zip(array_pos, closed.jaxpr.invars))
 
 
 def _keeps_free_order(perm, contract, batch) -> bool:
@@ -217,17 +223,7 @@ def _lookup_dims(fn, args, positions) -> Lookup | None:
     are computed from the other alone (JAX's negative-index wrap-around), taking one element along
     one axis and every other dim whole, and `fn` returns its result.
     """
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
-    array_pos = [i for i, a in enumerate(args) if hasattr(a, "shape")]
-
-    def on_arrays(*arrays):
-        full = list(avals)
-        for i, x in zip(array_pos, arrays):
-            full[i] = x
-        return fn(*full)
-
-    closed = jax.make_jaxpr(on_arrays)(*(avals[i] for i in array_pos))
-    invars = dict(zip(array_pos, closed.jaxpr.invars))
+    closed, invars = _traced(fn, args)
     source = {invars[i]: i for i in positions[:2]}  # var -> the input it is (up to a conversion)
     depends = {v: {i} for i, v in invars.items()}  # var -> the inputs it is computed from
     gathers, env = [], {}
