@@ -13,14 +13,17 @@ import pytest
 from _tolerance import assert_close
 from clients import nnx_optimizer
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jshard as js
 
+MESH = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("batch",))
 MODES = {
     "data": {"mode": "data"},
     "semi_auto": {"mode": "semi_auto"},
     "auto": {"mode": "auto"},
     "xla": {"mode": "semi_auto", "propagation": "xla"},
+    "manual": {"mode": "manual", "mesh": MESH, "in_strategy": (None, None, {"x": P("batch"), "y": P("batch")})},
 }
 STEPS = 2
 
@@ -29,7 +32,7 @@ STEPS = 2
 def test_nnx_optimizer_step_updates_in_place_as_nnx_jit(mode):
     model, optimizer, batch = nnx_optimizer.create()
     want_model, want_optimizer, _ = nnx_optimizer.create()
-    step = js.parallelize(nnx_optimizer.train_step, devices=8, **MODES[mode])
+    step = js.parallelize(nnx_optimizer.train_step, **{"devices": 8, **MODES[mode]})
     reference = nnx.jit(nnx_optimizer.train_step)
     for _ in range(STEPS):
         loss = step(model, optimizer, batch)
