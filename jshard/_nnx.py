@@ -81,8 +81,7 @@ def split_graphs(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], st
     """
     if "flax.nnx" not in sys.modules:
         return None
-    from flax import nnx  # noqa: PLC0415  (optional: loaded only where the caller uses it)
-
+    nnx = sys.modules["flax.nnx"]  # loaded, so the caller may hold graph objects
     n = len(args)
     static = {i % n for i in static if -n <= i < n}
     dynamic = (tuple(None if i in static else a for i, a in enumerate(args)),
@@ -94,45 +93,49 @@ def split_graphs(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], st
     objects = tuple(leaves[i] for i in where)
     graphdef, state = nnx.split(objects)
     for j, i in enumerate(where):
-        leaves[i] = _Split(state[j] if j in state else nnx.State({}), j, graphdef if j == 0 else None)
+        leaves[i] = _Split(_part(state, j), j, graphdef if j == 0 else None)
     pure_args, pure_kwargs = jax.tree_util.tree_unflatten(tree, leaves)
     pure_args = tuple(args[i] if i in static else a for i, a in enumerate(pure_args))
-    pure_kwargs = {**kwargs, **pure_kwargs}
 
     def pure(*args, **kwargs):
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, _Split))
-        splits = [x for x in leaves if isinstance(x, _Split)]
-        merged = nnx.merge(splits[0].graphdef, nnx.State({s.index: s.state for s in splits}))
-        leaves = [merged[x.index] if isinstance(x, _Split) else x for x in leaves]
-        args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
+        splits = {x.index: x for x in leaves if isinstance(x, _Split)}
+        merged = nnx.merge(splits[0].graphdef, nnx.State({j: x.state for j, x in splits.items()}))
+        args, kwargs = jax.tree_util.tree_unflatten(tree, [merged[x.index] if isinstance(x, _Split) else x for x in leaves])
         result = fn(*args, **kwargs)
         after, states = nnx.split(merged)
         if after != graphdef:
             raise ShardingError(_structure_error(call, objects))
-        return _split_results(result, merged), [states[j] if j in states else nnx.State({}) for j in range(len(merged))]
+        return _split_results(result, merged), [_part(states, j) for j in range(len(merged))]
 
     def finish(out):
         result, states = out
         nnx.update(objects, nnx.State(dict(enumerate(states))))
-        return jax.tree_util.tree_map(
-            lambda x: objects[x.index] if isinstance(x, _Argument) else nnx.merge(x.graphdef, x.state) if isinstance(x, _Split) else x,
-            result, is_leaf=lambda x: isinstance(x, _Split | _Argument))
+        def given(x):
+            if isinstance(x, _Argument):
+                return objects[x.index]
+            return nnx.merge(x.graphdef, x.state) if isinstance(x, _Split) else x
 
-    return GraphCall(pure, pure_args, pure_kwargs, finish)
+        return jax.tree_util.tree_map(given, result, is_leaf=lambda x: isinstance(x, _Split | _Argument))
+
+    return GraphCall(pure, pure_args, {**kwargs, **pure_kwargs}, finish)
 
 
 def _is_graph(x) -> bool:
     """A graph object split at the boundary: a module, an optimizer, an RNG stream... but not a bare
     `nnx.Variable` (nor so an `nnx.State` of them, NNX's functional form), a pytree as `jax.jit` has it."""
-    from flax import nnx  # noqa: PLC0415
-    from flax.nnx import graph  # noqa: PLC0415
+    nnx = sys.modules["flax.nnx"]
+    return nnx.graph.is_graph_node(x) and not isinstance(x, nnx.Variable)
 
-    return graph.is_graph_node(x) and not isinstance(x, nnx.Variable)
+
+def _part(state, j: int):
+    """Object `j`'s part of a joint state (empty where all it holds is shared with an earlier one)."""
+    return state[j] if j in state else sys.modules["flax.nnx"].State({})
 
 
 def _split_results(result, merged: tuple):
     """`result` with each graph object split (`_Split`, index -1), or marked as the argument it is."""
-    from flax import nnx  # noqa: PLC0415
+    nnx = sys.modules["flax.nnx"]
 
     def split(x):
         if not _is_graph(x):

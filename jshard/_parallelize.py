@@ -90,7 +90,8 @@ def parallelize(
         arguments over all devices, `"full_batch"` replicates them, and a tuple holds one strategy
         tuple or `Layout` call per leaf of the batch arguments (in leaf order), as `jshard.data`
         takes it; used where `in_strategy` says nothing.
-      batch_argnums: which positional arguments are the batch; default the last one not static.
+      batch_argnums: which positional arguments are the batch; default the last one not static that
+        holds an array of at least one dim that is not a PRNG key (`step(state, batch, key)`: `batch`).
       propagation: who lays out the operators no strategy fixes: `"jshard"` (the propagation
         engine: every operator gets a strategy, an origin and a cost in the `Plan`) or `"xla"`
         (Shardy propagates from the same anchors; the baseline the benchmarks compare with).
@@ -134,7 +135,9 @@ def parallelize(
       arguments are traced as `jax.jit` traces them. PRNG keys (`jax.random.key`, or raw `uint32`
       `jax.random.PRNGKey`s) may be arguments and results, and `jax.random` (dropout) may run
       inside: a key array's dims are laid out like any tensor's, and each device draws the values
-      one device would.
+      one device would. Flax NNX graph objects (modules, `nnx.Optimizer`, `nnx.Rngs`) may be
+      arguments and results, as `nnx.jit` takes them: the step's updates to them (parameters,
+      optimizer state, batch statistics, RNG counts) are seen by the caller.
 
     Examples:
       >>> import jax.numpy as jnp, jshard as js
