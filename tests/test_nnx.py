@@ -2,17 +2,19 @@
 module, its `nnx.Optimizer` and an `nnx.Rngs` stream are updated in place (parameters, optimizer
 state and step, batch statistics, RNG counts), graph objects come back as results, `js.shard` on a
 submodule keeps the submodule's own updates; pmap-era collectives get an error that says what to
-write instead; the default batch argument skips PRNG keys. Every result equals `nnx.jit` / `jax.jit`
-on one device."""
+write instead; the default batch argument skips PRNG keys; a Linen `TrainState` step is pytrees, as
+under `jax.jit`. Every result equals `nnx.jit` / `jax.jit` on one device."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from _tolerance import assert_close
+from _tolerance import assert_close, step_terms
 from clients import nnx_optimizer
 from flax import nnx
+from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import jshard as js
@@ -144,3 +146,41 @@ def test_default_batch_is_not_a_trailing_key(key):
     parallel = js.parallelize(step, devices=8)
     assert parallel.plan(w, x, key).in_specs[1] == jax.sharding.PartitionSpec(("d0", "d1", "d2"))
     assert_close(parallel(w, x, key), jax.jit(step)(w, x, key), terms=4)
+
+
+# --- Linen: pytrees, as under jax.jit -------------------------------------------------------------
+
+
+class _LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.BatchNorm(use_running_average=not train)(nn.Dense(32, use_bias=False)(x))
+        return nn.Dense(4)(nn.Dropout(0.2, deterministic=not train)(nn.relu(x)))
+
+
+class _TrainState(train_state.TrainState):
+    batch_stats: dict
+
+
+def _linen_step(state, x, key):
+    def loss_fn(params):
+        variables = {"params": params, "batch_stats": state.batch_stats}
+        out, updates = state.apply_fn(variables, x, rngs={"dropout": key}, mutable=["batch_stats"])
+        return jnp.mean(out**2), updates
+
+    (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads).replace(batch_stats=updates["batch_stats"]), loss
+
+
+def test_linen_train_state_with_batch_stats_and_the_key_last():
+    """A Linen `TrainState` step with batch statistics and dropout, the key its last argument: the
+    batch (`x`) is cut by default, and the new state equals `jax.jit`'s."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((16, 8), dtype=np.float32))
+    net = _LinenNet()
+    variables = net.init(jax.random.key(0), x, train=False)
+    state = _TrainState.create(apply_fn=net.apply, params=variables["params"], batch_stats=variables["batch_stats"],
+                               tx=optax.adam(1e-2))
+    step = js.parallelize(_linen_step, devices=8)
+    key = jax.random.key(1)
+    assert step.plan(state, x, key).in_specs[len(jax.tree.leaves(state))] == P(("d0", "d1", "d2"))
+    assert_close(step(state, x, key), jax.jit(_linen_step)(state, x, key), terms=step_terms(state.params, x) + 16)  # Adam: +16
