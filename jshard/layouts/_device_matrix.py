@@ -172,6 +172,12 @@ def gather_layouts(
       `(table_layout, indices_layout, out_layout, partial_axes)`: `partial_axes`, the device-matrix
       axes over which the masked lookups hold partial sums.
 
+    Examples:
+      >>> t, i, out, partial = gather_layouts((2, 1), (4, 1), 0, ((32, 8), (16, 4)), 8, call="f", op="take",
+      ...                                     names=("in_strategy[0]", "in_strategy[1]"))
+      >>> t.device_matrix, t.tensor_map, i.tensor_map, out.tensor_map, partial
+      ((4, 2), ((1,), ()), ((0,), ()), ((0,), (), ()), (1,))
+
     Raises:
       ShardingError: a strategy MindSpore's Gather does not take: the looked-up dim cut with the
         indices cut otherwise than `((a, 1), (c, 1))`, rows cut on another axis than 0 or of a table
