@@ -7,6 +7,7 @@ pipeline (`pipeline_stages=`) goes to the pipeline front end with the same optio
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,6 +16,7 @@ import jax
 from jax.sharding import Mesh
 
 from jshard._errors import DeviceCountError, api_boundary
+from jshard._nnx import split_graphs
 from jshard.compile import (
     Bound,
     Options,
@@ -88,7 +90,8 @@ def parallelize(
         arguments over all devices, `"full_batch"` replicates them, and a tuple holds one strategy
         tuple or `Layout` call per leaf of the batch arguments (in leaf order), as `jshard.data`
         takes it; used where `in_strategy` says nothing.
-      batch_argnums: which positional arguments are the batch; default the last one not static.
+      batch_argnums: which positional arguments are the batch; default the last one not static that
+        holds an array of at least one dim that is not a PRNG key (`step(state, batch, key)`: `batch`).
       propagation: who lays out the operators no strategy fixes: `"jshard"` (the propagation
         engine: every operator gets a strategy, an origin and a cost in the `Plan`) or `"xla"`
         (Shardy propagates from the same anchors; the baseline the benchmarks compare with).
@@ -132,7 +135,9 @@ def parallelize(
       arguments are traced as `jax.jit` traces them. PRNG keys (`jax.random.key`, or raw `uint32`
       `jax.random.PRNGKey`s) may be arguments and results, and `jax.random` (dropout) may run
       inside: a key array's dims are laid out like any tensor's, and each device draws the values
-      one device would.
+      one device would. Flax NNX graph objects (modules, `nnx.Optimizer`, `nnx.Rngs`) may be
+      arguments and results, as `nnx.jit` takes them: the step's updates to them (parameters,
+      optimizer state, batch statistics, RNG counts) are seen by the caller.
 
     Examples:
       >>> import jax.numpy as jnp, jshard as js
@@ -180,32 +185,45 @@ class Parallelized:
 
     @api_boundary
     def __call__(self, *args, **kwargs):
-        bound = bind(self.fn, self.options, args, kwargs, self.call)
-        program = self._runnable(bound)
-        return program.jitted(*placed(bound.args, program.in_shardings))
+        bound, options, finish = self._bind(args, kwargs)
+        program = self._runnable(bound, options)
+        return finish(program.jitted(*placed(bound.args, program.in_shardings)))
 
     @api_boundary
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The planned program, lowered (as `jax.jit(...).lower`). Its arguments are the traced ones:
-        the positional arguments (a static one as None), then the keyword arguments' values in name order."""
-        bound = bind(self.fn, self.options, args, kwargs, self.call)
-        return self._runnable(bound).jitted.lower(*bound.args)
+        the positional arguments (a static one as None), then the keyword arguments' values in name order
+        (a Flax NNX object as its state)."""
+        bound, options, _ = self._bind(args, kwargs)
+        return self._runnable(bound, options).jitted.lower(*bound.args)
 
     @api_boundary
     def plan(self, *args, **kwargs) -> Plan:
         """The `Plan` for these arguments (arrays or `jax.ShapeDtypeStruct`s); nothing is compiled.
 
         With more `devices` than are present, the plan is made on an abstract mesh (planning for a
-        cluster from a laptop); such a plan cannot be run or lowered here.
+        cluster from a laptop); such a plan cannot be run or lowered here. With Flax NNX objects
+        among the arguments, the plan's results are `(result, the objects' states)`.
         """
-        return self._program(bind(self.fn, self.options, args, kwargs, self.call)).plan
+        bound, options, _ = self._bind(args, kwargs)
+        return self._program(bound, options).plan
 
-    def _program(self, bound: Bound) -> Program:
-        return self._cache.get(bound.args, lambda: build(bound.fn, bound.args, bound.options(self.options, self.call),
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[Bound, Options, Callable[[Any], Any]]:
+        """The call as the core traces it, the options for it, and what turns the program's results
+        into the function's (updating the caller's NNX objects, `_nnx.py`)."""
+        o = self.options
+        graphs = split_graphs(self.fn, args, kwargs, o.static_argnums, o.static_argnames, self.call)
+        if graphs is None:
+            return bind(self.fn, o, args, kwargs, self.call), o, lambda out: out
+        options = dataclasses.replace(o, out_strategy=None if o.out_strategy is None else (o.out_strategy, None))
+        return bind(graphs.fn, options, graphs.args, graphs.kwargs, self.call), options, graphs.finish
+
+    def _program(self, bound: Bound, options: Options) -> Program:
+        return self._cache.get(bound.args, lambda: build(bound.fn, bound.args, bound.options(options, self.call),
                                                          self.call), bound.key)
 
-    def _runnable(self, bound: Bound) -> Program:
-        program = self._program(bound)
+    def _runnable(self, bound: Bound, options: Options) -> Program:
+        program = self._program(bound, options)
         if program.jitted is None:
             have = jax.devices()
             raise DeviceCountError(

@@ -1,4 +1,5 @@
-"""Parameters and operator shapes for `shard`: `parameter_plan` matching and contraction detection."""
+"""Parameters and operator shapes for `shard`: `parameter_plan` matching, and contraction and lookup
+detection."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import re
 from typing import NamedTuple
 
 import jax
+from jax.extend import core as jcore
 
 from jshard._errors import ShardingError
 from jshard.graph import inline_equations, resolve
@@ -70,7 +72,20 @@ def _constrain_module(fn, visit):
     if not isinstance(fn, nnx.Module):
         return fn
     graphdef, state = nnx.split(fn)
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(visit, state))
+    copy = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(visit, state))
+
+    def call(*args, **kwargs):
+        # The module runs on a copy holding the constrained parameters; what the call changes in it
+        # (batch statistics, an RNG stream's count) is written back to `fn`, as a direct call leaves it.
+        before = [jax.tree_util.tree_leaves(v) for _, v in nnx.to_flat_state(nnx.state(copy))]
+        result = copy(*args, **kwargs)
+        changed = [(path, v) for (path, v), old in zip(nnx.to_flat_state(nnx.state(copy)), before)
+                   if any(a is not b for a, b in zip(jax.tree_util.tree_leaves(v), old))]
+        if changed:
+            nnx.update(fn, nnx.from_flat_state(changed))
+        return result
+
+    return call
 
 
 class Contraction(NamedTuple):
@@ -89,22 +104,32 @@ class Contraction(NamedTuple):
     rules_output: bool
 
 
-_CONTRACTIONS: dict = {}
+_FOUND: dict = {}
+"""`contraction_dims` and `lookup_dims` answers by (finder, function, abstract arguments, positions)."""
 _CACHE_SIZE = 4096
 
 
 def contraction_dims(fn, args, positions) -> Contraction | None:
     """`_contraction_dims`, cached per function and abstract arguments (a model calls the same
     sharded matmul once per layer; tracing it once is enough)."""
-    key = (fn, tuple((a.shape, a.dtype) if hasattr(a, "shape") else a for a in args), tuple(positions[:2]))
+    return _cached(_contraction_dims, fn, args, positions)
+
+
+def lookup_dims(fn, args, positions) -> Lookup | None:
+    """`_lookup_dims`, cached as `contraction_dims` is."""
+    return _cached(_lookup_dims, fn, args, positions)
+
+
+def _cached(find, fn, args, positions):
+    key = (find, fn, tuple((a.shape, a.dtype) if hasattr(a, "shape") else a for a in args), tuple(positions[:2]))
     try:
-        if key in _CONTRACTIONS:
-            return _CONTRACTIONS[key]
+        if key in _FOUND:
+            return _FOUND[key]
     except TypeError:  # an unhashable argument: no caching
-        return _contraction_dims(fn, args, positions)
-    if len(_CONTRACTIONS) >= _CACHE_SIZE:
-        _CONTRACTIONS.clear()
-    _CONTRACTIONS[key] = found = _contraction_dims(fn, args, positions)
+        return find(fn, args, positions)
+    if len(_FOUND) >= _CACHE_SIZE:
+        _FOUND.clear()
+    _FOUND[key] = found = find(fn, args, positions)
     return found
 
 
@@ -116,19 +141,9 @@ def _contraction_dims(fn, args, positions) -> Contraction | None:
     transpose that keeps the order of the free dims (`x @ w.T`). The operands may come in either
     order (`einsum("ij,kj->ki", x, w)` multiplies `w` by `x`).
     """
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
-    array_pos = [i for i, a in enumerate(args) if hasattr(a, "shape")]
-
-    def on_arrays(*arrays):
-        full = list(avals)
-        for i, x in zip(array_pos, arrays):
-            full[i] = x
-        return fn(*full)
-
-    closed = jax.make_jaxpr(on_arrays)(*(avals[i] for i in array_pos))
-    invars = closed.jaxpr.invars
+    closed, invars = _traced(fn, args)
     # var -> (input position, perm): dim d of the var is dim perm[d] of that input.
-    source = {invars[array_pos.index(i)]: (i, tuple(range(len(args[i].shape)))) for i in positions[:2]}
+    source = {invars[i]: (i, tuple(range(len(args[i].shape)))) for i in positions[:2]}
     dots, env = [], {}
     for eqn, env in inline_equations(closed.jaxpr, env):
         ins = [resolve(env, v) for v in eqn.invars]
@@ -154,6 +169,22 @@ def _contraction_dims(fn, args, positions) -> Contraction | None:
     return Contraction(li, ri, dims, _rules_output(closed.jaxpr, env, eqn))
 
 
+def _traced(fn, args):
+    """`fn` traced on abstract values of its array inputs (the others as they are): the closed jaxpr
+    and, per array input's position, its input var."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "shape") else a for a in args]
+    array_pos = [i for i, a in enumerate(args) if hasattr(a, "shape")]
+
+    def on_arrays(*arrays):
+        full = list(avals)
+        for i, x in zip(array_pos, arrays):
+            full[i] = x
+        return fn(*full)
+
+    closed = jax.make_jaxpr(on_arrays)(*(avals[i] for i in array_pos))
+    return closed, dict(zip(array_pos, closed.jaxpr.invars))
+
+
 def _keeps_free_order(perm, contract, batch) -> bool:
     free = [perm[d] for d in range(len(perm)) if d not in contract and d not in batch]
     return free == sorted(free)
@@ -167,3 +198,67 @@ def _rules_output(jaxpr, env, dot) -> bool:
             ruled.update(v for v in eqn.outvars if v.aval.shape == shape)
     outs = [resolve(env, v) for v in jaxpr.outvars]
     return len(outs) == 1 and outs[0] in ruled
+
+
+class Lookup(NamedTuple):
+    """The one `gather` of a `shard`ed function that is MindSpore's Gather (`jnp.take(table,
+    indices, axis)`, `table[indices]`, an embedding lookup), in terms of the function's inputs.
+
+    Attributes:
+      table / indices: positions among the inputs of the gathered tensor (MindSpore's
+        `input_params`) and of the indices.
+      axis: the table dim the indices select along.
+    """
+
+    table: int
+    indices: int
+    axis: int
+
+
+def _lookup_dims(fn, args, positions) -> Lookup | None:
+    """The lookup of the inputs at `positions[:2]` when `fn` is one, else None (see `Lookup`).
+
+    `fn` is traced on abstract values; it is a lookup when its jaxpr holds exactly one `gather`
+    whose operand is one of the two inputs (possibly after a dtype conversion) and whose indices
+    are computed from the other alone (JAX's negative-index wrap-around), taking one element along
+    one axis and every other dim whole, and `fn` returns its result.
+    """
+    closed, invars = _traced(fn, args)
+    source = {invars[i]: i for i in positions[:2]}  # var -> the input it is (up to a conversion)
+    depends = {v: {i} for i, v in invars.items()}  # var -> the inputs it is computed from
+    gathers, env = [], {}
+    for eqn, env in inline_equations(closed.jaxpr, env):
+        ins = [resolve(env, v) for v in eqn.invars]
+        used = set().union(*(depends.get(v, set()) for v in ins if isinstance(v, jcore.Var)))
+        for v in eqn.outvars:
+            depends[v] = used
+        if eqn.primitive.name in _PASSTHROUGH and isinstance(ins[0], jcore.Var) and ins[0] in source:
+            source[eqn.outvars[0]] = source[ins[0]]
+        elif eqn.primitive.name == "gather":
+            gathers.append((eqn, ins))
+    if len(gathers) != 1:
+        return None
+    eqn, (operand, indices) = gathers[0]
+    outs = [resolve(env, v) for v in closed.jaxpr.outvars]
+    if not isinstance(operand, jcore.Var) or operand not in source or len(outs) != 1 or outs[0] is not eqn.outvars[0]:
+        return None
+    table = source[operand]
+    other = positions[1] if table == positions[0] else positions[0]
+    if not isinstance(indices, jcore.Var) or depends.get(indices) != {other}:
+        return None
+    axis = _gather_axis(eqn, args[table].shape, args[other].shape)
+    return None if axis is None else Lookup(table, other, axis)
+
+
+def _gather_axis(eqn, table_shape, indices_shape) -> int | None:
+    """The axis of a `gather` that takes one element along it and every other table dim whole, its
+    result `table[:axis] + indices + table[axis + 1:]`; else None."""
+    dn, sizes = eqn.params["dimension_numbers"], eqn.params["slice_sizes"]
+    if len(dn.collapsed_slice_dims) != 1 or tuple(dn.start_index_map) != tuple(dn.collapsed_slice_dims):
+        return None
+    if dn.operand_batching_dims:
+        return None
+    axis = dn.collapsed_slice_dims[0]
+    whole = all(s == (1 if d == axis else n) for d, (s, n) in enumerate(zip(sizes, table_shape)))
+    want = (*table_shape[:axis], *indices_shape, *table_shape[axis + 1:])
+    return axis if whole and tuple(eqn.outvars[0].aval.shape) == want else None

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
-from jshard._params import constrain_parameters, contraction_dims
+from jshard._params import constrain_parameters, contraction_dims, lookup_dims
 from jshard.layouts import (
     NotRefined,
     TensorLayout,
@@ -28,6 +28,7 @@ from jshard.layouts import (
     canonicalize_slots,
     check_divides,
     dot_layouts,
+    gather_layouts,
     layout_of,
     with_repeated_calculation,
 )
@@ -47,8 +48,13 @@ def shard(
       in_strategy: one entry per positional input: a tuple of ints (slices per dim), a `Layout` call,
         or None (not constrained). Tuples on two operands of a contraction follow MindSpore's
         MatMul device matrix `((a, b), (b, c))` → `[a, b, c]` (the dot's left operand first,
-        whatever the argument order); tuples on operands that line up from the right are cut
-        alike; any other tuple is its own device matrix.
+        whatever the argument order); tuples on the table and the indices of a lookup
+        (`jnp.take(table, indices, axis=0)`, `table[indices]`) follow MindSpore's Gather /
+        EmbeddingLookup: `((a, b), (c, d))` with the rows whole (`a == 1`) has the device matrix
+        `[a, b, c, d]`, and a row-cut table `((a, 1), (c, 1))` (`a * c` devices) the matrix
+        `[c, a]`, each device looking up its block of indices in its block of rows (zeros
+        outside) and an all-reduce over `a` summing them; tuples on operands that line up from
+        the right are cut alike; any other tuple is its own device matrix.
       out_strategy: optional, one entry per output; otherwise the operator's rule fixes the output
         where it can (a contraction, possibly followed by elementwise ops, and elementwise ops).
       parameter_plan: regex on a parameter's path (`"kernel"`, `"layers/0/.*bias"`) → tuple or
@@ -151,8 +157,9 @@ class _Call:
         return layouts, out_rule, partial
 
     def _joint_layouts(self, ins, args, tuples):
-        """Inputs whose tuples share one device matrix: a contraction's two operands, or operands that
-        line up from the right. Any other tuple is its own device matrix."""
+        """Inputs whose tuples share one device matrix: a contraction's two operands, a lookup's table
+        and indices (MindSpore's Gather, `gather_layouts`), or operands that line up from the right.
+        Any other tuple is its own device matrix."""
         n = self.ctx.device_count
         dot = contraction_dims(self.fn, args, tuples)
         if dot is not None:
@@ -162,6 +169,12 @@ class _Call:
             )
             pairs = {dot.lhs: l, dot.rhs: r}
             out_rule = out_rule if dot.rules_output else None
+        elif (lookup := lookup_dims(self.fn, args, tuples) if len(tuples) == 2 else None) is not None:
+            names = (f"in_strategy[{lookup.table}]", f"in_strategy[{lookup.indices}]")
+            shapes = (args[lookup.table].shape, args[lookup.indices].shape)
+            t, i, out_rule, partial = gather_layouts(ins[lookup.table], ins[lookup.indices], lookup.axis, shapes, n,
+                                                     call=self.call, op=self.op, names=names)
+            return {lookup.table: t, lookup.indices: i}, out_rule, partial
         else:
             lays, out_rule = broadcast_layouts([ins[i] for i in tuples], [args[i] for i in tuples], call=self.call,
                                                op=self.op, names=[f"in_strategy[{i}]" for i in tuples])

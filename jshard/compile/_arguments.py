@@ -18,6 +18,9 @@ import inspect
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+import jax
+import numpy as np
+
 from jshard._errors import ShardingError
 from jshard.compile._options import Options, check_arguments
 from jshard.layouts import canonicalize_in_strategy
@@ -114,12 +117,12 @@ class Bound:
 
     def options(self, options: Options, call: str) -> Options:
         """`options` as the core reads them for this call: argument numbers non-negative,
-        `batch_argnums` by default the last non-static positional argument, donated keyword
+        `batch_argnums` by default `default_batch`'s, donated keyword
         arguments numbered after the positional ones, `in_strategy` None for keyword arguments."""
         n = self.positional
         static = tuple(sorted({i % n for i in options.static_argnums if -n <= i < n}))
         dynamic = [i for i in range(n) if i not in static]
-        batch = (tuple(dynamic[-1:]) if options.batch_argnums is None
+        batch = (default_batch(self.args[:n], dynamic) if options.batch_argnums is None
                  else tuple(i % n for i in options.batch_argnums if -n <= i < n))
         donate = tuple(i % n for i in options.donate_argnums if -n <= i < n)
         donate += tuple(n + j for j, k in enumerate(self.keywords) if k in options.donate_argnames)
@@ -131,6 +134,28 @@ class Bound:
                                        in_strategy=strategy)
         check_arguments(call, resolved)
         return resolved
+
+
+def default_batch(args: tuple, dynamic: Sequence[int]) -> tuple[int, ...]:
+    """The batch argument where `batch_argnums` is not given: the last of the positional arguments
+    `dynamic` (the non-static ones) that holds an array with a leading dim that is not a PRNG key
+    (a typed key array, or a raw `uint32[2]` `jax.random.PRNGKey`), so that `step(state, batch,
+    key)` cuts the batch, not the key; the last of `dynamic` where none does; none where there is none.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> default_batch((jnp.ones(3), jnp.ones((8, 2)), jax.random.PRNGKey(0)), [0, 1, 2])
+      (1,)
+    """
+    batchlike = [i for i in dynamic if any(np.ndim(x) > 0 and not _is_key(x) for x in jax.tree_util.tree_leaves(args[i]))]
+    return tuple((batchlike or list(dynamic))[-1:])
+
+
+def _is_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return np.shape(x) == (2,) and dtype == np.uint32
 
 
 def bind(fn: Callable[..., Any], options: Options, args: tuple, kwargs: dict[str, Any], call: str) -> Bound:

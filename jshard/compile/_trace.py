@@ -4,6 +4,10 @@ to a jaxpr under a `TraceContext` (so `shard` calls become sharding constraints)
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +18,7 @@ from jax.sharding import Mesh
 
 from jshard import _context
 from jshard._distributed import host_major
+from jshard._errors import ShardingError
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.graph import Node, flatten
@@ -63,6 +68,30 @@ class Traced:
         return dict(zip(self.fine.names, self.fine.sizes))
 
 
+_UNBOUND = re.compile(r"unbound axis name: (?P<axis>[^\s.]+)\.?(?: To fix this, please call (?P<op>\w+))?")
+"""JAX's error for a collective (`lax.psum`, `pmean`, `axis_index`, ...) over an axis name that no
+`pmap`, `vmap` or `shard_map` binds."""
+
+
+def _collective_error(call: str, axis: str, op: str | None, where: str) -> str:
+    what = f"`{op}`" if op else "a collective"
+    return (f"{call}: {what} over the axis name {axis!r} at {where} has no such axis to run on: this is pmap-era "
+            f"code (lax.psum/pmean/all_gather/axis_index over a named axis, or a BatchNorm with axis_name={axis!r}, "
+            f"which calls pmean). Under jshard the function sees the global batch, one array over all devices, so a "
+            f"mean over the batch dim is already the mean over every device: drop the collective (jnp.mean over "
+            f"the batch dim for lax.pmean) and the BatchNorm's axis_name=. To write the per-device program and its "
+            f"collectives yourself, run them inside jax.shard_map over a mesh with an axis {axis!r} "
+            f"(mode='manual', mesh=...).")
+
+
+def _user_line(e: BaseException) -> str:
+    """The innermost frame of `e`'s traceback outside JAX, Flax and jshard: the user's line."""
+    skip = tuple(os.path.dirname(m.__file__) for m in (jax, sys.modules.get("flax"), sys.modules.get("jshard"))
+                 if m is not None and getattr(m, "__file__", None))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
+    return "?" if not frames else f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno}"
+
+
 def devices_for(options: Options) -> list[jax.Device] | None:
     """The devices to run on; None for more than are present (an abstract mesh: plan only)."""
     if options.mesh is not None:
@@ -91,7 +120,13 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
         mesh = fine.jax_mesh(devices)
     ctx = _context.TraceContext(call, fine, mesh, options.mode)
     with _context.tracing(ctx):
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+        try:
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+        except NameError as e:
+            unbound = _UNBOUND.search(str(e))
+            if unbound is None:
+                raise
+            raise ShardingError(_collective_error(call, unbound["axis"], unbound["op"], _user_line(e))) from None
     out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     return Traced(closed, flatten(closed.jaxpr), ctx, leaves, treedef, paths,
                   [x for _, x in out_paths], out_tree, [jax.tree_util.keystr(p) for p, _ in out_paths])

@@ -7,6 +7,7 @@ from jshard.layouts._dataset import dataset_slots as dataset_slots
 from jshard.layouts._device_matrix import DotDims as DotDims
 from jshard.layouts._device_matrix import broadcast_layouts as broadcast_layouts
 from jshard.layouts._device_matrix import dot_layouts as dot_layouts
+from jshard.layouts._device_matrix import gather_layouts as gather_layouts
 from jshard.layouts._layout import Layout as Layout
 from jshard.layouts._mesh import FineMesh as FineMesh
 from jshard.layouts._mesh import NotRefined as NotRefined

@@ -11,6 +11,10 @@ A gather reads one slice of `operand` for every index vector of `indices` (the l
 
 An embedding lookup `table[tokens]` so keeps the tokens' batch cut and the table's feature cut;
 `take_along_axis` keeps every dim but the axis it takes along.
+A dim looked up one element at a time (an embedding table's rows) may stay cut too, as in
+MindSpore's row-cut Gather / EmbeddingLookup: each device looks up in its own rows, zeroes what
+falls outside them, and an all-reduce sums the pieces (a `reduced` factor). A `shard`ed lookup's
+tuples take MindSpore's Gather device matrix (`jshard.layouts.gather_layouts`).
 
 A scatter is the reverse, with `updates` in the output's place: its scatter dims are the indices'
 batch dims, its window dims the slices. A scatter that combines (`scatter-add`, `-sub`, `-mul`,
