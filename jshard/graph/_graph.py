@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from jax.extend import core as jcore
 
-from jshard._compat import source_info_util
+from jshard._source import user_source
 
 REMAT = frozenset({"remat", "remat2", "checkpoint"})
 """The primitives `jax.checkpoint` (and so `flax.linen.remat`, `nnx.remat`, `jshard.recompute`) leaves."""
@@ -121,7 +121,7 @@ def _collect(jaxpr, env, inside, weight, nodes):
             tuple(eqn.outvars),
             inside,
             str(info.name_stack),
-            source_info_util.summarize(info),
+            user_source(info),
             weight,
         )
         nodes.append(node)
