@@ -187,9 +187,9 @@ def _demo(args: argparse.Namespace) -> int:
     compiled = step.lower(params, opt_state, batch).compile()
     console.print(f"traced, planned and compiled in {time.perf_counter() - t0:.1f} s\n")
     rows = args.summary_rows if args.summary_rows > 0 else None
-    summary = plan.summary(width=min(console.width, 120), limit=rows)
+    summary = plan.summary(width=min(console.width, 120) if console.is_terminal else 120, limit=rows)
     console.print(summary, markup=False, soft_wrap=True)
-    if rows is not None and summary.splitlines()[-1].startswith("…"):
+    if summary.splitlines()[-1].endswith("more rows"):
         console.print("(the whole plan: jshard demo --summary-rows 0, with the same options)")
     console.print()
     console.print(audit(compiled).summary(), markup=False, soft_wrap=True)

@@ -20,6 +20,7 @@ from jshard.plan._explain import explain
 from jshard.plan._io import read_fields, to_json, write_json
 from jshard.plan._optimizer import OptimizerReport
 from jshard.plan._records import OpRecord
+from jshard.plan._slices import RankSlices, rank_slices
 from jshard.plan._summary import WIDTH, summary_html, summary_renderable, summary_text
 from jshard.search import SearchReport
 
@@ -136,6 +137,13 @@ class Plan:
         """Why operator `op` (a record or its index) got its strategy: the anchor it came from, the
         chain of operators in between, the cost it paid and the best alternative it rejected."""
         return explain(self, op if isinstance(op, OpRecord) else self.ops[op])
+
+    @api_boundary
+    def slices(self, op: OpRecord | int) -> RankSlices:
+        """Per rank, which slice of each operand and result of operator `op` (a record or its index) it
+        holds, as index ranges (`0:4, :`): MindSpore's per-rank strategies. `print` it, or leave it last
+        in a notebook cell (an HTML table). `jshard.visualize` draws one array's slices as a grid."""
+        return rank_slices(self, op if isinstance(op, OpRecord) else self.ops[op])
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the plan as JSON (MindSpore's strategy checkpoint; format in `jshard/plan/_io.py`);

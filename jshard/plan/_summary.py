@@ -10,17 +10,15 @@ its results are cut (each distinct cut with its count, `whole` for an uncut one)
 from __future__ import annotations
 
 import collections
-import html
-import io
 from collections.abc import Sequence
 
 from rich import box
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from jshard._format import human_bytes
-from jshard.plan._records import ORIGINS, OpRecord, strategies_str
+from jshard._format import html_table, human_bytes, plain_text
+from jshard.plan._records import ORIGINS, OpRecord, source_str, strategies_str
 
 WIDTH = 120
 """Columns the text summary fits (a terminal's, a notebook's, a log's)."""
@@ -74,7 +72,7 @@ def short_source(source: str) -> str:
     """A source location as the table shows it: its last two path parts, cut from the left to fit."""
     if not source:
         return "(no source)"
-    short = "/".join(source.split("/")[-2:])
+    short = source_str(source)
     return short if len(short) <= _SOURCE_WIDTH else "…" + short[-(_SOURCE_WIDTH - 1):]
 
 
@@ -116,7 +114,7 @@ def table(plan, limit: int | None = None) -> Table:
     for row in all_rows[:limit]:
         t.add_row(*row)
     if limit is not None and len(all_rows) > limit:
-        t.add_row("…", "", f"{len(all_rows) - limit} more source lines", "", "", "")
+        t.add_row(f"… {len(all_rows) - limit} more rows", "", "", "", "", "")
     return t
 
 
@@ -127,16 +125,9 @@ def summary_renderable(plan, limit: int | None = None) -> Group:
 
 def summary_text(plan, width: int = WIDTH, limit: int | None = None) -> str:
     """The summary as plain text no wider than `width` columns (long cells wrap inside their column)."""
-    out = io.StringIO()
-    Console(file=out, width=width, color_system=None, highlight=False, emoji=False, markup=False,
-            force_terminal=False, force_jupyter=False).print(summary_renderable(plan, limit))
-    return "\n".join(line.rstrip() for line in out.getvalue().rstrip("\n").splitlines())
+    return plain_text(summary_renderable(plan, limit), width)
 
 
 def summary_html(plan) -> str:
     """The summary as HTML: the header lines, then a `<table>` with one row per source line and pass."""
-    head = "".join(f"<th style='text-align:left'>{h}</th>" for h in HEADERS)
-    body = "".join("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(c)}</td>" for c in row) + "</tr>"
-                   for row in rows(plan.ops))
-    lines = "<br>".join(html.escape(line) for line in header_lines(plan))
-    return f"<div><p><code>{lines}</code></p><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    return html_table(HEADERS, rows(plan.ops), header_lines(plan))
