@@ -9,7 +9,9 @@ import re
 
 import numpy as np
 from rich import box
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from jshard._format import html_table, plain_text
 from jshard.plan._records import OpRecord, source_str, strategies_str
@@ -31,11 +33,11 @@ class RankSlices:
     headers: tuple[str, ...]
     rows: tuple[tuple[str, ...], ...]
 
-    def __rich__(self) -> Table:
-        table = Table(*self.headers, title=self.title, title_justify="left", box=box.SIMPLE_HEAD)
+    def __rich__(self) -> Group:
+        table = Table(*self.headers, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
         for row in self.rows:
             table.add_row(*row)
-        return table
+        return Group(Text(self.title), table)
 
     def __str__(self) -> str:
         return plain_text(self)
