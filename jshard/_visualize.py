@@ -233,7 +233,7 @@ def svg(v: Visualization) -> str:
                 if devices:
                     parts.append(_svg_text((left + right) / 2, (top + bottom) / 2 + 4, _ranks_str(devices)))
         y += row_y[-1] + 8
-    width = _LABEL_W + _CELL_W + 8
+    width = max(_LABEL_W + _CELL_W + 8, round(len(v.title) * _FONT * 0.62) + 8)  # a monospace glyph: ~0.6 em
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y:.0f}" '
             f'font-family="monospace" font-size="{_FONT}">' + "".join(parts) + "</svg>")
 
