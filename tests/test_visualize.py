@@ -2,6 +2,7 @@
 (an operator's slices per rank), and a summary that fits 120 columns, points at the user's code and
 shows as an HTML table in a notebook."""
 
+import io
 import os
 import re
 import xml.etree.ElementTree as ET
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import rich.console
 from clients import linen_dropout
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -100,7 +102,7 @@ def _annotated(x, w):
     return js.shard(jnp.matmul, ((2, 1), (1, 4)))(jnp.tanh(x), w) + 1.0
 
 
-def test_plan_slices_per_rank_match_the_compiled_placement():
+def test_plan_slices_per_rank_match_the_compiled_placement(tmp_path):
     """MatMul ((2, 1), (1, 4)) on 8 devices: ranks 0-3 hold X's first row block, {0, 4} W's first
     column block (DESIGN.md); the table says so, and so do the compiled program's input shardings."""
     x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
@@ -121,6 +123,8 @@ def test_plan_slices_per_rank_match_the_compiled_placement():
     assert "<table>" in table._repr_html_() and "0:4, 0:8" in table._repr_html_()
     tanh = next(op for op in plan.ops if op.primitive == "tanh")
     assert plan.slices(tanh).rows[5] == ("5", "4:8, :", "4:8, :")  # propagated: it makes the matmul's cut
+    plan.save(tmp_path / "plan.json")  # a loaded plan has no mesh: ranks fill its fine mesh row-major
+    assert js.Plan.load(tmp_path / "plan.json").slices(dot.index).rows == table.rows
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +159,9 @@ def test_summary_fits_120_columns_and_points_at_the_users_code(which, request):
     assert sources and not [s for s in sources if any(lib in s for lib in LIBRARIES)]
     home = "models" if which == "gpt_plan" else "linen_dropout.py"
     assert all(home in s for s in sources)
+    coloured = io.StringIO()
+    rich.console.Console(file=coloured, width=120, force_terminal=True).print(plan)  # rich.print(plan)
+    assert "\x1b[" in coloured.getvalue() and "strategy" in coloured.getvalue()
     html = plan._repr_html_()
     assert html.count("<tr>") == 1 + len(re.findall(r"^\S.*\s(fwd|bwd)\s", text, re.M))  # a header, then the rows
     assert "<table>" in html and "<th style='text-align:left'>strategy</th>" in html
