@@ -19,11 +19,11 @@ _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
 _JSHARD = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def user_source(info) -> str:
+def user_source(info, *, strict: bool = False) -> str:
     """`file:line:column (function)` of the user's innermost frame in a jaxpr equation's `source_info`;
-    the first frame JAX itself would name where every frame is a library's, `""` with none."""
+    where every frame is a library's, the first one JAX itself would name (`strict`: `""`); `""` with none."""
     frames = list(source_info_util.user_frames(info.traceback))
-    frame = next((f for f in frames if is_user_file(f.file_name)), frames[0] if frames else None)
+    frame = next((f for f in frames if is_user_file(f.file_name)), None if strict or not frames else frames[0])
     if frame is None:
         return ""
     where = f"{display_file(frame.file_name)}:{frame.start_line}"
@@ -40,11 +40,9 @@ def is_user_file(path: str) -> bool:
 def display_file(path: str) -> str:
     """`path`, or `In[7]` for the file IPython compiled a notebook cell to."""
     shell = _ipython()
-    if shell is not None:
-        named = shell.compile.format_code_name(path)
-        if named:
-            return named[1]
-    return path
+    name = getattr(getattr(shell, "compile", None), "format_code_name", None)  # IPython >= 7.26
+    named = name(path) if name is not None else None
+    return named[1] if named else path
 
 
 def _ipython():

@@ -5,6 +5,8 @@ shows as an HTML table in a notebook."""
 import io
 import os
 import re
+import sys
+import types
 import xml.etree.ElementTree as ET
 
 import jax
@@ -20,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 import jshard as js
 from jshard import models
 from jshard._cli import main
-from jshard._source import is_user_file
+from jshard._source import display_file, is_user_file
 
 MESH = jax.make_mesh((2, 4), ("dp", "mp"))
 CASES = {  # id: (shape, spec)
@@ -182,6 +184,15 @@ def test_user_frames_skip_installed_packages():
     assert not is_user_file(os.path.join(os.sep, "usr", "lib", "python3", "dist-packages", "numpy", "core.py"))
     assert is_user_file(__file__) and is_user_file(models.__file__)
     assert is_user_file(os.path.join(os.sep, "home", "u", "project", "train.py"))
+
+
+def test_a_notebook_cell_is_named_as_ipython_names_it(monkeypatch):
+    cells = {"/tmp/ipykernel_4242/1234567.py": 7}
+    compiler = types.SimpleNamespace(format_code_name=lambda name: ("Cell", f"In[{cells[name]}]") if name in cells else None)
+    shell = types.SimpleNamespace(compile=compiler)
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    assert display_file("/tmp/ipykernel_4242/1234567.py") == "In[7]"
+    assert display_file("/home/u/train.py") == "/home/u/train.py"
 
 
 def test_demo_summary_fits_and_its_trailer_speaks_cli(capsys):

@@ -120,12 +120,13 @@ def flatten(jaxpr: jcore.Jaxpr) -> list[Node]:
 
 def _source(eqn, callers) -> str:
     """The user's line that made `eqn`; for one traced inside a library's call with no user frame of
-    its own (a `custom_jvp` rule's body, as `jax.nn.relu`'s), the line of the innermost call that has one."""
+    its own (a `custom_jvp` rule's body, as `jax.nn.relu`'s), the line of the innermost call that has
+    one; with none anywhere, the library's line."""
     for e in (eqn, *reversed(callers)):
-        source = user_source(e.source_info)
+        source = user_source(e.source_info, strict=True)
         if source:
             return source
-    return ""
+    return user_source(eqn.source_info)
 
 
 def _collect(jaxpr, env, inside, weight, nodes):
