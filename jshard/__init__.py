@@ -23,6 +23,8 @@ from jshard._parallelize import Parallelized as Parallelized
 from jshard._parallelize import parallelize as parallelize
 from jshard._recompute import recompute as recompute
 from jshard._shard import shard as shard
+from jshard._visualize import Visualization as Visualization
+from jshard._visualize import visualize as visualize
 from jshard.audit import Audit as Audit
 from jshard.audit import audit as audit
 from jshard.layouts import Layout as Layout
@@ -64,6 +66,7 @@ __all__ = [
     "ProcessInfo",
     "ShardingError",
     "TensorLayout",
+    "Visualization",
     "audit",
     "init",
     "parallelize",
@@ -71,4 +74,5 @@ __all__ = [
     "recompute",
     "shard",
     "simulate_devices",
+    "visualize",
 ]

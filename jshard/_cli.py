@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     demo.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--summary-rows", type=int, default=24, metavar="N",
+                      help="source lines of the plan summary to show (default 24; 0: all)")
     _plan_parser(sub)
     _multiprocess_parsers(sub)
     return parser
@@ -117,9 +119,6 @@ def _plan_parser(sub) -> None:
         sizes.add_argument(flag, dest=dest, type=kind, default=None, help=text)
 
 
-_SUMMARY_LINES = 24
-
-
 def main(argv: list[str] | None = None) -> int:
     from jshard._errors import ShardingError
 
@@ -187,10 +186,11 @@ def _demo(args: argparse.Namespace) -> int:
     plan = step.plan(params, opt_state, batch)
     compiled = step.lower(params, opt_state, batch).compile()
     console.print(f"traced, planned and compiled in {time.perf_counter() - t0:.1f} s\n")
-    lines = plan.summary().splitlines()
-    shown = lines[:_SUMMARY_LINES] + ([f"... {len(lines) - _SUMMARY_LINES} more source lines: print(plan.summary())"]
-                                      if len(lines) > _SUMMARY_LINES else [])
-    console.print("\n".join(shown), markup=False, soft_wrap=True)
+    rows = args.summary_rows if args.summary_rows > 0 else None
+    summary = plan.summary(width=min(console.width, 120) if console.is_terminal else 120, limit=rows)
+    console.print(summary, markup=False, soft_wrap=True)
+    if summary.splitlines()[-1].endswith("more rows"):
+        console.print("(the whole plan: jshard demo --summary-rows 0, with the same options)")
     console.print()
     console.print(audit(compiled).summary(), markup=False, soft_wrap=True)
     console.print()

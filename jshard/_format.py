@@ -1,4 +1,5 @@
-"""How jshard writes sizes and tensors in plans, reports and errors: one formatter for each.
+"""How jshard writes sizes and tensors in plans, reports and errors: one formatter for each, and the
+two ways its tables leave a rich renderable: plain text of a fixed width, and HTML for notebooks.
 
 Examples:
   >>> human_bytes(1600), human_bytes(16 * 2**30), human_bytes(512)
@@ -12,10 +13,13 @@ Examples:
 from __future__ import annotations
 
 import functools
+import html
+import io
 from collections.abc import Sequence
 
 import jax
 import numpy as np
+from rich.console import Console
 
 _UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 _SHORT_DTYPES = (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i"), ("complex", "c"))
@@ -57,3 +61,20 @@ def var_str(v: object, *, short: bool = True) -> str:
 @functools.lru_cache(maxsize=4096)
 def _aval_str(shape: tuple, dtype: object, short: bool) -> str:
     return shape_str(dtype, shape, short=short)
+
+
+def plain_text(renderable: object, width: int = 120) -> str:
+    """A rich renderable as plain text no wider than `width` columns: no colour, no trailing spaces."""
+    out = io.StringIO()
+    Console(file=out, width=width, color_system=None, highlight=False, emoji=False, markup=False,
+            force_terminal=False, force_jupyter=False).print(renderable)
+    return "\n".join(line.rstrip() for line in out.getvalue().rstrip("\n").splitlines())
+
+
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[str]], caption: Sequence[str] = ()) -> str:
+    """An HTML `<table>` of text cells (escaped), left-aligned, with `caption` lines above it."""
+    cell = "<td style='text-align:left'>{}</td>"
+    head = "".join(f"<th style='text-align:left'>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(cell.format(html.escape(c)) for c in row) + "</tr>" for row in rows)
+    above = f"<p><code>{'<br>'.join(html.escape(line) for line in caption)}</code></p>" if caption else ""
+    return f"<div>{above}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"

@@ -20,6 +20,7 @@ from jshard import _context
 from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
 from jshard._params import constrain_parameters, contraction_dims, lookup_dims
+from jshard._source import display_file
 from jshard.layouts import (
     NotRefined,
     TensorLayout,
@@ -102,7 +103,7 @@ def _caller() -> str:
     frame = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__", "").startswith(("jshard._", "functools")):
         frame = frame.f_back
-    return "?" if frame is None else f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+    return "?" if frame is None else f"{display_file(frame.f_code.co_filename).rsplit('/', 1)[-1]}:{frame.f_lineno}"
 
 
 class _Call:

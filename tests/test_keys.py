@@ -85,7 +85,7 @@ def test_the_plan_prints_saves_and_loads_key_arrays(tmp_path):
     bits = next(op for op in plan.ops if op.primitive == "random_bits")
     assert bits.in_shapes == ("key<fry>[8]",) and bits.out_shapes == ("u32[8,4]",)
     assert bits.in_strategy == ((8,),) and bits.out_strategy == ((8, 1),)  # the keys' cut leads the bits'
-    assert "random_split ((8,),) -> ((8, 1),)" in plan.summary()  # the summary's rows read key strategies too
+    assert "results (8, 1) ×2, (8,)" in plan.summary()  # the summary's rows read key strategies too (random_split)
     assert plan.explain(bits).startswith(f"op #{bits.index} random_bits")
     assert plan.coverage == 1.0
 

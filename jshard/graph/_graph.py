@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from jax.extend import core as jcore
 
-from jshard._compat import source_info_util
+from jshard._source import user_source
 
 REMAT = frozenset({"remat", "remat2", "checkpoint"})
 """The primitives `jax.checkpoint` (and so `flax.linen.remat`, `nnx.remat`, `jshard.recompute`) leaves."""
@@ -69,14 +69,20 @@ def operand_vars(node: Node) -> tuple[list, list]:
 
 def inline_equations(jaxpr: jcore.Jaxpr, env: dict) -> Iterator[tuple[jcore.JaxprEqn, dict]]:
     """Equations of `jaxpr` with call-like sub-jaxprs inlined; `env` maps inner vars to outer ones."""
+    for eqn, env_now, _ in _inlined(jaxpr, env, ()):
+        yield eqn, env_now
+
+
+def _inlined(jaxpr, env, callers):
+    """`inline_equations`, each equation with the call equations it was inlined from, outermost first."""
     for eqn in jaxpr.eqns:
         sub = sub_jaxpr(eqn)
         if sub is None:
-            yield eqn, env
+            yield eqn, env, callers
             continue
         for v_in, v_out in zip(sub.invars, eqn.invars):
             env[v_in] = resolve(env, v_out)
-        yield from inline_equations(sub, env)
+        yield from _inlined(sub, env, callers + (eqn,))
         for v_out, v_in in zip(eqn.outvars, sub.outvars):
             env[v_out] = resolve(env, v_in)
 
@@ -112,8 +118,19 @@ def flatten(jaxpr: jcore.Jaxpr) -> list[Node]:
     return nodes
 
 
+def _source(eqn, callers) -> str:
+    """The user's line that made `eqn`; for one traced inside a library's call with no user frame of
+    its own (a `custom_jvp` rule's body, as `jax.nn.relu`'s), the line of the innermost call that has
+    one; with none anywhere, the library's line."""
+    for e in (eqn, *reversed(callers)):
+        source = user_source(e.source_info, strict=True)
+        if source:
+            return source
+    return user_source(eqn.source_info)
+
+
 def _collect(jaxpr, env, inside, weight, nodes):
-    for eqn, env_now in inline_equations(jaxpr, env):
+    for eqn, env_now, callers in _inlined(jaxpr, env, ()):
         info = eqn.source_info
         node = Node(
             eqn,
@@ -121,7 +138,7 @@ def _collect(jaxpr, env, inside, weight, nodes):
             tuple(eqn.outvars),
             inside,
             str(info.name_stack),
-            source_info_util.summarize(info),
+            _source(eqn, callers),
             weight,
         )
         nodes.append(node)

@@ -9,3 +9,4 @@ from jshard.plan._records import ORIGINS as ORIGINS
 from jshard.plan._records import OpLayout as OpLayout
 from jshard.plan._records import OpRecord as OpRecord
 from jshard.plan._records import build_ops as build_ops
+from jshard.plan._slices import RankSlices as RankSlices

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jshard._format import human_bytes
-from jshard.plan._records import strategies_str
+from jshard.plan._records import source_str, strategies_str
 
 _MAX_CHAIN = 8
 
@@ -11,11 +11,11 @@ _MAX_CHAIN = 8
 def explain(plan, op) -> str:
     """The operator's strategy, the anchor it came from and the chain between, its cost, and the best
     alternative it rejected."""
-    where = f"{op.source or 'no source line'}, {'backward' if op.backward else 'forward'}" + (f", inside {op.inside}" if op.inside else "")
+    where = f"{source_str(op.source)}, {'backward' if op.backward else 'forward'}" + (f", inside {op.inside}" if op.inside else "")
     lines = [f"op #{op.index} {op.primitive} ({where})"]
     lines.append(f"  strategy: in {strategies_str(op.in_strategy)} -> out {strategies_str(op.out_strategy)}; origin {op.origin}")
     if op.origin == "user" and op.annotation:
-        lines.append(f"  set by the user: jshard.shard({op.annotation}) at {op.source}")
+        lines.append(f"  set by the user: jshard.shard({op.annotation}) at {source_str(op.source)}")
     elif op.origin == "searched":
         how = "" if plan.search is None else f" (search={plan.search.search}, {plan.search.status})"
         lines.append(f"  chosen by the strategy search{how}: the least-cost plan over every operator together")
@@ -68,5 +68,5 @@ def _anchor(plan, anchor) -> str:
         return "a sharding constraint of a jshard.shard call"
     op = plan.ops[anchor]
     name = f" [{op.annotation}]" if op.annotation else ""
-    return f"#{op.index} {op.primitive}{name} ({op.origin}, {op.source})"
+    return f"#{op.index} {op.primitive}{name} ({op.origin}, {source_str(op.source)})"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,7 +19,9 @@ from jshard.layouts import FineMesh
 from jshard.plan._explain import explain
 from jshard.plan._io import read_fields, to_json, write_json
 from jshard.plan._optimizer import OptimizerReport
-from jshard.plan._records import ORIGINS, OpRecord, strategies_str
+from jshard.plan._records import OpRecord
+from jshard.plan._slices import RankSlices, rank_slices
+from jshard.plan._summary import WIDTH, summary_html, summary_renderable, summary_text
 from jshard.search import SearchReport
 
 
@@ -117,27 +119,31 @@ class Plan:
         rows.append(f"{'total':<20}{human_bytes(p):>12}{human_bytes(c):>12}{(p / c if c else float('nan')):>8.2f}")
         return "\n".join(rows)
 
-    def summary(self) -> str:
-        """The plan grouped by source line: per line, its operators, strategies and origins."""
-        axes = ", ".join(f"{n}={s}" for n, s in zip(self.fine.names, self.fine.sizes))
-        origins = collections.Counter(op.origin for op in self.ops)
-        lines = [
-            f"Plan: {self.device_count} devices, mode={self.mode}, propagation={self.propagation}, mesh ({axes})",
-            f"{len(self.ops)} operators: " + ", ".join(f"{origins[o]} {o}" for o in ORIGINS if origins[o])
-            + f"; coverage {self.coverage:.1%}; predicted collectives {human_bytes(self.predicted_bytes())} per device",
-        ]
-        if self.search is not None:
-            lines.append(self.search.line())
-        if self.optimizer is not None:
-            lines.append(self.optimizer.line())
-        lines.append(_table(_by_line(self.ops)))
-        return "\n".join(lines)
+    def summary(self, width: int = WIDTH, limit: int | None = None) -> str:
+        """The plan grouped by source line, as text no wider than `width` columns: per line and pass, its
+        operators, what their strategies do, their origins and predicted collective bytes (the first
+        `limit` lines, None: all). `rich.print(plan)` draws the same table in colour, and a notebook
+        shows it as an HTML table (`_repr_html_`)."""
+        return summary_text(self, width, limit)
+
+    def __rich__(self):
+        return summary_renderable(self)
+
+    def _repr_html_(self) -> str:
+        return summary_html(self)
 
     @api_boundary
     def explain(self, op: OpRecord | int) -> str:
         """Why operator `op` (a record or its index) got its strategy: the anchor it came from, the
         chain of operators in between, the cost it paid and the best alternative it rejected."""
         return explain(self, op if isinstance(op, OpRecord) else self.ops[op])
+
+    @api_boundary
+    def slices(self, op: OpRecord | int) -> RankSlices:
+        """Per rank, which slice of each operand and result of operator `op` (a record or its index) it
+        holds, as index ranges (`0:4, :`): MindSpore's per-rank strategies. `print` it, or leave it last
+        in a notebook cell (an HTML table). `jshard.visualize` draws one array's slices as a grid."""
+        return rank_slices(self, op if isinstance(op, OpRecord) else self.ops[op])
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the plan as JSON (MindSpore's strategy checkpoint; format in `jshard/plan/_io.py`);
@@ -163,32 +169,3 @@ class Plan:
 def load(path: str | os.PathLike, call: str) -> Plan:
     """`Plan.load`, its errors naming `call` (the public call that read the file)."""
     return Plan(mesh=None, **read_fields(path, call))
-
-
-def _by_line(ops: Sequence[OpRecord]) -> list[tuple]:
-    """One row per (source line, pass): its operators, the strategy of its main one, its origins."""
-    groups: dict[tuple[str, bool], list[OpRecord]] = {}
-    for op in ops:
-        groups.setdefault((op.source.split(" ")[0], op.backward), []).append(op)
-    rows = []
-    for (source, backward), members in groups.items():
-        main = next((m for m in members if m.primitive == "dot_general" and m.in_strategy), None)
-        main = main or next((m for m in members if m.in_strategy), members[0])
-        kinds = collections.Counter(m.primitive for m in members)
-        origins = collections.Counter(m.origin for m in members)
-        comm = sum(b for m in members for _, b, _ in m.comms)
-        rows.append((
-            "/".join(source.split("/")[-2:]),
-            "bwd" if backward else "fwd",
-            ", ".join(f"{p}" + (f"×{c}" if c > 1 else "") for p, c in kinds.most_common(3)) + (" ..." if len(kinds) > 3 else ""),
-            f"{main.primitive} {strategies_str(main.in_strategy)} -> {strategies_str(main.out_strategy)}",
-            ", ".join(f"{c} {o}" for o, c in origins.items()),
-            human_bytes(comm) if comm else "-",
-        ))
-    return rows
-
-
-def _table(rows: Sequence[tuple]) -> str:
-    rows = [("source", "pass", "operators", "strategy", "origin", "comm")] + list(rows)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

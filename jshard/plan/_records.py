@@ -86,6 +86,15 @@ class OpRecord:
 
 
 
+def source_str(source: str) -> str:
+    """A source location as plans print it: the file's last two path parts (`models/_gpt.py:106:15
+    (attention)`), so a plan reads the same on every machine; `no source line` for none."""
+    if not source:
+        return "no source line"
+    where, _, function = source.partition(" ")
+    return "/".join(where.split("/")[-2:]) + (f" {function}" if function else "")
+
+
 def strategies_str(value) -> str:
     """Per-operand strategy tuples as plans print them: `((2, 1), (1, 4))`, `-` for none."""
     if value is None:
