@@ -87,6 +87,27 @@ def cuts(traced: Traced, args: tuple, layouts: Sequence[NamedSharding], options:
     return Cuts(cut, _updating(traced, args, kept), gather, report)
 
 
+def accumulator(traced: Traced, args: tuple, layouts: Sequence[NamedSharding], options: Options, call: str) -> tuple:
+    """With `accumulation_shard`: the parameters' tree, and per parameter leaf its shape and the
+    sharding its accumulated gradient takes (its layout with the free axes cut in, as optimizer
+    parallel cuts it; None: kept as laid out, a leaf below the optimizer-parallel threshold or
+    one no free axis divides).
+
+    Raises:
+      ShardingError: no parameter leaf has a free (data-parallel) axis that divides it.
+    """
+    threshold = 0.0 if options.optimizer is None else options.optimizer.threshold_bytes
+    params = sorted(argument_leaves(args, (0,)))
+    cut = []
+    for i in params:
+        x, sh = traced.leaves[i], layouts[i]
+        spec = _cut_spec(np.shape(x), sh.spec, traced.axis_size) if _bytes(x) >= threshold else None
+        cut.append((tuple(np.shape(x)), None if spec is None else NamedSharding(sh.mesh, spec)))
+    if all(sh is None for _, sh in cut):
+        raise ShardingError(_no_accumulation_axis_error(call, traced, params, layouts))
+    return jax.tree_util.tree_structure(args[0]), tuple(cut)
+
+
 def result_shardings(out_sh: Sequence[NamedSharding | None], c: Cuts) -> list:
     """The results' shardings with the cuts: a result that updates a parameter or state leaf is laid
     out as that leaf (cut or not), unless `out_strategy` gave it another layout than the leaf's."""
@@ -172,3 +193,16 @@ def _no_axis_error(call: str, traced: Traced, big: list[int], layouts, level: in
             f"e.g. args{traced.paths[i]} {shape_str(dtype_of(x), np.shape(x))} is laid out "
             f"{layouts[i].spec} over the mesh ({mesh}). Run on more devices than the "
             f"strategies use (a data-parallel axis), or drop optimizer_parallel.")
+
+
+def _no_accumulation_axis_error(call: str, traced: Traced, params: list[int], layouts) -> str:
+    mesh = ", ".join(f"{a}={s}" for a, s in traced.axis_size.items() if s > 1) or "one device"
+    example = ""
+    if params:
+        i = max(params, key=lambda j: _bytes(traced.leaves[j]))
+        x = traced.leaves[i]
+        example = f": e.g. args{traced.paths[i]} {shape_str(dtype_of(x), np.shape(x))} is laid out {layouts[i].spec}"
+    return (f"{call}: accumulation_shard=True cuts the accumulated gradients over the data-parallel devices (the "
+            f"mesh axes a parameter's layout leaves replicated), but no parameter leaf (argument 0) has such an "
+            f"axis that divides it{example} over the mesh ({mesh}). Run on more devices than the strategies use "
+            f"(a data-parallel axis), or drop accumulation_shard.")
