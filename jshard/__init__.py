@@ -12,9 +12,9 @@ and `import jshard; jshard.checkpoint.save(...)` works.
 import importlib as _importlib
 import os as _os
 
+from jshard._accumulate import accumulate as accumulate
 from jshard._compat import source_info_util as _source_info_util
 from jshard._devices import simulate_devices as simulate_devices
-from jshard._accumulate import accumulate as accumulate
 from jshard._distributed import ProcessInfo as ProcessInfo
 from jshard._distributed import init as init
 from jshard._errors import DeviceCountError as DeviceCountError
