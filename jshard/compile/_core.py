@@ -46,7 +46,8 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
     batch = argument_leaves(args, (len(args) - 1,) if options.batch_argnums is None else options.batch_argnums)
     dataset = dataset_anchors(args, batch, options, n, call)
     if options.accumulation is not None:
-        check_micro_batches(args, batch, dataset, options.accumulation.steps, n, call)
+        cut = {i: slot for i, slot in dataset.items() if slots[i] is None}  # in_strategy comes first
+        check_micro_batches(args, batch, cut, options.accumulation.steps, n, call)
     needed = _boundary_matrices(options, slots, dataset, args, n, call)
     while True:
         fine = _fine_mesh(options, n, needed, call)
