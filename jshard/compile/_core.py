@@ -27,7 +27,7 @@ from jshard.compile._boundary import (
     in_shardings,
     out_shardings,
 )
-from jshard.compile._optimizer import accumulator, cuts, gathered, result_shardings
+from jshard.compile._optimizer import accumulator, cuts, gathered, regathered, result_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
@@ -78,6 +78,9 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
         kept = accumulator(traced, args, layouts, c, call)
     if gather or kept is not None:
         traced = trace(gathered(fn, gather) if gather else fn, args, fine, devices, c, call, accumulator=kept)
+    rewrite = regathered(traced, gather) if c.optimizer_comm_recompute else None
+    if optimizer is not None:
+        optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
     problem = Problem(traced, in_sh, donated, c.memory_budget)
     checked = c.searching and c.memory_budget is not None and devices is not None
     held = 0.0
@@ -89,7 +92,8 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
                 raise
             raise ShardingError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e)) from None
         given = planned.in_shardings or [None] * len(in_sh)
-        program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args)
+        program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args,
+                                rewrite)
         program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=optimizer))
         if not checked:
             return program

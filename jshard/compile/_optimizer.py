@@ -13,12 +13,14 @@ which the function all-gathers to their planned layout before use (`gathered`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jshard._errors import ShardingError
@@ -27,8 +29,10 @@ from jshard.compile._boundary import argument_leaves
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
+from jshard.graph import CONSTRAINT
 from jshard.layouts import slices, spec_from_pspec
 from jshard.plan import OptimizerReport
+from jshard.propagate import Rewrite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +133,58 @@ def gathered(fn: Callable[..., Any], shardings: dict[int, NamedSharding]) -> Cal
         return fn(*jax.tree_util.tree_unflatten(tree, leaves))
 
     return run
+
+
+def regathered(traced: Traced, gather: dict[int, NamedSharding]) -> Rewrite | None:
+    """Communication recompute (`optimizer_comm_recompute`) for `traced`, whose parameter leaves
+    `gather` are all-gathered before use: a `Rewrite` for emission under which the backward pass
+    gathers each cut parameter again at its first use there (behind `lax.optimization_barrier`
+    with that equation's other inputs, so that XLA neither merges the two gathers nor moves the
+    second one before the backward reaches it), and the equations after the backward began that
+    are not part of it (the optimizer update) read the cut parameter. The forward pass's gathered
+    copy so dies with its last forward use. None: nothing is gathered, or there is no backward pass.
+    """
+    eqns = traced.closed.jaxpr.eqns
+    cut_vars = {traced.invars[i]: sh for i, sh in gather.items()}
+    gathered = {e.outvars[0]: (e.invars[0], cut_vars[e.invars[0]]) for e in eqns
+                if e.primitive.name == CONSTRAINT and isinstance(e.invars[0], jcore.Var) and e.invars[0] in cut_vars}
+    start = next((t for t, e in enumerate(eqns) if _backward(e)), None)
+    if not gathered or start is None:
+        return None
+    return functools.partial(_regather, gathered, start)
+
+
+def _regather(gathered: dict, start: int):
+    """One run's rewrite for `regathered` (each run gathers again, once per parameter)."""
+    again: dict = {}
+
+    def rewrite(t, eqn, ins, read):
+        hits = [k for k, v in enumerate(eqn.invars) if isinstance(v, jcore.Var) and v in gathered]
+        if t < start or not hits:
+            return ins
+        ins = list(ins)
+        if not _backward(eqn):
+            for k in hits:
+                ins[k] = read(gathered[eqn.invars[k]][0])
+            return ins
+        others = [k for k, v in enumerate(eqn.invars) if k not in hits and isinstance(v, jcore.Var)]
+        for k in hits:
+            v = eqn.invars[k]
+            if v not in again:
+                cut, sharding = gathered[v]
+                # the others pass through the barrier: the gather waits for them
+                x, *rest = jax.lax.optimization_barrier((read(cut), *(ins[j] for j in others)))
+                for j, y in zip(others, rest):
+                    ins[j] = y
+                again[v] = jax.lax.with_sharding_constraint(x, sharding)
+            ins[k] = again[v]
+        return ins
+
+    return rewrite
+
+
+def _backward(eqn) -> bool:
+    return "transpose(" in str(eqn.source_info.name_stack)
 
 
 def _cut_spec(shape: tuple[int, ...], spec: PartitionSpec, axis_size: dict[str, int]) -> PartitionSpec | None:

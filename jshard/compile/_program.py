@@ -19,7 +19,7 @@ from jshard.compile._signature import abstract
 from jshard.compile._trace import Traced
 from jshard.layouts import replicated, to_pspec
 from jshard.plan import Plan, build_ops
-from jshard.propagate import emission_of, emit
+from jshard.propagate import EMPTY, Rewrite, emission_of, emit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +33,10 @@ class Program:
 
 
 def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Sequence, devices: list | None,
-                  options: Options, args: tuple) -> Program:
+                  options: Options, args: tuple, rewrite: Rewrite | None = None) -> Program:
     """The jitted program and its `Plan` for one planning answer (`planned.result` None: XLA
-    propagates from the anchors)."""
+    propagates from the anchors), the top-level program rewritten by `rewrite` where given
+    (communication recompute)."""
     result, mesh = planned.result, traced.mesh
     evaluate = jcore.jaxpr_as_fun(traced.closed)
     if result is not None:
@@ -43,7 +44,9 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                  for v, sh, x in zip(traced.invars, in_sh, traced.leaves)]
         out_sh = [sh if sh is not None or v not in result.values else NamedSharding(mesh, to_pspec(result.values[v]))
                   for v, sh in zip(traced.outvars, out_sh)]
-        evaluate = emit(traced.closed, emission_of(traced.nodes, result), mesh)
+        evaluate = emit(traced.closed, emission_of(traced.nodes, result), mesh, rewrite)
+    elif rewrite is not None:
+        evaluate = emit(traced.closed, EMPTY, mesh, rewrite)
     in_sh = [sh or NamedSharding(mesh, PartitionSpec()) for sh in in_sh]
     in_tree = jax.tree_util.tree_unflatten(traced.treedef, in_sh)
     out_tree = jax.tree_util.tree_unflatten(traced.out_tree, out_sh)
