@@ -204,3 +204,15 @@ def test_comm_recompute_without_level_3_is_named(level):
                                                r"level 3 keeps cut again in the backward pass; this call has "
                                                r".*optimizer_parallel.*\. Pass optimizer_parallel=3"):
         js.parallelize(lambda p, s, x: p, optimizer_parallel=level, optimizer_comm_recompute=True)
+
+
+def test_the_report_lists_each_cut_leaf():
+    def step(w, m, x):
+        return w - jnp.sum(m), m * 0.9 + jnp.sum(x), jnp.sum(x @ w)
+
+    args = (jnp.ones((8, 8)), jnp.ones((8, 16)), jnp.ones((8, 8)))
+    report = js.parallelize(step, devices=8, mode="data", optimizer_parallel=3,
+                            optimizer_parallel_threshold=0).plan(*args).optimizer
+    assert report.leaves == (("args[0]", "parameter", "P()", "P(('d0', 'd1', 'd2'), None)"),
+                             ("args[1]", "state", "P()", "P(None, ('d0', 'd1', 'd2'))"))
+    assert report.table().splitlines()[0].split() == ["argument", "role", "laid", "out", "cut"]

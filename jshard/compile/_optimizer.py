@@ -84,8 +84,10 @@ def cuts(traced: Traced, args: tuple, layouts: Sequence[NamedSharding], options:
         saved += _bytes(x) / _ways(sh.spec, traced.axis_size) - _bytes(x) / _ways(spec, traced.axis_size)
     if big and not cut and all(_free(sh.spec, traced.axis_size) == () for sh in (layouts[i] for i in big)):
         raise ShardingError(_no_axis_error(call, traced, big, layouts, o.level))
+    leaves = tuple((f"args{traced.paths[i]}", "parameter" if i in params else "state", str(layouts[i].spec),
+                    str(sh.spec)) for i, sh in sorted(cut.items()))
     report = OptimizerReport(o.level, o.threshold_bytes, len(cut.keys() & state), len(state),
-                             len(cut.keys() & params), len(params), saved, tuple(whole))
+                             len(cut.keys() & params), len(params), saved, tuple(whole), leaves=leaves)
     gather = {i: layouts[i] for i in cut if i in params}
     kept = {i: (layouts[i], cut.get(i, layouts[i])) for i in params | state}
     return Cuts(cut, _updating(traced, args, kept), gather, report)
