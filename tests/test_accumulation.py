@@ -64,6 +64,31 @@ def test_four_micro_batches_equal_the_full_batch_on_one_device(shard):
     assert_close(got_state, ref_state, terms=terms)
 
 
+def test_tensor_parallel_inside_cuts_the_accumulator_over_the_free_axis_and_equals_one_device():
+    """The 2-D preset (dp=2, mp=4) lays the weights out over mp; `accumulation_shard` cuts their
+    accumulated gradients over dp too, and 2 micro-batches equal the full batch on one device."""
+    params, state, batches = _problem()
+    preset = models.preset("2d", 8)
+    p_strats = preset.parameters(params, models.GPT_RULES)
+    s_strats = models.state_strategies(p_strats, params, state)
+
+    def step(params, state, batch):
+        loss, grads = js.accumulate(jax.value_and_grad(lambda p, b: models.gpt_loss(p, b, CFG, preset)))(params, batch)
+        updates, state = OPT.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    par = js.parallelize(step, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
+                         out_strategy=(p_strats, s_strats, None), accumulation_steps=2, accumulation_shard=True)
+    text = par.lower(params, state, batches[0]).as_text()
+    # w_up [64, 256]: mp (d1, d2) cuts its columns; the accumulator's constraint adds dp (d0) on the rows
+    assert 'sdy.sharding_constraint %' in text and '<@mesh, [{"d0"}, {"d1", "d2"}]> : tensor<64x256xf32>' in text
+    got_params, got_state, got_losses = run_steps(par, params, state, batches)
+    ref_params, ref_state, ref_losses = _reference()
+    terms = STEPS * step_terms(params, batches[0])
+    assert_close(got_losses, ref_losses, dtype=np.float32, terms=terms)
+    assert_close(got_params, ref_params, terms=terms)
+
+
 def test_micro_batches_hold_less_temporary_memory_than_the_full_batch():
     full = _compiled(1, False)[1].memory_analysis().temp_size_in_bytes
     micro = _compiled(4, False)[1].memory_analysis().temp_size_in_bytes
