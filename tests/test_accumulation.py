@@ -120,22 +120,16 @@ def test_a_step_count_that_is_not_a_positive_int_is_named(k):
         js.parallelize(_step, accumulation_steps=k)
 
 
-def test_rows_k_does_not_divide_are_named():
+@pytest.mark.parametrize("k, match", [
+    (3, r"jshard.parallelize\(_step\): accumulation_steps=3 does not divide the 32 rows of the batch args\[2\]\[0\] "
+        r"i32\[32,16\]. Give a k that divides 32 \(1, 2, 4, 8, 16, 32\), or a batch of a multiple of 3 rows"),
+    (8, r"accumulation_steps=8 cuts the batch args\[2\]\[0\] i32\[32,16\] into micro-batches of 4 rows, which the "
+        r"dataset strategy cannot cut into 8 equal parts .* \(1, 2, 4\), or a batch of a multiple of 64 rows"),
+], ids=["k-does-not-divide-the-rows", "micro-batches-the-devices-cannot-cut"])
+def test_batch_rows_that_do_not_fit_k_are_named(k, match):
     params, state, batches = _problem()
-    step = js.parallelize(_step, devices=8, mode="data", accumulation_steps=3)
-    with pytest.raises(js.ShardingError, match=r"jshard.parallelize\(_step\): accumulation_steps=3 does not divide "
-                                               r"the 32 rows of the batch args\[2\]\[0\] i32\[32,16\]. Give a k that "
-                                               r"divides 32 \(1, 2, 4, 8, 16, 32\), or a batch of a multiple of 3 rows"):
-        step.plan(params, state, batches[0])
-
-
-def test_micro_batches_the_devices_cannot_cut_are_named():
-    params, state, batches = _problem()
-    step = js.parallelize(_step, devices=8, mode="data", accumulation_steps=8)
-    with pytest.raises(js.ShardingError, match=r"accumulation_steps=8 cuts the batch args\[2\]\[0\] i32\[32,16\] into "
-                                               r"micro-batches of 4 rows, which the dataset strategy cannot cut into 8 "
-                                               r"equal parts .* \(1, 2, 4\), or a batch of a multiple of 64 rows"):
-        step.plan(params, state, batches[0])
+    with pytest.raises(js.ShardingError, match=match):
+        js.parallelize(_step, devices=8, mode="data", accumulation_steps=k).plan(params, state, batches[0])
 
 
 def test_a_step_without_accumulate_is_named():

@@ -6,25 +6,16 @@ saved plan keeps the operators' recompute fields. Plans only: nothing is compile
 import jax
 import numpy as np
 import pytest
+from test_recompute import BATCH, CFG, _gpt_step
 
 import jshard as js
 from jshard import models
-from jshard.models import _gpt
-
-CFG = models.GPTConfig(vocab=32, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=128)
 
 
 def _plan(wrap):
-    def loss(params, batch):
-        tokens, targets, mask = batch
-        x = _gpt._embed(params, tokens)
-        for p in params["layers"]:
-            x = wrap(lambda p, x: _gpt._block(p, x, CFG, None))(p, x)
-        return _gpt._masked_nll(_gpt._logits(params, x, None), targets, mask)
-
     params = models.init_gpt(CFG, jax.random.key(0))
-    batch = models.copy_task_batch(np.random.default_rng(0), CFG, 32)
-    return js.parallelize(jax.value_and_grad(loss), devices=8, mode="data").plan(params, batch)
+    batch = models.copy_task_batch(np.random.default_rng(0), CFG, BATCH)
+    return js.parallelize(_gpt_step(None, wrap), devices=8, mode="data").plan(params, batch)
 
 
 WRAPS = {
