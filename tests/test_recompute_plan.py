@@ -6,16 +6,19 @@ saved plan keeps the operators' recompute fields. Plans only: nothing is compile
 import jax
 import numpy as np
 import pytest
-from test_recompute import BATCH, CFG, _gpt_step
+from _remat_gpt import gpt_step
 
 import jshard as js
 from jshard import models
+
+CFG = models.GPTConfig(vocab=32, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=128)
+BATCH = 32
 
 
 def _plan(wrap):
     params = models.init_gpt(CFG, jax.random.key(0))
     batch = models.copy_task_batch(np.random.default_rng(0), CFG, BATCH)
-    return js.parallelize(_gpt_step(None, wrap), devices=8, mode="data").plan(params, batch)
+    return js.parallelize(gpt_step(CFG, None, wrap), devices=8, mode="data").plan(params, batch)
 
 
 WRAPS = {
