@@ -153,6 +153,14 @@ def test_shard_without_a_data_parallel_axis_is_named():
         par.plan(w, x)
 
 
+def test_accumulation_in_a_pipeline_is_named():
+    with pytest.raises(js.ShardingError, match=r"accumulation_steps cuts a step's batch into micro-batches outside a "
+                                               r"pipeline; a pipeline accumulates its own micro_batches. Use "
+                                               r"micro_batches=, or drop accumulation_steps"):
+        js.parallelize(models.gpt_pipeline(models.GPTConfig(n_layers=2, scan=True)), pipeline_stages=2, micro_batches=2,
+                       accumulation_steps=2)
+
+
 def test_shard_outside_data_and_semi_auto_is_named():
     with pytest.raises(js.ShardingError, match=r"accumulation_shard=True cuts the accumulated gradients .* this call "
                                                r"has mode='auto'. Use mode='data' or 'semi_auto'"):

@@ -241,10 +241,6 @@ def _check_accumulation(call: str, c: Options) -> None:
     if a.steps is None or isinstance(a.steps, bool) or not isinstance(a.steps, int) or a.steps < 1:
         raise ShardingError(f"{call}: accumulation_steps={a.steps!r} is not a number of micro-batches; give a "
                             f"positive int k that divides the batch's rows (1: no accumulation).")
-    if c.pipeline is not None:
-        raise ShardingError(f"{call}: accumulation_steps cuts a step's batch into micro-batches outside a pipeline; "
-                            f"a pipeline accumulates its own micro_batches. Use micro_batches=, or drop "
-                            f"accumulation_steps.")
     if a.shard and c.mode not in ("data", "semi_auto"):
         raise ShardingError(f"{call}: accumulation_shard=True cuts the accumulated gradients over the axes the "
                             f"parameters' layout leaves free, in mode='data' or 'semi_auto'; this call has "
