@@ -66,13 +66,13 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
         k = _steps(steps, ctx, call)
         if ctx is not None:
             ctx.accumulated += 1
-        b = batch_argnums % len(args) if -len(args) <= batch_argnums < len(args) else batch_argnums
-        if not isinstance(b, int) or not 0 <= b < len(args):
+        b = batch_argnums
+        if isinstance(b, bool) or not isinstance(b, int) or not -len(args) <= b < len(args):
             raise ShardingError(f"{call}: batch_argnums={batch_argnums!r} numbers no argument of the {len(args)} "
                                 f"given. Number the batch argument (default -1, the last).")
         if k == 1:
             return grad_fn(*args)
-        return _scanned(grad_fn, args, b, k, None if ctx is None else ctx.accumulator, call)
+        return _scanned(grad_fn, args, b % len(args), k, None if ctx is None else ctx.accumulator, call)
 
     return run
 
@@ -125,10 +125,19 @@ def _constrainer(shapes, accumulator, call: str) -> Callable[[Any], Any]:
     if accumulator is None:
         return lambda total: total
     tree, cut = accumulator
-    parts = shapes if isinstance(shapes, (tuple, list)) else (shapes,)
-    hits = [i for i, part in enumerate(parts)
-            if jax.tree_util.tree_structure(part) == tree
-            and [s.shape for s in jax.tree_util.tree_leaves(part)] == [shape for shape, _ in cut]]
+
+    def like(part) -> bool:
+        return (jax.tree_util.tree_structure(part) == tree
+                and [s.shape for s in jax.tree_util.tree_leaves(part)] == [shape for shape, _ in cut])
+
+    def cut_like(part):
+        leaves = [x if sh is None else jax.lax.with_sharding_constraint(x, sh)
+                  for x, (_, sh) in zip(jax.tree_util.tree_leaves(part), cut)]
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    if like(shapes):  # grad_fn is jax.grad: its result is the gradients
+        return cut_like
+    hits = [i for i, part in enumerate(shapes) if like(part)] if isinstance(shapes, (tuple, list)) else []
     if not hits:
         raise ShardingError(f"{call}: accumulation_shard=True cuts the accumulated gradients like the parameters "
                             f"(argument 0 of the step), but no result of the gradient function has their tree and "
@@ -136,12 +145,9 @@ def _constrainer(shapes, accumulator, call: str) -> Callable[[Any], Any]:
                             f"(jax.value_and_grad(loss_fn)(params, batch)), or drop accumulation_shard.")
 
     def constrain(total):
-        items = list(total) if isinstance(total, (tuple, list)) else [total]
-        for i in hits[:1]:
-            leaves = jax.tree_util.tree_leaves(items[i])
-            cuts = [x if sh is None else jax.lax.with_sharding_constraint(x, sh) for x, (_, sh) in zip(leaves, cut)]
-            items[i] = jax.tree_util.tree_unflatten(tree, cuts)
-        return tuple(items) if isinstance(total, tuple) else items if isinstance(total, list) else items[0]
+        items = list(total)
+        items[hits[0]] = cut_like(items[hits[0]])
+        return tuple(items) if isinstance(total, tuple) else items
 
     return constrain
 

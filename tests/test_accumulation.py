@@ -153,6 +153,31 @@ def test_shard_without_a_data_parallel_axis_is_named():
         par.plan(w, x)
 
 
+def _linear_step(argnums):
+    def step(w, x):
+        grad = js.accumulate(jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2), argnums=argnums))(w, x)
+        return w - 0.1 * (grad if argnums == 0 else jnp.sum(grad))
+
+    return step
+
+
+def test_a_jax_grad_result_is_the_accumulator_cut_and_equals_one_device():
+    w, x = jnp.linspace(-1, 1, 64 * 8).reshape(64, 8), jnp.linspace(-2, 2, 32 * 64).reshape(32, 64)
+    par = js.parallelize(_linear_step(0), devices=8, mode="data", accumulation_steps=2, accumulation_shard=True)
+    assert '<@mesh, [{"d0", "d1", "d2"}, {}]> : tensor<64x8xf32>' in par.lower(w, x).as_text()
+    want = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2))(w, x))(w, x)
+    assert_close(par(w, x), want, terms=2 * x.size)  # forward and backward sums over x
+
+
+def test_shard_without_gradients_like_the_parameters_is_named():
+    w, x = jnp.ones((64, 8)), jnp.ones((32, 64))
+    par = js.parallelize(_linear_step(1), devices=8, mode="data", accumulation_steps=2, accumulation_shard=True)
+    with pytest.raises(js.ShardingError, match=r"accumulation_shard=True cuts the accumulated gradients like the "
+                                               r"parameters \(argument 0 of the step\), but no result of the gradient "
+                                               r"function has their tree and shapes"):
+        par.plan(w, x)
+
+
 def test_accumulation_in_a_pipeline_is_named():
     with pytest.raises(js.ShardingError, match=r"accumulation_steps cuts a step's batch into micro-batches outside a "
                                                r"pipeline; a pipeline accumulates its own micro_batches. Use "
