@@ -1,9 +1,11 @@
 """The `Plan` shows recompute: per operator its region (`jshard.recompute` with its policy, or a bare
 `jax.checkpoint`) and whether it is the backward pass's run of it again; `explain` says why; the
 summary gives the memory model's peak with the recompute and with the recomputed values kept; a
-saved plan keeps the operators' recompute fields. Plans only: nothing is compiled here."""
+saved plan keeps the operators' recompute fields (plans only); and the collectives inside a region
+are run again with it (MindSpore's `mp_comm_recompute`), read from the compiled program."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _remat_gpt import gpt_step
@@ -74,3 +76,21 @@ def test_a_saved_plan_keeps_the_recompute_fields(tmp_path):
     loaded = js.Plan.load(tmp_path / "plan.json")
     assert loaded.ops == plan.ops
     assert sum(op.recomputed for op in loaded.ops) == plan.recompute.regions[0][2]
+
+
+def _two_layers(wrap):
+    def layer(w, x):
+        h = jnp.tanh(js.shard(jnp.matmul, ((8, 1), (1, 1)))(x, w))  # rows cut 8 ways
+        return js.shard(jnp.matmul, ((1, 1), (1, 8)))(h, w * 1.0)  # rows whole: h all-gathered
+
+    f = wrap(layer)
+    step = js.parallelize(jax.grad(lambda w, x: f(w, f(w, x)).sum()), devices=8)
+    return js.audit(step.lower(jnp.ones((64, 64)), jnp.ones((64, 64))).compile())
+
+
+def test_the_gathers_inside_a_region_run_again_in_the_backward_pass():
+    kept, again = _two_layers(lambda f: f), _two_layers(js.recompute)
+    # each layer gathers h (64 x 64 f32, 16 KiB) once forward; recomputed, again in the backward pass
+    assert kept.count("all-gather") == 2 and kept.bytes("all-gather") == 2 * 16 * 2**10
+    assert again.count("all-gather") > kept.count("all-gather")
+    assert again.bytes("all-gather") >= 2 * kept.bytes("all-gather")
