@@ -12,6 +12,7 @@ and `import jshard; jshard.checkpoint.save(...)` works.
 import importlib as _importlib
 import os as _os
 
+from jshard._accumulate import accumulate as accumulate
 from jshard._compat import source_info_util as _source_info_util
 from jshard._devices import simulate_devices as simulate_devices
 from jshard._distributed import ProcessInfo as ProcessInfo
@@ -35,7 +36,7 @@ from jshard.plan import OpRecord as OpRecord
 from jshard.plan import Plan as Plan
 
 # Operators' source lines should name the user's code, not jshard's wrappers.
-for _wrapper in ("_shard.py", "_params.py", "_parallelize.py", "_recompute.py", _os.path.join("propagate", "_emit.py"),
+for _wrapper in ("_accumulate.py", "_shard.py", "_params.py", "_parallelize.py", "_recompute.py", _os.path.join("propagate", "_emit.py"),
                  _os.path.join("plan", "_plan.py"), "compile"):
     _source_info_util.register_exclusion(_os.path.join(_os.path.dirname(__file__), _wrapper))
 
@@ -67,6 +68,7 @@ __all__ = [
     "ShardingError",
     "TensorLayout",
     "Visualization",
+    "accumulate",
     "audit",
     "init",
     "parallelize",

@@ -42,7 +42,12 @@ class Annotation:
 
 @dataclasses.dataclass(slots=True)
 class TraceContext:
-    """One trace of a parallelized function: its call name, meshes, mode and recorded annotations."""
+    """One trace of a parallelized function: its call name, meshes, mode and recorded annotations.
+
+    `accumulation_steps` and `accumulator` are what `jshard.accumulate` reads (`parallelize`'s
+    `accumulation_steps`, and with `accumulation_shard` the parameters' tree with each leaf's
+    shape and the sharding its accumulated gradient takes); `accumulated` counts its calls.
+    """
 
     call: str
     fine: FineMesh
@@ -50,6 +55,9 @@ class TraceContext:
     mode: str
     annotations: list[Annotation] = dataclasses.field(default_factory=list)
     scopes: int = 0
+    accumulation_steps: int | None = None
+    accumulator: tuple | None = None
+    accumulated: int = 0
 
     @property
     def device_count(self) -> int:

@@ -61,6 +61,9 @@ def parallelize(
     optimizer_parallel: int | None = None,
     optimizer_parallel_threshold: int | float | str = "64KiB",
     optimizer_state_argnums: int | Sequence[int] | None = None,
+    optimizer_comm_recompute: bool = False,
+    accumulation_steps: int | None = None,
+    accumulation_shard: bool = False,
 ) -> Any:
     """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
 
@@ -129,6 +132,22 @@ def parallelize(
       optimizer_parallel_threshold: bytes, or a size such as `"64KiB"` (the default, as
         MindSpore's `parallel_optimizer_threshold`); smaller leaves stay whole.
       optimizer_state_argnums: the optimizer-state arguments, where not every other one is.
+      optimizer_comm_recompute: with `optimizer_parallel=3` (MindSpore's
+        `parallel_optimizer_comm_recompute`): the backward pass all-gathers each cut parameter
+        again (behind `lax.optimization_barrier`, so XLA keeps the two gathers apart) instead of
+        keeping the forward pass's gathered copy alive until then, and the optimizer update reads
+        the cut parameter; more all-gather bytes for fewer live ones (`plan.summary()` counts them).
+      accumulation_steps: k, gradient accumulation (MindSpore's `gradient_accumulation`): the step
+        wraps its gradient function in `jshard.accumulate` (`loss, grads =
+        js.accumulate(jax.value_and_grad(loss_fn))(params, batch)`), which runs it on k
+        micro-batches of the batch's rows in a `lax.scan` and returns the mean; the optimizer
+        updates once per step. k must divide the batch's rows (and, with the `"data_parallel"`
+        dataset strategy, leave micro-batches the devices divide). None: off.
+      accumulation_shard: MindSpore's `gradient_accumulation_shard`, in `mode="data"` and
+        `"semi_auto"`: the accumulated gradients (the scan carry) are cut over the data-parallel
+        axes their parameter's layout leaves free, on its largest dim they divide (as
+        `optimizer_parallel` cuts it; leaves under `optimizer_parallel_threshold` stay whole when
+        `optimizer_parallel` is set), instead of being held whole on every data-parallel device.
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`. Call it as `fn` is called: keyword
@@ -160,7 +179,8 @@ def parallelize(
         search_time_limit=search_time_limit, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
         schedule=schedule, virtual_stages=virtual_stages, pipeline_result_broadcast=pipeline_result_broadcast,
         optimizer_parallel=optimizer_parallel, optimizer_parallel_threshold=optimizer_parallel_threshold,
-        optimizer_state_argnums=optimizer_state_argnums,
+        optimizer_state_argnums=optimizer_state_argnums, optimizer_comm_recompute=optimizer_comm_recompute,
+        accumulation_steps=accumulation_steps, accumulation_shard=accumulation_shard,
     )
     if options.pipeline is not None:
         from jshard.pipeline import pipelined  # noqa: PLC0415  (the pipeline front end builds on this module's core)

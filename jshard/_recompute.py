@@ -7,12 +7,14 @@ emitter rebuilds the remat equation with its sharding constraints inside (`jshar
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from jshard._errors import ShardingError, api_boundary
+from jshard.graph import RECOMPUTE_SCOPE
 
 Policy = str | Callable[..., bool]
 """`"full"`, `"selective"`, the name of a `jax.checkpoint_policies` policy, or a policy callable."""
@@ -51,9 +53,21 @@ def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy = "full") 
     """
     named = f"policy={policy!r}" if fn is None else getattr(fn, "__name__", type(fn).__name__)
     resolved = _policy(policy, f"jshard.recompute({named})")
+    label = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
     if fn is None:
-        return lambda f: jax.checkpoint(f, policy=resolved)
-    return jax.checkpoint(fn, policy=resolved)  # keeps fn's name and docstring
+        return lambda f: jax.checkpoint(_scoped(f, label), policy=resolved)
+    return jax.checkpoint(_scoped(fn, label), policy=resolved)  # keeps fn's name and docstring
+
+
+def _scoped(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+    """`fn` run in the name scope `RECOMPUTE_SCOPE + label` (how its `Plan` names the policy)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with jax.named_scope(RECOMPUTE_SCOPE + "".join(c if c.isalnum() else "_" for c in label)):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _policy(policy: Policy, call: str) -> Callable[..., bool] | None:

@@ -5,7 +5,7 @@ No timing is asserted: the figures are measured by `python -m benchmarks`, not h
 
 import numpy as np
 import pytest
-from _tolerance import assert_close, step_terms
+from _tolerance import assert_close, step_terms, tolerance
 
 from benchmarks import _abstract, _compiled, _report, _search
 from benchmarks._models import model_table, workload
@@ -101,3 +101,20 @@ def test_search_rows_fit_their_budgets_and_render(mlp_rows):
     rows = _search.planning_rows(depths=(2,), counts=(8,), big=False, time_limit=5.0)
     assert len(rows) == 1 and rows[0][2] == "recursive" and not rows[0][-1].startswith("failed")
     assert "7. Strategy search: planning time" in _search.planning_table(rows).markdown()
+
+
+def test_accumulation_rows_equal_the_full_batch_and_render():
+    from benchmarks import _accumulation
+    from jshard import models
+
+    table = _accumulation.accumulation_table(models.GPTConfig(n_layers=1), ks=(1, 2))
+    assert [row[:3] for row in table.rows] == [
+        ("1", "64", "none (full batch)"), ("2", "32", "as the gradients"),
+        ("1", "64", "none (full batch), optimizer_parallel=1"), ("2", "32", "as the gradients, optimizer_parallel=1"),
+        ("2", "32", "cut, optimizer_parallel=1")]
+    cfg = models.GPTConfig(n_layers=1)
+    params, _, batches = _accumulation._problem(cfg)
+    # the losses are at most log(vocab): cross-entropy from (near) uniform logits at the start
+    tol = tolerance(np.float32(np.log(cfg.vocab)), terms=_accumulation.STEPS * step_terms(params, batches[0]))
+    assert all(float(row[-1]) <= tol for row in table.rows)
+    assert "## 8. Gradient accumulation" in table.markdown()

@@ -180,3 +180,41 @@ def test_no_data_parallel_axis_is_named():
                                                r"f32\[8,8\] is laid out P\(\) over the mesh \(one "
                                                r"device\)\. Run on more devices than the strategies use"):
         js.parallelize(step, devices=1, mode="data", optimizer_parallel=1, optimizer_parallel_threshold=0).plan(*args)
+
+
+def test_comm_recompute_gathers_again_in_the_backward_and_equals_one_device():
+    """Level 3 with `optimizer_comm_recompute`: each cut parameter is all-gathered twice (forward,
+    then again in the backward pass), so the gathered copy is not held from one to the other:
+    twice the all-gather bytes, less temporary memory, the same numbers."""
+    params, state, batches = _problem()
+    train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
+    kept, again = (js.parallelize(train, devices=8, mode="data", optimizer_parallel=3, optimizer_parallel_threshold="16KiB",
+                                  optimizer_comm_recompute=rc) for rc in (False, True))
+    kept_c, again_c = (s.lower(params, state, batches[0]).compile() for s in (kept, again))
+    big_params = sum(x.nbytes for x in jax.tree.leaves(params) if _big(x))
+    assert js.audit(kept_c).bytes("all-gather") == big_params
+    assert js.audit(again_c).bytes("all-gather") == 2 * big_params
+    assert again_c.memory_analysis().temp_size_in_bytes < kept_c.memory_analysis().temp_size_in_bytes
+    n_big = sum(_big(x) for x in jax.tree.leaves(params))
+    assert f"; {n_big} parameter leaves all-gathered again in the backward pass" in again.plan(params, state, batches[0]).summary()
+    _compare(again, params, state, batches)
+
+
+@pytest.mark.parametrize("level", [None, 1])
+def test_comm_recompute_without_level_3_is_named(level):
+    with pytest.raises(js.ShardingError, match=r"optimizer_comm_recompute=True gathers a parameter optimizer parallel "
+                                               r"level 3 keeps cut again in the backward pass; this call has "
+                                               r".*optimizer_parallel.*\. Pass optimizer_parallel=3"):
+        js.parallelize(lambda p, s, x: p, optimizer_parallel=level, optimizer_comm_recompute=True)
+
+
+def test_the_report_lists_each_cut_leaf():
+    def step(w, m, x):
+        return w - jnp.sum(m), m * 0.9 + jnp.sum(x), jnp.sum(x @ w)
+
+    args = (jnp.ones((8, 8)), jnp.ones((8, 16)), jnp.ones((8, 8)))
+    report = js.parallelize(step, devices=8, mode="data", optimizer_parallel=3,
+                            optimizer_parallel_threshold=0).plan(*args).optimizer
+    assert report.leaves == (("args[0]", "parameter", "P()", "P(('d0', 'd1', 'd2'), None)"),
+                             ("args[1]", "state", "P()", "P(None, ('d0', 'd1', 'd2'))"))
+    assert report.table().splitlines()[0].split() == ["argument", "role", "laid", "out", "cut"]

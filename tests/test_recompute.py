@@ -12,31 +12,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _remat_gpt import gpt_step
 from _tolerance import assert_close, step_terms
 from flax import nnx
 
 import jshard as js
 from jshard import models
 from jshard.compile import build
-from jshard.models import _gpt
 
 CFG = models.GPTConfig(vocab=64, seq_len=32, d_model=64, n_heads=4, n_layers=4, d_ff=256)
 BATCH = 64
 
 
 def _gpt_step(preset, wrap):
-    def loss(params, batch):
-        tokens, targets, mask = batch
-        x = _gpt._embed(params, tokens)
-        for p in params["layers"]:
-            x = wrap(lambda p, x: _gpt._block(p, x, CFG, preset))(p, x)
-        return _gpt._masked_nll(_gpt._logits(params, x, preset), targets, mask)
-
-    def step(params, batch):
-        value, grads = jax.value_and_grad(loss)(params, batch)
-        return value, jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
-
-    return step
+    return gpt_step(CFG, preset, wrap)
 
 
 def _compiled(lowered):

@@ -7,6 +7,7 @@ from jshard.compile._arguments import Bound as Bound
 from jshard.compile._arguments import bind as bind
 from jshard.compile._arguments import resolve as resolve
 from jshard.compile._core import build as build
+from jshard.compile._options import Accumulation as Accumulation
 from jshard.compile._options import OptimizerParallel as OptimizerParallel
 from jshard.compile._options import Options as Options
 from jshard.compile._options import PipelineOptions as PipelineOptions

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jshard._errors import ShardingError
-from jshard._format import var_str
+from jshard._format import shape_str, var_str
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
@@ -64,6 +64,34 @@ def dataset_anchors(args: tuple, batch: set[int], options: Options, n: int, call
     else:
         ids = [i for i in sorted(batch) if ndims[i] > 0]
     return dict(zip(ids, dataset_slots([ndims[i] for i in ids], strategy, n, call=call)))
+
+
+def check_micro_batches(args: tuple, batch: set[int], dataset: dict[int, Slot], k: int, n: int, call: str) -> None:
+    """With `accumulation_steps=k`: k divides the rows of every batch leaf, and where the dataset
+    policy cuts the rows, each micro-batch's rows are cut as evenly.
+
+    Raises:
+      ShardingError: naming the batch leaf, its shape and the fix.
+    """
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    leaves = jax.tree_util.tree_leaves(args)
+    for i in sorted(batch):
+        x = leaves[i]
+        if not np.ndim(x):
+            continue
+        rows, shape = np.shape(x)[0], shape_str(dtype_of(x), np.shape(x))
+        ways = 1 if i not in dataset else layout_of(dataset[i], n, call=call, op=BOUNDARY, what="dataset_strategy").strategy[0]
+        if rows % k:
+            fits = [d for d in range(1, rows + 1) if rows % d == 0]
+            raise ShardingError(f"{call}: accumulation_steps={k} does not divide the {rows} rows of the batch "
+                                f"args{paths[i]} {shape}. Give a k that divides {rows} ({', '.join(map(str, fits))}), or "
+                                f"a batch of a multiple of {k} rows.")
+        if (rows // k) % ways:
+            fits = [d for d in range(1, rows + 1) if rows % d == 0 and (rows // d) % ways == 0]
+            raise ShardingError(f"{call}: accumulation_steps={k} cuts the batch args{paths[i]} {shape} into "
+                                f"micro-batches of {rows // k} rows, which the dataset strategy cannot cut into "
+                                f"{ways} equal parts as it cuts the batch. Give a k whose micro-batches it divides "
+                                f"({', '.join(map(str, fits)) or 'none'}), or a batch of a multiple of {k * ways} rows.")
 
 
 def in_shardings(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options, call: str) -> list:

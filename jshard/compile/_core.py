@@ -22,11 +22,12 @@ from jshard._format import human_bytes
 from jshard.compile._boundary import (
     BOUNDARY,
     argument_leaves,
+    check_micro_batches,
     dataset_anchors,
     in_shardings,
     out_shardings,
 )
-from jshard.compile._optimizer import cuts, gathered, result_shardings
+from jshard.compile._optimizer import accumulator, cuts, gathered, regathered, result_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
@@ -44,6 +45,9 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
     slots = canonicalize_in_strategy(options.in_strategy, args, call=call)
     batch = argument_leaves(args, (len(args) - 1,) if options.batch_argnums is None else options.batch_argnums)
     dataset = dataset_anchors(args, batch, options, n, call)
+    if options.accumulation is not None:
+        cut = {i: slot for i, slot in dataset.items() if slots[i] is None}  # in_strategy comes first
+        check_micro_batches(args, batch, cut, options.accumulation.steps, n, call)
     needed = _boundary_matrices(options, slots, dataset, args, n, call)
     while True:
         fine = _fine_mesh(options, n, needed, call)
@@ -62,12 +66,21 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
     out_sh = out_shardings(traced, c, call)
     planner = planner_for(c, call)
     donated = frozenset(argument_leaves(args, c.donate_argnums))
-    optimizer = None
+    optimizer, gather, kept = None, {}, None
+    sharded = c.accumulation is not None and c.accumulation.shard
+    if c.optimizer is not None or sharded:
+        layouts = _layouts(traced, in_sh, planner, donated, c)
     if c.optimizer is not None:
-        cut = cuts(traced, args, _layouts(traced, in_sh, planner, donated, c), c, call)
-        if cut.gather:  # level 3: the function all-gathers the cut parameters before use
-            traced = trace(gathered(fn, cut.gather), args, fine, devices, c, call)
+        cut = cuts(traced, args, layouts, c, call)
+        gather = cut.gather  # level 3: the function all-gathers the cut parameters before use
         in_sh, out_sh, optimizer = [cut.args.get(i, sh) for i, sh in enumerate(in_sh)], result_shardings(out_sh, cut), cut.report
+    if sharded:  # jshard.accumulate cuts its accumulated gradients over the data-parallel axes
+        kept = accumulator(traced, args, layouts, c, call)
+    if gather or kept is not None:
+        traced = trace(gathered(fn, gather) if gather else fn, args, fine, devices, c, call, accumulator=kept)
+    rewrite = regathered(traced, gather) if c.optimizer_comm_recompute else None
+    if optimizer is not None:
+        optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
     problem = Problem(traced, in_sh, donated, c.memory_budget)
     checked = c.searching and c.memory_budget is not None and devices is not None
     held = 0.0
@@ -79,7 +92,8 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
                 raise
             raise ShardingError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e)) from None
         given = planned.in_shardings or [None] * len(in_sh)
-        program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args)
+        program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args,
+                                rewrite)
         program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=optimizer))
         if not checked:
             return program

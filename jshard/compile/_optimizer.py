@@ -13,12 +13,14 @@ which the function all-gathers to their planned layout before use (`gathered`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jshard._errors import ShardingError
@@ -27,8 +29,10 @@ from jshard.compile._boundary import argument_leaves
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
+from jshard.graph import CONSTRAINT
 from jshard.layouts import slices, spec_from_pspec
 from jshard.plan import OptimizerReport
+from jshard.propagate import Rewrite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +84,34 @@ def cuts(traced: Traced, args: tuple, layouts: Sequence[NamedSharding], options:
         saved += _bytes(x) / _ways(sh.spec, traced.axis_size) - _bytes(x) / _ways(spec, traced.axis_size)
     if big and not cut and all(_free(sh.spec, traced.axis_size) == () for sh in (layouts[i] for i in big)):
         raise ShardingError(_no_axis_error(call, traced, big, layouts, o.level))
+    leaves = tuple((f"args{traced.paths[i]}", "parameter" if i in params else "state", str(layouts[i].spec),
+                    str(sh.spec)) for i, sh in sorted(cut.items()))
     report = OptimizerReport(o.level, o.threshold_bytes, len(cut.keys() & state), len(state),
-                             len(cut.keys() & params), len(params), saved, tuple(whole))
+                             len(cut.keys() & params), len(params), saved, tuple(whole), leaves=leaves)
     gather = {i: layouts[i] for i in cut if i in params}
     kept = {i: (layouts[i], cut.get(i, layouts[i])) for i in params | state}
     return Cuts(cut, _updating(traced, args, kept), gather, report)
+
+
+def accumulator(traced: Traced, args: tuple, layouts: Sequence[NamedSharding], options: Options, call: str) -> tuple:
+    """With `accumulation_shard`: the parameters' tree, and per parameter leaf its shape and the
+    sharding its accumulated gradient takes (its layout with the free axes cut in, as optimizer
+    parallel cuts it; None: kept as laid out, a leaf below the optimizer-parallel threshold or
+    one no free axis divides).
+
+    Raises:
+      ShardingError: no parameter leaf has a free (data-parallel) axis that divides it.
+    """
+    threshold = 0.0 if options.optimizer is None else options.optimizer.threshold_bytes
+    params = sorted(argument_leaves(args, (0,)))
+    cut = []
+    for i in params:
+        x, sh = traced.leaves[i], layouts[i]
+        spec = _cut_spec(np.shape(x), sh.spec, traced.axis_size) if _bytes(x) >= threshold else None
+        cut.append((tuple(np.shape(x)), None if spec is None else NamedSharding(sh.mesh, spec)))
+    if all(sh is None for _, sh in cut):
+        raise ShardingError(_no_accumulation_axis_error(call, traced, params, layouts))
+    return jax.tree_util.tree_structure(args[0]), tuple(cut)
 
 
 def result_shardings(out_sh: Sequence[NamedSharding | None], c: Cuts) -> list:
@@ -108,6 +135,58 @@ def gathered(fn: Callable[..., Any], shardings: dict[int, NamedSharding]) -> Cal
         return fn(*jax.tree_util.tree_unflatten(tree, leaves))
 
     return run
+
+
+def regathered(traced: Traced, gather: dict[int, NamedSharding]) -> Rewrite | None:
+    """Communication recompute (`optimizer_comm_recompute`) for `traced`, whose parameter leaves
+    `gather` are all-gathered before use: a `Rewrite` for emission under which the backward pass
+    gathers each cut parameter again at its first use there (behind `lax.optimization_barrier`
+    with that equation's other inputs, so that XLA neither merges the two gathers nor moves the
+    second one before the backward reaches it), and the equations after the backward began that
+    are not part of it (the optimizer update) read the cut parameter. The forward pass's gathered
+    copy so dies with its last forward use. None: nothing is gathered, or there is no backward pass.
+    """
+    eqns = traced.closed.jaxpr.eqns
+    cut_vars = {traced.invars[i]: sh for i, sh in gather.items()}
+    gathered = {e.outvars[0]: (e.invars[0], cut_vars[e.invars[0]]) for e in eqns
+                if e.primitive.name == CONSTRAINT and isinstance(e.invars[0], jcore.Var) and e.invars[0] in cut_vars}
+    start = next((t for t, e in enumerate(eqns) if _backward(e)), None)
+    if not gathered or start is None:
+        return None
+    return functools.partial(_regather, gathered, start)
+
+
+def _regather(gathered: dict, start: int):
+    """One run's rewrite for `regathered` (each run gathers again, once per parameter)."""
+    again: dict = {}
+
+    def rewrite(t, eqn, ins, read):
+        hits = [k for k, v in enumerate(eqn.invars) if isinstance(v, jcore.Var) and v in gathered]
+        if t < start or not hits:
+            return ins
+        ins = list(ins)
+        if not _backward(eqn):
+            for k in hits:
+                ins[k] = read(gathered[eqn.invars[k]][0])
+            return ins
+        others = [k for k, v in enumerate(eqn.invars) if k not in hits and isinstance(v, jcore.Var)]
+        for k in hits:
+            v = eqn.invars[k]
+            if v not in again:
+                cut, sharding = gathered[v]
+                # the others pass through the barrier: the gather waits for them
+                x, *rest = jax.lax.optimization_barrier((read(cut), *(ins[j] for j in others)))
+                for j, y in zip(others, rest):
+                    ins[j] = y
+                again[v] = jax.lax.with_sharding_constraint(x, sharding)
+            ins[k] = again[v]
+        return ins
+
+    return rewrite
+
+
+def _backward(eqn) -> bool:
+    return "transpose(" in str(eqn.source_info.name_stack)
 
 
 def _cut_spec(shape: tuple[int, ...], spec: PartitionSpec, axis_size: dict[str, int]) -> PartitionSpec | None:
@@ -172,3 +251,16 @@ def _no_axis_error(call: str, traced: Traced, big: list[int], layouts, level: in
             f"e.g. args{traced.paths[i]} {shape_str(dtype_of(x), np.shape(x))} is laid out "
             f"{layouts[i].spec} over the mesh ({mesh}). Run on more devices than the "
             f"strategies use (a data-parallel axis), or drop optimizer_parallel.")
+
+
+def _no_accumulation_axis_error(call: str, traced: Traced, params: list[int], layouts) -> str:
+    mesh = ", ".join(f"{a}={s}" for a, s in traced.axis_size.items() if s > 1) or "one device"
+    example = ""
+    if params:
+        i = max(params, key=lambda j: _bytes(traced.leaves[j]))
+        x = traced.leaves[i]
+        example = f": e.g. args{traced.paths[i]} {shape_str(dtype_of(x), np.shape(x))} is laid out {layouts[i].spec}"
+    return (f"{call}: accumulation_shard=True cuts the accumulated gradients over the data-parallel devices (the "
+            f"mesh axes a parameter's layout leaves replicated), but no parameter leaf (argument 0) has such an "
+            f"axis that divides it{example} over the mesh ({mesh}). Run on more devices than the strategies use "
+            f"(a data-parallel axis), or drop accumulation_shard.")

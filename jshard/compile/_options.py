@@ -75,6 +75,22 @@ class OptimizerParallel:
 
 
 @dataclasses.dataclass(frozen=True)
+class Accumulation:
+    """Gradient accumulation (`parallelize(..., accumulation_steps=k, accumulation_shard=...)`,
+    MindSpore's `gradient_accumulation` and `gradient_accumulation_shard`), run by the
+    `jshard.accumulate` call inside the step.
+
+    Attributes:
+      steps: k, the micro-batches one step's batch is cut into.
+      shard: whether the accumulated gradients are cut over the data-parallel axes the parameters'
+        layout leaves free (ZeRO-style), rather than laid out as the gradients are.
+    """
+
+    steps: Any
+    shard: Any = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Options:
     """Every option of one `parallelize` call (see `jshard.parallelize` for each)."""
 
@@ -97,6 +113,8 @@ class Options:
     search_time_limit: float = 60.0
     pipeline: PipelineOptions | None = None
     optimizer: OptimizerParallel | None = None
+    accumulation: Accumulation | None = None
+    optimizer_comm_recompute: Any = False
 
     @classmethod
     def create(cls, *, donate_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] | None = None,
@@ -106,19 +124,24 @@ class Options:
                pipeline_stages: int | None = None, micro_batches: int | None = None, schedule: str = "1f1b",
                virtual_stages: int = 1, pipeline_result_broadcast: bool = False, optimizer_parallel: int | None = None,
                optimizer_parallel_threshold: int | float | str = "64KiB",
-               optimizer_state_argnums: int | Sequence[int] | None = None, **fields: Any) -> Options:
+               optimizer_state_argnums: int | Sequence[int] | None = None, accumulation_steps: int | None = None,
+               accumulation_shard: bool = False, **fields: Any) -> Options:
         """Options from `parallelize`'s keywords, normalized (argnums and argnames as tuples, sizes as
         bytes, the pipeline's keywords as one `PipelineOptions`, or None where none differs from its
-        default; the optimizer-parallel keywords as one `OptimizerParallel`, or None without a level)."""
+        default; the optimizer-parallel keywords as one `OptimizerParallel`, or None without a level;
+        the accumulation keywords as one `Accumulation`, or None without `accumulation_steps`)."""
         optimizer = None if optimizer_parallel is None else OptimizerParallel(
             optimizer_parallel, optimizer_parallel_threshold,
             None if optimizer_state_argnums is None else _as_tuple(optimizer_state_argnums))
+        accumulation = None if accumulation_steps is None and accumulation_shard is False else Accumulation(
+            accumulation_steps, accumulation_shard)
         pipeline = PipelineOptions(pipeline_stages, micro_batches, schedule, virtual_stages, pipeline_result_broadcast)
         return cls(donate_argnums=_as_tuple(donate_argnums), batch_argnums=None if batch_argnums is None else _as_tuple(batch_argnums),
                    static_argnums=_as_tuple(static_argnums), static_argnames=_as_tuple(static_argnames),
                    donate_argnames=_as_tuple(donate_argnames),
                    memory_budget=parse_bytes(memory_budget), search_time_limit=float(search_time_limit),
-                   pipeline=pipeline if pipeline.asked else None, optimizer=optimizer, **fields)
+                   pipeline=pipeline if pipeline.asked else None, optimizer=optimizer,
+                   accumulation=accumulation, **fields)
 
     @property
     def searching(self) -> bool:
@@ -138,6 +161,7 @@ class Options:
                                 f"the batch its PartitionSpecs in in_strategy instead.")
         check_arguments(call, self)
         _check_optimizer(call, self)
+        _check_accumulation(call, self)
         if self.mode == "manual" and self.mesh is None:
             raise ShardingError(f"{call}: mode='manual' takes PartitionSpecs over your mesh; pass mesh=... too.")
         if self.mesh is not None and self.devices is not None and self.devices != self.mesh.devices.size:
@@ -199,6 +223,28 @@ def _check_optimizer(call: str, c: Options) -> None:
         bad = [v for v in o.state_argnums if not isinstance(v, int) or isinstance(v, bool)]
         if bad:
             raise TypeError(f"{call}: optimizer_state_argnums takes ints (or one int), got {bad[0]!r}.")
+
+
+def _check_accumulation(call: str, c: Options) -> None:
+    if not isinstance(c.optimizer_comm_recompute, bool):
+        raise TypeError(f"{call}: optimizer_comm_recompute takes True or False, got {c.optimizer_comm_recompute!r}.")
+    if c.optimizer_comm_recompute and (c.optimizer is None or c.optimizer.level != 3):
+        level = "no optimizer_parallel" if c.optimizer is None else f"optimizer_parallel={c.optimizer.level!r}"
+        raise ShardingError(f"{call}: optimizer_comm_recompute=True gathers a parameter optimizer parallel level 3 "
+                            f"keeps cut again in the backward pass; this call has {level}. Pass "
+                            f"optimizer_parallel=3, or drop optimizer_comm_recompute.")
+    a = c.accumulation
+    if a is None:
+        return
+    if not isinstance(a.shard, bool):
+        raise TypeError(f"{call}: accumulation_shard takes True or False, got {a.shard!r}.")
+    if a.steps is None or isinstance(a.steps, bool) or not isinstance(a.steps, int) or a.steps < 1:
+        raise ShardingError(f"{call}: accumulation_steps={a.steps!r} is not a number of micro-batches; give a "
+                            f"positive int k that divides the batch's rows (1: no accumulation).")
+    if a.shard and c.mode not in ("data", "semi_auto"):
+        raise ShardingError(f"{call}: accumulation_shard=True cuts the accumulated gradients over the axes the "
+                            f"parameters' layout leaves free, in mode='data' or 'semi_auto'; this call has "
+                            f"mode={c.mode!r}. Use mode='data' or 'semi_auto', or drop accumulation_shard.")
 
 
 def check_arguments(call: str, c: Options) -> None:

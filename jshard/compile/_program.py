@@ -13,13 +13,14 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jshard.compile._boundary import argument_leaves
 from jshard.compile._options import Options
 from jshard.compile._planners import Planned
 from jshard.compile._signature import abstract
 from jshard.compile._trace import Traced
 from jshard.layouts import replicated, to_pspec
-from jshard.plan import Plan, build_ops
-from jshard.propagate import emission_of, emit
+from jshard.plan import Plan, RecomputeReport, build_ops, recompute_report
+from jshard.propagate import EMPTY, Rewrite, emission_of, emit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +34,10 @@ class Program:
 
 
 def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Sequence, devices: list | None,
-                  options: Options, args: tuple) -> Program:
+                  options: Options, args: tuple, rewrite: Rewrite | None = None) -> Program:
     """The jitted program and its `Plan` for one planning answer (`planned.result` None: XLA
-    propagates from the anchors)."""
+    propagates from the anchors), the top-level program rewritten by `rewrite` where given
+    (communication recompute)."""
     result, mesh = planned.result, traced.mesh
     evaluate = jcore.jaxpr_as_fun(traced.closed)
     if result is not None:
@@ -43,7 +45,9 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                  for v, sh, x in zip(traced.invars, in_sh, traced.leaves)]
         out_sh = [sh if sh is not None or v not in result.values else NamedSharding(mesh, to_pspec(result.values[v]))
                   for v, sh in zip(traced.outvars, out_sh)]
-        evaluate = emit(traced.closed, emission_of(traced.nodes, result), mesh)
+        evaluate = emit(traced.closed, emission_of(traced.nodes, result), mesh, rewrite)
+    elif rewrite is not None:
+        evaluate = emit(traced.closed, EMPTY, mesh, rewrite)
     in_sh = [sh or NamedSharding(mesh, PartitionSpec()) for sh in in_sh]
     in_tree = jax.tree_util.tree_unflatten(traced.treedef, in_sh)
     out_tree = jax.tree_util.tree_unflatten(traced.out_tree, out_sh)
@@ -55,8 +59,15 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
     plan = Plan(mesh, traced.fine, options.mode, ops, tuple(sh.spec for sh in in_sh),
                 tuple(None if sh is None else sh.spec for sh in out_sh), traced.treedef, traced.out_tree,
                 tuple(traced.ctx.annotations), "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *abstract(args)),
-                search=planned.report)
+                search=planned.report, recompute=_recompute(traced, result, argument_leaves(args, options.donate_argnums)))
     return Program(plan, jitted, in_tree)
+
+
+def _recompute(traced: Traced, result, donated_leaves: set[int]) -> RecomputeReport | None:
+    """The program's recompute regions and the memory model's peak with and without them."""
+    donated = frozenset(traced.invars[i] for i in donated_leaves)
+    values = {} if result is None else result.values
+    return recompute_report(traced.nodes, values, traced.axis_size, traced.invars, traced.outvars, donated)
 
 
 def compiled_peak(jitted: Any, args: tuple) -> float:

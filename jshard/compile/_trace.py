@@ -102,9 +102,14 @@ def devices_for(options: Options) -> list[jax.Device] | None:
 
 
 def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | None, options: Options,
-          call: str) -> Traced:
+          call: str, accumulator: tuple | None = None) -> Traced:
     """`fn(*args)` traced on the mesh of `fine` (the user's mesh in manual mode, an abstract one
-    without devices)."""
+    without devices); `jshard.accumulate` calls in it read `options.accumulation` and `accumulator`
+    (the accumulated gradients' cut, with `accumulation_shard`).
+
+    Raises:
+      ShardingError: `accumulation_steps` is given but `fn` calls no `jshard.accumulate`.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(args)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
     avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)) for x in leaves]
@@ -118,7 +123,8 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
         mesh = jax.sharding.AbstractMesh(fine.sizes, fine.names)
     else:
         mesh = fine.jax_mesh(devices)
-    ctx = _context.TraceContext(call, fine, mesh, options.mode)
+    steps = None if options.accumulation is None else options.accumulation.steps
+    ctx = _context.TraceContext(call, fine, mesh, options.mode, accumulation_steps=steps, accumulator=accumulator)
     with _context.tracing(ctx):
         try:
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
@@ -127,6 +133,11 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
             if unbound is None:
                 raise
             raise ShardingError(_collective_error(call, unbound["axis"], unbound["op"], _user_line(e))) from None
+    if steps is not None and not ctx.accumulated:
+        raise ShardingError(
+            f"{call}: accumulation_steps={steps}, but the function calls no jshard.accumulate, so jshard cannot tell "
+            f"which part of it makes the gradients. Wrap the gradient function in the step: loss, grads = "
+            f"jshard.accumulate(jax.value_and_grad(loss_fn))(params, batch); or drop accumulation_steps.")
     out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     return Traced(closed, flatten(closed.jaxpr), ctx, leaves, treedef, paths,
                   [x for _, x in out_paths], out_tree, [jax.tree_util.keystr(p) for p, _ in out_paths])

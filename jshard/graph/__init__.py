@@ -4,10 +4,12 @@ branch bodies nested in place), the form every planner reads."""
 from jshard.graph._graph import CONSTRAINT as CONSTRAINT
 from jshard.graph._graph import INLINE as INLINE
 from jshard.graph._graph import NESTED as NESTED
+from jshard.graph._graph import RECOMPUTE_SCOPE as RECOMPUTE_SCOPE
 from jshard.graph._graph import REMAT as REMAT
 from jshard.graph._graph import Node as Node
 from jshard.graph._graph import flatten as flatten
 from jshard.graph._graph import inline_equations as inline_equations
 from jshard.graph._graph import nested_jaxprs as nested_jaxprs
 from jshard.graph._graph import operand_vars as operand_vars
+from jshard.graph._graph import remat_policy_name as remat_policy_name
 from jshard.graph._graph import resolve as resolve

@@ -20,6 +20,9 @@ REMAT = frozenset({"remat", "remat2", "checkpoint"})
 """The primitives `jax.checkpoint` (and so `flax.linen.remat`, `nnx.remat`, `jshard.recompute`) leaves."""
 INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}) | REMAT
 NESTED = frozenset({"scan", "while", "cond"})
+RECOMPUTE_SCOPE = "jshard_recompute_"
+"""The name scope `jshard.recompute` runs a function in, followed by its policy's name
+(`jshard_recompute_selective`): how a `Plan` tells its operators from a bare `jax.checkpoint`'s."""
 CONSTRAINT = "sharding_constraint"
 """The primitive `jax.lax.with_sharding_constraint` (and so `jshard.shard`) leaves in a jaxpr."""
 
@@ -37,6 +40,9 @@ class Node:
       source: `file:line (function)` of the user code that made it.
       weight: how many times it runs per call (the product of the enclosing scans' lengths).
       bodies: for a loop or branch, `(invars, outvars)` of each body, renamed like `inputs`.
+      remat: inside a `remat` body (`jax.checkpoint`, `jshard.recompute`): its policy's name
+        (`remat_policy_name`); `""` outside one. A remat body's scope is prefixed with the remat
+        equation's, so that the recomputation in the backward pass counts as backward.
     """
 
     eqn: jcore.JaxprEqn
@@ -47,6 +53,7 @@ class Node:
     source: str
     weight: int = 1
     bodies: list = dataclasses.field(default_factory=list)
+    remat: str = ""
 
     @property
     def primitive(self) -> str:
@@ -69,22 +76,37 @@ def operand_vars(node: Node) -> tuple[list, list]:
 
 def inline_equations(jaxpr: jcore.Jaxpr, env: dict) -> Iterator[tuple[jcore.JaxprEqn, dict]]:
     """Equations of `jaxpr` with call-like sub-jaxprs inlined; `env` maps inner vars to outer ones."""
-    for eqn, env_now, _ in _inlined(jaxpr, env, ()):
+    for eqn, env_now, _, _, _ in _inlined(jaxpr, env, (), None, None):
         yield eqn, env_now
 
 
-def _inlined(jaxpr, env, callers):
-    """`inline_equations`, each equation with the call equations it was inlined from, outermost first."""
+def _inlined(jaxpr: jcore.Jaxpr, env: dict, callers, remat, prefix) -> Iterator[tuple]:
+    """`inline_equations`, each equation with the call equations it was inlined from (outermost
+    first), its innermost enclosing remat equation (or None) and, inside one, the name stack of the
+    calls from it down to the equation (whose own name stack is relative to the innermost call)."""
     for eqn in jaxpr.eqns:
         sub = sub_jaxpr(eqn)
         if sub is None:
-            yield eqn, env, callers
+            yield eqn, env, callers, remat, prefix
             continue
         for v_in, v_out in zip(sub.invars, eqn.invars):
             env[v_in] = resolve(env, v_out)
-        yield from _inlined(sub, env, callers + (eqn,))
+        inner = eqn.source_info.name_stack if prefix is None else prefix + eqn.source_info.name_stack
+        if eqn.primitive.name in REMAT:
+            yield from _inlined(sub, env, callers + (eqn,), eqn, inner)
+        else:
+            yield from _inlined(sub, env, callers + (eqn,), remat, None if remat is None else inner)
         for v_out, v_in in zip(eqn.outvars, sub.outvars):
             env[v_out] = resolve(env, v_in)
+
+
+def remat_policy_name(policy) -> str:
+    """A remat equation's `policy` param in words: `"full"` (None: nothing saved, `jax.checkpoint`'s
+    default), a policy function's name (`"nothing_saveable"`), or a policy object's repr
+    (`"DotsSaveable(only_if_no_batch_dims=False)"`, what `jax.checkpoint_policies.dots_saveable` is)."""
+    if policy is None:
+        return "full"
+    return getattr(policy, "__name__", None) or repr(policy)
 
 
 def resolve(env: dict, v):
@@ -129,22 +151,25 @@ def _source(eqn, callers) -> str:
     return user_source(eqn.source_info)
 
 
-def _collect(jaxpr, env, inside, weight, nodes):
-    for eqn, env_now, callers in _inlined(jaxpr, env, ()):
+def _collect(jaxpr, env, inside, weight, nodes, outer=None):
+    for eqn, env_now, callers, remat, prefix in _inlined(jaxpr, env, (), outer,
+                                                         outer and outer.source_info.name_stack):
         info = eqn.source_info
+        scope = info.name_stack if prefix is None else prefix + info.name_stack
         node = Node(
             eqn,
             tuple(resolve(env_now, v) for v in eqn.invars),
             tuple(eqn.outvars),
             inside,
-            str(info.name_stack),
+            str(scope),
             _source(eqn, callers),
             weight,
+            remat="" if remat is None else remat_policy_name(remat.params.get("policy")),
         )
         nodes.append(node)
         if eqn.primitive.name in NESTED:
             inner = weight * eqn.params.get("length", 1)
             for body in nested_jaxprs(eqn):
                 body_env: dict = {}
-                _collect(body, body_env, eqn.primitive.name, inner, nodes)
+                _collect(body, body_env, eqn.primitive.name, inner, nodes, remat)
                 node.bodies.append((list(body.invars), [resolve(body_env, v) for v in body.outvars]))

@@ -345,6 +345,11 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
             f"in mode='data' or 'semi_auto'; it cannot be used with a pipeline yet. Use mode='data' or "
             f"'semi_auto', or drop optimizer_parallel."
         )
+    if options.accumulation is not None:
+        raise ShardingError(
+            f"{call}: accumulation_steps cuts a step's batch into micro-batches outside a pipeline; a pipeline "
+            f"accumulates its own micro_batches. Use micro_batches=, or drop accumulation_steps."
+        )
     if fn is None:
         return lambda f: Pipelined(f, options)
     return Pipelined(fn, options)

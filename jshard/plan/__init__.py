@@ -5,6 +5,8 @@ from jshard.plan._io import to_json as to_json
 from jshard.plan._optimizer import OptimizerReport as OptimizerReport
 from jshard.plan._plan import Plan as Plan
 from jshard.plan._plan import load as load
+from jshard.plan._recompute import RecomputeReport as RecomputeReport
+from jshard.plan._recompute import recompute_report as recompute_report
 from jshard.plan._records import ORIGINS as ORIGINS
 from jshard.plan._records import OpLayout as OpLayout
 from jshard.plan._records import OpRecord as OpRecord

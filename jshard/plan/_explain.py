@@ -37,7 +37,23 @@ def explain(plan, op) -> str:
         lines.append("  cost paid: none (no redistribution, no partial sums)")
     if op.rejected:
         lines.append(f"  best rejected alternative: {op.rejected}")
+    if op.recompute:
+        lines.append(_recompute(plan, op))
     return "\n".join(lines)
+
+
+def _recompute(plan, op) -> str:
+    """Why the operator is (or is not) run again in the backward pass."""
+    why = (f"{op.recompute}, the user's jax.checkpoint (or a remat built on it)" if op.recompute.startswith("jax.")
+           else f"{op.recompute}, the user's jshard.recompute call")
+    if op.recomputed:
+        return f"  recomputed: the backward pass runs this forward operator again instead of keeping its result ({why})"
+    if op.backward:
+        return f"  in the backward pass of a recompute region ({why})"
+    again = any(o.recomputed and (o.source, o.primitive) == (op.source, op.primitive) for o in plan.ops)
+    if again:
+        return f"  in a recompute region ({why}): its result is not kept for the backward pass, which runs it again"
+    return f"  in a recompute region ({why}): not run again in the backward pass (its policy saves the result, or the backward pass does not need it)"
 
 
 def _chain(plan, op) -> list:

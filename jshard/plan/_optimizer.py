@@ -19,6 +19,9 @@ class OptimizerReport:
       saved_bytes: bytes per device the cuts save in the arguments.
       whole: paths of the leaves at or above the threshold that no free mesh axis divides (kept
         whole).
+      regathered: parameter leaves the backward pass all-gathers again (`optimizer_comm_recompute`).
+      leaves: per cut leaf, `(path, role, layout before, layout after)`: its argument path, `"state"`
+        or `"parameter"`, and its `PartitionSpec`s as text (`table()` lists them).
     """
 
     level: int
@@ -29,10 +32,20 @@ class OptimizerReport:
     params_total: int
     saved_bytes: float
     whole: tuple[str, ...] = ()
+    regathered: int = 0
+    leaves: tuple[tuple[str, str, str, str], ...] = ()
 
     def line(self) -> str:
         """One line for `Plan.summary`."""
         kept = f"; kept whole (no free axis divides them): {', '.join(self.whole)}" if self.whole else ""
+        kept += (f"; {self.regathered} parameter leaves all-gathered again in the backward pass (communication "
+                 f"recompute)") if self.regathered else ""
         return (f"optimizer parallel level {self.level} (threshold {human_bytes(self.threshold)}): "
                 f"{self.state_cut}/{self.state_total} optimizer-state and {self.params_cut}/{self.params_total} "
                 f"parameter leaves cut, {human_bytes(self.saved_bytes)} per device saved{kept}")
+
+    def table(self) -> str:
+        """One line per cut leaf: its path, role, and layout before and after the cut."""
+        rows = [("argument", "role", "laid out", "cut")] + list(self.leaves)
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -19,6 +19,7 @@ from jshard.layouts import FineMesh
 from jshard.plan._explain import explain
 from jshard.plan._io import read_fields, to_json, write_json
 from jshard.plan._optimizer import OptimizerReport
+from jshard.plan._recompute import RecomputeReport
 from jshard.plan._records import OpRecord
 from jshard.plan._slices import RankSlices, rank_slices
 from jshard.plan._summary import WIDTH, summary_html, summary_renderable, summary_text
@@ -43,6 +44,8 @@ class Plan:
         on an abstract mesh.
       search: how `mode="auto"` found the plan (a `SearchReport`), or None.
       optimizer: what optimizer parallel cut (an `OptimizerReport`), or None.
+      recompute: the recompute regions and the predicted peak with and without them (a
+        `RecomputeReport`), or None where the program recomputes nothing (or was loaded).
     """
 
     mesh: Mesh | None
@@ -58,6 +61,7 @@ class Plan:
     lower: Callable[[], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
     search: SearchReport | None = dataclasses.field(default=None, compare=False)
     optimizer: OptimizerReport | None = dataclasses.field(default=None, compare=False)
+    recompute: RecomputeReport | None = dataclasses.field(default=None, compare=False)
 
     @property
     def device_count(self) -> int:

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 from jshard._context import Annotation
 from jshard._format import var_str
 from jshard.cost import Comm
-from jshard.graph import Node
+from jshard.graph import RECOMPUTE_SCOPE, Node
 from jshard.layouts import FineMesh, Spec, Strategy, TensorLayout, to_pspec
 
 ORIGINS = ("user", "propagated", "searched", "default")
@@ -23,6 +23,9 @@ ORIGINS = ("user", "propagated", "searched", "default")
 nowhere (left to XLA's own propagation from the anchors)."""
 
 _SCOPE = re.compile(r"jshard_shard\d+")
+_RECOMPUTE = re.compile(RECOMPUTE_SCOPE + r"(\w+)")
+_RERUN = "rematted_computation"
+"""The name scope JAX gives the forward operators a remat equation runs again in the backward pass."""
 
 
 class OpLayout(NamedTuple):
@@ -59,6 +62,13 @@ class OpRecord:
       via: the index of the operator (or `"arg"`, `"user"`) whose layout this one took.
       rejected: the best alternative it did not take, described, or `""`.
       ruled: False where jshard has no sharding rule for the primitive (left replicated).
+      recompute: the recompute region it belongs to, `jshard.recompute(policy='selective')` or
+        `jax.checkpoint(policy=full)` (a bare `jax.checkpoint`, `flax.linen.remat`, ...), or `""`.
+        A forward operator of a bare `jax.checkpoint` region is known by the backward pass's run
+        of it (the same source line and primitive); one the policy saves is not run again, so it
+        is named only inside `jshard.recompute`.
+      recomputed: whether it is the backward pass's run of a forward operator again (what recompute
+        costs), rather than its first run or a gradient operator.
     """
 
     index: int
@@ -79,6 +89,8 @@ class OpRecord:
     via: str = ""
     rejected: str = ""
     ruled: bool = True
+    recompute: str = ""
+    recomputed: bool = False
     layout: OpLayout | None = None
     """For a propagated or searched operator, its operands' layouts over the fine mesh, loop bodies
     included: what emission and `Plan.load` need to rebuild the same program."""
@@ -130,6 +142,8 @@ def build_ops(
         if i not in number and main_node is not None:
             stands_for[i] = number[node_index[id(main_node)]]
     records = []
+    regions, rerun = recompute_regions(nodes)
+    rerun = set(rerun)
     cuts = _cutter(dict(zip(fine.names, fine.sizes)))
     for i, node in enumerate(nodes):
         if i not in number:
@@ -165,10 +179,30 @@ def build_ops(
                 index=number[i], primitive=node.primitive, source=node.source,
                 in_shapes=tuple(var_str(v) for v in node.inputs), out_shapes=tuple(var_str(v) for v in node.outputs),
                 annotation=ann.name if ann is not None else "", backward=node.backward, inside=node.inside,
-                ruled=result is None or i not in result.unruled, **fields,
+                ruled=result is None or i not in result.unruled, recompute=regions.get(i, ""),
+                recomputed=i in rerun, **fields,
             )
         )
     return tuple(records)
+
+
+def recompute_regions(nodes: Sequence[Node]) -> tuple[dict[int, str], list[int]]:
+    """Node index -> the recompute region it belongs to (see `OpRecord.recompute`), and the nodes
+    that run a forward operator again in the backward pass (`OpRecord.recomputed`)."""
+    found: dict[int, str] = {}
+    again: dict[tuple[str, str], str] = {}
+    for i, node in enumerate(nodes):
+        named = _RECOMPUTE.search(node.scope)
+        if named:
+            found[i] = f"jshard.recompute(policy={named.group(1)!r})"
+        elif node.remat:
+            found[i] = f"jax.checkpoint(policy={node.remat})"
+        if node.remat and _RERUN in node.scope:
+            again.setdefault((node.source, node.primitive), found[i])
+    for i, node in enumerate(nodes):
+        if i not in found and not node.backward and (node.source, node.primitive) in again:
+            found[i] = again[node.source, node.primitive]
+    return found, [i for i, node in enumerate(nodes) if node.remat and _RERUN in node.scope]
 
 
 def _cutter(sizes):

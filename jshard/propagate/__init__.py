@@ -1,6 +1,8 @@
 """Sharding propagation over the OpGraph (MindSpore's `sharding_propagation`), and emission: the
 traced program re-run with the constraints that make XLA follow a plan."""
 
+from jshard.propagate._emit import EMPTY as EMPTY
+from jshard.propagate._emit import Rewrite as Rewrite
 from jshard.propagate._emit import emit as emit
 from jshard.propagate._engine import Decision as Decision
 from jshard.propagate._engine import Engine as Engine

@@ -40,23 +40,36 @@ class Emission:
     inputs: Mapping
 
 
+EMPTY = Emission({}, {})
+"""No constraints: the program as traced (for a `Rewrite` alone)."""
+
+Rewrite = Callable[[], Callable[[int, jcore.JaxprEqn, list, Callable], list]]
+"""A rewrite of the top-level program: called once per run (each trace of the emitted function),
+it gives `(index, eqn, ins, read) -> ins`, the values a top-level equation takes in place of `ins`
+(`read(var)` gives any value made before it)."""
+
+
 class _Interpreter:
-    def __init__(self, emission: Emission, mesh: Mesh):
-        self.emission, self.mesh = emission, mesh
+    def __init__(self, emission: Emission, mesh: Mesh, rewrite: Rewrite | None = None):
+        self.emission, self.mesh, self.rewrite = emission, mesh, rewrite
         self._touched: dict[int, bool] = {}
 
     def constrain(self, x, spec: Spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, to_pspec(spec)))
 
-    def run(self, jaxpr: jcore.Jaxpr, consts, args) -> list:
+    def run(self, jaxpr: jcore.Jaxpr, consts, args, top: bool = False) -> list:
+        rewrite = self.rewrite() if top and self.rewrite is not None else None
         env: dict = {}
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
         for v, x in zip(jaxpr.constvars, consts):
             env[v] = x
         for v, x in zip(jaxpr.invars, args):
             env[v] = x
-        for eqn in jaxpr.eqns:
-            ins = [self._in(eqn, k, read(v)) for k, v in enumerate(eqn.invars)]
+        for t, eqn in enumerate(jaxpr.eqns):
+            ins = [read(v) for v in eqn.invars]
+            if rewrite is not None:
+                ins = rewrite(t, eqn, ins, read)
+            ins = [self._in(eqn, k, x) for k, x in enumerate(ins)]
             outs = self._eqn(eqn, ins)
             for v, x in zip(eqn.outvars, outs):
                 env[v] = self._out(v, x)
@@ -157,12 +170,13 @@ def _nested_closed(eqn) -> list[jcore.ClosedJaxpr]:
     return [j if isinstance(j, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(j, ()) for j in found]
 
 
-def emit(closed: jcore.ClosedJaxpr, emission: Emission, mesh: Mesh) -> Callable[..., list]:
-    """A function of the jaxpr's flat inputs that runs it with `emission`'s constraints."""
-    interpreter = _Interpreter(emission, mesh)
+def emit(closed: jcore.ClosedJaxpr, emission: Emission, mesh: Mesh, rewrite: Rewrite | None = None) -> Callable[..., list]:
+    """A function of the jaxpr's flat inputs that runs it with `emission`'s constraints (and
+    `rewrite`'s values in the top-level equations' inputs)."""
+    interpreter = _Interpreter(emission, mesh, rewrite)
 
     def run(*args):
-        return interpreter.run(closed.jaxpr, closed.consts, args)
+        return interpreter.run(closed.jaxpr, closed.consts, args, top=True)
 
     return run
 

@@ -1,0 +1,164 @@
+"""`jshard.accumulate`: gradient accumulation outside a pipeline (MindSpore's `gradient_accumulation`).
+
+A train step `(params, opt_state, batch) -> (params, opt_state, metrics)` is one program to jshard,
+which cannot tell by itself where the gradients are made; so the step names its gradient function
+(as `optax.MultiSteps` wraps the optimizer and MaxText scans its gradient function):
+
+    loss, grads = jshard.accumulate(jax.value_and_grad(loss_fn))(params, batch)
+
+`accumulate` cuts the batch argument's rows into k micro-batches (row `i * k + j` goes to
+micro-batch j, so each micro-batch stays spread over the devices that cut the batch, with no
+redistribution), runs `grad_fn` on each in a `lax.scan`, sums its results in the scan carry, and
+returns their mean (floating leaves; integer ones, counts, summed): one optimizer update follows,
+on the mean gradient, as the full batch's step makes it where the loss is a mean over rows (for a
+masked mean, where every row's mask counts the same tokens). Under `parallelize(...,
+accumulation_steps=k)` k comes from there, and with `accumulation_shard=True` the carry's gradients
+are cut over the data-parallel axes (the core puts the cut in the trace context:
+`compile/_core.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jshard import _context
+from jshard._errors import ShardingError, api_boundary
+from jshard._format import shape_str
+
+
+@api_boundary
+def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_argnums: int = -1) -> Callable[..., Any]:
+    """`grad_fn` run on `steps` micro-batches of its batch argument, its results averaged.
+
+    Args:
+      grad_fn: the gradient function, e.g. `jax.value_and_grad(loss_fn)` (any function whose
+        floating results are means over the batch's rows: loss, gradients, metrics).
+      steps: k, how many micro-batches; None takes `parallelize`'s `accumulation_steps` (required
+        outside `parallelize`).
+      batch_argnums: which positional argument of `grad_fn` is the batch (every array leaf of it is
+        cut along dim 0).
+
+    Returns:
+      A function with `grad_fn`'s signature and results: floating leaves the mean over the
+      micro-batches, the others their sum. With k = 1 it is `grad_fn` itself.
+
+    Raises:
+      ShardingError: k is not a positive int (or not given outside `parallelize`), does not divide
+        the batch's rows, or differs from `parallelize`'s `accumulation_steps`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jshard as js
+      >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+      >>> w, x = jnp.ones((2, 1)), jnp.arange(8.0).reshape(4, 2)
+      >>> js.accumulate(jax.value_and_grad(loss), 2)(w, x)[0] == jax.value_and_grad(loss)(w, x)[0]
+      Array(True, dtype=bool)
+    """
+    name = getattr(grad_fn, "__name__", type(grad_fn).__name__)
+
+    def run(*args):
+        ctx = _context.current()
+        call = f"jshard.accumulate({name})" + (f" in {ctx.call}" if ctx is not None else "")
+        k = _steps(steps, ctx, call)
+        if ctx is not None:
+            ctx.accumulated += 1
+        b = batch_argnums
+        if isinstance(b, bool) or not isinstance(b, int) or not -len(args) <= b < len(args):
+            raise ShardingError(f"{call}: batch_argnums={batch_argnums!r} numbers no argument of the {len(args)} "
+                                f"given. Number the batch argument (default -1, the last).")
+        if k == 1:
+            return grad_fn(*args)
+        return _scanned(grad_fn, args, b % len(args), k, None if ctx is None else ctx.accumulator, call)
+
+    return run
+
+
+def _steps(steps, ctx, call: str) -> int:
+    given = None if ctx is None else ctx.accumulation_steps
+    if steps is None and given is None:
+        raise ShardingError(f"{call}: no micro-batch count: pass accumulate(grad_fn, steps=k), or call it in a step "
+                            f"parallelized with accumulation_steps=k.")
+    k = given if steps is None else steps
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ShardingError(f"{call}: steps={k!r} is not a number of micro-batches; give a positive int k that "
+                            f"divides the batch's rows.")
+    if given is not None and k != given:
+        raise ShardingError(f"{call}: steps={k} but the step is parallelized with accumulation_steps={given}; give "
+                            f"one of them (drop steps= to take accumulation_steps).")
+    return k
+
+
+def _scanned(grad_fn, args: tuple, b: int, k: int, accumulator, call: str):
+    leaves, tree = jax.tree_util.tree_flatten(args[b])
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args[b])[0]]
+    for x, path in zip(leaves, paths):
+        rows = np.shape(x)[0] if np.ndim(x) else None
+        if rows is None or rows % k:
+            raise ShardingError(_rows_error(call, b, path, x, k))
+    micro = [jnp.swapaxes(jnp.reshape(x, (np.shape(x)[0] // k, k, *np.shape(x)[1:])), 0, 1) for x in leaves]
+
+    def one(batch):
+        return grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:])
+
+    shapes = jax.eval_shape(one, [x[0] for x in micro])
+    constrain = _constrainer(shapes, accumulator, call)
+
+    def body(total, batch):
+        return constrain(jax.tree.map(jnp.add, total, one(batch))), None
+
+    zeros = constrain(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+    total, _ = jax.lax.scan(body, zeros, micro)
+    return jax.tree.map(lambda t: t / k if jnp.issubdtype(t.dtype, jnp.inexact) else t, total)
+
+
+def _constrainer(shapes, accumulator, call: str) -> Callable[[Any], Any]:
+    """Lays out the results' subtree that has the parameters' tree and shapes (the gradients) as
+    `accumulator` cuts it; identity without one.
+
+    Raises:
+      ShardingError: with `accumulator`, no result subtree is like the parameters.
+    """
+    if accumulator is None:
+        return lambda total: total
+    tree, cut = accumulator
+
+    def like(part) -> bool:
+        return (jax.tree_util.tree_structure(part) == tree
+                and [s.shape for s in jax.tree_util.tree_leaves(part)] == [shape for shape, _ in cut])
+
+    def cut_like(part):
+        leaves = [x if sh is None else jax.lax.with_sharding_constraint(x, sh)
+                  for x, (_, sh) in zip(jax.tree_util.tree_leaves(part), cut)]
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    if like(shapes):  # grad_fn is jax.grad: its result is the gradients
+        return cut_like
+    hits = [i for i, part in enumerate(shapes) if like(part)] if isinstance(shapes, (tuple, list)) else []
+    if not hits:
+        raise ShardingError(f"{call}: accumulation_shard=True cuts the accumulated gradients like the parameters "
+                            f"(argument 0 of the step), but no result of the gradient function has their tree and "
+                            f"shapes. Differentiate with respect to the parameters as the step takes them "
+                            f"(jax.value_and_grad(loss_fn)(params, batch)), or drop accumulation_shard.")
+
+    def constrain(total):
+        items = list(total)
+        items[hits[0]] = cut_like(items[hits[0]])
+        return tuple(items) if isinstance(total, tuple) else items
+
+    return constrain
+
+
+def _rows_error(call: str, b: int, path: str, x, k: int) -> str:
+    shape = shape_str(getattr(x, "dtype", np.asarray(x).dtype), np.shape(x))
+    if not np.ndim(x):
+        return (f"{call}: the batch (argument {b}) leaf {path or '(the argument)'} is a scalar {shape}; every leaf "
+                f"of the batch is cut along its rows into the {k} micro-batches. Pass scalars in another argument.")
+    rows = np.shape(x)[0]
+    divisors = [d for d in range(1, rows + 1) if rows % d == 0]
+    return (f"{call}: accumulation_steps={k} does not divide the {rows} rows of the batch (argument {b}) leaf "
+            f"{path or '(the argument)'} {shape}. Give a k that divides {rows} ({', '.join(map(str, divisors))}), "
+            f"or a batch of a multiple of {k} rows.")
