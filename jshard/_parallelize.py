@@ -20,6 +20,7 @@ from jshard.compile import (
     Options,
     Program,
     SignatureCache,
+    abstract,
     bind,
     build,
     placed,
@@ -59,6 +60,7 @@ def parallelize(
     optimizer_parallel: int | None = None,
     optimizer_parallel_threshold: int | float | str = "64KiB",
     optimizer_state_argnums: int | Sequence[int] | None = None,
+    offload: str | Sequence[str] = (),
 ) -> Any:
     """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
 
@@ -126,6 +128,13 @@ def parallelize(
       optimizer_parallel_threshold: bytes, or a size such as `"64KiB"` (the default, as
         MindSpore's `parallel_optimizer_threshold`); smaller leaves stay whole.
       optimizer_state_argnums: the optimizer-state arguments, where not every other one is.
+      offload: MindSpore's heterogeneous storage: `("optimizer",)`, `("parameters",)` or both keep
+        the optimizer-state leaves, the parameter leaves or both (the roles above; PRNG keys stay)
+        in host memory between steps (memory kind `"pinned_host"` on the program's argument
+        shardings and on the results that update them); the step streams each to the device for
+        use and the update back. `plan.summary()` names the host leaves and the bytes moved per
+        step (`plan.offload`, a `jshard.plan.OffloadReport`). Activations: `jshard.recompute(fn,
+        policy="offload")`.
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`. Call it as `fn` is called: keyword
@@ -155,7 +164,7 @@ def parallelize(
         search_time_limit=search_time_limit, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
         schedule=schedule, virtual_stages=virtual_stages, pipeline_result_broadcast=pipeline_result_broadcast,
         optimizer_parallel=optimizer_parallel, optimizer_parallel_threshold=optimizer_parallel_threshold,
-        optimizer_state_argnums=optimizer_state_argnums,
+        optimizer_state_argnums=optimizer_state_argnums, offload=offload,
     )
     if options.pipeline is not None:
         from jshard.pipeline import pipelined  # noqa: PLC0415  (the pipeline front end builds on this module's core)
@@ -187,9 +196,11 @@ class Parallelized:
     @api_boundary
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The planned program, lowered (as `jax.jit(...).lower`). Its arguments are the traced ones:
-        the positional arguments (a static one as None), then the keyword arguments' values in name order."""
+        the positional arguments (a static one as None), then the keyword arguments' values in name order.
+        With `offload`, the arguments are taken as shapes (they need not lie in host memory yet)."""
         bound = bind(self.fn, self.options, args, kwargs, self.call)
-        return self._runnable(bound).jitted.lower(*bound.args)
+        program = self._runnable(bound)
+        return program.jitted.lower(*(abstract(bound.args) if program.plan.offload else bound.args))
 
     @api_boundary
     def plan(self, *args, **kwargs) -> Plan:

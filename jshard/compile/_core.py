@@ -2,7 +2,8 @@
 
 `parallelize` calls `build` with validated `Options`. It chooses the fine mesh (refining it and
 tracing again where a strategy met while tracing needs a finer one), fixes the boundary (with
-`optimizer_parallel`, cutting the optimizer state and parameters there: `_optimizer.py`), asks the
+`optimizer_parallel`, cutting the optimizer state and parameters there: `_optimizer.py`; with
+`offload`, choosing the state kept in host memory: `_offload.py`), asks the
 `Planner` the options name, and builds the `Program`. With `memory_budget` and devices present, the
 searched program's compiled memory is checked and the search asked again for less, up to
 `BUDGET_ROUNDS` times.
@@ -26,6 +27,7 @@ from jshard.compile._boundary import (
     in_shardings,
     out_shardings,
 )
+from jshard.compile._offload import offloaded
 from jshard.compile._optimizer import cuts, gathered, result_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
@@ -68,6 +70,7 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
         if cut.gather:  # level 3: the function all-gathers the cut parameters before use
             traced = trace(gathered(fn, cut.gather), args, fine, devices, c, call)
         in_sh, out_sh, optimizer = [cut.args.get(i, sh) for i, sh in enumerate(in_sh)], result_shardings(out_sh, cut), cut.report
+    offload = offloaded(traced, args, c, call) if c.offload else None
     problem = Problem(traced, in_sh, donated, c.memory_budget)
     checked = c.searching and c.memory_budget is not None and devices is not None
     held = 0.0
@@ -79,7 +82,8 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
                 raise
             raise ShardingError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e)) from None
         given = planned.in_shardings or [None] * len(in_sh)
-        program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args)
+        program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args,
+                                offload)
         program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=optimizer))
         if not checked:
             return program

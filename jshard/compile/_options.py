@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from jshard._errors import ShardingError
 from jshard.cost import CostModel
+from jshard.hetero import check_offload
 from jshard.layouts import DatasetStrategy, check_dataset_strategy
 from jshard.plan import Plan
 from jshard.search import SEARCHES
@@ -97,6 +98,7 @@ class Options:
     search_time_limit: float = 60.0
     pipeline: PipelineOptions | None = None
     optimizer: OptimizerParallel | None = None
+    offload: tuple[str, ...] = ()
 
     @classmethod
     def create(cls, *, donate_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] | None = None,
@@ -106,10 +108,12 @@ class Options:
                pipeline_stages: int | None = None, micro_batches: int | None = None, schedule: str = "1f1b",
                virtual_stages: int = 1, pipeline_result_broadcast: bool = False, optimizer_parallel: int | None = None,
                optimizer_parallel_threshold: int | float | str = "64KiB",
-               optimizer_state_argnums: int | Sequence[int] | None = None, **fields: Any) -> Options:
+               optimizer_state_argnums: int | Sequence[int] | None = None, offload: str | Sequence[str] = (),
+               **fields: Any) -> Options:
         """Options from `parallelize`'s keywords, normalized (argnums and argnames as tuples, sizes as
         bytes, the pipeline's keywords as one `PipelineOptions`, or None where none differs from its
-        default; the optimizer-parallel keywords as one `OptimizerParallel`, or None without a level)."""
+        default; the optimizer-parallel keywords as one `OptimizerParallel`, or None without a level;
+        `offload` as a tuple of names)."""
         optimizer = None if optimizer_parallel is None else OptimizerParallel(
             optimizer_parallel, optimizer_parallel_threshold,
             None if optimizer_state_argnums is None else _as_tuple(optimizer_state_argnums))
@@ -118,7 +122,8 @@ class Options:
                    static_argnums=_as_tuple(static_argnums), static_argnames=_as_tuple(static_argnames),
                    donate_argnames=_as_tuple(donate_argnames),
                    memory_budget=parse_bytes(memory_budget), search_time_limit=float(search_time_limit),
-                   pipeline=pipeline if pipeline.asked else None, optimizer=optimizer, **fields)
+                   pipeline=pipeline if pipeline.asked else None, optimizer=optimizer,
+                   offload=_as_tuple(offload) if offload is not None else (), **fields)
 
     @property
     def searching(self) -> bool:
@@ -138,6 +143,10 @@ class Options:
                                 f"the batch its PartitionSpecs in in_strategy instead.")
         check_arguments(call, self)
         _check_optimizer(call, self)
+        check_offload(call, self.offload)
+        if self.offload and self.pipeline is not None:
+            raise ShardingError(f"{call}: offload={self.offload} keeps state in host memory in the one-program "
+                                f"path; it cannot be used with a pipeline yet. Drop offload= or the pipeline.")
         if self.mode == "manual" and self.mesh is None:
             raise ShardingError(f"{call}: mode='manual' takes PartitionSpecs over your mesh; pass mesh=... too.")
         if self.mesh is not None and self.devices is not None and self.devices != self.mesh.devices.size:

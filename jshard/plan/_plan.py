@@ -18,6 +18,7 @@ from jshard.audit import Audit, audit
 from jshard.layouts import FineMesh
 from jshard.plan._explain import explain
 from jshard.plan._io import read_fields, to_json, write_json
+from jshard.plan._offload import OffloadReport
 from jshard.plan._optimizer import OptimizerReport
 from jshard.plan._records import ORIGINS, OpRecord, strategies_str
 from jshard.search import SearchReport
@@ -41,6 +42,8 @@ class Plan:
         on an abstract mesh.
       search: how `mode="auto"` found the plan (a `SearchReport`), or None.
       optimizer: what optimizer parallel cut (an `OptimizerReport`), or None.
+      offload: the state kept in host memory and the bytes streamed per step (an `OffloadReport`),
+        or None.
     """
 
     mesh: Mesh | None
@@ -56,6 +59,7 @@ class Plan:
     lower: Callable[[], Any] | None = dataclasses.field(default=None, repr=False, compare=False)
     search: SearchReport | None = dataclasses.field(default=None, compare=False)
     optimizer: OptimizerReport | None = dataclasses.field(default=None, compare=False)
+    offload: OffloadReport | None = dataclasses.field(default=None, compare=False)
 
     @property
     def device_count(self) -> int:
@@ -130,6 +134,8 @@ class Plan:
             lines.append(self.search.line())
         if self.optimizer is not None:
             lines.append(self.optimizer.line())
+        if self.offload is not None:
+            lines.append(self.offload.line())
         lines.append(_table(_by_line(self.ops)))
         return "\n".join(lines)
 

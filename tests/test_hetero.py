@@ -1,0 +1,178 @@
+"""Host and device together (`jshard.hetero`): optimizer state and parameters kept in host memory
+between steps (`parallelize(..., offload=...)`), operators run on the host (`jshard.on_host`),
+activations offloaded between forward and backward (`recompute(policy="offload")`); each against
+one device."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _loop import run_steps
+from _tolerance import assert_close, step_terms
+from jax.ad_checkpoint import checkpoint_name
+
+import jshard as js
+from jshard import models
+from jshard._format import human_bytes
+
+STEPS = 3
+CFG = models.MLPConfig(d_in=16, d_hidden=32, d_out=8)
+OPT = optax.adam(1e-2)
+HOST = "pinned_host"
+
+
+def _problem():
+    params = models.init_mlp(CFG, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    return params, OPT.init(params), [models.mlp_batch(rng, CFG, 16) for _ in range(STEPS)]
+
+
+def _step():
+    return models.make_train_step(models.mlp_loss, OPT)
+
+
+@functools.cache
+def _reference():
+    params, state, batches = _problem()
+    return run_steps(jax.jit(_step()), params, state, batches)
+
+
+def _bytes(tree) -> int:
+    return sum(np.size(x) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("offload", [("optimizer",), ("parameters",), ("optimizer", "parameters")],
+                         ids=["optimizer", "parameters", "both"])
+def test_offloaded_state_lives_on_host_and_equals_one_device(offload):
+    params, state, batches = _problem()
+    step = js.parallelize(_step(), devices=8, mode="data", offload=offload)
+    got_params, got_state, got_losses = run_steps(step, params, state, batches)
+    ref_params, ref_state, ref_losses = _reference()
+    terms = STEPS * step_terms(params, batches[0])
+    assert_close(got_losses, ref_losses, dtype=np.float32, terms=terms)
+    assert_close((got_params, got_state), (ref_params, ref_state), terms=terms)
+
+    compiled = step.lower(params, state, batches[0]).compile()
+    ins, outs = compiled.input_shardings[0], compiled.output_shardings
+    on_host = {"parameters": (ins[0], outs[0]), "optimizer": (ins[1], outs[1])}
+    for role, (arg, result) in on_host.items():
+        want = HOST if role in offload else "device"
+        assert {sh.memory_kind for sh in jax.tree.leaves((arg, result))} == {want}, role
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(got_state)} == {HOST if "optimizer" in offload else "device"}
+
+    report = step.plan(params, state, batches[0]).offload
+    held = (_bytes(params) if "parameters" in offload else 0) + (_bytes(state) if "optimizer" in offload else 0)
+    assert (report.host_bytes, report.read_bytes, report.written_bytes) == (held, held, held)  # data mode: whole leaves
+    assert f"offload {'+'.join(offload)}: " in step.plan(params, state, batches[0]).summary()
+    assert human_bytes(held) in report.line()
+
+
+def test_no_offload_has_no_report_and_device_memory():
+    params, state, batches = _problem()
+    step = js.parallelize(_step(), devices=8, mode="semi_auto")
+    assert step.plan(params, state, batches[0]).offload is None
+    kinds = {sh.memory_kind for sh in jax.tree.leaves(step.lower(params, state, batches[0]).compile().input_shardings)}
+    assert kinds == {"device"}
+
+
+TABLE_ROWS, DIM = 64, 8
+
+
+def _lookup_problem():
+    k = jax.random.split(jax.random.key(2), 3)
+    params = {"table": jax.random.normal(k[0], (TABLE_ROWS, DIM)), "w": jax.random.normal(k[1], (DIM, 1))}
+    ids = jax.random.randint(k[2], (16,), 0, TABLE_ROWS)
+    return params, (ids, jnp.linspace(-1.0, 1.0, 16)[:, None])
+
+
+def _embedding_loss(lookup):
+    def loss(params, batch):
+        ids, y = batch
+        return jnp.mean((lookup(params["table"], ids) @ params["w"] - y) ** 2)
+
+    return loss
+
+
+def test_on_host_lookup_runs_on_the_host_and_equals_one_device():
+    params, batch = _lookup_problem()
+    host = jax.value_and_grad(_embedding_loss(js.on_host(lambda t, i: t[i])))
+    want = jax.jit(jax.value_and_grad(_embedding_loss(lambda t, i: t[i])))(params, batch)
+    terms = 2 * step_terms(params, batch)
+    assert_close(jax.jit(host)(params, batch), want, terms=terms)
+    step = js.parallelize(host, devices=8, mode="data")
+    assert_close(step(params, batch), want, terms=terms)
+    marked = js.hetero.host_operators(step.lower(params, batch).as_text(dialect="hlo"))
+    assert "gather" in marked and "scatter" in marked  # the lookup, and its gradient's scatter-add
+
+
+def test_on_host_reads_a_table_kept_in_host_memory():
+    params, batch = _lookup_problem()
+    sgd = lambda p, g: jax.tree.map(lambda a, b: a - 0.1 * b, p, g)  # noqa: E731
+
+    def step_of(lookup):
+        def step(p, b):
+            loss, grads = jax.value_and_grad(_embedding_loss(lookup))(p, b)
+            return sgd(p, grads), loss
+
+        return step
+
+    want = jax.jit(step_of(lambda t, i: t[i]))(params, batch)
+    step = js.parallelize(step_of(js.on_host(lambda t, i: t[i])), devices=8, mode="semi_auto", offload=("parameters",))
+    got = step(params, batch)
+    assert_close(got, want, terms=2 * step_terms(params, batch))
+    assert got[0]["table"].sharding.memory_kind == HOST
+
+
+def test_on_host_rejects_a_collective():
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    summed = js.on_host(lambda x: jax.lax.psum(x, "x"))
+    fn = jax.shard_map(summed, mesh=mesh, in_specs=jax.sharding.PartitionSpec("x"), out_specs=jax.sharding.PartitionSpec())
+    with pytest.raises(js.ShardingError, match=r"jshard.on_host\(<lambda>\): the host function runs psum\w* on f32\[1\] .*"
+                                                r"Call psum\w* outside the host function"):
+        jax.jit(fn)(jnp.ones(8))
+
+
+def _offload_layer(w, x):
+    h = checkpoint_name(jnp.tanh(x @ w), "h")
+    return jnp.tanh(h @ w)
+
+
+@pytest.mark.parametrize("policy", ["offload", js.offload_names("h")], ids=["offload", "offload_names"])
+def test_activation_offload_moves_residuals_to_host_and_equals_one_device(policy):
+    w, x = jnp.eye(16) * 0.5 + 0.01, jnp.linspace(-1.0, 1.0, 8 * 16).reshape(8, 16)
+    layer = js.recompute(_offload_layer, policy=policy)
+    grad = jax.grad(lambda w, x: layer(w, x).sum())
+    jaxpr = jax.make_jaxpr(grad)(w, x).jaxpr
+    remat = next(e for e in jaxpr.eqns if e.primitive.name == "checkpoint" or "remat" in e.primitive.name)
+    puts = [e for e in jaxpr.eqns if e.primitive.name == "device_put"]
+    assert remat.params["policy"] is not None
+    assert any(v.aval.memory_space == jax.memory.Space.Host for e in puts for v in e.outvars)
+    want = jax.jit(jax.grad(lambda w, x: _offload_layer(w, x).sum()))(w, x)
+    assert_close(js.parallelize(grad, devices=8)(w, x), want, terms=4 * 16 + 8)
+
+
+@pytest.mark.parametrize("offload, match", [
+    (("activations",), r"offload=\('activations',\) names 'activations', which is not state kept between steps.*"
+                       r"policy='offload'"),
+    (("batch",), r"offload=\('batch',\) names 'batch', which is not state"),
+])
+def test_offload_of_what_is_not_state_is_rejected(offload, match):
+    with pytest.raises(js.ShardingError, match=r"jshard.parallelize\(<lambda>\): " + match):
+        js.parallelize(lambda p, b: p, devices=8, offload=offload)
+
+
+def test_offload_of_missing_optimizer_state_is_rejected():
+    step = js.parallelize(lambda p, b: p * b.sum(), devices=8, offload="optimizer")
+    with pytest.raises(js.ShardingError, match=r"offload=\('optimizer',\) keeps the optimizer-state .* but this call "
+                                               r"has none .*drop 'optimizer' from offload"):
+        step(jnp.ones(4), jnp.ones((8, 2)))
+
+
+def test_offload_type_errors():
+    with pytest.raises(TypeError, match=r"offload takes names \(strings\)"):
+        js.parallelize(lambda p, b: p, devices=8, offload=(1,))
+    with pytest.raises(TypeError, match=r"jshard.offload_names: names are checkpoint_name strings"):
+        js.offload_names(3)
