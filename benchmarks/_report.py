@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from benchmarks import _abstract, _against_jit, _compiled, _gpu, _planning, _search
+from benchmarks import _abstract, _against_jit, _compiled, _gpu, _hetero, _planning, _search
 from benchmarks._models import model_table, workload
 from benchmarks._settings import DEVICES, Settings
 from benchmarks._table import Table
@@ -45,6 +45,7 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     add(_search.gap_table(cases))
     add(_search.planning_table(_search.planning_rows(settings.search_depths, settings.search_counts,
                                                      settings.search_big, settings.search_time_limit)))
+    add(_hetero.hetero_table(DEVICES, settings.step_rounds, settings.step_budget))
     return tables
 
 

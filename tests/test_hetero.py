@@ -176,3 +176,13 @@ def test_offload_type_errors():
         js.parallelize(lambda p, b: p, devices=8, offload=(1,))
     with pytest.raises(TypeError, match=r"jshard.offload_names: names are checkpoint_name strings"):
         js.offload_names(3)
+
+
+def test_benchmark_table_rows_are_measured_and_equal_one_device():
+    from benchmarks._hetero import CASES, hetero_table
+
+    table = hetero_table(8, rounds=1, budget=0.0)
+    assert [row[0] for row in table.rows] == list(CASES)
+    assert all(row[-1].endswith(" equal") for row in table.rows), table.rows
+    nothing, optimizer, both, activations = table.rows
+    assert nothing[2] == "0 B" and both[1] == "0 B" and optimizer[2] != "0 B" and activations[2] != "0 B"
