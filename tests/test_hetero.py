@@ -186,3 +186,58 @@ def test_benchmark_table_rows_are_measured_and_equal_one_device():
     assert all(row[-1].endswith(" equal") for row in table.rows), table.rows
     nothing, optimizer, both, activations = table.rows
     assert nothing[2] == "0 B" and both[1] == "0 B" and optimizer[2] != "0 B" and activations[2] != "0 B"
+
+
+WD = models.WideDeepConfig(vocabulary=256, dim=4, fields=3, hidden=16)
+WD_STEPS = 6
+
+
+def _wide_deep_run(step, table):
+    params, table0 = models.init_wide_deep(WD, jax.random.key(3))
+    rng = np.random.default_rng(4)
+    state, losses = OPT.init(params), []
+    for _ in range(WD_STEPS):
+        params, state, table, loss = step(params, state, table0 if table is None else table,
+                                          models.wide_deep_batch(rng, WD, 32))
+        table0, losses = None, losses + [float(loss)]
+    return params, table, losses
+
+
+@functools.cache
+def _wide_deep_reference():
+    return _wide_deep_run(jax.jit(models.wide_deep_step(OPT, 0.5)), None)
+
+
+@pytest.mark.parametrize("cut_rows", [False, True], ids=["whole", "rows_cut"])
+def test_wide_deep_with_a_host_table_trains_and_equals_the_device_run(cut_rows):
+    _, table = models.init_wide_deep(WD, jax.random.key(3))
+    step = js.parallelize(models.wide_deep_step(OPT, 0.5), devices=8, mode="data")
+    params, got_table, losses = _wide_deep_run(step, js.hetero.host_table(table, cut_rows=cut_rows))
+    ref_params, ref_table, ref_losses = _wide_deep_reference()
+    terms = WD_STEPS * (2 * (WD.fields * WD.dim + WD.hidden + WD.fields) + 32 * WD.fields)
+    assert losses[-1] < losses[0]
+    assert_close(losses, ref_losses, dtype=np.float32, terms=terms)
+    assert_close((params, got_table.rows), (ref_params, ref_table), terms=terms)
+    assert got_table.rows.sharding.memory_kind == HOST
+    assert got_table.rows.sharding.spec == (jax.sharding.PartitionSpec(("d0", "d1", "d2"), None) if cut_rows
+                                            else jax.sharding.PartitionSpec())
+    report = step.plan(params, OPT.init(params), got_table, models.wide_deep_batch(np.random.default_rng(0), WD, 32)).offload
+    assert report.host == ("args[2].rows",) and report.read_bytes == report.written_bytes == 0
+    assert report.host_bytes == table.size * 4 / (8 if cut_rows else 1)
+
+
+def test_host_table_sync_moves_rows_not_the_table():
+    params, table = models.init_wide_deep(WD, jax.random.key(3))
+    step = js.parallelize(models.wide_deep_step(OPT, 0.5), devices=8, mode="data")
+    args = (params, OPT.init(params), js.hetero.host_table(table), models.wide_deep_batch(np.random.default_rng(0), WD, 32))
+    hlo = step.lower(*args).compile().as_text()
+    collectives = [line for line in hlo.splitlines() if "all-reduce(" in line or "all-gather(" in line]
+    assert collectives and not any(f"f32[{WD.vocabulary},{WD.dim + 1}]" in line for line in collectives)
+    assert any(f"s32[32,{WD.fields}]" in line for line in collectives)  # the ids, gathered
+
+
+def test_host_table_too_large_for_the_hosts_is_rejected():
+    with pytest.raises(js.ShardingError, match=r"jshard.hetero.host_table: the embedding table f32\[1099511627776,1024\] "
+                                               r"needs 4096 TiB on each of 1 host\(s\), but a host has .* Cut its rows over "
+                                               r"at least \d+ hosts' processes"):
+        js.hetero.host_table(jax.ShapeDtypeStruct((2**40, 1024), jnp.float32))

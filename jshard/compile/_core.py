@@ -27,7 +27,7 @@ from jshard.compile._boundary import (
     in_shardings,
     out_shardings,
 )
-from jshard.compile._offload import offloaded
+from jshard.compile._offload import anchored, offloaded
 from jshard.compile._optimizer import cuts, gathered, result_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
@@ -70,7 +70,8 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
         if cut.gather:  # level 3: the function all-gathers the cut parameters before use
             traced = trace(gathered(fn, cut.gather), args, fine, devices, c, call)
         in_sh, out_sh, optimizer = [cut.args.get(i, sh) for i, sh in enumerate(in_sh)], result_shardings(out_sh, cut), cut.report
-    offload = offloaded(traced, args, c, call) if c.offload else None
+    offload = offloaded(traced, args, c, call)
+    in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
     problem = Problem(traced, in_sh, donated, c.memory_budget)
     checked = c.searching and c.memory_budget is not None and devices is not None
     held = 0.0

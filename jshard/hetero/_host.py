@@ -67,6 +67,12 @@ def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
       >>> jax.grad(lambda t: lookup(t, ids).sum())(table)[:, 0]
       Array([0., 1., 0., 0., 1., 0.], dtype=float32)
     """
+    return host_function(fn, jax.memory.Space.Device)
+
+
+def host_function(fn: Callable[..., Any], results_in: jax.memory.Space) -> Callable[..., Any]:
+    """`on_host(fn)` with its results left in memory `results_in` (`Space.Host`: a table updated on
+    the host stays there)."""
     name = getattr(fn, "__name__", type(fn).__name__)
     call = f"jshard.on_host({name})"
     forward = compute_on(HOST_COMPUTE)(jax.jit(fn))
@@ -74,7 +80,7 @@ def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @jax.custom_vjp
     def run(*args):
-        return _to(forward(*_to(args, jax.memory.Space.Host)), jax.memory.Space.Device)
+        return _to(forward(*_to(args, jax.memory.Space.Host)), results_in)
 
     def run_fwd(*args):
         return run(*args), args

@@ -45,11 +45,13 @@ class Offload:
       what: the roles asked for (`OFFLOADABLE` names).
       args: argument leaves kept in host memory.
       results: result leaf -> the argument leaf it updates (kept in host memory too).
+      resident: the argument leaves only the host reads (`HostTable` rows): never moved to the device.
     """
 
     what: tuple[str, ...]
     args: frozenset[int]
     results: Mapping[int, int]
+    resident: frozenset[int] = frozenset()
 
 
 def check_offload(call: str, offload: tuple) -> None:
@@ -80,9 +82,11 @@ def streamed(evaluate: Callable[..., Any], offload: Offload) -> Callable[..., An
     memory before use and the results that update them moved back to host memory."""
 
     def run(*leaves):
-        leaves = [jax.device_put(x, jax.memory.Space.Device) if i in offload.args else x for i, x in enumerate(leaves)]
+        streaming = offload.args - offload.resident
+        leaves = [jax.device_put(x, jax.memory.Space.Device) if i in streaming else x for i, x in enumerate(leaves)]
         outs = evaluate(*leaves)
-        return [jax.device_put(y, jax.memory.Space.Host) if o in offload.results else y for o, y in enumerate(outs)]
+        return [jax.device_put(y, jax.memory.Space.Host) if o in offload.results and jax.typeof(y).memory_space
+                != jax.memory.Space.Host else y for o, y in enumerate(outs)]
 
     return run
 
@@ -91,9 +95,10 @@ def offload_report(offload: Offload, paths: Sequence[str], leaves: Sequence, in_
                    out_leaves: Sequence, out_sh: Sequence[NamedSharding | None]) -> OffloadReport:
     """The `Plan`'s record: the host leaves, their bytes per device and the bytes moved per step."""
     held = sum(_per_device(leaves[i], in_sh[i]) for i in offload.args)
-    written = sum(_per_device(out_leaves[o], out_sh[o]) for o in offload.results)
+    read = sum(_per_device(leaves[i], in_sh[i]) for i in offload.args - offload.resident)
+    written = sum(_per_device(out_leaves[o], out_sh[o]) for o, i in offload.results.items() if i not in offload.resident)
     return OffloadReport(offload.what, HOST_MEMORY, tuple(f"args{paths[i]}" for i in sorted(offload.args)),
-                         held, held, written)
+                         held, read, written)
 
 
 def _per_device(x: Any, sh: NamedSharding | None) -> float:

@@ -17,8 +17,10 @@ class OffloadReport:
       memory_kind: the host memory kind of their shardings (`"pinned_host"`).
       host: paths of the argument leaves kept in host memory (`args[1][0].mu['w']`).
       host_bytes: bytes per device those leaves hold in host memory.
-      read_bytes: bytes per device streamed host -> device per step (every offloaded argument).
-      written_bytes: bytes per device streamed device -> host per step (the results that update them).
+      read_bytes: bytes per device streamed host -> device per step (every offloaded argument but
+        the host tables, which only the host reads).
+      written_bytes: bytes per device streamed device -> host per step (the results that update them,
+        but the host tables, updated on the host).
     """
 
     what: tuple[str, ...]
@@ -36,7 +38,8 @@ class OffloadReport:
     def line(self) -> str:
         """One line for `Plan.summary`."""
         shown = ", ".join(self.host[:4]) + (f", ... ({len(self.host)} leaves)" if len(self.host) > 4 else "")
-        return (f"offload {'+'.join(self.what)}: {len(self.host)} leaves in host memory ({self.memory_kind}), "
+        what = "+".join(self.what) or "host tables"
+        return (f"offload {what}: {len(self.host)} leaves in host memory ({self.memory_kind}), "
                 f"{human_bytes(self.host_bytes)} per device, not held on the device between steps; streamed "
                 f"per step {human_bytes(self.read_bytes)} host->device + {human_bytes(self.written_bytes)} "
                 f"device->host per device: {shown}")
