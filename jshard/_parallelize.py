@@ -134,7 +134,7 @@ def parallelize(
         shardings and on the results that update them); the step streams each to the device for
         use and the update back. `plan.summary()` names the host leaves and the bytes moved per
         step (`plan.offload`, a `jshard.plan.OffloadReport`). Activations: `jshard.recompute(fn,
-        policy="offload")`.
+        policy="offload")`. A `jshard.hetero.HostTable` argument lives in host memory without it.
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`. Call it as `fn` is called: keyword
