@@ -241,3 +241,20 @@ def test_host_table_too_large_for_the_hosts_is_rejected():
                                                r"needs 4096 TiB on each of 1 host\(s\), but a host has .* Cut its rows over "
                                                r"at least \d+ hosts' processes"):
         js.hetero.host_table(jax.ShapeDtypeStruct((2**40, 1024), jnp.float32))
+
+
+def test_host_table_rows_cut_update_moves_no_table_rows():
+    params, table = models.init_wide_deep(WD, jax.random.key(3))
+    step = js.parallelize(models.wide_deep_step(OPT, 0.5), devices=8, mode="data")
+    args = (params, OPT.init(params), js.hetero.host_table(table, cut_rows=True),
+            models.wide_deep_batch(np.random.default_rng(0), WD, 32))
+    hlo = step.lower(*args).compile().as_text()
+    collectives = [line for line in hlo.splitlines() if "all-reduce(" in line or "all-gather(" in line]
+    assert not any(f"[{WD.vocabulary},{WD.dim + 1}]" in line for line in collectives), collectives
+
+
+def test_host_table_rows_the_devices_do_not_divide_are_rejected():
+    step = js.parallelize(lambda t, ids: js.hetero.lookup(t, ids), devices=8, mode="data")
+    with pytest.raises(js.ShardingError, match=r"the host table args\[0\].rows has 100 rows, cut_rows=True cuts them "
+                                               r"over 8 devices, but 8 does not divide 100. Pad the table to 104 rows"):
+        step(js.hetero.host_table(jnp.ones((100, 4)), cut_rows=True), jnp.arange(8))

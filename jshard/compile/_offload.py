@@ -39,8 +39,10 @@ def offloaded(traced: Traced, args: tuple, options: Options, call: str) -> Offlo
         ids |= leaves
     tables = host_tables(args)
     for i, table in tables.items():
-        hosts = jax.process_count() if table.cut_rows else 1
-        check_fits(call, np.shape(traced.leaves[i]), np.dtype(dtype_of(traced.leaves[i])), hosts)
+        shape, hosts = np.shape(traced.leaves[i]), jax.process_count() if table.cut_rows else 1
+        check_fits(call, shape, np.dtype(dtype_of(traced.leaves[i])), hosts)
+        if table.cut_rows and shape[0] % traced.fine.device_count:
+            raise ShardingError(_rows_error(call, traced.paths[i], shape, traced.fine.device_count))
     if not ids and not tables:
         return None
     ids |= set(tables)
@@ -66,6 +68,13 @@ def anchored(in_sh: list, out_sh: list, offload: Offload | None, args: tuple, me
     outs = [table_sharding(tables[offload.results[o]], mesh) if offload.results.get(o) in tables else sh
             for o, sh in enumerate(out_sh)]
     return ins, outs
+
+
+def _rows_error(call: str, path: str, shape: tuple[int, ...], n: int) -> str:
+    padded = -(-shape[0] // n) * n
+    return (f"{call}: the host table args{path} has {shape[0]} rows, cut_rows=True cuts them over {n} devices, but "
+            f"{n} does not divide {shape[0]}. Pad the table to {padded} rows (ids never reach the padding), or "
+            f"pass cut_rows=False.")
 
 
 def _no_state_error(call: str, name: str, n: int, options: Options) -> str:

@@ -5,7 +5,7 @@ and never crosses to the device: `lookup` reads the rows a batch asks for on the
 only those to the device; `sparse_update` applies SGD on the host to the rows the batch touched,
 from the whole batch's row gradients (gathered to every device: ids and rows, not the table). With
 `cut_rows` (the default when many processes run) the rows are cut over the devices, so each host
-keeps its share and updates only the rows it owns.
+keeps its share, sends the rows a lookup asks for, and updates only the rows it owns.
 """
 
 from __future__ import annotations
@@ -110,7 +110,12 @@ def sparse_update(table: HostTable, ids: Any, grads: Any, learning_rate: float) 
       Array([-1., -1.], dtype=float32)
     """
     ids, grads = _whole(ids), _whole(grads)  # every device's host applies the whole batch's rows
-    return HostTable(_scatter(table.rows, ids, grads, np.asarray(learning_rate, grads.dtype)), table.cut_rows)
+    lr = np.asarray(learning_rate, grads.dtype)
+    ctx = _context.current()
+    if not table.cut_rows or ctx is None:
+        return HostTable(_scatter(table.rows, ids, grads, lr), table.cut_rows)
+    shards = np.arange(ctx.mesh.devices.size, dtype=np.int32)  # each device's host updates its own rows
+    return HostTable(_scatter_blocks(table.rows, ids, grads, lr, shards), table.cut_rows)
 
 
 def _whole(x: Any) -> Any:
@@ -120,4 +125,19 @@ def _whole(x: Any) -> Any:
 
 
 _gather = on_host(lambda rows, ids: rows[ids])
+def _scatter_rows_by_block(rows, ids, grads, lr, shards):
+    """`rows.at[ids].add(-lr * grads)` as one scatter per block of rows (`shards` blocks, the cut's),
+    each taking only the ids it holds (the others fall outside it and are dropped): laid out with
+    the blocks cut, every device updates its own rows and no row of the table moves."""
+    n = shards.shape[0]
+    size = rows.shape[0] // n
+
+    def block_update(block, k):
+        local = ids % size + (ids // size != k).astype(ids.dtype) * size  # another block's id: out of range
+        return block.at[local].add(-lr * grads, mode="drop")
+
+    return jax.vmap(block_update)(rows.reshape(n, size, rows.shape[1]), shards).reshape(rows.shape)
+
+
 _scatter = host_function(lambda rows, ids, grads, lr: rows.at[ids].add(-lr * grads), jax.memory.Space.Host)
+_scatter_blocks = host_function(_scatter_rows_by_block, jax.memory.Space.Host)
