@@ -258,3 +258,9 @@ def test_host_table_rows_the_devices_do_not_divide_are_rejected():
     with pytest.raises(js.ShardingError, match=r"the host table args\[0\].rows has 100 rows, cut_rows=True cuts them "
                                                r"over 8 devices, but 8 does not divide 100. Pad the table to 104 rows"):
         step(js.hetero.host_table(jnp.ones((100, 4)), cut_rows=True), jnp.arange(8))
+
+
+def test_offload_with_a_pipeline_is_rejected():
+    with pytest.raises(js.ShardingError, match=r"offload=\('optimizer',\) keeps state in host memory in the one-program "
+                                               r"path; it cannot be used with a pipeline yet"):
+        js.parallelize(lambda p, b: p, devices=8, pipeline_stages=2, micro_batches=2, offload="optimizer")

@@ -345,6 +345,9 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
             f"in mode='data' or 'semi_auto'; it cannot be used with a pipeline yet. Use mode='data' or "
             f"'semi_auto', or drop optimizer_parallel."
         )
+    if options.offload:
+        raise ShardingError(f"{call}: offload={options.offload} keeps state in host memory in the one-program "
+                            f"path; it cannot be used with a pipeline yet. Drop offload= or the pipeline.")
     if fn is None:
         return lambda f: Pipelined(f, options)
     return Pipelined(fn, options)
