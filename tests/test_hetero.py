@@ -63,7 +63,10 @@ def test_offloaded_state_lives_on_host_and_equals_one_device(offload):
         assert {sh.memory_kind for sh in jax.tree.leaves((arg, result))} == {want}, role
     assert {x.sharding.memory_kind for x in jax.tree.leaves(got_state)} == {HOST if "optimizer" in offload else "device"}
 
-    report = step.plan(params, state, batches[0]).offload
+    plan = step.plan(params, state, batches[0])
+    planned = plan.in_shardings
+    assert {sh.memory_kind for sh in jax.tree.leaves(planned[1])} == {HOST if "optimizer" in offload else "device"}
+    report = plan.offload
     held = (_bytes(params) if "parameters" in offload else 0) + (_bytes(state) if "optimizer" in offload else 0)
     assert (report.host_bytes, report.read_bytes, report.written_bytes) == (held, held, held)  # data mode: whole leaves
     assert f"offload {'+'.join(offload)}: " in step.plan(params, state, batches[0]).summary()

@@ -25,11 +25,7 @@ from jax.sharding import NamedSharding
 
 from jshard._errors import ShardingError, api_boundary
 from jshard.layouts import slices
-from jshard.plan import OffloadReport
-
-HOST_MEMORY = "pinned_host"
-"""The memory kind offloaded state and activations live in (page-locked host memory, which the
-device reads by DMA)."""
+from jshard.plan import HOST_MEMORY, OffloadReport
 
 DEVICE_MEMORY = "device"
 
@@ -98,7 +94,7 @@ def offload_report(offload: Offload, paths: Sequence[str], leaves: Sequence, in_
     read = sum(_per_device(leaves[i], in_sh[i]) for i in offload.args - offload.resident)
     written = sum(_per_device(out_leaves[o], out_sh[o]) for o, i in offload.results.items() if i not in offload.resident)
     return OffloadReport(offload.what, HOST_MEMORY, tuple(f"args{paths[i]}" for i in sorted(offload.args)),
-                         held, read, written)
+                         held, read, written, tuple(sorted(offload.args)), tuple(sorted(offload.results)))
 
 
 def _per_device(x: Any, sh: NamedSharding | None) -> float:

@@ -7,6 +7,10 @@ import dataclasses
 
 from jshard._format import human_bytes
 
+HOST_MEMORY = "pinned_host"
+"""The memory kind state kept in host memory has (page-locked host memory, which the device reads
+by DMA)."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OffloadReport:
@@ -21,6 +25,7 @@ class OffloadReport:
         the host tables, which only the host reads).
       written_bytes: bytes per device streamed device -> host per step (the results that update them,
         but the host tables, updated on the host).
+      args / results: the argument and result leaves (flat indices) in host memory.
     """
 
     what: tuple[str, ...]
@@ -29,6 +34,8 @@ class OffloadReport:
     host_bytes: float
     read_bytes: float
     written_bytes: float
+    args: tuple[int, ...] = ()
+    results: tuple[int, ...] = ()
 
     @property
     def moved_bytes(self) -> float:

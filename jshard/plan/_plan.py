@@ -18,7 +18,7 @@ from jshard.audit import Audit, audit
 from jshard.layouts import FineMesh
 from jshard.plan._explain import explain
 from jshard.plan._io import read_fields, to_json, write_json
-from jshard.plan._offload import OffloadReport
+from jshard.plan._offload import HOST_MEMORY, OffloadReport
 from jshard.plan._optimizer import OptimizerReport
 from jshard.plan._records import ORIGINS, OpRecord, strategies_str
 from jshard.search import SearchReport
@@ -67,7 +67,8 @@ class Plan:
 
     @property
     def in_shardings(self) -> Any:
-        """The compiled program's argument shardings, a pytree of `NamedSharding`s like the arguments."""
+        """The compiled program's argument shardings, a pytree of `NamedSharding`s like the arguments
+        (memory kind `pinned_host` where `offload` keeps a leaf in host memory)."""
         return self._shardings("in_shardings", self.in_tree, self.in_specs)
 
     @property
@@ -82,7 +83,9 @@ class Plan:
                 f"out_specs), not the arguments' tree or a mesh; plan the function (parallelize(fn, "
                 f"plan=Plan.load(path)).plan(*args)) for its shardings."
             )
-        return jax.tree_util.tree_unflatten(tree, [None if s is None else NamedSharding(self.mesh, s) for s in specs])
+        host = () if self.offload is None else self.offload.args if what == "in_shardings" else self.offload.results
+        return jax.tree_util.tree_unflatten(tree, [None if s is None else NamedSharding(
+            self.mesh, s, memory_kind=HOST_MEMORY if i in host else None) for i, s in enumerate(specs)])
 
     @property
     def coverage(self) -> float:
