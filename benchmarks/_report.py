@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from benchmarks import _abstract, _accumulation, _against_jit, _compiled, _gpu, _planning, _search
+from benchmarks import _abstract, _accumulation, _against_jit, _compiled, _gpu, _hetero, _planning, _search
 from benchmarks._models import model_table, workload
 from benchmarks._settings import DEVICES, Settings
 from benchmarks._table import Table
@@ -47,6 +47,7 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
                                                      settings.search_big, settings.search_time_limit)))
     add(_accumulation.accumulation_table())
     add(_accumulation.comm_recompute_table())
+    add(_hetero.hetero_table(DEVICES, settings.step_rounds, settings.step_budget))
     return tables
 
 

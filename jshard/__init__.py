@@ -28,6 +28,8 @@ from jshard._visualize import Visualization as Visualization
 from jshard._visualize import visualize as visualize
 from jshard.audit import Audit as Audit
 from jshard.audit import audit as audit
+from jshard.hetero import offload_names as offload_names
+from jshard.hetero import on_host as on_host
 from jshard.layouts import Layout as Layout
 from jshard.layouts import TensorLayout as TensorLayout
 from jshard.pipeline import Pipeline as Pipeline
@@ -36,7 +38,7 @@ from jshard.plan import OpRecord as OpRecord
 from jshard.plan import Plan as Plan
 
 # Operators' source lines should name the user's code, not jshard's wrappers.
-for _wrapper in ("_accumulate.py", "_shard.py", "_params.py", "_parallelize.py", "_recompute.py", _os.path.join("propagate", "_emit.py"),
+for _wrapper in ("_accumulate.py", "hetero", "_shard.py", "_params.py", "_parallelize.py", "_recompute.py", _os.path.join("propagate", "_emit.py"),
                  _os.path.join("plan", "_plan.py"), "compile"):
     _source_info_util.register_exclusion(_os.path.join(_os.path.dirname(__file__), _wrapper))
 
@@ -71,6 +73,8 @@ __all__ = [
     "accumulate",
     "audit",
     "init",
+    "offload_names",
+    "on_host",
     "parallelize",
     "pipeline_stage",
     "recompute",

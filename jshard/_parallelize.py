@@ -22,6 +22,7 @@ from jshard.compile import (
     Options,
     Program,
     SignatureCache,
+    abstract,
     bind,
     build,
     placed,
@@ -64,6 +65,7 @@ def parallelize(
     optimizer_comm_recompute: bool = False,
     accumulation_steps: int | None = None,
     accumulation_shard: bool = False,
+    offload: str | Sequence[str] = (),
 ) -> Any:
     """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
 
@@ -148,6 +150,13 @@ def parallelize(
         axes their parameter's layout leaves free, on its largest dim they divide (as
         `optimizer_parallel` cuts it; leaves under `optimizer_parallel_threshold` stay whole when
         `optimizer_parallel` is set), instead of being held whole on every data-parallel device.
+      offload: MindSpore's heterogeneous storage: `("optimizer",)`, `("parameters",)` or both keep
+        the optimizer-state leaves, the parameter leaves or both (the roles above; PRNG keys stay)
+        in host memory between steps (memory kind `"pinned_host"` on the program's argument
+        shardings and on the results that update them); the step streams each to the device for
+        use and the update back. `plan.summary()` names the host leaves and the bytes moved per
+        step (`plan.offload`, a `jshard.plan.OffloadReport`). Activations: `jshard.recompute(fn,
+        policy="offload")`. A `jshard.hetero.HostTable` argument lives in host memory without it.
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`. Call it as `fn` is called: keyword
@@ -180,7 +189,7 @@ def parallelize(
         schedule=schedule, virtual_stages=virtual_stages, pipeline_result_broadcast=pipeline_result_broadcast,
         optimizer_parallel=optimizer_parallel, optimizer_parallel_threshold=optimizer_parallel_threshold,
         optimizer_state_argnums=optimizer_state_argnums, optimizer_comm_recompute=optimizer_comm_recompute,
-        accumulation_steps=accumulation_steps, accumulation_shard=accumulation_shard,
+        accumulation_steps=accumulation_steps, accumulation_shard=accumulation_shard, offload=offload,
     )
     if options.pipeline is not None:
         from jshard.pipeline import pipelined  # noqa: PLC0415  (the pipeline front end builds on this module's core)
@@ -213,9 +222,11 @@ class Parallelized:
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The planned program, lowered (as `jax.jit(...).lower`). Its arguments are the traced ones:
         the positional arguments (a static one as None), then the keyword arguments' values in name order
-        (a Flax NNX object as its state)."""
+        (a Flax NNX object as its state). With `offload`, the arguments are taken as shapes (they need
+        not lie in host memory yet)."""
         bound, options, _ = self._bind(args, kwargs)
-        return self._runnable(bound, options).jitted.lower(*bound.args)
+        program = self._runnable(bound, options)
+        return program.jitted.lower(*(abstract(bound.args) if program.plan.offload else bound.args))
 
     @api_boundary
     def plan(self, *args, **kwargs) -> Plan:

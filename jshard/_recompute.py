@@ -15,6 +15,7 @@ import jax
 
 from jshard._errors import ShardingError, api_boundary
 from jshard.graph import RECOMPUTE_SCOPE
+from jshard.hetero import HOST_POLICIES
 
 Policy = str | Callable[..., bool]
 """`"full"`, `"selective"`, the name of a `jax.checkpoint_policies` policy, or a policy callable."""
@@ -35,7 +36,9 @@ def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy = "full") 
       fn: the function (a layer, a block) whose forward pass to recompute.
       policy: what to keep: `"full"` (nothing but the inputs: MindSpore's `Cell.recompute()`),
         `"selective"` (the matmul outputs, `dot_general` results; the elementwise work between them
-        is recomputed), the name of a `jax.checkpoint_policies` policy (`"dots_with_no_batch_dims_saveable"`),
+        is recomputed), `"offload"` (the matmul outputs without batch dims, kept in host memory:
+        activation offload; `jshard.offload_names(...)` offloads named activations), the name of a
+        `jax.checkpoint_policies` policy (`"dots_with_no_batch_dims_saveable"`),
         or a policy callable (`jax.checkpoint_policies.save_only_these_names("attn")`).
 
     Returns:
@@ -79,6 +82,8 @@ def _policy(policy: Policy, call: str) -> Callable[..., bool] | None:
                         f"{type(policy).__name__} ({policy!r}).")
     if policy == "full":
         return None
+    if policy in HOST_POLICIES:
+        return HOST_POLICIES[policy]()
     name = _SHORTHANDS.get(policy, policy)
     if name not in _NAMED or not hasattr(jax.checkpoint_policies, name):
         raise ShardingError(_policy_error(call, policy))
@@ -86,7 +91,7 @@ def _policy(policy: Policy, call: str) -> Callable[..., bool] | None:
 
 
 def _policy_error(call: str, policy: str) -> str:
-    valid = ", ".join(repr(n) for n in (*_SHORTHANDS, *_NAMED) if n in _SHORTHANDS or hasattr(jax.checkpoint_policies, n))
+    valid = ", ".join(repr(n) for n in (*_SHORTHANDS, *_NAMED, *HOST_POLICIES) if n in _SHORTHANDS or n in HOST_POLICIES or hasattr(jax.checkpoint_policies, n))
     if callable(getattr(jax.checkpoint_policies, policy, None)):
         return (f"{call}: jax.checkpoint_policies.{policy} builds a policy from arguments; pass "
                 f"policy=jax.checkpoint_policies.{policy}(...), or one of the named policies: {valid}.")

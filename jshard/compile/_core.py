@@ -2,7 +2,8 @@
 
 `parallelize` calls `build` with validated `Options`. It chooses the fine mesh (refining it and
 tracing again where a strategy met while tracing needs a finer one), fixes the boundary (with
-`optimizer_parallel`, cutting the optimizer state and parameters there: `_optimizer.py`), asks the
+`optimizer_parallel`, cutting the optimizer state and parameters there: `_optimizer.py`; with
+`offload`, choosing the state kept in host memory: `_offload.py`), asks the
 `Planner` the options name, and builds the `Program`. With `memory_budget` and devices present, the
 searched program's compiled memory is checked and the search asked again for less, up to
 `BUDGET_ROUNDS` times.
@@ -27,6 +28,7 @@ from jshard.compile._boundary import (
     in_shardings,
     out_shardings,
 )
+from jshard.compile._offload import anchored, offloaded
 from jshard.compile._optimizer import accumulator, cuts, gathered, regathered, result_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
@@ -81,6 +83,8 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
     rewrite = regathered(traced, gather) if c.optimizer_comm_recompute else None
     if optimizer is not None:
         optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
+    offload = offloaded(traced, args, c, call)
+    in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
     problem = Problem(traced, in_sh, donated, c.memory_budget)
     checked = c.searching and c.memory_budget is not None and devices is not None
     held = 0.0
@@ -93,7 +97,7 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
             raise ShardingError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e)) from None
         given = planned.in_shardings or [None] * len(in_sh)
         program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args,
-                                rewrite)
+                                rewrite, offload)
         program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=optimizer))
         if not checked:
             return program

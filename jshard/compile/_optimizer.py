@@ -58,7 +58,7 @@ def roles(args: tuple, options: Options) -> tuple[set[int], set[int]]:
     every argument but 0 and the batch)."""
     n = len(args)
     batch = {i % n for i in ((n - 1,) if options.batch_argnums is None else options.batch_argnums) if -n <= i < n}
-    given = options.optimizer.state_argnums
+    given = None if options.optimizer is None else options.optimizer.state_argnums
     state = [i for i in range(1, n) if i not in batch] if given is None else [i % n for i in given if -n <= i < n]
     return argument_leaves(args, (0,)), argument_leaves(args, [i for i in state if i != 0])
 
@@ -90,7 +90,7 @@ def cuts(traced: Traced, args: tuple, layouts: Sequence[NamedSharding], options:
                              len(cut.keys() & params), len(params), saved, tuple(whole), leaves=leaves)
     gather = {i: layouts[i] for i in cut if i in params}
     kept = {i: (layouts[i], cut.get(i, layouts[i])) for i in params | state}
-    return Cuts(cut, _updating(traced, args, kept), gather, report)
+    return Cuts(cut, updating(traced, args, kept), gather, report)
 
 
 def accumulator(traced: Traced, args: tuple, layouts: Sequence[NamedSharding], options: Options, call: str) -> tuple:
@@ -222,9 +222,9 @@ def _is_array(x) -> bool:
     return not jax.dtypes.issubdtype(dtype_of(x), jax.dtypes.extended)
 
 
-def _updating(traced: Traced, args: tuple, kept: dict[int, tuple]) -> dict[int, tuple]:
-    """Result leaf -> `kept`'s entry for the argument leaf it updates (its sharding before the cut
-    and after, so that the next step takes it as it is): a result subtree with an argument's tree structure, shapes
+def updating(traced: Traced, args: tuple, kept: dict[int, tuple]) -> dict[int, tuple]:
+    """Result leaf -> `kept`'s entry for the argument leaf it updates (here: its sharding before the
+    cut and after, so that the next step takes it as it is; offload: the leaf): a result subtree with an argument's tree structure, shapes
     and dtypes (as a train step returns its new parameters and state)."""
     starts = np.cumsum([0] + [len(jax.tree_util.tree_leaves(a)) for a in args])
     trees = [jax.tree_util.tree_structure(a) for a in args]

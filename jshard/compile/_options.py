@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from jshard._errors import ShardingError
 from jshard.cost import CostModel
+from jshard.hetero import check_offload
 from jshard.layouts import DatasetStrategy, check_dataset_strategy
 from jshard.plan import Plan
 from jshard.search import SEARCHES
@@ -115,6 +116,7 @@ class Options:
     optimizer: OptimizerParallel | None = None
     accumulation: Accumulation | None = None
     optimizer_comm_recompute: Any = False
+    offload: tuple[str, ...] = ()
 
     @classmethod
     def create(cls, *, donate_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] | None = None,
@@ -125,11 +127,12 @@ class Options:
                virtual_stages: int = 1, pipeline_result_broadcast: bool = False, optimizer_parallel: int | None = None,
                optimizer_parallel_threshold: int | float | str = "64KiB",
                optimizer_state_argnums: int | Sequence[int] | None = None, accumulation_steps: int | None = None,
-               accumulation_shard: bool = False, **fields: Any) -> Options:
+               accumulation_shard: bool = False, offload: str | Sequence[str] = (), **fields: Any) -> Options:
         """Options from `parallelize`'s keywords, normalized (argnums and argnames as tuples, sizes as
         bytes, the pipeline's keywords as one `PipelineOptions`, or None where none differs from its
         default; the optimizer-parallel keywords as one `OptimizerParallel`, or None without a level;
-        the accumulation keywords as one `Accumulation`, or None without `accumulation_steps`)."""
+        the accumulation keywords as one `Accumulation`, or None without `accumulation_steps`;
+        `offload` as a tuple of names)."""
         optimizer = None if optimizer_parallel is None else OptimizerParallel(
             optimizer_parallel, optimizer_parallel_threshold,
             None if optimizer_state_argnums is None else _as_tuple(optimizer_state_argnums))
@@ -141,7 +144,8 @@ class Options:
                    donate_argnames=_as_tuple(donate_argnames),
                    memory_budget=parse_bytes(memory_budget), search_time_limit=float(search_time_limit),
                    pipeline=pipeline if pipeline.asked else None, optimizer=optimizer,
-                   accumulation=accumulation, **fields)
+                   accumulation=accumulation,
+                   offload=_as_tuple(offload) if offload is not None else (), **fields)
 
     @property
     def searching(self) -> bool:
@@ -162,6 +166,7 @@ class Options:
         check_arguments(call, self)
         _check_optimizer(call, self)
         _check_accumulation(call, self)
+        check_offload(call, self.offload)  # with a pipeline: pipeline/_parallel.py refuses it
         if self.mode == "manual" and self.mesh is None:
             raise ShardingError(f"{call}: mode='manual' takes PartitionSpecs over your mesh; pass mesh=... too.")
         if self.mesh is not None and self.devices is not None and self.devices != self.mesh.devices.size:

@@ -18,6 +18,7 @@ from jshard.compile._options import Options
 from jshard.compile._planners import Planned
 from jshard.compile._signature import abstract
 from jshard.compile._trace import Traced
+from jshard.hetero import Offload, offload_report, on_host_shardings, streamed
 from jshard.layouts import replicated, to_pspec
 from jshard.plan import Plan, RecomputeReport, build_ops, recompute_report
 from jshard.propagate import EMPTY, Rewrite, emission_of, emit
@@ -34,10 +35,11 @@ class Program:
 
 
 def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Sequence, devices: list | None,
-                  options: Options, args: tuple, rewrite: Rewrite | None = None) -> Program:
+                  options: Options, args: tuple, rewrite: Rewrite | None = None,
+                  offload: Offload | None = None) -> Program:
     """The jitted program and its `Plan` for one planning answer (`planned.result` None: XLA
     propagates from the anchors), the top-level program rewritten by `rewrite` where given
-    (communication recompute)."""
+    (communication recompute); `offload`'s leaves in host memory, moved to the device for the step."""
     result, mesh = planned.result, traced.mesh
     evaluate = jcore.jaxpr_as_fun(traced.closed)
     if result is not None:
@@ -49,6 +51,12 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
     elif rewrite is not None:
         evaluate = emit(traced.closed, EMPTY, mesh, rewrite)
     in_sh = [sh or NamedSharding(mesh, PartitionSpec()) for sh in in_sh]
+    report = None
+    if offload is not None:  # an updating result XLA would lay out is laid out as the leaf it updates
+        out_sh = [in_sh[offload.results[o]] if sh is None and o in offload.results else sh for o, sh in enumerate(out_sh)]
+        report = offload_report(offload, traced.paths, traced.leaves, in_sh, traced.out_leaves, out_sh)
+        in_sh, out_sh = on_host_shardings(in_sh, offload.args), on_host_shardings(out_sh, frozenset(offload.results))
+        evaluate = streamed(evaluate, offload)
     in_tree = jax.tree_util.tree_unflatten(traced.treedef, in_sh)
     out_tree = jax.tree_util.tree_unflatten(traced.out_tree, out_sh)
     jitted = None
@@ -59,7 +67,8 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
     plan = Plan(mesh, traced.fine, options.mode, ops, tuple(sh.spec for sh in in_sh),
                 tuple(None if sh is None else sh.spec for sh in out_sh), traced.treedef, traced.out_tree,
                 tuple(traced.ctx.annotations), "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *abstract(args)),
-                search=planned.report, recompute=_recompute(traced, result, argument_leaves(args, options.donate_argnums)))
+                search=planned.report, recompute=_recompute(traced, result, argument_leaves(args, options.donate_argnums)),
+                offload=report)
     return Program(plan, jitted, in_tree)
 
 

@@ -1,4 +1,4 @@
-"""Reference models (MLP, GPT with an optional scanned stack, ResNet, mixture of experts) and
+"""Reference models (MLP, GPT with an optional scanned stack, ResNet, mixture of experts, Wide&Deep) and
 their expert strategy presets (data, tensor, 2-D)."""
 
 from jshard.models._gpt import GPT_RULES as GPT_RULES
@@ -33,3 +33,8 @@ from jshard.models._resnet import resnet_loss as resnet_loss
 from jshard.models._train import make_train_step as make_train_step
 from jshard.models._train import parallel_train_step as parallel_train_step
 from jshard.models._train import state_strategies as state_strategies
+from jshard.models._wide_deep import WideDeepConfig as WideDeepConfig
+from jshard.models._wide_deep import init_wide_deep as init_wide_deep
+from jshard.models._wide_deep import wide_deep_batch as wide_deep_batch
+from jshard.models._wide_deep import wide_deep_loss as wide_deep_loss
+from jshard.models._wide_deep import wide_deep_step as wide_deep_step

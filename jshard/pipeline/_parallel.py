@@ -350,6 +350,9 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
             f"{call}: accumulation_steps cuts a step's batch into micro-batches outside a pipeline; a pipeline "
             f"accumulates its own micro_batches. Use micro_batches=, or drop accumulation_steps."
         )
+    if options.offload:
+        raise ShardingError(f"{call}: offload={options.offload} keeps state in host memory in the one-program "
+                            f"path; it cannot be used with a pipeline yet. Drop offload= or the pipeline.")
     if fn is None:
         return lambda f: Pipelined(f, options)
     return Pipelined(fn, options)

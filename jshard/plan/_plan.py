@@ -18,6 +18,7 @@ from jshard.audit import Audit, audit
 from jshard.layouts import FineMesh
 from jshard.plan._explain import explain
 from jshard.plan._io import read_fields, to_json, write_json
+from jshard.plan._offload import HOST_MEMORY, OffloadReport
 from jshard.plan._optimizer import OptimizerReport
 from jshard.plan._recompute import RecomputeReport
 from jshard.plan._records import OpRecord
@@ -46,6 +47,8 @@ class Plan:
       optimizer: what optimizer parallel cut (an `OptimizerReport`), or None.
       recompute: the recompute regions and the predicted peak with and without them (a
         `RecomputeReport`), or None where the program recomputes nothing (or was loaded).
+      offload: the state kept in host memory and the bytes streamed per step (an `OffloadReport`),
+        or None.
     """
 
     mesh: Mesh | None
@@ -62,6 +65,7 @@ class Plan:
     search: SearchReport | None = dataclasses.field(default=None, compare=False)
     optimizer: OptimizerReport | None = dataclasses.field(default=None, compare=False)
     recompute: RecomputeReport | None = dataclasses.field(default=None, compare=False)
+    offload: OffloadReport | None = dataclasses.field(default=None, compare=False)
 
     @property
     def device_count(self) -> int:
@@ -69,7 +73,8 @@ class Plan:
 
     @property
     def in_shardings(self) -> Any:
-        """The compiled program's argument shardings, a pytree of `NamedSharding`s like the arguments."""
+        """The compiled program's argument shardings, a pytree of `NamedSharding`s like the arguments
+        (memory kind `pinned_host` where `offload` keeps a leaf in host memory)."""
         return self._shardings("in_shardings", self.in_tree, self.in_specs)
 
     @property
@@ -84,7 +89,9 @@ class Plan:
                 f"out_specs), not the arguments' tree or a mesh; plan the function (parallelize(fn, "
                 f"plan=Plan.load(path)).plan(*args)) for its shardings."
             )
-        return jax.tree_util.tree_unflatten(tree, [None if s is None else NamedSharding(self.mesh, s) for s in specs])
+        host = () if self.offload is None else self.offload.args if what == "in_shardings" else self.offload.results
+        return jax.tree_util.tree_unflatten(tree, [None if s is None else NamedSharding(
+            self.mesh, s, memory_kind=HOST_MEMORY if i in host else None) for i, s in enumerate(specs)])
 
     @property
     def coverage(self) -> float:

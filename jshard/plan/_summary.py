@@ -31,7 +31,7 @@ _MAX_WIDTHS = {"operators": 24, "origin": 14}  # so the strategy keeps the width
 
 
 def header_lines(plan) -> list[str]:
-    """The summary's lines above the table: devices, mesh, origins, coverage, search, optimizer and recompute."""
+    """The summary's lines above the table: devices, mesh, origins, coverage, search, optimizer, recompute and offload."""
     axes = ", ".join(f"{n}={s}" for n, s in zip(plan.fine.names, plan.fine.sizes))
     origins = collections.Counter(op.origin for op in plan.ops)
     lines = [
@@ -45,6 +45,8 @@ def header_lines(plan) -> list[str]:
         lines.append(plan.optimizer.line())
     if plan.recompute is not None:
         lines.append(plan.recompute.line())
+    if plan.offload is not None:
+        lines.append(plan.offload.line())
     return lines
 
 

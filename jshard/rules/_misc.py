@@ -1,5 +1,5 @@
 """Rules for the operators no other family covers: sorting, splitting and stacking, tiling, bit
-casts and `rng_bit_generator`.
+casts, `rng_bit_generator`, and `device_put` (a copy between memories).
 
 Each keeps the dims it leaves alone and their cut; the dim it works along (sorted, split,
 stacked, tiled, bit-cast) is whole.
@@ -94,3 +94,12 @@ def rng_bit_generator(eqn: jcore.JaxprEqn) -> Factors:
     b = FactorBuilder()
     key, bits = eqn.outvars
     return b.build([whole(eqn.invars[0])], [whole(key), b.dims(shape_of(bits))])
+
+
+@rule("device_put")
+def device_put(eqn: jcore.JaxprEqn) -> Factors:
+    """A copy between memories (`jshard.on_host`'s moves, activation offload): each result is laid
+    out as its operand."""
+    b = FactorBuilder()
+    dims = [b.dims(shape_of(v)) for v in eqn.invars]
+    return b.build(dims, dims)
