@@ -42,7 +42,12 @@ class Annotation:
 
 @dataclasses.dataclass(slots=True)
 class TraceContext:
-    """One trace of a parallelized function: its call name, meshes, mode and recorded annotations."""
+    """One trace of a parallelized function: its call name, meshes, mode and recorded annotations.
+
+    `recompute` is `parallelize`'s `recompute=` (the policy of `jshard.recompute` regions that name
+    none); `recompute_choice` the policy this trace gives the regions left to the search
+    (`policy="auto"`), and `auto_regions` counts those met.
+    """
 
     call: str
     fine: FineMesh
@@ -50,6 +55,9 @@ class TraceContext:
     mode: str
     annotations: list[Annotation] = dataclasses.field(default_factory=list)
     scopes: int = 0
+    recompute: object = None
+    recompute_choice: str = "full"
+    auto_regions: int = 0
 
     @property
     def device_count(self) -> int:

@@ -59,6 +59,7 @@ def parallelize(
     optimizer_parallel: int | None = None,
     optimizer_parallel_threshold: int | float | str = "64KiB",
     optimizer_state_argnums: int | Sequence[int] | None = None,
+    recompute: Any = None,
 ) -> Any:
     """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
 
@@ -126,6 +127,13 @@ def parallelize(
       optimizer_parallel_threshold: bytes, or a size such as `"64KiB"` (the default, as
         MindSpore's `parallel_optimizer_threshold`); smaller leaves stay whole.
       optimizer_state_argnums: the optimizer-state arguments, where not every other one is.
+      recompute: the policy of the `jshard.recompute` regions that name none (MindSpore's
+        parallel-wide recompute default): `"full"`, `"selective"`, `"none"`, a
+        `jax.checkpoint_policies` name or callable, or `"auto"`: with `mode="auto"` the search
+        traces the step once per policy ("none", "selective", "full",
+        the same for every such region), prices each (its compute, recomputation included, and
+        collectives) against the memory budget, and keeps the fastest that fits;
+        `plan.search.recompute` lists what it weighed. None: `"full"`.
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`. Call it as `fn` is called: keyword
@@ -155,7 +163,7 @@ def parallelize(
         search_time_limit=search_time_limit, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
         schedule=schedule, virtual_stages=virtual_stages, pipeline_result_broadcast=pipeline_result_broadcast,
         optimizer_parallel=optimizer_parallel, optimizer_parallel_threshold=optimizer_parallel_threshold,
-        optimizer_state_argnums=optimizer_state_argnums,
+        optimizer_state_argnums=optimizer_state_argnums, recompute=recompute,
     )
     if options.pipeline is not None:
         from jshard.pipeline import pipelined  # noqa: PLC0415  (the pipeline front end builds on this module's core)

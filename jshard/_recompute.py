@@ -3,19 +3,30 @@
 A recomputed function keeps only its inputs (or, selectively, its matmul outputs) for the backward
 pass and runs its forward again there. Inside `parallelize` the recompute survives planning: the
 emitter rebuilds the remat equation with its sharding constraints inside (`jshard/propagate`).
+
+A region that names no policy takes `parallelize`'s `recompute=` (MindSpore's parallel-wide
+recompute default), else `"full"`. `policy="auto"` leaves the choice to the strategy search
+(`mode="auto"`): it traces the step once per policy in `AUTO_POLICIES`, the same for every such
+region, and keeps the fastest plan that fits the memory budget (`SearchReport.recompute`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
+from jshard import _context
 from jshard._errors import ShardingError, api_boundary
 
 Policy = str | Callable[..., bool]
-"""`"full"`, `"selective"`, the name of a `jax.checkpoint_policies` policy, or a policy callable."""
+"""`"full"`, `"selective"`, `"none"`, `"auto"`, the name of a `jax.checkpoint_policies` policy, or a
+policy callable."""
+
+AUTO_POLICIES = ("none", "selective", "full")
+"""The policies the search weighs for `policy="auto"` regions, the fastest (and largest) first."""
 
 _SHORTHANDS = {"full": None, "selective": "dots_saveable"}
 """MindSpore's names: full recompute (`jax.checkpoint`'s default, keeping nothing) and selective."""
@@ -25,7 +36,7 @@ _NAMED = ("nothing_saveable", "everything_saveable", "dots_saveable", "dots_with
 
 
 @api_boundary
-def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy = "full") -> Any:
+def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy | None = None) -> Any:
     """`fn` recomputed in the backward pass instead of keeping its intermediate values; usable as a
     decorator, with or without arguments.
 
@@ -33,11 +44,16 @@ def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy = "full") 
       fn: the function (a layer, a block) whose forward pass to recompute.
       policy: what to keep: `"full"` (nothing but the inputs: MindSpore's `Cell.recompute()`),
         `"selective"` (the matmul outputs, `dot_general` results; the elementwise work between them
-        is recomputed), the name of a `jax.checkpoint_policies` policy (`"dots_with_no_batch_dims_saveable"`),
-        or a policy callable (`jax.checkpoint_policies.save_only_these_names("attn")`).
+        is recomputed), `"none"` (everything: no recompute), the name of a `jax.checkpoint_policies`
+        policy (`"dots_with_no_batch_dims_saveable"`), a policy callable
+        (`jax.checkpoint_policies.save_only_these_names("attn")`), `"auto"` (under
+        `parallelize(mode="auto")` the search picks one of `AUTO_POLICIES` by predicted step time
+        and memory budget; elsewhere, with no search to decide, `"full"`), or None (the default:
+        the enclosing `parallelize`'s `recompute=`, else `"full"`).
 
     Returns:
-      `jax.checkpoint(fn, policy=...)`, or a decorator making it when `fn` is None.
+      `jax.checkpoint(fn, policy=...)` for a fixed policy, a function choosing its policy when it is
+      traced for None and `"auto"`; or a decorator making it when `fn` is None.
 
     Raises:
       ShardingError: `policy` names no policy.
@@ -50,14 +66,57 @@ def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy = "full") 
       (2, 2)
     """
     named = f"policy={policy!r}" if fn is None else getattr(fn, "__name__", type(fn).__name__)
-    resolved = _policy(policy, f"jshard.recompute({named})")
+    call = f"jshard.recompute({named})"
+    if policy is not None and policy != "auto":
+        resolved = _policy(policy, call)
+        if fn is None:
+            return lambda f: _fixed(f, resolved)
+        return _fixed(fn, resolved)
     if fn is None:
-        return lambda f: jax.checkpoint(f, policy=resolved)
-    return jax.checkpoint(fn, policy=resolved)  # keeps fn's name and docstring
+        return lambda f: _deferred(f, policy, call)
+    return _deferred(fn, policy, call)
 
 
-def _policy(policy: Policy, call: str) -> Callable[..., bool] | None:
-    """The policy callable `policy` stands for (None: save nothing, as `jax.checkpoint`'s default)."""
+_NONE = object()
+"""`_policy`'s answer for `"none"`: no recompute."""
+
+
+def _fixed(fn: Callable[..., Any], resolved: Any) -> Callable[..., Any]:
+    return fn if resolved is _NONE else jax.checkpoint(fn, policy=resolved)  # keeps fn's name and docstring
+
+
+def _deferred(fn: Callable[..., Any], policy: str | None, call: str) -> Callable[..., Any]:
+    """`fn` recomputed by the policy the trace it runs in gives it (see `recompute`)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return _fixed(fn, _policy(traced_policy(policy), call))(*args, **kwargs)
+
+    return run
+
+
+def traced_policy(policy: str | None) -> Policy:
+    """The policy a region asking for `policy` (None or `"auto"`) gets in the current trace."""
+    ctx = _context.current()
+    if ctx is None:
+        return "full"
+    if policy is None:
+        policy = "full" if ctx.recompute is None else ctx.recompute
+    if policy != "auto":
+        return policy
+    ctx.auto_regions += 1
+    return ctx.recompute_choice
+
+
+def check_policy(policy: Policy | None, call: str) -> None:
+    """Raises `ShardingError` (`TypeError`) where `policy` (`parallelize`'s `recompute=`) names no policy."""
+    if policy is not None and policy != "auto":
+        _policy(policy, call)
+
+
+def _policy(policy: Policy, call: str) -> Any:
+    """The policy callable `policy` stands for (None: save nothing, as `jax.checkpoint`'s default;
+    `_NONE`: no recompute)."""
     if callable(policy):
         return policy
     if not isinstance(policy, str):
@@ -65,6 +124,8 @@ def _policy(policy: Policy, call: str) -> Callable[..., bool] | None:
                         f"{type(policy).__name__} ({policy!r}).")
     if policy == "full":
         return None
+    if policy == "none":
+        return _NONE
     name = _SHORTHANDS.get(policy, policy)
     if name not in _NAMED or not hasattr(jax.checkpoint_policies, name):
         raise ShardingError(_policy_error(call, policy))
@@ -72,7 +133,8 @@ def _policy(policy: Policy, call: str) -> Callable[..., bool] | None:
 
 
 def _policy_error(call: str, policy: str) -> str:
-    valid = ", ".join(repr(n) for n in (*_SHORTHANDS, *_NAMED) if n in _SHORTHANDS or hasattr(jax.checkpoint_policies, n))
+    valid = ", ".join(repr(n) for n in (*_SHORTHANDS, "none", "auto", *_NAMED)
+                      if n in _SHORTHANDS or n in ("none", "auto") or hasattr(jax.checkpoint_policies, n))
     if callable(getattr(jax.checkpoint_policies, policy, None)):
         return (f"{call}: jax.checkpoint_policies.{policy} builds a policy from arguments; pass "
                 f"policy=jax.checkpoint_policies.{policy}(...), or one of the named policies: {valid}.")

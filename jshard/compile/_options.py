@@ -15,6 +15,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jshard._errors import ShardingError
+from jshard._recompute import check_policy
 from jshard.cost import CostModel
 from jshard.layouts import DatasetStrategy, check_dataset_strategy
 from jshard.plan import Plan
@@ -97,6 +98,7 @@ class Options:
     search_time_limit: float = 60.0
     pipeline: PipelineOptions | None = None
     optimizer: OptimizerParallel | None = None
+    recompute: Any = None
 
     @classmethod
     def create(cls, *, donate_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] | None = None,
@@ -138,6 +140,7 @@ class Options:
                                 f"the batch its PartitionSpecs in in_strategy instead.")
         check_arguments(call, self)
         _check_optimizer(call, self)
+        check_policy(self.recompute, call)
         if self.mode == "manual" and self.mesh is None:
             raise ShardingError(f"{call}: mode='manual' takes PartitionSpecs over your mesh; pass mesh=... too.")
         if self.mesh is not None and self.devices is not None and self.devices != self.mesh.devices.size:

@@ -73,9 +73,9 @@ def devices_for(options: Options) -> list[jax.Device] | None:
 
 
 def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | None, options: Options,
-          call: str) -> Traced:
+          call: str, recompute: str = "full") -> Traced:
     """`fn(*args)` traced on the mesh of `fine` (the user's mesh in manual mode, an abstract one
-    without devices)."""
+    without devices), `jshard.recompute(policy="auto")` regions recomputed by `recompute`."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
     avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)) for x in leaves]
@@ -89,7 +89,7 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
         mesh = jax.sharding.AbstractMesh(fine.sizes, fine.names)
     else:
         mesh = fine.jax_mesh(devices)
-    ctx = _context.TraceContext(call, fine, mesh, options.mode)
+    ctx = _context.TraceContext(call, fine, mesh, options.mode, recompute=options.recompute, recompute_choice=recompute)
     with _context.tracing(ctx):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
     out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
