@@ -111,16 +111,16 @@ def traced_policy(policy: str | None) -> Policy:
 def check_policy(policy: Policy | None, call: str) -> None:
     """Raises `ShardingError` (`TypeError`) where `policy` (`parallelize`'s `recompute=`) names no policy."""
     if policy is not None and policy != "auto":
-        _policy(policy, call)
+        _policy(policy, call, what="recompute")
 
 
-def _policy(policy: Policy, call: str) -> Any:
+def _policy(policy: Policy, call: str, what: str = "policy") -> Any:
     """The policy callable `policy` stands for (None: save nothing, as `jax.checkpoint`'s default;
     `_NONE`: no recompute)."""
     if callable(policy):
         return policy
     if not isinstance(policy, str):
-        raise TypeError(f"{call}: policy must be a string or a jax.checkpoint_policies callable, not "
+        raise TypeError(f"{call}: {what} must be a string or a jax.checkpoint_policies callable, not "
                         f"{type(policy).__name__} ({policy!r}).")
     if policy == "full":
         return None
@@ -128,14 +128,14 @@ def _policy(policy: Policy, call: str) -> Any:
         return _NONE
     name = _SHORTHANDS.get(policy, policy)
     if name not in _NAMED or not hasattr(jax.checkpoint_policies, name):
-        raise ShardingError(_policy_error(call, policy))
+        raise ShardingError(_policy_error(call, policy, what))
     return getattr(jax.checkpoint_policies, name)
 
 
-def _policy_error(call: str, policy: str) -> str:
+def _policy_error(call: str, policy: str, what: str) -> str:
     valid = ", ".join(repr(n) for n in (*_SHORTHANDS, "none", "auto", *_NAMED)
                       if n in _SHORTHANDS or n in ("none", "auto") or hasattr(jax.checkpoint_policies, n))
     if callable(getattr(jax.checkpoint_policies, policy, None)):
         return (f"{call}: jax.checkpoint_policies.{policy} builds a policy from arguments; pass "
-                f"policy=jax.checkpoint_policies.{policy}(...), or one of the named policies: {valid}.")
-    return f"{call}: policy={policy!r} is no recompute policy. Use one of {valid}, or a policy callable."
+                f"{what}=jax.checkpoint_policies.{policy}(...), or one of the named policies: {valid}.")
+    return f"{call}: {what}={policy!r} is no recompute policy. Use one of {valid}, or a policy callable."
