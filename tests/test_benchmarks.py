@@ -10,6 +10,7 @@ from _tolerance import assert_close, step_terms
 from benchmarks import _abstract, _compiled, _report, _search
 from benchmarks._models import model_table, workload
 from benchmarks._plans import PLANS
+from benchmarks._table import Table
 
 
 def _mlp():
@@ -101,3 +102,13 @@ def test_search_rows_fit_their_budgets_and_render(mlp_rows):
     rows = _search.planning_rows(depths=(2,), counts=(8,), big=False, time_limit=5.0)
     assert len(rows) == 1 and rows[0][2] == "recursive" and not rows[0][-1].startswith("failed")
     assert "7. Strategy search: planning time" in _search.planning_table(rows).markdown()
+
+
+def test_only_sections_replace_their_tables_in_place_and_add_new_ones_before_the_gpu_section():
+    old = "# jshard benchmarks\n\nhead\n\n## 8. Old\n\n| a |\n| --- |\n| 1 |\n\n## 9. Kept\n\ntext\n\n## GPU: H100\n\ngpu\n"
+    new = [Table("8. Old", "", ("a",), (("2",),), ("how",)), Table("11. New", "", ("b",), (("3",),), ("why",))]
+    text = _report.replace_sections(old, new, "Regenerated alone by `python -m benchmarks --only memory`")
+    titles = [line for line in text.splitlines() if line.startswith("## ")]
+    assert titles == ["## 8. Old", "## 9. Kept", "## 11. New", "## GPU: H100"]
+    assert "| 2 |" in text and "| 1 |" not in text and "head" in text and "gpu" in text
+    assert text.count("- Regenerated alone by `python -m benchmarks --only memory`") == 2
