@@ -54,7 +54,8 @@ class Weighed:
         peak = "?" if self.peak_bytes is None else human_bytes(self.peak_bytes)
         if self.seconds is None:
             return f"{self.policy}: no plan fits (least peak {peak})"
-        return f"{self.policy}: {self.seconds * 1e3:.4g} ms, peak {peak}" + (" (chosen)" if self.chosen else "")
+        when = f"{self.seconds:.4g} s" if self.seconds >= 1 else f"{self.seconds * 1e3:.4g} ms"
+        return f"{self.policy}: {when}, peak {peak}" + (" (chosen)" if self.chosen else "")
 
 
 @dataclasses.dataclass(frozen=True)
