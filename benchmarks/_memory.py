@@ -30,7 +30,7 @@ of a 312 TFLOP/s peak, with full activation recompute."""
 CHECKPOINT_TARGET = 1.05
 """jshard's compiled temporary memory over `jax.jit`'s with the same shardings, at most."""
 
-SMALL_GPT = models.GPTConfig(vocab=64, seq_len=64, d_model=64, n_heads=4, n_layers=2, d_ff=256)
+SMALL_GPT = models.GPTConfig(vocab=64, seq_len=128, d_model=128, n_heads=4, n_layers=2, d_ff=512, scan=True)
 SMALL_BATCH = 32
 LEVELS = (None, 1, 2, 3)
 POLICIES = ("none", "selective", "full")
@@ -144,10 +144,14 @@ def optimizer_recompute_table(devices: int, rounds: int, budget: float) -> Table
          "step vs 0/none", "loss vs one device"),
         tuple(rows),
         (
-            f"GPT (jshard.models) with {cfg.n_layers} layers, d_model {cfg.d_model}, d_ff {cfg.d_ff}, seq_len "
-            f"{cfg.seq_len}, vocab {cfg.vocab}, batch {SMALL_BATCH}; `jshard.parallelize(step, devices={devices}, "
-            "mode='data', optimizer_parallel=level)` (0: off), each block `jshard.recompute(block, policy=...)` "
-            "(`GPTConfig.recompute`; none: not wrapped). No donation.",
+            f"GPT (jshard.models) with {cfg.n_layers} layers under `lax.scan`, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
+            f"seq_len {cfg.seq_len}, vocab {cfg.vocab}, batch {SMALL_BATCH}; `jshard.parallelize(step, "
+            f"devices={devices}, mode='data', optimizer_parallel=level)` (0: off), each block "
+            "`jshard.recompute(block, policy=...)` (`GPTConfig.recompute`; none: not wrapped). No donation.",
+            "Scanned, because XLA:CPU undoes recompute in an unrolled program: it drops the optimization barriers "
+            "`jax.checkpoint` leaves and merges the recomputed forward with the first (common-subexpression "
+            "elimination); the same unrolled GPT compiles to the same temporary memory with and without "
+            "`jax.checkpoint`, under plain `jax.jit` on one device too. A loop body's recompute cannot be merged.",
             "peak: the compiled program's argument + output + temp - alias bytes per device (`jshard.audit`); "
             "collective bytes: what it moves per step (HLO, loops weighted by trip count).",
             f"step: the compiled programs called directly on placed arguments, {len(steps)} rounds of one step "
@@ -179,7 +183,7 @@ def checkpoint_table(devices: int) -> Table:
         ("mode", "jshard temp / device", "jax.jit temp / device", "ratio", "target", "loss vs one device"),
         tuple(rows),
         (
-            "The table-9 GPT with each block under `jax.checkpoint` (`jshard.recompute(block, policy='full')`). "
+            "The table-9 GPT (scanned) with each block under `jax.checkpoint` (`jshard.recompute(block, policy='full')`). "
             "jax.jit: the same train step under `jax.jit(step, in_shardings=plan.in_shardings, "
             "out_shardings=plan.out_shardings)`, so the two differ only by jshard's constraints inside (the remat "
             "regions rebuilt around them). temp: XLA's temporary buffers per device (`memory_analysis`).",

@@ -60,7 +60,7 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
     tables = []
     for name in names:
         if name == "memory":
-            made = _memory.memory_tables(DEVICES, settings.step_rounds, settings.step_budget)
+            made = _memory.memory_tables(DEVICES, settings.step_rounds, settings.memory_step_budget)
         else:
             raise ValueError(f"no section {name!r}; the sections are {SECTIONS}")
         for table in made:
