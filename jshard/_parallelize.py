@@ -101,7 +101,10 @@ def parallelize(
         `"propagation"` (cut the batch, propagate as `semi_auto` does).
       memory_budget: with `mode="auto"`: bytes per device the plan must fit (an int, or a string
         such as `"16GiB"`); where devices are present the compiled program's memory is checked
-        and the search tightened until it fits.
+        and the search tightened until it fits. Default: the memory of one device, estimated only:
+        `cost_model.memory` (`CostModel.for_device("H100")`), else the devices present's
+        (`jshard.cost.device_memory`), else (an abstract mesh) no budget. Nothing fitting raises
+        `jshard.MemoryBudgetError`.
       search_time_limit: seconds the ILP may take; past it, the best plan found is used and the
         plan says so.
       pipeline_stages: S, to pipeline `fn`, a `jshard.Pipeline`: the devices form S stages of
@@ -133,7 +136,8 @@ def parallelize(
         traces the step once per policy ("none", "selective", "full",
         the same for every such region), prices each (its compute, recomputation included, and
         collectives) against the memory budget, and keeps the fastest that fits;
-        `plan.search.recompute` lists what it weighed. None: `"full"`.
+        `plan.search.recompute` lists what it weighed; elsewhere `"auto"` is `"full"`. Pipelines
+        apply it in their stages. None: `"full"`.
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`. Call it as `fn` is called: keyword

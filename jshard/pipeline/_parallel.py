@@ -169,7 +169,7 @@ class Pipelined:
 
         @functools.wraps(fn)
         def run(*args):
-            with _context.tracing(_context.TraceContext(*ctx_args)):
+            with _context.tracing(_context.TraceContext(*ctx_args, recompute=self.options.recompute)):
                 return fn(*args)
 
         return run
