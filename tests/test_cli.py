@@ -60,8 +60,7 @@ def test_plan_gpt_with_the_recursive_search(capsys, tmp_path):
     assert "GPT train step (1 layers, d_model 32" in out and "batch 8" in out
     assert "Plan: 8 devices, mode=auto" in out and " searched" in out and "search=recursive" in out
     assert re.search(r"planned in [\d.]+ s", out)
-    assert re.search(r"estimated peak memory per device: [\d.]+ \w+, budget [\d.]+ GiB \(the memory of one cpu device, "
-                     r"no memory_budget given\) \(fits\)", out)  # the host's memory shared by 8 devices
+    assert re.search(r"estimated peak memory per device: [\d.]+ \w+, no memory budget", out)  # CPU: none
     assert "predicted collectives per device per call:" in out
     assert "chosen by the strategy search" in out  # --explain 1
     assert js.Plan.load(str(path)).device_count == 8

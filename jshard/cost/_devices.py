@@ -2,13 +2,12 @@
 
 `DEVICE_KINDS` holds the accelerators jshard plans for by name (`CostModel.for_device("H100")`,
 `jshard plan --device H100`); `device_memory` reads a present device's memory (its allocator's
-limit on GPU and TPU; on CPU, where simulated devices share the host, the host's memory divided
-among them).
+limit on GPU and TPU). CPU devices report none: they are stand-ins for planning (simulated ones share
+the host), so planning on them sets no budget unless a device kind is named.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -42,31 +41,9 @@ def kind_of(name: str) -> tuple[str, DeviceKind] | None:
 
 
 def device_memory(devices: Sequence) -> float | None:
-    """Bytes one of `devices` can hold: the allocator's limit where the backend reports one, else
-    (CPU) the host's memory divided among the local devices of that platform, else None."""
+    """Bytes one of `devices` can hold: the allocator's limit where the backend reports one (GPU,
+    TPU), else None (CPU)."""
     if not devices:
         return None
-    device = devices[0]
-    try:
-        stats = device.memory_stats()
-    except Exception:  # backends without memory statistics raise here  # noqa: BLE001
-        stats = None
-    if stats and stats.get("bytes_limit"):
-        return float(stats["bytes_limit"])
-    if device.platform == "cpu":
-        host = _host_memory()
-        return None if host is None else host / max(len(_local_devices(device.platform)), 1)
-    return None
-
-
-def _host_memory() -> float | None:
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _local_devices(platform: str) -> list:
-    import jax  # noqa: PLC0415  (only where a present device is asked about)
-
-    return jax.local_devices(backend=platform)
+    stats = devices[0].memory_stats()  # None where the backend keeps none (CPU)
+    return float(stats["bytes_limit"]) if stats and stats.get("bytes_limit") else None
