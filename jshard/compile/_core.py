@@ -65,6 +65,15 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
     budget, budget_from = _budget(c, devices)
     if not (c.searching and traced.ctx.auto_regions):
         return _build_traced(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from)
+    return _weigh_recompute(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from)
+
+
+def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
+                     budget_from: str) -> Program:
+    """Plans the step once per recompute policy of its `policy="auto"` regions (`AUTO_POLICIES`) on
+    the search's estimates, then builds the fastest that fits (with `memory_budget` and devices
+    present: whose compiled program fits), its `SearchReport.recompute` listing what was weighed."""
+    fine = traced.fine
     planned: dict[str, tuple[Traced, Program]] = {}
     weighed = []
     for policy in AUTO_POLICIES:  # each policy planned on the search's estimates; the compiled check after
