@@ -116,7 +116,8 @@ def parallelize(
       virtual_stages: v, model chunks per stage for `schedule="interleaved"`.
       pipeline_result_broadcast: inference outputs on every device (else on the last stage).
       optimizer_parallel: MindSpore's `enable_parallel_optimizer` / `optimizer_level` (ZeRO), in
-        `mode="data"` and `"semi_auto"`: `1` cuts every optimizer-state leaf of at least
+        `mode="data"`, `"semi_auto"` and `"auto"` (over the axes the search leaves the state
+        replicated on; the search then plans around the cut): `1` cuts every optimizer-state leaf of at least
         `optimizer_parallel_threshold` bytes over the data-parallel devices (the mesh axes its
         layout leaves replicated) on its largest dim they divide, as the argument's and the
         updated result's sharding, so the state stays cut between steps; the update is computed

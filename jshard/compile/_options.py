@@ -193,11 +193,11 @@ def _check_optimizer(call: str, c: Options) -> None:
     if threshold is None or not threshold >= 0:
         raise ShardingError(f"{call}: optimizer_parallel_threshold={o.threshold!r} is not a size; give bytes (an "
                             f"int) or a string such as '64KiB' or '1MiB'.")
-    if c.mode in ("auto", "manual") or c.pipeline is not None:
+    if c.mode == "manual" or c.pipeline is not None:
         what = "a pipeline" if c.pipeline is not None else f"mode={c.mode!r}"
         raise ShardingError(f"{call}: optimizer_parallel cuts the optimizer state over the axes the strategies "
-                            f"leave replicated, in mode='data' or 'semi_auto'; it cannot be used with {what} "
-                            f"yet. Use mode='data' or 'semi_auto', or drop optimizer_parallel.")
+                            f"leave replicated, in mode='data', 'semi_auto' or 'auto'; it cannot be used with {what} "
+                            f"yet. Use mode='data', 'semi_auto' or 'auto', or drop optimizer_parallel.")
     if o.state_argnums is not None:
         bad = [v for v in o.state_argnums if not isinstance(v, int) or isinstance(v, bool)]
         if bad:
