@@ -156,7 +156,9 @@ def optimizer_recompute_table(devices: int, rounds: int, budget: float) -> Table
             "collective bytes: what it moves per step (HLO, loops weighted by trip count).",
             f"step: the compiled programs called directly on placed arguments, {len(steps)} rounds of one step "
             "each in rotating order; medians, and the median of per-round ratios to level 0 / none. On 8 CPU "
-            "stand-in devices of 2 cores the step time is mostly the host's, so only large ratios mean much.",
+            "stand-in devices of 2 cores the step time is mostly the host's, so only large ratios mean much; "
+            "here recompute ran faster than keeping the activations (smaller buffers for a memory-bound host), "
+            "which a GPU, bound by compute, would not show.",
         ),
     )
 
