@@ -69,7 +69,7 @@ def accumulation_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=2), ks:
             rows.append((str(k), str(ROWS // k), how if k > 1 else how.replace("as the gradients", "none (full batch)"),
                          *cells, f"{diff:.2g}"))
     return Table(
-        "8. Gradient accumulation: k micro-batches per step",
+        "11. Gradient accumulation: k micro-batches per step",
         "the losses of k micro-batches equal the full batch's (f32 rounding); temp memory falls with k",
         ("k", "micro-batch rows", "accumulator", "temp", "arguments", "collectives", "by kind", "max |loss - k=1 loss|"),
         tuple(rows),
@@ -102,7 +102,7 @@ def comm_recompute_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=2), d
         rows.append(("on" if again else "off", cells[0], f"{gathers[0]:.0f}", size(gathers[1]), cells[2],
                      f"{max(abs(a - b) for a, b in zip(losses, reference)):.2g}"))
     return Table(
-        "9. Communication recompute: optimizer parallel level 3 gathers parameters again in the backward pass",
+        "12. Communication recompute: optimizer parallel level 3 gathers parameters again in the backward pass",
         "more all-gather bytes for less temp memory; the same losses",
         ("optimizer_comm_recompute", "temp", "all-gathers", "all-gather bytes", "collectives", "max |loss - off loss|"),
         tuple(rows),

@@ -55,7 +55,7 @@ def hetero_table(devices: int, rounds: int = 10, budget: float = 20.0) -> Table:
         rows.append((case, size(device), size(host), size(moved), f"{median * 1e3:.2f} ms (n={len(times)})",
                      f"{median / base:.2f}", loss_check(*worst)))
     return Table(
-        f"Host and device: an MLP train step ({devices} devices, data parallel, Adam)", "",
+        f"13. Host and device: an MLP train step ({devices} devices, data parallel, Adam)", "",
         ("case", "device bytes / device between steps", "host bytes / device", "moved host<->device / step",
          "step time", "ratio", f"loss vs one device ({STEPS} steps)"),
         tuple(rows),

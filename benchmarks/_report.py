@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from benchmarks import _abstract, _accumulation, _against_jit, _compiled, _gpu, _hetero, _planning, _search
+from benchmarks import _abstract, _accumulation, _against_jit, _compiled, _gpu, _hetero, _memory, _planning, _search
 from benchmarks._models import model_table, workload
 from benchmarks._settings import DEVICES, Settings
 from benchmarks._table import Table
@@ -45,10 +45,58 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     add(_search.gap_table(cases))
     add(_search.planning_table(_search.planning_rows(settings.search_depths, settings.search_counts,
                                                      settings.search_big, settings.search_time_limit)))
-    add(_accumulation.accumulation_table())
-    add(_accumulation.comm_recompute_table())
-    add(_hetero.hetero_table(DEVICES, settings.step_rounds, settings.step_budget))
+    for made in sections(list(SECTIONS), settings):
+        add(made)
     return tables
+
+
+SECTIONS = ("memory", "accumulation", "hetero")
+"""The sections `python -m benchmarks --only NAME` regenerates alone (the others need the whole run's
+shared measurements)."""
+
+
+def sections(names: list[str], settings: Settings, echo: Callable[[str], None] | None = None) -> list[Table]:
+    """The tables of the sections `names` (`SECTIONS`), each echoed as it is done."""
+    tables = []
+    for name in names:
+        if name == "memory":
+            made = _memory.memory_tables(DEVICES, settings.step_rounds, settings.memory_step_budget)
+        elif name == "accumulation":
+            made = [_accumulation.accumulation_table(), _accumulation.comm_recompute_table()]
+        elif name == "hetero":
+            made = [_hetero.hetero_table(DEVICES, settings.step_rounds, settings.step_budget)]
+        else:
+            raise ValueError(f"no section {name!r}; the sections are {SECTIONS}")
+        for table in made:
+            if echo is not None:
+                echo(table.markdown())
+            tables.append(table)
+    return tables
+
+
+def replace_sections(text: str, tables: list[Table], note: str) -> str:
+    """`BENCHMARKS.md`'s `text` with each of `tables` in place of the section of the same title (a
+    new one before the GPU section, else at the end), `note` added under each."""
+    parts = _split(text)
+    for table in tables:
+        made = table.markdown().rstrip("\n") + f"\n- {note}\n"
+        found = next((i for i, (title, _) in enumerate(parts) if title == table.title), None)
+        if found is None:
+            at = next((i for i, (title, _) in enumerate(parts) if title.startswith("GPU")), len(parts))
+            parts.insert(at, (table.title, made))
+        else:
+            parts[found] = (table.title, made)
+    return "\n".join(body.rstrip("\n") + "\n" for _, body in parts)
+
+
+def _split(text: str) -> list[tuple[str, str]]:
+    """`text` as `(title, section)` pairs at its `## ` headings (the head before the first: title "")."""
+    parts: list[tuple[str, list[str]]] = [("", [])]
+    for line in text.splitlines():
+        if line.startswith("## "):
+            parts.append((line[3:].strip(), []))
+        parts[-1][1].append(line)
+    return [(title, "\n".join(lines) + "\n") for title, lines in parts]
 
 
 def document(tables: list[Table], command: str, seconds: float, load: tuple[float, float]) -> str:

@@ -21,6 +21,7 @@ class Settings:
       search_depths / search_counts: the unrolled GPT's layers and the device counts of the search's
         planning-time curve (table 7).
       search_big: also plan the GPT-3, 12-layer GPT and Alpa GPT-39B shapes (table 7).
+      memory_step_budget: seconds of table 9's rounds of steps (twelve programs side by side).
     """
 
     size: str
@@ -36,9 +37,10 @@ class Settings:
     search_depths: tuple[int, ...] = ()
     search_counts: tuple[int, ...] = ()
     search_big: bool = False
+    memory_step_budget: float = 60.0
 
 
 FULL = Settings("full", (12, 48, 96), 3, 30.0, 3, 30.0, 300, 12.0, search_models=("MLP", "GPT", "ResNet", "MoE"),
                 search_time_limit=30.0, search_depths=(2, 4, 8), search_counts=(8, 64, 1024), search_big=True)
 QUICK = Settings("quick", (2, 4), 1, 5.0, 1, 5.0, 10, 2.0, search_models=("MLP",), search_time_limit=5.0,
-                 search_depths=(2,), search_counts=(8, 64))
+                 search_depths=(2,), search_counts=(8, 64), memory_step_budget=5.0)

@@ -19,6 +19,7 @@ from jshard._distributed import ProcessInfo as ProcessInfo
 from jshard._distributed import init as init
 from jshard._errors import DeviceCountError as DeviceCountError
 from jshard._errors import LayoutConflictError as LayoutConflictError
+from jshard._errors import MemoryBudgetError as MemoryBudgetError
 from jshard._errors import ShardingError as ShardingError
 from jshard._parallelize import Parallelized as Parallelized
 from jshard._parallelize import parallelize as parallelize
@@ -62,6 +63,7 @@ __all__ = [
     "DeviceCountError",
     "Layout",
     "LayoutConflictError",
+    "MemoryBudgetError",
     "OpRecord",
     "Parallelized",
     "Pipeline",

@@ -86,6 +86,10 @@ TARGET is either
           return train_step, (params, batch)
       jshard plan mypkg.train:example --devices 64
 
+The search's memory budget is --memory-budget, else the memory of one --device (e.g. H100: 80 GiB),
+else of the devices present; gpt-scan marks its block jshard.recompute(policy="auto"), so the search
+weighs no, selective and full recompute of the blocks and keeps the fastest plan that fits.
+
 Exit status: 0 planned, 1 no plan (e.g. a memory budget nothing can meet), 2 bad arguments or TARGET.
 """
 
@@ -108,6 +112,10 @@ def _plan_parser(sub) -> None:
                       help="with --mode auto: the search (default recursive)")
     plan.add_argument("--memory-budget", metavar="BYTES", default=None,
                       help="with --mode auto: per-device memory the plan must fit, e.g. 16GiB, 512MiB, 2e9")
+    plan.add_argument("--device", metavar="KIND", default=None,
+                      help="the device kind to plan for (H100, H200, A100): the cost model's compute and link "
+                           "rates, and its memory as the default --memory-budget (default: the devices present "
+                           "if --devices fit them, else no budget)")
     plan.add_argument("--time-limit", metavar="S", type=float, default=None,
                       help="seconds the ILP search may take (default 60)")
     plan.add_argument("--save", metavar="PATH", default=None, help="write the plan as JSON (Plan.save)")
@@ -291,6 +299,15 @@ def _plan(args: argparse.Namespace) -> int:
         options["memory_budget"] = budget
     if args.time_limit is not None:
         options["search_time_limit"] = args.time_limit
+    if args.device is not None:
+        from jshard.cost import DEVICE_KINDS, CostModel
+
+        try:
+            options["cost_model"] = CostModel.for_device(args.device)
+        except jshard.ShardingError:
+            print(f"jshard plan: error: --device {args.device!r} is no known device kind; the known kinds are "
+                  f"{', '.join(DEVICE_KINDS)}.", file=sys.stderr)
+            return 2
     try:  # the option rules parallelize checks, reported as the CLI's usage errors
         Options.create(**options).check("jshard plan")
     except (jshard.ShardingError, TypeError) as e:
@@ -315,6 +332,8 @@ def _plan(args: argparse.Namespace) -> int:
     report = plan.search
     if report is not None:
         against = "no memory budget" if report.budget is None else f"budget {human_bytes(report.budget)}"
+        if report.budget is not None and report.budget_from != "memory_budget":
+            against += f" ({report.budget_from})"
         fits = "" if report.budget is None else (" (fits)" if report.peak_bytes <= report.budget else " (over)")
         line = f"estimated peak memory per device: {human_bytes(report.peak_bytes)}, {against}{fits}"
         if report.compiled_peak_bytes is not None:

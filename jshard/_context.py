@@ -47,6 +47,9 @@ class TraceContext:
     `accumulation_steps` and `accumulator` are what `jshard.accumulate` reads (`parallelize`'s
     `accumulation_steps`, and with `accumulation_shard` the parameters' tree with each leaf's
     shape and the sharding its accumulated gradient takes); `accumulated` counts its calls.
+    `recompute` is `parallelize`'s `recompute=` (the policy of `jshard.recompute` regions that name
+    none); `recompute_choice` the policy this trace gives the regions left to the search
+    (`policy="auto"`), and `auto_regions` counts those met.
     """
 
     call: str
@@ -58,6 +61,9 @@ class TraceContext:
     accumulation_steps: int | None = None
     accumulator: tuple | None = None
     accumulated: int = 0
+    recompute: object = None
+    recompute_choice: str = "full"
+    auto_regions: int = 0
 
     @property
     def device_count(self) -> int:

@@ -33,5 +33,18 @@ class DeviceCountError(ShardingError):
     """A device count that does not fit: too few devices, or a backend already started."""
 
 
-for _error in (ShardingError, LayoutConflictError, DeviceCountError):
+class MemoryBudgetError(ShardingError):
+    """No plan the search finds fits the memory budget per device.
+
+    Attributes:
+      least_bytes: the least per-device peak the search estimated (every tensor cut as finely as
+        its dims allow), or None where unknown.
+    """
+
+    def __init__(self, message: str, least_bytes: float | None = None):
+        super().__init__(message)
+        self.least_bytes = least_bytes
+
+
+for _error in (ShardingError, LayoutConflictError, DeviceCountError, MemoryBudgetError):
     _error.__module__ = "jshard"  # as tracebacks print it: jshard.ShardingError, the name users import

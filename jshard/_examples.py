@@ -113,7 +113,9 @@ def reference(name: str, sizes: Mapping[str, Any], batch: int) -> Example:
         raise TargetError("sizes must be positive integers.")
     changes = {fields[k]: _widths(v) if k == "widths" else v for k, v in sizes.items()}
     if name in ("gpt", "gpt-scan"):
-        config = models.GPTConfig(scan=name == "gpt-scan")
+        # the scanned GPT marks its block jshard.recompute(policy="auto"), as a model author would: the
+        # search recomputes it where the memory budget needs it
+        config = models.GPTConfig(scan=name == "gpt-scan", recompute="auto" if name == "gpt-scan" else None)
         config = dataclasses.replace(config, **changes)
         if config.d_model % config.n_heads:
             raise TargetError(f"--heads {config.n_heads} must divide --d-model {config.d_model}.")

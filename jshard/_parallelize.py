@@ -66,6 +66,7 @@ def parallelize(
     accumulation_steps: int | None = None,
     accumulation_shard: bool = False,
     offload: str | Sequence[str] = (),
+    recompute: Any = None,
 ) -> Any:
     """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
 
@@ -108,7 +109,10 @@ def parallelize(
         `"propagation"` (cut the batch, propagate as `semi_auto` does).
       memory_budget: with `mode="auto"`: bytes per device the plan must fit (an int, or a string
         such as `"16GiB"`); where devices are present the compiled program's memory is checked
-        and the search tightened until it fits.
+        and the search tightened until it fits. Default: the memory of one device, estimated only:
+        `cost_model.memory` (`CostModel.for_device("H100")`), else the devices present's
+        (`jshard.cost.device_memory`), else (an abstract mesh) no budget. Nothing fitting raises
+        `jshard.MemoryBudgetError`.
       search_time_limit: seconds the ILP may take; past it, the best plan found is used and the
         plan says so.
       pipeline_stages: S, to pipeline `fn`, a `jshard.Pipeline`: the devices form S stages of
@@ -120,7 +124,8 @@ def parallelize(
       virtual_stages: v, model chunks per stage for `schedule="interleaved"`.
       pipeline_result_broadcast: inference outputs on every device (else on the last stage).
       optimizer_parallel: MindSpore's `enable_parallel_optimizer` / `optimizer_level` (ZeRO), in
-        `mode="data"` and `"semi_auto"`: `1` cuts every optimizer-state leaf of at least
+        `mode="data"`, `"semi_auto"` and `"auto"` (over the axes the search leaves the state
+        replicated on; the search then plans around the cut): `1` cuts every optimizer-state leaf of at least
         `optimizer_parallel_threshold` bytes over the data-parallel devices (the mesh axes its
         layout leaves replicated) on its largest dim they divide, as the argument's and the
         updated result's sharding, so the state stays cut between steps; the update is computed
@@ -157,6 +162,14 @@ def parallelize(
         use and the update back. `plan.summary()` names the host leaves and the bytes moved per
         step (`plan.offload`, a `jshard.plan.OffloadReport`). Activations: `jshard.recompute(fn,
         policy="offload")`. A `jshard.hetero.HostTable` argument lives in host memory without it.
+      recompute: the policy of the `jshard.recompute` regions that name none (MindSpore's
+        parallel-wide recompute default): `"full"`, `"selective"`, `"none"`, a
+        `jax.checkpoint_policies` name or callable, or `"auto"`: with `mode="auto"` the search
+        traces the step once per policy ("none", "selective", "full",
+        the same for every such region), prices each (its compute, recomputation included, and
+        collectives) against the memory budget, and keeps the fastest that fits;
+        `plan.search.recompute` lists what it weighed; elsewhere `"auto"` is `"full"`. Pipelines
+        apply it in their stages. None: `"full"`.
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`. Call it as `fn` is called: keyword
@@ -189,7 +202,7 @@ def parallelize(
         schedule=schedule, virtual_stages=virtual_stages, pipeline_result_broadcast=pipeline_result_broadcast,
         optimizer_parallel=optimizer_parallel, optimizer_parallel_threshold=optimizer_parallel_threshold,
         optimizer_state_argnums=optimizer_state_argnums, optimizer_comm_recompute=optimizer_comm_recompute,
-        accumulation_steps=accumulation_steps, accumulation_shard=accumulation_shard, offload=offload,
+        accumulation_steps=accumulation_steps, accumulation_shard=accumulation_shard, offload=offload, recompute=recompute,
     )
     if options.pipeline is not None:
         from jshard.pipeline import pipelined  # noqa: PLC0415  (the pipeline front end builds on this module's core)

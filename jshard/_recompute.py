@@ -3,6 +3,11 @@
 A recomputed function keeps only its inputs (or, selectively, its matmul outputs) for the backward
 pass and runs its forward again there. Inside `parallelize` the recompute survives planning: the
 emitter rebuilds the remat equation with its sharding constraints inside (`jshard/propagate`).
+
+A region that names no policy takes `parallelize`'s `recompute=` (MindSpore's parallel-wide
+recompute default), else `"full"`. `policy="auto"` leaves the choice to the strategy search
+(`mode="auto"`): it traces the step once per policy in `AUTO_POLICIES`, the same for every such
+region, and keeps the fastest plan that fits the memory budget (`SearchReport.recompute`).
 """
 
 from __future__ import annotations
@@ -13,12 +18,17 @@ from typing import Any
 
 import jax
 
+from jshard import _context
 from jshard._errors import ShardingError, api_boundary
 from jshard.graph import RECOMPUTE_SCOPE
 from jshard.hetero import HOST_POLICIES
 
 Policy = str | Callable[..., bool]
-"""`"full"`, `"selective"`, the name of a `jax.checkpoint_policies` policy, or a policy callable."""
+"""`"full"`, `"selective"`, `"none"`, `"auto"`, the name of a `jax.checkpoint_policies` policy, or a
+policy callable."""
+
+AUTO_POLICIES = ("none", "selective", "full")
+"""The policies the search weighs for `policy="auto"` regions, the fastest (and largest) first."""
 
 _SHORTHANDS = {"full": None, "selective": "dots_saveable"}
 """MindSpore's names: full recompute (`jax.checkpoint`'s default, keeping nothing) and selective."""
@@ -28,7 +38,7 @@ _NAMED = ("nothing_saveable", "everything_saveable", "dots_saveable", "dots_with
 
 
 @api_boundary
-def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy = "full") -> Any:
+def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy | None = None) -> Any:
     """`fn` recomputed in the backward pass instead of keeping its intermediate values; usable as a
     decorator, with or without arguments.
 
@@ -36,13 +46,18 @@ def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy = "full") 
       fn: the function (a layer, a block) whose forward pass to recompute.
       policy: what to keep: `"full"` (nothing but the inputs: MindSpore's `Cell.recompute()`),
         `"selective"` (the matmul outputs, `dot_general` results; the elementwise work between them
-        is recomputed), `"offload"` (the matmul outputs without batch dims, kept in host memory:
-        activation offload; `jshard.offload_names(...)` offloads named activations), the name of a
-        `jax.checkpoint_policies` policy (`"dots_with_no_batch_dims_saveable"`),
-        or a policy callable (`jax.checkpoint_policies.save_only_these_names("attn")`).
+        is recomputed), `"none"` (everything: no recompute), `"offload"` (the matmul outputs without
+        batch dims, kept in host memory: activation offload; `jshard.offload_names(...)` offloads
+        named activations), the name of a `jax.checkpoint_policies` policy
+        (`"dots_with_no_batch_dims_saveable"`), a policy callable
+        (`jax.checkpoint_policies.save_only_these_names("attn")`), `"auto"` (under
+        `parallelize(mode="auto")` the search picks one of `AUTO_POLICIES` by predicted step time
+        and memory budget; elsewhere, with no search to decide, `"full"`), or None (the default:
+        the enclosing `parallelize`'s `recompute=`, else `"full"`).
 
     Returns:
-      `jax.checkpoint(fn, policy=...)`, or a decorator making it when `fn` is None.
+      `jax.checkpoint(fn, policy=...)` for a fixed policy, a function choosing its policy when it is
+      traced for None and `"auto"`; or a decorator making it when `fn` is None.
 
     Raises:
       ShardingError: `policy` names no policy.
@@ -55,11 +70,19 @@ def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy = "full") 
       (2, 2)
     """
     named = f"policy={policy!r}" if fn is None else getattr(fn, "__name__", type(fn).__name__)
-    resolved = _policy(policy, f"jshard.recompute({named})")
-    label = policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
+    call = f"jshard.recompute({named})"
+    if policy is not None and policy != "auto":
+        resolved, label = _policy(policy, call), _label(policy)
+        if fn is None:
+            return lambda f: _fixed(f, resolved, label)
+        return _fixed(fn, resolved, label)
     if fn is None:
-        return lambda f: jax.checkpoint(_scoped(f, label), policy=resolved)
-    return jax.checkpoint(_scoped(fn, label), policy=resolved)  # keeps fn's name and docstring
+        return lambda f: _deferred(f, policy, call)
+    return _deferred(fn, policy, call)
+
+
+def _label(policy: Policy) -> str:
+    return policy if isinstance(policy, str) else getattr(policy, "__name__", "custom")
 
 
 def _scoped(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
@@ -73,26 +96,70 @@ def _scoped(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
     return run
 
 
-def _policy(policy: Policy, call: str) -> Callable[..., bool] | None:
-    """The policy callable `policy` stands for (None: save nothing, as `jax.checkpoint`'s default)."""
+_NONE = object()
+"""`_policy`'s answer for `"none"`: no recompute."""
+
+
+def _fixed(fn: Callable[..., Any], resolved: Any, label: str) -> Callable[..., Any]:
+    """`fn` under `jax.checkpoint` with `resolved` (keeping fn's name and docstring), in its `label`'s name scope."""
+    return fn if resolved is _NONE else jax.checkpoint(_scoped(fn, label), policy=resolved)
+
+
+def _deferred(fn: Callable[..., Any], policy: str | None, call: str) -> Callable[..., Any]:
+    """`fn` recomputed by the policy the trace it runs in gives it (see `recompute`)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        chosen = traced_policy(policy)
+        return _fixed(fn, _policy(chosen, call), _label(chosen))(*args, **kwargs)
+
+    return run
+
+
+def traced_policy(policy: str | None) -> Policy:
+    """The policy a region asking for `policy` (None or `"auto"`) gets in the current trace."""
+    ctx = _context.current()
+    if ctx is None:
+        return "full"
+    if policy is None:
+        policy = "full" if ctx.recompute is None else ctx.recompute
+    if policy != "auto":
+        return policy
+    ctx.auto_regions += 1
+    return ctx.recompute_choice
+
+
+def check_policy(policy: Policy | None, call: str) -> None:
+    """Raises `ShardingError` (`TypeError`) where `policy` (`parallelize`'s `recompute=`) names no policy."""
+    if policy is not None and policy != "auto":
+        _policy(policy, call, what="recompute")
+
+
+def _policy(policy: Policy, call: str, what: str = "policy") -> Any:
+    """The policy callable `policy` stands for (None: save nothing, as `jax.checkpoint`'s default;
+    `_NONE`: no recompute)."""
     if callable(policy):
         return policy
     if not isinstance(policy, str):
-        raise TypeError(f"{call}: policy must be a string or a jax.checkpoint_policies callable, not "
+        raise TypeError(f"{call}: {what} must be a string or a jax.checkpoint_policies callable, not "
                         f"{type(policy).__name__} ({policy!r}).")
     if policy == "full":
         return None
+    if policy == "none":
+        return _NONE
     if policy in HOST_POLICIES:
         return HOST_POLICIES[policy]()
     name = _SHORTHANDS.get(policy, policy)
     if name not in _NAMED or not hasattr(jax.checkpoint_policies, name):
-        raise ShardingError(_policy_error(call, policy))
+        raise ShardingError(_policy_error(call, policy, what))
     return getattr(jax.checkpoint_policies, name)
 
 
-def _policy_error(call: str, policy: str) -> str:
-    valid = ", ".join(repr(n) for n in (*_SHORTHANDS, *_NAMED, *HOST_POLICIES) if n in _SHORTHANDS or n in HOST_POLICIES or hasattr(jax.checkpoint_policies, n))
+def _policy_error(call: str, policy: str, what: str) -> str:
+    own = ("none", "auto", *HOST_POLICIES)
+    valid = ", ".join(repr(n) for n in (*_SHORTHANDS, *own, *_NAMED)
+                      if n in _SHORTHANDS or n in own or hasattr(jax.checkpoint_policies, n))
     if callable(getattr(jax.checkpoint_policies, policy, None)):
         return (f"{call}: jax.checkpoint_policies.{policy} builds a policy from arguments; pass "
-                f"policy=jax.checkpoint_policies.{policy}(...), or one of the named policies: {valid}.")
-    return f"{call}: policy={policy!r} is no recompute policy. Use one of {valid}, or a policy callable."
+                f"{what}=jax.checkpoint_policies.{policy}(...), or one of the named policies: {valid}.")
+    return f"{call}: {what}={policy!r} is no recompute policy. Use one of {valid}, or a policy callable."

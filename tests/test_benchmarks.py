@@ -10,6 +10,7 @@ from _tolerance import assert_close, step_terms, tolerance
 from benchmarks import _abstract, _compiled, _report, _search
 from benchmarks._models import model_table, workload
 from benchmarks._plans import PLANS
+from benchmarks._table import Table
 
 
 def _mlp():
@@ -117,4 +118,14 @@ def test_accumulation_rows_equal_the_full_batch_and_render():
     # the losses are at most log(vocab): cross-entropy from (near) uniform logits at the start
     tol = tolerance(np.float32(np.log(cfg.vocab)), terms=_accumulation.STEPS * step_terms(params, batches[0]))
     assert all(float(row[-1]) <= tol for row in table.rows)
-    assert "## 8. Gradient accumulation" in table.markdown()
+    assert "## 11. Gradient accumulation" in table.markdown()
+
+
+def test_only_sections_replace_their_tables_in_place_and_add_new_ones_before_the_gpu_section():
+    old = "# jshard benchmarks\n\nhead\n\n## 8. Old\n\n| a |\n| --- |\n| 1 |\n\n## 9. Kept\n\ntext\n\n## GPU: H100\n\ngpu\n"
+    new = [Table("8. Old", "", ("a",), (("2",),), ("how",)), Table("11. New", "", ("b",), (("3",),), ("why",))]
+    text = _report.replace_sections(old, new, "Regenerated alone by `python -m benchmarks --only memory`")
+    titles = [line for line in text.splitlines() if line.startswith("## ")]
+    assert titles == ["## 8. Old", "## 9. Kept", "## 11. New", "## GPU: H100"]
+    assert "| 2 |" in text and "| 1 |" not in text and "head" in text and "gpu" in text
+    assert text.count("- Regenerated alone by `python -m benchmarks --only memory`") == 2

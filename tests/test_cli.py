@@ -60,7 +60,7 @@ def test_plan_gpt_with_the_recursive_search(capsys, tmp_path):
     assert "GPT train step (1 layers, d_model 32" in out and "batch 8" in out
     assert "Plan: 8 devices, mode=auto" in out and " searched" in out and "search=recursive" in out
     assert re.search(r"planned in [\d.]+ s", out)
-    assert re.search(r"estimated peak memory per device: [\d.]+ \w+, no memory budget", out)
+    assert re.search(r"estimated peak memory per device: [\d.]+ \w+, no memory budget", out)  # CPU: none
     assert "predicted collectives per device per call:" in out
     assert "chosen by the strategy search" in out  # --explain 1
     assert js.Plan.load(str(path)).device_count == 8
@@ -81,6 +81,11 @@ def test_plan_for_more_devices_than_present_uses_an_abstract_mesh(capsys):
     assert "budget 16 GiB (fits)" in out
 
 
+def test_plan_for_a_device_kind_holds_the_plan_to_its_memory(capsys):
+    assert main(["plan", "mlp", "--devices", "64", "--device", "H100"]) == 0
+    assert "budget 80 GiB (the memory of one H100, no memory_budget given) (fits)" in capsys.readouterr().out
+
+
 def test_plan_with_a_budget_nothing_can_meet_exits_1(capsys):
     assert main(["plan", f"{EXAMPLE}:example", "--devices", "8", "--memory-budget", "1KiB"]) == 1
     captured = capsys.readouterr()
@@ -98,6 +103,7 @@ def test_plan_with_a_budget_nothing_can_meet_exits_1(capsys):
         ([f"{EXAMPLE}:example", "--layers", "2"], "--layers size a reference model"),
         (["gpt", "--d-model", "30", "--heads", "4"], "--heads 4 must divide --d-model 30"),
         (["gpt", "--memory-budget", "lots"], "--memory-budget 'lots' is not a size"),
+        (["gpt", "--device", "Z80"], "--device 'Z80' is no known device kind; the known kinds are H100, H200, A100."),
         (["gpt", "--mode", "semi_auto", "--search", "ilp"], "search='ilp' applies to the strategy search, mode='auto' (this call has mode='semi_auto')"),
     ],
 )

@@ -91,6 +91,19 @@ def test_data_parallel_levels_cut_state_and_equal_one_device(level):
     _check_cut(jax.tree.leaves(new_params), [x.sharding for x in jax.tree.leaves(new_params)], 8, cut=level == 3)
 
 
+def test_auto_mode_level_3_cuts_state_and_parameters_and_equals_one_device():
+    params, state, batches = _problem()
+    train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
+    step = js.parallelize(train, devices=8, mode="auto", optimizer_parallel=3, optimizer_parallel_threshold=THRESHOLD)
+    plan = step.plan(params, state, batches[0])
+    assert plan.search is not None and plan.optimizer.state_cut > 0 and plan.optimizer.params_cut > 0
+    (p_sh, s_sh, _), _ = step.lower(params, state, batches[0]).compile().input_shardings
+    for x, sh in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p_sh, s_sh))):
+        if _big(x):  # the search left these whole (a tiny model): the cut takes all 8 devices
+            assert _per_device(x, sh) == np.size(x) * np.dtype(x.dtype).itemsize // 8, (np.shape(x), sh)
+    _compare(step, params, state, batches)
+
+
 def test_the_plan_shows_the_cut():
     params, state, batches = _problem()
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
@@ -162,11 +175,11 @@ def test_a_threshold_that_is_not_a_size_is_named(threshold):
         js.parallelize(lambda p, s, x: p, optimizer_parallel=1, optimizer_parallel_threshold=threshold)
 
 
-@pytest.mark.parametrize("kw", [{"mode": "auto"}, {"mode": "manual"}, {"pipeline_stages": 2, "micro_batches": 2}])
+@pytest.mark.parametrize("kw", [{"mode": "manual"}, {"pipeline_stages": 2, "micro_batches": 2}])
 def test_modes_without_optimizer_parallel_are_named(kw):
     with pytest.raises(js.ShardingError, match=r"optimizer_parallel cuts the optimizer state over the axes the "
-                                               r"strategies leave replicated, in mode='data' or 'semi_auto'.*Use "
-                                               r"mode='data' or 'semi_auto', or drop optimizer_parallel"):
+                                               r"strategies leave replicated, in mode='data', 'semi_auto' or 'auto'"
+                                               r".*Use mode='data', 'semi_auto' or 'auto', or drop optimizer_parallel"):
         js.parallelize(lambda p, s, x: p, optimizer_parallel=1, **kw)
 
 

@@ -18,8 +18,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jshard._errors import ShardingError
+from jshard._errors import MemoryBudgetError, ShardingError
 from jshard._format import human_bytes
+from jshard._recompute import AUTO_POLICIES
 from jshard.compile._boundary import (
     BOUNDARY,
     argument_leaves,
@@ -33,8 +34,10 @@ from jshard.compile._optimizer import accumulator, cuts, gathered, regathered, r
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
-from jshard.compile._trace import devices_for, trace
+from jshard.compile._trace import Traced, devices_for, trace
+from jshard.cost import CostModel, device_memory
 from jshard.layouts import FineMesh, NotRefined, canonicalize_in_strategy, layout_of, to_pspec
+from jshard.search import Weighed
 
 BUDGET_ROUNDS = 3
 """How many searches a `memory_budget` gets when XLA's compiled program holds more than estimated."""
@@ -62,8 +65,70 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
 
 
 def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, call: str) -> Program:
-    """Traces, plans and builds on one fine mesh; raises `NotRefined` where it is too coarse."""
+    """Traces, plans and builds on one fine mesh; raises `NotRefined` where it is too coarse. With
+    `jshard.recompute(policy="auto")` regions and the search planning, weighs each recompute policy."""
     traced = trace(fn, args, fine, devices, c, call)
+    budget, budget_from = _budget(c, devices)
+    if not (c.searching and traced.ctx.auto_regions):
+        return _build_traced(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from)
+    return _weigh_recompute(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from)
+
+
+def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
+                     budget_from: str) -> Program:
+    """Plans the step once per recompute policy of its `policy="auto"` regions (`AUTO_POLICIES`) on
+    the search's estimates, then builds the fastest that fits (with `memory_budget` and devices
+    present: whose compiled program fits), its `SearchReport.recompute` listing what was weighed."""
+    fine = traced.fine
+    planned: dict[str, tuple[Traced, Program]] = {}
+    weighed = []
+    for policy in AUTO_POLICIES:  # each policy planned on the search's estimates; the compiled check after
+        t = traced if policy == traced.ctx.recompute_choice else trace(fn, args, fine, devices, c, call, policy)
+        try:
+            program = _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, policy, False)
+        except MemoryBudgetError as e:
+            weighed.append(Weighed(policy, None, e.least_bytes))
+            continue
+        planned[policy] = (t, program)
+        weighed.append(Weighed(policy, program.plan.search.seconds, program.plan.search.peak_bytes))
+    failed = None
+    for best in sorted(planned, key=lambda p: planned[p][1].plan.search.seconds):
+        t, program = planned[best]
+        try:
+            if c.memory_budget is not None and devices is not None:  # XLA's buffers checked against the budget
+                program = _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, best)
+        except MemoryBudgetError as e:
+            failed = e
+            weighed = [dataclasses.replace(w, seconds=None, peak_bytes=e.least_bytes) if w.policy == best else w
+                       for w in weighed]
+            continue
+        report = dataclasses.replace(program.plan.search, recompute=tuple(
+            dataclasses.replace(w, chosen=w.policy == best) for w in weighed))
+        return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
+    raise MemoryBudgetError(_recompute_error(call, budget, budget_from, weighed, fine.device_count),
+                            min((w.peak_bytes for w in weighed if w.peak_bytes is not None), default=None)) from failed
+
+
+def _budget(c: Options, devices) -> tuple[float | None, str]:
+    """The search's memory budget per device and where it came from: `memory_budget`, else the
+    device's memory (the cost model's device kind, else the devices present)."""
+    if c.memory_budget is not None or not c.searching:
+        return c.memory_budget, "memory_budget"
+    cost = c.cost_model or CostModel()
+    if cost.memory is not None:
+        return cost.memory, f"the memory of one {cost.device or 'device'}, no memory_budget given"
+    memory = device_memory(devices or [])
+    if memory is None:
+        return None, "memory_budget"
+    kind = devices[0].device_kind
+    return memory, f"the memory of one {kind} device, no memory_budget given"
+
+
+def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
+                  budget_from: str, recompute: str = "full", check: bool = True) -> Program:
+    """Plans and builds one traced signature (`recompute`: the policy it gave `policy="auto"` regions;
+    `check`: with `memory_budget` and devices present, hold the compiled program to the budget)."""
+    fine = traced.fine
     in_sh = in_shardings(traced, slots, dataset, c, call)
     out_sh = out_shardings(traced, c, call)
     planner = planner_for(c, call)
@@ -79,14 +144,15 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
     if sharded:  # jshard.accumulate cuts its accumulated gradients over the data-parallel axes
         kept = accumulator(traced, args, layouts, c, call)
     if gather or kept is not None:
-        traced = trace(gathered(fn, gather) if gather else fn, args, fine, devices, c, call, accumulator=kept)
+        traced = trace(gathered(fn, gather) if gather else fn, args, fine, devices, c, call, recompute,
+                       accumulator=kept)
     rewrite = regathered(traced, gather) if c.optimizer_comm_recompute else None
     if optimizer is not None:
         optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
     offload = offloaded(traced, args, c, call)
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
-    problem = Problem(traced, in_sh, donated, c.memory_budget)
-    checked = c.searching and c.memory_budget is not None and devices is not None
+    problem = Problem(traced, in_sh, donated, budget)
+    checked = check and c.searching and c.memory_budget is not None and devices is not None
     held = 0.0
     for attempt in range(BUDGET_ROUNDS):
         try:
@@ -94,24 +160,25 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
         except ShardingError as e:
             if attempt == 0:
                 raise
-            raise ShardingError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e)) from None
+            raise MemoryBudgetError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e), held) from None
         given = planned.in_shardings or [None] * len(in_sh)
         program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args,
                                 rewrite, offload)
-        program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=optimizer))
+        report = planned.report and dataclasses.replace(planned.report, budget_from=budget_from)
+        program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=optimizer, search=report))
         if not checked:
             return program
         held = compiled_peak(program.jitted, args)
-        report = dataclasses.replace(planned.report, compiled_peak_bytes=held)
+        report = dataclasses.replace(report, compiled_peak_bytes=held)
         if held <= c.memory_budget:
             return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
         # XLA holds more than the search's estimate: ask for less.
         problem = dataclasses.replace(problem, budget=problem.budget * c.memory_budget / held * 0.97)
-    raise ShardingError(
+    raise MemoryBudgetError(
         f"{call}: memory_budget={human_bytes(c.memory_budget)} per device: the searched plan's "
         f"compiled program still holds {human_bytes(held)} per device after {BUDGET_ROUNDS} searches with "
         f"tighter estimates (XLA's temporary buffers exceed what the search models). Raise "
-        f"memory_budget, or use more devices."
+        f"memory_budget, or use more devices.", held
     )
 
 
@@ -157,6 +224,17 @@ def _budget_retry_error(call: str, budget: float, held: float, asked: float, e: 
         f"{human_bytes(held)} per device (XLA's buffers exceed the search's estimate), and asked for "
         f"{human_bytes(asked)} instead the search found nothing: {str(e).split(': ', 1)[-1]}"
     )
+
+
+def _recompute_error(call: str, budget: float, budget_from: str, weighed, n: int) -> str:
+    tried = "; ".join(w.text() for w in weighed)
+    least = min(weighed, key=lambda w: w.peak_bytes if w.peak_bytes is not None else float("inf"))
+    given = "memory_budget=" if budget_from == "memory_budget" else f"a budget of {budget_from}: "
+    return (f"{call}: {given}{human_bytes(budget)} per device cannot be met on {n} devices with any recompute "
+            f"policy of the jshard.recompute(policy='auto') regions ({tried}). The smallest peak the search "
+            f"estimated is {human_bytes(least.peak_bytes or 0)} per device, with recompute {least.policy!r}. "
+            f"Raise memory_budget to at least that, use more devices, shrink the batch, or recompute more of "
+            f"the model (wrap more of it in jshard.recompute).")
 
 
 def _manual_mesh_error(call: str, e: NotRefined, mesh: Mesh) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jshard._errors import ShardingError
+from jshard._recompute import check_policy
 from jshard.cost import CostModel
 from jshard.hetero import check_offload
 from jshard.layouts import DatasetStrategy, check_dataset_strategy
@@ -117,6 +118,7 @@ class Options:
     accumulation: Accumulation | None = None
     optimizer_comm_recompute: Any = False
     offload: tuple[str, ...] = ()
+    recompute: Any = None
 
     @classmethod
     def create(cls, *, donate_argnums: int | Sequence[int] = (), batch_argnums: int | Sequence[int] | None = None,
@@ -167,6 +169,7 @@ class Options:
         _check_optimizer(call, self)
         _check_accumulation(call, self)
         check_offload(call, self.offload)  # with a pipeline: pipeline/_parallel.py refuses it
+        check_policy(self.recompute, call)
         if self.mode == "manual" and self.mesh is None:
             raise ShardingError(f"{call}: mode='manual' takes PartitionSpecs over your mesh; pass mesh=... too.")
         if self.mesh is not None and self.devices is not None and self.devices != self.mesh.devices.size:
@@ -219,11 +222,11 @@ def _check_optimizer(call: str, c: Options) -> None:
     if threshold is None or not threshold >= 0:
         raise ShardingError(f"{call}: optimizer_parallel_threshold={o.threshold!r} is not a size; give bytes (an "
                             f"int) or a string such as '64KiB' or '1MiB'.")
-    if c.mode in ("auto", "manual") or c.pipeline is not None:
+    if c.mode == "manual" or c.pipeline is not None:
         what = "a pipeline" if c.pipeline is not None else f"mode={c.mode!r}"
         raise ShardingError(f"{call}: optimizer_parallel cuts the optimizer state over the axes the strategies "
-                            f"leave replicated, in mode='data' or 'semi_auto'; it cannot be used with {what} "
-                            f"yet. Use mode='data' or 'semi_auto', or drop optimizer_parallel.")
+                            f"leave replicated, in mode='data', 'semi_auto' or 'auto'; it cannot be used with {what} "
+                            f"yet. Use mode='data', 'semi_auto' or 'auto', or drop optimizer_parallel.")
     if o.state_argnums is not None:
         bad = [v for v in o.state_argnums if not isinstance(v, int) or isinstance(v, bool)]
         if bad:

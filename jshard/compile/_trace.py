@@ -102,10 +102,11 @@ def devices_for(options: Options) -> list[jax.Device] | None:
 
 
 def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | None, options: Options,
-          call: str, accumulator: tuple | None = None) -> Traced:
+          call: str, recompute: str = "full", accumulator: tuple | None = None) -> Traced:
     """`fn(*args)` traced on the mesh of `fine` (the user's mesh in manual mode, an abstract one
-    without devices); `jshard.accumulate` calls in it read `options.accumulation` and `accumulator`
-    (the accumulated gradients' cut, with `accumulation_shard`).
+    without devices), `jshard.recompute(policy="auto")` regions recomputed by `recompute`;
+    `jshard.accumulate` calls in it read `options.accumulation` and `accumulator` (the accumulated
+    gradients' cut, with `accumulation_shard`).
 
     Raises:
       ShardingError: `accumulation_steps` is given but `fn` calls no `jshard.accumulate`.
@@ -124,7 +125,8 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
     else:
         mesh = fine.jax_mesh(devices)
     steps = None if options.accumulation is None else options.accumulation.steps
-    ctx = _context.TraceContext(call, fine, mesh, options.mode, accumulation_steps=steps, accumulator=accumulator)
+    ctx = _context.TraceContext(call, fine, mesh, options.mode, accumulation_steps=steps, accumulator=accumulator,
+                                recompute=options.recompute, recompute_choice=recompute)
     with _context.tracing(ctx):
         try:
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)

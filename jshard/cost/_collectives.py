@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from jshard._errors import ShardingError
+from jshard.cost._devices import DEVICE_KINDS, kind_of
 from jshard.layouts import Spec
 
 
@@ -35,6 +37,11 @@ class CostModel:
       flops: floating-point operations per second per device.
       axes: per-axis `(bandwidth, latency)` overrides, e.g. `{"d0": (12.5e9, 2e-5)}` for an axis
         that crosses hosts.
+      device: the device kind planned for (`"H100"`), or None: the devices present, if any.
+      memory: bytes per device: the default `memory_budget` of the strategy search; None: the
+        present devices' (`device_memory`), else no budget.
+
+    `CostModel.for_device("H100")` fills `flops`, `bandwidth` and `memory` from `DEVICE_KINDS`.
 
     Examples:
       >>> CostModel().time(Comm("all-reduce", 1e6, ("d0",)), {"d0": 2}) > 0
@@ -45,6 +52,29 @@ class CostModel:
     latency: float = 5e-6
     flops: float = 100e12
     axes: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    device: str | None = None
+    memory: float | None = None
+
+    @classmethod
+    def for_device(cls, name: str, **overrides) -> CostModel:
+        """The cost model of a known device kind (`DEVICE_KINDS`: `"H100"`, `"H200"`, `"A100"`).
+
+        Examples:
+          >>> m = CostModel.for_device("h100")
+          >>> m.device, m.flops, m.memory / 2**30
+          ('H100', 989000000000000.0, 80.0)
+
+        Raises:
+          ShardingError: `name` is no known device kind.
+        """
+        found = kind_of(name)
+        if found is None:
+            raise ShardingError(f"jshard.cost.CostModel.for_device({name!r}): no such device kind; the known kinds "
+                                f"are {', '.join(DEVICE_KINDS)}. Or give CostModel(flops=..., bandwidth=..., "
+                                f"memory=...) for another device.")
+        known, kind = found
+        return cls(**{"bandwidth": kind.bandwidth, "flops": kind.flops, "device": known, "memory": kind.memory,
+                      **overrides})
 
     def time(self, comm: Comm, axis_size: Mapping[str, int]) -> float:
         n = math.prod(axis_size[a] for a in comm.axes)

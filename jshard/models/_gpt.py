@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jshard._recompute import recompute
 from jshard.models._presets import Preset
 from jshard.pipeline import Pipeline
 
@@ -27,6 +28,10 @@ BOS, SEP, EOS = 0, 1, 2
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GPTConfig:
+    """The reference GPT's sizes. `scan` stacks the blocks under `lax.scan`; `recompute` marks each
+    block `jshard.recompute(block, policy=recompute)` (`"full"`, `"selective"`, `"auto"`: the search
+    decides under `parallelize(mode="auto")`), None: not marked."""
+
     vocab: int = 32
     seq_len: int = 16
     d_model: int = 64
@@ -34,6 +39,7 @@ class GPTConfig:
     n_layers: int = 2
     d_ff: int = 256
     scan: bool = False
+    recompute: str | None = None
 
 
 def gpt_split_problems(cfg: GPTConfig, preset: Preset, batch: int) -> list[str]:
@@ -124,12 +130,22 @@ def _block(p: dict, x: jax.Array, cfg: GPTConfig, preset: Preset | None) -> jax.
 def gpt_apply(params: dict, tokens: jax.Array, cfg: GPTConfig, preset: Preset | None = None) -> jax.Array:
     """Logits `[batch, seq, vocab]` for integer `tokens` `[batch, seq]`."""
     x = _embed(params, tokens)
+    block = _layer(cfg, preset)
     if cfg.scan:
-        x, _ = jax.lax.scan(lambda h, p: (_block(p, h, cfg, preset), None), x, params["layers"])
+        x, _ = jax.lax.scan(lambda h, p: (block(p, h), None), x, params["layers"])
     else:
         for p in params["layers"]:
-            x = _block(p, x, cfg, preset)
+            x = block(p, x)
     return _logits(params, x, preset)
+
+
+def _layer(cfg: GPTConfig, preset: Preset | None):
+    """One block as a function of its parameters and input, recomputed as `cfg.recompute` says."""
+
+    def block(p: dict, x: jax.Array) -> jax.Array:
+        return _block(p, x, cfg, preset)
+
+    return block if cfg.recompute is None else recompute(block, policy=cfg.recompute)
 
 
 def _embed(params: dict, tokens: jax.Array) -> jax.Array:
@@ -178,7 +194,7 @@ def gpt_pipeline(cfg: GPTConfig, preset: Preset | None = None) -> Pipeline:
         raise ValueError("gpt_pipeline: needs GPTConfig(scan=True), whose blocks are stacked on a layer axis.")
     return Pipeline(
         first=lambda p, batch: _embed(p, batch[0]),
-        layer=lambda lp, x: _block(lp, x, cfg, preset),
+        layer=_layer(cfg, preset),
         last=lambda p, x, batch: _masked_nll(_logits(p, x, preset), batch[1], batch[2]),
         head=lambda p, x: _logits(p, x, preset),
     )

@@ -169,7 +169,7 @@ class Pipelined:
 
         @functools.wraps(fn)
         def run(*args):
-            with _context.tracing(_context.TraceContext(*ctx_args)):
+            with _context.tracing(_context.TraceContext(*ctx_args, recompute=self.options.recompute)):
                 return fn(*args)
 
         return run
@@ -342,8 +342,8 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
     if options.optimizer is not None:
         raise ShardingError(
             f"{call}: optimizer_parallel cuts the optimizer state over the axes the strategies leave replicated, "
-            f"in mode='data' or 'semi_auto'; it cannot be used with a pipeline yet. Use mode='data' or "
-            f"'semi_auto', or drop optimizer_parallel."
+            f"in mode='data', 'semi_auto' or 'auto'; it cannot be used with a pipeline yet. Use mode='data', "
+            f"'semi_auto' or 'auto', or drop optimizer_parallel."
         )
     if options.accumulation is not None:
         raise ShardingError(

@@ -14,8 +14,9 @@ decided in program order, improved by single moves, the best per pinned unit pol
 two neighbours at once; the eliminated units then take their best answers. Each level is linear in
 the graph's size, so a search is linear in operators × log(devices).
 
-A memory budget sets λ (seconds per byte): zero when the plan fits, else the least λ found by
-growing and bisection whose plan fits, which moves the plan from replicated parameters to cut ones
+A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
+plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
+plan fits, else the least λ found by growing and bisection whose plan fits, which moves the plan from replicated parameters to cut ones
 (FSDP-style or tensor-parallel) as far as the budget needs.
 """
 
@@ -39,17 +40,20 @@ _HEAVY = 0.1  # ... among those with at least this share of the heaviest one's c
 def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solved:
     search = _Recursive(g, levels)
     choice, seconds = search.run(0.0)
-    peak, _ = g.peak(choice)
+    peak, t = g.peak(choice)
     if budget is None or peak <= budget:
         return Solved(choice, seconds, peak, "fits" if budget else "no budget")
+    search.keep(t)
     low, high, best = 0.0, max(seconds, 1e-9) / peak, None  # λ's scale: the plan's seconds per byte
-    for _ in range(_GROWTHS):
+    growths = 0
+    while growths < _GROWTHS:
         choice, seconds = search.run(high)
-        peak, _ = g.peak(choice)
+        peak, t = g.peak(choice)
         if peak <= budget:
             best = (choice, seconds, peak)
             break
-        low, high = high, high * 4
+        if not search.keep(t):  # new values held at this plan's peak are weighed at the same λ first
+            low, high, growths = high, high * 4, growths + 1
     if best is None:
         raise Infeasible(f"the most memory-bound plan found holds {peak:.0f} bytes per device")
     for _ in range(_BISECTIONS):
@@ -70,11 +74,18 @@ class _Recursive:
         degree = collections.Counter(k for e in g.edges for k in (e.src[0], e.dst[0]))
         self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
-        t = int(replicated.argmax())
-        self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at the peak
-        for v in g.live_at(t):
-            k, pos = g.makers[v]
+        self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at a peak
+        self._kept_values: set = set()
+        self.keep(int(replicated.argmax()))
+
+    def keep(self, t: int) -> bool:
+        """Weighs (with λ) the values held at program point `t` too; whether any was new."""
+        new = [v for v in self.g.live_at(t) if v not in self._kept_values]
+        for v in new:
+            k, pos = self.g.makers[v]
             self.kept[k].append((pos, v))
+            self._kept_values.add(v)
+        return bool(new)
 
     def run(self, lam: float) -> tuple[list[Assignment], float]:
         base: list[Assignment] = [{} for _ in self.g.units]

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from jax.extend import core as jcore
 
-from jshard._errors import ShardingError
+from jshard._errors import MemoryBudgetError, ShardingError
 from jshard._format import human_bytes, var_str
 from jshard.cost import CostModel, value_bytes
 from jshard.graph import CONSTRAINT, Node, operand_vars
@@ -32,6 +32,30 @@ from jshard.search._graph import Assignment, Infeasible, SearchGraph
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
 _KEY_SHARE = 0.01  # key operators, whose best rejected alternative a plan records: this share of the heaviest's work
+
+
+@dataclasses.dataclass(frozen=True)
+class Weighed:
+    """One recompute policy the search weighed for `jshard.recompute(policy="auto")` regions.
+
+    Attributes:
+      policy: `"none"`, `"selective"` or `"full"`.
+      seconds: its plan's predicted seconds per call, or None where no plan fits the budget.
+      peak_bytes: its plan's estimated peak per device, or (no plan) the least the search estimated.
+      chosen: whether the program uses it.
+    """
+
+    policy: str
+    seconds: float | None
+    peak_bytes: float | None
+    chosen: bool = False
+
+    def text(self) -> str:
+        peak = "?" if self.peak_bytes is None else human_bytes(self.peak_bytes)
+        if self.seconds is None:
+            return f"{self.policy}: no plan fits (least peak {peak})"
+        when = f"{self.seconds:.4g} s" if self.seconds >= 1 else f"{self.seconds * 1e3:.4g} ms"
+        return f"{self.policy}: {when}, peak {peak}" + (" (chosen)" if self.chosen else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +74,9 @@ class SearchReport:
       planning_seconds: the search's own time.
       compiled_peak_bytes: with a budget and devices present, what the compiled program holds per
         device (XLA's memory analysis), else None.
+      budget_from: where the budget came from: `"memory_budget"`, or the device whose memory it is
+        (`parallelize` without `memory_budget`).
+      recompute: with `jshard.recompute(policy="auto")` regions, each policy weighed (`Weighed`).
     """
 
     search: str
@@ -62,13 +89,18 @@ class SearchReport:
     candidates: int
     planning_seconds: float
     compiled_peak_bytes: float | None = None
+    budget_from: str = "memory_budget"
+    recompute: tuple[Weighed, ...] = ()
 
     def line(self) -> str:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
+        if self.budget is not None and self.budget_from != "memory_budget":
+            budget += f" ({self.budget_from})"
         return (f"search={self.search} over mesh {self.mesh}: {self.status}; {self.units} decisions among "
                 f"{self.candidates} candidates in {self.planning_seconds:.2f} s; predicted "
                 f"{self.seconds * 1e6:.6g} us per call; estimated peak {human_bytes(self.peak_bytes)} per device, {budget}" + (
-                    "" if self.compiled_peak_bytes is None else f"; compiled {human_bytes(self.compiled_peak_bytes)}"))
+                    "" if self.compiled_peak_bytes is None else f"; compiled {human_bytes(self.compiled_peak_bytes)}") + (
+                    "" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute)))
 
 
 def search(
@@ -100,18 +132,18 @@ def search(
       names: var -> a name for errors (an argument's pytree path).
 
     Raises:
-      ShardingError: nothing the search can find fits `budget`.
+      MemoryBudgetError: nothing the search can find fits `budget`.
     """
     start = time.perf_counter()
     g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated)
     axes = [(a,) for a, n in axis_size.items() if n > 1]
-    if budget is not None and _boundary_bound(g) > budget:  # nothing can fit: say so before searching
-        raise ShardingError(_too_big(g, budget, names or {}, call, how))
+    if budget is not None and _least_peak(g) > budget:  # nothing can fit: say so before searching
+        raise _too_big(g, budget, names or {}, call, how)
     if how == "recursive":
         try:
             solved = _recursive.solve(g, axes, budget)
         except Infeasible:
-            raise ShardingError(_too_big(g, budget, names or {}, call, how)) from None
+            raise _too_big(g, budget, names or {}, call, how) from None
         choice, mesh_text = solved.choice, "·".join(str(axis_size[a]) for (a,) in axes) or "1"
         candidates = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units)))
         seconds, peak, status = solved.seconds, solved.peak, solved.status
@@ -125,7 +157,7 @@ def search(
             if best is None or solved.seconds < best[0].seconds:
                 best = (solved, groups)
         if best is None:
-            raise ShardingError(_too_big(g, budget, names or {}, call, how))
+            raise _too_big(g, budget, names or {}, call, how)
         solved, groups = best
         choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
         mesh_text = "×".join(str(math.prod(axis_size[a] for a in grp)) for grp in groups) or "1"
@@ -246,13 +278,12 @@ def _least(g: SearchGraph) -> dict:
             for v in g.memory_values}
 
 
-def _boundary_bound(g: SearchGraph) -> float:
-    """A true lower bound on the peak: the arguments and results alone, each cut as finely as it can be."""
-    least = _least(g)
-    return float(g.live_bytes({v: b for v, b in least.items() if v in g.arg_unit or g.last[v] == g.end}).max())
+def _least_peak(g: SearchGraph) -> float:
+    """A lower bound on every plan's estimated peak: each value held cut as finely as its dims allow."""
+    return float(g.live_bytes(_least(g)).max())
 
 
-def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str) -> str:
+def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str) -> MemoryBudgetError:
     """Why no plan fits: the least the arguments and results need (a true lower bound: each cut as
     finely as its dims allow), the search's own least estimate with the activations kept between
     operators, what is missing and the tensors that dominate."""
@@ -276,8 +307,9 @@ def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str)
         shown = least
     top = sorted((v for v in g.live_at(t) if v in shown), key=lambda v: shown[v], reverse=True)[:_TOP_TENSORS]
     rows = "; ".join(f"{_name(g, v, names)} {var_str(v, short=False)} ({human_bytes(least[v])} per device at best)" for v in top)
-    return (head + why + f" Largest: {rows}. Raise memory_budget, use more devices, donate the state "
-            f"(donate_argnums) or shrink the batch.")
+    return MemoryBudgetError(head + why + f" Largest: {rows}. Raise memory_budget, use more devices, donate the "
+                             f"state (donate_argnums), shrink the batch, or recompute the layers in the backward "
+                             f"pass (jshard.recompute(layer, policy='auto')).", float(live.max()))
 
 
 def _finest_cut(shape, axis_size: Mapping[str, int]) -> int:

@@ -1,0 +1,113 @@
+"""The search prices recompute and memory: `jshard.recompute(policy="auto")` regions chosen under a
+budget (numerics against one device), `parallelize(recompute=)` as the regions' default, the
+device's memory as the default budget, and a budget nothing meets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _tolerance import assert_close, step_terms
+
+import jshard as js
+from jshard import models
+from jshard.cost import CostModel
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def scan_gpt():
+    """A scanned GPT whose activations (seq 32, batch 32) dwarf its weights, its block marked
+    `recompute="auto"`; the train step and its single-device result."""
+    cfg = models.GPTConfig(n_layers=2, scan=True, recompute="auto", seq_len=32, d_model=32, n_heads=4, d_ff=64)
+    optimizer = optax.adam(1e-3)
+    step = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), optimizer)
+    params = models.init_gpt(cfg, jax.random.key(0))
+    args = (params, optimizer.init(params), models.copy_task_batch(np.random.default_rng(0), cfg, 32))
+    return step, args, jax.jit(step)(*args)
+
+
+def test_loose_budget_weighs_every_policy_and_keeps_the_fastest(scan_gpt):
+    step, args, _ = scan_gpt
+    free = js.parallelize(step, devices=8, mode="auto", cost_model=CostModel.for_device("H100")).plan(*args).search
+    weighed = {w.policy: w for w in free.recompute}
+    assert [w.policy for w in free.recompute] == ["none", "selective", "full"]
+    assert weighed["none"].chosen  # 80 GiB binds nothing: the fastest policy
+    assert weighed["full"].peak_bytes < weighed["selective"].peak_bytes < weighed["none"].peak_bytes
+    assert weighed["none"].seconds < weighed["full"].seconds  # recompute costs compute
+    assert "budget 80 GiB (the memory of one H100, no memory_budget given)" in free.line()
+    cpu = js.parallelize(step, devices=8, mode="auto").plan(*args).search
+    assert cpu.budget is None and "no memory budget" in cpu.line()  # CPU stand-ins: no budget
+
+
+def test_tight_budget_chooses_full_recompute_and_equals_one_device(scan_gpt):
+    step, args, (ref_params, ref_state, ref_loss) = scan_gpt
+    budget = 4 * MiB  # below what keeping every activation needs (about 9.5 MiB unbudgeted)
+    auto = js.parallelize(step, devices=8, mode="auto", cost_model=CostModel(memory=budget, device="4 MiB device"))
+    report = auto.plan(*args).search
+    chosen = [w for w in report.recompute if w.chosen]
+    assert [w.policy for w in chosen] == ["full"], report.line()
+    assert report.peak_bytes <= budget and report.budget == budget
+    assert "(the memory of one 4 MiB device, no memory_budget given)" in report.line()
+    params, state, loss = auto(*args)
+    terms = step_terms(args[0], args[2])
+    assert_close(loss, ref_loss, terms=step_terms(args[0], args[2], backward=False))
+    assert_close(params, ref_params, terms=terms)
+    assert_close(state, ref_state, terms=terms)
+
+
+def test_unfittable_budget_names_the_smallest_peak_and_what_to_try(scan_gpt):
+    step, args, _ = scan_gpt
+    auto = js.parallelize(step, devices=8, mode="auto", cost_model=CostModel(memory=64 * 2**10))
+    with pytest.raises(js.MemoryBudgetError, match=(
+            r"jshard.parallelize\(train_step\): a budget of the memory of one device, no memory_budget given: 64 KiB "
+            r"per device cannot be met on 8 devices with any recompute policy of the "
+            r"jshard.recompute\(policy='auto'\) regions \(none: no plan fits \(least peak .*\); selective: .*; full: "
+            r".*\)\. The smallest peak the search estimated is .* per device, with recompute 'full'\. Raise "
+            r"memory_budget to at least that, use more devices, shrink the batch")) as e:
+        auto.plan(*args)
+    assert e.value.least_bytes > 64 * 2**10
+
+
+def test_default_budget_of_an_abstract_mesh_is_its_device_kind():
+    cfg = models.MLPConfig(64, 256, 64, 2)
+    optimizer = optax.adam(1e-3)
+    step = models.make_train_step(models.mlp_loss, optimizer)
+    params = jax.eval_shape(lambda k: models.init_mlp(cfg, k), jax.random.key(0))
+    args = (params, jax.eval_shape(optimizer.init, params), models.mlp_batch(np.random.default_rng(0), cfg, 64))
+    h100 = js.parallelize(step, devices=64, mode="auto", cost_model=CostModel.for_device("H100")).plan(*args).search
+    assert h100.budget == 80 * 2**30 and "(the memory of one H100, no memory_budget given)" in h100.line()
+    unknown = js.parallelize(step, devices=64, mode="auto").plan(*args).search
+    assert unknown.budget is None  # an abstract mesh of no named device: no memory to hold the plan to
+    tiny = js.parallelize(step, devices=64, mode="auto", cost_model=CostModel(memory=1024.0, device="tiny"))
+    with pytest.raises(js.MemoryBudgetError, match=r"memory_budget=1 KiB per device cannot be met on 64 devices"):
+        tiny.plan(*args)
+
+
+def test_unknown_device_kind_names_the_known_ones():
+    with pytest.raises(js.ShardingError, match=r"CostModel.for_device\('Z80'\): no such device kind; the known "
+                                               r"kinds are H100, H200, A100\."):
+        CostModel.for_device("Z80")
+
+
+def _two_layers(ws, x):
+    layer = js.recompute(lambda w, h: jnp.tanh(h @ w))  # no policy: parallelize's recompute=
+    for w in ws:
+        x = layer(w, x)
+    return x.sum()
+
+
+@pytest.mark.parametrize("recompute, barriers", [(None, 2), ("full", 2), ("none", 0)], ids=["default", "full", "none"])
+def test_parallelize_recompute_is_the_default_of_regions_naming_none(recompute, barriers):
+    ws = [jnp.eye(16) / (k + 2) for k in range(2)]
+    x = jnp.linspace(-1, 1, 8 * 16).reshape(8, 16)
+    step = js.parallelize(jax.grad(_two_layers), devices=8, recompute=recompute)
+    assert step.lower(ws, x).as_text().count("optimization_barrier") == barriers
+    assert_close(step(ws, x), jax.jit(jax.grad(_two_layers))(ws, x), terms=2 * 16 + 8)
+
+
+def test_parallelize_recompute_bad_policy():
+    with pytest.raises(js.ShardingError, match=r"jshard.parallelize\(_two_layers\): recompute='dots' is no recompute "
+                                               r"policy. Use one of 'full', 'selective', 'none', 'auto'"):
+        js.parallelize(_two_layers, devices=8, recompute="dots")(([jnp.eye(2)], jnp.ones((8, 2))))
