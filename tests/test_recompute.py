@@ -173,7 +173,7 @@ def test_recompute_inside_parallelize_with_shard_calls_equals_one_device():
     "policy, match",
     [
         ("bogus", r"jshard.recompute\(_two_matmuls\): policy='bogus' is no recompute policy. Use one of 'full', "
-                  r"'selective', 'none', 'auto', 'nothing_saveable', .*'dots_saveable'.*, or a policy callable."),
+                  r"'selective', 'none', 'auto', 'offload', 'nothing_saveable', .*'dots_saveable'.*, or a policy callable."),
         ("save_only_these_names", r"jshard.recompute\(_two_matmuls\): jax.checkpoint_policies.save_only_these_names "
                                   r"builds a policy from arguments; pass policy=jax.checkpoint_policies."
                                   r"save_only_these_names\(...\), or one of the named policies: 'full', "),
