@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st

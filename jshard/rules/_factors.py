@@ -50,6 +50,17 @@ class Factors:
     def operands(self) -> tuple[tuple[DimFactors, ...], ...]:
         return self.inputs + self.outputs
 
+    @property
+    def joined(self) -> tuple[frozenset[int], ...]:
+        """Sets of factors no two of which may share a mesh axis: each operand's factors, and each
+        output's with the reduced factors, whose partial sums land on it (a gather's looked-up dim
+        and its indices' batch dim share no operand, yet one device cannot hold a slice of both
+        along one axis)."""
+        reduced = frozenset(self.reduced)
+        sets = [frozenset(g for d in dims for g in d) for dims in self.inputs]
+        sets += [frozenset(g for d in dims for g in d) | reduced for dims in self.outputs]
+        return tuple(sets)
+
 
 Rule = Callable[[jcore.JaxprEqn], Factors]
 RULES: dict[str, Rule] = {}
