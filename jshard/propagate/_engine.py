@@ -151,7 +151,7 @@ class Engine:
             if isinstance(v, jcore.Var) and v in self.values:
                 known.append((k, self.values[v], self._source(v)))
         for k, v in enumerate(outs):
-            if v in self.values:
+            if v in self.values and not self._provisional(i, v):
                 known.append((len(ins) + k, self.values[v], self._source(v)))
                 continue
             for j, pos in self.consumers.get(v, ()):
@@ -159,6 +159,30 @@ class Engine:
                     known.append((len(ins) + k, self.decisions[j].in_specs[pos], str(j)))
                     break
         return known
+
+    def _provisional(self, i: int, v) -> bool:
+        """Whether `v` is a body parameter of loop `i` laid out only by entering it: the layout the
+        loop guessed from its outer operands, not a neighbour's decision. Leaving the loop, its body's
+        users say what the parameter must be, and the loop's choice lays it out (`_settle`)."""
+        return i in self.entered and self.why.get(v) == i
+
+    def _settle(self, i: int, outs, out_specs) -> None:
+        """Lays out the body parameters loop `i` guessed on entry as it decided, and restates the
+        redistribution its body's users were charged from the guess."""
+        for v, spec in zip(outs, out_specs):
+            if not self._provisional(i, v) or self.values[v] == spec:
+                continue
+            old, self.values[v] = self.values[v], spec
+            for j, pos in self.consumers.get(v, ()):
+                d = self.decisions.get(j)
+                if d is None:
+                    continue
+                comms = list(d.comms)
+                for c in redistribution(*array_of(v), old, d.in_specs[pos], self.axis_size):
+                    comms.remove(c)
+                comms += redistribution(*array_of(v), spec, d.in_specs[pos], self.axis_size)
+                seconds = self.nodes[j].weight * sum(self.cost.time(c, self.axis_size) for c in comms)
+                self.decisions[j] = dataclasses.replace(d, comms=tuple(comms), seconds=seconds)
 
     def _source(self, v) -> str:
         why = self.why.get(v)
@@ -178,6 +202,7 @@ class Engine:
         in_specs, out_specs, comms, seconds, j, rejected, implied = self._memo[key]
         via = known[j][2] if j is not None else ""
         self.decisions[i] = Decision(in_specs, out_specs, comms, seconds, via, rejected, implied)
+        self._settle(i, outs, out_specs)
         for v, spec in zip(ins, in_specs):
             if isinstance(v, jcore.Var) and v not in self.values and v not in self.producer:
                 self.values[v] = spec  # a free argument (a parameter) is laid out by its first user
