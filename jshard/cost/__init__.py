@@ -6,6 +6,7 @@ from jshard.cost._collectives import Comm as Comm
 from jshard.cost._collectives import CostModel as CostModel
 from jshard.cost._collectives import local_bytes as local_bytes
 from jshard.cost._collectives import redistribution as redistribution
+from jshard.cost._collectives import stages as stages
 from jshard.cost._memory import LiveRanges as LiveRanges
 from jshard.cost._memory import array_of as array_of
 from jshard.cost._memory import itemsize as itemsize

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from jax.extend import core as jcore
 
-from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution
+from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, stages
 from jshard.graph import CONSTRAINT, Node, operand_vars
 from jshard.layouts import Spec, constraint_spec
 from jshard.propagate._emit import Emission
@@ -331,10 +331,10 @@ def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, i
 
 
 
-def emission_of(nodes: Sequence[Node], result: Result) -> Emission:
+def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int]) -> Emission:
     """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
     implied by the inputs), and inputs an operator receives in another layout than they were made
-    (with the value pinned where it is made too)."""
+    (with the value pinned where it is made too), in the `stages` the cost model prices."""
     outputs, inputs = {}, {}
     for i, d in result.decisions.items():
         node = nodes[i]
@@ -347,6 +347,6 @@ def emission_of(nodes: Sequence[Node], result: Result) -> Emission:
         ins, _ = operand_vars(node)
         for k, v in enumerate(ins):
             if isinstance(v, jcore.Var) and v in result.values and result.values[v] != d.in_specs[k]:
-                inputs[(id(node.eqn), k)] = d.in_specs[k]
+                inputs[(id(node.eqn), k)] = tuple(stages(result.values[v], d.in_specs[k], axis_size))
                 outputs[v] = result.values[v]  # pin the value where it is made, or XLA may move the cut upstream
     return Emission(outputs, inputs)
