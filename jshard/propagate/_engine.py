@@ -117,7 +117,11 @@ class Engine:
                         queue.append(i)
             if not queue:
                 break
-        return Result(self.decisions, self.values, self.unruled)
+        result = Result(self.decisions, self.values, self.unruled)
+        # A producer that decided priced its output's way into a constraint; an argument did not.
+        charge_constraints(self.nodes, result, self.axis_size, self.cost,
+                           priced=lambda v: self.producer.get(v) in self.decisions)
+        return result
 
     def _fix_constraint(self, i: int, node: Node) -> None:
         out = node.outputs[0]
@@ -323,6 +327,32 @@ class Engine:
                 return False
         from_inputs = {fac for d in arrays[0][0] for fac in d}
         return all(fac in from_inputs for fac in a)
+
+
+def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], cost: CostModel,
+                       priced=lambda v: False) -> None:
+    """Charges the redistribution into each sharding constraint (a `shard` call's input arriving
+    in another layout: an argument laid out by `in_strategy`) to the first operator that uses the
+    constraint's result, unless `priced(input)` says its maker already paid it. Constraints are
+    no operators of the `Plan`, and XLA moves the value all the same."""
+    users: dict = collections.defaultdict(list)
+    for j in sorted(result.decisions):
+        for v in operand_vars(nodes[j])[0]:
+            if isinstance(v, jcore.Var):
+                users[v].append(j)
+    for i, node in enumerate(nodes):
+        v = node.inputs[0] if node.primitive == CONSTRAINT else None
+        if not isinstance(v, jcore.Var) or v not in result.values or priced(v):
+            continue
+        out = node.outputs[0]
+        src, dst = result.values[v], result.values.get(out)
+        j = next((j for j in users.get(out, ()) if nodes[j].primitive != CONSTRAINT), None)
+        if dst is None or src == dst or j is None:
+            continue
+        d = result.decisions[j]
+        comms = d.comms + tuple(redistribution(*array_of(v), src, dst, axis_size))
+        seconds = nodes[j].weight * sum(cost.time(c, axis_size) for c in comms)
+        result.decisions[j] = dataclasses.replace(d, comms=comms, seconds=seconds)
 
 
 def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, int], cost: CostModel | None = None) -> Result:
