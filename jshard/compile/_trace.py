@@ -16,7 +16,7 @@ from jshard import _context
 from jshard._distributed import host_major
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
-from jshard.graph import Node, flatten
+from jshard.graph import Node, distinct_calls, flatten
 from jshard.layouts import FineMesh
 
 
@@ -92,6 +92,7 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
     ctx = _context.TraceContext(call, fine, mesh, options.mode)
     with _context.tracing(ctx):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+    closed = distinct_calls(closed)
     out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     return Traced(closed, flatten(closed.jaxpr), ctx, leaves, treedef, paths,
                   [x for _, x in out_paths], out_tree, [jax.tree_util.keystr(p) for p, _ in out_paths])
