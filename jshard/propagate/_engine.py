@@ -26,7 +26,7 @@ from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, 
 from jshard.graph import CONSTRAINT, Node, operand_vars
 from jshard.layouts import Spec, constraint_spec
 from jshard.propagate._emit import Emission
-from jshard.rules import Factors, OpTable, neighbours_of, read_assignment, shape_of, write_spec
+from jshard.rules import Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
 
 
 class Rejected(NamedTuple):
@@ -276,7 +276,7 @@ class Engine:
         out, seen = [], set()
         for a in [merged] + reads + kept + [{}]:
             key = tuple(sorted(a.items()))
-            if key not in seen:
+            if key not in seen and (not a or expressible(f, a, self.axis_size)):
                 seen.add(key)
                 out.append(a)
         return out
