@@ -84,6 +84,7 @@ class Engine:
         self.decisions: dict[int, Decision] = {}
         self.entered: set[int] = set()
         self._memo: dict = {}
+        self.invariant = _invariants(nodes)
 
     def run(self, anchors: Mapping) -> Result:
         """Propagates from `anchors` (var → `Spec`: fixed arguments) and the constraints."""
@@ -155,7 +156,9 @@ class Engine:
             if isinstance(v, jcore.Var) and v in self.values:
                 known.append((k, self.values[v], self._source(v)))
         for k, v in enumerate(outs):
-            if v in self.values and not self._provisional(i, v):
+            if self._provisional(i, v):
+                continue  # the loop's own guess: its body's users were charged from it (`_settle`)
+            if v in self.values:
                 known.append((len(ins) + k, self.values[v], self._source(v)))
                 continue
             for j, pos in self.consumers.get(v, ()):
@@ -296,6 +299,11 @@ class Engine:
             if spec != want:
                 src, dst = (spec, want) if k < len(ins) else (want, spec)
                 moved = redistribution(*array_of(operands[k]), src, dst, self.axis_size)
+                once = self.invariant.get(operands[k])
+                if once is not None and k < len(ins) and once < node.weight:
+                    # XLA hoists the redistribution of a loop-invariant value out of the loop: it
+                    # runs once per loop, not once per iteration (per iteration: its share).
+                    moved = [c._replace(bytes=c.bytes * once / node.weight) for c in moved]
             comms += moved
             if not moved and any(want) and best_fit is None:
                 best_fit = j
@@ -327,6 +335,23 @@ class Engine:
                 return False
         from_inputs = {fac for d in arrays[0][0] for fac in d}
         return all(fac in from_inputs for fac in a)
+
+
+def _invariants(nodes: Sequence[Node]) -> dict:
+    """Loop-invariant body parameters (a `scan`'s consts, a `while`'s body and condition consts)
+    -> the weight of their loop."""
+    found = {}
+    for node in nodes:
+        p = node.eqn.params
+        if node.primitive == "scan":
+            counts = [p["num_consts"]]
+        elif node.primitive == "while":
+            counts = [p["cond_nconsts"], p["body_nconsts"]]
+        else:
+            continue
+        for (invars, _), n in zip(node.bodies, counts):
+            found.update((v, node.weight) for v in invars[:n])
+    return found
 
 
 def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], cost: CostModel,
