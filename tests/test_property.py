@@ -126,6 +126,11 @@ def check_program(program: Program) -> None:
 @example(Program(shape=(2,), steps=(Step(kind='reshape', param=(2,), extras=(), strategy=(None,)), Step(kind='binary', param='mul', extras=(((1,), False),), strategy=((1,), None)), Step(kind='gather', param=(0, 2), extras=(((16,), True),), strategy=None), Step(kind='binary', param='mul', extras=(((1,), False),), strategy=(None, None))), mode='semi_auto', dataset='full_batch', in_strategy=((2,), None, None, (1,))))
 # axes dropped on two dims: gathered one dim at a time, minor dim first
 @example(Program(shape=(8, 16), steps=(Step(kind='reshape', param=(8, 4, 4), extras=(), strategy=((1, 8),)), Step(kind='unary', param='neg', extras=(), strategy=None), Step(kind='unary', param='abs', extras=(), strategy=((1, 1, 1),)), Step(kind='binary', param='mul', extras=(((1, 4, 4), False),), strategy=(None, (1, 2, 1)))), mode='semi_auto', dataset='full_batch', in_strategy=None))
+# a reshape merging a cut minor dim under an uncut major one: the engine gathers it, and says so
+@example(Program(shape=(2, 4, 4), steps=(Step(kind='gather', param=(0, 2), extras=(((16,), True),), strategy=(None, (2,))), Step(kind='reshape', param=(16, 16), extras=(), strategy=((1, 1, 4),)), Step(kind='reduce', param=('sum', (0,)), extras=(), strategy=((4, 1),))), mode='semi_auto', dataset='data_parallel', in_strategy=None))
+# a loop-invariant weight gathered inside a scan body: XLA hoists it, priced once per loop
+@example(Program(shape=(8, 4, 3), steps=(Step(kind='reshape', param=(4, 2, 4, 3), extras=(), strategy=(None,)), Step(kind='dot', param=8, extras=(((3, 8), False),), strategy=(None, None)), Step(kind='scan', param='dot', extras=(((8, 8), False),), strategy=None)), mode='semi_auto', dataset='data_parallel', in_strategy=(None, None, None)))
+@example(Program(shape=(8, 8, 16), steps=(Step(kind='gather', param=(1, 8), extras=(((8,), True),), strategy=None), Step(kind='scan', param='dot', extras=(((16, 16), False),), strategy=((2, 4, 1), None)), Step(kind='unary', param='tanh', extras=(), strategy=(None,))), mode='semi_auto', dataset='data_parallel', in_strategy=None))
 def test_random_program_semi_auto(program):
     check_program(program)
 
