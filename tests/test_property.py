@@ -131,6 +131,8 @@ def check_program(program: Program) -> None:
 # a loop-invariant weight gathered inside a scan body: XLA hoists it, priced once per loop
 @example(Program(shape=(8, 4, 3), steps=(Step(kind='reshape', param=(4, 2, 4, 3), extras=(), strategy=(None,)), Step(kind='dot', param=8, extras=(((3, 8), False),), strategy=(None, None)), Step(kind='scan', param='dot', extras=(((8, 8), False),), strategy=None)), mode='semi_auto', dataset='data_parallel', in_strategy=(None, None, None)))
 @example(Program(shape=(8, 8, 16), steps=(Step(kind='gather', param=(1, 8), extras=(((8,), True),), strategy=None), Step(kind='scan', param='dot', extras=(((16, 16), False),), strategy=((2, 4, 1), None)), Step(kind='unary', param='tanh', extras=(), strategy=(None,))), mode='semi_auto', dataset='data_parallel', in_strategy=None))
+# one shard call's output into the next one's input on other devices: the permute is predicted
+@example(Program(shape=(4, 2, 4), steps=(Step(kind='reduce', param=('max', (0, 2)), extras=(), strategy=((1, 1, 1),)), Step(kind='dot', param=2, extras=(((2, 2), False),), strategy=((2,), (2, 2))), Step(kind='dot', param=2, extras=(((2, 2), False),), strategy=((2,), (2, 2))), Step(kind='unary', param='tanh', extras=(), strategy=None)), mode='semi_auto', dataset='data_parallel', in_strategy=None))
 def test_random_program_semi_auto(program):
     check_program(program)
 

@@ -119,9 +119,9 @@ class Engine:
             if not queue:
                 break
         result = Result(self.decisions, self.values, self.unruled)
-        # A producer that decided priced its output's way into a constraint; an argument did not.
-        charge_constraints(self.nodes, result, self.axis_size, self.cost,
-                           priced=lambda v: self.producer.get(v) in self.decisions)
+        # An operator that decided priced its output's way into a constraint; an argument, or
+        # another constraint (one `shard` call's output into the next one's input), did not.
+        charge_constraints(self.nodes, result, self.axis_size, self.cost, priced=self._priced)
         return result
 
     def _fix_constraint(self, i: int, node: Node) -> None:
@@ -166,6 +166,10 @@ class Engine:
                     known.append((len(ins) + k, self.decisions[j].in_specs[pos], str(j)))
                     break
         return known
+
+    def _priced(self, v) -> bool:
+        j = self.producer.get(v)
+        return j in self.decisions and self.nodes[j].primitive != CONSTRAINT
 
     def _provisional(self, i: int, v) -> bool:
         """Whether `v` is a body parameter of loop `i` laid out only by entering it: the layout the
