@@ -42,7 +42,7 @@ class Step:
     """One operation on the running value `x` and its `extras` (shapes, and whether integer).
 
     kind / param: `unary` (name), `binary` (name), `dot` (n), `batch_dot` (n), `reshape` (new shape),
-    `transpose` (permutation), `reduce` ((name, axes)), `gather` (axis), `scan` (body name).
+    `transpose` (permutation), `reduce` ((name, axes)), `gather` ((axis, its size)), `scan` (body name).
     strategy: the `jshard.shard` in_strategy (one entry per input), or None for a plain call.
     """
 
