@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from jshard import _context
@@ -99,6 +100,15 @@ def _canonicalize_parameter_plan(plan, *, call):
     )
 
 
+def _broadcast_shape(shapes) -> tuple[int, ...]:
+    """NumPy's broadcast of `shapes`, or `()` where they do not broadcast (no result has that shape
+    and rank at once, so no rule for the result follows)."""
+    try:
+        return tuple(np.broadcast_shapes(*shapes))
+    except ValueError:
+        return ()
+
+
 def _caller() -> str:
     frame = sys._getframe(2)
     while frame is not None and frame.f_globals.get("__name__", "").startswith(("jshard._", "functools")):
@@ -112,6 +122,7 @@ class _Call:
     def __init__(self, ctx, fn, name, call, source):
         self.ctx, self.fn, self.name, self.call, self.source = ctx, fn, name, call, source
         self.op = f"{name} at {source}"
+        self.broadcast: tuple[int, ...] | None = None  # the lined-up operands' broadcast shape, if any
 
     def run(self, ins, outs, plan, args, kwargs):
         if len(ins) != len(args):
@@ -180,6 +191,7 @@ class _Call:
             lays, out_rule = broadcast_layouts([ins[i] for i in tuples], [args[i] for i in tuples], call=self.call,
                                                op=self.op, names=[f"in_strategy[{i}]" for i in tuples])
             pairs, partial = dict(zip(tuples, lays)), ()
+            self.broadcast = _broadcast_shape([args[i].shape for i in tuples])
         what = "in_strategy=(" + ", ".join(s.describe() if isinstance(s, TensorLayout) else str(s) for s in ins) + ")"
         repeat = lambda lay: with_repeated_calculation(lay, n, call=self.call, op=self.op, what=what)
         joint = {i: repeat(lay) for i, lay in pairs.items()}
@@ -200,7 +212,10 @@ class _Call:
                 if lay is not None:
                     check_divides(lay, x.shape, call=self.call, op=self.op, what=f"out_strategy[{i}]", dtype=x.dtype)
             return layouts
-        if out_rule is not None and len(leaves) == 1 and getattr(leaves[0], "ndim", -1) == out_rule.rank:
+        # The lined-up operands' rule holds for a result of their broadcast shape (an elementwise
+        # function), not for another of the same rank (a gather of `x` at `idx`).
+        if (out_rule is not None and len(leaves) == 1 and getattr(leaves[0], "ndim", -1) == out_rule.rank
+                and self.broadcast in (None, tuple(leaves[0].shape))):
             return [out_rule]
         return [None] * len(leaves)
 

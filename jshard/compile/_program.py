@@ -47,7 +47,7 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                  for v, sh, x in zip(traced.invars, in_sh, traced.leaves)]
         out_sh = [sh if sh is not None or v not in result.values else NamedSharding(mesh, to_pspec(result.values[v]))
                   for v, sh in zip(traced.outvars, out_sh)]
-        evaluate = emit(traced.closed, emission_of(traced.nodes, result), mesh, rewrite)
+        evaluate = emit(traced.closed, emission_of(traced.nodes, result, dict(mesh.shape)), mesh, rewrite)
     elif rewrite is not None:
         evaluate = emit(traced.closed, EMPTY, mesh, rewrite)
     in_sh = [sh or NamedSharding(mesh, PartitionSpec()) for sh in in_sh]

@@ -21,7 +21,7 @@ from jshard._distributed import host_major
 from jshard._errors import ShardingError
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
-from jshard.graph import Node, flatten
+from jshard.graph import Node, distinct_calls, flatten
 from jshard.layouts import FineMesh
 
 
@@ -140,6 +140,7 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
             f"{call}: accumulation_steps={steps}, but the function calls no jshard.accumulate, so jshard cannot tell "
             f"which part of it makes the gradients. Wrap the gradient function in the step: loss, grads = "
             f"jshard.accumulate(jax.value_and_grad(loss_fn))(params, batch); or drop accumulation_steps.")
+    closed = distinct_calls(closed)
     out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     return Traced(closed, flatten(closed.jaxpr), ctx, leaves, treedef, paths,
                   [x for _, x in out_paths], out_tree, [jax.tree_util.keystr(p) for p, _ in out_paths])

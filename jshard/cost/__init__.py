@@ -6,6 +6,7 @@ from jshard.cost._collectives import Comm as Comm
 from jshard.cost._collectives import CostModel as CostModel
 from jshard.cost._collectives import local_bytes as local_bytes
 from jshard.cost._collectives import redistribution as redistribution
+from jshard.cost._collectives import stages as stages
 from jshard.cost._devices import DEVICE_KINDS as DEVICE_KINDS
 from jshard.cost._devices import DeviceKind as DeviceKind
 from jshard.cost._devices import device_memory as device_memory

@@ -1,8 +1,8 @@
 """The cost model: α–β collectives per mesh axis, redistribution between layouts, compute.
 
 Collective time on a group of `n` devices moving a shard of `B` bytes (DESIGN.md): all-gather and
-reduce-scatter `(n-1)/n·B·n`, all-reduce `2(n-1)/n·B`, all-to-all `(n-1)/n·B`, over the slowest
-axis of the group, plus its latency. Payloads are predicted in the audit's convention (the
+reduce-scatter `(n-1)/n·B·n`, all-reduce `2(n-1)/n·B`, all-to-all `(n-1)/n·B`, collective-permute
+`B`, over the slowest axis of the group, plus its latency. Payloads are predicted in the audit's convention (the
 gathered result of an all-gather, the operand of the others), so prediction and compiled program
 compare figure for figure.
 """
@@ -87,8 +87,16 @@ class CostModel:
             "reduce-scatter": (n - 1) / n * comm.bytes,
             "all-reduce": 2 * (n - 1) / n * comm.bytes,
             "all-to-all": (n - 1) / n * comm.bytes,
+            "collective-permute": comm.bytes,
         }[comm.kind]
         return lat + moved / bw
+
+
+def _finer(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> bool:
+    """Whether `dst` cuts every dim into a multiple of the slices `src` does: each `dst` slice lies
+    within one `src` slice, so some device already holds it."""
+    cut = lambda axes: math.prod(axis_size[a] for a in axes)
+    return all(cut(t) % cut(s) == 0 for s, t in zip(src, dst))
 
 
 def local_bytes(shape: Sequence[int], itemsize: int, spec: Spec, axis_size: Mapping[str, int]) -> float:
@@ -102,11 +110,19 @@ def redistribution(
 ) -> list[Comm]:
     """The collectives that turn layout `src` into `dst`.
 
-    An axis that moves to another dim is an all-to-all; one that `dst` drops, an all-gather; one
-    that only `dst` has, a local slice (free).
+    As XLA's SPMD partitioner does it: where `dst` cuts every dim into a multiple of `src`'s slices,
+    a device whose `src` axes lead its `dst` axes in every dim slices its part locally (free);
+    otherwise each device slices the part another device needs and a collective-permute sends it
+    there (axes swapped, renamed or reordered). Otherwise an axis that moves to another dim is an
+    all-to-all, and the axes `dst` drops are all-gathered one dim at a time, the minor dim first.
     """
     if src == dst:
         return []
+    if _finer(src, dst, axis_size):
+        if all(t[: len(s)] == s for s, t in zip(src, dst)):
+            return []
+        changed = tuple(dict.fromkeys(a for s, t in zip(src, dst) if s != t for a in s + t))
+        return [Comm("collective-permute", local_bytes(shape, itemsize, dst, axis_size), changed)]
     where_src = {a: d for d, axes in enumerate(src) for a in axes}
     where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
     moved = tuple(a for a, d in where_src.items() if a in where_dst and where_dst[a] != d)
@@ -119,7 +135,29 @@ def redistribution(
     if moved or not same:
         axes = moved or tuple(a for a in where_src if a in where_dst)
         comms.append(Comm("all-to-all", local_bytes(shape, itemsize, src, axis_size), axes))
-    if dropped:
-        kept = tuple(tuple(a for a in axes if a not in dropped) for axes in src)
-        comms.append(Comm("all-gather", local_bytes(shape, itemsize, kept, axis_size), dropped))
+    kept = list(src)
+    for d in reversed(range(len(src))):
+        gone = tuple(a for a in src[d] if a in dropped)
+        if gone:
+            kept[d] = tuple(a for a in src[d] if a not in dropped)
+            comms.append(Comm("all-gather", local_bytes(shape, itemsize, kept, axis_size), gone))
     return comms
+
+
+def stages(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> list[Spec]:
+    """The layouts that take a value from `src` to `dst` the way `redistribution` prices it: first
+    the collectives (`dst` without the axes it adds at the minor end of a dim), then the local
+    slice by those new axes. Constrained as one step, XLA may find no direct way and gather the
+    whole value first (its SPMD partitioner's "involuntary full rematerialization")."""
+    if _finer(src, dst, axis_size):
+        return [dst]
+    have = {a for axes in src for a in axes}
+    mid = []
+    for axes in dst:
+        n = len(axes)
+        while n and axes[n - 1] not in have:
+            n -= 1
+        mid.append(tuple(axes[:n]))
+    mid = tuple(mid)
+    return [mid, dst] if mid not in (src, dst) else [dst]
+

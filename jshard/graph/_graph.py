@@ -133,6 +133,62 @@ def nested_jaxprs(eqn: jcore.JaxprEqn) -> list[jcore.Jaxpr]:
     return [j.jaxpr if hasattr(j, "jaxpr") else j for j in found]
 
 
+_SUB_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "cond_jaxpr", "body_jaxpr", "branches")
+
+
+def distinct_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    """`closed` with each further occurrence of a sub-jaxpr copied with fresh variables.
+
+    JAX caches the jaxpr of a jitted function (`jnp.take`'s `_take`, `jax.nn.softmax`) per
+    abstract signature, so two calls of it hold one jaxpr object, and inlined in place its
+    variables would stand for both calls' values at once. Every plan keys values by variable, so
+    each call gets its own.
+    """
+    return jcore.ClosedJaxpr(_distinct(closed.jaxpr, set(), fresh=False), closed.consts)
+
+
+def _distinct(jaxpr: jcore.Jaxpr, seen: set, fresh: bool) -> jcore.Jaxpr:
+    env: dict = {}
+
+    def new(v):
+        if not fresh or isinstance(v, jcore.DropVar):
+            return v
+        env[v] = jcore.Var(v.aval)
+        return env[v]
+
+    def get(v):
+        return env.get(v, v) if isinstance(v, jcore.Var) else v
+
+    constvars, invars = [new(v) for v in jaxpr.constvars], [new(v) for v in jaxpr.invars]
+    eqns, changed = [], fresh
+    for eqn in jaxpr.eqns:
+        params = {k: _distinct_param(v, seen) if k in _SUB_KEYS else v for k, v in eqn.params.items()}
+        moved = any(params[k] is not eqn.params[k] for k in params)
+        if fresh or moved:
+            eqn = eqn.replace(invars=[get(v) for v in eqn.invars], outvars=[new(v) for v in eqn.outvars], params=params)
+        changed = changed or moved
+        eqns.append(eqn)
+    if not changed:
+        return jaxpr
+    return jaxpr.replace(constvars=constvars, invars=invars, outvars=[get(v) for v in jaxpr.outvars], eqns=eqns)
+
+
+def _distinct_param(value, seen: set):
+    """A sub-jaxpr parameter (open, closed, or a tuple of branches) with `_distinct` applied."""
+    if isinstance(value, tuple):
+        out = tuple(_distinct_param(v, seen) for v in value)
+        return value if all(a is b for a, b in zip(out, value)) else out
+    inner = value.jaxpr if isinstance(value, jcore.ClosedJaxpr) else value
+    if not isinstance(inner, jcore.Jaxpr):
+        return value
+    again = id(inner) in seen
+    seen.add(id(inner))
+    done = _distinct(inner, seen, fresh=again)
+    if done is inner:
+        return value
+    return jcore.ClosedJaxpr(done, value.consts) if isinstance(value, jcore.ClosedJaxpr) else done
+
+
 def flatten(jaxpr: jcore.Jaxpr) -> list[Node]:
     """Every equation of `jaxpr` as a `Node`, in program order, nested jaxprs flattened in place."""
     nodes: list[Node] = []

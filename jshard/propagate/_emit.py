@@ -33,8 +33,9 @@ _BODY_KEYS = ("jaxpr", "cond_jaxpr", "body_jaxpr")
 @dataclasses.dataclass(frozen=True)
 class Emission:
     """Where to constrain: `outputs` maps a value to its layout, right after it is made;
-    `inputs` maps `(id(eqn), operand index)` to the layout the equation must receive (operand
-    indices past the equation's own inputs are its bodies' results, as in `operand_vars`)."""
+    `inputs` maps `(id(eqn), operand index)` to the layouts the equation's operand passes through,
+    the last the one it must receive (operand indices past the equation's own inputs are its
+    bodies' results, as in `operand_vars`)."""
 
     outputs: Mapping
     inputs: Mapping
@@ -76,8 +77,9 @@ class _Interpreter:
         return [read(v) for v in jaxpr.outvars]
 
     def _in(self, eqn, k, x):
-        spec = self.emission.inputs.get((id(eqn), k))
-        return x if spec is None else self.constrain(x, spec)
+        for spec in self.emission.inputs.get((id(eqn), k), ()):
+            x = self.constrain(x, spec)
+        return x
 
     def _out(self, v, x):
         spec = self.emission.outputs.get(v)

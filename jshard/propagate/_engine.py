@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 from jax.extend import core as jcore
 
-from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution
+from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, stages
 from jshard.graph import CONSTRAINT, Node, operand_vars
 from jshard.layouts import Spec, constraint_spec
 from jshard.propagate._emit import Emission
-from jshard.rules import Factors, OpTable, neighbours_of, read_assignment, shape_of, write_spec
+from jshard.rules import Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
 
 
 class Rejected(NamedTuple):
@@ -84,6 +84,7 @@ class Engine:
         self.decisions: dict[int, Decision] = {}
         self.entered: set[int] = set()
         self._memo: dict = {}
+        self.invariant = _invariants(nodes)
 
     def run(self, anchors: Mapping) -> Result:
         """Propagates from `anchors` (var → `Spec`: fixed arguments) and the constraints."""
@@ -117,7 +118,11 @@ class Engine:
                         queue.append(i)
             if not queue:
                 break
-        return Result(self.decisions, self.values, self.unruled)
+        result = Result(self.decisions, self.values, self.unruled)
+        # An operator that decided priced its output's way into a constraint; an argument, or
+        # another constraint (one `shard` call's output into the next one's input), did not.
+        charge_constraints(self.nodes, result, self.axis_size, self.cost, priced=self._priced)
+        return result
 
     def _fix_constraint(self, i: int, node: Node) -> None:
         out = node.outputs[0]
@@ -151,6 +156,8 @@ class Engine:
             if isinstance(v, jcore.Var) and v in self.values:
                 known.append((k, self.values[v], self._source(v)))
         for k, v in enumerate(outs):
+            if self._provisional(i, v):
+                continue  # the loop's own guess: its body's users were charged from it (`_settle`)
             if v in self.values:
                 known.append((len(ins) + k, self.values[v], self._source(v)))
                 continue
@@ -159,6 +166,34 @@ class Engine:
                     known.append((len(ins) + k, self.decisions[j].in_specs[pos], str(j)))
                     break
         return known
+
+    def _priced(self, v) -> bool:
+        j = self.producer.get(v)
+        return j in self.decisions and self.nodes[j].primitive != CONSTRAINT
+
+    def _provisional(self, i: int, v) -> bool:
+        """Whether `v` is a body parameter of loop `i` laid out only by entering it: the layout the
+        loop guessed from its outer operands, not a neighbour's decision. Leaving the loop, its body's
+        users say what the parameter must be, and the loop's choice lays it out (`_settle`)."""
+        return i in self.entered and self.why.get(v) == i
+
+    def _settle(self, i: int, outs, out_specs) -> None:
+        """Lays out the body parameters loop `i` guessed on entry as it decided, and restates the
+        redistribution its body's users were charged from the guess."""
+        for v, spec in zip(outs, out_specs):
+            if not self._provisional(i, v) or self.values[v] == spec:
+                continue
+            old, self.values[v] = self.values[v], spec
+            for j, pos in self.consumers.get(v, ()):
+                d = self.decisions.get(j)
+                if d is None:
+                    continue
+                comms = list(d.comms)
+                for c in redistribution(*array_of(v), old, d.in_specs[pos], self.axis_size):
+                    comms.remove(c)
+                comms += redistribution(*array_of(v), spec, d.in_specs[pos], self.axis_size)
+                seconds = self.nodes[j].weight * sum(self.cost.time(c, self.axis_size) for c in comms)
+                self.decisions[j] = dataclasses.replace(d, comms=tuple(comms), seconds=seconds)
 
     def _source(self, v) -> str:
         why = self.why.get(v)
@@ -178,6 +213,7 @@ class Engine:
         in_specs, out_specs, comms, seconds, j, rejected, implied = self._memo[key]
         via = known[j][2] if j is not None else ""
         self.decisions[i] = Decision(in_specs, out_specs, comms, seconds, via, rejected, implied)
+        self._settle(i, outs, out_specs)
         for v, spec in zip(ins, in_specs):
             if isinstance(v, jcore.Var) and v not in self.values and v not in self.producer:
                 self.values[v] = spec  # a free argument (a parameter) is laid out by its first user
@@ -247,7 +283,7 @@ class Engine:
         out, seen = [], set()
         for a in [merged] + reads + kept + [{}]:
             key = tuple(sorted(a.items()))
-            if key not in seen:
+            if key not in seen and (not a or expressible(f, a, self.axis_size)):
                 seen.add(key)
                 out.append(a)
         return out
@@ -267,6 +303,11 @@ class Engine:
             if spec != want:
                 src, dst = (spec, want) if k < len(ins) else (want, spec)
                 moved = redistribution(*array_of(operands[k]), src, dst, self.axis_size)
+                once = self.invariant.get(operands[k])
+                if once is not None and k < len(ins) and once < node.weight:
+                    # XLA hoists the redistribution of a loop-invariant value out of the loop: it
+                    # runs once per loop, not once per iteration (per iteration: its share).
+                    moved = [c._replace(bytes=c.bytes * once / node.weight) for c in moved]
             comms += moved
             if not moved and any(want) and best_fit is None:
                 best_fit = j
@@ -300,16 +341,59 @@ class Engine:
         return all(fac in from_inputs for fac in a)
 
 
+def _invariants(nodes: Sequence[Node]) -> dict:
+    """Loop-invariant body parameters (a `scan`'s consts, a `while`'s body and condition consts)
+    -> the weight of their loop."""
+    found = {}
+    for node in nodes:
+        p = node.eqn.params
+        if node.primitive == "scan":
+            counts = [p["num_consts"]]
+        elif node.primitive == "while":
+            counts = [p["cond_nconsts"], p["body_nconsts"]]
+        else:
+            continue
+        for (invars, _), n in zip(node.bodies, counts):
+            found.update((v, node.weight) for v in invars[:n])
+    return found
+
+
+def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], cost: CostModel,
+                       priced=lambda v: False) -> None:
+    """Charges the redistribution into each sharding constraint (a `shard` call's input arriving
+    in another layout: an argument laid out by `in_strategy`) to the first operator that uses the
+    constraint's result, unless `priced(input)` says its maker already paid it. Constraints are
+    no operators of the `Plan`, and XLA moves the value all the same."""
+    users: dict = collections.defaultdict(list)
+    for j in sorted(result.decisions):
+        for v in operand_vars(nodes[j])[0]:
+            if isinstance(v, jcore.Var):
+                users[v].append(j)
+    for i, node in enumerate(nodes):
+        v = node.inputs[0] if node.primitive == CONSTRAINT else None
+        if not isinstance(v, jcore.Var) or v not in result.values or priced(v):
+            continue
+        out = node.outputs[0]
+        src, dst = result.values[v], result.values.get(out)
+        j = next((j for j in users.get(out, ()) if nodes[j].primitive != CONSTRAINT), None)
+        if dst is None or src == dst or j is None:
+            continue
+        d = result.decisions[j]
+        comms = d.comms + tuple(redistribution(*array_of(v), src, dst, axis_size))
+        seconds = nodes[j].weight * sum(cost.time(c, axis_size) for c in comms)
+        result.decisions[j] = dataclasses.replace(d, comms=comms, seconds=seconds)
+
+
 def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, int], cost: CostModel | None = None) -> Result:
     """Runs the engine; see the module docstring."""
     return Engine(nodes, axis_size, cost).run(anchors)
 
 
 
-def emission_of(nodes: Sequence[Node], result: Result) -> Emission:
+def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int]) -> Emission:
     """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
     implied by the inputs), and inputs an operator receives in another layout than they were made
-    (with the value pinned where it is made too)."""
+    (with the value pinned where it is made too), in the `stages` the cost model prices."""
     outputs, inputs = {}, {}
     for i, d in result.decisions.items():
         node = nodes[i]
@@ -322,6 +406,6 @@ def emission_of(nodes: Sequence[Node], result: Result) -> Emission:
         ins, _ = operand_vars(node)
         for k, v in enumerate(ins):
             if isinstance(v, jcore.Var) and v in result.values and result.values[v] != d.in_specs[k]:
-                inputs[(id(node.eqn), k)] = d.in_specs[k]
+                inputs[(id(node.eqn), k)] = tuple(stages(result.values[v], d.in_specs[k], axis_size))
                 outputs[v] = result.values[v]  # pin the value where it is made, or XLA may move the cut upstream
     return Emission(outputs, inputs)

@@ -21,6 +21,7 @@ from jshard.rules import _window as _window  # noqa: F401
 from jshard.rules._factors import RULES as RULES
 from jshard.rules._factors import Assignment as Assignment
 from jshard.rules._factors import Factors as Factors
+from jshard.rules._factors import expressible as expressible
 from jshard.rules._factors import read_assignment as read_assignment
 from jshard.rules._factors import rule as rule
 from jshard.rules._factors import shape_of as shape_of

@@ -50,6 +50,17 @@ class Factors:
     def operands(self) -> tuple[tuple[DimFactors, ...], ...]:
         return self.inputs + self.outputs
 
+    @property
+    def joined(self) -> tuple[frozenset[int], ...]:
+        """Sets of factors no two of which may share a mesh axis: each operand's factors, and each
+        output's with the reduced factors, whose partial sums land on it (a gather's looked-up dim
+        and its indices' batch dim share no operand, yet one device cannot hold a slice of both
+        along one axis)."""
+        reduced = frozenset(self.reduced)
+        sets = [frozenset(g for d in dims for g in d) for dims in self.inputs]
+        sets += [frozenset(g for d in dims for g in d) | reduced for dims in self.outputs]
+        return tuple(sets)
+
 
 Rule = Callable[[jcore.JaxprEqn], Factors]
 RULES: dict[str, Rule] = {}
@@ -124,6 +135,21 @@ def read_assignment(dims: Sequence[DimFactors], spec: Spec, sizes: Sequence[int]
         if axes:
             return None
     return out
+
+
+def expressible(f: Factors, assignment: Assignment, axis_size: Mapping[str, int]) -> bool:
+    """Whether every operand can be laid out as `assignment` says: a minor factor of a merged dim
+    (the `head_dim` of `[..., heads * head_dim]`) can be cut only under a major one cut completely,
+    else its slices are not contiguous and `write_spec` drops its axes (a gather no cost sees)."""
+    for dims in f.operands:
+        for factors in dims:
+            complete = True
+            for g in factors:
+                mine = assignment.get(g, ())
+                if mine and not complete:
+                    return False
+                complete = complete and math.prod(axis_size[a] for a in mine) == f.sizes[g]
+    return True
 
 
 def write_spec(

@@ -70,10 +70,10 @@ def _factors_of(rule, eqn) -> Factors:
 
 
 def neighbours_of(f: Factors) -> dict[int, set[int]]:
-    """For each factor, the other factors that appear in one operand with it."""
+    """For each factor, the other factors that appear in one operand with it (or that it leaves
+    partial sums on: `Factors.joined`)."""
     together: dict[int, set[int]] = collections.defaultdict(set)
-    for dims in f.operands:
-        facs = {g for d in dims for g in d}
+    for facs in f.joined:
         for g in facs:
             together[g] |= facs - {g}
     return together

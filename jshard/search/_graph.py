@@ -357,8 +357,8 @@ def _components(f: Factors) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
             x = parent[x]
         return x
 
-    for dims in f.operands:
-        facs = [g for d in dims for g in d]
+    for joined in f.joined:
+        facs = sorted(joined)
         for g in facs[1:]:
             parent[find(g)] = find(facs[0])
     groups: dict[int, tuple[list, list]] = {}

@@ -24,7 +24,7 @@ from jshard._errors import MemoryBudgetError, ShardingError
 from jshard._format import human_bytes, var_str
 from jshard.cost import CostModel, value_bytes
 from jshard.graph import CONSTRAINT, Node, operand_vars
-from jshard.propagate import Decision, Engine, Rejected, Result
+from jshard.propagate import Decision, Engine, Rejected, Result, charge_constraints
 from jshard.rules import write_spec
 from jshard.search import _ilp, _recursive
 from jshard.search._graph import Assignment, Infeasible, SearchGraph
@@ -222,7 +222,9 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         implied = not comms and e.implied(i, f, a)
         rejected = _rejected(g, i, choice) if work[g.node_units[i][0]] >= key > 0 else None
         decisions[i] = Decision(in_specs, out_specs, comms, seconds, "searched", rejected, implied)
-    return Result(decisions, values, set(e.unruled))
+    result = Result(decisions, values, set(e.unruled))
+    charge_constraints(nodes, result, g.axis_size, e.cost)  # each operator above priced its inputs only
+    return result
 
 
 def _rejected(g: SearchGraph, i: int, choice: Sequence[Assignment]):
