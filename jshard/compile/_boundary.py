@@ -1,7 +1,10 @@
 """The anchors at the function boundary: each argument's and result's sharding before planning.
 
-An argument takes, in order: its `in_strategy`; the sharding of a `shard` call it flows straight
-into (`semi_auto`, `auto`); the dataset policy where it is the batch (`dataset_anchors`: a tuple
+An argument takes, in order: its `in_strategy`; on the user's mesh, the model's own layout
+(`model_anchor`: the sharding its type carries on `Explicit` axes, in every mode; in `semi_auto`
+and `auto`, the sharding an array was placed on over that mesh, as `jax.jit` takes a committed
+argument's); the sharding of a `shard` call or a model's constraint it flows straight into
+(`semi_auto`, `auto`); the dataset policy where it is the batch (`dataset_anchors`: a tuple
 `dataset_strategy` has one entry per batch leaf); else it is left to the planner (`semi_auto`,
 `auto` with jshard's engine) or replicated. A result takes its `out_strategy`, or is left to the
 planner.
@@ -29,6 +32,8 @@ from jshard.layouts import (
     check_divides,
     dataset_slots,
     layout_of,
+    to_pspec,
+    typed_spec,
 )
 
 BOUNDARY = "the function boundary"
@@ -82,9 +87,28 @@ def out_shardings(traced: Traced, options: Options, call: str) -> list:
             for path, x, slot in zip(traced.out_paths, traced.out_leaves, slots)]
 
 
+def model_anchor(traced: Traced, v, x, c: Options) -> NamedSharding | None:
+    """An argument's layout the model gives it on the user's mesh: the one its type carries
+    (`Explicit` axes), else, in `semi_auto` and `auto`, the mesh sharding it was placed on (a
+    replicated placement fixes nothing); None without a user mesh."""
+    if c.mesh is None or c.mode == "manual":
+        return None
+    spec = typed_spec(v.aval)
+    if spec is not None:
+        return NamedSharding(traced.mesh, to_pspec(spec))
+    sharding = getattr(x, "sharding", None)
+    if (c.mode in ("semi_auto", "auto") and isinstance(sharding, NamedSharding) and sharding.mesh == traced.mesh
+            and not sharding.is_fully_replicated):
+        return sharding
+    return None
+
+
 def _in_sharding(traced: Traced, path, x, slot, anchor, rows, c: Options, call: str):
     if slot is not None:
         return _given(traced, slot, x, f"in_strategy{path}", c, call)
+    model = model_anchor(traced, traced.invars[traced.paths.index(path)], x, c)
+    if model is not None:
+        return model
     if anchor is not None and c.mode in ("semi_auto", "auto"):
         return anchor
     if rows is not None:

@@ -30,15 +30,17 @@ from jshard.compile._optimizer import cuts, gathered, result_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
-from jshard.compile._trace import devices_for, trace
-from jshard.layouts import FineMesh, NotRefined, canonicalize_in_strategy, layout_of, to_pspec
+from jshard.compile._trace import adopted, devices_for, trace
+from jshard.layouts import FineMesh, NotRefined, TensorLayout, canonicalize_in_strategy, layout_of, to_pspec
 
 BUDGET_ROUNDS = 3
 """How many searches a `memory_budget` gets when XLA's compiled program holds more than estimated."""
 
 
 def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:
-    """The `Program` of `fn` for the signature of `args`."""
+    """The `Program` of `fn` for the signature of `args` (on the user's mesh where there is one:
+    `mesh=`, or the one `jax.set_mesh` made current)."""
+    options = adopted(options, call)
     devices = devices_for(options)
     n = options.devices if devices is None else len(devices)
     slots = canonicalize_in_strategy(options.in_strategy, args, call=call)
@@ -50,14 +52,18 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
         try:
             return _build_on(fn, args, fine, devices, slots, dataset, options, call)
         except NotRefined as e:
-            if options.mode == "manual":
-                raise ShardingError(_manual_mesh_error(call, e, options.mesh)) from None
+            if options.mesh is not None:
+                raise ShardingError(_users_mesh_error(call, e.matrix, e.who, options)) from None
             needed.append((e.matrix, e.who))
 
 
 def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, call: str) -> Program:
     """Traces, plans and builds on one fine mesh; raises `NotRefined` where it is too coarse."""
     traced = trace(fn, args, fine, devices, c, call)
+    for a in traced.ctx.annotations:
+        for layout in (*a.in_layouts, *a.out_layouts):
+            if layout is not None:
+                _check_axis_names(layout, c.mesh, f"{a.name} at {a.source}", call)
     in_sh = in_shardings(traced, slots, dataset, c, call)
     out_sh = out_shardings(traced, c, call)
     planner = planner_for(c, call)
@@ -115,18 +121,41 @@ def _boundary_matrices(c: Options, slots, dataset, args, n: int, call: str) -> l
     if c.mode == "manual":
         return []
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-    needed = [] if c.mesh is None else [(tuple(c.mesh.devices.shape), f"the mesh {dict(c.mesh.shape)}")]
+    needed = []
     given = [(slot, f"in_strategy{path}") for slot, path in zip(slots, paths)]
     given += [(slot, f"dataset_strategy for args{paths[i]}") for i, slot in dataset.items() if slots[i] is None]
     for slot, what in given:
         if slot is not None and not isinstance(slot, PartitionSpec):
-            needed.append((layout_of(slot, n, call=call, op=BOUNDARY, what=what).device_matrix, what))
+            layout = layout_of(slot, n, call=call, op=BOUNDARY, what=what)
+            _check_axis_names(layout, c.mesh, what, call)
+            needed.append((layout.device_matrix, what))
     return needed
 
 
+def _check_axis_names(layout: TensorLayout, mesh: Mesh | None, who: str, call: str) -> None:
+    """A `Layout` axis named like an axis of the user's mesh must be that axis: the same cut of
+    the devices (size and place), or the plan would speak of two different axes by one name."""
+    if mesh is None or layout.axis_names is None:
+        return
+    axes = FineMesh.of_mesh(mesh).axes_of(layout.device_matrix) if FineMesh.of_mesh(mesh).fits(layout.device_matrix) else None
+    for i, (name, size) in enumerate(zip(layout.axis_names, layout.device_matrix)):
+        if name in mesh.axis_names and (axes is None or axes[i] != (name,)):
+            raise ShardingError(
+                f"{call}: {who} names its device-matrix axis {i} {name!r} (size {size}, device matrix "
+                f"{list(layout.device_matrix)}), but {name!r} is an axis of your mesh {dict(mesh.shape)} that "
+                f"cuts the devices another way; one name would stand for two axes in the plan. Rename the "
+                f"Layout's axis, or build the Layout on your mesh's axes: "
+                f"Layout({tuple(mesh.devices.shape)}, {tuple(mesh.axis_names)}).")
+
+
 def _fine_mesh(c: Options, n: int, needed, call: str) -> FineMesh:
-    if c.mode == "manual":
-        return FineMesh.of_mesh(c.mesh)
+    """The user's mesh as it is (its axes and names), or jshard's own, refined for `needed`."""
+    if c.mesh is not None:
+        users = FineMesh.of_mesh(c.mesh)
+        for matrix, who in needed:
+            if not users.fits(matrix):
+                raise ShardingError(_users_mesh_error(call, matrix, who, c))
+        return users
     default = FineMesh.for_devices(n)
     if all(default.fits(m) for m, _ in needed):
         return default
@@ -141,11 +170,13 @@ def _budget_retry_error(call: str, budget: float, held: float, asked: float, e: 
     )
 
 
-def _manual_mesh_error(call: str, e: NotRefined, mesh: Mesh) -> str:
+def _users_mesh_error(call: str, matrix, who: str, c: Options) -> str:
+    mesh = c.mesh
+    how = "mode='manual' keeps" if c.mode == "manual" else "jshard plans on"
     return (
-        f"{call}: {e.who} uses device matrix {list(e.matrix)}, whose axes do not line up with the axes "
-        f"of your mesh {dict(mesh.shape)}, and mode='manual' keeps the mesh as given. Use a strategy "
+        f"{call}: {who} uses device matrix {list(matrix)}, whose axes do not line up with the axes "
+        f"of your mesh {dict(mesh.shape)}, and {how} the mesh as given. Use a strategy "
         f"or a jshard.Layout whose device-matrix axes each cover consecutive mesh axes (e.g. "
-        f"Layout({tuple(mesh.devices.shape)}, {tuple(mesh.axis_names)})), or mode='semi_auto' with "
-        f"mesh=... so that jshard refines the mesh."
+        f"Layout({tuple(mesh.devices.shape)}, {tuple(mesh.axis_names)})), or drop mesh= (and call "
+        f"outside jax.set_mesh) so that jshard builds and refines its own mesh."
     )

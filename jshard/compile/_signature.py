@@ -17,10 +17,23 @@ def dtype_of(x: Any) -> np.dtype:
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
+def context_mesh() -> jax.sharding.Mesh | None:
+    """The mesh `jax.set_mesh` made current, or None."""
+    mesh = jax.sharding.get_mesh()
+    return None if mesh.empty else mesh
+
+
 def signature(args: Any) -> Hashable:
-    """What a compiled program depends on: the tree structure, and each leaf's shape and dtype."""
+    """What a compiled program depends on: the tree structure, each leaf's shape and dtype (and
+    its sharding where its type carries one: `Explicit` mesh axes), and the context mesh (`jax.set_mesh`)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    return treedef, tuple((np.shape(x), dtype_of(x)) for x in leaves)
+    return treedef, tuple((np.shape(x), dtype_of(x), _typed(x)) for x in leaves), context_mesh()
+
+
+def _typed(x: Any) -> Any:
+    sharding = getattr(x, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    return sharding if mesh is not None and not mesh.empty and mesh.explicit_axes else None
 
 
 def abstract(args: Any) -> Any:

@@ -1,8 +1,15 @@
 """The trace stage: the devices and the fine mesh a signature runs on, and the user function traced
-to a jaxpr under a `TraceContext` (so `shard` calls become sharding constraints), as a `Traced`."""
+to a jaxpr under a `TraceContext` (so `shard` calls become sharding constraints), as a `Traced`.
+
+A user's mesh (`mesh=`, or the one `jax.set_mesh` makes current when the call is made) is adopted:
+the function is traced under it, as `jax.jit` would trace it, so the model's own constraints (a
+`with_sharding_constraint` with a `PartitionSpec`, Linen's logical constraints, `out_sharding=` and
+`reshard` on `Explicit` axes) resolve against it and reach the jaxpr in its axis names.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -14,10 +21,11 @@ from jax.sharding import Mesh
 
 from jshard import _context
 from jshard._distributed import host_major
+from jshard._errors import ShardingError
 from jshard.compile._options import Options
-from jshard.compile._signature import dtype_of
+from jshard.compile._signature import context_mesh, dtype_of
 from jshard.graph import Node, flatten
-from jshard.layouts import FineMesh
+from jshard.layouts import FineMesh, typed_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +70,39 @@ class Traced:
     def axis_size(self) -> dict[str, int]:
         return dict(zip(self.fine.names, self.fine.sizes))
 
+    def typed(self) -> dict:
+        """Value -> `Spec` for every value whose type fixes its layout (`Explicit` mesh axes)."""
+        found = {}
+        for v in self.invars:
+            spec = typed_spec(v.aval)
+            if spec is not None:
+                found[v] = spec
+        for node in self.nodes:
+            for v in node.outputs:
+                spec = typed_spec(getattr(v, "aval", None))
+                if spec is not None:
+                    found[v] = spec
+        return found
+
+
+def adopted(options: Options, call: str) -> Options:
+    """`options` with the user's mesh: `mesh=`, else the context mesh (`jax.set_mesh`), else none.
+
+    Raises:
+      ShardingError: `devices=` disagrees with the context mesh's size.
+    """
+    if options.mesh is not None:
+        return options
+    mesh = context_mesh()
+    if mesh is None:
+        return options
+    if options.devices is not None and options.devices != mesh.devices.size:
+        raise ShardingError(
+            f"{call}: devices={options.devices}, but the call runs under jax.set_mesh with a mesh of "
+            f"{mesh.devices.size} devices {dict(mesh.shape)}; jshard plans on the mesh it is given. Drop "
+            f"devices= (the mesh sets the count), or call outside jax.set_mesh.")
+    return dataclasses.replace(options, mesh=mesh)
+
 
 def devices_for(options: Options) -> list[jax.Device] | None:
     """The devices to run on; None for more than are present (an abstract mesh: plan only)."""
@@ -78,20 +119,36 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
     without devices)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-    avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)) for x in leaves]
 
     def flat_fn(*flat):
         return fn(*jax.tree_util.tree_unflatten(treedef, flat))
 
-    if options.mode == "manual":
+    if options.mesh is not None:
         mesh = options.mesh
     elif devices is None:
         mesh = jax.sharding.AbstractMesh(fine.sizes, fine.names)
     else:
         mesh = fine.jax_mesh(devices)
+    avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=_typed_sharding(x, options.mesh)) for x in leaves]
     ctx = _context.TraceContext(call, fine, mesh, options.mode)
-    with _context.tracing(ctx):
+    with _context.tracing(ctx), _users_mesh(options.mesh):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
     out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     return Traced(closed, flatten(closed.jaxpr), ctx, leaves, treedef, paths,
                   [x for _, x in out_paths], out_tree, [jax.tree_util.keystr(p) for p, _ in out_paths])
+
+
+def _users_mesh(mesh: Mesh | None):
+    """The user's mesh made current while tracing (as under `jax.set_mesh`); nothing without one."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _typed_sharding(x, mesh: Mesh | None):
+    """An argument's sharding where its type carries it (an array on `Explicit` axes of the user's
+    mesh), for the trace to type it so; else None."""
+    sharding = getattr(x, "sharding", None)
+    if mesh is None or not mesh.explicit_axes or not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    if sharding.mesh.axis_names != mesh.axis_names:
+        return None
+    return sharding

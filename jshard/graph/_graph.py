@@ -22,6 +22,9 @@ INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call"
 NESTED = frozenset({"scan", "while", "cond"})
 CONSTRAINT = "sharding_constraint"
 """The primitive `jax.lax.with_sharding_constraint` (and so `jshard.shard`) leaves in a jaxpr."""
+JSHARD_SCOPE = "jshard_"
+"""The prefix of the name scopes jshard's own constraints carry (`jshard_shard<k>`, `jshard_gather`);
+a constraint without one is the model's own."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
