@@ -49,7 +49,7 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    layers: int = 2
+    layers: int = 1
 
     @nn.compact
     def __call__(self, tokens, *, train: bool):

@@ -15,7 +15,7 @@ from flax.training import train_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-ROWS, SIZE, CLASSES = 16, 8, 4
+ROWS, SIZE, CLASSES = 16, 6, 4
 
 
 class ResNetBlock(nn.Module):
@@ -32,7 +32,7 @@ class ResNetBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    filters: tuple[int, ...] = (8, 16)
+    filters: tuple[int, ...] = (16,)
 
     @nn.compact
     def __call__(self, x, *, train: bool):
