@@ -144,11 +144,12 @@ def _users_mesh(mesh: Mesh | None):
 
 
 def _typed_sharding(x, mesh: Mesh | None):
-    """An argument's sharding where its type carries it (an array on `Explicit` axes of the user's
-    mesh), for the trace to type it so; else None."""
+    """On a user's mesh with `Explicit` axes, the sharding an argument's type carries, as `jax.jit`
+    types it: an array placed on the mesh keeps its sharding, any other is replicated. None on
+    other meshes (the type carries no layout)."""
+    if mesh is None or not mesh.explicit_axes:
+        return None
     sharding = getattr(x, "sharding", None)
-    if mesh is None or not mesh.explicit_axes or not isinstance(sharding, jax.sharding.NamedSharding):
-        return None
-    if sharding.mesh.axis_names != mesh.axis_names:
-        return None
-    return sharding
+    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.axis_names == mesh.axis_names:
+        return sharding
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
