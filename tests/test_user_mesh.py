@@ -77,6 +77,8 @@ def test_explicit_axes_and_out_sharding_run_under_jax_set_mesh(mode):
         got, plan = step(w, X), step.plan(w, X)
     assert_close(got, one_device(plain, W, X), terms=16 + 64)
     assert plan.in_specs[0] == P(None, "tensor")  # the argument keeps the layout its type carries
+    if mode != "auto":  # the batch, not placed on the mesh, is typed with its dataset layout; auto searches it
+        assert plan.in_specs[1] == P(("fsdp", "tensor"))
     (dot,) = [op for op in plan.ops if op.primitive == "dot_general"]
     assert (dot.origin, dot.out_specs) == ("model", (P("fsdp", "tensor"),))
 

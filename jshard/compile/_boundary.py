@@ -25,6 +25,7 @@ from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
 from jshard.graph import CONSTRAINT
 from jshard.layouts import (
+    FineMesh,
     NotRefined,
     Slot,
     canonicalize_strategy_tree,
@@ -71,6 +72,32 @@ def dataset_anchors(args: tuple, batch: set[int], options: Options, n: int, call
     return dict(zip(ids, dataset_slots([ndims[i] for i in ids], strategy, n, call=call)))
 
 
+def argument_types(args: tuple, fine: FineMesh, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options,
+                   call: str) -> list[NamedSharding] | None:
+    """On a user's mesh with `Explicit` axes, the sharding each argument leaf's type carries while
+    tracing, as `jax.jit` types what it is given: its `in_strategy`; else the sharding it was
+    placed on over the mesh; else its dataset layout (the batch); else replicated. None on other
+    meshes (types carry no layout there)."""
+    mesh = options.mesh
+    if mesh is None or not mesh.explicit_axes or options.mode == "manual":
+        return None
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    out = []
+    for i, (x, slot, path) in enumerate(zip(jax.tree_util.tree_leaves(args), slots, paths)):
+        placed = getattr(x, "sharding", None)
+        if slot is not None and not isinstance(slot, PartitionSpec):
+            out.append(_layout_sharding(fine, mesh, slot, x, f"in_strategy{path}", call))
+        elif isinstance(placed, NamedSharding) and placed.mesh.axis_names == mesh.axis_names:
+            out.append(placed)
+        elif i in dataset:
+            if options.dataset_strategy == "data_parallel":
+                check_batch_rows(np.shape(x), fine.device_count, call=call, where=f"args{path}")
+            out.append(_layout_sharding(fine, mesh, dataset[i], x, f"dataset_strategy for args{path}", call))
+        else:
+            out.append(NamedSharding(mesh, PartitionSpec()))
+    return out
+
+
 def in_shardings(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options, call: str) -> list:
     """Each argument leaf's `NamedSharding`, or None where the planner decides it (`dataset`: the
     batch leaves' slots from `dataset_anchors`)."""
@@ -114,7 +141,7 @@ def _in_sharding(traced: Traced, path, x, slot, anchor, rows, c: Options, call: 
     if rows is not None:
         if c.dataset_strategy == "data_parallel":
             check_batch_rows(np.shape(x), traced.fine.device_count, call=call, where=f"args{path}")
-        return _layout_sharding(traced, rows, x, f"dataset_strategy for args{path}", call)
+        return _layout_sharding(traced.fine, traced.mesh, rows, x, f"dataset_strategy for args{path}", call)
     free = c.mode in ("semi_auto", "auto") and c.propagation == "jshard"
     return None if free else NamedSharding(traced.mesh, PartitionSpec())
 
@@ -122,14 +149,14 @@ def _in_sharding(traced: Traced, path, x, slot, anchor, rows, c: Options, call: 
 def _given(traced: Traced, slot, x, what: str, c: Options, call: str) -> NamedSharding:
     if isinstance(slot, PartitionSpec) and c.mode == "manual":
         return NamedSharding(traced.mesh, slot)
-    return _layout_sharding(traced, slot, x, what, call)
+    return _layout_sharding(traced.fine, traced.mesh, slot, x, what, call)
 
 
-def _layout_sharding(traced: Traced, slot, x, what: str, call: str) -> NamedSharding:
-    layout = layout_of(slot, traced.fine.device_count, call=call, op=BOUNDARY, what=what)
+def _layout_sharding(fine: FineMesh, mesh, slot, x, what: str, call: str) -> NamedSharding:
+    layout = layout_of(slot, fine.device_count, call=call, op=BOUNDARY, what=what)
     check_divides(layout, np.shape(x), call=call, op=BOUNDARY, what=what, dtype=dtype_of(x))
     try:
-        return NamedSharding(traced.mesh, traced.fine.partition_spec(layout))
+        return NamedSharding(mesh, fine.partition_spec(layout))
     except NotRefined as e:
         e.who = what
         raise

@@ -22,6 +22,7 @@ from jshard._format import human_bytes
 from jshard.compile._boundary import (
     BOUNDARY,
     argument_leaves,
+    argument_types,
     dataset_anchors,
     in_shardings,
     out_shardings,
@@ -59,7 +60,8 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
 
 def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, call: str) -> Program:
     """Traces, plans and builds on one fine mesh; raises `NotRefined` where it is too coarse."""
-    traced = trace(fn, args, fine, devices, c, call)
+    types = argument_types(args, fine, slots, dataset, c, call)
+    traced = trace(fn, args, fine, devices, c, call, types)
     for a in traced.ctx.annotations:
         for layout in (*a.in_layouts, *a.out_layouts):
             if layout is not None:
@@ -72,7 +74,7 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
     if c.optimizer is not None:
         cut = cuts(traced, args, _layouts(traced, in_sh, planner, donated, c), c, call)
         if cut.gather:  # level 3: the function all-gathers the cut parameters before use
-            traced = trace(gathered(fn, cut.gather), args, fine, devices, c, call)
+            traced = trace(gathered(fn, cut.gather), args, fine, devices, c, call, types)
         in_sh, out_sh, optimizer = [cut.args.get(i, sh) for i, sh in enumerate(in_sh)], result_shardings(out_sh, cut), cut.report
     problem = Problem(traced, in_sh, donated, c.memory_budget)
     checked = c.searching and c.memory_budget is not None and devices is not None

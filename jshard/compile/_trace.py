@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -114,9 +114,9 @@ def devices_for(options: Options) -> list[jax.Device] | None:
 
 
 def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | None, options: Options,
-          call: str) -> Traced:
-    """`fn(*args)` traced on the mesh of `fine` (the user's mesh in manual mode, an abstract one
-    without devices)."""
+          call: str, types: Sequence | None = None) -> Traced:
+    """`fn(*args)` traced on the mesh of `fine` (the user's mesh where there is one, an abstract one
+    without devices); `types`: each argument leaf's sharding its type carries (`Explicit` axes)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
 
@@ -129,7 +129,8 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
         mesh = jax.sharding.AbstractMesh(fine.sizes, fine.names)
     else:
         mesh = fine.jax_mesh(devices)
-    avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=_typed_sharding(x, options.mesh)) for x in leaves]
+    types = types or [None] * len(leaves)
+    avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=t) for x, t in zip(leaves, types)]
     ctx = _context.TraceContext(call, fine, mesh, options.mode)
     with _context.tracing(ctx), _users_mesh(options.mesh):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
@@ -143,13 +144,3 @@ def _users_mesh(mesh: Mesh | None):
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
-def _typed_sharding(x, mesh: Mesh | None):
-    """On a user's mesh with `Explicit` axes, the sharding an argument's type carries, as `jax.jit`
-    types it: an array placed on the mesh keeps its sharding, any other is replicated. None on
-    other meshes (the type carries no layout)."""
-    if mesh is None or not mesh.explicit_axes:
-        return None
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh.axis_names == mesh.axis_names:
-        return sharding
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
