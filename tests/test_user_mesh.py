@@ -138,3 +138,24 @@ def test_a_strategy_not_lining_up_with_the_users_mesh():
         "Layout((4, 2), ('fsdp', 'tensor'))", "or drop mesh= (and call outside jax.set_mesh)",
     )):
         js.parallelize(step, mesh=_mesh()).plan(W, X)
+
+
+def test_linen_boxed_parameters_are_anchored_by_their_logical_names():
+    """Linen keeps `nn.with_logical_partitioning`'s names beside the value (`nn.LogicallyPartitioned`);
+    passed boxed, `apply` unboxes them through `nn.logical_axis_rules`, and those constraints anchor them."""
+    import flax.linen as nn  # noqa: PLC0415
+
+    rules = (("embed", None), ("mlp", "tensor"))
+    model = nn.Dense(8, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")),
+                     use_bias=False)
+    params = model.init(jax.random.key(0), X)
+    assert isinstance(params["params"]["kernel"], nn.LogicallyPartitioned)
+
+    def loss(params, x):
+        return jnp.tanh(model.apply(params, x)).sum()
+
+    with jax.set_mesh(_mesh()), nn.logical_axis_rules(rules):
+        step = js.parallelize(loss)
+        got, plan = step(params, X), step.plan(params, X)
+    assert_close(got, one_device(loss, nn.meta.unbox(params), X), terms=16 + 64)
+    assert plan.in_specs[0] == P(None, "tensor")

@@ -174,7 +174,7 @@ def boundary_anchors(traced: Traced, call: str) -> dict:
     for node in traced.nodes:
         if node.primitive != CONSTRAINT or node.inside or node.inputs[0] not in top:
             continue
-        v, sharding = node.inputs[0], _settled(node.eqn.params["sharding"])
+        v, sharding = node.inputs[0], _settled(node.eqn.params["sharding"], traced.mesh)
         if v in found and found[v].spec != sharding.spec:
             raise ShardingError(
                 f"{call}: one argument ({var_str(v, short=False)}) is constrained two ways: {found[v].spec} by "
@@ -186,8 +186,9 @@ def boundary_anchors(traced: Traced, call: str) -> dict:
     return found
 
 
-def _settled(sharding: NamedSharding) -> NamedSharding:
-    """`sharding` with its unconstrained dims (a `vmap`ped constraint's batch dim) left whole, as an
-    argument's sharding must fix every dim."""
+def _settled(sharding: NamedSharding, mesh) -> NamedSharding:
+    """`sharding` on `mesh` (a model's constraint names the abstract mesh it was traced under) with
+    its unconstrained dims (a `vmap`ped constraint's batch dim) left whole, as an argument's
+    sharding must fix every dim."""
     spec = PartitionSpec(*(None if p is PartitionSpec.UNCONSTRAINED else p for p in sharding.spec))
-    return NamedSharding(sharding.mesh, spec)
+    return NamedSharding(mesh, spec)
