@@ -91,7 +91,7 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
         program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=optimizer))
         if not checked:
             return program
-        held = compiled_peak(program.jitted, args)
+        held = compiled_peak(program.jitted, args, program.in_shardings)
         report = dataclasses.replace(planned.report, compiled_peak_bytes=held)
         if held <= c.memory_budget:
             return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))

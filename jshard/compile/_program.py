@@ -43,7 +43,8 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                  for v, sh, x in zip(traced.invars, in_sh, traced.leaves)]
         out_sh = [sh if sh is not None or v not in result.values else NamedSharding(mesh, to_pspec(result.values[v]))
                   for v, sh in zip(traced.outvars, out_sh)]
-        evaluate = emit(traced.closed, emission_of(traced.nodes, result), mesh)
+        if set(mesh.explicit_axes) != set(mesh.axis_names):  # on Explicit axes only, the types say it all
+            evaluate = emit(traced.closed, emission_of(traced.nodes, result), mesh)
     in_sh = [sh or NamedSharding(mesh, PartitionSpec()) for sh in in_sh]
     in_tree = jax.tree_util.tree_unflatten(traced.treedef, in_sh)
     out_tree = jax.tree_util.tree_unflatten(traced.out_tree, out_sh)
@@ -54,15 +55,15 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
     ops = build_ops(traced.nodes, traced.ctx.annotations, traced.fine, result)
     plan = Plan(mesh, traced.fine, options.mode, ops, tuple(sh.spec for sh in in_sh),
                 tuple(None if sh is None else sh.spec for sh in out_sh), traced.treedef, traced.out_tree,
-                tuple(traced.ctx.annotations), "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *abstract(args)),
+                tuple(traced.ctx.annotations), "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *abstract(args, in_tree)),
                 search=planned.report)
     return Program(plan, jitted, in_tree)
 
 
-def compiled_peak(jitted: Any, args: tuple) -> float:
+def compiled_peak(jitted: Any, args: tuple, shardings: Any = None) -> float:
     """Per-device bytes the compiled program holds at once (arguments + results + temporaries -
     donated), as XLA's buffer assignment reports them."""
-    m = jitted.lower(*abstract(args)).compile().memory_analysis()
+    m = jitted.lower(*abstract(args, shardings)).compile().memory_analysis()
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 

@@ -32,14 +32,25 @@ def signature(args: Any) -> Hashable:
 
 def _typed(x: Any) -> Any:
     sharding = getattr(x, "sharding", None)
+    return sharding if _typed_mesh(sharding) else None
+
+
+def _typed_mesh(sharding: Any) -> bool:
+    """Whether `sharding` is on a mesh with `Explicit` axes (so a value's type carries it)."""
     mesh = getattr(sharding, "mesh", None)
-    return sharding if mesh is not None and not mesh.empty and mesh.explicit_axes else None
+    return mesh is not None and not mesh.empty and bool(mesh.explicit_axes)
 
 
-def abstract(args: Any) -> Any:
+def abstract(args: Any, shardings: Any = None) -> Any:
     """`args` as shapes and dtypes: what a plan keeps to lower its program (not the arrays, which
-    may be large or donated)."""
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), args)
+    may be large or donated). With `shardings` (a pytree like `args`), a leaf on a mesh with
+    `Explicit` axes carries its sharding too, as its type does when the program is called."""
+    if shardings is None:
+        return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), args)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    types = [s if _typed_mesh(s) else None for s in jax.tree_util.tree_leaves(shardings)]
+    return jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=t)
+                                                  for x, t in zip(leaves, types)])
 
 
 def placed(args: Any, shardings: Any) -> Any:
