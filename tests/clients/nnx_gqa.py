@@ -2,14 +2,13 @@
 Gemma writes it: on a mesh of `Explicit` axes `("fsdp", "tensor")` made current by `jax.set_mesh`,
 parameters made with `nnx.with_partitioning` (so they are created sharded), every einsum given its
 `out_sharding`, and the train step in NNX's functional form (`nnx.split` / `nnx.merge`) for a plain
-`jax.jit`. The model is built on the mesh it runs on: one with eight devices, or one device for the
-reference run."""
+`jax.jit`. The model is built on the eight-device mesh; the reference run moves it to a one-device mesh of
+the same axes (`moved`)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _tolerance import step_terms
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -74,8 +73,19 @@ def create_state(mesh):
     batch = {"x": jnp.asarray(rng.normal(size=(ROWS, LENGTH, EMBED)), jnp.float32),
              "y": jnp.asarray(rng.integers(0, CLASSES, size=(ROWS,)), jnp.int32)}
     batch = jax.device_put(batch, {"x": NamedSharding(mesh, ACT), "y": NamedSharding(mesh, P("fsdp"))})
-    graphdef, state = nnx.split(Block(nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(create_model())
     return graphdef, state, batch
+
+
+@nnx.jit
+def create_model() -> Block:
+    """The model, made in one compiled program (each parameter created on its sharding)."""
+    return Block(nnx.Rngs(params=0))
+
+
+def moved(tree, mesh):
+    """`tree`'s arrays on `mesh` (another mesh of the same axes), each with its own `PartitionSpec`."""
+    return jax.device_put(tree, jax.tree.map(lambda x: NamedSharding(mesh, x.sharding.spec), tree))
 
 
 def train_step(graphdef, state, batch):
@@ -90,7 +100,3 @@ def train_step(graphdef, state, batch):
     nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads))
     return nnx.state(model), loss
 
-
-def terms(state, batch) -> int:
-    """The terms one train step's results sum (`tests/_tolerance.py`): what `assert_close` allows for."""
-    return step_terms(state, batch)
