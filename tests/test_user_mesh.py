@@ -159,3 +159,11 @@ def test_linen_boxed_parameters_are_anchored_by_their_logical_names():
         got, plan = step(params, X), step.plan(params, X)
     assert_close(got, one_device(loss, nn.meta.unbox(params), X), terms=16 + 64)
     assert plan.in_specs[0] == P(None, "tensor")
+
+
+def test_a_plan_on_the_users_mesh_saves_loads_and_runs_again(tmp_path):
+    mesh = _mesh()
+    js.parallelize(constrained, mesh=mesh).plan(W, X).save(tmp_path / "plan.json")
+    loaded = js.Plan.load(tmp_path / "plan.json")
+    assert "mesh (fsdp=4, tensor=2)" in loaded.summary() and loaded.ops[0].origin == "model"
+    assert_close(js.parallelize(constrained, mesh=mesh, plan=loaded)(W, X), one_device(plain, W, X), terms=16 + 64)
