@@ -74,7 +74,10 @@ def parallelize(
       fn: the function (e.g. a train step) to parallelize.
       devices: how many devices (the first `devices` of `jax.devices()`); default all, or the mesh's.
       mesh: a `jax.sharding.Mesh` to run on; its flattened device order is the rank order. Required
-        with `mode="manual"`, whose PartitionSpecs name its axes.
+        with `mode="manual"`, whose PartitionSpecs name its axes. Without it, a call made inside
+        `jax.set_mesh(mesh)` runs on that mesh. jshard plans on your mesh as given (its axis names,
+        sizes and `Auto`/`Explicit` types), traces under it, and reads the model's own constraints,
+        placements and types as anchors (`origin="model"`).
       mode: `"data"` (the batch is cut over all devices, parameters replicated, `shard` calls
         ignored as in MindSpore's DATA_PARALLEL), `"semi_auto"` (`shard` strategies kept, the rest
         follows from them), `"auto"` (no annotations needed: `search` finds a strategy for every

@@ -127,7 +127,7 @@ BAD = {
     "an axis used twice": (lambda t: _edited(t, _set(["ops", 1, "layout", "out", 0], [["d0"], ["d0"]])),
                            r"layout\.out\[0\]: an axis cuts two dims, or one dim twice"),
     "an unknown origin": (lambda t: _edited(t, _set(["ops", 2, "origin"], "guessed")),
-                          r"ops\[2\] \(\w+\)\.origin: 'guessed' is not one of \('user', 'propagated'"),
+                          r"ops\[2\] \(\w+\)\.origin: 'guessed' is not one of \('user', 'model', 'propagated'"),
     "a source out of range": (lambda t: _edited(t, _set(["ops", 2, "source"], 99)),
                               r"\.source: 99 is not a position in sources"),
 }

@@ -1,7 +1,10 @@
 """The anchors at the function boundary: each argument's and result's sharding before planning.
 
-An argument takes, in order: its `in_strategy`; the sharding of a `shard` call it flows straight
-into (`semi_auto`, `auto`); the dataset policy where it is the batch (`dataset_anchors`: a tuple
+An argument takes, in order: its `in_strategy`; on the user's mesh, the model's own layout
+(`model_anchor`: the sharding its type carries on `Explicit` axes, in every mode; in `semi_auto`
+and `auto`, the sharding an array was placed on over that mesh, as `jax.jit` takes a committed
+argument's); the sharding of a `shard` call or a model's constraint it flows straight into
+(`semi_auto`, `auto`); the dataset policy where it is the batch (`dataset_anchors`: a tuple
 `dataset_strategy` has one entry per batch leaf); else it is left to the planner (`semi_auto`,
 `auto` with jshard's engine) or replicated. A result takes its `out_strategy`, or is left to the
 planner.
@@ -22,6 +25,7 @@ from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
 from jshard.graph import CONSTRAINT
 from jshard.layouts import (
+    FineMesh,
     NotRefined,
     Slot,
     canonicalize_strategy_tree,
@@ -29,6 +33,8 @@ from jshard.layouts import (
     check_divides,
     dataset_slots,
     layout_of,
+    to_pspec,
+    typed_spec,
 )
 
 BOUNDARY = "the function boundary"
@@ -94,6 +100,32 @@ def check_micro_batches(args: tuple, batch: set[int], dataset: dict[int, Slot], 
                                 f"({', '.join(map(str, fits)) or 'none'}), or a batch of a multiple of {k * ways} rows.")
 
 
+def argument_types(args: tuple, fine: FineMesh, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options,
+                   call: str) -> list[NamedSharding] | None:
+    """On a user's mesh with `Explicit` axes, the sharding each argument leaf's type carries while
+    tracing, as `jax.jit` types what it is given: its `in_strategy`; else the sharding it was
+    placed on over the mesh; else its dataset layout (the batch); else replicated. None on other
+    meshes (types carry no layout there)."""
+    mesh = options.mesh
+    if mesh is None or not mesh.explicit_axes or options.mode == "manual":
+        return None
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    out = []
+    for i, (x, slot, path) in enumerate(zip(jax.tree_util.tree_leaves(args), slots, paths)):
+        placed = getattr(x, "sharding", None)
+        if slot is not None and not isinstance(slot, PartitionSpec):
+            out.append(_layout_sharding(fine, mesh, slot, x, f"in_strategy{path}", call))
+        elif isinstance(placed, NamedSharding) and placed.mesh.axis_names == mesh.axis_names:
+            out.append(placed)
+        elif i in dataset:
+            if options.dataset_strategy == "data_parallel":
+                check_batch_rows(np.shape(x), fine.device_count, call=call, where=f"args{path}")
+            out.append(_layout_sharding(fine, mesh, dataset[i], x, f"dataset_strategy for args{path}", call))
+        else:
+            out.append(NamedSharding(mesh, PartitionSpec()))
+    return out
+
+
 def in_shardings(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options, call: str) -> list:
     """Each argument leaf's `NamedSharding`, or None where the planner decides it (`dataset`: the
     batch leaves' slots from `dataset_anchors`)."""
@@ -110,15 +142,34 @@ def out_shardings(traced: Traced, options: Options, call: str) -> list:
             for path, x, slot in zip(traced.out_paths, traced.out_leaves, slots)]
 
 
+def model_anchor(traced: Traced, v, x, c: Options) -> NamedSharding | None:
+    """An argument's layout the model gives it on the user's mesh: the one its type carries
+    (`Explicit` axes), else, in `semi_auto` and `auto`, the mesh sharding it was placed on (a
+    replicated placement fixes nothing); None without a user mesh."""
+    if c.mesh is None or c.mode == "manual":
+        return None
+    spec = typed_spec(v.aval)
+    if spec is not None:
+        return NamedSharding(traced.mesh, to_pspec(spec))
+    sharding = getattr(x, "sharding", None)
+    if (c.mode in ("semi_auto", "auto") and isinstance(sharding, NamedSharding) and sharding.mesh == traced.mesh
+            and not sharding.is_fully_replicated):
+        return sharding
+    return None
+
+
 def _in_sharding(traced: Traced, path, x, slot, anchor, rows, c: Options, call: str):
     if slot is not None:
         return _given(traced, slot, x, f"in_strategy{path}", c, call)
+    model = model_anchor(traced, traced.invars[traced.paths.index(path)], x, c)
+    if model is not None:
+        return model
     if anchor is not None and c.mode in ("semi_auto", "auto"):
         return anchor
     if rows is not None:
         if c.dataset_strategy == "data_parallel":
             check_batch_rows(np.shape(x), traced.fine.device_count, call=call, where=f"args{path}")
-        return _layout_sharding(traced, rows, x, f"dataset_strategy for args{path}", call)
+        return _layout_sharding(traced.fine, traced.mesh, rows, x, f"dataset_strategy for args{path}", call)
     free = c.mode in ("semi_auto", "auto") and c.propagation == "jshard"
     return None if free else NamedSharding(traced.mesh, PartitionSpec())
 
@@ -126,14 +177,14 @@ def _in_sharding(traced: Traced, path, x, slot, anchor, rows, c: Options, call: 
 def _given(traced: Traced, slot, x, what: str, c: Options, call: str) -> NamedSharding:
     if isinstance(slot, PartitionSpec) and c.mode == "manual":
         return NamedSharding(traced.mesh, slot)
-    return _layout_sharding(traced, slot, x, what, call)
+    return _layout_sharding(traced.fine, traced.mesh, slot, x, what, call)
 
 
-def _layout_sharding(traced: Traced, slot, x, what: str, call: str) -> NamedSharding:
-    layout = layout_of(slot, traced.fine.device_count, call=call, op=BOUNDARY, what=what)
+def _layout_sharding(fine: FineMesh, mesh, slot, x, what: str, call: str) -> NamedSharding:
+    layout = layout_of(slot, fine.device_count, call=call, op=BOUNDARY, what=what)
     check_divides(layout, np.shape(x), call=call, op=BOUNDARY, what=what, dtype=dtype_of(x))
     try:
-        return NamedSharding(traced.mesh, traced.fine.partition_spec(layout))
+        return NamedSharding(mesh, fine.partition_spec(layout))
     except NotRefined as e:
         e.who = what
         raise
@@ -151,7 +202,7 @@ def boundary_anchors(traced: Traced, call: str) -> dict:
     for node in traced.nodes:
         if node.primitive != CONSTRAINT or node.inside or node.inputs[0] not in top:
             continue
-        v, sharding = node.inputs[0], _settled(node.eqn.params["sharding"])
+        v, sharding = node.inputs[0], _settled(node.eqn.params["sharding"], traced.mesh)
         if v in found and found[v].spec != sharding.spec:
             raise ShardingError(
                 f"{call}: one argument ({var_str(v, short=False)}) is constrained two ways: {found[v].spec} by "
@@ -163,8 +214,9 @@ def boundary_anchors(traced: Traced, call: str) -> dict:
     return found
 
 
-def _settled(sharding: NamedSharding) -> NamedSharding:
-    """`sharding` with its unconstrained dims (a `vmap`ped constraint's batch dim) left whole, as an
-    argument's sharding must fix every dim."""
+def _settled(sharding: NamedSharding, mesh) -> NamedSharding:
+    """`sharding` on `mesh` (a model's constraint names the abstract mesh it was traced under) with
+    its unconstrained dims (a `vmap`ped constraint's batch dim) left whole, as an argument's
+    sharding must fix every dim."""
     spec = PartitionSpec(*(None if p is PartitionSpec.UNCONSTRAINED else p for p in sharding.spec))
-    return NamedSharding(sharding.mesh, spec)
+    return NamedSharding(mesh, spec)

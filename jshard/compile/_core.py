@@ -24,6 +24,7 @@ from jshard._recompute import AUTO_POLICIES
 from jshard.compile._boundary import (
     BOUNDARY,
     argument_leaves,
+    argument_types,
     check_micro_batches,
     dataset_anchors,
     in_shardings,
@@ -34,9 +35,9 @@ from jshard.compile._optimizer import accumulator, cuts, gathered, regathered, r
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
-from jshard.compile._trace import Traced, devices_for, trace
+from jshard.compile._trace import Traced, adopted, devices_for, trace
 from jshard.cost import CostModel, device_memory
-from jshard.layouts import FineMesh, NotRefined, canonicalize_in_strategy, layout_of, to_pspec
+from jshard.layouts import FineMesh, NotRefined, TensorLayout, canonicalize_in_strategy, layout_of, to_pspec
 from jshard.search import Weighed
 
 BUDGET_ROUNDS = 3
@@ -44,7 +45,9 @@ BUDGET_ROUNDS = 3
 
 
 def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:
-    """The `Program` of `fn` for the signature of `args`."""
+    """The `Program` of `fn` for the signature of `args` (on the user's mesh where there is one:
+    `mesh=`, or the one `jax.set_mesh` made current)."""
+    options = adopted(options, call)
     devices = devices_for(options)
     n = options.devices if devices is None else len(devices)
     slots = canonicalize_in_strategy(options.in_strategy, args, call=call)
@@ -59,23 +62,28 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
         try:
             return _build_on(fn, args, fine, devices, slots, dataset, options, call)
         except NotRefined as e:
-            if options.mode == "manual":
-                raise ShardingError(_manual_mesh_error(call, e, options.mesh)) from None
+            if options.mesh is not None:
+                raise ShardingError(_users_mesh_error(call, e.matrix, e.who, options)) from None
             needed.append((e.matrix, e.who))
 
 
 def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, call: str) -> Program:
     """Traces, plans and builds on one fine mesh; raises `NotRefined` where it is too coarse. With
     `jshard.recompute(policy="auto")` regions and the search planning, weighs each recompute policy."""
-    traced = trace(fn, args, fine, devices, c, call)
+    types = argument_types(args, fine, slots, dataset, c, call)
+    traced = trace(fn, args, fine, devices, c, call, types=types)
+    for a in traced.ctx.annotations:
+        for layout in (*a.in_layouts, *a.out_layouts):
+            if layout is not None:
+                _check_axis_names(layout, c.mesh, f"{a.name} at {a.source}", call)
     budget, budget_from = _budget(c, devices)
     if not (c.searching and traced.ctx.auto_regions):
-        return _build_traced(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from)
-    return _weigh_recompute(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from)
+        return _build_traced(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types=types)
+    return _weigh_recompute(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types)
 
 
 def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
-                     budget_from: str) -> Program:
+                     budget_from: str, types) -> Program:
     """Plans the step once per recompute policy of its `policy="auto"` regions (`AUTO_POLICIES`) on
     the search's estimates, then builds the fastest that fits (with `memory_budget` and devices
     present: whose compiled program fits), its `SearchReport.recompute` listing what was weighed."""
@@ -83,9 +91,9 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
     planned: dict[str, tuple[Traced, Program]] = {}
     weighed = []
     for policy in AUTO_POLICIES:  # each policy planned on the search's estimates; the compiled check after
-        t = traced if policy == traced.ctx.recompute_choice else trace(fn, args, fine, devices, c, call, policy)
+        t = traced if policy == traced.ctx.recompute_choice else trace(fn, args, fine, devices, c, call, policy, types=types)
         try:
-            program = _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, policy, False)
+            program = _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, policy, False, types)
         except MemoryBudgetError as e:
             weighed.append(Weighed(policy, None, e.least_bytes))
             continue
@@ -96,7 +104,7 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
         t, program = planned[best]
         try:
             if c.memory_budget is not None and devices is not None:  # XLA's buffers checked against the budget
-                program = _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, best)
+                program = _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, best, types=types)
         except MemoryBudgetError as e:
             failed = e
             weighed = [dataclasses.replace(w, seconds=None, peak_bytes=e.least_bytes) if w.policy == best else w
@@ -125,9 +133,10 @@ def _budget(c: Options, devices) -> tuple[float | None, str]:
 
 
 def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
-                  budget_from: str, recompute: str = "full", check: bool = True) -> Program:
+                  budget_from: str, recompute: str = "full", check: bool = True, types=None) -> Program:
     """Plans and builds one traced signature (`recompute`: the policy it gave `policy="auto"` regions;
-    `check`: with `memory_budget` and devices present, hold the compiled program to the budget)."""
+    `check`: with `memory_budget` and devices present, hold the compiled program to the budget;
+    `types`: the argument leaves' types on a user's `Explicit` axes, for tracing again)."""
     fine = traced.fine
     in_sh = in_shardings(traced, slots, dataset, c, call)
     out_sh = out_shardings(traced, c, call)
@@ -145,7 +154,7 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
         kept = accumulator(traced, args, layouts, c, call)
     if gather or kept is not None:
         traced = trace(gathered(fn, gather) if gather else fn, args, fine, devices, c, call, recompute,
-                       accumulator=kept)
+                       accumulator=kept, types=types)
     rewrite = regathered(traced, gather) if c.optimizer_comm_recompute else None
     if optimizer is not None:
         optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
@@ -168,7 +177,7 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
         program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=optimizer, search=report))
         if not checked:
             return program
-        held = compiled_peak(program.jitted, args)
+        held = compiled_peak(program.jitted, args, program.in_shardings)
         report = dataclasses.replace(report, compiled_peak_bytes=held)
         if held <= c.memory_budget:
             return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
@@ -200,18 +209,41 @@ def _boundary_matrices(c: Options, slots, dataset, args, n: int, call: str) -> l
     if c.mode == "manual":
         return []
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-    needed = [] if c.mesh is None else [(tuple(c.mesh.devices.shape), f"the mesh {dict(c.mesh.shape)}")]
+    needed = []
     given = [(slot, f"in_strategy{path}") for slot, path in zip(slots, paths)]
     given += [(slot, f"dataset_strategy for args{paths[i]}") for i, slot in dataset.items() if slots[i] is None]
     for slot, what in given:
         if slot is not None and not isinstance(slot, PartitionSpec):
-            needed.append((layout_of(slot, n, call=call, op=BOUNDARY, what=what).device_matrix, what))
+            layout = layout_of(slot, n, call=call, op=BOUNDARY, what=what)
+            _check_axis_names(layout, c.mesh, what, call)
+            needed.append((layout.device_matrix, what))
     return needed
 
 
+def _check_axis_names(layout: TensorLayout, mesh: Mesh | None, who: str, call: str) -> None:
+    """A `Layout` axis named like an axis of the user's mesh must be that axis: the same cut of
+    the devices (size and place), or the plan would speak of two different axes by one name."""
+    if mesh is None or layout.axis_names is None:
+        return
+    axes = FineMesh.of_mesh(mesh).axes_of(layout.device_matrix) if FineMesh.of_mesh(mesh).fits(layout.device_matrix) else None
+    for i, (name, size) in enumerate(zip(layout.axis_names, layout.device_matrix)):
+        if name in mesh.axis_names and (axes is None or axes[i] != (name,)):
+            raise ShardingError(
+                f"{call}: {who} names its device-matrix axis {i} {name!r} (size {size}, device matrix "
+                f"{list(layout.device_matrix)}), but {name!r} is an axis of your mesh {dict(mesh.shape)} that "
+                f"cuts the devices another way; one name would stand for two axes in the plan. Rename the "
+                f"Layout's axis, or build the Layout on your mesh's axes: "
+                f"Layout({tuple(mesh.devices.shape)}, {tuple(mesh.axis_names)}).")
+
+
 def _fine_mesh(c: Options, n: int, needed, call: str) -> FineMesh:
-    if c.mode == "manual":
-        return FineMesh.of_mesh(c.mesh)
+    """The user's mesh as it is (its axes and names), or jshard's own, refined for `needed`."""
+    if c.mesh is not None:
+        users = FineMesh.of_mesh(c.mesh)
+        for matrix, who in needed:
+            if not users.fits(matrix):
+                raise ShardingError(_users_mesh_error(call, matrix, who, c))
+        return users
     default = FineMesh.for_devices(n)
     if all(default.fits(m) for m, _ in needed):
         return default
@@ -237,11 +269,13 @@ def _recompute_error(call: str, budget: float, budget_from: str, weighed, n: int
             f"the model (wrap more of it in jshard.recompute).")
 
 
-def _manual_mesh_error(call: str, e: NotRefined, mesh: Mesh) -> str:
+def _users_mesh_error(call: str, matrix, who: str, c: Options) -> str:
+    mesh = c.mesh
+    how = "mode='manual' keeps" if c.mode == "manual" else "jshard plans on"
     return (
-        f"{call}: {e.who} uses device matrix {list(e.matrix)}, whose axes do not line up with the axes "
-        f"of your mesh {dict(mesh.shape)}, and mode='manual' keeps the mesh as given. Use a strategy "
+        f"{call}: {who} uses device matrix {list(matrix)}, whose axes do not line up with the axes "
+        f"of your mesh {dict(mesh.shape)}, and {how} the mesh as given. Use a strategy "
         f"or a jshard.Layout whose device-matrix axes each cover consecutive mesh axes (e.g. "
-        f"Layout({tuple(mesh.devices.shape)}, {tuple(mesh.axis_names)})), or mode='semi_auto' with "
-        f"mesh=... so that jshard refines the mesh."
+        f"Layout({tuple(mesh.devices.shape)}, {tuple(mesh.axis_names)})), or drop mesh= (and call "
+        f"outside jax.set_mesh) so that jshard builds and refines its own mesh."
     )

@@ -29,7 +29,7 @@ from jshard.compile._boundary import argument_leaves
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
-from jshard.graph import CONSTRAINT
+from jshard.graph import CONSTRAINT, JSHARD_SCOPE
 from jshard.layouts import slices, spec_from_pspec
 from jshard.plan import OptimizerReport
 from jshard.propagate import Rewrite
@@ -130,8 +130,9 @@ def gathered(fn: Callable[..., Any], shardings: dict[int, NamedSharding]) -> Cal
 
     def run(*args):
         leaves, tree = jax.tree_util.tree_flatten(args)
-        leaves = [jax.lax.with_sharding_constraint(x, shardings[i]) if i in shardings else x
-                  for i, x in enumerate(leaves)]
+        with jax.named_scope(f"{JSHARD_SCOPE}gather"):
+            leaves = [jax.lax.with_sharding_constraint(x, shardings[i]) if i in shardings else x
+                      for i, x in enumerate(leaves)]
         return fn(*jax.tree_util.tree_unflatten(tree, leaves))
 
     return run

@@ -77,7 +77,7 @@ class PropagationPlanner:
 
     def plan(self, problem: Problem) -> Planned:
         t = problem.traced
-        return Planned(propagate(t.nodes, problem.fixed, t.axis_size, self.options.cost_model))
+        return Planned(propagate(t.nodes, {**t.typed(), **problem.fixed}, t.axis_size, self.options.cost_model))
 
 
 @dataclasses.dataclass(frozen=True)

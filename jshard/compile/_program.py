@@ -47,7 +47,10 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                  for v, sh, x in zip(traced.invars, in_sh, traced.leaves)]
         out_sh = [sh if sh is not None or v not in result.values else NamedSharding(mesh, to_pspec(result.values[v]))
                   for v, sh in zip(traced.outvars, out_sh)]
-        evaluate = emit(traced.closed, emission_of(traced.nodes, result, dict(mesh.shape)), mesh, rewrite)
+        if set(mesh.explicit_axes) != set(mesh.axis_names):  # on Explicit axes only, the types say it all
+            evaluate = emit(traced.closed, emission_of(traced.nodes, result, dict(mesh.shape)), mesh, rewrite)
+        elif rewrite is not None:
+            evaluate = emit(traced.closed, EMPTY, mesh, rewrite)
     elif rewrite is not None:
         evaluate = emit(traced.closed, EMPTY, mesh, rewrite)
     in_sh = [sh or NamedSharding(mesh, PartitionSpec()) for sh in in_sh]
@@ -66,7 +69,7 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
     ops = build_ops(traced.nodes, traced.ctx.annotations, traced.fine, result)
     plan = Plan(mesh, traced.fine, options.mode, ops, tuple(sh.spec for sh in in_sh),
                 tuple(None if sh is None else sh.spec for sh in out_sh), traced.treedef, traced.out_tree,
-                tuple(traced.ctx.annotations), "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *abstract(args)),
+                tuple(traced.ctx.annotations), "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *abstract(args, in_tree)),
                 search=planned.report, recompute=_recompute(traced, result, argument_leaves(args, options.donate_argnums)),
                 offload=report)
     return Program(plan, jitted, in_tree)
@@ -79,10 +82,10 @@ def _recompute(traced: Traced, result, donated_leaves: set[int]) -> RecomputeRep
     return recompute_report(traced.nodes, values, traced.axis_size, traced.invars, traced.outvars, donated)
 
 
-def compiled_peak(jitted: Any, args: tuple) -> float:
+def compiled_peak(jitted: Any, args: tuple, shardings: Any = None) -> float:
     """Per-device bytes the compiled program holds at once (arguments + results + temporaries -
     donated), as XLA's buffer assignment reports them."""
-    m = jitted.lower(*abstract(args)).compile().memory_analysis()
+    m = jitted.lower(*abstract(args, shardings)).compile().memory_analysis()
     return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 

@@ -17,16 +17,40 @@ def dtype_of(x: Any) -> np.dtype:
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
+def context_mesh() -> jax.sharding.Mesh | None:
+    """The mesh `jax.set_mesh` made current, or None."""
+    mesh = jax.sharding.get_mesh()
+    return None if mesh.empty else mesh
+
+
 def signature(args: Any) -> Hashable:
-    """What a compiled program depends on: the tree structure, and each leaf's shape and dtype."""
+    """What a compiled program depends on: the tree structure, each leaf's shape and dtype (and
+    its sharding where its type carries one: `Explicit` mesh axes), and the context mesh (`jax.set_mesh`)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    return treedef, tuple((np.shape(x), dtype_of(x)) for x in leaves)
+    return treedef, tuple((np.shape(x), dtype_of(x), _typed(x)) for x in leaves), context_mesh()
 
 
-def abstract(args: Any) -> Any:
+def _typed(x: Any) -> Any:
+    sharding = getattr(x, "sharding", None)
+    return sharding if _typed_mesh(sharding) else None
+
+
+def _typed_mesh(sharding: Any) -> bool:
+    """Whether `sharding` is on a mesh with `Explicit` axes (so a value's type carries it)."""
+    mesh = getattr(sharding, "mesh", None)
+    return mesh is not None and not mesh.empty and bool(mesh.explicit_axes)
+
+
+def abstract(args: Any, shardings: Any = None) -> Any:
     """`args` as shapes and dtypes: what a plan keeps to lower its program (not the arrays, which
-    may be large or donated)."""
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), args)
+    may be large or donated). With `shardings` (a pytree like `args`), a leaf on a mesh with
+    `Explicit` axes carries its sharding too, as its type does when the program is called."""
+    if shardings is None:
+        return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), args)
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    types = [s if _typed_mesh(s) else None for s in jax.tree_util.tree_leaves(shardings)]
+    return jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=t)
+                                                  for x, t in zip(leaves, types)])
 
 
 def placed(args: Any, shardings: Any) -> Any:

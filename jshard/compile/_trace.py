@@ -1,14 +1,21 @@
 """The trace stage: the devices and the fine mesh a signature runs on, and the user function traced
-to a jaxpr under a `TraceContext` (so `shard` calls become sharding constraints), as a `Traced`."""
+to a jaxpr under a `TraceContext` (so `shard` calls become sharding constraints), as a `Traced`.
+
+A user's mesh (`mesh=`, or the one `jax.set_mesh` makes current when the call is made) is adopted:
+the function is traced under it, as `jax.jit` would trace it, so the model's own constraints (a
+`with_sharding_constraint` with a `PartitionSpec`, Linen's logical constraints, `out_sharding=` and
+`reshard` on `Explicit` axes) resolve against it and reach the jaxpr in its axis names.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -20,9 +27,9 @@ from jshard import _context
 from jshard._distributed import host_major
 from jshard._errors import ShardingError
 from jshard.compile._options import Options
-from jshard.compile._signature import dtype_of
+from jshard.compile._signature import context_mesh, dtype_of
 from jshard.graph import Node, distinct_calls, flatten
-from jshard.layouts import FineMesh
+from jshard.layouts import FineMesh, typed_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +74,39 @@ class Traced:
     def axis_size(self) -> dict[str, int]:
         return dict(zip(self.fine.names, self.fine.sizes))
 
+    def typed(self) -> dict:
+        """Value -> `Spec` for every value whose type fixes its layout (`Explicit` mesh axes)."""
+        found = {}
+        for v in self.invars:
+            spec = typed_spec(v.aval)
+            if spec is not None:
+                found[v] = spec
+        for node in self.nodes:
+            for v in node.outputs:
+                spec = typed_spec(getattr(v, "aval", None))
+                if spec is not None:
+                    found[v] = spec
+        return found
+
+
+def adopted(options: Options, call: str) -> Options:
+    """`options` with the user's mesh: `mesh=`, else the context mesh (`jax.set_mesh`), else none.
+
+    Raises:
+      ShardingError: `devices=` disagrees with the context mesh's size.
+    """
+    if options.mesh is not None:
+        return options
+    mesh = context_mesh()
+    if mesh is None:
+        return options
+    if options.devices is not None and options.devices != mesh.devices.size:
+        raise ShardingError(
+            f"{call}: devices={options.devices}, but the call runs under jax.set_mesh with a mesh of "
+            f"{mesh.devices.size} devices {dict(mesh.shape)}; jshard plans on the mesh it is given. Drop "
+            f"devices= (the mesh sets the count), or call outside jax.set_mesh.")
+    return dataclasses.replace(options, mesh=mesh)
+
 
 _UNBOUND = re.compile(r"unbound axis name: (?P<axis>[^\s.]+)\.?(?: To fix this, please call (?P<op>\w+))?")
 """JAX's error for a collective (`lax.psum`, `pmean`, `axis_index`, ...) over an axis name that no
@@ -102,32 +142,35 @@ def devices_for(options: Options) -> list[jax.Device] | None:
 
 
 def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | None, options: Options,
-          call: str, recompute: str = "full", accumulator: tuple | None = None) -> Traced:
-    """`fn(*args)` traced on the mesh of `fine` (the user's mesh in manual mode, an abstract one
+          call: str, recompute: str = "full", accumulator: tuple | None = None,
+          types: Sequence | None = None) -> Traced:
+    """`fn(*args)` traced on the mesh of `fine` (the user's mesh where there is one, an abstract one
     without devices), `jshard.recompute(policy="auto")` regions recomputed by `recompute`;
     `jshard.accumulate` calls in it read `options.accumulation` and `accumulator` (the accumulated
-    gradients' cut, with `accumulation_shard`).
+    gradients' cut, with `accumulation_shard`); `types`: each argument leaf's sharding its type
+    carries (`Explicit` axes).
 
     Raises:
       ShardingError: `accumulation_steps` is given but `fn` calls no `jshard.accumulate`.
     """
     leaves, treedef = jax.tree_util.tree_flatten(args)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-    avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)) for x in leaves]
 
     def flat_fn(*flat):
         return fn(*jax.tree_util.tree_unflatten(treedef, flat))
 
-    if options.mode == "manual":
+    if options.mesh is not None:
         mesh = options.mesh
     elif devices is None:
         mesh = jax.sharding.AbstractMesh(fine.sizes, fine.names)
     else:
         mesh = fine.jax_mesh(devices)
     steps = None if options.accumulation is None else options.accumulation.steps
+    types = types or [None] * len(leaves)
+    avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=t) for x, t in zip(leaves, types)]
     ctx = _context.TraceContext(call, fine, mesh, options.mode, accumulation_steps=steps, accumulator=accumulator,
                                 recompute=options.recompute, recompute_choice=recompute)
-    with _context.tracing(ctx):
+    with _context.tracing(ctx), _users_mesh(options.mesh):
         try:
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
         except NameError as e:
@@ -144,3 +187,10 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
     out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     return Traced(closed, flatten(closed.jaxpr), ctx, leaves, treedef, paths,
                   [x for _, x in out_paths], out_tree, [jax.tree_util.keystr(p) for p, _ in out_paths])
+
+
+def _users_mesh(mesh: Mesh | None):
+    """The user's mesh made current while tracing (as under `jax.set_mesh`); nothing without one."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+

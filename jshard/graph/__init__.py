@@ -3,6 +3,7 @@ branch bodies nested in place), the form every planner reads."""
 
 from jshard.graph._graph import CONSTRAINT as CONSTRAINT
 from jshard.graph._graph import INLINE as INLINE
+from jshard.graph._graph import JSHARD_SCOPE as JSHARD_SCOPE
 from jshard.graph._graph import NESTED as NESTED
 from jshard.graph._graph import RECOMPUTE_SCOPE as RECOMPUTE_SCOPE
 from jshard.graph._graph import REMAT as REMAT

@@ -25,6 +25,9 @@ RECOMPUTE_SCOPE = "jshard_recompute_"
 (`jshard_recompute_selective`): how a `Plan` tells its operators from a bare `jax.checkpoint`'s."""
 CONSTRAINT = "sharding_constraint"
 """The primitive `jax.lax.with_sharding_constraint` (and so `jshard.shard`) leaves in a jaxpr."""
+JSHARD_SCOPE = "jshard_"
+"""The prefix of the name scopes jshard's own constraints carry (`jshard_shard<k>`, `jshard_gather`);
+a constraint without one is the model's own."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

@@ -22,6 +22,7 @@ from jshard.layouts._spec import replicated as replicated
 from jshard.layouts._spec import slices as slices
 from jshard.layouts._spec import spec_from_pspec as spec_from_pspec
 from jshard.layouts._spec import to_pspec as to_pspec
+from jshard.layouts._spec import typed_spec as typed_spec
 from jshard.layouts._strategy import Strategy as Strategy
 from jshard.layouts._strategy import TensorLayout as TensorLayout
 from jshard.layouts._strategy import canonicalize_strategy as canonicalize_strategy

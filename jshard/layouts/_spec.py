@@ -56,3 +56,16 @@ def slices(pspec: PartitionSpec, rank: int, axis_size: Mapping[str, int]) -> tup
       (8, 1, 1)
     """
     return tuple(math.prod(axis_size[a] for a in axes) for axes in spec_from_pspec(pspec, rank))
+
+
+def typed_spec(aval) -> Spec | None:
+    """The layout a value's type fixes on a mesh with `Explicit` axes (JAX's sharding in types:
+    `jax.sharding.AxisType.Explicit`, `out_sharding=`, `reshard`), or None where its type leaves
+    the layout free (no mesh, or `Auto` axes only)."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not mesh.explicit_axes:
+        return None
+    explicit = set(mesh.explicit_axes)
+    spec = spec_from_pspec(sharding.spec, len(aval.shape))
+    return tuple(tuple(a for a in axes if a in explicit) for axes in spec)

@@ -16,6 +16,9 @@ def explain(plan, op) -> str:
     lines.append(f"  strategy: in {strategies_str(op.in_strategy)} -> out {strategies_str(op.out_strategy)}; origin {op.origin}")
     if op.origin == "user" and op.annotation:
         lines.append(f"  set by the user: jshard.shard({op.annotation}) at {source_str(op.source)}")
+    elif op.origin == "model":
+        lines.append(f"  set by the model: its own sharding of this result at {source_str(op.source)} (a with_sharding_constraint, "
+                     f"a logical constraint, or its type on Explicit mesh axes)")
     elif op.origin == "searched":
         how = "" if plan.search is None else f" (search={plan.search.search}, {plan.search.status})"
         lines.append(f"  chosen by the strategy search{how}: the least-cost plan over every operator together")
@@ -73,15 +76,18 @@ def _chain(plan, op) -> list:
         seen.add(i)
         chain.append(i)
         current = plan.ops[i]
-        if current.origin == "user":
+        if current.origin in ("user", "model"):
             return chain
 
 
 def _anchor(plan, anchor) -> str:
     if anchor == "arg":
-        return "an argument whose layout is fixed (in_strategy, a shard call's input, or the batch)"
+        return ("an argument whose layout is fixed (in_strategy, a shard call's input, the model's own "
+                "placement on your mesh, or the batch)")
     if anchor == "user":
         return "a sharding constraint of a jshard.shard call"
+    if anchor == "model":
+        return "a sharding constraint of the model's own (with_sharding_constraint or a logical constraint)"
     op = plan.ops[anchor]
     name = f" [{op.annotation}]" if op.annotation else ""
     return f"#{op.index} {op.primitive}{name} ({op.origin}, {source_str(op.source)})"

@@ -10,17 +10,19 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
 from jshard._context import Annotation
 from jshard._format import var_str
 from jshard.cost import Comm
-from jshard.graph import RECOMPUTE_SCOPE, Node
-from jshard.layouts import FineMesh, Spec, Strategy, TensorLayout, to_pspec
+from jshard.graph import CONSTRAINT, JSHARD_SCOPE, RECOMPUTE_SCOPE, Node
+from jshard.layouts import FineMesh, Spec, Strategy, TensorLayout, spec_from_pspec, to_pspec, typed_spec
 
-ORIGINS = ("user", "propagated", "searched", "default")
-"""Where an operator's strategy came from: a `shard` call, the propagation engine, the search, or
-nowhere (left to XLA's own propagation from the anchors)."""
+ORIGINS = ("user", "model", "propagated", "searched", "default")
+"""Where an operator's strategy came from: a `shard` call, the model's own sharding (its
+`with_sharding_constraint`s, logical constraints, or types on `Explicit` mesh axes), the propagation
+engine, the search, or nowhere (left to XLA's own propagation from the anchors)."""
 
 _SCOPE = re.compile(r"jshard_shard\d+")
 _RECOMPUTE = re.compile(RECOMPUTE_SCOPE + r"(\w+)")
@@ -52,7 +54,7 @@ class OpRecord:
       in_shapes / out_shapes: shapes as `f32[8,64]`.
       in_strategy / out_strategy: MindSpore tuples per operand (None: not fixed by jshard).
       in_specs / out_specs: the same as `PartitionSpec`s over the plan's mesh.
-      origin: `user`, `propagated`, `searched` or `default`.
+      origin: `user`, `model`, `propagated`, `searched` or `default`.
       annotation: the `shard`ed function it belongs to, or `""`.
       backward: whether it belongs to the backward pass.
       inside: the enclosing loop or branch primitive, or `""`.
@@ -122,7 +124,9 @@ def build_ops(
     Sharding constraints themselves are not operators and are left out. In a `shard` region the
     main operator is its first `dot_general` (else its first operator). With a propagation
     `result`, every operator it decided carries its strategy (`origin="propagated"`, `searched`
-    where the strategy search chose it, or `user` inside a `shard` region's forward pass).
+    where the strategy search chose it, or `user` inside a `shard` region's forward pass). An
+    operator whose result the model pins itself (a constraint of its own right after it, or its
+    type on `Explicit` mesh axes) has `origin="model"`, its result's layout the model's.
     """
     by_scope = {a.scope: a for a in annotations}
     main: dict[str, Node] = {}
@@ -145,6 +149,8 @@ def build_ops(
     regions, rerun = recompute_regions(nodes)
     rerun = set(rerun)
     cuts = _cutter(dict(zip(fine.names, fine.sizes)))
+    model = _model_pinned(nodes)
+    models = {i for i, n in enumerate(nodes) if _is_model_constraint(n)}
     for i, node in enumerate(nodes):
         if i not in number:
             continue
@@ -170,10 +176,16 @@ def build_ops(
                 origin="user" if user else "searched" if decision.via == "searched" else "propagated",
                 comms=tuple(Comm(c.kind, c.bytes * node.weight, c.axes) for c in decision.comms),
                 seconds=decision.seconds,
-                via=_via(decision.via, stands_for),
+                via=_via(decision.via, stands_for, models),
                 rejected=_rejected(decision.rejected, n_in, n_out, cuts),
                 layout=OpLayout(decision.in_specs, decision.out_specs, decision.implied),
             )
+        pinned = [model.get(v) for v in node.outputs]
+        if not user and pinned and all(p is not None for p in pinned):
+            fields.update(origin="model", out_specs=tuple(map(to_pspec, pinned)), out_strategy=tuple(map(cuts, pinned)))
+            typed = [typed_spec(getattr(v, "aval", None)) for v in node.inputs]
+            if all(t is not None for t in typed):  # on Explicit axes the operands' types say what runs
+                fields.update(in_specs=tuple(map(to_pspec, typed)), in_strategy=tuple(map(cuts, typed)))
         records.append(
             OpRecord(
                 index=number[i], primitive=node.primitive, source=node.source,
@@ -215,11 +227,31 @@ def _cutter(sizes):
     return cuts
 
 
-def _via(via: str, number: dict[int, int]) -> str:
+def _via(via: str, number: dict[int, int], models: set[int]) -> str:
     if via.isdigit():
         i = int(via)
-        return str(number[i]) if i in number else "user"
+        return str(number[i]) if i in number else "model" if i in models else "user"
     return via
+
+
+def _is_model_constraint(node: Node) -> bool:
+    """A sharding constraint the model made itself (not a `shard` call's or jshard's own)."""
+    return node.primitive == CONSTRAINT and JSHARD_SCOPE not in node.scope
+
+
+def _model_pinned(nodes: Sequence[Node]) -> dict:
+    """Value -> `Spec` the model pins: its type's on `Explicit` mesh axes, or the layout of a
+    constraint of the model's own it flows straight into."""
+    pinned = {}
+    for node in nodes:
+        for v in node.outputs:
+            spec = typed_spec(getattr(v, "aval", None))
+            if spec is not None:
+                pinned[v] = spec
+        if _is_model_constraint(node) and isinstance(node.inputs[0], jcore.Var):
+            v = node.inputs[0]
+            pinned.setdefault(v, spec_from_pspec(node.eqn.params["sharding"].spec, len(v.aval.shape)))
+    return pinned
 
 
 def _rejected(rejected, n_in: int, n_out: int, cuts) -> str:

@@ -24,7 +24,7 @@ from jax.extend import core as jcore
 
 from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, stages
 from jshard.graph import CONSTRAINT, Node, operand_vars
-from jshard.layouts import Spec, constraint_spec
+from jshard.layouts import Spec, constraint_spec, typed_spec
 from jshard.propagate._emit import Emission
 from jshard.rules import Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
 
@@ -393,7 +393,9 @@ def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, i
 def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int]) -> Emission:
     """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
     implied by the inputs), and inputs an operator receives in another layout than they were made
-    (with the value pinned where it is made too), in the `stages` the cost model prices."""
+    (with the value pinned where it is made too), in the `stages` the cost model prices. A value whose
+    type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
+    JAX's own `reshard`s move it."""
     outputs, inputs = {}, {}
     for i, d in result.decisions.items():
         node = nodes[i]
@@ -401,11 +403,12 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
             continue
         if not d.implied:
             for v, spec in zip(node.outputs, d.out_specs):
-                if result.values.get(v) == spec:
+                if result.values.get(v) == spec and typed_spec(v.aval) is None:
                     outputs[v] = spec
         ins, _ = operand_vars(node)
         for k, v in enumerate(ins):
-            if isinstance(v, jcore.Var) and v in result.values and result.values[v] != d.in_specs[k]:
+            if (isinstance(v, jcore.Var) and v in result.values and result.values[v] != d.in_specs[k]
+                    and typed_spec(v.aval) is None):
                 inputs[(id(node.eqn), k)] = tuple(stages(result.values[v], d.in_specs[k], axis_size))
                 outputs[v] = result.values[v]  # pin the value where it is made, or XLA may move the cut upstream
     return Emission(outputs, inputs)
