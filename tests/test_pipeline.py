@@ -269,3 +269,16 @@ def test_pipeline_options_without_stages_are_an_error():
 def test_a_plain_function_cannot_be_pipelined():
     with pytest.raises(TypeError, match=r"pipeline_stages= needs a jshard.Pipeline"):
         js.parallelize(lambda x: x, devices=8, pipeline_stages=2, micro_batches=2)
+
+
+def test_a_long_schedule_is_drawn_in_blocks_no_wider_than_asked():
+    sched = build_schedule("1f1b", stages=4, micro_batches=64)
+    whole, blocked = sched.picture(), sched.picture(width=120)
+    assert max(len(line) for line in whole.splitlines()) > 120
+    assert max(len(line) for line in blocked.splitlines()) <= 120
+    rows = {s: "" for s in range(4)}  # the blocks, read back, are the whole picture
+    for line in blocked.splitlines():
+        if line.startswith("stage "):
+            s, marks = line.split(" |")
+            rows[int(s.split()[1])] += marks.rstrip("|")
+    assert [f"stage {s} |{m}|" for s, m in rows.items()] == whole.splitlines()

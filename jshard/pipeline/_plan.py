@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -68,8 +69,9 @@ class PipelinePlan:
         """Compiles the step and reads its collectives and memory (`jshard.audit`)."""
         return audit(self._compile())
 
-    def summary(self) -> str:
-        """Stages, the schedule picture, bubble, memory and boundary traffic, as text."""
+    def summary(self, width: int = 120) -> str:
+        """Stages, the schedule picture, bubble, memory and boundary traffic, as text no wider than
+        `width` columns (long lines wrapped, a long schedule drawn in blocks of ticks)."""
         s = self.schedule
         lines = [
             f"pipeline: schedule={s.name}, stages={s.stages}, micro_batches={s.micro_batches}, "
@@ -85,9 +87,9 @@ class PipelinePlan:
             f"{human_bytes(self.buffer_bytes)} per device",
             f"must cross stages per step: {human_bytes(self.boundary_bytes)}; the program's collective-permutes "
             f"move {human_bytes(self.permute_bytes)} per device",
-            s.picture(),
         ]
-        return "\n".join(lines)
+        wrapped = [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="    ")]
+        return "\n".join([*wrapped, s.picture(width)])
 
 
 def plan_of(program, mesh, layers: int, params, batch, compile_) -> PipelinePlan:

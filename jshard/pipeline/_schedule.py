@@ -151,19 +151,32 @@ class Schedule:
             lines.append((f"stage {s:<3}" + "".join(f"{row[s]:<{width}}" for row in cells)).rstrip())
         return "\n".join(lines)
 
-    def picture(self) -> str:
-        """One character per tick and stage: `F` forward, `B` backward, `.` idle.
+    def picture(self, width: int | None = None) -> str:
+        """One character per tick and stage: `F` forward, `B` backward, `.` idle; with `width`, no
+        line longer than that: a longer schedule is drawn in blocks of ticks, each headed by its ticks.
 
         Examples:
           >>> print(build_schedule("1f1b", stages=2, micro_batches=3).picture())
           stage 0 |FF.BFB.B|
           stage 1 |.FBFBFB.|
+          >>> print(build_schedule("1f1b", stages=2, micro_batches=3).picture(width=14))
+          ticks 0-3
+          stage 0 |FF.B|
+          stage 1 |.FBF|
+          ticks 4-7
+          stage 0 |FB.B|
+          stage 1 |BFB.|
         """
-        rows = []
-        for s in range(self.stages):
-            marks = "".join("." if row[s] is None else row[s].kind for row in self.ops)
-            rows.append(f"stage {s} |{marks}|")
-        return "\n".join(rows)
+        marks = ["".join("." if row[s] is None else row[s].kind for row in self.ops) for s in range(self.stages)]
+        ticks = len(self.ops)
+        label = len(f"stage {self.stages - 1} ||")
+        per = ticks if width is None else max(1, width - label)
+        blocks = []
+        for start in range(0, max(ticks, 1), per):
+            end = min(start + per, ticks)
+            head = [] if per >= ticks else [f"ticks {start}-{end - 1}"]
+            blocks += head + [f"stage {s} |{m[start:end]}|" for s, m in enumerate(marks)]
+        return "\n".join(blocks)
 
 
 def _fits(lives: list[tuple[int, int, int]], k: int) -> bool:
