@@ -94,7 +94,9 @@ def lookup(table: HostTable, ids: Any) -> jax.Array:
       >>> js.hetero.lookup(js.hetero.host_table(jnp.arange(6.0).reshape(3, 2)), jnp.array([2]))
       Array([[4., 5.]], dtype=float32)
     """
-    return _gather(jax.lax.stop_gradient(table.rows), ids)
+    # rows cut over the devices: every device's host looks up the whole batch's ids in its own rows
+    # (a masked lookup whose result is summed over the devices); the ids cross, never the rows
+    return _gather(jax.lax.stop_gradient(table.rows), _whole(ids) if table.cut_rows else ids)
 
 
 @api_boundary
