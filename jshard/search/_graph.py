@@ -124,8 +124,10 @@ class SearchGraph:
         for k, e in enumerate(self.edges):
             self.out_edges[e.src[0]].append(k)
             self.in_edges[e.dst[0]].append(k)
+        self.shape_of_unit = self._signatures()
         self._specs: dict = {}
         self._moves: dict = {}
+        self._cands: dict = {}
         self._merged: dict[int, list] = {}  # unit -> its operands' dims made of several factors
         self._memory_model(args, outvars, donated)
 
@@ -218,9 +220,32 @@ class SearchGraph:
                 edges.append(Edge(v, (src_unit, src_pos), (self.arg_unit[arg], 0), 1))
         return edges
 
+    def _signatures(self) -> list[int]:
+        """Per unit, the id of its structure: its factors, the operands it lays out, how often it
+        runs, its work, its fixed layouts and its results' shapes. Units of one id (the same
+        operator in identical layers of an unrolled loop) have the same candidates, layouts and
+        costs, so the searches compute those once per id (`candidates`, `spec`, `_recursive`'s
+        tables), as a scanned body is planned once."""
+        ids: dict = {}
+        out = []
+        for u in self.units:
+            results = () if u.node < 0 else tuple(array_of(v) for v in self.table.vars[u.node][1])
+            fixed = None if u.fixed is None else tuple(sorted(u.fixed.items()))
+            key = (u.factors, u.own, u.operands, u.weight, u.flops, fixed, results)
+            out.append(ids.setdefault(key, len(ids)))
+        return out
+
     # -- candidates and their layouts ----------------------------------------------------------------
     def candidates(self, k: int, groups: Sequence[Group], base: Assignment | None = None) -> list[Assignment]:
-        """Every way to give each of `groups` to one of unit `k`'s factors (or none), on top of `base`."""
+        """Every way to give each of `groups` to one of unit `k`'s factors (or none), on top of
+        `base`; computed once per unit structure (`shape_of_unit`), the list is the caller's."""
+        key = (self.shape_of_unit[k], tuple(groups), tuple(sorted((base or {}).items())))
+        found = self._cands.get(key)
+        if found is None:
+            found = self._cands[key] = self._candidates(k, groups, base)
+        return list(found)
+
+    def _candidates(self, k: int, groups: Sequence[Group], base: Assignment | None) -> list[Assignment]:
         u = self.units[k]
         base = dict(base or {})
         if not u.free:
@@ -267,7 +292,7 @@ class SearchGraph:
         u = self.units[k]
         if u.fixed is not None:
             return u.fixed[pos]
-        key = (k, pos, tuple(sorted(a.items())))
+        key = (self.shape_of_unit[k], pos, tuple(sorted(a.items())))
         found = self._specs.get(key)
         if found is None:
             dims = u.factors.operands[pos]

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jshard.cost import value_bytes
+from jshard.cost import array_of, value_bytes
 from jshard.search._graph import TIE, Assignment, Group, Infeasible, SearchGraph, Solved
 
 _GROWTHS = 24
@@ -141,29 +141,45 @@ class _Level:
         g = self.g = search.g
         self.search = search
         self.cands = [g.candidates(k, [group], base[k]) for k in range(len(g.units))]
-        w = max(lam, TIE)
-        self.unary = [np.array([g.unit_seconds(k, a) + w * search._kept(k, a) for a in cands])
-                      for k, cands in enumerate(self.cands)]
+        # Units of one structure on one base (identical layers) share their costs and tables.
+        kinds = [(g.shape_of_unit[k], tuple(sorted(base[k].items()))) for k in range(len(g.units))]
+        self._own: dict[tuple, np.ndarray] = {}  # unit kind -> its seconds under each candidate
+        self.unary = [self._unary(k, kinds[k], lam) for k in range(len(g.units))]
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
-        specs: dict[tuple[int, int], list] = {}  # (unit, operand) -> its layout under each candidate
+        specs: dict[tuple, list] = {}  # (unit kind, operand) -> its layout under each candidate
+        moves: dict[tuple, np.ndarray] = {}  # (value, weight, both ends' kinds) -> the edge's table
 
-        def laid(end: tuple[int, int]) -> list:
-            found = specs.get(end)
-            if found is None:
-                found = specs[end] = [g.spec(end[0], end[1], a) for a in self.cands[end[0]]]
-            return found
+        def laid(end: tuple[int, int]) -> tuple:
+            key = (kinds[end[0]], end[1])
+            if key not in specs:
+                specs[key] = [g.spec(end[0], end[1], a) for a in self.cands[end[0]]]
+            return key
 
         for e in g.edges:
             u, v = e.src[0], e.dst[0]
-            mine, theirs = laid(e.src), laid(e.dst)
-            table = np.array([[g.edge_seconds(e, x, y) for y in theirs] for x in mine])
+            key = (array_of(e.var), e.weight, laid(e.src), laid(e.dst))
+            table = moves.get(key)
+            if table is None:
+                mine, theirs = specs[key[2]], specs[key[3]]
+                table = moves[key] = np.array([[g.edge_seconds(e, x, y) for y in theirs] for x in mine])
             if u == v:
                 self.unary[u] = self.unary[u] + np.diag(table)
             else:
                 self._add(u, v, table)
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
+
+    def _unary(self, k: int, kind: tuple, lam: float) -> np.ndarray:
+        """Unit `k`'s own seconds and λ·bytes it keeps at the peak, under each candidate."""
+        search, cands = self.search, self.cands[k]
+        if k in search.kept:
+            w = max(lam, TIE)
+            return np.array([self.g.unit_seconds(k, a) + w * search._kept(k, a) for a in cands])
+        found = self._own.get(kind)
+        if found is None:
+            found = self._own[kind] = np.array([self.g.unit_seconds(k, a) + 0.0 for a in cands])
+        return found
 
     def _add(self, a: int, b: int, table: np.ndarray) -> None:
         if a > b:
