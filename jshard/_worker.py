@@ -24,6 +24,7 @@ import sys
 if __name__ == "__main__":  # run as `python .../jshard/_worker.py`: Python put jshard/ first on sys.path,
     del sys.path[0]  # where its modules could shadow the standard library's for the imports below
 
+import contextlib
 import json
 import os
 import runpy
@@ -60,10 +61,8 @@ def fail(exc: BaseException, status: int) -> None:
         _write_record(exc, status, lines)
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):  # a closed or broken stream must not keep the process alive
                 stream.flush()
-            except Exception:  # a closed or broken stream must not keep the process alive
-                pass
         os._exit(status)
 
 

@@ -137,18 +137,19 @@ def read_assignment(dims: Sequence[DimFactors], spec: Spec, sizes: Sequence[int]
     return out
 
 
-def expressible(f: Factors, assignment: Assignment, axis_size: Mapping[str, int]) -> bool:
+def expressible(f: Factors, assignment: Assignment, axis_size: Mapping[str, int], dims=None) -> bool:
     """Whether every operand can be laid out as `assignment` says: a minor factor of a merged dim
     (the `head_dim` of `[..., heads * head_dim]`) can be cut only under a major one cut completely,
-    else its slices are not contiguous and `write_spec` drops its axes (a gather no cost sees)."""
-    for dims in f.operands:
-        for factors in dims:
-            complete = True
-            for g in factors:
-                mine = assignment.get(g, ())
-                if mine and not complete:
-                    return False
-                complete = complete and math.prod(axis_size[a] for a in mine) == f.sizes[g]
+    else its slices are not contiguous and `write_spec` drops its axes (a gather no cost sees).
+    `dims`: the dims (factor tuples) to check, default every operand's."""
+    checked = [factors for operand in f.operands for factors in operand] if dims is None else dims
+    for factors in checked:
+        complete = True
+        for g in factors:
+            mine = assignment.get(g, ())
+            if mine and not complete:
+                return False
+            complete = complete and math.prod(axis_size[a] for a in mine) == f.sizes[g]
     return True
 
 

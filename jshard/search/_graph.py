@@ -37,7 +37,7 @@ from jshard.cost import (
 )
 from jshard.graph import CONSTRAINT, Node
 from jshard.layouts import Spec, constraint_spec
-from jshard.rules import Factors, OpTable, shape_of, write_spec
+from jshard.rules import Factors, OpTable, expressible, shape_of, write_spec
 
 Assignment = dict  # factor id -> mesh axes (major to minor)
 Group = tuple[str, ...]  # mesh axes that a search step hands out together
@@ -268,24 +268,13 @@ class SearchGraph:
         return out
 
     def _expressible(self, k: int, a: Assignment) -> bool:
-        """Whether every operand can be laid out as `a` says: a minor factor of a merged dim (the
-        head_dim of `[..., heads * head_dim]`) can be cut only under a major one cut completely,
-        else its slices are not contiguous, `write_spec` drops its axes and the operand would need
-        a gather the cost model does not see."""
+        """`rules.expressible` over unit `k`'s operands' merged dims (found once per unit)."""
         merged = self._merged.get(k)
         if merged is None:
             u = self.units[k]
             merged = self._merged[k] = sorted({factors for pos in u.operands for factors in u.factors.operands[pos]
                                                if len(factors) > 1})
-        sizes = self.units[k].factors.sizes
-        for factors in merged:
-            complete = True
-            for f in factors:
-                mine = a.get(f, ())
-                if mine and not complete:
-                    return False
-                complete = complete and math.prod(self.axis_size[x] for x in mine) == sizes[f]
-        return True
+        return expressible(self.units[k].factors, a, self.axis_size, merged)
 
     def spec(self, k: int, pos: int, a: Assignment) -> Spec:
         """The layout unit `k` under assignment `a` gives its operand `pos`."""
