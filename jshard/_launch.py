@@ -12,7 +12,11 @@ writes: a Python script runs through `jshard/_worker.py`, so an exception or a n
 ends the worker at once instead of hanging in JAX's shutdown barrier) or its last log lines, stops
 the others (SIGTERM, then SIGKILL after `--cluster-time-out` or `STOP_GRACE` seconds, whichever is
 shorter) and exits with that first failing status. Where several workers fail at once (the others
-of a job often fail *because* one did), the earliest failure is the one reported.
+of a job often fail *because* one did), the cause is the one reported: a worker whose exception says
+a peer went away (`PEER_LOST`: gloo's connection reset, a coordination-service heartbeat) is a
+consequence, so a worker that failed on its own (killed by a signal, or another exception) is named
+before it, whichever the launcher saw first; among causes, the earliest. A consequence seen alone
+waits up to `CAUSE_WAIT` seconds for its cause to show.
 """
 
 from __future__ import annotations
@@ -51,6 +55,12 @@ GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+| is connected to \d+ peer ranks\. 
 """What gloo prints to stdout (std::cout, no setting silences it) each time a worker connects to its
 peers; two workers' threads may interleave it mid-line. Kept in the worker logs, left out of the
 `--join` stream and the failure report."""
+PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Connection refused|Broken pipe|[Ss]ocket closed|"
+                       r"heartbeat|[Cc]oordination service|[Bb]arrier timed out|remote process exited", re.S)
+"""What a worker's exception says when it failed because another worker went away."""
+CAUSE_WAIT = 1.0
+"""Seconds the launcher waits, when every failed worker failed because a peer went away, for the
+worker that went away to show (it may exit a moment later than the peer that noticed it)."""
 LAUNCH_DESCRIPTION = """\
 Starts --local-worker-num workers of a --worker-num job on this node, each running COMMAND with the
 environment jshard.init() reads. COMMAND is a script (`train.py args`, run with this Python) or any
@@ -276,7 +286,8 @@ class _Job:
             _signal(w.proc, signum)
 
     def _watch(self) -> int:
-        """Polls the workers; on the first failure reports it and stops the rest."""
+        """Polls the workers; on the first failure reports its cause and stops the rest."""
+        wait_cause = None  # when a failure whose peer went away stops waiting for that peer
         while True:
             if self.kill_at is not None and time.monotonic() > self.kill_at:
                 for w in self.workers:
@@ -286,12 +297,20 @@ class _Job:
                 if w.ended is None and w.proc.returncode is not None:
                     w.ended = time.time()
             failed = [w for w in self.workers if w.proc.returncode not in (None, 0)]
-            if failed:
-                return self._fail(min(failed, key=self._failed_at), running)
+            causes = [w for w in failed if not self._peer_lost(w)]
+            if failed and not causes and running and wait_cause is None:
+                wait_cause = time.monotonic() + CAUSE_WAIT
+            if causes or (failed and (not running or time.monotonic() > wait_cause)):
+                return self._fail(min(causes or failed, key=self._failed_at), running)
             if not running:
                 self.say(f"all {len(self.workers)} worker(s) on this node exited 0")
                 return 0
             time.sleep(0.05)
+
+    def _peer_lost(self, worker: _Worker) -> bool:
+        """Whether `worker` failed because another worker went away (its exception says so)."""
+        record = read_failure(self.failures, worker.rank)
+        return record is not None and PEER_LOST.search(f"{record['type']}: {record['message']}") is not None
 
     def _failed_at(self, worker: _Worker) -> float:
         """When a worker failed: its failure record's time, else when the launcher saw it exit."""

@@ -74,6 +74,28 @@ def test_a_failing_worker_stops_the_others_and_its_status_is_returned(tmp_path, 
     assert "exit status 3 (rank 1)" in err
 
 
+def test_the_cause_is_named_not_the_peer_that_noticed_it(tmp_path, capsys):
+    """Rank 1 dies by SIGKILL a moment after rank 0 fails on the dead connection (as gloo reports it):
+    the launcher names rank 1 and its signal, not rank 0's consequence, though it saw rank 0 first."""
+    worker = script(tmp_path, "if rank == 0:\n    raise RuntimeError('UNKNOWN: Gloo all-reduce failed: Read error "
+                              "[127.0.0.1]:1: Connection reset by peer')\n"
+                              "time.sleep(0.4)\nprint('rank 1 goes', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    assert main(["launch", "--worker-num", "2", "--cluster-time-out", "5", "--log-dir", str(tmp_path / "l"),
+                 worker]) == 128 + 9
+    err = capsys.readouterr().err
+    assert "jshard launch: rank 1 was killed by SIGKILL" in err and "exit status 137 (rank 1)" in err
+    assert "rank 0 raised" not in err
+
+
+def test_a_peer_failure_alone_is_reported_when_no_cause_shows(tmp_path, capsys):
+    worker = script(tmp_path, "if rank == 0:\n    raise RuntimeError('Connection reset by peer')\ntime.sleep(120)\n")
+    start = time.monotonic()
+    assert main(["launch", "--worker-num", "2", "--cluster-time-out", "5", "--log-dir", str(tmp_path / "l"),
+                 worker]) == 1
+    assert time.monotonic() - start < 20
+    assert "rank 0 raised RuntimeError: Connection reset by peer" in capsys.readouterr().err
+
+
 def test_an_exception_names_its_rank_and_its_last_lines_and_leaves_a_failure_record(tmp_path, capsys):
     worker = script(tmp_path, "print('working', rank, flush=True)\n"
                               "if rank == 1:\n    raise RuntimeError('data file missing on rank 1')\n"
