@@ -159,6 +159,8 @@ def test_random_program_semi_auto(program):
 @example(Program(shape=(4,), steps=(Step(kind='reshape', param=(2, 2), extras=(), strategy=None), Step(kind='unary', param='sin', extras=(), strategy=((2, 2),)), Step(kind='reduce', param=('max', (0,)), extras=(), strategy=(None,)), Step(kind='binary', param='add', extras=(((2,), False),), strategy=None)), mode='auto', dataset='data_parallel', in_strategy=None))
 # an axis moved where another leaves: the all-to-all, then a collective-permute
 @example(Program(shape=(2,), steps=(Step(kind='dot', param=12, extras=(((2, 12), False),), strategy=((1,), None)),), mode='auto', dataset='full_batch', in_strategy=(None, (2, 2))))
+# jnp.take's index normalized by three operators taking it replicated: XLA gathers it once
+@example(Program(shape=(4,), steps=(Step(kind='gather', param=(0, 4), extras=(((8, 16), True),), strategy=None), Step(kind='reshape', param=(128,), extras=(), strategy=(None,))), mode='auto', dataset='data_parallel', in_strategy=((1,), (1, 8))))
 def test_random_program_auto_and_data(program):
     check_program(program)
 
