@@ -178,6 +178,8 @@ def _all_to_alls(shape, itemsize, src: Spec, dst: Spec, axis_size) -> list[Comm]
         if not group:
             return None
         cur[t] += group
+        if cut(cur[t]) > cut(dst[t]):  # the move overshoots `dst`'s cut (axes of unequal sizes): not this walk
+            return None
         comms.append(Comm("all-to-all", payload, tuple(group)))
     if any(cut(c) != cut(d) for c, d in zip(cur, dst)):
         return None
