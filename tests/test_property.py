@@ -8,12 +8,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from _programs import Program, Step, programs
 from _tolerance import assert_close
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
 
 import jshard as js
+from jshard.cost import redistribution, stages
 
 DIMS = [1, 2, 3, 4, 6, 8, 12, 16]
 CUTS = [1, 2, 3, 4, 8]
@@ -133,6 +136,10 @@ def check_program(program: Program) -> None:
 @example(Program(shape=(8, 8, 16), steps=(Step(kind='gather', param=(1, 8), extras=(((8,), True),), strategy=None), Step(kind='scan', param='dot', extras=(((16, 16), False),), strategy=((2, 4, 1), None)), Step(kind='unary', param='tanh', extras=(), strategy=(None,))), mode='semi_auto', dataset='data_parallel', in_strategy=None))
 # one shard call's output into the next one's input on other devices: the permute is predicted
 @example(Program(shape=(4, 2, 4), steps=(Step(kind='reduce', param=('max', (0, 2)), extras=(), strategy=((1, 1, 1),)), Step(kind='dot', param=2, extras=(((2, 2), False),), strategy=((2,), (2, 2))), Step(kind='dot', param=2, extras=(((2, 2), False),), strategy=((2,), (2, 2))), Step(kind='unary', param='tanh', extras=(), strategy=None)), mode='semi_auto', dataset='data_parallel', in_strategy=None))
+# a coarser cut of every dim with an axis moved: a collective-permute, then the all-gathers
+@example(Program(shape=(8, 3, 8), steps=(Step(kind='reshape', param=(24, 8), extras=(), strategy=(None,)), Step(kind='reshape', param=(192,), extras=(), strategy=(None,)), Step(kind='gather', param=(0, 192), extras=(((4, 4), True),), strategy=((1,), (4, 2))), Step(kind='unary', param='neg', extras=(), strategy=((1, 2),))), mode='semi_auto', dataset='data_parallel', in_strategy=((4, 1, 2), None)))
+# a transposed layout into one of the same axes, two moved: priced as two all-to-alls and a permute
+@example(Program(shape=(16, 4, 4), steps=(Step(kind='transpose', param=(2, 1, 0), extras=(), strategy=((2, 4, 1),)), Step(kind='reshape', param=(16, 16), extras=(), strategy=((4, 2, 1),)), Step(kind='scan', param='tanh', extras=(((16,), False),), strategy=None), Step(kind='binary', param='max', extras=(((16, 16), False),), strategy=((2, 2), None))), mode='semi_auto', dataset='full_batch', in_strategy=None))
 def test_random_program_semi_auto(program):
     check_program(program)
 
@@ -147,5 +154,50 @@ def test_random_program_semi_auto(program):
 @example(Program(shape=(16, 16, 3), steps=(Step(kind='gather', param=(0, 16), extras=(((2,), True),), strategy=((1, 1, 1), None)), Step(kind='unary', param='abs', extras=(), strategy=(None,)), Step(kind='gather', param=(0, 2), extras=(((2,), True),), strategy=((1, 1, 1), None))), mode='auto', dataset='full_batch', in_strategy=(None, (1,), (1,))))
 # a finer layout on other devices: a local slice and a collective-permute
 @example(Program(shape=(16, 16, 2), steps=(Step(kind='reshape', param=(256, 2), extras=(), strategy=((2, 2, 1),)),), mode='auto', dataset='data_parallel', in_strategy=((1, 2, 1),)))
+# axes swapped between dims of a coarser layout: a collective-permute, then the all-gathers
+@example(Program(shape=(4, 3, 2), steps=(Step(kind='reshape', param=(12, 2), extras=(), strategy=((1, 1, 2),)), Step(kind='reshape', param=(24,), extras=(), strategy=((1, 1),))), mode='auto', dataset='full_batch', in_strategy=((2, 1, 2),)))
+@example(Program(shape=(4,), steps=(Step(kind='reshape', param=(2, 2), extras=(), strategy=None), Step(kind='unary', param='sin', extras=(), strategy=((2, 2),)), Step(kind='reduce', param=('max', (0,)), extras=(), strategy=(None,)), Step(kind='binary', param='add', extras=(((2,), False),), strategy=None)), mode='auto', dataset='data_parallel', in_strategy=None))
+# an axis moved where another leaves: the all-to-all, then a collective-permute
+@example(Program(shape=(2,), steps=(Step(kind='dot', param=12, extras=(((2, 12), False),), strategy=((1,), None)),), mode='auto', dataset='full_batch', in_strategy=(None, (2, 2))))
+# jnp.take's index normalized by three operators taking it replicated: XLA gathers it once
+@example(Program(shape=(4,), steps=(Step(kind='gather', param=(0, 4), extras=(((8, 16), True),), strategy=None), Step(kind='reshape', param=(128,), extras=(), strategy=(None,))), mode='auto', dataset='data_parallel', in_strategy=((1,), (1, 8))))
 def test_random_program_auto_and_data(program):
     check_program(program)
+
+
+# Layout pairs (mesh d0, d1, d2 = 2, 2, 2) where XLA's resharding differs from one all-to-all:
+# src, dst, and the collectives it emits, each kind's bytes per device.
+RESHARDS = [
+    # a coarser cut with an axis moved: the slices permuted, then gathered
+    ((4, 3, 2), (("d0",), (), ("d1",)), ((), (), ("d0",)), {"collective-permute": 24, "all-gather": 48}),
+    # a major axis dropped: the minor one's slices permuted first
+    ((8, 8), (("d0", "d1"), ()), (("d1",), ()), {"collective-permute": 64, "all-gather": 128}),
+    # the same axes, one moved and one renamed: the all-to-all, then the permute
+    ((8, 8, 8), (("d1", "d0"), (), ("d2",)), (("d2",), ("d1",), ("d0",)), {"all-to-all": 256, "collective-permute": 256}),
+    # two axes moved from one dim, as one block: one all-to-all, no permute
+    ((8, 8, 8), ((), ("d2", "d0", "d1"), ()), (("d0", "d1"), ("d2",), ()), {"all-to-all": 256}),
+    # two dims' cuts swapped over three dims: two all-to-alls, then the permute
+    ((4, 4, 16), ((), ("d1", "d2"), ("d0",)), (("d0", "d1"), ("d2",), ()), {"all-to-all": 256, "collective-permute": 128}),
+]
+
+
+@pytest.mark.parametrize("shape, src, dst, want", RESHARDS)
+def test_redistribution_is_what_xla_emits(shape, src, dst, want):
+    """`redistribution` prices each kind as the compiled resharding moves it, through the `stages`
+    the engine constrains."""
+    mesh = jax.make_mesh((2, 2, 2), ("d0", "d1", "d2"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    sizes = dict(mesh.shape)
+    spec = lambda s: jax.sharding.NamedSharding(mesh, P(*(a or None for a in s)))
+
+    def reshard(x):
+        for stage in stages(src, dst, sizes):
+            x = jax.lax.with_sharding_constraint(x, spec(stage))
+        return x
+
+    compiled = jax.jit(reshard, in_shardings=spec(src), out_shardings=spec(dst)).lower(jnp.zeros(shape)).compile()
+    got = {k: b for k, (_, b) in js.audit(compiled).by_kind().items()}
+    predicted = {}
+    for comm in redistribution(shape, 4, src, dst, sizes):
+        predicted[comm.kind] = predicted.get(comm.kind, 0.0) + comm.bytes
+    assert got == want
+    assert predicted == want

@@ -113,8 +113,12 @@ def redistribution(
     As XLA's SPMD partitioner does it: where `dst` cuts every dim into a multiple of `src`'s slices,
     a device whose `src` axes lead its `dst` axes in every dim slices its part locally (free);
     otherwise each device slices the part another device needs and a collective-permute sends it
-    there (axes swapped, renamed or reordered). Otherwise an axis that moves to another dim is an
-    all-to-all, and the axes `dst` drops are all-gathered one dim at a time, the minor dim first.
+    there (axes swapped, renamed or reordered). Where `dst` keeps, of `src`'s axes, a coarser cut of
+    every dim but not its leading axes (an axis moved, or a major one dropped), a collective-permute
+    of the slices, then the all-gathers. Between layouts of equal total cut, all-to-alls as XLA walks
+    them, then a collective-permute where the axes stand otherwise (`_all_to_alls`). Otherwise an
+    axis that moves to another dim is an all-to-all, and the axes `dst` drops are all-gathered one
+    dim at a time, the minor dim first.
     """
     if src == dst:
         return []
@@ -132,6 +136,17 @@ def redistribution(
         for d, (s, t) in enumerate(zip(src, dst))
     )
     comms = []
+    coarser = _finer(dst, src, axis_size) and set(where_dst) <= set(where_src)
+    if coarser and any(t != s[: len(t)] for s, t in zip(src, dst)):
+        # Every dim keeps a cut dividing its own: XLA permutes the slices to devices grouped as `dst`
+        # groups them (the moved axes in their new dims), then all-gathers the extra cuts.
+        changed = tuple(dict.fromkeys(a for s, t in zip(src, dst) if t != s[: len(t)] for a in t))
+        comms.append(Comm("collective-permute", local_bytes(shape, itemsize, src, axis_size), changed))
+        return comms + _coarsen(shape, itemsize, src, dst, dropped, axis_size)
+    if moved and math.prod(axis_size[a] for a in where_src) == math.prod(axis_size[a] for a in where_dst):
+        swaps = _all_to_alls(shape, itemsize, src, dst, axis_size)
+        if swaps is not None:
+            return swaps
     if moved or not same:
         axes = moved or tuple(a for a in where_src if a in where_dst)
         comms.append(Comm("all-to-all", local_bytes(shape, itemsize, src, axis_size), axes))
@@ -141,6 +156,55 @@ def redistribution(
         if gone:
             kept[d] = tuple(a for a in src[d] if a not in dropped)
             comms.append(Comm("all-gather", local_bytes(shape, itemsize, kept, axis_size), gone))
+    return comms
+
+
+def _all_to_alls(shape, itemsize, src: Spec, dst: Spec, axis_size) -> list[Comm] | None:
+    """Between layouts of the same axes: as XLA's SPMD partitioner does it, each all-to-all moves the
+    minor axes of a dim cut more than `dst` cuts it to the minor end of a dim cut less; where the
+    axes then stand otherwise than in `dst`, a collective-permute puts the slices on their devices.
+    None where that walk does not reach `dst`'s cuts."""
+    cut = lambda axes: math.prod(axis_size[a] for a in axes)
+    cur, comms = [list(axes) for axes in src], []
+    payload = local_bytes(shape, itemsize, src, axis_size)
+    while True:
+        s = next((d for d in range(len(cur)) if cut(cur[d]) > cut(dst[d])), None)
+        t = next((d for d in range(len(cur)) if cut(cur[d]) < cut(dst[d])), None)
+        if s is None or t is None:
+            break
+        group = []
+        while cur[s] and cut(cur[s]) > cut(dst[s]) and cut(cur[t]) * cut(group) < cut(dst[t]):
+            group.insert(0, cur[s].pop())
+        if not group:
+            return None
+        cur[t] += group
+        if cut(cur[t]) > cut(dst[t]):  # the move overshoots `dst`'s cut (axes of unequal sizes): not this walk
+            return None
+        comms.append(Comm("all-to-all", payload, tuple(group)))
+    if any(cut(c) != cut(d) for c, d in zip(cur, dst)):
+        return None
+    if tuple(map(tuple, cur)) != tuple(dst):
+        changed = tuple(dict.fromkeys(a for c, d in zip(cur, dst) if tuple(c) != d for a in (*c, *d)))
+        comms.append(Comm("collective-permute", payload, changed))
+    return comms
+
+
+def _coarsen(shape, itemsize, src: Spec, dst: Spec, dropped, axis_size) -> list[Comm]:
+    """The all-gathers from `src` down to `dst`, whose every dim's cut divides `src`'s: one dim at a
+    time, the minor dim first, each over the dropped axes (else `src`'s own) that make up its ratio."""
+    cut = lambda axes: math.prod(axis_size[a] for a in axes)
+    free, comms, kept = list(dropped), [], list(src)
+    for d in reversed(range(len(src))):
+        ratio = cut(src[d]) // cut(dst[d])
+        if ratio == 1:
+            continue
+        group = []
+        for a in [*free, *(a for a in src[d] if a not in dst[d])]:
+            if cut(group) < ratio and ratio % (cut(group) * axis_size[a]) == 0 and a not in group:
+                group.append(a)
+        free = [a for a in free if a not in group]
+        kept[d] = dst[d]
+        comms.append(Comm("all-gather", local_bytes(shape, itemsize, kept, axis_size), tuple(group)))
     return comms
 
 

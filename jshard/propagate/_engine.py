@@ -382,6 +382,35 @@ def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping
         comms = d.comms + tuple(redistribution(*array_of(v), src, dst, axis_size))
         seconds = nodes[j].weight * sum(cost.time(c, axis_size) for c in comms)
         result.decisions[j] = dataclasses.replace(d, comms=comms, seconds=seconds)
+    _share_moves(nodes, result, axis_size, cost)
+
+
+def _share_moves(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], cost: CostModel) -> None:
+    """XLA moves one value into one layout once (it eliminates the common subexpression), however
+    many operators of one computation take it so (`jnp.take`'s index normalization: three of them):
+    the first user pays, the later ones' charge for it is dropped."""
+    seen = set()
+    for j in sorted(result.decisions):
+        node, d = nodes[j], result.decisions[j]
+        if node.primitive == CONSTRAINT:
+            continue
+        comms = list(d.comms)
+        for v, dst in zip(operand_vars(node)[0], d.in_specs):
+            src = result.values.get(v) if isinstance(v, jcore.Var) else None
+            if src is None or dst is None or src == dst:
+                continue
+            if (v, dst, node.weight) in seen:
+                left = list(comms)
+                try:
+                    for c in redistribution(*array_of(v), src, dst, axis_size):
+                        left.remove(c)
+                except ValueError:  # charged otherwise (a loop-invariant's share): left as it is
+                    continue
+                comms = left
+            seen.add((v, dst, node.weight))
+        if len(comms) != len(d.comms):
+            seconds = node.weight * sum(cost.time(c, axis_size) for c in comms)
+            result.decisions[j] = dataclasses.replace(d, comms=tuple(comms), seconds=seconds)
 
 
 def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, int], cost: CostModel | None = None) -> Result:
