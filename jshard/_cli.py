@@ -116,6 +116,9 @@ def _plan_parser(sub) -> None:
                       help="the device kind to plan for (H100, H200, A100): the cost model's compute and link "
                            "rates, and its memory as the default --memory-budget (default: the devices present "
                            "if --devices fit them, else no budget)")
+    plan.add_argument("--enable-alltoall", action=argparse.BooleanOptionalAction, default=None,
+                      help="let redistributions be all-to-alls (parallelize's enable_alltoall; default on); "
+                           "--no-enable-alltoall prices and emits them as all-gathers and slices")
     plan.add_argument("--time-limit", metavar="S", type=float, default=None,
                       help="seconds the ILP search may take (default 60)")
     plan.add_argument("--save", metavar="PATH", default=None, help="write the plan as JSON (Plan.save)")
@@ -299,6 +302,8 @@ def _plan(args: argparse.Namespace) -> int:
         options["memory_budget"] = budget
     if args.time_limit is not None:
         options["search_time_limit"] = args.time_limit
+    if args.enable_alltoall is not None:
+        options["enable_alltoall"] = args.enable_alltoall
     if args.device is not None:
         from jshard.cost import DEVICE_KINDS, CostModel
 

@@ -50,6 +50,7 @@ def parallelize(
     batch_argnums: int | Sequence[int] | None = None,
     propagation: str = "jshard",
     cost_model: CostModel | None = None,
+    enable_alltoall: bool = True,
     plan: Plan | None = None,
     search: str = "recursive",
     memory_budget: int | float | str | None = None,
@@ -105,6 +106,13 @@ def parallelize(
         engine: every operator gets a strategy, an origin and a cost in the `Plan`) or `"xla"`
         (Shardy propagates from the same anchors; the baseline the benchmarks compare with).
       cost_model: the α–β `CostModel` propagation minimizes (default: one GPU node).
+      enable_alltoall: MindSpore's switch: whether a redistribution that moves a mesh axis from one
+        tensor dim to another (a transpose or reshape between two layouts) may be an all-to-all.
+        Off, the cost model prices such a move as an all-gather and a local slice, and the emitted
+        program constrains the gathered layout in between, so XLA emits no all-to-all for it.
+        Default on, unlike MindSpore's (off): XLA's partitioner emits all-to-alls natively, and a
+        move by all-to-all sends 1/n of the all-gather's bytes (the README gives the GPT-3 plan's
+        predicted step both ways).
       plan: a `Plan` (from `Plan.load`) to rebuild instead of propagating or searching; it must
         match the function operator by operator.
       search: with `mode="auto"`: `"recursive"` (bisect the devices one mesh axis at a time, linear
@@ -200,7 +208,7 @@ def parallelize(
         devices=devices, mesh=mesh, mode=mode, in_strategy=in_strategy, out_strategy=out_strategy,
         donate_argnums=donate_argnums, static_argnums=static_argnums, static_argnames=static_argnames,
         donate_argnames=donate_argnames, dataset_strategy=dataset_strategy, batch_argnums=batch_argnums,
-        propagation=propagation, cost_model=cost_model, plan=plan, search=search, memory_budget=memory_budget,
+        propagation=propagation, cost_model=cost_model, enable_alltoall=enable_alltoall, plan=plan, search=search, memory_budget=memory_budget,
         search_time_limit=search_time_limit, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
         schedule=schedule, virtual_stages=virtual_stages, pipeline_result_broadcast=pipeline_result_broadcast,
         optimizer_parallel=optimizer_parallel, optimizer_parallel_threshold=optimizer_parallel_threshold,

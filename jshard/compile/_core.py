@@ -36,7 +36,7 @@ from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._trace import Traced, adopted, devices_for, trace
-from jshard.cost import CostModel, device_memory
+from jshard.cost import device_memory
 from jshard.layouts import FineMesh, NotRefined, TensorLayout, canonicalize_in_strategy, layout_of, to_pspec
 from jshard.search import Weighed
 
@@ -122,7 +122,7 @@ def _budget(c: Options, devices) -> tuple[float | None, str]:
     device's memory (the cost model's device kind, else the devices present)."""
     if c.memory_budget is not None or not c.searching:
         return c.memory_budget, "memory_budget"
-    cost = c.cost_model or CostModel()
+    cost = c.costs
     if cost.memory is not None:
         return cost.memory, f"the memory of one {cost.device or 'device'}, no memory_budget given"
     memory = device_memory(devices or [])

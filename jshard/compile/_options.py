@@ -109,6 +109,7 @@ class Options:
     batch_argnums: tuple[int, ...] | None = None
     propagation: str = "jshard"
     cost_model: CostModel | None = None
+    enable_alltoall: bool = True
     plan: Plan | None = None
     search: str = "recursive"
     memory_budget: float | None = None
@@ -150,6 +151,12 @@ class Options:
                    offload=_as_tuple(offload) if offload is not None else (), **fields)
 
     @property
+    def costs(self) -> CostModel:
+        """The cost model the planners price with: `cost_model` (default one GPU node), all-to-all
+        redistributions allowed as `enable_alltoall` says."""
+        return dataclasses.replace(self.cost_model or CostModel(), alltoall=bool(self.enable_alltoall))
+
+    @property
     def searching(self) -> bool:
         """Whether the strategy search plans (`mode="auto"` with a search, no loaded plan)."""
         return self.mode == "auto" and self.search != "propagation" and self.plan is None
@@ -157,6 +164,8 @@ class Options:
     def check(self, call: str) -> None:
         """Raises `ShardingError` (or `TypeError`) for the first rule these options break."""
         _check_choices(call, self)
+        if not isinstance(self.enable_alltoall, bool):
+            raise TypeError(f"{call}: enable_alltoall= takes True or False, got {self.enable_alltoall!r}.")
         _check_search(call, self)
         if self.plan is not None and not isinstance(self.plan, Plan):
             raise TypeError(f"{call}: plan= takes a jshard.Plan (from Plan.load), got {type(self.plan).__name__}.")

@@ -77,7 +77,7 @@ class PropagationPlanner:
 
     def plan(self, problem: Problem) -> Planned:
         t = problem.traced
-        return Planned(propagate(t.nodes, {**t.typed(), **problem.fixed}, t.axis_size, self.options.cost_model))
+        return Planned(propagate(t.nodes, {**t.typed(), **problem.fixed}, t.axis_size, self.options.costs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ class SearchPlanner:
         donated = frozenset(t.invars[i] for i in problem.donated)
         names = {v: f"args{p}" for v, p in zip(t.invars, t.paths)}
         result, report = search(t.nodes, list(t.invars) + consts, t.outvars, fixed, t.axis_size, how=c.search,
-                                cost=c.cost_model, budget=problem.budget, donated=donated, names=names,
+                                cost=c.costs, budget=problem.budget, donated=donated, names=names,
                                 call=self.call, time_limit=c.search_time_limit)
         return Planned(result, report=report)
 

@@ -48,7 +48,7 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
         out_sh = [sh if sh is not None or v not in result.values else NamedSharding(mesh, to_pspec(result.values[v]))
                   for v, sh in zip(traced.outvars, out_sh)]
         if set(mesh.explicit_axes) != set(mesh.axis_names):  # on Explicit axes only, the types say it all
-            evaluate = emit(traced.closed, emission_of(traced.nodes, result, dict(mesh.shape)), mesh, rewrite)
+            evaluate = emit(traced.closed, emission_of(traced.nodes, result, dict(mesh.shape), options.enable_alltoall), mesh, rewrite)
         elif rewrite is not None:
             evaluate = emit(traced.closed, EMPTY, mesh, rewrite)
     elif rewrite is not None:

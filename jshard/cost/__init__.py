@@ -4,6 +4,7 @@ memory planners share."""
 
 from jshard.cost._collectives import Comm as Comm
 from jshard.cost._collectives import CostModel as CostModel
+from jshard.cost._collectives import gathered_layout as gathered_layout
 from jshard.cost._collectives import local_bytes as local_bytes
 from jshard.cost._collectives import redistribution as redistribution
 from jshard.cost._collectives import stages as stages

@@ -40,6 +40,10 @@ class CostModel:
       device: the device kind planned for (`"H100"`), or None: the devices present, if any.
       memory: bytes per device: the default `memory_budget` of the strategy search; None: the
         present devices' (`device_memory`), else no budget.
+      alltoall: whether a redistribution may move a mesh axis from one tensor dim to another by
+        all-to-all (MindSpore's `enable_alltoall`); if not, the axes that move are all-gathered
+        first and the result sliced locally (`redistribution`). `parallelize` sets it from its
+        `enable_alltoall` keyword.
 
     `CostModel.for_device("H100")` fills `flops`, `bandwidth` and `memory` from `DEVICE_KINDS`.
 
@@ -54,6 +58,7 @@ class CostModel:
     axes: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     device: str | None = None
     memory: float | None = None
+    alltoall: bool = True
 
     @classmethod
     def for_device(cls, name: str, **overrides) -> CostModel:
@@ -106,7 +111,7 @@ def local_bytes(shape: Sequence[int], itemsize: int, spec: Spec, axis_size: Mapp
 
 
 def redistribution(
-    shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, axis_size: Mapping[str, int]
+    shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, axis_size: Mapping[str, int], alltoall: bool = True
 ) -> list[Comm]:
     """The collectives that turn layout `src` into `dst`.
 
@@ -119,9 +124,16 @@ def redistribution(
     them, then a collective-permute where the axes stand otherwise (`_all_to_alls`). Otherwise an
     axis that moves to another dim is an all-to-all, and the axes `dst` drops are all-gathered one
     dim at a time, the minor dim first.
+
+    Without `alltoall` (MindSpore's `enable_alltoall` off), a move that would take an all-to-all
+    all-gathers the axes that change dim first (`gathered_layout`), then goes on from there.
     """
     if src == dst:
         return []
+    mid = None if alltoall else _without_all_to_all(src, dst, axis_size)
+    if mid is not None:
+        return redistribution(shape, itemsize, src, mid, axis_size) + redistribution(
+            shape, itemsize, mid, dst, axis_size, alltoall=False)
     if _finer(src, dst, axis_size):
         if all(t[: len(s)] == s for s, t in zip(src, dst)):
             return []
@@ -208,11 +220,40 @@ def _coarsen(shape, itemsize, src: Spec, dst: Spec, dropped, axis_size) -> list[
     return comms
 
 
-def stages(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> list[Spec]:
+def gathered_layout(src: Spec, dst: Spec) -> Spec | None:
+    """`src` with the axes all-gathered that change dim between `src` and `dst` (or, where a dim
+    keeps its axes in another order, every axis both keep): the layout a move goes through when
+    all-to-alls are off. None where no axis moves."""
+    where_src = {a: d for d, axes in enumerate(src) for a in axes}
+    where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
+    moved = {a for a, d in where_src.items() if a in where_dst and where_dst[a] != d}
+    if not moved and any(tuple(a for a in s if a in where_dst and where_dst[a] == d) != tuple(a for a in t if a in where_src)
+                         for d, (s, t) in enumerate(zip(src, dst))):
+        moved = {a for a in where_src if a in where_dst}
+    if not moved:
+        return None
+    return tuple(tuple(a for a in axes if a not in moved) for axes in src)
+
+
+def _without_all_to_all(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> Spec | None:
+    """Where the move from `src` to `dst` takes an all-to-all: the gathered layout to go through
+    instead (`gathered_layout`); else None. (The route does not depend on the value's shape.)"""
+    mid = gathered_layout(src, dst)
+    if mid is None or mid == src:
+        return None
+    route = redistribution((1,) * len(src), 1, src, dst, axis_size)
+    return mid if any(c.kind == "all-to-all" for c in route) else None
+
+
+def stages(src: Spec, dst: Spec, axis_size: Mapping[str, int], alltoall: bool = True) -> list[Spec]:
     """The layouts that take a value from `src` to `dst` the way `redistribution` prices it: first
     the collectives (`dst` without the axes it adds at the minor end of a dim), then the local
     slice by those new axes. Constrained as one step, XLA may find no direct way and gather the
-    whole value first (its SPMD partitioner's "involuntary full rematerialization")."""
+    whole value first (its SPMD partitioner's "involuntary full rematerialization"). Without
+    `alltoall`, where the move would take an all-to-all, `gathered_layout` comes first."""
+    mid = None if alltoall else _without_all_to_all(src, dst, axis_size)
+    if mid is not None:
+        return [mid, *stages(mid, dst, axis_size, alltoall=False)]
     if _finer(src, dst, axis_size):
         return [dst]
     have = {a for axes in src for a in axes}

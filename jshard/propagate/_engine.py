@@ -189,9 +189,9 @@ class Engine:
                 if d is None:
                     continue
                 comms = list(d.comms)
-                for c in redistribution(*array_of(v), old, d.in_specs[pos], self.axis_size):
+                for c in redistribution(*array_of(v), old, d.in_specs[pos], self.axis_size, self.cost.alltoall):
                     comms.remove(c)
-                comms += redistribution(*array_of(v), spec, d.in_specs[pos], self.axis_size)
+                comms += redistribution(*array_of(v), spec, d.in_specs[pos], self.axis_size, self.cost.alltoall)
                 seconds = self.nodes[j].weight * sum(self.cost.time(c, self.axis_size) for c in comms)
                 self.decisions[j] = dataclasses.replace(d, comms=tuple(comms), seconds=seconds)
 
@@ -302,7 +302,7 @@ class Engine:
             moved = []
             if spec != want:
                 src, dst = (spec, want) if k < len(ins) else (want, spec)
-                moved = redistribution(*array_of(operands[k]), src, dst, self.axis_size)
+                moved = redistribution(*array_of(operands[k]), src, dst, self.axis_size, self.cost.alltoall)
                 once = self.invariant.get(operands[k])
                 if once is not None and k < len(ins) and once < node.weight:
                     # XLA hoists the redistribution of a loop-invariant value out of the loop: it
@@ -379,7 +379,7 @@ def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping
         if dst is None or src == dst or j is None:
             continue
         d = result.decisions[j]
-        comms = d.comms + tuple(redistribution(*array_of(v), src, dst, axis_size))
+        comms = d.comms + tuple(redistribution(*array_of(v), src, dst, axis_size, cost.alltoall))
         seconds = nodes[j].weight * sum(cost.time(c, axis_size) for c in comms)
         result.decisions[j] = dataclasses.replace(d, comms=comms, seconds=seconds)
     _share_moves(nodes, result, axis_size, cost)
@@ -402,7 +402,7 @@ def _share_moves(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, 
             if (v, dst, node.weight) in seen:
                 left = list(comms)
                 try:
-                    for c in redistribution(*array_of(v), src, dst, axis_size):
+                    for c in redistribution(*array_of(v), src, dst, axis_size, cost.alltoall):
                         left.remove(c)
                 except ValueError:  # charged otherwise (a loop-invariant's share): left as it is
                     continue
@@ -419,16 +419,23 @@ def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, i
 
 
 
-def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int]) -> Emission:
+def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], alltoall: bool = True) -> Emission:
     """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
     implied by the inputs), and inputs an operator receives in another layout than they were made
-    (with the value pinned where it is made too), in the `stages` the cost model prices. A value whose
+    (with the value pinned where it is made too), in the `stages` the cost model prices (without
+    `alltoall`, a move that would be an all-to-all, a `shard` call's too, through its gathered
+    layout: `jshard.cost.gathered_layout`). A value whose
     type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
     JAX's own `reshard`s move it."""
     outputs, inputs = {}, {}
     for i, d in result.decisions.items():
         node = nodes[i]
         if node.primitive == CONSTRAINT:
+            v = node.inputs[0]
+            if not alltoall and isinstance(v, jcore.Var) and v in result.values and typed_spec(v.aval) is None:
+                route = stages(result.values[v], d.out_specs[0], axis_size, alltoall=False)
+                if len(route) > 1:  # the constraint's own move would be an all-to-all: gathered first
+                    inputs[(id(node.eqn), 0)] = tuple(route[:-1])
             continue
         if not d.implied:
             for v, spec in zip(node.outputs, d.out_specs):
@@ -438,6 +445,6 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
         for k, v in enumerate(ins):
             if (isinstance(v, jcore.Var) and v in result.values and result.values[v] != d.in_specs[k]
                     and typed_spec(v.aval) is None):
-                inputs[(id(node.eqn), k)] = tuple(stages(result.values[v], d.in_specs[k], axis_size))
+                inputs[(id(node.eqn), k)] = tuple(stages(result.values[v], d.in_specs[k], axis_size, alltoall))
                 outputs[v] = result.values[v]  # pin the value where it is made, or XLA may move the cut upstream
     return Emission(outputs, inputs)

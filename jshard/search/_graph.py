@@ -316,7 +316,7 @@ class SearchGraph:
         key = (array_of(e.var), src, dst)
         found = self._moves.get(key)
         if found is None:
-            comms = redistribution(*key[0], src, dst, self.axis_size)
+            comms = redistribution(*key[0], src, dst, self.axis_size, self.cost.alltoall)
             found = self._moves[key] = sum(self.cost.time(c, self.axis_size) for c in comms)
         return e.weight * found
 
