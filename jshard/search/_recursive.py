@@ -247,20 +247,56 @@ class _Level:
 
     # -- the core: heuristic ------------------------------------------------------------------
     def _energy(self, choice: dict[int, int]) -> float:
-        total = sum(self.unary[k][c] for k, c in choice.items())
-        return total + sum(t[choice[a], choice[b]] for (a, b), t in self.tables.items())
+        """The core's energy under `choice`, summed in the order `choice` and the tables hold."""
+        units = np.fromiter(choice.keys(), int, len(choice))
+        picks = np.fromiter(choice.values(), int, len(choice))
+        total = sum(self._flat[self._offset[units] + picks].tolist())
+        self._picked[units] = picks
+        a, b, offset, width = self._ends
+        return total + sum(self._flat_tables[offset + self._picked[a] * width + self._picked[b]].tolist())
 
-    def _local(self, k: int, choice: dict[int, int], without: int = -1) -> np.ndarray:
-        cost = self.unary[k]
-        for j, t in self.around[k]:
-            if j != without and j in choice:
-                cost = cost + t[:, choice[j]]
-        return cost
+    def _local(self, k: int, choice: dict[int, int]) -> tuple:
+        """The key of unit `k`'s own cost per candidate against its neighbours decided in `choice`
+        (`self._locals[key]`: the costs and the cheapest candidate). Units of one class (the same
+        costs and tables: one operator of identical layers) with the same neighbours' picks share
+        one entry, so identical layers are weighed once."""
+        key = (self._class[k], tuple([choice.get(j, -1) for j in self._ids[k]]))
+        if key not in self._locals:
+            cost = self.unary[k]
+            for j, t in self.around[k]:
+                if j in choice:
+                    cost = cost + t[:, choice[j]]
+            self._locals[key] = (cost, int(cost.argmin()))
+        return key
+
+    def _prepare_core(self, core: list[int]) -> None:
+        """The core's neighbourhoods, each unit's class (its own costs and tables, as bytes) and
+        the flat arrays `_energy` reads."""
+        self.around = {k: [(j, self._table(k, j)) for j in sorted(self.nbrs[k])] for k in core}
+        self._ids = {k: tuple(j for j, _ in around) for k, around in self.around.items()}
+        classes: dict[tuple, int] = {}
+        self._class = {k: classes.setdefault(
+            (self.unary[k].tobytes(), tuple((t.shape, t.tobytes()) for _, t in self.around[k])), len(classes))
+            for k in core}
+        kinds: dict[tuple, int] = {}
+        self._table_class = [kinds.setdefault((t.shape, t.tobytes()), len(kinds)) for t in self.tables.values()]
+        self._locals: dict[tuple, tuple[np.ndarray, int]] = {}
+        self._pairs: dict[tuple, tuple[int, int] | None] = {}
+        n = len(self.cands)
+        self._offset = np.zeros(n, int)
+        self._offset[core] = np.cumsum([0] + [len(self.unary[k]) for k in core[:-1]])
+        self._flat = np.concatenate([self.unary[k] for k in core])
+        tables = list(self.tables.values())
+        sizes = [t.size for t in tables]
+        self._flat_tables = np.concatenate([t.ravel() for t in tables]) if tables else np.zeros(0)
+        self._ends = (np.array([a for a, _ in self.tables], int), np.array([b for _, b in self.tables], int),
+                      np.cumsum([0] + sizes[:-1]).astype(int), np.array([t.shape[1] for t in tables], int))
+        self._picked = np.zeros(n, int)
 
     def _search_core(self, core: list[int]) -> dict[int, int]:
         if not core:
             return {}
-        self.around = {k: [(j, self._table(k, j)) for j in sorted(self.nbrs[k])] for k in core}
+        self._prepare_core(core)
         weight = self.search.weight
         heaviest = max(weight(k)[0] for k in core)
         roots = [k for k in sorted(core, key=weight, reverse=True) if weight(k)[0] >= _HEAVY * heaviest][:_ROOTS]
@@ -292,7 +328,7 @@ class _Level:
         choice = dict(pinned)
         for k in core:
             if k not in choice:
-                choice[k] = int(self._local(k, choice).argmin())
+                choice[k] = self._locals[self._local(k, choice)][1]
         return choice
 
     def _improve(self, core: list[int], choice: dict[int, int], keep: set[int], pairs: bool) -> None:
@@ -305,8 +341,7 @@ class _Level:
             while dirty:
                 k = dirty.pop()
                 queued.discard(k)
-                cost = self._local(k, choice)
-                c = int(cost.argmin())
+                cost, c = self._locals[self._local(k, choice)]
                 if cost[c] < cost[choice[k]]:
                     choice[k] = c
                     for j, _ in self.around[k]:
@@ -316,15 +351,25 @@ class _Level:
             if not pairs:
                 return
             local = {k: self._local(k, choice) for k in core}  # each against all its neighbours
-            for (a, b), t in self.tables.items():
+            for n, ((a, b), t) in enumerate(self.tables.items()):
                 if a in keep or b in keep:
                     continue
-                joint = (local[a] - t[:, choice[b]])[:, None] + (local[b] - t[choice[a], :])[None, :] + t
-                ca, cb = np.unravel_index(int(joint.argmin()), joint.shape)
-                if joint[ca, cb] < joint[choice[a], choice[b]]:
-                    choice[a], choice[b] = int(ca), int(cb)
+                move = self._pair(n, t, local[a], local[b], choice[a], choice[b])
+                if move is not None:
+                    choice[a], choice[b] = move
                     moved = {j for j, _ in self.around[a] + self.around[b]} | {a, b}
                     local.update((j, self._local(j, choice)) for j in moved)
                     dirty += [j for j in moved if j not in keep]
             if not dirty:
                 return
+
+    def _pair(self, n: int, t: np.ndarray, local_a: tuple, local_b: tuple, a: int, b: int) -> tuple[int, int] | None:
+        """The best joint move of table `n`'s two units (costs `local_a`, `local_b` against all
+        their neighbours, picks `a`, `b`), or None where none lowers the energy; once per class."""
+        key = (self._table_class[n], local_a, local_b, a, b)
+        if key not in self._pairs:
+            la, lb = self._locals[local_a][0], self._locals[local_b][0]
+            joint = (la - t[:, b])[:, None] + (lb - t[a, :])[None, :] + t
+            ca, cb = np.unravel_index(int(joint.argmin()), joint.shape)
+            self._pairs[key] = (int(ca), int(cb)) if joint[ca, cb] < joint[a, b] else None
+        return self._pairs[key]
