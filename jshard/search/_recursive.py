@@ -23,12 +23,16 @@ plan fits, else the least λ found by growing and bisection whose plan fits, whi
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Sequence
 
 import numpy as np
 
 from jshard.cost import array_of, value_bytes
 from jshard.search._graph import TIE, Assignment, Group, Infeasible, SearchGraph, Solved
+
+_log = logging.getLogger("jshard.search")
+"""Progress: one INFO record per level of each run (`jshard plan` shows them on a terminal)."""
 
 _GROWTHS = 24
 _BISECTIONS = 6
@@ -42,7 +46,7 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solv
     choice, seconds = search.run(0.0)
     peak, t = g.peak(choice)
     if budget is None or peak <= budget:
-        return Solved(choice, seconds, peak, "fits" if budget else "no budget")
+        return search.solved(choice, seconds, peak, "fits" if budget else "no budget")
     search.keep(t)
     low, high, best = 0.0, max(seconds, 1e-9) / peak, None  # λ's scale: the plan's seconds per byte
     growths = 0
@@ -65,7 +69,7 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solv
         else:
             low = mid
     choice, seconds, peak = best
-    return Solved(choice, seconds, peak, f"memory weight {high:.3g} s/byte to fit the budget")
+    return search.solved(choice, seconds, peak, f"memory weight {high:.3g} s/byte to fit the budget")
 
 
 class _Recursive:
@@ -77,6 +81,11 @@ class _Recursive:
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at a peak
         self._kept_values: set = set()
         self.keep(int(replicated.argmax()))
+        self.runs = 0
+        self.unit_classes = self.evaluations = 0  # summed over levels and runs (`SearchReport`)
+
+    def solved(self, choice: list[Assignment], seconds: float, peak: float, status: str) -> Solved:
+        return Solved(choice, seconds, peak, status, self.unit_classes, self.evaluations)
 
     def keep(self, t: int) -> bool:
         """Weighs (with λ) the values held at program point `t` too; whether any was new."""
@@ -88,14 +97,20 @@ class _Recursive:
         return bool(new)
 
     def run(self, lam: float) -> tuple[list[Assignment], float]:
+        self.runs += 1
         base: list[Assignment] = [{} for _ in self.g.units]
-        for group in self.levels:
+        for n, group in enumerate(self.levels):
+            weighing = f", memory weight {lam:.3g} s/byte (run {self.runs})" if lam else ""
+            _log.info("searching: level %d of %d (mesh axes %s), %d units%s", n + 1, len(self.levels),
+                      "·".join(group), len(self.g.units), weighing)
             base = self._level(group, base, lam)
         return base, self._total(dict(enumerate(base)), 0.0)
 
     def _level(self, group: Group, base: list[Assignment], lam: float) -> list[Assignment]:
         level = _Level(self, group, base, lam)
         picks = level.solve()
+        self.unit_classes += level.classes
+        self.evaluations += level.evaluations
         return [level.cands[k][picks[k]] for k in range(len(self.g.units))]
 
     def _kept(self, k, a) -> float:
@@ -169,6 +184,7 @@ class _Level:
                 self._add(u, v, table)
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
+        self.classes = self.evaluations = 0  # the core's distinct units and their cost evaluations
 
     def _unary(self, k: int, kind: tuple, lam: float) -> np.ndarray:
         """Unit `k`'s own seconds and λ·bytes it keeps at the peak, under each candidate."""
@@ -255,19 +271,20 @@ class _Level:
         a, b, offset, width = self._ends
         return total + sum(self._flat_tables[offset + self._picked[a] * width + self._picked[b]].tolist())
 
-    def _local(self, k: int, choice: dict[int, int]) -> tuple:
-        """The key of unit `k`'s own cost per candidate against its neighbours decided in `choice`
-        (`self._locals[key]`: the costs and the cheapest candidate). Units of one class (the same
-        costs and tables: one operator of identical layers) with the same neighbours' picks share
-        one entry, so identical layers are weighed once."""
-        key = (self._class[k], tuple([choice.get(j, -1) for j in self._ids[k]]))
-        if key not in self._locals:
+    def _local(self, k: int, choice: dict[int, int]) -> tuple[np.ndarray, int, tuple]:
+        """Unit `k`'s own cost per candidate against its neighbours decided in `choice`, and its
+        cheapest candidate. Units of one class (the same costs and tables: one operator of
+        identical layers) with the same neighbours' picks share one entry of `_locals`, so
+        identical layers are weighed once."""
+        key = (self._class[k], tuple(map(choice.get, self._ids[k])))  # None: not decided yet
+        found = self._locals.get(key)
+        if found is None:
             cost = self.unary[k]
             for j, t in self.around[k]:
                 if j in choice:
                     cost = cost + t[:, choice[j]]
-            self._locals[key] = (cost, int(cost.argmin()))
-        return key
+            found = self._locals[key] = (cost, int(cost.argmin()), key)
+        return found
 
     def _prepare_core(self, core: list[int]) -> None:
         """The core's neighbourhoods, each unit's class (its own costs and tables, as bytes) and
@@ -280,7 +297,7 @@ class _Level:
             for k in core}
         kinds: dict[tuple, int] = {}
         self._table_class = [kinds.setdefault((t.shape, t.tobytes()), len(kinds)) for t in self.tables.values()]
-        self._locals: dict[tuple, tuple[np.ndarray, int]] = {}
+        self._locals: dict[tuple, tuple[np.ndarray, int, tuple]] = {}
         self._pairs: dict[tuple, tuple[int, int] | None] = {}
         n = len(self.cands)
         self._offset = np.zeros(n, int)
@@ -297,6 +314,7 @@ class _Level:
         if not core:
             return {}
         self._prepare_core(core)
+        self.classes = len(set(self._class.values()))
         weight = self.search.weight
         heaviest = max(weight(k)[0] for k in core)
         roots = [k for k in sorted(core, key=weight, reverse=True) if weight(k)[0] >= _HEAVY * heaviest][:_ROOTS]
@@ -320,6 +338,7 @@ class _Level:
             total = self._energy(choice)
             if total < best[0]:
                 best = (total, choice)
+        self.evaluations = len(self._locals) + len(self._pairs)
         return best[1]
 
     def _spread(self, core: list[int], pinned: dict[int, int]) -> dict[int, int]:
@@ -328,7 +347,7 @@ class _Level:
         choice = dict(pinned)
         for k in core:
             if k not in choice:
-                choice[k] = self._locals[self._local(k, choice)][1]
+                choice[k] = self._local(k, choice)[1]
         return choice
 
     def _improve(self, core: list[int], choice: dict[int, int], keep: set[int], pairs: bool) -> None:
@@ -341,7 +360,7 @@ class _Level:
             while dirty:
                 k = dirty.pop()
                 queued.discard(k)
-                cost, c = self._locals[self._local(k, choice)]
+                cost, c, _ = self._local(k, choice)
                 if cost[c] < cost[choice[k]]:
                     choice[k] = c
                     for j, _ in self.around[k]:
@@ -364,11 +383,12 @@ class _Level:
                 return
 
     def _pair(self, n: int, t: np.ndarray, local_a: tuple, local_b: tuple, a: int, b: int) -> tuple[int, int] | None:
-        """The best joint move of table `n`'s two units (costs `local_a`, `local_b` against all
-        their neighbours, picks `a`, `b`), or None where none lowers the energy; once per class."""
-        key = (self._table_class[n], local_a, local_b, a, b)
+        """The best joint move of table `n`'s two units (their `_local` entries `local_a`, `local_b`
+        against all their neighbours, picks `a`, `b`), or None where none lowers the energy; once
+        per class."""
+        key = (self._table_class[n], local_a[2], local_b[2], a, b)
         if key not in self._pairs:
-            la, lb = self._locals[local_a][0], self._locals[local_b][0]
+            la, lb = local_a[0], local_b[0]
             joint = (la - t[:, b])[:, None] + (lb - t[a, :])[None, :] + t
             ca, cb = np.unravel_index(int(joint.argmin()), joint.shape)
             self._pairs[key] = (int(ca), int(cb)) if joint[ca, cb] < joint[a, b] else None

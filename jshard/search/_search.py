@@ -77,6 +77,12 @@ class SearchReport:
       budget_from: where the budget came from: `"memory_budget"`, or the device whose memory it is
         (`parallelize` without `memory_budget`).
       recompute: with `jshard.recompute(policy="auto")` regions, each policy weighed (`Weighed`).
+      unit_classes: the recursive search's distinct units of the heuristic core, summed over its
+        levels and runs: units of identical layers (the same costs and redistribution tables) are
+        one class, so it does not grow with an unrolled loop's depth. None for the ILP.
+      evaluations: the recursive search's cost evaluations in the core (a unit's cost per candidate
+        against its neighbours' picks, a pair's joint move), each computed once per class and picks,
+        summed over its levels and runs; does not grow with an unrolled loop's depth. None for the ILP.
     """
 
     search: str
@@ -91,13 +97,17 @@ class SearchReport:
     compiled_peak_bytes: float | None = None
     budget_from: str = "memory_budget"
     recompute: tuple[Weighed, ...] = ()
+    unit_classes: int | None = None
+    evaluations: int | None = None
 
     def line(self) -> str:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
         if self.budget is not None and self.budget_from != "memory_budget":
             budget += f" ({self.budget_from})"
+        weighed = "" if self.unit_classes is None else (
+            f" ({self.unit_classes} unit classes, {self.evaluations} cost evaluations)")
         return (f"search={self.search} over mesh {self.mesh}: {self.status}; {self.units} decisions among "
-                f"{self.candidates} candidates in {self.planning_seconds:.2f} s; predicted "
+                f"{self.candidates} candidates{weighed} in {self.planning_seconds:.2f} s; predicted "
                 f"{self.seconds * 1e6:.6g} us per call; estimated peak {human_bytes(self.peak_bytes)} per device, {budget}" + (
                     "" if self.compiled_peak_bytes is None else f"; compiled {human_bytes(self.compiled_peak_bytes)}") + (
                     "" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute)))
@@ -166,7 +176,8 @@ def search(
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
     result = assemble(g, choice)
     report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
-                          candidates, time.perf_counter() - start)
+                          candidates, time.perf_counter() - start, unit_classes=solved.unit_classes,
+                          evaluations=solved.evaluations)
     return result, report
 
 
