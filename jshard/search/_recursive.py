@@ -79,6 +79,8 @@ class _Recursive:
         self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at a peak
+        self.kept_bytes: dict[int, tuple] = {}  # unit -> (operand position, bytes) of the above: what its unary reads
+        self.edge_values = [(array_of(e.var), e.weight) for e in g.edges]  # what an edge's table reads of it
         self._kept_values: set = set()
         self.keep(int(replicated.argmax()))
         self.runs = 0
@@ -93,6 +95,7 @@ class _Recursive:
         for v in new:
             k, pos = self.g.makers[v]
             self.kept[k].append((pos, v))
+            self.kept_bytes[k] = tuple((p, value_bytes(x)) for p, x in self.kept[k])
             self._kept_values.add(v)
         return bool(new)
 
@@ -155,15 +158,17 @@ class _Level:
     def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float):
         g = self.g = search.g
         self.search = search
-        self.cands = [g.candidates(k, [group], base[k]) for k in range(len(g.units))]
-        # Units of one structure on one base (identical layers) share their costs and tables.
+        # Units of one structure on one base (identical layers) share their candidates, costs and tables.
         kinds = [(g.shape_of_unit[k], tuple(sorted(base[k].items()))) for k in range(len(g.units))]
-        self._own: dict[tuple, np.ndarray] = {}  # unit kind -> its seconds under each candidate
+        cands: dict[tuple, list[Assignment]] = {}
+        self.cands = [cands[kind] if kind in cands else cands.setdefault(kind, g.candidates(k, [group], base[k]))
+                      for k, kind in enumerate(kinds)]
+        self._own: dict[tuple, np.ndarray] = {}  # unit kind (and the bytes it keeps) -> its unary
         self.unary = [self._unary(k, kinds[k], lam) for k in range(len(g.units))]
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
         specs: dict[tuple, list] = {}  # (unit kind, operand) -> its layout under each candidate
-        moves: dict[tuple, np.ndarray] = {}  # (value, weight, both ends' kinds) -> the edge's table
+        moves: dict[tuple, np.ndarray] = {}  # ((value, weight), both ends' kinds) -> the edge's table
 
         def laid(end: tuple[int, int]) -> tuple:
             key = (kinds[end[0]], end[1])
@@ -171,12 +176,12 @@ class _Level:
                 specs[key] = [g.spec(end[0], end[1], a) for a in self.cands[end[0]]]
             return key
 
-        for e in g.edges:
+        for e, value in zip(g.edges, search.edge_values):
             u, v = e.src[0], e.dst[0]
-            key = (array_of(e.var), e.weight, laid(e.src), laid(e.dst))
+            key = (value, laid(e.src), laid(e.dst))
             table = moves.get(key)
             if table is None:
-                mine, theirs = specs[key[2]], specs[key[3]]
+                mine, theirs = specs[key[1]], specs[key[2]]
                 table = moves[key] = np.array([[g.edge_seconds(e, x, y) for y in theirs] for x in mine])
             if u == v:
                 self.unary[u] = self.unary[u] + np.diag(table)
@@ -189,12 +194,15 @@ class _Level:
     def _unary(self, k: int, kind: tuple, lam: float) -> np.ndarray:
         """Unit `k`'s own seconds and λ·bytes it keeps at the peak, under each candidate."""
         search, cands = self.search, self.cands[k]
-        if k in search.kept:
-            w = max(lam, TIE)
-            return np.array([self.g.unit_seconds(k, a) + w * search._kept(k, a) for a in cands])
-        found = self._own.get(kind)
+        kept = search.kept_bytes.get(k)
+        found = self._own.get((kind, kept))
         if found is None:
-            found = self._own[kind] = np.array([self.g.unit_seconds(k, a) + 0.0 for a in cands])
+            if kept is None:
+                found = np.array([self.g.unit_seconds(k, a) + 0.0 for a in cands])
+            else:
+                w = max(lam, TIE)
+                found = np.array([self.g.unit_seconds(k, a) + w * search._kept(k, a) for a in cands])
+            self._own[(kind, kept)] = found
         return found
 
     def _add(self, a: int, b: int, table: np.ndarray) -> None:
