@@ -279,9 +279,9 @@ class _Level:
         a, b, offset, width = self._ends
         return total + sum(self._flat_tables[offset + self._picked[a] * width + self._picked[b]].tolist())
 
-    def _local(self, k: int, choice: dict[int, int]) -> tuple[np.ndarray, int, tuple]:
-        """Unit `k`'s own cost per candidate against its neighbours decided in `choice`, and its
-        cheapest candidate. Units of one class (the same costs and tables: one operator of
+    def _local(self, k: int, choice: dict[int, int]) -> tuple[np.ndarray, int, tuple, tuple[bool, ...]]:
+        """Unit `k`'s own cost per candidate against its neighbours decided in `choice`, its
+        cheapest candidate, the entry's key and, per candidate, whether the cheapest costs less. Units of one class (the same costs and tables: one operator of
         identical layers) with the same neighbours' picks share one entry of `_locals`, so
         identical layers are weighed once."""
         key = (self._class[k], tuple(map(choice.get, self._ids[k])))  # None: not decided yet
@@ -291,7 +291,8 @@ class _Level:
             for j, t in self.around[k]:
                 if j in choice:
                     cost = cost + t[:, choice[j]]
-            found = self._locals[key] = (cost, int(cost.argmin()), key)
+            c = int(cost.argmin())
+            found = self._locals[key] = (cost, c, key, tuple(bool(cost[c] < x) for x in cost))
         return found
 
     def _prepare_core(self, core: list[int]) -> None:
@@ -363,15 +364,16 @@ class _Level:
         with `pairs`, moves of two neighbours at once; again while those find any (a few rounds).
         A worklist revisits only the neighbours of a unit that moved."""
         dirty = [k for k in core if k not in keep]
+        known, classes, ids, picked = self._locals, self._class, self._ids, choice.get
         for _ in range(_PASSES):
             queued = set(dirty)
             while dirty:
                 k = dirty.pop()
                 queued.discard(k)
-                cost, c, _ = self._local(k, choice)
-                if cost[c] < cost[choice[k]]:
-                    choice[k] = c
-                    for j, _ in self.around[k]:
+                found = known.get((classes[k], tuple(map(picked, ids[k])))) or self._local(k, choice)  # `_local`, inlined
+                if found[3][choice[k]]:
+                    choice[k] = found[1]
+                    for j in ids[k]:
                         if j not in queued and j not in keep:
                             queued.add(j)
                             dirty.append(j)
