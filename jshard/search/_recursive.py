@@ -237,6 +237,7 @@ class _Level:
 
     def _eliminate(self) -> list[int]:
         gone: set[int] = set()
+        self._folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         for k, cands in enumerate(self.cands):
             if len(cands) == 1:  # nothing to decide: its tables become its neighbours' own costs
                 for j in list(self.nbrs[k]):
@@ -254,20 +255,34 @@ class _Level:
                 self.picks[k] = int(self.unary[k].argmin())
             elif len(nbrs) == 1:
                 (j,) = nbrs
-                m = self.unary[k][:, None] + self._table(k, j)
-                self.unary[j] = self.unary[j] + m.min(0)
-                self.records.append((k, "one", j, m.argmin(0)))
+                least, best = self._fold(k, self._table(k, j))
+                self.unary[j] = self.unary[j] + least
+                self.records.append((k, "one", j, best))
                 self._drop(k, j)
             else:
                 a, b = nbrs
-                m = self.unary[k][:, None, None] + self._table(k, a)[:, :, None] + self._table(k, b)[:, None, :]
-                self.records.append((k, "two", a, b, m.argmin(0)))
+                least, best = self._fold(k, self._table(k, a), self._table(k, b))
+                self.records.append((k, "two", a, b, best))
                 self._drop(k, a)
                 self._drop(k, b)
-                self._add(a, b, m.min(0))
+                self._add(a, b, least)
             gone.add(k)
             queue.extend(nbrs)
         return [k for k in range(len(self.cands)) if k not in gone]
+
+    def _fold(self, k: int, *tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Unit `k` eliminated between one or two neighbours (`tables`, `[c_k, c_neighbour]`): its
+        least cost and best candidate per neighbour pick (a table between two neighbours); once per
+        class of inputs (the same operator of identical layers folds the same arrays)."""
+        key = (self.unary[k].tobytes(), *((t.shape, t.tobytes()) for t in tables))
+        found = self._folds.get(key)
+        if found is None:
+            if len(tables) == 1:
+                m = self.unary[k][:, None] + tables[0]
+            else:
+                m = self.unary[k][:, None, None] + tables[0][:, :, None] + tables[1][:, None, :]
+            found = self._folds[key] = (m.min(0), m.argmin(0))
+        return found
 
     # -- the core: heuristic ------------------------------------------------------------------
     def _energy(self, choice: dict[int, int]) -> float:
