@@ -12,7 +12,11 @@ step's weight) are weighed as one decision. The core that remains is searched he
 axis left unused, then each of the heaviest units pinned to each of its candidates with the rest
 decided in program order, improved by single moves, the best per pinned unit polished with moves of
 two neighbours at once; the eliminated units then take their best answers. Each level is linear in
-the graph's size, so a search is linear in operators × log(devices).
+the graph's size, so a search is linear in operators × log(devices). Identical units (one operator
+of identical layers of an unrolled loop) are weighed once, as a scanned body is: they share their
+candidates, costs and tables, an eliminated unit's fold, and the core's cost evaluations (a unit's
+cost against its neighbours' picks, a pair's joint move), keyed by the arrays' bytes, so the choice
+is the one weighing each unit alone gives.
 
 A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
 plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
