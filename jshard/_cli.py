@@ -16,6 +16,8 @@ import contextlib
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from typing import TextIO
 
 PRESET_HELP = "data: batch cut over all devices; tensor: Megatron weights cut over all devices; 2d: 2-way data x n/2-way tensor"
 
@@ -323,7 +325,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        with _progress(sys.stderr, quiet=args.quiet):
+        with search_progress(sys.stderr, quiet=args.quiet):
             plan = jshard.parallelize(example.fn, **options).plan(*example.args)
     except jshard.ShardingError as e:
         print(f"jshard plan: no plan ({time.perf_counter() - t0:.1f} s): {e}", file=sys.stderr)
@@ -379,7 +381,7 @@ class _ProgressLine(logging.Handler):
 
 
 @contextlib.contextmanager
-def _progress(stream, quiet: bool):
+def search_progress(stream: TextIO, quiet: bool) -> Iterator[None]:
     """Shows the strategy search's progress on `stream` while planning, where it is a terminal and
     not `quiet`; the line is erased at the end."""
     if quiet or not stream.isatty():

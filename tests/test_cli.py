@@ -14,7 +14,7 @@ import pytest
 
 import jshard as js
 from jshard import models
-from jshard._cli import main
+from jshard._cli import main, search_progress
 from jshard._examples import MODEL_NAMES, build, moe_shapes, resnet_shapes
 
 
@@ -86,11 +86,9 @@ def test_plan_shows_the_search_progress_on_a_terminal(monkeypatch):
 
 @pytest.mark.parametrize("quiet", [False, True], ids=["shown", "quiet"])
 def test_plan_progress_only_on_a_terminal_and_not_quiet(quiet):
-    from jshard._cli import _progress
-
     streams = {"terminal": _Terminal(), "file": io.StringIO()}
     for stream in streams.values():
-        with _progress(stream, quiet=quiet):
+        with search_progress(stream, quiet=quiet):
             logging.getLogger("jshard.search").info("searching: level 1 of 1")
     assert streams["file"].getvalue() == ""
     assert streams["terminal"].getvalue() == ("" if quiet else "\rsearching: level 1 of 1\x1b[K\r\x1b[K")
