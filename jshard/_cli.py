@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 import time
+from collections.abc import Iterator
+from typing import TextIO
 
 PRESET_HELP = "data: batch cut over all devices; tensor: Megatron weights cut over all devices; 2d: 2-way data x n/2-way tensor"
 
@@ -121,6 +124,8 @@ def _plan_parser(sub) -> None:
                            "--no-enable-alltoall prices and emits them as all-gathers and slices")
     plan.add_argument("--time-limit", metavar="S", type=float, default=None,
                       help="seconds the ILP search may take (default 60)")
+    plan.add_argument("--quiet", action="store_true",
+                      help="no progress line on stderr while the search runs (shown only on a terminal)")
     plan.add_argument("--save", metavar="PATH", default=None, help="write the plan as JSON (Plan.save)")
     plan.add_argument("--explain", metavar="K", type=int, default=0,
                       help="explain the K operators with the highest predicted collective cost")
@@ -325,7 +330,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        plan = jshard.parallelize(example.fn, **options).plan(*example.args)
+        with search_progress(sys.stderr, quiet=args.quiet):
+            plan = jshard.parallelize(example.fn, **options).plan(*example.args)
     except jshard.ShardingError as e:
         print(f"jshard plan: no plan ({time.perf_counter() - t0:.1f} s): {e}", file=sys.stderr)
         return 1
@@ -365,6 +371,38 @@ def _plan(args: argparse.Namespace) -> int:
             return 1
         print(f"saved the plan to {args.save} (reuse: jshard.parallelize(fn, plan=jshard.Plan.load(path)))")
     return 0
+
+
+class _ProgressLine(logging.Handler):
+    """The search's progress records (`jshard.search`, INFO) as one line rewritten in place."""
+
+    def __init__(self, stream):
+        super().__init__(logging.INFO)
+        self.stream = stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream.write(f"\r{record.getMessage()}\x1b[K")
+        self.stream.flush()
+
+
+@contextlib.contextmanager
+def search_progress(stream: TextIO, quiet: bool) -> Iterator[None]:
+    """Shows the strategy search's progress on `stream` while planning, where it is a terminal and
+    not `quiet`; the line is erased at the end."""
+    if quiet or not stream.isatty():
+        yield
+        return
+    logger, handler = logging.getLogger("jshard.search"), _ProgressLine(stream)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        stream.write("\r\x1b[K")
+        stream.flush()
 
 
 if __name__ == "__main__":  # pragma: no cover

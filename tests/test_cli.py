@@ -1,5 +1,7 @@
 """`jshard demo` and `jshard plan`, run in-process on the suite's 8 simulated devices."""
 
+import io
+import logging
 import os
 import pathlib
 import re
@@ -12,7 +14,7 @@ import pytest
 
 import jshard as js
 from jshard import models
-from jshard._cli import main
+from jshard._cli import main, search_progress
 from jshard._examples import MODEL_NAMES, build, moe_shapes, resnet_shapes
 
 
@@ -64,6 +66,32 @@ def test_plan_gpt_with_the_recursive_search(capsys, tmp_path):
     assert "predicted collectives per device per call:" in out
     assert "chosen by the strategy search" in out  # --explain 1
     assert js.Plan.load(str(path)).device_count == 8
+    assert "searching" not in capsys.readouterr().err  # stderr is not a terminal: no progress line
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_plan_shows_the_search_progress_on_a_terminal(monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["plan", "gpt", "--devices", "8", *SMALL_GPT]) == 0
+    lines = terminal.getvalue().split("\r")
+    shown = [re.fullmatch(r"searching: level (\d) of 3 \(mesh axes (d\d)\), \d+ units\x1b\[K", line) for line in lines[1:-1]]
+    assert [m.groups() for m in shown] == [("1", "d0"), ("2", "d1"), ("3", "d2")]  # one line per level, in place
+    assert lines[0] == "" and lines[-1] == "\x1b[K"  # ... erased once planned
+
+
+@pytest.mark.parametrize("quiet", [False, True], ids=["shown", "quiet"])
+def test_plan_progress_only_on_a_terminal_and_not_quiet(quiet):
+    streams = {"terminal": _Terminal(), "file": io.StringIO()}
+    for stream in streams.values():
+        with search_progress(stream, quiet=quiet):
+            logging.getLogger("jshard.search").info("searching: level 1 of 1")
+    assert streams["file"].getvalue() == ""
+    assert streams["terminal"].getvalue() == ("" if quiet else "\rsearching: level 1 of 1\x1b[K\r\x1b[K")
 
 
 def test_plan_a_user_function_by_module_name(capsys, monkeypatch):

@@ -9,6 +9,7 @@ import pytest
 
 import jshard as js
 import jshard.search._graph as search_graph
+import jshard.search._recursive as recursive
 from jshard import models
 
 
@@ -46,3 +47,29 @@ def test_identical_layers_reuse_the_search_work(layouts_computed):
     assert plan4.search.units > 1.7 * plan2.search.units  # twice the layers: about twice the decisions
     assert two > 0 and four <= 1.05 * two  # ... but no new layouts to derive: the new layers repeat the old
 
+
+
+def test_identical_layers_are_weighed_once(layouts_computed):
+    """The core heuristic weighs a class of identical units once: its distinct units and cost
+    evaluations stay flat while the decisions double (deterministic figures, not wall time)."""
+    plan2, plan4 = layouts_computed[2][1].search, layouts_computed[4][1].search
+    assert plan4.units > 1.7 * plan2.units
+    assert plan4.unit_classes == plan2.unit_classes > 0
+    assert 0 < plan4.evaluations <= plan2.evaluations
+    assert f"({plan4.unit_classes} unit classes, {plan4.evaluations} cost evaluations)" in plan4.line()
+
+
+def test_weighing_a_class_once_picks_what_weighing_each_unit_picks(layouts_computed, monkeypatch):
+    """The same plan with every core unit its own class (nothing shared between identical layers)."""
+    original = recursive._Level._prepare_core
+
+    def unshared(level, core):
+        original(level, core)
+        level._class = {k: n for n, k in enumerate(core)}
+        level._table_class = list(range(len(level.tables)))
+
+    monkeypatch.setattr(recursive._Level, "_prepare_core", unshared)
+    alone = _plan(2)
+    shared = layouts_computed[2][1]
+    assert alone.search.unit_classes > shared.search.unit_classes
+    assert alone.ops == shared.ops and alone.in_specs == shared.in_specs and alone.out_specs == shared.out_specs

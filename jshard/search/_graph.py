@@ -51,12 +51,15 @@ searches take the one that holds less."""
 @dataclasses.dataclass(frozen=True)
 class Solved:
     """A search's answer: a choice per unit, its predicted seconds per call, its estimated per-device
-    peak and how the search ended."""
+    peak and how the search ended; the recursive search's work (`SearchReport.unit_classes`,
+    `SearchReport.evaluations`), None for the ILP."""
 
     choice: list[Assignment]
     seconds: float
     peak: float
     status: str
+    unit_classes: int | None = None
+    evaluations: int | None = None
 
 
 class Infeasible(Exception):

@@ -12,7 +12,11 @@ step's weight) are weighed as one decision. The core that remains is searched he
 axis left unused, then each of the heaviest units pinned to each of its candidates with the rest
 decided in program order, improved by single moves, the best per pinned unit polished with moves of
 two neighbours at once; the eliminated units then take their best answers. Each level is linear in
-the graph's size, so a search is linear in operators × log(devices).
+the graph's size, so a search is linear in operators × log(devices). Identical units (one operator
+of identical layers of an unrolled loop) are weighed once, as a scanned body is: they share their
+candidates, costs and tables, an eliminated unit's fold, and the core's cost evaluations (a unit's
+cost against its neighbours' picks, a pair's joint move), keyed by the arrays' bytes, so the choice
+is the one weighing each unit alone gives.
 
 A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
 plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
@@ -23,12 +27,16 @@ plan fits, else the least λ found by growing and bisection whose plan fits, whi
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Sequence
 
 import numpy as np
 
 from jshard.cost import array_of, value_bytes
 from jshard.search._graph import TIE, Assignment, Group, Infeasible, SearchGraph, Solved
+
+_log = logging.getLogger("jshard.search")
+"""Progress: one INFO record per level of each run (`jshard plan` shows them on a terminal)."""
 
 _GROWTHS = 24
 _BISECTIONS = 6
@@ -42,7 +50,7 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solv
     choice, seconds = search.run(0.0)
     peak, t = g.peak(choice)
     if budget is None or peak <= budget:
-        return Solved(choice, seconds, peak, "fits" if budget else "no budget")
+        return search.solved(choice, seconds, peak, "fits" if budget else "no budget")
     search.keep(t)
     low, high, best = 0.0, max(seconds, 1e-9) / peak, None  # λ's scale: the plan's seconds per byte
     growths = 0
@@ -65,7 +73,7 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solv
         else:
             low = mid
     choice, seconds, peak = best
-    return Solved(choice, seconds, peak, f"memory weight {high:.3g} s/byte to fit the budget")
+    return search.solved(choice, seconds, peak, f"memory weight {high:.3g} s/byte to fit the budget")
 
 
 class _Recursive:
@@ -75,8 +83,15 @@ class _Recursive:
         self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at a peak
+        self.kept_bytes: dict[int, tuple] = {}  # unit -> (operand position, bytes) of the above: what its unary reads
+        self.edge_values = [(array_of(e.var), e.weight) for e in g.edges]  # what an edge's table reads of it
         self._kept_values: set = set()
         self.keep(int(replicated.argmax()))
+        self.runs = 0
+        self.unit_classes = self.evaluations = 0  # summed over levels and runs (`SearchReport`)
+
+    def solved(self, choice: list[Assignment], seconds: float, peak: float, status: str) -> Solved:
+        return Solved(choice, seconds, peak, status, self.unit_classes, self.evaluations)
 
     def keep(self, t: int) -> bool:
         """Weighs (with λ) the values held at program point `t` too; whether any was new."""
@@ -84,18 +99,25 @@ class _Recursive:
         for v in new:
             k, pos = self.g.makers[v]
             self.kept[k].append((pos, v))
+            self.kept_bytes[k] = tuple((p, value_bytes(x)) for p, x in self.kept[k])
             self._kept_values.add(v)
         return bool(new)
 
     def run(self, lam: float) -> tuple[list[Assignment], float]:
+        self.runs += 1
         base: list[Assignment] = [{} for _ in self.g.units]
-        for group in self.levels:
+        for n, group in enumerate(self.levels):
+            weighing = f", memory weight {lam:.3g} s/byte (run {self.runs})" if lam else ""
+            _log.info("searching: level %d of %d (mesh axes %s), %d units%s", n + 1, len(self.levels),
+                      "·".join(group), len(self.g.units), weighing)
             base = self._level(group, base, lam)
         return base, self._total(dict(enumerate(base)), 0.0)
 
     def _level(self, group: Group, base: list[Assignment], lam: float) -> list[Assignment]:
         level = _Level(self, group, base, lam)
         picks = level.solve()
+        self.unit_classes += level.classes
+        self.evaluations += level.evaluations
         return [level.cands[k][picks[k]] for k in range(len(self.g.units))]
 
     def _kept(self, k, a) -> float:
@@ -140,15 +162,17 @@ class _Level:
     def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float):
         g = self.g = search.g
         self.search = search
-        self.cands = [g.candidates(k, [group], base[k]) for k in range(len(g.units))]
-        # Units of one structure on one base (identical layers) share their costs and tables.
+        # Units of one structure on one base (identical layers) share their candidates, costs and tables.
         kinds = [(g.shape_of_unit[k], tuple(sorted(base[k].items()))) for k in range(len(g.units))]
-        self._own: dict[tuple, np.ndarray] = {}  # unit kind -> its seconds under each candidate
+        cands: dict[tuple, list[Assignment]] = {}
+        self.cands = [cands[kind] if kind in cands else cands.setdefault(kind, g.candidates(k, [group], base[k]))
+                      for k, kind in enumerate(kinds)]
+        self._own: dict[tuple, np.ndarray] = {}  # unit kind (and the bytes it keeps) -> its unary
         self.unary = [self._unary(k, kinds[k], lam) for k in range(len(g.units))]
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
         specs: dict[tuple, list] = {}  # (unit kind, operand) -> its layout under each candidate
-        moves: dict[tuple, np.ndarray] = {}  # (value, weight, both ends' kinds) -> the edge's table
+        moves: dict[tuple, np.ndarray] = {}  # ((value, weight), both ends' kinds) -> the edge's table
 
         def laid(end: tuple[int, int]) -> tuple:
             key = (kinds[end[0]], end[1])
@@ -156,12 +180,12 @@ class _Level:
                 specs[key] = [g.spec(end[0], end[1], a) for a in self.cands[end[0]]]
             return key
 
-        for e in g.edges:
+        for e, value in zip(g.edges, search.edge_values):
             u, v = e.src[0], e.dst[0]
-            key = (array_of(e.var), e.weight, laid(e.src), laid(e.dst))
+            key = (value, laid(e.src), laid(e.dst))
             table = moves.get(key)
             if table is None:
-                mine, theirs = specs[key[2]], specs[key[3]]
+                mine, theirs = specs[key[1]], specs[key[2]]
                 table = moves[key] = np.array([[g.edge_seconds(e, x, y) for y in theirs] for x in mine])
             if u == v:
                 self.unary[u] = self.unary[u] + np.diag(table)
@@ -169,16 +193,20 @@ class _Level:
                 self._add(u, v, table)
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
+        self.classes = self.evaluations = 0  # the core's distinct units and their cost evaluations
 
     def _unary(self, k: int, kind: tuple, lam: float) -> np.ndarray:
         """Unit `k`'s own seconds and λ·bytes it keeps at the peak, under each candidate."""
         search, cands = self.search, self.cands[k]
-        if k in search.kept:
-            w = max(lam, TIE)
-            return np.array([self.g.unit_seconds(k, a) + w * search._kept(k, a) for a in cands])
-        found = self._own.get(kind)
+        kept = search.kept_bytes.get(k)
+        found = self._own.get((kind, kept))
         if found is None:
-            found = self._own[kind] = np.array([self.g.unit_seconds(k, a) + 0.0 for a in cands])
+            if kept is None:
+                found = np.array([self.g.unit_seconds(k, a) + 0.0 for a in cands])
+            else:
+                w = max(lam, TIE)
+                found = np.array([self.g.unit_seconds(k, a) + w * search._kept(k, a) for a in cands])
+            self._own[(kind, kept)] = found
         return found
 
     def _add(self, a: int, b: int, table: np.ndarray) -> None:
@@ -213,6 +241,7 @@ class _Level:
 
     def _eliminate(self) -> list[int]:
         gone: set[int] = set()
+        self._folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         for k, cands in enumerate(self.cands):
             if len(cands) == 1:  # nothing to decide: its tables become its neighbours' own costs
                 for j in list(self.nbrs[k]):
@@ -230,37 +259,90 @@ class _Level:
                 self.picks[k] = int(self.unary[k].argmin())
             elif len(nbrs) == 1:
                 (j,) = nbrs
-                m = self.unary[k][:, None] + self._table(k, j)
-                self.unary[j] = self.unary[j] + m.min(0)
-                self.records.append((k, "one", j, m.argmin(0)))
+                least, best = self._fold(k, self._table(k, j))
+                self.unary[j] = self.unary[j] + least
+                self.records.append((k, "one", j, best))
                 self._drop(k, j)
             else:
                 a, b = nbrs
-                m = self.unary[k][:, None, None] + self._table(k, a)[:, :, None] + self._table(k, b)[:, None, :]
-                self.records.append((k, "two", a, b, m.argmin(0)))
+                least, best = self._fold(k, self._table(k, a), self._table(k, b))
+                self.records.append((k, "two", a, b, best))
                 self._drop(k, a)
                 self._drop(k, b)
-                self._add(a, b, m.min(0))
+                self._add(a, b, least)
             gone.add(k)
             queue.extend(nbrs)
         return [k for k in range(len(self.cands)) if k not in gone]
 
+    def _fold(self, k: int, *tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Unit `k` eliminated between one or two neighbours (`tables`, `[c_k, c_neighbour]`): its
+        least cost and best candidate per neighbour pick (a table between two neighbours); once per
+        class of inputs (the same operator of identical layers folds the same arrays)."""
+        key = (self.unary[k].tobytes(), *((t.shape, t.tobytes()) for t in tables))
+        found = self._folds.get(key)
+        if found is None:
+            if len(tables) == 1:
+                m = self.unary[k][:, None] + tables[0]
+            else:
+                m = self.unary[k][:, None, None] + tables[0][:, :, None] + tables[1][:, None, :]
+            found = self._folds[key] = (m.min(0), m.argmin(0))
+        return found
+
     # -- the core: heuristic ------------------------------------------------------------------
     def _energy(self, choice: dict[int, int]) -> float:
-        total = sum(self.unary[k][c] for k, c in choice.items())
-        return total + sum(t[choice[a], choice[b]] for (a, b), t in self.tables.items())
+        """The core's energy under `choice`, summed in the order `choice` and the tables hold."""
+        units = np.fromiter(choice.keys(), int, len(choice))
+        picks = np.fromiter(choice.values(), int, len(choice))
+        total = sum(self._flat[self._offset[units] + picks].tolist())
+        self._picked[units] = picks
+        a, b, offset, width = self._ends
+        return total + sum(self._flat_tables[offset + self._picked[a] * width + self._picked[b]].tolist())
 
-    def _local(self, k: int, choice: dict[int, int], without: int = -1) -> np.ndarray:
-        cost = self.unary[k]
-        for j, t in self.around[k]:
-            if j != without and j in choice:
-                cost = cost + t[:, choice[j]]
-        return cost
+    def _local(self, k: int, choice: dict[int, int]) -> tuple[np.ndarray, int, tuple, tuple[bool, ...]]:
+        """Unit `k`'s own cost per candidate against its neighbours decided in `choice`, its
+        cheapest candidate, the entry's key and, per candidate, whether the cheapest costs less. Units of one class (the same costs and tables: one operator of
+        identical layers) with the same neighbours' picks share one entry of `_locals`, so
+        identical layers are weighed once."""
+        key = (self._class[k], tuple(map(choice.get, self._ids[k])))  # None: not decided yet
+        found = self._locals.get(key)
+        if found is None:
+            cost = self.unary[k]
+            for j, t in self.around[k]:
+                if j in choice:
+                    cost = cost + t[:, choice[j]]
+            c = int(cost.argmin())
+            found = self._locals[key] = (cost, c, key, tuple(bool(cost[c] < x) for x in cost))
+        return found
+
+    def _prepare_core(self, core: list[int]) -> None:
+        """The core's neighbourhoods, each unit's class (its own costs and tables, as bytes) and
+        the flat arrays `_energy` reads."""
+        self.around = {k: [(j, self._table(k, j)) for j in sorted(self.nbrs[k])] for k in core}
+        self._ids = {k: tuple(j for j, _ in around) for k, around in self.around.items()}
+        classes: dict[tuple, int] = {}
+        self._class = {k: classes.setdefault(
+            (self.unary[k].tobytes(), tuple((t.shape, t.tobytes()) for _, t in self.around[k])), len(classes))
+            for k in core}
+        kinds: dict[tuple, int] = {}
+        self._table_class = [kinds.setdefault((t.shape, t.tobytes()), len(kinds)) for t in self.tables.values()]
+        self._locals: dict[tuple, tuple[np.ndarray, int, tuple]] = {}
+        self._pairs: dict[tuple, tuple[int, int] | None] = {}
+        n = len(self.cands)
+        self._offset = np.zeros(n, int)
+        self._offset[core] = np.cumsum([0] + [len(self.unary[k]) for k in core[:-1]])
+        self._flat = np.concatenate([self.unary[k] for k in core])
+        tables = list(self.tables.values())
+        sizes = [t.size for t in tables]
+        self._flat_tables = np.concatenate([t.ravel() for t in tables]) if tables else np.zeros(0)
+        self._ends = (np.array([a for a, _ in self.tables], int), np.array([b for _, b in self.tables], int),
+                      np.cumsum([0] + sizes[:-1]).astype(int), np.array([t.shape[1] for t in tables], int))
+        self._picked = np.zeros(n, int)
 
     def _search_core(self, core: list[int]) -> dict[int, int]:
         if not core:
             return {}
-        self.around = {k: [(j, self._table(k, j)) for j in sorted(self.nbrs[k])] for k in core}
+        self._prepare_core(core)
+        self.classes = len(set(self._class.values()))
         weight = self.search.weight
         heaviest = max(weight(k)[0] for k in core)
         roots = [k for k in sorted(core, key=weight, reverse=True) if weight(k)[0] >= _HEAVY * heaviest][:_ROOTS]
@@ -284,6 +366,7 @@ class _Level:
             total = self._energy(choice)
             if total < best[0]:
                 best = (total, choice)
+        self.evaluations = len(self._locals) + len(self._pairs)
         return best[1]
 
     def _spread(self, core: list[int], pinned: dict[int, int]) -> dict[int, int]:
@@ -292,7 +375,7 @@ class _Level:
         choice = dict(pinned)
         for k in core:
             if k not in choice:
-                choice[k] = int(self._local(k, choice).argmin())
+                choice[k] = self._local(k, choice)[1]
         return choice
 
     def _improve(self, core: list[int], choice: dict[int, int], keep: set[int], pairs: bool) -> None:
@@ -300,31 +383,42 @@ class _Level:
         with `pairs`, moves of two neighbours at once; again while those find any (a few rounds).
         A worklist revisits only the neighbours of a unit that moved."""
         dirty = [k for k in core if k not in keep]
+        known, classes, ids, picked = self._locals, self._class, self._ids, choice.get
         for _ in range(_PASSES):
             queued = set(dirty)
             while dirty:
                 k = dirty.pop()
                 queued.discard(k)
-                cost = self._local(k, choice)
-                c = int(cost.argmin())
-                if cost[c] < cost[choice[k]]:
-                    choice[k] = c
-                    for j, _ in self.around[k]:
+                found = known.get((classes[k], tuple(map(picked, ids[k])))) or self._local(k, choice)  # `_local`, inlined
+                if found[3][choice[k]]:
+                    choice[k] = found[1]
+                    for j in ids[k]:
                         if j not in queued and j not in keep:
                             queued.add(j)
                             dirty.append(j)
             if not pairs:
                 return
             local = {k: self._local(k, choice) for k in core}  # each against all its neighbours
-            for (a, b), t in self.tables.items():
+            for n, ((a, b), t) in enumerate(self.tables.items()):
                 if a in keep or b in keep:
                     continue
-                joint = (local[a] - t[:, choice[b]])[:, None] + (local[b] - t[choice[a], :])[None, :] + t
-                ca, cb = np.unravel_index(int(joint.argmin()), joint.shape)
-                if joint[ca, cb] < joint[choice[a], choice[b]]:
-                    choice[a], choice[b] = int(ca), int(cb)
+                move = self._pair(n, t, local[a], local[b], choice[a], choice[b])
+                if move is not None:
+                    choice[a], choice[b] = move
                     moved = {j for j, _ in self.around[a] + self.around[b]} | {a, b}
                     local.update((j, self._local(j, choice)) for j in moved)
                     dirty += [j for j in moved if j not in keep]
             if not dirty:
                 return
+
+    def _pair(self, n: int, t: np.ndarray, local_a: tuple, local_b: tuple, a: int, b: int) -> tuple[int, int] | None:
+        """The best joint move of table `n`'s two units (their `_local` entries `local_a`, `local_b`
+        against all their neighbours, picks `a`, `b`), or None where none lowers the energy; once
+        per class."""
+        key = (self._table_class[n], local_a[2], local_b[2], a, b)
+        if key not in self._pairs:
+            la, lb = local_a[0], local_b[0]
+            joint = (la - t[:, b])[:, None] + (lb - t[a, :])[None, :] + t
+            ca, cb = np.unravel_index(int(joint.argmin()), joint.shape)
+            self._pairs[key] = (int(ca), int(cb)) if joint[ca, cb] < joint[a, b] else None
+        return self._pairs[key]

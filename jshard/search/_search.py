@@ -22,7 +22,7 @@ from jax.extend import core as jcore
 
 from jshard._errors import MemoryBudgetError, ShardingError
 from jshard._format import human_bytes, var_str
-from jshard.cost import CostModel, value_bytes
+from jshard.cost import CostModel, array_of, value_bytes
 from jshard.graph import CONSTRAINT, Node, operand_vars
 from jshard.propagate import Decision, Engine, Rejected, Result, charge_constraints
 from jshard.rules import write_spec
@@ -77,6 +77,12 @@ class SearchReport:
       budget_from: where the budget came from: `"memory_budget"`, or the device whose memory it is
         (`parallelize` without `memory_budget`).
       recompute: with `jshard.recompute(policy="auto")` regions, each policy weighed (`Weighed`).
+      unit_classes: the recursive search's distinct units of the heuristic core, summed over its
+        levels and runs: units of identical layers (the same costs and redistribution tables) are
+        one class, so it does not grow with an unrolled loop's depth. None for the ILP.
+      evaluations: the recursive search's cost evaluations in the core (a unit's cost per candidate
+        against its neighbours' picks, a pair's joint move), each computed once per class and picks,
+        summed over its levels and runs; does not grow with an unrolled loop's depth. None for the ILP.
     """
 
     search: str
@@ -91,13 +97,17 @@ class SearchReport:
     compiled_peak_bytes: float | None = None
     budget_from: str = "memory_budget"
     recompute: tuple[Weighed, ...] = ()
+    unit_classes: int | None = None
+    evaluations: int | None = None
 
     def line(self) -> str:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
         if self.budget is not None and self.budget_from != "memory_budget":
             budget += f" ({self.budget_from})"
+        weighed = "" if self.unit_classes is None else (
+            f" ({self.unit_classes} unit classes, {self.evaluations} cost evaluations)")
         return (f"search={self.search} over mesh {self.mesh}: {self.status}; {self.units} decisions among "
-                f"{self.candidates} candidates in {self.planning_seconds:.2f} s; predicted "
+                f"{self.candidates} candidates{weighed} in {self.planning_seconds:.2f} s; predicted "
                 f"{self.seconds * 1e6:.6g} us per call; estimated peak {human_bytes(self.peak_bytes)} per device, {budget}" + (
                     "" if self.compiled_peak_bytes is None else f"; compiled {human_bytes(self.compiled_peak_bytes)}") + (
                     "" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute)))
@@ -166,7 +176,8 @@ def search(
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
     result = assemble(g, choice)
     report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
-                          candidates, time.perf_counter() - start)
+                          candidates, time.perf_counter() - start, unit_classes=solved.unit_classes,
+                          evaluations=solved.evaluations)
     return result, report
 
 
@@ -205,6 +216,7 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
     decisions: dict[int, Decision] = {}
     work = [g.units[k].weight * g.units[k].flops for k in range(len(g.units))]
     key = _KEY_SHARE * max(work, default=0.0)
+    moves: dict = {}  # `_rejected`'s answers, per unit structure, pick and neighbours
     for i, a in merged.items():
         node = nodes[i]
         if node.primitive == CONSTRAINT:
@@ -220,20 +232,41 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         in_specs = tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.inputs)
         out_specs = tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.outputs)
         implied = not comms and e.implied(i, f, a)
-        rejected = _rejected(g, i, choice) if work[g.node_units[i][0]] >= key > 0 else None
+        rejected = _rejected(g, i, choice, moves) if work[g.node_units[i][0]] >= key > 0 else None
         decisions[i] = Decision(in_specs, out_specs, comms, seconds, "searched", rejected, implied)
     result = Result(decisions, values, set(e.unruled))
     charge_constraints(nodes, result, g.axis_size, e.cost)  # each operator above priced its inputs only
     return result
 
 
-def _rejected(g: SearchGraph, i: int, choice: Sequence[Assignment]):
+def _rejected(g: SearchGraph, i: int, choice: Sequence[Assignment], memo: dict):
     """The cheapest other candidate of node `i`'s main unit that moves one mesh axis (to another
-    factor, or off the operator), its neighbours kept as chosen."""
+    factor, or off the operator), its neighbours kept as chosen; once per unit structure, pick
+    and neighbours' layouts in `memo` (the same operator of identical layers)."""
     k = g.node_units[i][0]
-    u = g.units[k]
-    if not u.free:
+    if not g.units[k].free:
         return None
+    key = (g.shape_of_unit[k], tuple(sorted(choice[k].items())), _neighbours(g, k, choice))
+    if key not in memo:
+        memo[key] = _best_move(g, k, choice)
+    return memo[key]
+
+
+def _neighbours(g: SearchGraph, k: int, choice: Sequence[Assignment]) -> tuple:
+    """What `_local` reads of unit `k`'s neighbours, in its order: per edge out of and into `k`,
+    the value's shape, the edge's weight, `k`'s operand and the layout at the other end."""
+    out = []
+    for n in g.out_edges.get(k, ()):
+        e = g.edges[n]
+        out.append((array_of(e.var), e.weight, e.src[1], g.spec(e.dst[0], e.dst[1], choice[e.dst[0]])))
+    for n in g.in_edges.get(k, ()):
+        e = g.edges[n]
+        out.append((array_of(e.var), e.weight, e.dst[1], g.spec(e.src[0], e.src[1], choice[e.src[0]])))
+    return tuple(out)
+
+
+def _best_move(g: SearchGraph, k: int, choice: Sequence[Assignment]) -> Rejected | None:
+    u = g.units[k]
     scored = [(_local(g, k, a, choice), a) for a in _moves(g, k, choice[k])]
     if not scored:
         return None
