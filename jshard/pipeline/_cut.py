@@ -27,6 +27,7 @@ import jax
 from jax.extend import core as jcore
 
 from jshard._errors import ShardingError
+from jshard._format import shape_str
 from jshard._source import user_source
 from jshard.graph import INLINE, distinct_calls, resolve
 
@@ -120,7 +121,7 @@ def _loss_var(call: str, jaxpr, out, params):
         return jaxpr.outvars[0]
     raise ShardingError(
         f"{call}: a function cut into pipeline stages returns a scalar loss, or (loss, grads) as "
-        f"jax.value_and_grad(loss)(params, batch) does; it returned {jax.tree.map(lambda a: a.str_short(), out)}. "
+        f"jax.value_and_grad(loss)(params, batch) does; it returned {jax.tree.map(lambda a: shape_str(a.dtype, a.shape), out)}. "
         f"Return the loss (or value_and_grad's pair) and apply the optimizer to the pipeline's gradients."
     )
 

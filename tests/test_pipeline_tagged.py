@@ -1,0 +1,166 @@
+"""Stages cut from any function: an unrolled GPT whose embedding, layers and head are tagged with
+`js.pipeline_stage(fn, k)` inside a plain train step, pipelined by `parallelize(step,
+pipeline_stages=S, micro_batches=M, schedule=...)`. Loss and gradients equal the unpipelined step
+(non-uniform stages, a tied embedding read by the first and the last stage), each stage's devices
+hold that stage's parameters only, and bad tags are errors naming the fix."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tolerance import assert_close, step_terms
+from jax.sharding import PartitionSpec as P
+
+import jshard as js
+
+D, VOCAB, SEQ, LAYERS, ROWS = 32, 16, 8, 4, 16
+
+
+def _init(tied: bool) -> dict:
+    keys = iter(jax.random.split(jax.random.key(0), 3 + 4 * LAYERS))
+    dense = lambda a, b: jax.random.normal(next(keys), (a, b)) / np.sqrt(a)
+    params = {
+        "embed": jax.random.normal(next(keys), (VOCAB, D)) * 0.3,
+        "pos": jax.random.normal(next(keys), (SEQ, D)) * 0.1,
+        "layers": [{"qkv": dense(D, 3 * D), "out": dense(D, D), "up": dense(D, 2 * D), "down": dense(2 * D, D)}
+                   for _ in range(LAYERS)],
+    }
+    return params if tied else {**params, "head": dense(D, VOCAB)}
+
+
+def _norm(x):
+    return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+
+
+def _block(p, x):
+    q, k, v = jnp.split(_norm(x) @ p["qkv"], 3, axis=-1)
+    scores = jnp.where(jnp.tril(jnp.ones((SEQ, SEQ), bool)), jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(D), -1e9)
+    x = x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), v) @ p["out"]
+    return x + jax.nn.gelu(_norm(x) @ p["up"]) @ p["down"]
+
+
+def _gpt_loss(stage_of_layer, last: int, tied: bool):
+    """The unrolled GPT's loss as a user writes it, each part tagged with its stage."""
+
+    def loss(params, batch):
+        tokens, targets = batch
+        x = js.pipeline_stage(lambda p, t: p["embed"][t] + p["pos"][None], 0)(params, tokens)
+        for i, lp in enumerate(params["layers"]):
+            x = js.pipeline_stage(_block, stage_of_layer[i])(lp, x)
+        w_out = params["embed"].T if tied else params["head"]  # untagged: runs where the head reads it
+        logits = js.pipeline_stage(lambda w, h: _norm(h) @ w, last)(w_out, x)
+        logp = jax.nn.log_softmax(logits, axis=-1)  # untagged: joins the head's stage
+        return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+    return loss
+
+
+@functools.cache
+def _case(stages: int, tied: bool):
+    params = _init(tied)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (ROWS, SEQ))
+    batch = (tokens, np.roll(tokens, -1, axis=1))
+    per = LAYERS // stages
+    loss = _gpt_loss([i // per for i in range(LAYERS)], stages - 1, tied)
+    return params, batch, loss, jax.jit(jax.value_and_grad(loss))(params, batch)
+
+
+CASES = [("gpipe", 2, 4, False), ("1f1b", 2, 4, False), ("1f1b", 4, 4, True)]
+
+
+@functools.cache
+def _step(schedule: str, stages: int, micro: int, tied: bool):
+    _, _, loss, _ = _case(stages, tied)
+    if tied:  # a plain loss function: the pipeline returns (loss, grads) for it
+        return js.parallelize(loss, devices=8, pipeline_stages=stages, micro_batches=micro, schedule=schedule)
+    step = lambda params, batch: jax.value_and_grad(loss)(params, batch)  # an ordinary train step
+    return js.parallelize(step, devices=8, pipeline_stages=stages, micro_batches=micro, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule,stages,micro,tied", CASES,
+                         ids=[f"{s}-S{n}-M{m}{'-tied' if t else ''}" for s, n, m, t in CASES])
+def test_tagged_gpt_equals_the_unpipelined_step(schedule, stages, micro, tied):
+    params, batch, _, (ref_loss, ref_grads) = _case(stages, tied)
+    loss, grads = _step(schedule, stages, micro, tied)(params, batch)
+    # S=2: stage 0 = embedding + 2 layers, stage 1 = 2 layers + head; S=4 with the embedding tied
+    # to the head, read by stages 0 and 3, its gradient the sum of both
+    assert_close((loss, grads), (ref_loss, ref_grads), terms=step_terms(params, batch))
+
+
+def _nbytes(tree) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(tree))
+
+
+def test_each_stage_holds_its_own_parameters_only():
+    params, batch, _, _ = _case(2, False)
+    step = _step("1f1b", 2, 4, False)
+    layers = params["layers"]
+    shares = (_nbytes([params["embed"], params["pos"], layers[:2]]), _nbytes([layers[2:], params["head"]]))
+    assert step.program(params, batch).stage_bytes() == shares
+    packed_sharding = step.compile(params, batch).input_shardings[0][0]  # the packed parameters
+    per_device = {name: s.shard_shape((2, max(shares) // 4)) for name, s in packed_sharding.items()}
+    assert {name: s.spec for name, s in packed_sharding.items()} == {"float32": P("stage")}
+    assert per_device == {"float32": (1, max(shares) // 4)}  # one stage's row: the larger share, not the whole model
+    assert max(shares) < _nbytes(params)
+    # stage 1's four devices hold its two layers and the head, packed in leaf order, and nothing of stage 0's
+    packed = step.pack(params, batch)["float32"]
+    mine = np.concatenate([np.ravel(a) for a in jax.tree.leaves({"head": params["head"], "layers": layers[2:]})])
+    for shard in packed.addressable_shards:
+        if shard.index[0] == slice(1, 2, None):
+            np.testing.assert_array_equal(np.asarray(shard.data)[0, : mine.size], mine)
+
+
+def test_tied_copies_get_the_summed_gradient_in_the_packed_step():
+    params, batch, _, (_, ref_grads) = _case(4, True)
+    step = _step("1f1b", 4, 4, True)
+    program = step.program(params, batch)
+    _, packed_grads = step.train(step.pack(params, batch), batch)
+    rows = np.asarray(packed_grads["float32"])
+    flats = program.param_flats
+    embed = 0  # the index of params["embed"] among the leaves: its key sorts first
+    copies = [np.asarray(f.unpack({"float32": jnp.asarray(rows[k])})[idx.index(embed)])
+              for k, (f, idx) in enumerate(zip(flats, program.cut.params)) if embed in idx]
+    assert len(copies) == 2  # the first and the last stage
+    for copy in copies:  # both copies hold the whole gradient, so an optimizer keeps them equal
+        assert_close(copy, ref_grads["embed"], terms=step_terms(params, batch))
+
+
+def _tagged_loss(stage_of_layer, last):
+    return _gpt_loss(stage_of_layer, last, tied=False)
+
+
+@pytest.mark.parametrize("loss,message", [
+    (_tagged_loss([0, 0, 1, 1], 2),
+     r"is tagged jshard\.pipeline_stage\(fn, 2\), but pipeline_stages=2 has stages 0\.\.1\. Tag it with a stage "
+     r"below 2, or pass pipeline_stages=3"),
+    (_tagged_loss([0, 1, 0, 1], 1),
+     r"is tagged jshard\.pipeline_stage\(fn, 0\), but it reads a value made on stage 1: stages must not decrease "
+     r"along the data flow"),
+    (_tagged_loss([0, 0, 0, 0], 0),
+     r"pipeline_stages=2, but stage\(s\) \[1\] run no operator of the loss"),
+    (lambda p, b: (p["embed"][b[0]] @ p["head"]).mean(),
+     r"pipeline_stages=2, but no operator of the loss is tagged with a stage\. Wrap the parts of the model in "
+     r"jshard\.pipeline_stage\(fn, k\)"),
+], ids=["stage-out-of-range", "not-monotone", "empty-stage", "no-tags"])
+def test_bad_tags_are_errors_naming_the_fix(loss, message):
+    params, batch, _, _ = _case(2, False)
+    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=message):
+        step(params, batch)
+
+
+def test_a_step_returning_more_than_the_loss_is_an_error():
+    params, batch, loss, _ = _case(2, False)
+    step = js.parallelize(lambda p, b: (loss(p, b), 2 * loss(p, b)), devices=8, pipeline_stages=2, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=r"returns a scalar loss, or \(loss, grads\) as jax\.value_and_grad"):
+        step(params, batch)
+
+
+def test_interleaved_and_in_strategy_are_refused_for_a_cut_step():
+    loss = _case(2, False)[2]
+    with pytest.raises(js.ShardingError, match=r"schedule='interleaved' runs several chunks .* Use schedule='gpipe'"):
+        js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(js.ShardingError, match=r"in_strategy= sets strategies inside the stages of a jshard\.Pipeline"):
+        js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, in_strategy=((2, 1),))
