@@ -92,6 +92,15 @@ def cut(step, params: Any, batch: Any, stages: int, call: str) -> Cut:
     Raises:
       ShardingError: no tagged operator, a stage id >= `stages`, stages out of order along the data
         flow, a stage with nothing to run, or a result that is neither a loss nor `(loss, grads)`.
+
+    Examples:
+      >>> import jax.numpy as jnp, jshard as js
+      >>> def loss(p, x):
+      ...     h = js.pipeline_stage(lambda w, x: jnp.tanh(x @ w), 0)(p["a"], x)
+      ...     return js.pipeline_stage(lambda w, h: h @ w, 1)(p["b"], h).mean()  # the mean joins stage 1
+      >>> c = cut(loss, {"a": jnp.ones((3, 4)), "b": jnp.ones((4, 2))}, jnp.ones((2, 3)), 2, "example")
+      >>> c.params, [[a.str_short() for a in b] for b in c.boundary]
+      (((0,), (1,)), [['float32[2,4]']])
     """
     closed = distinct_calls(jax.make_jaxpr(step)(params, batch))
     jaxpr, n_params = closed.jaxpr, len(jax.tree.leaves(params))

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
 from jshard._errors import DeviceCountError, ShardingError, api_boundary
+from jshard._format import shape_str
 from jshard.compile import (
     Options,
     SignatureCache,
@@ -248,6 +249,7 @@ class Staged:
         _check_staged(self.call, options)
         self.n, self.inner, self.mesh = _pipeline_mesh(self.call, options)
         self._cache: SignatureCache[_StagedEntry] = SignatureCache()
+        self._packed: dict[tuple, _StagedEntry] = {}
 
     @api_boundary
     def __call__(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
@@ -275,8 +277,15 @@ class Staged:
 
     @api_boundary
     def train(self, packed: dict[str, jax.Array], batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """`(loss, packed grads)` on packed parameters (`pack`), for the batch shapes last built."""
-        e = self._last
+        """`(loss, packed grads)` on packed parameters (`pack`); a tied leaf's gradient, the sum over
+        its stages, is in every copy."""
+        e = self._packed.get(_signature((packed, batch)))
+        if e is None:
+            raise ShardingError(
+                f"{self.call}.train: no pipeline was built for packed parameters "
+                f"{ {k: shape_str(dtype_of(v), np.shape(v)) for k, v in packed.items()} } and this batch's shapes. "
+                f"Pack them with {self.call}.pack(params, batch) for a batch of these shapes first."
+            )
         return e.train(*placed((packed, batch), (e.packed_sh, e.batch_sh)))
 
     @api_boundary
@@ -295,8 +304,7 @@ class Staged:
         return e.compiled
 
     def _entry(self, params, batch) -> _StagedEntry:
-        self._last = self._cache.get((params, batch), lambda: self._build(params, batch))
-        return self._last
+        return self._cache.get((params, batch), lambda: self._build(params, batch))
 
     def _data_axes(self) -> tuple[str, ...]:
         data = self.options.dataset_strategy == "data_parallel" and self.inner.device_count > 1
@@ -320,12 +328,15 @@ class Staged:
             loss, g = program.train(program.pack(jax.tree.leaves(p)), b)
             return loss, jax.tree_util.tree_unflatten(treedef, program.unpack(g))
 
-        return _StagedEntry(
+        e = _StagedEntry(
             program, treedef, batch_sh, packed_sh,
             jax.jit(step, in_shardings=(_replicated(self.mesh, params), batch_sh)),
             jax.jit(program.train, in_shardings=(packed_sh, batch_sh), out_shardings=(loss_sh, packed_sh)),
             jax.jit(lambda p: program.pack(jax.tree.leaves(p)), out_shardings=packed_sh),
         )
+        packed = jax.eval_shape(program.pack, leaves)
+        self._packed.setdefault(_signature((packed, batch)), e)  # what `train` finds it by
+        return e
 
     def _cut(self, params, micro):
         """The cut of `fn` on one device's micro-batch; `jshard.shard` calls inside are refused
@@ -406,6 +417,12 @@ def _check_float_params(call: str, params: Any) -> None:
                 f"{call}: params{jax.tree_util.keystr(path)} ({dtype_of(x)}{list(np.shape(x))}) is not a float array; "
                 f"a pipelined step differentiates every parameter. Pass integer state in the batch, or close over it."
             )
+
+
+def _signature(tree: Any) -> tuple:
+    """The shapes and dtypes of `tree`'s leaves, and its structure: which program takes it."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(dtype_of(x))) for x in leaves)
 
 
 def _replicated(mesh: Mesh, tree: Any) -> Any:

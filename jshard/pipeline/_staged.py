@@ -51,6 +51,12 @@ class Flat:
       avals: the arrays' shapes and dtypes.
       offsets: each array's start in its dtype's buffer.
       sizes: per dtype name, the elements its arrays take.
+
+    Examples:
+      >>> f = Flat.of([jnp.ones((2, 2)), jnp.zeros(3, jnp.int32)])
+      >>> packed = f.pack([jnp.ones((2, 2)), jnp.arange(3)], {"float32": 6, "int32": 3})
+      >>> packed["float32"].tolist(), [a.tolist() for a in f.unpack(packed)][1]
+      ([1.0, 1.0, 1.0, 1.0, 0.0, 0.0], [0, 1, 2])
     """
 
     avals: tuple[jax.ShapeDtypeStruct, ...]
