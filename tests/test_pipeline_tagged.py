@@ -5,10 +5,12 @@ pipeline_stages=S, micro_batches=M, schedule=...)`. Loss and gradients equal the
 hold that stage's parameters only, and bad tags are errors naming the fix."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _tolerance import assert_close, step_terms
 from jax.sharding import PartitionSpec as P
@@ -127,6 +129,35 @@ def test_tied_copies_get_the_summed_gradient_in_the_packed_step():
         assert_close(copy, ref_grads["embed"], terms=step_terms(params, batch))
 
 
+def test_a_packed_training_loop_keeps_state_where_it_is_used_and_trains_like_one_device():
+    """SGD with momentum on the packed buffers (an update linear in the gradients, so the two runs'
+    rounding differences stay of their size): each stage's parameters and optimizer state stay on its devices,
+    the tied embedding's two copies stay equal, and the losses follow the one-device run."""
+    params, batch, loss, _ = _case(4, True)
+    step = _step("1f1b", 4, 4, True)
+    opt = optax.sgd(0.1, momentum=0.9)
+    update = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*opt.update(g, s, p)))
+    ref = jax.jit(jax.value_and_grad(loss))
+    packed, p = step.pack(params, batch), params
+    state, ref_state = opt.init(packed), opt.init(params)
+    got, want = [], []
+    for _ in range(3):
+        value, grads = step.train(packed, batch)
+        packed, state = update(packed, state, grads)
+        ref_value, ref_grads = ref(p, batch)
+        p, ref_state = update(p, ref_state, ref_grads)
+        got.append(float(value))
+        want.append(float(ref_value))
+    assert_close(got, want, dtype=np.float32, terms=3 * step_terms(params, batch))
+    assert want[-1] < want[0]
+    assert {x.sharding.spec for x in jax.tree.leaves((packed, state)) if x.ndim == 2} == {P("stage")}
+    program = step.program(params, batch)
+    rows = [np.asarray(f.unpack({"float32": packed["float32"][k]})[idx.index(0)])
+            for k, (f, idx) in enumerate(zip(program.param_flats, program.cut.params)) if 0 in idx]
+    np.testing.assert_array_equal(rows[0], rows[1])  # the embedding (leaf 0) in stage 0's row and stage 3's
+    assert_close(step.unpack(packed, params, batch), p, terms=3 * step_terms(params, batch))
+
+
 def _tagged_loss(stage_of_layer, last):
     return _gpt_loss(stage_of_layer, last, tied=False)
 
@@ -164,3 +195,31 @@ def test_interleaved_and_in_strategy_are_refused_for_a_cut_step():
         js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="interleaved", virtual_stages=2)
     with pytest.raises(js.ShardingError, match=r"in_strategy= sets strategies inside the stages of a jshard\.Pipeline"):
         js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, in_strategy=((2, 1),))
+
+
+def test_the_cut_inlines_jit_and_remat_regions_and_chains_back_to_the_loss():
+    """Calls inside a tag (a jitted block, a recomputed one) take its stage; untagged operators join
+    their latest tagged producer's stage; the stages run one after another give the loss."""
+    from jshard.pipeline import cut  # noqa: PLC0415
+
+    params, batch, _, _ = _case(2, False)
+    block = js.pipeline_stage(jax.jit(_block), 0)
+    remat = js.pipeline_stage(js.recompute(_block), 1)
+
+    def loss(p, b):
+        x = js.pipeline_stage(lambda p, t: p["embed"][t] + p["pos"][None], 0)(p, b[0])
+        x = remat(p["layers"][1], block(p["layers"][0], x))
+        logp = jax.nn.log_softmax(_norm(x) @ p["head"], axis=-1)  # untagged: stage 1
+        return -jnp.take_along_axis(logp, b[1][..., None], axis=-1).mean()
+
+    c = cut(loss, params, batch, 2, "test")
+    leaves = jax.tree.leaves(params)
+    names = [re.match(r"\['\w+'\](\[\d\])?", jax.tree_util.keystr(k)).group()
+             for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    assert [sorted({names[j] for j in idx}) for idx in c.params] == [
+        ["['embed']", "['layers'][0]", "['pos']"], ["['head']", "['layers'][1]"]]
+    assert [[a.shape for a in b] for b in c.boundary] == [[(ROWS, SEQ, D)]]
+    flat_batch = jax.tree.leaves(batch)
+    x = c.run(0, [leaves[j] for j in c.params[0]], flat_batch, [])
+    (got,) = c.run(1, [leaves[j] for j in c.params[1]], flat_batch, x)
+    assert_close(got, loss(params, batch), terms=step_terms(params, batch, backward=False))

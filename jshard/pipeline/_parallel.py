@@ -286,7 +286,9 @@ class Staged:
                 f"{ {k: shape_str(dtype_of(v), np.shape(v)) for k, v in packed.items()} } and this batch's shapes. "
                 f"Pack them with {self.call}.pack(params, batch) for a batch of these shapes first."
             )
-        return e.train(*placed((packed, batch), (e.packed_sh, e.batch_sh)))
+        if e.compiled is None:
+            e.compiled = e.train.lower(*abstract((packed, batch))).compile()
+        return e.compiled(*placed((packed, batch), (e.packed_sh, e.batch_sh)))
 
     @api_boundary
     def lower(self, params: Any, batch: Any) -> jax.stages.Lowered:
