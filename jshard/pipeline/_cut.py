@@ -70,6 +70,11 @@ class Cut:
     _crossing: tuple[tuple[Any, ...], ...]
     _loss: Any
 
+    @property
+    def loss_aval(self) -> jax.core.ShapedArray:
+        """The loss's shape and dtype (a scalar)."""
+        return self._loss.aval
+
     def run(self, k: int, params_k: list, batch: list, inputs: list) -> list:
         """Stage `k` on its parameter leaves, the micro-batch's leaves and its boundary inputs: the
         values crossing to stage `k + 1`, or `[loss]` on the last stage."""

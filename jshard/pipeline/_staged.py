@@ -13,10 +13,10 @@ differing shapes are packed as one flat buffer per dtype:
   under any optimizer applied to the packed state;
 - **boundaries**: what crosses `k -> k+1` (`Cut.boundary[k]`) packed into a buffer of the widest
   boundary; the input gradients sent back, their float part;
-- **backward by recompute**: a forward keeps its stage's packed input until its backward, which
-  runs the stage again under `jax.vjp` (stage-level recompute) and sends the input gradient back.
-  A stage holds the inputs of the micro-batches in flight, `M` under GPipe and at most `S` under
-  1F1B.
+- **stored residuals**: a forward runs its stage under `jax.vjp` and stores the pullback's leaves
+  (less the stage's parameters, read again) packed per dtype, the width of the largest stage's;
+  the backward rebuilds the pullback from them and sends the input gradient back. A stage holds
+  the residuals of the micro-batches in flight, `M` under GPipe and at most `S` under 1F1B.
 
 The tick table, micro-batch order and slot counts are the `Schedule`'s, as in the stacked form;
 with pure data parallel inside stages (`dataset_strategy="data_parallel"`) every axis is manual:
@@ -184,7 +184,7 @@ class StagedProgram:
         ticks = _Ticks(self, params, micro)
         bw, gw = ticks.bw, ticks.gw
         carry = {
-            "xin": _zeros(sch.slots("activations"), bw), "keep": _zeros(sch.slots("residuals"), bw),
+            "xin": _zeros(sch.slots("activations"), bw), "res": _zeros(sch.slots("residuals"), ticks.rw),
             "gin": _zeros(sch.slots("gradients"), gw), "g": _zeros(None, self.param_widths),
             "loss": jnp.zeros((), jnp.float32),
         }
@@ -193,10 +193,10 @@ class StagedProgram:
 
         def tick(carry, row):
             kind, i, fv, fm, bv, bm = (row[n] for n in range(6))
-            view = {"x": _at(carry["xin"], i), "kept": _at(carry["keep"], i), "g_in": _at(carry["gin"], i)}
+            view = {"x": _at(carry["xin"], i), "res": _at(carry["res"], i), "g_in": _at(carry["gin"], i)}
             out = jax.lax.switch(kind, [ticks.idle, ticks.forward, ticks.backward], view, i)
             carry = dict(carry)
-            carry["keep"] = _put(carry["keep"], i, out["keep"])
+            carry["res"] = _put(carry["res"], i, out["res"])
             carry["g"] = jax.tree.map(jnp.add, carry["g"], out["g"])
             carry["loss"] = carry["loss"] + out["loss"]
             carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(out["send_f"], STAGE, forward), fv, fm)
@@ -245,7 +245,7 @@ class StagedProgram:
 
 class _Ticks:
     """One stage's tick operations (idle, forward, backward), each a switch over the stage index;
-    every one returns the same dict: the input to keep, what to send each way, the parameter
+    every one returns the same dict: the residuals to store, what to send each way, the parameter
     gradient and loss increments."""
 
     def __init__(self, program: StagedProgram, params: Buffers, micro: Any):
@@ -255,9 +255,12 @@ class _Ticks:
         self.bf, self.gf = program._boundary_flats(False), program._boundary_flats(True)
         self.bw, self.gw = widths(self.bf), widths(self.gf)
         self.stage = jax.lax.axis_index(STAGE)
+        self.pulls = [self._pullback_shape(k) for k in range(self.cut.stages)]
+        self.rf = [Flat.of(stored) for _, _, stored in self.pulls]
+        self.rw = widths(self.rf)
 
     def _result(self, view, **changes) -> dict:
-        base = {"keep": view["kept"], "send_f": _zeros(None, self.bw), "send_b": _zeros(None, self.gw),
+        base = {"res": view["res"], "send_f": _zeros(None, self.bw), "send_b": _zeros(None, self.gw),
                 "g": _zeros(None, self.pw), "loss": jnp.zeros((), jnp.float32)}
         return {**base, **changes}
 
@@ -267,32 +270,68 @@ class _Ticks:
     def _mb(self, i) -> list:
         return [jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in jax.tree.leaves(self.micro)]
 
-    def _inputs(self, k, buffers) -> list:
-        return self.bf[k - 1].unpack(buffers) if k else []
+    def _vjp(self, k, i, x_buffers):
+        """Stage `k` on micro-batch `i` under `jax.vjp` (over its parameters and float inputs):
+        `(outputs, pullback of the float outputs, parameters)`."""
+        ins, mb = self.bf[k - 1].unpack(x_buffers) if k else [], self._mb(i)
+        floats = [n for n, x in enumerate(ins) if _inexact(x)]
+
+        def run(params_k, xs):
+            merged = list(ins)
+            for n, x in zip(floats, xs):
+                merged[n] = x
+            outs = self.cut.run(k, params_k, mb, merged)
+            return [y for y in outs if _inexact(y)], outs
+
+        params_k = self.pf[k].unpack(self.params)
+        _, pull, outs = jax.vjp(run, params_k, [ins[n] for n in floats], has_aux=True)
+        return outs, pull, params_k
+
+    def _stored(self, pull, params_k) -> tuple[Any, tuple[int | None, ...], list]:
+        """`(structure, param_of, stored)`: the pullback's leaves, each either one of the stage's
+        parameters (`param_of`: its index; read again at the backward) or a residual to store."""
+        leaves, tree = jax.tree.flatten(pull)
+        param_of = tuple(next((j for j, p in enumerate(params_k) if leaf is p), None) for leaf in leaves)
+        return tree, param_of, [jnp.asarray(leaf) for leaf, j in zip(leaves, param_of) if j is None]
+
+    def _pullback_shape(self, k):
+        """Stage `k`'s `_stored` structure, its residuals as shapes (traced once, not run)."""
+        found = {}
+
+        def probe(x_buffers):
+            tree, param_of, stored = self._stored(*self._vjp(k, 0, x_buffers)[1:])
+            found["tree"], found["param_of"] = tree, param_of
+            return stored
+
+        stored = jax.eval_shape(probe, _zeros(None, self.bw))
+        return found["tree"], found["param_of"], stored
 
     def forward(self, view, i):
+        """Runs the stage on micro-batch `i` under `jax.vjp`, storing its residuals; sends its
+        outputs on, or (the last stage) adds its loss."""
+
         def at(k):
-            outs = self.cut.run(k, self.pf[k].unpack(self.params), self._mb(i), self._inputs(k, view["x"]))
+            outs, pull, params_k = self._vjp(k, i, view["x"])
+            res = self.rf[k].pack(self._stored(pull, params_k)[2], self.rw)
             if k == self.cut.stages - 1:
-                return self._result(view, keep=view["x"], loss=outs[0].astype(jnp.float32))
-            return self._result(view, keep=view["x"], send_f=self.bf[k].pack(outs, self.bw))
+                return self._result(view, res=res, loss=outs[0].astype(jnp.float32))
+            return self._result(view, res=res, send_f=self.bf[k].pack(outs, self.bw))
 
         return jax.lax.switch(self.stage, [lambda k=k: at(k) for k in range(self.cut.stages)])
 
     def backward(self, view, i):
+        """Rebuilds the stored pullback of micro-batch `i`, applies it to the gradient received
+        (the last stage: the loss's `1 / M`), and sends the input gradient back."""
+
         def at(k):
-            ins, last = self._inputs(k, view["kept"]), k == self.cut.stages - 1
-            floats = [n for n, x in enumerate(ins) if _inexact(x)]
-
-            def run(params_k, xs):
-                merged = list(ins)
-                for n, x in zip(floats, xs):
-                    merged[n] = x
-                outs = self.cut.run(k, params_k, self._mb(i), merged)
-                return [y for y in outs if _inexact(y)]
-
-            ys, pull = jax.vjp(run, self.pf[k].unpack(self.params), [ins[n] for n in floats])
-            cot = [jnp.full(ys[0].shape, 1.0 / self.m, ys[0].dtype)] if last else self.gf[k].unpack(view["g_in"])
+            tree, param_of, _ = self.pulls[k]
+            params_k, stored = self.pf[k].unpack(self.params), iter(self.rf[k].unpack(view["res"]))
+            pull = jax.tree.unflatten(tree, [next(stored) if j is None else params_k[j] for j in param_of])
+            if k == self.cut.stages - 1:
+                loss = self.cut.loss_aval
+                cot = [jnp.full(loss.shape, 1.0 / self.m, loss.dtype)]
+            else:
+                cot = self.gf[k].unpack(view["g_in"])
             g_params, g_x = pull(cot)
             send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
             return self._result(view, g=self.pf[k].pack(g_params, self.pw), send_b=send_b)
