@@ -236,11 +236,11 @@ class Staged:
     into stages (`_cut.py`) and run under the schedule (`_staged.py`). The gradients are the
     pipeline's own, one backward per stage and micro-batch.
 
-    Each stage's parameters live on its own devices only: `program(params, batch)` gives the
-    `StagedProgram` whose `pack` lays a parameter tree out as `[S, width]` buffers cut over the
-    stage axis (`stage_bytes`: each stage's share), `train(packed, batch)` runs the step on them
-    (an optimizer applied to packed gradients keeps its state where it is used too), and `compile`
-    compiles that packed program.
+    Each stage's parameters live on its own devices only: `pack(params, batch)` lays a parameter
+    tree out as `[S, width]` buffers cut over the stage axis, `train(packed, batch)` runs the step
+    on them (an optimizer applied to the packed gradients keeps its state where it is used too),
+    `unpack` reads buffers back as a tree, `compile` compiles the packed program, and
+    `program(params, batch)` is the `StagedProgram` (`stage_bytes()`: each stage's share).
     """
 
     def __init__(self, fn: Any, options: Options):
