@@ -217,12 +217,11 @@ class Pipelined:
 @dataclasses.dataclass
 class _StagedEntry:
     program: StagedProgram
-    treedef: Any
     batch_sh: Any
     packed_sh: Any
-    step: Any
     train: Any
     pack: Any
+    unpack: Any
     compiled: jax.stages.Compiled | None = None
 
 
@@ -254,9 +253,11 @@ class Staged:
     @api_boundary
     def __call__(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
         """`(loss, grads)`: the mean loss over micro-batches and its gradients, in `params`' tree
-        (a parameter read by two stages gets the sum of both)."""
+        (a parameter read by two stages gets the sum of both): `pack`, `train`, then the gradients
+        unpacked."""
         e = self._entry(params, batch)
-        return e.step(*placed((params, batch), (_replicated(self.mesh, params), e.batch_sh)))
+        loss, grads = self._run(e, e.pack(*placed((params,), (_replicated(self.mesh, params),))), batch)
+        return loss, e.unpack(grads)
 
     @api_boundary
     def program(self, params: Any, batch: Any) -> StagedProgram:
@@ -272,8 +273,7 @@ class Staged:
     @api_boundary
     def unpack(self, packed: dict[str, jax.Array], params: Any, batch: Any) -> Any:
         """Packed buffers (parameters or gradients) back as a tree like `params`."""
-        e = self._entry(params, batch)
-        return jax.tree_util.tree_unflatten(e.treedef, e.program.unpack(packed))
+        return self._entry(params, batch).unpack(packed)
 
     @api_boundary
     def train(self, packed: dict[str, jax.Array], batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -286,6 +286,9 @@ class Staged:
                 f"{ {k: shape_str(dtype_of(v), np.shape(v)) for k, v in packed.items()} } and this batch's shapes. "
                 f"Pack them with {self.call}.pack(params, batch) for a batch of these shapes first."
             )
+        return self._run(e, packed, batch)
+
+    def _run(self, e: _StagedEntry, packed, batch):
         if e.compiled is None:
             e.compiled = e.train.lower(*abstract((packed, batch))).compile()
         return e.compiled(*placed((packed, batch), (e.packed_sh, e.batch_sh)))
@@ -326,15 +329,11 @@ class Staged:
         batch_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec(data_axes or None)), batch)
         loss_sh = NamedSharding(self.mesh, PartitionSpec())
 
-        def step(p, b):
-            loss, g = program.train(program.pack(jax.tree.leaves(p)), b)
-            return loss, jax.tree_util.tree_unflatten(treedef, program.unpack(g))
-
         e = _StagedEntry(
-            program, treedef, batch_sh, packed_sh,
-            jax.jit(step, in_shardings=(_replicated(self.mesh, params), batch_sh)),
+            program, batch_sh, packed_sh,
             jax.jit(program.train, in_shardings=(packed_sh, batch_sh), out_shardings=(loss_sh, packed_sh)),
             jax.jit(lambda p: program.pack(jax.tree.leaves(p)), out_shardings=packed_sh),
+            jax.jit(lambda g: jax.tree_util.tree_unflatten(treedef, program.unpack(g))),
         )
         packed = jax.eval_shape(program.pack, leaves)
         self._packed.setdefault(_signature((packed, batch)), e)  # what `train` finds it by
