@@ -227,3 +227,47 @@ def test_the_cut_inlines_jit_and_remat_regions_and_chains_back_to_the_loss():
 
     got = chained(leaves, jax.tree.leaves(batch))
     assert_close(got, jax.jit(loss)(params, batch), terms=step_terms(params, batch, backward=False))
+
+
+@jax.custom_vjp
+def _clipped(x):
+    return x
+
+
+_clipped.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.01, 0.01),))
+
+
+def _small_loss(p, x):
+    """Stage 0: a loop inside one tag and a custom derivative rule; stage 1: the head."""
+    def layers(w, x):
+        return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=2)[0]
+
+    h = js.pipeline_stage(lambda w, x: _clipped(layers(w, x)), 0)(p["a"], x)
+    return js.pipeline_stage(lambda w, h: (h @ w).mean(), 1)(p["b"], h)
+
+
+def test_a_custom_derivative_keeps_its_rule_and_a_loop_inside_one_tag_is_one_operator():
+    from jshard.pipeline import cut  # noqa: PLC0415
+
+    p, x = {"a": jnp.eye(4) / 2, "b": jnp.ones((4, 2))}, jnp.ones((2, 4))
+    c = cut(_small_loss, p, x, 2, "test")
+    assert [[op.eqn.primitive.name for op in ops] for ops in c.ops] == [
+        ["scan", "custom_vjp_call"], ["dot_general", "reduce_sum", "div"]]
+
+    def chained(a, b):
+        return c.run(1, [b], [x], c.run(0, [a], [x], []))[0]
+
+    ref = jax.grad(_small_loss)(p, x)
+    assert_close(jax.grad(chained, argnums=(0, 1))(p["a"], p["b"]), (ref["a"], ref["b"]), terms=16)
+    assert float(jnp.abs(ref["a"]).max()) <= 0.01 * 4  # the clipped rule, not the identity's gradient
+
+
+def test_a_tag_inside_a_loop_body_is_an_error():
+    def loss(p, x):
+        body = lambda h, w: (js.pipeline_stage(lambda w, h: jnp.tanh(h @ w), 1)(w, h), None)
+        return jax.lax.scan(body, x, p)[0].mean()
+
+    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=2)
+    with pytest.raises(js.ShardingError, match=r"scan at .* holds operators tagged jshard\.pipeline_stage\(fn, k\) for "
+                                               r"k in \[1\] inside its body; a scan runs on one stage and cannot be cut"):
+        step(jnp.ones((2, 4, 4)), jnp.ones((16, 4)))

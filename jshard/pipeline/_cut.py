@@ -29,12 +29,13 @@ from jax.extend import core as jcore
 from jshard._errors import ShardingError
 from jshard._format import shape_str
 from jshard._source import user_source
-from jshard.graph import INLINE, distinct_calls, resolve
+from jshard.graph import INLINE, distinct_calls, nested_jaxprs, resolve
 
 STAGE_SCOPE = "jshard_pipeline_stage_"
 """The name scope `pipeline_stage(fn, k)` runs `fn` in, followed by `k`."""
 _TAG = re.compile(STAGE_SCOPE + r"(\d+)")
 _CALL_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_INLINED = INLINE - {"custom_jvp_call", "custom_vjp_call"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -110,7 +111,7 @@ def cut(step, params: Any, batch: Any, stages: int, call: str) -> Cut:
     closed = distinct_calls(jax.make_jaxpr(step)(params, batch))
     jaxpr, n_params = closed.jaxpr, len(jax.tree.leaves(params))
     loss = _loss_var(call, jaxpr, jax.eval_shape(step, params, batch), params)
-    ops = _needed(_flatten(jaxpr), loss)
+    ops = _needed(_flatten(call, jaxpr), loss)
     if all(op.tag is None for op in ops):
         raise ShardingError(_no_tags_error(call, stages))
     ops = _assign(call, ops, stages, loss)
@@ -140,33 +141,60 @@ def _loss_var(call: str, jaxpr, out, params):
     )
 
 
-def _flatten(jaxpr) -> list[Op]:
+def _flatten(call: str, jaxpr) -> list[Op]:
     """The top-level equations with call-like bodies inlined, each with its innermost stage tag."""
     out: list[Op] = []
-    _walk(jaxpr, {}, "", out)
+    _walk(call, jaxpr, {}, "", out)
     return out
 
 
-def _walk(jaxpr, env: dict, prefix: str, out: list[Op]) -> None:
+def _check_no_tags_inside(call: str, eqn) -> None:
+    """A loop, branch or custom derivative runs on one stage: a tag inside its body cannot cut it."""
+    bodies = [*nested_jaxprs(eqn), *filter(None, (_open(eqn.params.get(k)) for k in _CALL_KEYS))]
+    tags = sorted({int(t) for body in bodies for t in _tags_in(body)})
+    if tags:
+        raise ShardingError(
+            f"{call}: {_where_eqn(eqn)} holds operators tagged jshard.pipeline_stage(fn, k) for k in {tags} inside "
+            f"its body; a {eqn.primitive.name} runs on one stage and cannot be cut. Tag the {eqn.primitive.name} "
+            f"as a whole (call it inside one pipeline_stage), or unroll it (a Python loop over the layers)."
+        )
+
+
+def _open(sub):
+    return sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+
+
+def _tags_in(jaxpr) -> list[str]:
+    found = []
+    for eqn in jaxpr.eqns:
+        found += _TAG.findall(str(eqn.source_info.name_stack))
+        for body in [*nested_jaxprs(eqn), *filter(None, (_open(eqn.params.get(k)) for k in _CALL_KEYS))]:
+            found += _tags_in(body)
+    return found
+
+
+def _walk(call: str, jaxpr, env: dict, prefix: str, out: list[Op]) -> None:
     for eqn in jaxpr.eqns:
         scope = f"{prefix}/{eqn.source_info.name_stack}"
         sub = _call_body(eqn)
         if sub is None:
+            _check_no_tags_inside(call, eqn)
             tags = _TAG.findall(scope)
             out.append(Op(eqn, tuple(resolve(env, v) for v in eqn.invars), tuple(eqn.outvars),
                           int(tags[-1]) if tags else None))
             continue
         for v_in, v_out in zip(sub.invars, eqn.invars):
             env[v_in] = resolve(env, v_out)
-        _walk(sub, env, scope, out)
+        _walk(call, sub, env, scope, out)
         for v_out, v_in in zip(eqn.outvars, sub.outvars):
             env[v_out] = resolve(env, v_in)
 
 
 def _call_body(eqn):
-    """The body of a call-like equation (`jax.jit`, a custom derivative, a remat) to inline, or None.
-    A body with constants of its own stays one equation."""
-    if eqn.primitive.name not in INLINE:
+    """The body of a call-like equation (`jax.jit`, a remat) to inline, or None. A custom
+    derivative (`jax.custom_jvp` / `custom_vjp`) stays one equation, so that its rule is the one
+    differentiated; so does a body with constants of its own."""
+    if eqn.primitive.name not in _INLINED:
         return None
     for key in _CALL_KEYS:
         sub = eqn.params.get(key)
@@ -245,7 +273,11 @@ def _check_every_stage_runs(call: str, per_stage, stages: int) -> None:
 
 
 def _where(op: Op) -> str:
-    return f"{op.eqn.primitive.name} at {user_source(op.eqn.source_info)}"
+    return _where_eqn(op.eqn)
+
+
+def _where_eqn(eqn) -> str:
+    return f"{eqn.primitive.name} at {user_source(eqn.source_info)}"
 
 
 def _range_error(call: str, op: Op, stages: int) -> str:
