@@ -189,12 +189,17 @@ def test_a_step_returning_more_than_the_loss_is_an_error():
         step(params, batch)
 
 
-def test_interleaved_and_in_strategy_are_refused_for_a_cut_step():
+def test_interleaved_in_strategy_and_integer_parameters_are_refused_for_a_cut_step():
     loss = _case(2, False)[2]
     with pytest.raises(js.ShardingError, match=r"schedule='interleaved' runs several chunks .* Use schedule='gpipe'"):
         js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="interleaved", virtual_stages=2)
     with pytest.raises(js.ShardingError, match=r"in_strategy= sets strategies inside the stages of a jshard\.Pipeline"):
         js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, in_strategy=((2, 1),))
+    params, batch, _, _ = _case(2, False)
+    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=r"params\['step'\] \(int32\[\]\) is not a float array; a pipelined step "
+                                               r"differentiates every parameter\. Pass integer state in the batch"):
+        step({**params, "step": jnp.zeros((), jnp.int32)}, batch)
 
 
 def test_the_cut_inlines_jit_and_remat_regions_and_chains_back_to_the_loss():

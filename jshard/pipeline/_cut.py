@@ -92,8 +92,9 @@ class Cut:
         return [read(v) for v in (self._crossing[k] if k < self.stages - 1 else (self._loss,))]
 
 
-def cut(step, params: Any, batch: Any, stages: int, call: str) -> Cut:
-    """`step`'s forward loss on `(params, batch)` (shapes of one micro-batch) cut into `stages`.
+def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline.cut") -> Cut:
+    """`step`'s forward loss on `(params, batch)` (shapes of one micro-batch) cut into `stages`;
+    `call` names the public call in errors.
 
     Raises:
       ShardingError: no tagged operator, a stage id >= `stages`, stages out of order along the data
@@ -104,7 +105,7 @@ def cut(step, params: Any, batch: Any, stages: int, call: str) -> Cut:
       >>> def loss(p, x):
       ...     h = js.pipeline_stage(lambda w, x: jnp.tanh(x @ w), 0)(p["a"], x)
       ...     return js.pipeline_stage(lambda w, h: h @ w, 1)(p["b"], h).mean()  # the mean joins stage 1
-      >>> c = cut(loss, {"a": jnp.ones((3, 4)), "b": jnp.ones((4, 2))}, jnp.ones((2, 3)), 2, "example")
+      >>> c = cut(loss, {"a": jnp.ones((3, 4)), "b": jnp.ones((4, 2))}, jnp.ones((2, 3)), 2)
       >>> c.params, [[a.str_short() for a in b] for b in c.boundary]
       (((0,), (1,)), [['float32[2,4]']])
     """

@@ -246,7 +246,7 @@ class Staged:
         self.fn, self.options, self.pipeline = fn, options, options.pipeline
         self.call = f"jshard.parallelize({_name(fn)})"
         _check_staged(self.call, options)
-        self.n, self.inner, self.mesh = _pipeline_mesh(self.call, options)
+        _, self.inner, self.mesh = _pipeline_mesh(self.call, options)
         self._cache: SignatureCache[_StagedEntry] = SignatureCache()
         self._packed: dict[tuple, _StagedEntry] = {}
 
