@@ -129,7 +129,8 @@ def parallelize(
       pipeline_stages: S, to pipeline `fn`, a `jshard.Pipeline`: the devices form S stages of
         `devices / S` each, and the result is a `jshard.pipeline.Pipelined` step (`jshard.pipeline`).
         Only `devices`, `in_strategy` (strategies over one stage's devices) and `dataset_strategy`
-        apply with it.
+        apply with it. Or `fn` is any loss or `value_and_grad` step whose parts are tagged with
+        `jshard.pipeline_stage(fn, k)`: it is cut at the tags, a `jshard.pipeline.Staged` step.
       micro_batches: M, how many micro-batches a step's batch is cut into (M >= S).
       schedule: `"1f1b"`, `"gpipe"` or `"interleaved"` (with `virtual_stages`).
       virtual_stages: v, model chunks per stage for `schedule="interleaved"`.

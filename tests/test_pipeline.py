@@ -266,9 +266,9 @@ def test_pipeline_options_without_stages_are_an_error():
         js.parallelize(lambda x: x, devices=8, micro_batches=4)
 
 
-def test_a_plain_function_cannot_be_pipelined():
-    with pytest.raises(TypeError, match=r"pipeline_stages= needs a jshard.Pipeline"):
-        js.parallelize(lambda x: x, devices=8, pipeline_stages=2, micro_batches=2)
+def test_only_a_pipeline_or_a_function_can_be_pipelined():
+    with pytest.raises(TypeError, match=r"pipeline_stages= needs a jshard.Pipeline or a function whose parts are tagged"):
+        js.parallelize(3, devices=8, pipeline_stages=2, micro_batches=2)
 
 
 def test_a_long_schedule_is_drawn_in_blocks_no_wider_than_asked():

@@ -8,6 +8,7 @@ from jshard.models._gpt import gpt_apply as gpt_apply
 from jshard.models._gpt import gpt_loss as gpt_loss
 from jshard.models._gpt import gpt_pipeline as gpt_pipeline
 from jshard.models._gpt import gpt_split_problems as gpt_split_problems
+from jshard.models._gpt import gpt_staged_loss as gpt_staged_loss
 from jshard.models._gpt import init_gpt as init_gpt
 from jshard.models._mlp import MLP_RULES as MLP_RULES
 from jshard.models._mlp import MLPConfig as MLPConfig

@@ -20,7 +20,7 @@ import numpy as np
 
 from jshard._recompute import recompute
 from jshard.models._presets import Preset
-from jshard.pipeline import Pipeline
+from jshard.pipeline import Pipeline, pipeline_stage
 
 GPT_RULES = {r"/(wq|wk|wv|w_up)$": "column", r"/(wo|w_down)$": "row", r"^head$": "column"}
 BOS, SEP, EOS = 0, 1, 2
@@ -198,6 +198,36 @@ def gpt_pipeline(cfg: GPTConfig, preset: Preset | None = None) -> Pipeline:
         last=lambda p, x, batch: _masked_nll(_logits(p, x, preset), batch[1], batch[2]),
         head=lambda p, x: _logits(p, x, preset),
     )
+
+
+def gpt_staged_loss(cfg: GPTConfig, stages: int, preset: Preset | None = None):
+    """`loss(params, batch)`, the GPT of unrolled blocks (`scan=False`) as a MindSpore user tags
+    it for `parallelize(loss, pipeline_stages=stages, ...)`: the embedding on stage 0, the blocks
+    in contiguous runs (stage `s` takes blocks `s·L/S ..`, the first stages one more where `S`
+    does not divide `L`), the head on the last stage, the loss untagged (it joins the head's).
+
+    Examples:
+      >>> cfg = GPTConfig(n_layers=3)
+      >>> params = init_gpt(cfg, jax.random.key(0))
+      >>> batch = copy_task_batch(np.random.default_rng(0), cfg, 4)
+      >>> bool(jnp.allclose(gpt_staged_loss(cfg, 2)(params, batch), gpt_loss(params, batch, cfg)))
+      True
+    """
+    if cfg.scan:
+        raise ValueError("gpt_staged_loss: needs GPTConfig(scan=False), whose blocks are a Python list to tag.")
+    block = _layer(cfg, preset)
+    runs = np.array_split(np.arange(cfg.n_layers), stages)
+    stage_of = {int(i): s for s, run in enumerate(runs) for i in run}
+
+    def loss(params: dict, batch: tuple) -> jax.Array:
+        tokens, targets, mask = batch
+        x = pipeline_stage(_embed, 0)(params, tokens)
+        for i, p in enumerate(params["layers"]):
+            x = pipeline_stage(block, stage_of[i])(p, x)
+        logits = pipeline_stage(lambda p, h: _logits(p, h, preset), stages - 1)(params, x)
+        return _masked_nll(logits, targets, mask)
+
+    return loss
 
 
 def copy_task_batch(rng: np.random.Generator, cfg: GPTConfig, batch: int) -> tuple[np.ndarray, ...]:

@@ -1,18 +1,25 @@
 """Pipeline parallel: stages, micro-batches, GPipe / 1F1B / interleaved schedules.
 
-`Pipeline` describes a model as first / layer stack / last; `pipeline_stage` tags per-stage
-functions; `jshard.parallelize(pipe, pipeline_stages=S, micro_batches=M, schedule=...)` returns a
-`Pipelined` step (one `jax.jit` program per step, see `_engine.py` for why); its `plan` is a
-`PipelinePlan` with the `Schedule` table and picture, bubble, memory and boundary bytes.
+`pipeline_stage(fn, k)` tags the parts of any step with their stage: `jshard.parallelize(step,
+pipeline_stages=S, micro_batches=M, schedule=...)` returns a `Staged` step, the step's forward loss
+`cut` into per-stage functions (`Cut`) run by a `StagedProgram` with each stage's parameters on its
+own devices. `Pipeline` describes a model as first / layer stack / last (the fast path for identical
+layers); for it `parallelize` returns a `Pipelined` step (one `jax.jit` program per step, see
+`_engine.py` for why); its `plan` is a `PipelinePlan` with the `Schedule` table and picture,
+bubble, memory and boundary bytes.
 """
 
+from jshard.pipeline._cut import Cut as Cut
+from jshard.pipeline._cut import cut as cut
 from jshard.pipeline._model import Pipeline as Pipeline
 from jshard.pipeline._model import StageFunction as StageFunction
 from jshard.pipeline._model import pipeline_stage as pipeline_stage
 from jshard.pipeline._parallel import Pipelined as Pipelined
+from jshard.pipeline._parallel import Staged as Staged
 from jshard.pipeline._parallel import pipelined as pipelined
 from jshard.pipeline._plan import PipelinePlan as PipelinePlan
 from jshard.pipeline._plan import StageInfo as StageInfo
 from jshard.pipeline._schedule import SCHEDULES as SCHEDULES
 from jshard.pipeline._schedule import Schedule as Schedule
 from jshard.pipeline._schedule import build_schedule as build_schedule
+from jshard.pipeline._staged import StagedProgram as StagedProgram

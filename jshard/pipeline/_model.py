@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from jshard._errors import ShardingError, api_boundary
+from jshard.pipeline._cut import STAGE_SCOPE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +47,25 @@ class StageFunction:
     stage: int
 
     def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
+        """`fn(*args, **kwargs)` in the name scope that tags its operators with the stage (how a
+        step passed to `parallelize(..., pipeline_stages=S)` is cut)."""
+        with jax.named_scope(STAGE_SCOPE + str(self.stage)):
+            return self.fn(*args, **kwargs)
 
 
 @api_boundary
 def pipeline_stage(fn: Callable[..., Any], stage: int) -> StageFunction:
-    """Tags `fn` (a layer function) to run on pipeline stage `stage` (MindSpore `Cell.pipeline_stage`).
+    """Tags `fn` to run on pipeline stage `stage` (MindSpore `Cell.pipeline_stage`).
+
+    Two uses. Inside any step passed to `parallelize(step, pipeline_stages=S, micro_batches=M)`
+    (the embedding, each layer of a Python loop, the head, each wrapped and called as usual): the
+    operators `fn` runs are tagged with `stage`, and the step is cut there (operators outside every
+    tag join the stage of their latest tagged producer). Or, in a `Pipeline`, as `layer=[...]`: one
+    `fn(stage_params, x) -> x` per stage over its slice of the layer stack.
 
     Args:
-      fn: `fn(stage_params, x) -> x`, applied to its stage's slice of the layer stack.
-      stage: the stage id.
+      fn: the function; called with whatever the caller passes.
+      stage: the stage id, `0 <= stage < pipeline_stages`.
 
     Returns:
       A `StageFunction`, callable as `fn`.

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
 from jshard._errors import DeviceCountError, ShardingError, api_boundary
+from jshard._format import shape_str
 from jshard.compile import (
     Options,
     SignatureCache,
@@ -36,10 +37,12 @@ from jshard.layouts import (
     dataset_slots,
     layout_of,
 )
+from jshard.pipeline._cut import cut
 from jshard.pipeline._engine import STAGE, Program, Specs
 from jshard.pipeline._model import Pipeline, check_stage_ids, stack_length
 from jshard.pipeline._plan import PipelinePlan, plan_of
 from jshard.pipeline._schedule import SCHEDULES, build_schedule
+from jshard.pipeline._staged import StagedProgram
 
 
 @dataclasses.dataclass
@@ -63,17 +66,7 @@ class Pipelined:
         self.pipe, self.options, self.pipeline = pipe, options, options.pipeline
         self.call = f"jshard.parallelize({_name(pipe)})"
         _check_config(self.call, pipe, options)
-        have = jax.devices()
-        self.n = len(have) if options.devices is None else options.devices
-        if self.n > len(have):
-            raise DeviceCountError(
-                f"{self.call}: devices={self.n}, but only {len(have)} device(s) are present; a pipelined "
-                f"step runs on devices present. On a CPU call jshard.simulate_devices({self.n}) first."
-            )
-        _check_divides_devices(self.call, self.n, self.pipeline.stages)
-        self.inner = FineMesh.for_devices(self.n // self.pipeline.stages)
-        self.mesh = Mesh(np.asarray(have[: self.n], dtype=object).reshape(self.pipeline.stages, *self.inner.sizes),
-                         (STAGE, *self.inner.names))
+        self.n, self.inner, self.mesh = _pipeline_mesh(self.call, options)
         self._cache: SignatureCache[_Entry] = SignatureCache()
         self._forwards: SignatureCache[Any] = SignatureCache()
 
@@ -221,6 +214,163 @@ class Pipelined:
         return jax.tree_util.tree_unflatten(treedef, [self._spec(s, x, "dataset_strategy") for s, x in zip(slots, leaves)])
 
 
+@dataclasses.dataclass
+class _StagedEntry:
+    program: StagedProgram
+    batch_sh: Any
+    packed_sh: Any
+    train: Any
+    pack: Any
+    unpack: Any
+    compiled: jax.stages.Compiled | None = None
+
+
+class Staged:
+    """A train step cut into pipeline stages where `jshard.pipeline_stage` tags it (MindSpore's
+    `Cell.pipeline_stage` on an ordinary network): call it for `(loss, grads)`.
+
+    Made by `jshard.parallelize(fn, pipeline_stages=S, micro_batches=M, schedule=...)` for a plain
+    function `fn(params, batch)` returning a scalar loss (a mean over the batch's rows), or
+    `jax.value_and_grad(loss)(params, batch)`; its forward loss is traced on one micro-batch, cut
+    into stages (`_cut.py`) and run under the schedule (`_staged.py`). The gradients are the
+    pipeline's own, one backward per stage and micro-batch.
+
+    Each stage's parameters live on its own devices only: `pack(params, batch)` lays a parameter
+    tree out as `[S, width]` buffers cut over the stage axis, `train(packed, batch)` runs the step
+    on them (an optimizer applied to the packed gradients keeps its state where it is used too),
+    `unpack` reads buffers back as a tree, `compile` compiles the packed program, and
+    `program(params, batch)` is the `StagedProgram` (`stage_bytes()`: each stage's share).
+    """
+
+    def __init__(self, fn: Any, options: Options):
+        self.fn, self.options, self.pipeline = fn, options, options.pipeline
+        self.call = f"jshard.parallelize({_name(fn)})"
+        _check_staged(self.call, options)
+        _, self.inner, self.mesh = _pipeline_mesh(self.call, options)
+        self._cache: SignatureCache[_StagedEntry] = SignatureCache()
+        self._packed: dict[tuple, _StagedEntry] = {}
+
+    @api_boundary
+    def __call__(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        """`(loss, grads)`: the mean loss over micro-batches and its gradients, in `params`' tree
+        (a parameter read by two stages gets the sum of both): `pack`, `train`, then the gradients
+        unpacked."""
+        e = self._entry(params, batch)
+        loss, grads = self._run(e, e.pack(*placed((params,), (_replicated(self.mesh, params),))), batch)
+        return loss, e.unpack(grads)
+
+    @api_boundary
+    def program(self, params: Any, batch: Any) -> StagedProgram:
+        """The `StagedProgram` for these arguments' shapes: the cut, its packing, the schedule."""
+        return self._entry(params, batch).program
+
+    @api_boundary
+    def pack(self, params: Any, batch: Any) -> dict[str, jax.Array]:
+        """`params` as the packed `[S, width]` buffers (one per dtype), each stage's row on its devices."""
+        e = self._entry(params, batch)
+        return e.pack(*placed((params,), (_replicated(self.mesh, params),)))
+
+    @api_boundary
+    def unpack(self, packed: dict[str, jax.Array], params: Any, batch: Any) -> Any:
+        """Packed buffers (parameters or gradients) back as a tree like `params`."""
+        return self._entry(params, batch).unpack(packed)
+
+    @api_boundary
+    def train(self, packed: dict[str, jax.Array], batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`(loss, packed grads)` on packed parameters (`pack`); a tied leaf's gradient, the sum over
+        its stages, is in every copy."""
+        e = self._packed.get(_signature((packed, batch)))
+        if e is None:
+            raise ShardingError(
+                f"{self.call}.train: no pipeline was built for packed parameters "
+                f"{ {k: shape_str(dtype_of(v), np.shape(v)) for k, v in packed.items()} } and this batch's shapes. "
+                f"Pack them with {self.call}.pack(params, batch) for a batch of these shapes first."
+            )
+        return self._run(e, packed, batch)
+
+    def _run(self, e: _StagedEntry, packed, batch):
+        if e.compiled is None:
+            e.compiled = e.train.lower(*abstract((packed, batch))).compile()
+        return e.compiled(*placed((packed, batch), (e.packed_sh, e.batch_sh)))
+
+    @api_boundary
+    def lower(self, params: Any, batch: Any) -> jax.stages.Lowered:
+        """The packed train program `(packed, batch) -> (loss, packed grads)`, lowered."""
+        e = self._entry(params, batch)
+        packed = jax.eval_shape(e.program.pack, jax.tree.leaves(abstract(params)))
+        return e.train.lower(packed, abstract(batch))
+
+    @api_boundary
+    def compile(self, params: Any, batch: Any) -> jax.stages.Compiled:
+        """The packed train program, compiled once per input signature."""
+        e = self._entry(params, batch)
+        if e.compiled is None:
+            e.compiled = self.lower(params, batch).compile()
+        return e.compiled
+
+    def _entry(self, params, batch) -> _StagedEntry:
+        return self._cache.get((params, batch), lambda: self._build(params, batch))
+
+    def _data_axes(self) -> tuple[str, ...]:
+        data = self.options.dataset_strategy == "data_parallel" and self.inner.device_count > 1
+        return tuple(self.inner.names) if data else ()
+
+    def _build(self, params, batch) -> _StagedEntry:
+        c, data_axes = self.pipeline, self._data_axes()
+        d = self.inner.device_count if data_axes else 1
+        _check_batch(self.call, batch, c.micro_batches, d)
+        leaves, treedef = jax.tree_util.tree_flatten(abstract(params))
+        _check_float_params(self.call, params)
+        rows = lambda a: jax.ShapeDtypeStruct((a.shape[0] // (c.micro_batches * d), *a.shape[1:]), a.dtype)
+        staged = self._cut(abstract(params), jax.tree.map(rows, abstract(batch)))
+        sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches)
+        program = StagedProgram(staged, sched, self.mesh, tuple(leaves), data_axes)
+        packed_sh = {name: NamedSharding(self.mesh, PartitionSpec(STAGE)) for name in program.param_widths}
+        batch_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec(data_axes or None)), batch)
+        loss_sh = NamedSharding(self.mesh, PartitionSpec())
+
+        e = _StagedEntry(
+            program, batch_sh, packed_sh,
+            jax.jit(program.train, in_shardings=(packed_sh, batch_sh), out_shardings=(loss_sh, packed_sh)),
+            jax.jit(lambda p: program.pack(jax.tree.leaves(p)), out_shardings=packed_sh),
+            jax.jit(lambda g: jax.tree_util.tree_unflatten(treedef, program.unpack(g))),
+        )
+        packed = jax.eval_shape(program.pack, leaves)
+        self._packed.setdefault(_signature((packed, batch)), e)  # what `train` finds it by
+        return e
+
+    def _cut(self, params, micro):
+        """The cut of `fn` on one device's micro-batch; `jshard.shard` calls inside are refused
+        (strategies inside cut stages are not built yet)."""
+        stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
+        ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto", recompute=self.options.recompute)
+        with _context.tracing(ctx):
+            staged = cut(self.fn, params, micro, self.pipeline.stages, self.call)
+        if ctx.annotations:
+            raise ShardingError(
+                f"{self.call}: the step calls jshard.shard ({len(ctx.annotations)} call(s)) inside stages cut by "
+                f"jshard.pipeline_stage; strategies inside cut stages are not supported yet. Drop the shard calls "
+                f"(each stage then runs data parallel over its {self.inner.device_count} devices), or describe "
+                f"the model as a jshard.Pipeline, whose stages take strategies."
+            )
+        return staged
+
+
+def _pipeline_mesh(call: str, options: Options) -> tuple[int, FineMesh, Mesh]:
+    """`(devices, the stage's fine mesh, the pipeline's mesh)`: a leading `stage` axis of S, then
+    each stage's own fine mesh over `devices / S` devices."""
+    have, stages = jax.devices(), options.pipeline.stages
+    n = len(have) if options.devices is None else options.devices
+    if n > len(have):
+        raise DeviceCountError(
+            f"{call}: devices={n}, but only {len(have)} device(s) are present; a pipelined "
+            f"step runs on devices present. On a CPU call jshard.simulate_devices({n}) first."
+        )
+    _check_divides_devices(call, n, stages)
+    inner = FineMesh.for_devices(n // stages)
+    return n, inner, Mesh(np.asarray(have[:n], dtype=object).reshape(stages, *inner.sizes), (STAGE, *inner.names))
+
+
 def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec)
 
@@ -237,13 +387,52 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_config(call: str, pipe: Any, options: Options) -> None:
+def _check_config(call: str, pipe: Pipeline, options: Options) -> None:
     c = options.pipeline
-    if not isinstance(pipe, Pipeline):
-        raise TypeError(
-            f"{call}: pipeline_stages= needs a jshard.Pipeline (first / layer stack / last), got "
-            f"{type(pipe).__name__}. Describe the model as jshard.Pipeline(first=..., layer=..., last=...)."
-        )
+    _check_options(call, options)
+    if pipe.tagged:
+        if c.virtual_stages != 1:
+            raise ShardingError(f"{call}: per-stage functions (pipeline_stage) run one chunk per stage; "
+                                f"virtual_stages={c.virtual_stages} needs one layer function instead.")
+        check_stage_ids(call, list(pipe.layer), c.stages)
+
+
+def _check_staged(call: str, options: Options) -> None:
+    """The options a step cut by `pipeline_stage` tags takes: one chunk per stage, no `in_strategy`."""
+    _check_options(call, options)
+    c = options.pipeline
+    if c.schedule == "interleaved":
+        raise ShardingError(f"{call}: schedule='interleaved' runs several chunks of a layer stack per stage; a "
+                            f"step cut by jshard.pipeline_stage tags has one region per stage. Use schedule='gpipe' "
+                            f"or '1f1b', or a jshard.Pipeline.")
+    if options.in_strategy:
+        raise ShardingError(f"{call}: in_strategy= sets strategies inside the stages of a jshard.Pipeline; a step "
+                            f"cut by jshard.pipeline_stage tags runs its stages data parallel (strategies inside cut "
+                            f"stages are not supported yet). Drop in_strategy=, or use a jshard.Pipeline.")
+
+
+def _check_float_params(call: str, params: Any) -> None:
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not jax.numpy.issubdtype(dtype_of(x), jax.numpy.inexact):
+            raise ShardingError(
+                f"{call}: params{jax.tree_util.keystr(path)} ({dtype_of(x)}{list(np.shape(x))}) is not a float array; "
+                f"a pipelined step differentiates every parameter. Pass integer state in the batch, or close over it."
+            )
+
+
+def _signature(tree: Any) -> tuple:
+    """The shapes and dtypes of `tree`'s leaves, and its structure: which program takes it."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(np.shape(x)), str(dtype_of(x))) for x in leaves)
+
+
+def _replicated(mesh: Mesh, tree: Any) -> Any:
+    return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
+
+
+def _check_options(call: str, options: Options) -> None:
+    """The pipeline options every pipelined step checks (stages, schedule, micro-batches, dataset)."""
+    c = options.pipeline
     if not isinstance(c.stages, int) or c.stages < 2:
         raise ShardingError(f"{call}: pipeline_stages={c.stages!r}; a pipeline needs at least 2 stages "
                             f"(drop pipeline_stages= to run without one).")
@@ -266,11 +455,6 @@ def _check_config(call: str, pipe: Any, options: Options) -> None:
             f"micro_batches={c.micro_batches} is not a multiple of {c.stages}. Use micro_batches="
             f"{math.ceil(c.micro_batches / c.stages) * c.stages}."
         )
-    if pipe.tagged:
-        if c.virtual_stages != 1:
-            raise ShardingError(f"{call}: per-stage functions (pipeline_stage) run one chunk per stage; "
-                                f"virtual_stages={c.virtual_stages} needs one layer function instead.")
-        check_stage_ids(call, list(pipe.layer), c.stages)
     check_dataset_strategy(options.dataset_strategy, call=call, tuples=False)
 
 
@@ -354,5 +538,18 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
         raise ShardingError(f"{call}: offload={options.offload} keeps state in host memory in the one-program "
                             f"path; it cannot be used with a pipeline yet. Drop offload= or the pipeline.")
     if fn is None:
-        return lambda f: Pipelined(f, options)
-    return Pipelined(fn, options)
+        return lambda f: _pipelined_step(f, options)
+    return _pipelined_step(fn, options)
+
+
+def _pipelined_step(fn: Any, options: Options) -> Pipelined | Staged:
+    """A `Pipelined` step for a `jshard.Pipeline`, a `Staged` one for a function tagged with
+    `jshard.pipeline_stage`."""
+    if isinstance(fn, Pipeline):
+        return Pipelined(fn, options)
+    if not callable(fn):
+        raise TypeError(
+            f"jshard.parallelize({_name(fn)}): pipeline_stages= needs a jshard.Pipeline or a function whose parts "
+            f"are tagged with jshard.pipeline_stage(fn, k), got {type(fn).__name__}."
+        )
+    return Staged(fn, options)

@@ -1,0 +1,299 @@
+"""Stages cut from any function: the regions `pipeline_stage(fn, k)` tags, found in its jaxpr.
+
+`cut(step, params, micro_batch, stages)` traces `step` (a loss `step(params, batch) -> scalar`, or
+a train step returning `jax.value_and_grad(loss)(params, batch)`, whose forward loss it keeps: the
+equations the loss depends on) on one micro-batch, and assigns each equation a stage:
+
+- an equation inside `pipeline_stage(fn, k)` (its name stack holds `STAGE_SCOPE + k`; calls such as
+  `jax.jit` are inlined, their equations taking the call's tag) runs on stage `k`;
+- an untagged equation joins the stage of its nearest tagged producer, the latest stage among its
+  operands' producers (MindSpore's rule); one fed by parameters, the batch and constants only runs
+  on the first stage that uses it.
+
+Each stage `k` is then one function `run(k, params_k, micro_batch, inputs) -> outputs`: `params_k`
+are the parameter leaves its equations read (a leaf read by two stages, a tied embedding, is in
+both), `inputs` the boundary values entering it from earlier stages, `outputs` the values a later
+stage reads (values made earlier and needed later go along, stage by stage); the last stage
+returns the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+from jshard._errors import ShardingError
+from jshard._format import shape_str
+from jshard._source import user_source
+from jshard.graph import INLINE, distinct_calls, nested_jaxprs, resolve
+
+STAGE_SCOPE = "jshard_pipeline_stage_"
+"""The name scope `pipeline_stage(fn, k)` runs `fn` in, followed by `k`."""
+_TAG = re.compile(STAGE_SCOPE + r"(\d+)")
+_CALL_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_INLINED = INLINE - {"custom_jvp_call", "custom_vjp_call"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Op:
+    """One equation of the flattened forward loss: its operands (outer variables or literals) and
+    results, and the stage it runs on."""
+
+    eqn: Any
+    inputs: tuple
+    outputs: tuple
+    tag: int | None
+    stage: int = -1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Cut:
+    """A forward loss cut into `stages` per-stage functions (see the module docstring).
+
+    Attributes:
+      stages: S.
+      ops: per stage, its equations in program order.
+      params: per stage, the indices of the parameter leaves it reads (flat, `jax.tree.leaves` order).
+      boundary: per boundary `k -> k+1` (`k < S - 1`), the values crossing it, as avals.
+    """
+
+    stages: int
+    ops: tuple[tuple[Op, ...], ...]
+    params: tuple[tuple[int, ...], ...]
+    boundary: tuple[tuple[jax.core.ShapedArray, ...], ...]
+    _param_vars: tuple
+    _batch_vars: tuple
+    _consts: dict
+    _crossing: tuple[tuple[Any, ...], ...]
+    _loss: Any
+
+    @property
+    def loss_aval(self) -> jax.core.ShapedArray:
+        """The loss's shape and dtype (a scalar)."""
+        return self._loss.aval
+
+    def run(self, k: int, params_k: list, batch: list, inputs: list) -> list:
+        """Stage `k` on its parameter leaves, the micro-batch's leaves and its boundary inputs: the
+        values crossing to stage `k + 1`, or `[loss]` on the last stage."""
+        env = dict(self._consts)
+        env.update(zip((self._param_vars[i] for i in self.params[k]), params_k))
+        env.update(zip(self._batch_vars, batch))
+        if k:
+            env.update(zip(self._crossing[k - 1], inputs))
+        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
+        for op in self.ops[k]:
+            params = op.eqn.primitive.get_bind_params(op.eqn.params)
+            out = op.eqn.primitive.bind(*map(read, op.inputs), **params)
+            env.update(zip(op.outputs, out if op.eqn.primitive.multiple_results else [out]))
+        return [read(v) for v in (self._crossing[k] if k < self.stages - 1 else (self._loss,))]
+
+
+def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline.cut") -> Cut:
+    """`step`'s forward loss on `(params, batch)` (shapes of one micro-batch) cut into `stages`;
+    `call` names the public call in errors.
+
+    Raises:
+      ShardingError: no tagged operator, a stage id >= `stages`, stages out of order along the data
+        flow, a stage with nothing to run, or a result that is neither a loss nor `(loss, grads)`.
+
+    Examples:
+      >>> import jax.numpy as jnp, jshard as js
+      >>> def loss(p, x):
+      ...     h = js.pipeline_stage(lambda w, x: jnp.tanh(x @ w), 0)(p["a"], x)
+      ...     return js.pipeline_stage(lambda w, h: h @ w, 1)(p["b"], h).mean()  # the mean joins stage 1
+      >>> c = cut(loss, {"a": jnp.ones((3, 4)), "b": jnp.ones((4, 2))}, jnp.ones((2, 3)), 2)
+      >>> c.params, [[a.str_short() for a in b] for b in c.boundary]
+      (((0,), (1,)), [['float32[2,4]']])
+    """
+    closed = distinct_calls(jax.make_jaxpr(step)(params, batch))
+    jaxpr, n_params = closed.jaxpr, len(jax.tree.leaves(params))
+    loss = _loss_var(call, jaxpr, jax.eval_shape(step, params, batch), params)
+    ops = _needed(_flatten(call, jaxpr), loss)
+    if all(op.tag is None for op in ops):
+        raise ShardingError(_no_tags_error(call, stages))
+    ops = _assign(call, ops, stages, loss)
+    per_stage = tuple(tuple(op for op in ops if op.stage == k) for k in range(stages))
+    _check_every_stage_runs(call, per_stage, stages)
+    param_vars = tuple(jaxpr.invars[:n_params])
+    index = {v: i for i, v in enumerate(param_vars)}
+    used = tuple(tuple(sorted({index[v] for op in st for v in _vars(op.inputs) if v in index})) for st in per_stage)
+    crossing = _crossing(ops, stages, loss)
+    return Cut(stages, per_stage, used, tuple(tuple(v.aval for v in b) for b in crossing), param_vars,
+               tuple(jaxpr.invars[n_params:]), dict(zip(jaxpr.constvars, closed.consts)), crossing, loss)
+
+
+def _loss_var(call: str, jaxpr, out, params):
+    """The variable of the loss: the one result, or the first of `(loss, grads)`."""
+    leaves = jax.tree.leaves(out)
+    scalar = lambda a: a.shape == () and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+    if len(leaves) == 1 and scalar(leaves[0]):
+        return jaxpr.outvars[0]
+    if (isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[1]) == jax.tree.structure(params)
+            and scalar(out[0])):
+        return jaxpr.outvars[0]
+    raise ShardingError(
+        f"{call}: a function cut into pipeline stages returns a scalar loss, or (loss, grads) as "
+        f"jax.value_and_grad(loss)(params, batch) does; it returned {jax.tree.map(lambda a: shape_str(a.dtype, a.shape), out)}. "
+        f"Return the loss (or value_and_grad's pair) and apply the optimizer to the pipeline's gradients."
+    )
+
+
+def _flatten(call: str, jaxpr) -> list[Op]:
+    """The top-level equations with call-like bodies inlined, each with its innermost stage tag."""
+    out: list[Op] = []
+    _walk(call, jaxpr, {}, "", out)
+    return out
+
+
+def _check_no_tags_inside(call: str, eqn) -> None:
+    """A loop, branch or custom derivative runs on one stage: a tag inside its body cannot cut it."""
+    bodies = [*nested_jaxprs(eqn), *filter(None, (_open(eqn.params.get(k)) for k in _CALL_KEYS))]
+    tags = sorted({int(t) for body in bodies for t in _tags_in(body)})
+    if tags:
+        raise ShardingError(
+            f"{call}: {_where_eqn(eqn)} holds operators tagged jshard.pipeline_stage(fn, k) for k in {tags} inside "
+            f"its body; a {eqn.primitive.name} runs on one stage and cannot be cut. Tag the {eqn.primitive.name} "
+            f"as a whole (call it inside one pipeline_stage), or unroll it (a Python loop over the layers)."
+        )
+
+
+def _open(sub):
+    return sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+
+
+def _tags_in(jaxpr) -> list[str]:
+    found = []
+    for eqn in jaxpr.eqns:
+        found += _TAG.findall(str(eqn.source_info.name_stack))
+        for body in [*nested_jaxprs(eqn), *filter(None, (_open(eqn.params.get(k)) for k in _CALL_KEYS))]:
+            found += _tags_in(body)
+    return found
+
+
+def _walk(call: str, jaxpr, env: dict, prefix: str, out: list[Op]) -> None:
+    for eqn in jaxpr.eqns:
+        scope = f"{prefix}/{eqn.source_info.name_stack}"
+        sub = _call_body(eqn)
+        if sub is None:
+            _check_no_tags_inside(call, eqn)
+            tags = _TAG.findall(scope)
+            out.append(Op(eqn, tuple(resolve(env, v) for v in eqn.invars), tuple(eqn.outvars),
+                          int(tags[-1]) if tags else None))
+            continue
+        for v_in, v_out in zip(sub.invars, eqn.invars):
+            env[v_in] = resolve(env, v_out)
+        _walk(call, sub, env, scope, out)
+        for v_out, v_in in zip(eqn.outvars, sub.outvars):
+            env[v_out] = resolve(env, v_in)
+
+
+def _call_body(eqn):
+    """The body of a call-like equation (`jax.jit`, a remat) to inline, or None. A custom
+    derivative (`jax.custom_jvp` / `custom_vjp`) stays one equation, so that its rule is the one
+    differentiated; so does a body with constants of its own."""
+    if eqn.primitive.name not in _INLINED:
+        return None
+    for key in _CALL_KEYS:
+        sub = eqn.params.get(key)
+        if sub is None:
+            continue
+        if isinstance(sub, jcore.ClosedJaxpr):
+            return None if sub.consts else sub.jaxpr
+        return sub
+    return None
+
+
+def _needed(ops: list[Op], loss) -> list[Op]:
+    """The equations the loss depends on (a train step's gradient and residual work dropped)."""
+    live, kept = {loss}, []
+    for op in reversed(ops):
+        if any(v in live for v in op.outputs):
+            kept.append(op)
+            live.update(v for v in op.inputs if isinstance(v, jcore.Var))
+    return kept[::-1]
+
+
+def _assign(call: str, ops: list[Op], stages: int, loss) -> list[Op]:
+    """Every equation's stage (see the module docstring), checked: ids below `stages`, and no value
+    flowing from a later stage to an earlier one."""
+    made: dict = {}
+    stage: list[int | None] = []
+    for op in ops:
+        producers = [made[v] for v in op.inputs if isinstance(v, jcore.Var) and made.get(v) is not None]
+        if op.tag is not None:
+            if op.tag >= stages:
+                raise ShardingError(_range_error(call, op, stages))
+            late = [p for p in producers if p > op.tag]
+            if late:
+                raise ShardingError(_order_error(call, op, max(late)))
+            s = op.tag
+        else:
+            s = max(producers, default=None)
+        stage.append(s)
+        made.update(dict.fromkeys(op.outputs, s))
+    first_use: dict = {loss: stages - 1}
+    for i in reversed(range(len(ops))):
+        op = ops[i]
+        if stage[i] is None:
+            stage[i] = min((first_use[v] for v in op.outputs if v in first_use), default=0)
+        for v in op.inputs:
+            if isinstance(v, jcore.Var):
+                first_use[v] = min(first_use.get(v, stages), stage[i])
+    return [dataclasses.replace(op, stage=s) for op, s in zip(ops, stage)]
+
+
+def _crossing(ops: list[Op], stages: int, loss) -> tuple[tuple[Any, ...], ...]:
+    """Per boundary `k -> k+1`, the values made on a stage <= k and read on one > k, in program order."""
+    made = {v: op.stage for op in ops for v in op.outputs}
+    last_use: dict = {loss: stages - 1}
+    for op in ops:
+        for v in _vars(op.inputs):
+            if v in made:
+                last_use[v] = max(last_use.get(v, 0), op.stage)
+    order = [v for op in ops for v in op.outputs if v in last_use]
+    return tuple(tuple(v for v in order if made[v] <= k < last_use[v]) for k in range(stages - 1))
+
+
+def _vars(values) -> list:
+    """The variables among an equation's operands (literals left out)."""
+    return [v for v in values if isinstance(v, jcore.Var)]
+
+
+def _check_every_stage_runs(call: str, per_stage, stages: int) -> None:
+    empty = [k for k, ops in enumerate(per_stage) if not ops]
+    if empty:
+        raise ShardingError(
+            f"{call}: pipeline_stages={stages}, but stage(s) {empty} run no operator of the loss: every "
+            f"stage 0..{stages - 1} needs a jshard.pipeline_stage(fn, k) region the loss depends on. Tag "
+            f"the layers of those stages, or use pipeline_stages={stages - len(empty)}."
+        )
+
+
+def _where(op: Op) -> str:
+    return _where_eqn(op.eqn)
+
+
+def _where_eqn(eqn) -> str:
+    return f"{eqn.primitive.name} at {user_source(eqn.source_info)}"
+
+
+def _range_error(call: str, op: Op, stages: int) -> str:
+    return (f"{call}: {_where(op)} is tagged jshard.pipeline_stage(fn, {op.tag}), but pipeline_stages={stages} "
+            f"has stages 0..{stages - 1}. Tag it with a stage below {stages}, or pass pipeline_stages="
+            f"{op.tag + 1}.")
+
+
+def _order_error(call: str, op: Op, late: int) -> str:
+    return (f"{call}: {_where(op)} is tagged jshard.pipeline_stage(fn, {op.tag}), but it reads a value made on "
+            f"stage {late}: stages must not decrease along the data flow (a stage only sends to later ones). "
+            f"Tag it {late} or later, or move the producer to stage {op.tag} or earlier.")
+
+
+def _no_tags_error(call: str, stages: int) -> str:
+    return (f"{call}: pipeline_stages={stages}, but no operator of the loss is tagged with a stage. Wrap the "
+            f"parts of the model in jshard.pipeline_stage(fn, k) (the embedding and first layers k=0, ..., the "
+            f"head k={stages - 1}), or pass a jshard.Pipeline(first=..., layer=..., last=...).")

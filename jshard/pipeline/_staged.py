@@ -1,0 +1,364 @@
+"""The SPMD program of a step cut into stages (`_cut.py`): per-stage bodies under one schedule.
+
+The stacked form (`_engine.py`) runs one layer function on every stage; a cut step's stages differ
+(stage 0 the embedding and two layers, the last the head and the loss), so here every forward or
+backward tick is a `lax.switch` on the stage index over per-stage bodies, and the values of
+differing shapes are packed as one flat buffer per dtype:
+
+- **parameters where they are used**: stage `k`'s parameter leaves (`Cut.params[k]`) packed into
+  one row per dtype of a `[S, width]` buffer cut over the `stage` axis, so a device holds its own
+  stage's parameters only (the width is the largest stage's share; a smaller stage's row is padded).
+  A leaf read by two stages (a tied embedding) is in both rows, and its gradient is summed over
+  them once per step (a `psum` over the stage axis of those leaves only), so both copies stay equal
+  under any optimizer applied to the packed state;
+- **boundaries**: what crosses `k -> k+1` (`Cut.boundary[k]`) packed into a buffer of the widest
+  boundary; the input gradients sent back, their float part;
+- **stored residuals**: a forward runs its stage under `jax.vjp` and stores the pullback's leaves
+  (less the stage's parameters, read again) packed per dtype, the width of the largest stage's;
+  the backward rebuilds the pullback from them and sends the input gradient back. A stage holds
+  the residuals of the micro-batches in flight, `M` under GPipe and at most `S` under 1F1B.
+
+The tick table, micro-batch order and slot counts are the `Schedule`'s, as in the stacked form;
+with pure data parallel inside stages (`dataset_strategy="data_parallel"`) every axis is manual:
+each device runs its own rows, and gradients are summed once per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jshard.pipeline._cut import Cut
+from jshard.pipeline._engine import STAGE
+from jshard.pipeline._schedule import F_LAST, IDLE, Schedule
+
+Buffers = dict[str, jax.Array]
+"""One 1-D (or `[..., width]`) array per dtype name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat:
+    """Arrays of given shapes packed into one 1-D buffer per dtype, in order.
+
+    Attributes:
+      avals: the arrays' shapes and dtypes.
+      offsets: each array's start in its dtype's buffer.
+      sizes: per dtype name, the elements its arrays take.
+
+    Examples:
+      >>> f = Flat.of([jnp.ones((2, 2)), jnp.zeros(3, jnp.int32)])
+      >>> packed = f.pack([jnp.ones((2, 2)), jnp.arange(3)], {"float32": 6, "int32": 3})
+      >>> packed["float32"].tolist(), [a.tolist() for a in f.unpack(packed)][1]
+      ([1.0, 1.0, 1.0, 1.0, 0.0, 0.0], [0, 1, 2])
+    """
+
+    avals: tuple[jax.ShapeDtypeStruct, ...]
+    offsets: tuple[int, ...]
+    sizes: dict[str, int]
+
+    @classmethod
+    def of(cls, avals: Sequence[Any]) -> Flat:
+        sizes: dict[str, int] = {}
+        offsets = []
+        for a in avals:
+            name = np.dtype(a.dtype).name
+            offsets.append(sizes.get(name, 0))
+            sizes[name] = offsets[-1] + int(np.prod(a.shape))
+        return cls(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals), tuple(offsets), sizes)
+
+    def pack(self, arrays: Sequence[jax.Array], widths: dict[str, int]) -> Buffers:
+        """The arrays as one buffer per dtype of `widths`, zero-padded to its width."""
+        parts: dict[str, list] = {name: [] for name in widths}
+        for a, x in zip(self.avals, arrays):
+            parts[np.dtype(a.dtype).name].append(jnp.ravel(x).astype(a.dtype))
+        out = {}
+        for name, width in widths.items():
+            used = self.sizes.get(name, 0)
+            pad = [jnp.zeros((width - used,), name)] if width > used else []
+            out[name] = jnp.concatenate(parts[name] + pad) if parts[name] or pad else jnp.zeros((0,), name)
+        return out
+
+    def unpack(self, buffers: Buffers) -> list[jax.Array]:
+        """The arrays read back from `buffers`."""
+        return [jax.lax.dynamic_slice_in_dim(buffers[np.dtype(a.dtype).name], o, int(np.prod(a.shape))).reshape(a.shape)
+                for a, o in zip(self.avals, self.offsets)]
+
+
+def widths(flats: Sequence[Flat]) -> dict[str, int]:
+    """Per dtype, the largest size over `flats` (the width their shared buffer needs)."""
+    out: dict[str, int] = {}
+    for f in flats:
+        for name, size in f.sizes.items():
+            out[name] = max(out.get(name, 0), size)
+    return dict(sorted(out.items()))
+
+
+def _inexact(aval) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagedProgram:
+    """The packed train step of `cut` under `schedule` on `mesh` (`stage` axis first).
+
+    Attributes:
+      cut: the per-stage functions.
+      schedule: the tick table (one chunk per stage).
+      mesh: the pipeline's mesh.
+      param_avals: the parameter leaves' shapes and dtypes (flat).
+      data_axes: the stage's axes its micro-batches' rows are cut over (pure data parallel).
+    """
+
+    cut: Cut
+    schedule: Schedule
+    mesh: Mesh
+    param_avals: tuple[jax.ShapeDtypeStruct, ...]
+    data_axes: tuple[str, ...] = ()
+
+    # --- the packed layouts ---
+
+    @property
+    def param_flats(self) -> list[Flat]:
+        return [Flat.of([self.param_avals[j] for j in idx]) for idx in self.cut.params]
+
+    @property
+    def param_widths(self) -> dict[str, int]:
+        return widths(self.param_flats)
+
+    def _boundary_flats(self, grads: bool) -> list[Flat]:
+        return [Flat.of([a for a in b if _inexact(a) or not grads]) for b in self.cut.boundary]
+
+    def pack(self, leaves: Sequence[jax.Array]) -> Buffers:
+        """The parameter leaves as `[S, width]` buffers, row `k` stage `k`'s."""
+        w = self.param_widths
+        rows = [f.pack([leaves[j] for j in idx], w) for f, idx in zip(self.param_flats, self.cut.params)]
+        return {name: jnp.stack([r[name] for r in rows]) for name in w}
+
+    def unpack(self, packed: Buffers) -> list[jax.Array]:
+        """The parameter leaves read from `[S, width]` buffers (a leaf of no stage: zeros)."""
+        out: list = [None] * len(self.param_avals)
+        for k, (f, idx) in enumerate(zip(self.param_flats, self.cut.params)):
+            row = {name: b[k] for name, b in packed.items()}
+            for j, x in zip(idx, f.unpack(row)):
+                out[j] = x if out[j] is None else out[j]
+        return [jnp.zeros(a.shape, a.dtype) if x is None else x for x, a in zip(out, self.param_avals)]
+
+    def stage_bytes(self) -> tuple[int, ...]:
+        """Bytes of each stage's own parameters (its share; a tied leaf counts in each stage)."""
+        return tuple(sum(int(np.prod(self.param_avals[j].shape)) * np.dtype(self.param_avals[j].dtype).itemsize
+                         for j in idx) for idx in self.cut.params)
+
+    # --- the step ---
+
+    def train(self, packed: Buffers, batch: Any) -> tuple[jax.Array, Buffers]:
+        """`(loss, packed gradients)`: the loss is the mean over micro-batches; a tied leaf's
+        gradient is the sum over its stages, in every copy."""
+        micro = _micro(batch, self.schedule.micro_batches)
+        spec = P(None, self.data_axes) if self.data_axes else P()
+        mapped = jax.shard_map(
+            self._body, mesh=self.mesh,
+            in_specs=(P(STAGE), jax.tree.map(lambda _: spec, micro), P(None, STAGE)),
+            out_specs=(P(), P(STAGE)), axis_names={STAGE, *self.data_axes}, check_vma=False,
+        )
+        return mapped(packed, micro, self._table())
+
+    def _table(self) -> np.ndarray:
+        """`[ticks, stages, 6]` int32: kind (0 idle, 1 forward, 2 backward), micro-batch, and what
+        arrives each way (`valid`, `micro`)."""
+        sch = self.schedule
+        codes = sch.codes()
+        kind = np.where(codes == IDLE, 0, np.where(codes <= F_LAST, 1, 2))
+        (fv, _, fm), (bv, _, bm) = sch.receives("F"), sch.receives("B")
+        return np.stack([kind, sch.field("micro"), fv, fm, bv, bm], axis=-1).astype(np.int32)
+
+    def _body(self, packed, micro, table):
+        sch, s = self.schedule, self.schedule.stages
+        params = {name: b[0] for name, b in packed.items()}
+        ticks = _Ticks(self, params, micro)
+        bw, gw = ticks.bw, ticks.gw
+        carry = {
+            "xin": _zeros(sch.slots("activations"), bw), "res": _zeros(sch.slots("residuals"), ticks.rw),
+            "gin": _zeros(sch.slots("gradients"), gw), "g": _zeros(None, self.param_widths),
+            "loss": jnp.zeros((), jnp.float32),
+        }
+        forward = [(i, i + 1) for i in range(s - 1)]
+        backward = [(i + 1, i) for i in range(s - 1)]
+
+        def tick(carry, row):
+            kind, i, fv, fm, bv, bm = (row[n] for n in range(6))
+            view = {"x": _at(carry["xin"], i), "res": _at(carry["res"], i), "g_in": _at(carry["gin"], i)}
+            out = jax.lax.switch(kind, [ticks.idle, ticks.forward, ticks.backward], view, i)
+            carry = dict(carry)
+            carry["res"] = _put(carry["res"], i, out["res"])
+            carry["g"] = jax.tree.map(jnp.add, carry["g"], out["g"])
+            carry["loss"] = carry["loss"] + out["loss"]
+            carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(out["send_f"], STAGE, forward), fv, fm)
+            carry["gin"] = _receive(carry["gin"], jax.lax.ppermute(out["send_b"], STAGE, backward), bv, bm)
+            return carry, None
+
+        carry = jax.lax.scan(tick, carry, table[:, 0])[0]
+        d = self._data_degree()
+        loss = jax.lax.psum(carry["loss"], (STAGE, *self.data_axes)) / (sch.micro_batches * d)
+        g = carry["g"]
+        if self.data_axes:  # each device differentiated the mean over its own rows
+            g = jax.tree.map(lambda x: x / d, jax.lax.psum(g, self.data_axes))
+        g = self._sum_tied(g)
+        return loss, {name: x[None] for name, x in g.items()}
+
+    def _sum_tied(self, g: Buffers) -> Buffers:
+        """Each leaf read by more than one stage gets the sum of its stages' gradients, in every copy."""
+        holders: dict[int, list[int]] = {}
+        for k, idx in enumerate(self.cut.params):
+            for j in idx:
+                holders.setdefault(j, []).append(k)
+        tied = [j for j, ks in holders.items() if len(ks) > 1]
+        if not tied:
+            return g
+        flats, tied_flat = self.param_flats, Flat.of([self.param_avals[j] for j in tied])
+        tw = widths([tied_flat])
+
+        def mine(k):
+            leaves = dict(zip(self.cut.params[k], flats[k].unpack(g)))
+            return tied_flat.pack([leaves.get(j, jnp.zeros(self.param_avals[j].shape, self.param_avals[j].dtype))
+                                   for j in tied], tw)
+
+        stage = jax.lax.axis_index(STAGE)
+        total = jax.lax.psum(jax.lax.switch(stage, [lambda k=k: mine(k) for k in range(self.cut.stages)]), STAGE)
+        summed = dict(zip(tied, tied_flat.unpack(total)))
+
+        def put_back(k):
+            leaves = flats[k].unpack(g)
+            return flats[k].pack([summed.get(j, x) for j, x in zip(self.cut.params[k], leaves)], self.param_widths)
+
+        return jax.lax.switch(stage, [lambda k=k: put_back(k) for k in range(self.cut.stages)])
+
+    def _data_degree(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in self.data_axes])) if self.data_axes else 1
+
+
+class _Ticks:
+    """One stage's tick operations (idle, forward, backward), each a switch over the stage index;
+    every one returns the same dict: the residuals to store, what to send each way, the parameter
+    gradient and loss increments."""
+
+    def __init__(self, program: StagedProgram, params: Buffers, micro: Any):
+        self.p, self.params, self.micro = program, params, micro
+        self.cut, self.m = program.cut, program.schedule.micro_batches
+        self.pf, self.pw = program.param_flats, program.param_widths
+        self.bf, self.gf = program._boundary_flats(False), program._boundary_flats(True)
+        self.bw, self.gw = widths(self.bf), widths(self.gf)
+        self.stage = jax.lax.axis_index(STAGE)
+        self.pulls = [self._pullback_shape(k) for k in range(self.cut.stages)]
+        self.rf = [Flat.of(stored) for _, _, stored in self.pulls]
+        self.rw = widths(self.rf)
+
+    def _result(self, view, **changes) -> dict:
+        base = {"res": view["res"], "send_f": _zeros(None, self.bw), "send_b": _zeros(None, self.gw),
+                "g": _zeros(None, self.pw), "loss": jnp.zeros((), jnp.float32)}
+        return {**base, **changes}
+
+    def idle(self, view, i):
+        return self._result(view)
+
+    def _mb(self, i) -> list:
+        return [jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in jax.tree.leaves(self.micro)]
+
+    def _vjp(self, k, i, x_buffers):
+        """Stage `k` on micro-batch `i` under `jax.vjp` (over its parameters and float inputs):
+        `(outputs, pullback of the float outputs, parameters)`."""
+        ins, mb = self.bf[k - 1].unpack(x_buffers) if k else [], self._mb(i)
+        floats = [n for n, x in enumerate(ins) if _inexact(x)]
+
+        def run(params_k, xs):
+            merged = list(ins)
+            for n, x in zip(floats, xs):
+                merged[n] = x
+            outs = self.cut.run(k, params_k, mb, merged)
+            return [y for y in outs if _inexact(y)], outs
+
+        params_k = self.pf[k].unpack(self.params)
+        _, pull, outs = jax.vjp(run, params_k, [ins[n] for n in floats], has_aux=True)
+        return outs, pull, params_k
+
+    def _stored(self, pull, params_k) -> tuple[Any, tuple[int | None, ...], list]:
+        """`(structure, param_of, stored)`: the pullback's leaves, each either one of the stage's
+        parameters (`param_of`: its index; read again at the backward) or a residual to store."""
+        leaves, tree = jax.tree.flatten(pull)
+        param_of = tuple(next((j for j, p in enumerate(params_k) if leaf is p), None) for leaf in leaves)
+        return tree, param_of, [jnp.asarray(leaf) for leaf, j in zip(leaves, param_of) if j is None]
+
+    def _pullback_shape(self, k):
+        """Stage `k`'s `_stored` structure, its residuals as shapes (traced once, not run)."""
+        found = {}
+
+        def probe(x_buffers):
+            tree, param_of, stored = self._stored(*self._vjp(k, 0, x_buffers)[1:])
+            found["tree"], found["param_of"] = tree, param_of
+            return stored
+
+        stored = jax.eval_shape(probe, _zeros(None, self.bw))
+        return found["tree"], found["param_of"], stored
+
+    def forward(self, view, i):
+        """Runs the stage on micro-batch `i` under `jax.vjp`, storing its residuals; sends its
+        outputs on, or (the last stage) adds its loss."""
+
+        def at(k):
+            outs, pull, params_k = self._vjp(k, i, view["x"])
+            res = self.rf[k].pack(self._stored(pull, params_k)[2], self.rw)
+            if k == self.cut.stages - 1:
+                return self._result(view, res=res, loss=outs[0].astype(jnp.float32))
+            return self._result(view, res=res, send_f=self.bf[k].pack(outs, self.bw))
+
+        return jax.lax.switch(self.stage, [lambda k=k: at(k) for k in range(self.cut.stages)])
+
+    def backward(self, view, i):
+        """Rebuilds the stored pullback of micro-batch `i`, applies it to the gradient received
+        (the last stage: the loss's `1 / M`), and sends the input gradient back."""
+
+        def at(k):
+            tree, param_of, _ = self.pulls[k]
+            params_k, stored = self.pf[k].unpack(self.params), iter(self.rf[k].unpack(view["res"]))
+            pull = jax.tree.unflatten(tree, [next(stored) if j is None else params_k[j] for j in param_of])
+            if k == self.cut.stages - 1:
+                loss = self.cut.loss_aval
+                cot = [jnp.full(loss.shape, 1.0 / self.m, loss.dtype)]
+            else:
+                cot = self.gf[k].unpack(view["g_in"])
+            g_params, g_x = pull(cot)
+            send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
+            return self._result(view, g=self.pf[k].pack(g_params, self.pw), send_b=send_b)
+
+        return jax.lax.switch(self.stage, [lambda k=k: at(k) for k in range(self.cut.stages)])
+
+
+def _micro(batch, m: int):
+    """`[rows, ...]` leaves as `[M, rows / M, ...]`, micro-batch `i` the rows `i::M` (the stacked
+    form's order)."""
+    return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1), batch)
+
+
+def _zeros(slots: int | None, w: dict[str, int]) -> Buffers:
+    lead = () if slots is None else (slots,)
+    return {name: jnp.zeros((*lead, width), name) for name, width in w.items()}
+
+
+def _at(buffers: Buffers, i) -> Buffers:
+    return {name: b[i % b.shape[0]] for name, b in buffers.items()}
+
+
+def _put(buffers: Buffers, i, values: Buffers) -> Buffers:
+    return {name: jax.lax.dynamic_update_index_in_dim(b, values[name], i % b.shape[0], 0) for name, b in buffers.items()}
+
+
+def _receive(buffers: Buffers, values: Buffers, valid, i) -> Buffers:
+    """`values` written into slot `i % slots` where this stage received something this tick."""
+    kept = _at(buffers, i)
+    return _put(buffers, i, {name: jnp.where(valid > 0, values[name], kept[name]) for name in buffers})

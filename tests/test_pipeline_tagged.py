@@ -1,0 +1,278 @@
+"""Stages cut from any function: an unrolled GPT whose embedding, layers and head are tagged with
+`js.pipeline_stage(fn, k)` inside a plain train step, pipelined by `parallelize(step,
+pipeline_stages=S, micro_batches=M, schedule=...)`. Loss and gradients equal the unpipelined step
+(non-uniform stages, a tied embedding read by the first and the last stage), each stage's devices
+hold that stage's parameters only, and bad tags are errors naming the fix."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _tolerance import assert_close, step_terms
+from jax.sharding import PartitionSpec as P
+
+import jshard as js
+
+D, VOCAB, SEQ, LAYERS, ROWS = 32, 16, 8, 4, 16
+
+
+def _init(tied: bool) -> dict:
+    keys = iter(jax.random.split(jax.random.key(0), 3 + 4 * LAYERS))
+    dense = lambda a, b: jax.random.normal(next(keys), (a, b)) / np.sqrt(a)
+    params = {
+        "embed": jax.random.normal(next(keys), (VOCAB, D)) * 0.3,
+        "pos": jax.random.normal(next(keys), (SEQ, D)) * 0.1,
+        "layers": [{"qkv": dense(D, 3 * D), "out": dense(D, D), "up": dense(D, 2 * D), "down": dense(2 * D, D)}
+                   for _ in range(LAYERS)],
+    }
+    return params if tied else {**params, "head": dense(D, VOCAB)}
+
+
+def _norm(x):
+    return (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + 1e-5)
+
+
+def _block(p, x):
+    q, k, v = jnp.split(_norm(x) @ p["qkv"], 3, axis=-1)
+    scores = jnp.where(jnp.tril(jnp.ones((SEQ, SEQ), bool)), jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(D), -1e9)
+    x = x + jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), v) @ p["out"]
+    return x + jax.nn.gelu(_norm(x) @ p["up"]) @ p["down"]
+
+
+def _gpt_loss(stage_of_layer, last: int, tied: bool):
+    """The unrolled GPT's loss as a user writes it, each part tagged with its stage."""
+
+    def loss(params, batch):
+        tokens, targets = batch
+        x = js.pipeline_stage(lambda p, t: p["embed"][t] + p["pos"][None], 0)(params, tokens)
+        for i, lp in enumerate(params["layers"]):
+            x = js.pipeline_stage(_block, stage_of_layer[i])(lp, x)
+        w_out = params["embed"].T if tied else params["head"]  # untagged: runs where the head reads it
+        logits = js.pipeline_stage(lambda w, h: _norm(h) @ w, last)(w_out, x)
+        logp = jax.nn.log_softmax(logits, axis=-1)  # untagged: joins the head's stage
+        return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+    return loss
+
+
+@functools.cache
+def _case(stages: int, tied: bool):
+    params = _init(tied)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (ROWS, SEQ))
+    batch = (tokens, np.roll(tokens, -1, axis=1))
+    per = LAYERS // stages
+    loss = _gpt_loss([i // per for i in range(LAYERS)], stages - 1, tied)
+    return params, batch, loss, jax.jit(jax.value_and_grad(loss))(params, batch)
+
+
+CASES = [("gpipe", 2, 4, False), ("1f1b", 2, 4, False), ("1f1b", 4, 4, True)]
+
+
+@functools.cache
+def _step(schedule: str, stages: int, micro: int, tied: bool):
+    _, _, loss, _ = _case(stages, tied)
+    if tied:  # a plain loss function: the pipeline returns (loss, grads) for it
+        return js.parallelize(loss, devices=8, pipeline_stages=stages, micro_batches=micro, schedule=schedule)
+    step = lambda params, batch: jax.value_and_grad(loss)(params, batch)  # an ordinary train step
+    return js.parallelize(step, devices=8, pipeline_stages=stages, micro_batches=micro, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule,stages,micro,tied", CASES,
+                         ids=[f"{s}-S{n}-M{m}{'-tied' if t else ''}" for s, n, m, t in CASES])
+def test_tagged_gpt_equals_the_unpipelined_step(schedule, stages, micro, tied):
+    params, batch, _, (ref_loss, ref_grads) = _case(stages, tied)
+    loss, grads = _step(schedule, stages, micro, tied)(params, batch)
+    # S=2: stage 0 = embedding + 2 layers, stage 1 = 2 layers + head; S=4 with the embedding tied
+    # to the head, read by stages 0 and 3, its gradient the sum of both
+    assert_close((loss, grads), (ref_loss, ref_grads), terms=step_terms(params, batch))
+
+
+def _nbytes(tree) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(tree))
+
+
+def test_each_stage_holds_its_own_parameters_only():
+    params, batch, _, _ = _case(2, False)
+    step = _step("1f1b", 2, 4, False)
+    layers = params["layers"]
+    shares = (_nbytes([params["embed"], params["pos"], layers[:2]]), _nbytes([layers[2:], params["head"]]))
+    assert step.program(params, batch).stage_bytes() == shares
+    packed_sharding = step.compile(params, batch).input_shardings[0][0]  # the packed parameters
+    per_device = {name: s.shard_shape((2, max(shares) // 4)) for name, s in packed_sharding.items()}
+    assert {name: s.spec for name, s in packed_sharding.items()} == {"float32": P("stage")}
+    assert per_device == {"float32": (1, max(shares) // 4)}  # one stage's row: the larger share, not the whole model
+    assert max(shares) < _nbytes(params)
+    # stage 1's four devices hold its two layers and the head, packed in leaf order, and nothing of stage 0's
+    packed = step.pack(params, batch)["float32"]
+    mine = np.concatenate([np.ravel(a) for a in jax.tree.leaves({"head": params["head"], "layers": layers[2:]})])
+    for shard in packed.addressable_shards:
+        if shard.index[0] == slice(1, 2, None):
+            np.testing.assert_array_equal(np.asarray(shard.data)[0, : mine.size], mine)
+
+
+def test_tied_copies_get_the_summed_gradient_in_the_packed_step():
+    params, batch, _, (_, ref_grads) = _case(4, True)
+    step = _step("1f1b", 4, 4, True)
+    program = step.program(params, batch)
+    _, packed_grads = step.train(step.pack(params, batch), batch)
+    rows = np.asarray(packed_grads["float32"])
+    flats = program.param_flats
+    embed = 0  # the index of params["embed"] among the leaves: its key sorts first
+    copies = [np.asarray(f.unpack({"float32": jnp.asarray(rows[k])})[idx.index(embed)])
+              for k, (f, idx) in enumerate(zip(flats, program.cut.params)) if embed in idx]
+    assert len(copies) == 2  # the first and the last stage
+    for copy in copies:  # both copies hold the whole gradient, so an optimizer keeps them equal
+        assert_close(copy, ref_grads["embed"], terms=step_terms(params, batch))
+
+
+def test_a_packed_training_loop_keeps_state_where_it_is_used_and_trains_like_one_device():
+    """SGD with momentum on the packed buffers (an update linear in the gradients, so the two runs'
+    rounding differences stay of their size): each stage's parameters and optimizer state stay on its devices,
+    the tied embedding's two copies stay equal, and the losses follow the one-device run."""
+    params, batch, loss, _ = _case(4, True)
+    step = _step("1f1b", 4, 4, True)
+    opt = optax.sgd(0.1, momentum=0.9)
+    update = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*opt.update(g, s, p)))
+    ref = jax.jit(jax.value_and_grad(loss))
+    packed, p = step.pack(params, batch), params
+    state, ref_state = opt.init(packed), opt.init(params)
+    got, want = [], []
+    for _ in range(3):
+        value, grads = step.train(packed, batch)
+        packed, state = update(packed, state, grads)
+        ref_value, ref_grads = ref(p, batch)
+        p, ref_state = update(p, ref_state, ref_grads)
+        got.append(float(value))
+        want.append(float(ref_value))
+    assert_close(got, want, dtype=np.float32, terms=3 * step_terms(params, batch))
+    assert want[-1] < want[0]
+    assert {x.sharding.spec for x in jax.tree.leaves((packed, state)) if x.ndim == 2} == {P("stage")}
+    program = step.program(params, batch)
+    rows = [np.asarray(f.unpack({"float32": packed["float32"][k]})[idx.index(0)])
+            for k, (f, idx) in enumerate(zip(program.param_flats, program.cut.params)) if 0 in idx]
+    np.testing.assert_array_equal(rows[0], rows[1])  # the embedding (leaf 0) in stage 0's row and stage 3's
+    assert_close(step.unpack(packed, params, batch), p, terms=3 * step_terms(params, batch))
+
+
+def _tagged_loss(stage_of_layer, last):
+    return _gpt_loss(stage_of_layer, last, tied=False)
+
+
+@pytest.mark.parametrize("loss,message", [
+    (_tagged_loss([0, 0, 1, 1], 2),
+     r"is tagged jshard\.pipeline_stage\(fn, 2\), but pipeline_stages=2 has stages 0\.\.1\. Tag it with a stage "
+     r"below 2, or pass pipeline_stages=3"),
+    (_tagged_loss([0, 1, 0, 1], 1),
+     r"is tagged jshard\.pipeline_stage\(fn, 0\), but it reads a value made on stage 1: stages must not decrease "
+     r"along the data flow"),
+    (_tagged_loss([0, 0, 0, 0], 0),
+     r"pipeline_stages=2, but stage\(s\) \[1\] run no operator of the loss"),
+    (lambda p, b: (p["embed"][b[0]] @ p["head"]).mean(),
+     r"pipeline_stages=2, but no operator of the loss is tagged with a stage\. Wrap the parts of the model in "
+     r"jshard\.pipeline_stage\(fn, k\)"),
+], ids=["stage-out-of-range", "not-monotone", "empty-stage", "no-tags"])
+def test_bad_tags_are_errors_naming_the_fix(loss, message):
+    params, batch, _, _ = _case(2, False)
+    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=message):
+        step(params, batch)
+
+
+def test_a_step_returning_more_than_the_loss_is_an_error():
+    params, batch, loss, _ = _case(2, False)
+    step = js.parallelize(lambda p, b: (loss(p, b), 2 * loss(p, b)), devices=8, pipeline_stages=2, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=r"returns a scalar loss, or \(loss, grads\) as jax\.value_and_grad"):
+        step(params, batch)
+
+
+def test_interleaved_in_strategy_and_integer_parameters_are_refused_for_a_cut_step():
+    loss = _case(2, False)[2]
+    with pytest.raises(js.ShardingError, match=r"schedule='interleaved' runs several chunks .* Use schedule='gpipe'"):
+        js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(js.ShardingError, match=r"in_strategy= sets strategies inside the stages of a jshard\.Pipeline"):
+        js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, in_strategy=((2, 1),))
+    params, batch, _, _ = _case(2, False)
+    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=r"params\['step'\] \(int32\[\]\) is not a float array; a pipelined step "
+                                               r"differentiates every parameter\. Pass integer state in the batch"):
+        step({**params, "step": jnp.zeros((), jnp.int32)}, batch)
+
+
+def test_the_cut_inlines_jit_and_remat_regions_and_chains_back_to_the_loss():
+    """Calls inside a tag (a jitted block, a recomputed one) take its stage; untagged operators join
+    their latest tagged producer's stage; the stages run one after another give the loss."""
+    from jshard.pipeline import cut  # noqa: PLC0415
+
+    params, batch, _, _ = _case(2, False)
+    block = js.pipeline_stage(jax.jit(_block), 0)
+    remat = js.pipeline_stage(js.recompute(_block), 1)
+
+    def loss(p, b):
+        x = js.pipeline_stage(lambda p, t: p["embed"][t] + p["pos"][None], 0)(p, b[0])
+        x = remat(p["layers"][1], block(p["layers"][0], x))
+        logp = jax.nn.log_softmax(_norm(x) @ p["head"], axis=-1)  # untagged: stage 1
+        return -jnp.take_along_axis(logp, b[1][..., None], axis=-1).mean()
+
+    c = cut(loss, params, batch, 2, "test")
+    leaves = jax.tree.leaves(params)
+    names = [re.match(r"\['\w+'\](\[\d\])?", jax.tree_util.keystr(k)).group()
+             for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    assert [sorted({names[j] for j in idx}) for idx in c.params] == [
+        ["['embed']", "['layers'][0]", "['pos']"], ["['head']", "['layers'][1]"]]
+    assert [[a.shape for a in b] for b in c.boundary] == [[(ROWS, SEQ, D)]]
+
+    @jax.jit
+    def chained(leaves, flat_batch):
+        x = c.run(0, [leaves[j] for j in c.params[0]], flat_batch, [])
+        return c.run(1, [leaves[j] for j in c.params[1]], flat_batch, x)[0]
+
+    got = chained(leaves, jax.tree.leaves(batch))
+    assert_close(got, jax.jit(loss)(params, batch), terms=step_terms(params, batch, backward=False))
+
+
+@jax.custom_vjp
+def _clipped(x):
+    return x
+
+
+_clipped.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.01, 0.01),))
+
+
+def _small_loss(p, x):
+    """Stage 0: a loop inside one tag and a custom derivative rule; stage 1: the head."""
+    def layers(w, x):
+        return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=2)[0]
+
+    h = js.pipeline_stage(lambda w, x: _clipped(layers(w, x)), 0)(p["a"], x)
+    return js.pipeline_stage(lambda w, h: (h @ w).mean(), 1)(p["b"], h)
+
+
+def test_a_custom_derivative_keeps_its_rule_and_a_loop_inside_one_tag_is_one_operator():
+    from jshard.pipeline import cut  # noqa: PLC0415
+
+    p, x = {"a": jnp.eye(4) / 2, "b": jnp.ones((4, 2))}, jnp.ones((2, 4))
+    c = cut(_small_loss, p, x, 2, "test")
+    assert [[op.eqn.primitive.name for op in ops] for ops in c.ops] == [
+        ["scan", "custom_vjp_call"], ["dot_general", "reduce_sum", "div"]]
+
+    def chained(a, b):
+        return c.run(1, [b], [x], c.run(0, [a], [x], []))[0]
+
+    ref = jax.grad(_small_loss)(p, x)
+    assert_close(jax.grad(chained, argnums=(0, 1))(p["a"], p["b"]), (ref["a"], ref["b"]), terms=16)
+    assert float(jnp.abs(ref["a"]).max()) <= 0.01 * 4  # the clipped rule, not the identity's gradient
+
+
+def test_a_tag_inside_a_loop_body_is_an_error():
+    def loss(p, x):
+        body = lambda h, w: (js.pipeline_stage(lambda w, h: jnp.tanh(h @ w), 1)(w, h), None)
+        return jax.lax.scan(body, x, p)[0].mean()
+
+    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=2)
+    with pytest.raises(js.ShardingError, match=r"scan at .* holds operators tagged jshard\.pipeline_stage\(fn, k\) for "
+                                               r"k in \[1\] inside its body; a scan runs on one stage and cannot be cut"):
+        step(jnp.ones((2, 4, 4)), jnp.ones((16, 4)))
