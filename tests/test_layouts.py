@@ -100,7 +100,7 @@ def test_layout_worked_example(where):
     placed = jax.device_put(a, sharding)
     on = {shard.device.id: np.asarray(shard.data).ravel().tolist() for shard in placed.addressable_shards}
     assert [on[r] for r in (0, 4, 2, 6)] == [[0.0], [1.0], [2.0], [3.0]]
-    assert sharding.spec == PartitionSpec("d2", ("d1", "d0"))
+    assert sharding.spec == PartitionSpec("mp", ("sp", "dp"))  # the plan speaks the Layout's axis names
 
 
 @pytest.mark.parametrize(
@@ -181,6 +181,53 @@ def test_layout_on_6_devices():
     (sharding,) = step.plan(x).in_shardings
     # ("b", "a") cuts columns 6-way, b major: block k = 2*b + a on rank 3*a + b.
     assert [cols(sharding, x.shape, k, 6) for k in range(6)] == [{0}, {3}, {1}, {4}, {2}, {5}]
+
+
+# --- A Layout names the plan's mesh axes -----------------------------------------------------------
+
+LAY_2_4 = js.Layout((2, 4), ("dp", "mp"))
+
+
+def _row_parallel(x, w):
+    return jnp.tanh(js.shard(jnp.matmul, (LAY_2_4("dp", "mp"), LAY_2_4("mp", "None")))(x, w))
+
+
+def test_the_plan_speaks_the_layouts_axis_names():
+    """No mesh given: the plan's mesh is the Layout's axes by their names (`mp` one axis of 4, as on a
+    mesh of the user's), in the specs, the summary and explain."""
+    x, w = _rand((8, 16)), _rand((16, 8), 1)
+    step = js.parallelize(_row_parallel, devices=8)
+    plan = step.plan(x, w)
+    assert (plan.fine.names, plan.fine.sizes) == (("dp", "mp"), (2, 4))
+    assert plan.in_specs == (PartitionSpec("dp", "mp"), PartitionSpec("mp"))
+    assert plan.out_specs == (PartitionSpec("dp"),)
+    assert "mesh (dp=2, mp=4)" in plan.summary()
+    assert "all-reduce of 128 B over mp" in plan.explain(plan.ops[0])
+    assert_close(step(x, w), jax.jit(_row_parallel)(x, w), terms=16 + 4)  # x @ w, then tanh
+
+
+def test_a_layout_axis_split_by_another_strategy_keeps_its_name():
+    """A tuple strategy that needs a boundary inside `mp` splits it: `mp_0`, `mp_1`, major first."""
+    x, w = _rand((8, 16)), _rand((16, 8), 1)
+    step = js.parallelize(lambda x, w: js.shard(jnp.tanh, ((2, 2),))(_row_parallel(x, w)), devices=8)
+    plan = step.plan(x, w)
+    assert plan.fine.names == ("dp", "mp_0", "mp_1")
+    assert plan.in_specs == (PartitionSpec("dp", ("mp_0", "mp_1")), PartitionSpec(("mp_0", "mp_1")))
+    assert "mesh (dp=2, mp_0=2, mp_1=2)" in plan.summary()
+
+
+def test_layouts_naming_one_axis_twice_are_an_error():
+    x, w = _rand((8, 16)), _rand((16, 8), 1)
+    other = js.Layout((2, 4), ("batch", "model"))
+    step = js.parallelize(_row_parallel, devices=8, in_strategy=(other("batch", "model"), None))
+    with pytest.raises(js.ShardingError) as e:
+        step.plan(x, w)
+    assert str(e.value).startswith(
+        "jshard.parallelize(_row_parallel): in_strategy[0] uses Layout((2, 4), ('batch', 'model')) and matmul at "
+        "test_layouts.py:")
+    assert ("uses Layout((2, 4), ('dp', 'mp')), which name the devices' axes differently: one axis of 2 devices "
+            "(rank stride 4) is 'batch' in one and 'dp' in the other. The plan's mesh takes its axis names from "
+            "your Layouts") in str(e.value)
 
 
 # --- Function-level in_strategy / out_strategy --------------------------------------------------
