@@ -193,27 +193,17 @@ def _row_parallel(x, w):
 
 
 def test_the_plan_speaks_the_layouts_axis_names():
-    """No mesh given: the plan's mesh is the Layout's axes by their names (`mp` one axis of 4, as on a
-    mesh of the user's), in the specs, the summary and explain."""
+    """No mesh given: the plan's mesh axes take the Layout's names, `mp` of 4 over two fine axes as
+    `mp_0`, `mp_1` (major first), in the specs, the summary and explain."""
     x, w = _rand((8, 16)), _rand((16, 8), 1)
     step = js.parallelize(_row_parallel, devices=8)
     plan = step.plan(x, w)
-    assert (plan.fine.names, plan.fine.sizes) == (("dp", "mp"), (2, 4))
-    assert plan.in_specs == (PartitionSpec("dp", "mp"), PartitionSpec("mp"))
-    assert plan.out_specs == (PartitionSpec("dp"),)
-    assert "mesh (dp=2, mp=4)" in plan.summary()
-    assert "all-reduce of 128 B over mp" in plan.explain(plan.ops[0])
-    assert_close(step(x, w), jax.jit(_row_parallel)(x, w), terms=16 + 4)  # x @ w, then tanh
-
-
-def test_a_layout_axis_split_by_another_strategy_keeps_its_name():
-    """A tuple strategy that needs a boundary inside `mp` splits it: `mp_0`, `mp_1`, major first."""
-    x, w = _rand((8, 16)), _rand((16, 8), 1)
-    step = js.parallelize(lambda x, w: js.shard(jnp.tanh, ((2, 2),))(_row_parallel(x, w)), devices=8)
-    plan = step.plan(x, w)
-    assert plan.fine.names == ("dp", "mp_0", "mp_1")
+    assert (plan.fine.names, plan.fine.sizes) == (("dp", "mp_0", "mp_1"), (2, 2, 2))
     assert plan.in_specs == (PartitionSpec("dp", ("mp_0", "mp_1")), PartitionSpec(("mp_0", "mp_1")))
+    assert plan.out_specs == (PartitionSpec("dp"),)
     assert "mesh (dp=2, mp_0=2, mp_1=2)" in plan.summary()
+    assert "all-reduce of 128 B over mp_0×mp_1" in plan.explain(plan.ops[0])
+    assert_close(step(x, w), jax.jit(_row_parallel)(x, w), terms=16 + 4)  # x @ w, then tanh
 
 
 def test_layouts_naming_one_axis_twice_are_an_error():

@@ -264,7 +264,7 @@ def _check_axis_names(layout: TensorLayout, mesh: Mesh | None, who: str, call: s
 
 def _fine_mesh(c: Options, n: int, needed, call: str) -> FineMesh:
     """The user's mesh as it is (its axes and names), or jshard's own, refined for `needed`, its
-    axes named as the user's `Layout`s name them (an axis a Layout names kept whole where it can)."""
+    axes named as the user's `Layout`s name them."""
     if c.mesh is not None:
         users = FineMesh.of_mesh(c.mesh)
         for matrix, who, _ in needed:
@@ -272,11 +272,10 @@ def _fine_mesh(c: Options, n: int, needed, call: str) -> FineMesh:
                 raise ShardingError(_users_mesh_error(call, matrix, who, c))
         return users
     names = axis_names([(m, a, w) for m, w, a in needed if a is not None], call)
-    default = FineMesh.for_devices(n)
-    if not names and all(default.fits(m) for m, _, _ in needed):
-        return default
-    fine = FineMesh.refining(n, [m for m, _, _ in needed], [w for _, w, _ in needed], call=call, whole=names)
-    return fine.named(names, call=call)
+    fine = FineMesh.for_devices(n)
+    if not all(fine.fits(m) for m, _, _ in needed):
+        fine = FineMesh.refining(n, [m for m, _, _ in needed], [w for _, w, _ in needed], call=call)
+    return fine.named(names, call=call) if names else fine
 
 
 def _budget_retry_error(call: str, budget: float, held: float, asked: float, e: ShardingError) -> str:

@@ -11,16 +11,16 @@ device-matrix axis is then a run of consecutive fine axes, and each layout exact
 Two device matrices whose boundaries do not nest (on 12 devices `[3, 4]` has a boundary at stride
 4, `[4, 3]` at stride 3) cannot share one device order: that is a `LayoutConflictError`.
 
-A `Layout` names its axes, and the fine mesh takes those names (`axis_names`, `FineMesh.named`): an
-axis a `Layout` names is one mesh axis of that name (not split into primes unless another strategy
-needs a boundary inside it: then `mp_0`, `mp_1`, major first), so the plan speaks the user's names.
+A `Layout` names its axes, and the fine mesh takes those names (`axis_names`, `FineMesh.named`): the
+fine axis that is a named axis takes its name; the fine axes that split one (`mp` of 4 over two axes
+of 2) take it with `_0`, `_1`, major first. The mesh keeps its shape, so naming changes no plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -108,7 +108,6 @@ class FineMesh:
         who: Sequence[str] | None = None,
         *,
         call: str = "jshard.parallelize",
-        whole: Collection[tuple[int, int]] = (),
     ) -> "FineMesh":
         """The coarsest prime-split mesh whose axes refine every matrix in `matrices`.
 
@@ -117,8 +116,6 @@ class FineMesh:
           matrices: device matrices (each multiplying to `n`).
           who: for errors, what uses each matrix (an operator and its source line).
           call: for errors, the public call being made.
-          whole: `(stride, size)` of axes kept as one mesh axis where no boundary falls inside them
-            (the axes a `Layout` names).
 
         Raises:
           LayoutConflictError: two matrices split the ranks at boundaries that do not nest.
@@ -129,7 +126,7 @@ class FineMesh:
             raise LayoutConflictError(_conflict_message(call, n, matrices, who))
         sizes: list[int] = []
         for lo, hi in reversed(list(zip(cuts, cuts[1:]))):  # major segment first
-            sizes += [hi // lo] if (lo, hi // lo) in whole else sorted(_prime_factors(hi // lo), reverse=True)
+            sizes += sorted(_prime_factors(hi // lo), reverse=True)
         return cls(tuple(sizes) or (1,))
 
     def named(self, names: Mapping[tuple[int, int], str], *, call: str = "jshard.parallelize") -> "FineMesh":
