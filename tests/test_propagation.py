@@ -110,7 +110,7 @@ def test_gpt_propagated_equals_one_device(gpt_2d):
     assert_close(got, want, terms=step_terms(args[0], args[2]))  # new parameters, state and loss
     # Weights are stored where the Megatron matmuls use them: w_up cut on its columns 4 ways.
     w_up = plan.in_shardings[0]["layers"][0]["w_up"]
-    assert w_up.spec == jax.sharding.PartitionSpec(None, ("d1", "d2"))
+    assert w_up.spec == jax.sharding.PartitionSpec(None, ("mp_0", "mp_1"))  # the preset Layout's mp, over 2 mesh axes
 
 
 def test_gpt_prediction_matches_compiled_bytes(gpt_2d):
