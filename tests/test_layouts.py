@@ -239,13 +239,14 @@ def test_function_boundary_strategies():
     compiled = step.lower(params, x).compile()
     (p_sh, x_sh), kwargs = compiled.input_shardings
     assert kwargs == {}
-    # A lone tuple is its own device matrix (+ repeats): (1, 4) → [1, 4, 2]; (2, 1) → [2, 1, 4].
-    assert p_sh["w"].spec == PartitionSpec(None, ("d0", "d1"))
-    assert p_sh["b"].spec == PartitionSpec(None, ("d0", "d1"))
-    assert x_sh.spec == PartitionSpec("d0")
+    # A lone tuple is its own device matrix (+ repeats): (1, 4) → [1, 4, 2]; (2, 1) → [2, 1, 4]. The
+    # mesh's axes take LAY's names, tuples' specs too.
+    assert p_sh["w"].spec == PartitionSpec(None, ("dp", "sp"))
+    assert p_sh["b"].spec == PartitionSpec(None, ("dp", "sp"))
+    assert x_sh.spec == PartitionSpec("dp")
     assert cols(p_sh["w"], (8, 16), 1, 4) == {2, 3}
     out_sh, sum_sh = compiled.output_shardings
-    assert out_sh.spec == PartitionSpec("d0", ("d1", "d2"))
+    assert out_sh.spec == PartitionSpec("dp", ("sp", "mp"))
     assert sum_sh.spec == PartitionSpec()
     assert step.plan(params, x).in_shardings == ({"w": p_sh["w"], "b": p_sh["b"]}, x_sh)
     out, total = step(params, x)
