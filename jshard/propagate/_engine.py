@@ -8,7 +8,9 @@ cost is least: redistribution of its known operands and its own partial sums fir
 compute per device second. An operator whose inputs are still undecided waits for them while
 anything else can move. Values used by several operators (a parameter) are laid out once, by the
 first; the others redistribute. Operators no walk reaches, and primitives without a rule, stay
-replicated and are counted (`Plan.coverage`).
+replicated and are counted (`Plan.coverage`). After the walk, an operator that leaves partial sums
+and whose users all took its result in one finer layout sums into that layout where it is cheaper
+(an embedding gradient's scatter-add all-reduces its vocabulary slice, not the whole table).
 """
 
 from __future__ import annotations
