@@ -206,6 +206,15 @@ def test_the_plan_speaks_the_layouts_axis_names():
     assert_close(step(x, w), jax.jit(_row_parallel)(x, w), terms=16 + 4)  # x @ w, then tanh
 
 
+def test_nested_layout_axes_take_the_innermost_names():
+    """`x` of Layout((2, 4), ("dp", "x")) spans LAY's `sp` and `mp`: the mesh says `sp`, `mp`."""
+    t = _rand((8, 16))
+    inner = js.Layout((2, 4), ("dp", "x"))("dp", "x")
+    step = js.parallelize(lambda t: js.shard(jnp.tanh, (inner,))(t), devices=8, in_strategy=(LAY("dp", ("sp", "mp")),))
+    plan = step.plan(t)
+    assert plan.fine.names == ("dp", "sp", "mp") and plan.in_specs == (PartitionSpec("dp", ("sp", "mp")),)
+
+
 def test_layouts_naming_one_axis_twice_are_an_error():
     x, w = _rand((8, 16)), _rand((16, 8), 1)
     other = js.Layout((2, 4), ("batch", "model"))

@@ -67,17 +67,18 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
         check_micro_batches(args, batch, cut, options.accumulation.steps, n, call)
     needed = _boundary_matrices(options, slots, dataset, args, n, call)
     while True:
-        fine = _fine_mesh(options, n, needed, call)
+        fine, named = _fine_mesh(options, n, needed, call)
         try:
-            return _build_on(fn, args, fine, devices, slots, dataset, options, call)
+            return _build_on(fn, args, fine, named, devices, slots, dataset, options, call)
         except NotRefined as e:
             if options.mesh is not None:
                 raise ShardingError(_users_mesh_error(call, e.matrix, e.who, options)) from None
             needed.append((e.matrix, e.who, e.names))
 
 
-def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, call: str) -> Program:
-    """Traces, plans and builds on one fine mesh; raises `NotRefined` where it is too coarse. With
+def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c: Options, call: str) -> Program:
+    """Traces, plans and builds on one fine mesh, whose axes `named` names (`axis_names`); raises
+    `NotRefined` where it is too coarse, or a `Layout` met in the trace names axes it does not. With
     `jshard.recompute(policy="auto")` regions and the search planning, weighs each recompute policy."""
     types = argument_types(args, fine, slots, dataset, c, call)
     traced = trace(fn, args, fine, devices, c, call, types=types)
@@ -87,7 +88,8 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
                 _check_axis_names(layout, c.mesh, f"{a.name} at {a.source}", call)
     if c.mesh is None:
         for layout, who in _named_layouts(traced, c, call):
-            if not fine.speaks(layout):  # traced again on a mesh that speaks its names
+            mine = axis_names([(layout.device_matrix, layout.axis_names, who)], call)
+            if any(named.get(axis) != name for axis, name in mine.items()):  # traced again, named so
                 e = NotRefined(layout.device_matrix, layout.axis_names)
                 e.who = who
                 raise e
@@ -262,20 +264,20 @@ def _check_axis_names(layout: TensorLayout, mesh: Mesh | None, who: str, call: s
                 f"Layout({tuple(mesh.devices.shape)}, {tuple(mesh.axis_names)}).")
 
 
-def _fine_mesh(c: Options, n: int, needed, call: str) -> FineMesh:
+def _fine_mesh(c: Options, n: int, needed, call: str) -> tuple[FineMesh, dict]:
     """The user's mesh as it is (its axes and names), or jshard's own, refined for `needed`, its
-    axes named as the user's `Layout`s name them."""
+    axes named as the user's `Layout`s name them; and those names (`axis_names`)."""
     if c.mesh is not None:
         users = FineMesh.of_mesh(c.mesh)
         for matrix, who, _ in needed:
             if not users.fits(matrix):
                 raise ShardingError(_users_mesh_error(call, matrix, who, c))
-        return users
+        return users, {}
     names = axis_names([(m, a, w) for m, w, a in needed if a is not None], call)
     fine = FineMesh.for_devices(n)
     if not all(fine.fits(m) for m, _, _ in needed):
         fine = FineMesh.refining(n, [m for m, _, _ in needed], [w for _, w, _ in needed], call=call)
-    return fine.named(names, call=call) if names else fine
+    return (fine.named(names, call=call) if names else fine), names
 
 
 def _budget_retry_error(call: str, budget: float, held: float, asked: float, e: ShardingError) -> str:

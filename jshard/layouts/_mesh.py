@@ -132,14 +132,15 @@ class FineMesh:
     def named(self, names: Mapping[tuple[int, int], str], *, call: str = "jshard.parallelize") -> "FineMesh":
         """This mesh with the axes `names` gives (`(stride, size)` -> name, from `axis_names`) so
         named: the one mesh axis spanning a named axis takes its name, several take it with `_0`,
-        `_1`, ... major first. The other axes keep their names.
+        `_1`, ... major first; inside named axes that nest, the innermost names. The other axes
+        keep their names.
 
         Raises:
           ShardingError: a name would stand for two mesh axes (a `Layout` axis named like `d0`).
         """
         strides, out = _strides(self.sizes), list(self.names)
         for i, s in enumerate(strides):
-            seg = next((g for g in names if g[0] <= s < g[0] * g[1]), None)
+            seg = min((g for g in names if g[0] <= s < g[0] * g[1]), key=lambda g: g[1], default=None)
             if seg is None:
                 continue
             inside = [t for t in strides if seg[0] <= t < seg[0] * seg[1]]
@@ -149,17 +150,6 @@ class FineMesh:
                 f"{call}: the plan's mesh would name its axes {tuple(out)} (sizes {self.sizes}): your Layouts' "
                 f"axis names and jshard's own (d0, d1, ...) meet. Rename the Layout axes (e.g. 'dp', 'mp').")
         return FineMesh(self.sizes, tuple(out))
-
-    def speaks(self, layout: TensorLayout) -> bool:
-        """Whether this mesh refines `layout`'s device matrix and names its axes as `layout` does."""
-        if not self.fits(layout.device_matrix):
-            return False
-        if layout.axis_names is None:
-            return True
-        try:
-            return self.named(axis_names([(layout.device_matrix, layout.axis_names, "")])).names == self.names
-        except ShardingError:  # its names meet others': the caller refines, and the refining names both
-            return False
 
     def fits(self, matrix: Sequence[int]) -> bool:
         mine = {s for s in _strides(self.sizes)} | {self.device_count}
