@@ -80,8 +80,9 @@ def test_tensor_parallel_inside_cuts_the_accumulator_over_the_free_axis_and_equa
     par = js.parallelize(step, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
                          out_strategy=(p_strats, s_strats, None), accumulation_steps=2, accumulation_shard=True)
     text = par.lower(params, state, batches[0]).as_text()
-    # w_up [64, 256]: mp (d1, d2) cuts its columns; the accumulator's constraint adds dp (d0) on the rows
-    assert 'sdy.sharding_constraint %' in text and '<@mesh, [{"d0"}, {"d1", "d2"}]> : tensor<64x256xf32>' in text
+    # w_up [64, 256]: mp (mp_0, mp_1: the preset Layout's names) cuts its columns; the accumulator's
+    # constraint adds dp on the rows
+    assert 'sdy.sharding_constraint %' in text and '<@mesh, [{"dp"}, {"mp_0", "mp_1"}]> : tensor<64x256xf32>' in text
     got_params, got_state, got_losses = run_steps(par, params, state, batches)
     ref_params, ref_state, ref_losses = _reference()
     terms = STEPS * step_terms(params, batches[0])

@@ -30,7 +30,7 @@ def test_demo_help_lists_its_options(capsys):
 def test_demo_trains_and_shows_the_plan(capsys):
     assert main(["demo", "--steps", "40", "--layers", "1", "--preset", "tensor"]) == 0
     out = capsys.readouterr().out
-    assert "mesh (d0=2, d1=2, d2=2)" in out
+    assert "mesh (mp_0=2, mp_1=2, mp_2=2)" in out  # the preset Layout's axis mp, over three mesh axes
     assert "((1, 1, 1), (1, 8))" in out  # the column-parallel strategy, as a MindSpore tuple
     assert "all-reduce" in out and "memory per device" in out
     first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", out).groups())

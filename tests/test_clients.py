@@ -66,9 +66,6 @@ def test_linen_lm_bytes_with_the_models_anchors_and_xla_propagation_at_most_the_
     assert plan.audit().bytes() <= expert_bytes
 
 
-@pytest.mark.xfail(strict=True, reason="jshard's engine all-reduces the tied embedding's two gradient parts over 'data' "
-                                       "one by one (the lookup's scatter-add and attend's dot), where XLA adds them "
-                                       "first and all-reduces once: 1 KiB more than the expert's jax.jit")
 def test_linen_lm_bytes_with_the_models_anchors_at_most_the_expert_jit():
     *_, expert_bytes, _ = _lm()
     _, plan = _lm_parallel("semi_auto")

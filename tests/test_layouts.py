@@ -100,7 +100,7 @@ def test_layout_worked_example(where):
     placed = jax.device_put(a, sharding)
     on = {shard.device.id: np.asarray(shard.data).ravel().tolist() for shard in placed.addressable_shards}
     assert [on[r] for r in (0, 4, 2, 6)] == [[0.0], [1.0], [2.0], [3.0]]
-    assert sharding.spec == PartitionSpec("d2", ("d1", "d0"))
+    assert sharding.spec == PartitionSpec("mp", ("sp", "dp"))  # the plan speaks the Layout's axis names
 
 
 @pytest.mark.parametrize(
@@ -183,6 +183,52 @@ def test_layout_on_6_devices():
     assert [cols(sharding, x.shape, k, 6) for k in range(6)] == [{0}, {3}, {1}, {4}, {2}, {5}]
 
 
+# --- A Layout names the plan's mesh axes -----------------------------------------------------------
+
+LAY_2_4 = js.Layout((2, 4), ("dp", "mp"))
+
+
+def _row_parallel(x, w):
+    return jnp.tanh(js.shard(jnp.matmul, (LAY_2_4("dp", "mp"), LAY_2_4("mp", "None")))(x, w))
+
+
+def test_the_plan_speaks_the_layouts_axis_names():
+    """No mesh given: the plan's mesh axes take the Layout's names, `mp` of 4 over two fine axes as
+    `mp_0`, `mp_1` (major first), in the specs, the summary and explain."""
+    x, w = _rand((8, 16)), _rand((16, 8), 1)
+    step = js.parallelize(_row_parallel, devices=8)
+    plan = step.plan(x, w)
+    assert (plan.fine.names, plan.fine.sizes) == (("dp", "mp_0", "mp_1"), (2, 2, 2))
+    assert plan.in_specs == (PartitionSpec("dp", ("mp_0", "mp_1")), PartitionSpec(("mp_0", "mp_1")))
+    assert plan.out_specs == (PartitionSpec("dp"),)
+    assert "mesh (dp=2, mp_0=2, mp_1=2)" in plan.summary()
+    assert "all-reduce of 128 B over mp_0×mp_1" in plan.explain(plan.ops[0])
+    assert_close(step(x, w), jax.jit(_row_parallel)(x, w), terms=16 + 4)  # x @ w, then tanh
+
+
+def test_nested_layout_axes_take_the_innermost_names():
+    """`x` of Layout((2, 4), ("dp", "x")) spans LAY's `sp` and `mp`: the mesh says `sp`, `mp`."""
+    t = _rand((8, 16))
+    inner = js.Layout((2, 4), ("dp", "x"))("dp", "x")
+    step = js.parallelize(lambda t: js.shard(jnp.tanh, (inner,))(t), devices=8, in_strategy=(LAY("dp", ("sp", "mp")),))
+    plan = step.plan(t)
+    assert plan.fine.names == ("dp", "sp", "mp") and plan.in_specs == (PartitionSpec("dp", ("sp", "mp")),)
+
+
+def test_layouts_naming_one_axis_twice_are_an_error():
+    x, w = _rand((8, 16)), _rand((16, 8), 1)
+    other = js.Layout((2, 4), ("batch", "model"))
+    step = js.parallelize(_row_parallel, devices=8, in_strategy=(other("batch", "model"), None))
+    with pytest.raises(js.ShardingError) as e:
+        step.plan(x, w)
+    assert str(e.value).startswith(
+        "jshard.parallelize(_row_parallel): in_strategy[0] uses Layout((2, 4), ('batch', 'model')) and matmul at "
+        "test_layouts.py:")
+    assert ("uses Layout((2, 4), ('dp', 'mp')), which name the devices' axes differently: one axis of 2 devices "
+            "(rank stride 4) is 'batch' in one and 'dp' in the other. The plan's mesh takes its axis names from "
+            "your Layouts") in str(e.value)
+
+
 # --- Function-level in_strategy / out_strategy --------------------------------------------------
 
 
@@ -202,13 +248,14 @@ def test_function_boundary_strategies():
     compiled = step.lower(params, x).compile()
     (p_sh, x_sh), kwargs = compiled.input_shardings
     assert kwargs == {}
-    # A lone tuple is its own device matrix (+ repeats): (1, 4) → [1, 4, 2]; (2, 1) → [2, 1, 4].
-    assert p_sh["w"].spec == PartitionSpec(None, ("d0", "d1"))
-    assert p_sh["b"].spec == PartitionSpec(None, ("d0", "d1"))
-    assert x_sh.spec == PartitionSpec("d0")
+    # A lone tuple is its own device matrix (+ repeats): (1, 4) → [1, 4, 2]; (2, 1) → [2, 1, 4]. The
+    # mesh's axes take LAY's names, tuples' specs too.
+    assert p_sh["w"].spec == PartitionSpec(None, ("dp", "sp"))
+    assert p_sh["b"].spec == PartitionSpec(None, ("dp", "sp"))
+    assert x_sh.spec == PartitionSpec("dp")
     assert cols(p_sh["w"], (8, 16), 1, 4) == {2, 3}
     out_sh, sum_sh = compiled.output_shardings
-    assert out_sh.spec == PartitionSpec("d0", ("d1", "d2"))
+    assert out_sh.spec == PartitionSpec("dp", ("sp", "mp"))
     assert sum_sh.spec == PartitionSpec()
     assert step.plan(params, x).in_shardings == ({"w": p_sh["w"], "b": p_sh["b"]}, x_sh)
     out, total = step(params, x)

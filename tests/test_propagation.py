@@ -93,6 +93,32 @@ def _gpt_step(cfg, preset=None):
     return step, plain, (params, state, batch)
 
 
+TIED = js.Layout((2, 4), ("mp", "dp"))
+
+
+def _tied_embedding_step(table, tokens):
+    def loss(table, tokens):  # a lookup and an output layer sharing one table: two gradient parts
+        return jax.nn.logsumexp(jnp.tanh(table[tokens]) @ table.T, axis=-1).mean()
+
+    return table - 0.1 * jax.grad(loss)(table, tokens)
+
+
+def test_partial_sums_are_summed_in_the_layout_their_users_take():
+    """The lookup's scatter-add decides from the tokens (cut over dp) before its user, the sum with
+    the output layer's gradient, takes the table cut over mp: it then sums its partial sums into
+    that cut, all-reducing its own rows (1 KiB) instead of the whole table, the whole table rejected."""
+    table, tokens = _rand((32, 16)), jnp.asarray(np.random.default_rng(1).integers(0, 32, (8, 4)), jnp.int32)
+    step = js.parallelize(_tied_embedding_step, devices=8, in_strategy=(TIED("mp", "None"), TIED("dp", "None")))
+    plan = step.plan(table, tokens)
+    (scatter,) = [op for op in plan.ops if op.primitive == "scatter-add"]
+    assert scatter.out_specs == (jax.sharding.PartitionSpec("mp"),)
+    assert [(k, b, axes) for k, b, axes in scatter.comms] == [("all-reduce", 32 // 2 * 16 * 4, ("dp_0", "dp_1"))]
+    assert "best rejected alternative: ((1, 1), (4, 1, 1), (4, 1, 1)) -> ((1, 1),)" in plan.explain(scatter)
+    # the output layer's dot (16 terms), logsumexp over 32, the mean over 32 tokens; the gradient's
+    # sums over 32 tokens (the scatter-add's and the dot's) and a few for tanh, exp and log
+    assert_close(step(table, tokens), jax.jit(_tied_embedding_step)(table, tokens), terms=16 + 32 + 32 + 32 + 32 + 8)
+
+
 @pytest.fixture(scope="module")
 def gpt_2d():
     """The GPT train step with the 2-D preset's matmul strategies and the batch as the only anchors:
@@ -110,7 +136,7 @@ def test_gpt_propagated_equals_one_device(gpt_2d):
     assert_close(got, want, terms=step_terms(args[0], args[2]))  # new parameters, state and loss
     # Weights are stored where the Megatron matmuls use them: w_up cut on its columns 4 ways.
     w_up = plan.in_shardings[0]["layers"][0]["w_up"]
-    assert w_up.spec == jax.sharding.PartitionSpec(None, ("d1", "d2"))
+    assert w_up.spec == jax.sharding.PartitionSpec(None, ("mp_0", "mp_1"))  # the preset Layout's mp, over 2 mesh axes
 
 
 def test_gpt_prediction_matches_compiled_bytes(gpt_2d):

@@ -37,7 +37,16 @@ from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._trace import Traced, adopted, devices_for, trace
 from jshard.cost import device_memory
-from jshard.layouts import FineMesh, NotRefined, TensorLayout, canonicalize_in_strategy, layout_of, to_pspec
+from jshard.layouts import (
+    FineMesh,
+    NotRefined,
+    TensorLayout,
+    axis_names,
+    canonicalize_in_strategy,
+    canonicalize_strategy_tree,
+    layout_of,
+    to_pspec,
+)
 from jshard.search import Weighed
 
 BUDGET_ROUNDS = 3
@@ -58,17 +67,18 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
         check_micro_batches(args, batch, cut, options.accumulation.steps, n, call)
     needed = _boundary_matrices(options, slots, dataset, args, n, call)
     while True:
-        fine = _fine_mesh(options, n, needed, call)
+        fine, named = _fine_mesh(options, n, needed, call)
         try:
-            return _build_on(fn, args, fine, devices, slots, dataset, options, call)
+            return _build_on(fn, args, fine, named, devices, slots, dataset, options, call)
         except NotRefined as e:
             if options.mesh is not None:
                 raise ShardingError(_users_mesh_error(call, e.matrix, e.who, options)) from None
-            needed.append((e.matrix, e.who))
+            needed.append((e.matrix, e.who, e.names))
 
 
-def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, call: str) -> Program:
-    """Traces, plans and builds on one fine mesh; raises `NotRefined` where it is too coarse. With
+def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c: Options, call: str) -> Program:
+    """Traces, plans and builds on one fine mesh, whose axes `named` names (`axis_names`); raises
+    `NotRefined` where it is too coarse, or a `Layout` met in the trace names axes it does not. With
     `jshard.recompute(policy="auto")` regions and the search planning, weighs each recompute policy."""
     types = argument_types(args, fine, slots, dataset, c, call)
     traced = trace(fn, args, fine, devices, c, call, types=types)
@@ -76,6 +86,13 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
         for layout in (*a.in_layouts, *a.out_layouts):
             if layout is not None:
                 _check_axis_names(layout, c.mesh, f"{a.name} at {a.source}", call)
+    if c.mesh is None:
+        for layout, who in _named_layouts(traced, c, call):
+            mine = axis_names([(layout.device_matrix, layout.axis_names, who)], call)
+            if any(named.get(axis) != name for axis, name in mine.items()):  # traced again, named so
+                e = NotRefined(layout.device_matrix, layout.axis_names)
+                e.who = who
+                raise e
     budget, budget_from = _budget(c, devices)
     if not (c.searching and traced.ctx.auto_regions):
         return _build_traced(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types=types)
@@ -203,9 +220,9 @@ def _layouts(traced, in_sh: list, planner, donated: frozenset[int], c: Options) 
             for sh, g, v in zip(in_sh, given, traced.invars)]
 
 
-def _boundary_matrices(c: Options, slots, dataset, args, n: int, call: str) -> list[tuple[tuple[int, ...], str]]:
-    """Device matrices the fine mesh must refine before tracing: the mesh's, `in_strategy`'s and
-    the dataset policy's."""
+def _boundary_matrices(c: Options, slots, dataset, args, n: int, call: str) -> list[tuple[tuple[int, ...], str, Any]]:
+    """Device matrices the fine mesh must refine before tracing, `in_strategy`'s and the dataset
+    policy's: `(matrix, who uses it, its Layout's axis names or None)`."""
     if c.mode == "manual":
         return []
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
@@ -216,8 +233,19 @@ def _boundary_matrices(c: Options, slots, dataset, args, n: int, call: str) -> l
         if slot is not None and not isinstance(slot, PartitionSpec):
             layout = layout_of(slot, n, call=call, op=BOUNDARY, what=what)
             _check_axis_names(layout, c.mesh, what, call)
-            needed.append((layout.device_matrix, what))
+            needed.append((layout.device_matrix, what, layout.axis_names))
     return needed
+
+
+def _named_layouts(traced: Traced, c: Options, call: str) -> list[tuple[TensorLayout, str]]:
+    """The `Layout`s met in the trace (`shard` calls, their `parameter_plan`) and in `out_strategy`,
+    with what uses each: their axis names are the plan's mesh's."""
+    found = [(layout, f"{a.name} at {a.source}") for a in traced.ctx.annotations
+             for layout in (*a.in_layouts, *a.out_layouts, *(lay for _, lay in a.params)) if layout is not None]
+    outs = canonicalize_strategy_tree(c.out_strategy, jax.tree_util.tree_unflatten(traced.out_tree, traced.out_leaves),
+                                      call=call, what="out_strategy")
+    found += [(slot, f"out_strategy{path}") for path, slot in zip(traced.out_paths, outs) if isinstance(slot, TensorLayout)]
+    return [(layout, who) for layout, who in found if layout.axis_names is not None]
 
 
 def _check_axis_names(layout: TensorLayout, mesh: Mesh | None, who: str, call: str) -> None:
@@ -236,18 +264,20 @@ def _check_axis_names(layout: TensorLayout, mesh: Mesh | None, who: str, call: s
                 f"Layout({tuple(mesh.devices.shape)}, {tuple(mesh.axis_names)}).")
 
 
-def _fine_mesh(c: Options, n: int, needed, call: str) -> FineMesh:
-    """The user's mesh as it is (its axes and names), or jshard's own, refined for `needed`."""
+def _fine_mesh(c: Options, n: int, needed, call: str) -> tuple[FineMesh, dict]:
+    """The user's mesh as it is (its axes and names), or jshard's own, refined for `needed`, its
+    axes named as the user's `Layout`s name them; and those names (`axis_names`)."""
     if c.mesh is not None:
         users = FineMesh.of_mesh(c.mesh)
-        for matrix, who in needed:
+        for matrix, who, _ in needed:
             if not users.fits(matrix):
                 raise ShardingError(_users_mesh_error(call, matrix, who, c))
-        return users
-    default = FineMesh.for_devices(n)
-    if all(default.fits(m) for m, _ in needed):
-        return default
-    return FineMesh.refining(n, [m for m, _ in needed], [w for _, w in needed], call=call)
+        return users, {}
+    names = axis_names([(m, a, w) for m, w, a in needed if a is not None], call)
+    fine = FineMesh.for_devices(n)
+    if not all(fine.fits(m) for m, _, _ in needed):
+        fine = FineMesh.refining(n, [m for m, _, _ in needed], [w for _, w, _ in needed], call=call)
+    return (fine.named(names, call=call) if names else fine), names
 
 
 def _budget_retry_error(call: str, budget: float, held: float, asked: float, e: ShardingError) -> str:

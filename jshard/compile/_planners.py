@@ -77,7 +77,8 @@ class PropagationPlanner:
 
     def plan(self, problem: Problem) -> Planned:
         t = problem.traced
-        return Planned(propagate(t.nodes, {**t.typed(), **problem.fixed}, t.axis_size, self.options.costs))
+        return Planned(propagate(t.nodes, {**t.typed(), **problem.fixed}, t.axis_size, self.options.costs,
+                                 outputs=t.outvars))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ from jshard.layouts._device_matrix import gather_layouts as gather_layouts
 from jshard.layouts._layout import Layout as Layout
 from jshard.layouts._mesh import FineMesh as FineMesh
 from jshard.layouts._mesh import NotRefined as NotRefined
+from jshard.layouts._mesh import axis_names as axis_names
 from jshard.layouts._mesh import named_sharding as named_sharding
 from jshard.layouts._slots import Slot as Slot
 from jshard.layouts._slots import canonicalize_slot as canonicalize_slot

@@ -10,19 +10,23 @@ device-matrix axis is then a run of consecutive fine axes, and each layout exact
 
 Two device matrices whose boundaries do not nest (on 12 devices `[3, 4]` has a boundary at stride
 4, `[4, 3]` at stride 3) cannot share one device order: that is a `LayoutConflictError`.
+
+A `Layout` names its axes, and the fine mesh takes those names (`axis_names`, `FineMesh.named`): the
+fine axis that is a named axis takes its name; the fine axes that split one (`mp` of 4 over two axes
+of 2) take it with `_0`, `_1`, major first. The mesh keeps its shape, so naming changes no plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jshard._errors import LayoutConflictError
+from jshard._errors import LayoutConflictError, ShardingError
 from jshard.layouts._strategy import TensorLayout
 
 
@@ -52,9 +56,9 @@ class NotRefined(Exception):
     `who` names the operator or strategy that needs it; whoever knows sets it on the way up.
     """
 
-    def __init__(self, matrix: tuple[int, ...]):
+    def __init__(self, matrix: tuple[int, ...], names: tuple[str, ...] | None = None):
         super().__init__(matrix)
-        self.matrix = matrix
+        self.matrix, self.names = matrix, names  # `names`: a Layout's, which the mesh must take
         self.who = "an operator"
 
 
@@ -125,6 +129,28 @@ class FineMesh:
             sizes += sorted(_prime_factors(hi // lo), reverse=True)
         return cls(tuple(sizes) or (1,))
 
+    def named(self, names: Mapping[tuple[int, int], str], *, call: str = "jshard.parallelize") -> "FineMesh":
+        """This mesh with the axes `names` gives (`(stride, size)` -> name, from `axis_names`) so
+        named: the one mesh axis spanning a named axis takes its name, several take it with `_0`,
+        `_1`, ... major first; inside named axes that nest, the innermost names. The other axes
+        keep their names.
+
+        Raises:
+          ShardingError: a name would stand for two mesh axes (a `Layout` axis named like `d0`).
+        """
+        strides, out = _strides(self.sizes), list(self.names)
+        for i, s in enumerate(strides):
+            seg = min((g for g in names if g[0] <= s < g[0] * g[1]), key=lambda g: g[1], default=None)
+            if seg is None:
+                continue
+            inside = [t for t in strides if seg[0] <= t < seg[0] * seg[1]]
+            out[i] = names[seg] if len(inside) == 1 else f"{names[seg]}_{sum(t > s for t in inside)}"
+        if len(set(out)) != len(out):
+            raise ShardingError(
+                f"{call}: the plan's mesh would name its axes {tuple(out)} (sizes {self.sizes}): your Layouts' "
+                f"axis names and jshard's own (d0, d1, ...) meet. Rename the Layout axes (e.g. 'dp', 'mp').")
+        return FineMesh(self.sizes, tuple(out))
+
     def fits(self, matrix: Sequence[int]) -> bool:
         mine = {s for s in _strides(self.sizes)} | {self.device_count}
         return _boundaries(matrix) <= mine
@@ -157,6 +183,43 @@ class FineMesh:
 
 def named_sharding(mesh: Mesh, fine: FineMesh, layout: TensorLayout) -> NamedSharding:
     return NamedSharding(mesh, fine.partition_spec(layout))
+
+
+def axis_names(named: Sequence[tuple[Sequence[int], Sequence[str], str]], call: str = "jshard.parallelize"
+               ) -> dict[tuple[int, int], str]:
+    """The names `Layout`s give the devices' axes: `(stride, size)` -> name, from each
+    `(device matrix, alias names, who uses it)` (axes of size 1 span no devices and are left out).
+
+    Raises:
+      ShardingError: two Layouts name one axis differently, or give one name to two axes.
+    """
+    by_axis: dict = {}
+    by_name: dict = {}
+    for matrix, names, who in named:
+        for stride, size, name in zip(_strides(matrix), matrix, names):
+            if size == 1:
+                continue
+            here = (tuple(matrix), tuple(names), who)
+            first = by_axis.setdefault((stride, size), (name, *here))
+            if first[0] != name:
+                why = f"one axis of {size} devices (rank stride {stride}) is {first[0]!r} in one and {name!r} in the other"
+                raise ShardingError(_names_message(call, first[1:], here, why))
+            first = by_name.setdefault(name, ((stride, size), *here))
+            if first[0] != (stride, size):
+                why = (f"{name!r} names an axis of {first[0][1]} devices at rank stride {first[0][0]} in one and of "
+                       f"{size} at stride {stride} in the other")
+                raise ShardingError(_names_message(call, first[1:], here, why))
+    return {axis: found[0] for axis, found in by_axis.items()}
+
+
+def _names_message(call: str, first, second, why: str) -> str:
+    (ma, na, wa), (mb, nb, wb) = first, second
+    return (
+        f"{call}: {wa} uses Layout({ma}, {na}) and {wb} uses Layout({mb}, {nb}), which name the devices' axes "
+        f"differently: {why}. The plan's mesh takes its axis names from your Layouts, so one axis of the devices "
+        f"needs one name, and one name one axis. Build both from one Layout (lay = Layout({ma}, {na}), then "
+        f"lay(...) for each tensor), or rename the axes so that they agree."
+    )
 
 
 def _cuts(n: int, matrices: Sequence[Sequence[int]]) -> list[int] | None:

@@ -8,7 +8,9 @@ cost is least: redistribution of its known operands and its own partial sums fir
 compute per device second. An operator whose inputs are still undecided waits for them while
 anything else can move. Values used by several operators (a parameter) are laid out once, by the
 first; the others redistribute. Operators no walk reaches, and primitives without a rule, stay
-replicated and are counted (`Plan.coverage`).
+replicated and are counted (`Plan.coverage`). After the walk, an operator that leaves partial sums
+and whose users all took its result in one finer layout sums into that layout where it is cheaper
+(an embedding gradient's scatter-add all-reduces its vocabulary slice, not the whole table).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import collections
 import dataclasses
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from jax.extend import core as jcore
@@ -86,8 +88,9 @@ class Engine:
         self._memo: dict = {}
         self.invariant = _invariants(nodes)
 
-    def run(self, anchors: Mapping) -> Result:
-        """Propagates from `anchors` (var → `Spec`: fixed arguments) and the constraints."""
+    def run(self, anchors: Mapping, outputs: Collection = ()) -> Result:
+        """Propagates from `anchors` (var → `Spec`: fixed arguments) and the constraints; `outputs`,
+        the program's results, keep the layout they are made in."""
         queue: collections.deque[int] = collections.deque()
         for v, spec in anchors.items():
             self.values[v] = spec
@@ -118,6 +121,7 @@ class Engine:
                         queue.append(i)
             if not queue:
                 break
+        self._sum_into_users({v for v in outputs if isinstance(v, jcore.Var)})
         result = Result(self.decisions, self.values, self.unruled)
         # An operator that decided priced its output's way into a constraint; an argument, or
         # another constraint (one `shard` call's output into the next one's input), did not.
@@ -181,19 +185,98 @@ class Engine:
         """Lays out the body parameters loop `i` guessed on entry as it decided, and restates the
         redistribution its body's users were charged from the guess."""
         for v, spec in zip(outs, out_specs):
-            if not self._provisional(i, v) or self.values[v] == spec:
+            if self._provisional(i, v) and self.values[v] != spec:
+                self._relayout(v, spec)
+
+    def _relayout(self, v, spec: Spec) -> None:
+        """Lays out `v` as `spec` after its users decided: each user's charge for moving `v` into
+        the layout it takes is restated from the new layout."""
+        old, self.values[v] = self.values[v], spec
+        for j, pos in self.consumers.get(v, ()):
+            d = self.decisions.get(j)
+            if d is None:
                 continue
-            old, self.values[v] = self.values[v], spec
-            for j, pos in self.consumers.get(v, ()):
-                d = self.decisions.get(j)
-                if d is None:
-                    continue
-                comms = list(d.comms)
-                for c in redistribution(*array_of(v), old, d.in_specs[pos], self.axis_size, self.cost.alltoall):
-                    comms.remove(c)
-                comms += redistribution(*array_of(v), spec, d.in_specs[pos], self.axis_size, self.cost.alltoall)
-                seconds = self.nodes[j].weight * sum(self.cost.time(c, self.axis_size) for c in comms)
-                self.decisions[j] = dataclasses.replace(d, comms=tuple(comms), seconds=seconds)
+            comms = list(d.comms)
+            for c in redistribution(*array_of(v), old, d.in_specs[pos], self.axis_size, self.cost.alltoall):
+                comms.remove(c)
+            comms += redistribution(*array_of(v), spec, d.in_specs[pos], self.axis_size, self.cost.alltoall)
+            seconds = self.nodes[j].weight * sum(self.cost.time(c, self.axis_size) for c in comms)
+            self.decisions[j] = dataclasses.replace(d, comms=tuple(comms), seconds=seconds)
+
+    def _sum_into_users(self, outputs: set) -> None:
+        """Partial sums summed into the layout their users take. An operator that leaves partial
+        sums decides before its users do, from its inputs alone, and sums them in the layout those
+        give (an embedding gradient's scatter-add: the whole table). Where every user then takes the
+        sum in one finer layout (the table cut over the vocabulary), summing in that layout is
+        cheaper: the all-reduce moves the device's own slice, and the slicing it saves was free.
+        The operator takes it where its α–β seconds are less; its old layouts are the rejected
+        alternative. A program result keeps its layout."""
+        for i in sorted(self.decisions):
+            f, d = self.factors.get(i), self.decisions[i]
+            if f is None or not f.reduced or self.nodes[i].bodies or self.nodes[i].primitive == CONSTRAINT:
+                continue
+            ins, outs = self.vars[i]
+            wanted = self._users_layout(outs, outputs)
+            a = self._assignment(f, d)
+            if wanted is None or wanted == d.out_specs or a is None or not any(a.get(g) for g in f.reduced):
+                continue
+            finer = dict(a)
+            for dims, spec in zip(f.outputs, wanted):
+                finer.update(read_assignment(dims, spec, f.sizes, self.axis_size) or {})
+            if not self._refines(f, a, finer, d.out_specs, wanted):
+                continue
+            in_specs = tuple(write_spec(dims, finer, f.sizes, self.axis_size) for dims in f.inputs)
+            if any(self.why.get(v) == i and s != t for v, s, t in zip(ins, d.in_specs, in_specs)):
+                continue  # a parameter this operator laid out: its other users took it so
+            known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
+                     if isinstance(v, jcore.Var) and v in self.values]
+            known += [(len(ins) + k, spec, "") for k, spec in enumerate(wanted)]
+            old, new = self.score(i, f, a, known), self.score(i, f, finer, known)
+            if new[:2] >= old[:2]:
+                continue
+            self.decisions[i] = dataclasses.replace(
+                d, in_specs=in_specs, out_specs=wanted, comms=new[2], seconds=new[0], implied=False,
+                rejected=Rejected(d.in_specs, d.out_specs, d.seconds))
+            for v, spec in zip(outs, wanted):
+                self._relayout(v, spec)
+
+    def _users_layout(self, outs, outputs: set) -> tuple[Spec, ...] | None:
+        """The one layout every user of each of `outs` takes it in, or None (no users, users that
+        differ or did not decide, or a program result)."""
+        wanted = []
+        for v in outs:
+            users = self.consumers.get(v, ())
+            specs = {self.decisions[j].in_specs[pos] for j, pos in users if j in self.decisions}
+            if v in outputs or not users or len(specs) != 1 or any(j not in self.decisions for j, _ in users):
+                return None
+            wanted.append(specs.pop())
+        return tuple(wanted)
+
+    def _assignment(self, f: Factors, d: Decision):
+        """The factor axes of decision `d`, read back from its operands' layouts (None: unreadable)."""
+        a: dict = {}
+        for dims, spec in zip(f.operands, d.in_specs + d.out_specs):
+            read = read_assignment(dims, spec, f.sizes, self.axis_size)
+            if read is None:
+                return None
+            a.update(read)
+        return a
+
+    def _refines(self, f: Factors, a, finer, out_specs, wanted) -> bool:
+        """Whether assignment `finer` only adds cuts to `a`, lays the outputs out as `wanted`, a
+        finer layout of `out_specs` (each dim keeps its axes, major first), and uses no mesh axis
+        twice where factors meet."""
+        if any(finer[g] != axes for g, axes in a.items()) or not expressible(f, finer, self.axis_size):
+            return False
+        if any(t[: len(s)] != s for old, new in zip(out_specs, wanted) for s, t in zip(old, new)):
+            return False
+        if any(write_spec(dims, finer, f.sizes, self.axis_size) != w for dims, w in zip(f.outputs, wanted)):
+            return False
+        for together in f.joined:
+            used = [x for g in together for x in finer.get(g, ())]
+            if len(used) != len(set(used)):
+                return False
+        return True
 
     def _source(self, v) -> str:
         why = self.why.get(v)
@@ -413,9 +496,10 @@ def _share_moves(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, 
             result.decisions[j] = dataclasses.replace(d, comms=tuple(comms), seconds=seconds)
 
 
-def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, int], cost: CostModel | None = None) -> Result:
-    """Runs the engine; see the module docstring."""
-    return Engine(nodes, axis_size, cost).run(anchors)
+def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, int], cost: CostModel | None = None,
+              outputs: Collection = ()) -> Result:
+    """Runs the engine; see the module docstring. `outputs`: the program's results."""
+    return Engine(nodes, axis_size, cost).run(anchors, outputs)
 
 
 

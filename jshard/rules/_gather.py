@@ -21,7 +21,11 @@ batch dims, its window dims the slices. A scatter that combines (`scatter-add`, 
 `-min`, `-max`) may cut its scatter dims: each device combines its share of the updates into a
 full-size result, and an all-reduce finishes it (the embedding gradient). Those factors are
 `reduced`. A plain `scatter` overwrites, and which write lands depends on every update, so its
-scatter dims stay whole.
+scatter dims stay whole. A dim the scatter writes one element at a time (an inserted window dim
+it indexes: the embedding gradient's rows) may stay cut in any scatter, as XLA partitions it: each
+device applies the updates that land in its rows and drops the others, so no sum is left (with
+its scatter dims cut too, the device's rows hold partial sums over those axes only: the
+row-cut embedding gradient all-reduces its own rows, not the table).
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ def scatter(eqn: jcore.JaxprEqn) -> Factors:
         indexed=dn.scatter_dims_to_operand_dims, operand_batching=dn.operand_batching_dims,
         indices_batching=dn.scatter_indices_batching_dims, cut_batch=eqn.primitive.name in COMBINING_SCATTERS,
     )
+    # A dim written one element at a time (an embedding gradient's rows) may stay cut: each device
+    # applies the updates that fall in its own range and drops the rest, with nothing to sum.
+    for d in dn.inserted_window_dims:
+        if d in dn.scatter_dims_to_operand_dims:
+            operand[d] = (b.new(shape_of(eqn.invars[0])[d]),)
     return b.build(
         [operand, indices, updates], [operand], reduced=scattered, flops=math.prod(shape_of(eqn.invars[2]))
     )
