@@ -28,6 +28,7 @@ from jshard.propagate import Decision, Engine, Rejected, Result, charge_constrai
 from jshard.rules import write_spec
 from jshard.search import _ilp, _recursive
 from jshard.search._graph import Assignment, Infeasible, SearchGraph
+from jshard.search._regions import RegionChoice
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
@@ -36,10 +37,11 @@ _KEY_SHARE = 0.01  # key operators, whose best rejected alternative a plan recor
 
 @dataclasses.dataclass(frozen=True)
 class Weighed:
-    """One recompute policy the search weighed for `jshard.recompute(policy="auto")` regions.
+    """One recompute policy the search weighed for `jshard.recompute(policy="auto")` regions, or one
+    optimizer-parallel level.
 
     Attributes:
-      policy: `"none"`, `"selective"` or `"full"`.
+      policy: `"none"`, `"selective"` or `"full"`; or `"optimizer_parallel=<level>"`.
       seconds: its plan's predicted seconds per call, or None where no plan fits the budget.
       peak_bytes: its plan's estimated peak per device, or (no plan) the least the search estimated.
       chosen: whether the program uses it.
@@ -76,7 +78,12 @@ class SearchReport:
         device (XLA's memory analysis), else None.
       budget_from: where the budget came from: `"memory_budget"`, or the device whose memory it is
         (`parallelize` without `memory_budget`).
-      recompute: with `jshard.recompute(policy="auto")` regions, each policy weighed (`Weighed`).
+      recompute: with `jshard.recompute(policy="auto")` regions, each policy weighed for all of
+        them at once (`Weighed`).
+      regions: with such regions, the policy each got (`RegionChoice`): the least recompute whose
+        estimated peak fits the budget, moves chosen by bytes saved per second of recompute.
+      optimizer: where `optimizer_parallel` was not given and no plan without it fit the budget,
+        each level weighed (`Weighed`, policy `"optimizer_parallel=<level>"`).
     """
 
     search: str
@@ -91,6 +98,8 @@ class SearchReport:
     compiled_peak_bytes: float | None = None
     budget_from: str = "memory_budget"
     recompute: tuple[Weighed, ...] = ()
+    regions: tuple[RegionChoice, ...] = ()
+    optimizer: tuple[Weighed, ...] = ()
 
     def line(self) -> str:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
@@ -100,7 +109,10 @@ class SearchReport:
                 f"{self.candidates} candidates in {self.planning_seconds:.2f} s; predicted "
                 f"{self.seconds * 1e6:.6g} us per call; estimated peak {human_bytes(self.peak_bytes)} per device, {budget}" + (
                     "" if self.compiled_peak_bytes is None else f"; compiled {human_bytes(self.compiled_peak_bytes)}") + (
-                    "" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute)))
+                    "" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute)) + (
+                    "" if not self.regions else "; recompute per region: " + ", ".join(r.text() for r in self.regions)) + (
+                    "" if not self.optimizer else "; optimizer parallel weighed: " + ", ".join(
+                        w.text() for w in self.optimizer)))
 
 
 def search(
