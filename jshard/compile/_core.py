@@ -84,8 +84,8 @@ def _build_on(fn, args, fine: FineMesh, devices, slots, dataset, c: Options, cal
     try:
         return _plan_signature(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types)
     except MemoryBudgetError as e:
-        if c.optimizer is not None or budget is None or not c.searching:
-            raise
+        if c.optimizer is not None or budget is None or not c.searching or (e.bound and e.least_bytes > budget):
+            raise  # given, no budget to meet, or nothing fits even with every tensor cut as finely as it can be
         return _weigh_optimizer(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types, e)
 
 
@@ -155,8 +155,10 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
             report = dataclasses.replace(program.plan.search, regions=choices(costs, policies, moves, rate),
                                          recompute=tuple(dataclasses.replace(w, chosen=key == w.policy) for w in weighed))
             return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
+    bound = all(isinstance(u[2], MemoryBudgetError) and u[2].bound for u in uniform.values())
     raise MemoryBudgetError(_recompute_error(call, budget, budget_from, weighed, traced.fine.device_count),
-                            min((w.peak_bytes for w in weighed if w.peak_bytes is not None), default=None)) from failed
+                            min((w.peak_bytes for w in weighed if w.peak_bytes is not None), default=None),
+                            bound) from failed
 
 
 def _fitting(fn, t: Traced, fastest: Program, args, devices, slots, dataset, c: Options, call: str,
@@ -205,7 +207,7 @@ def _weigh_optimizer(fn, traced: Traced, args, devices, slots, dataset, c: Optio
         name = f"optimizer_parallel={level}"
         weighed = [dataclasses.replace(w, chosen=w.policy == name) for w in weighed]
         why = (f"chosen by the search: no plan without optimizer parallel fits {human_bytes(budget)} per device (the "
-               f"least it estimated: {human_bytes(without.least_bytes or 0)}); of the levels weighed ("
+               f"least it found: {human_bytes(without.least_bytes or 0)}); of the levels weighed ("
                f"{', '.join(w.text() for w in weighed)}), level {level} is the fastest that fits")
         plan = program.plan
         return dataclasses.replace(program, plan=dataclasses.replace(

@@ -323,7 +323,7 @@ def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str)
     rows = "; ".join(f"{_name(g, v, names)} {var_str(v, short=False)} ({human_bytes(least[v])} per device at best)" for v in top)
     return MemoryBudgetError(head + why + f" Largest: {rows}. Raise memory_budget, use more devices, donate the "
                              f"state (donate_argnums), shrink the batch, or recompute the layers in the backward "
-                             f"pass (jshard.recompute(layer, policy='auto')).", float(live.max()))
+                             f"pass (jshard.recompute(layer, policy='auto')).", float(live.max()), bound=True)
 
 
 def _finest_cut(shape, axis_size: Mapping[str, int]) -> int:
