@@ -78,8 +78,10 @@ def test_only_optimizer_parallel_fits_and_the_search_chooses_its_level():
     params = models.init_gpt(cfg, jax.random.key(0))
     state = optimizer.init(params)
     args = (params, state, models.copy_task_batch(np.random.default_rng(0), cfg, 4))
-    replicated = models.Preset("data", 4, 1).parameters(params, {})  # the user keeps parameters and state whole
-    strategies = (replicated, models.state_strategies(replicated, params, state))
+    whole = models.Preset("data", 4, 1)  # the user keeps parameters and state whole
+    replicated = whole.parameters(params, {})
+    adam, *rest = models.state_strategies(replicated, params, state)
+    strategies = (replicated, (adam._replace(count=whole.layout()), *rest))
     kw = dict(devices=4, mode="auto", in_strategy=(*strategies, None), out_strategy=(*strategies, None))
     peaks = {level: js.parallelize(step, optimizer_parallel=level, **kw).plan(*args).search.peak_bytes
              for level in (1, 3)}
