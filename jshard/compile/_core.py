@@ -114,8 +114,8 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
     for policy in AUTO_POLICIES:
         t = traced if policy == traced.ctx.recompute_choice else trace(fn, args, traced.fine, devices, c, call, policy,
                                                                       types=types)
-        fastest = _build_traced(fn, t, args, devices, slots, dataset, c, call, None, budget_from, policy, False, types)
-        fits = _fitting(fn, t, fastest, args, devices, slots, dataset, c, call, budget, budget_from, policy, types)
+        fastest, fits = _fitting(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, policy, types,
+                                 traced.ctx.auto_regions > 1)
         weighed.append(Weighed(policy, None, fits.least_bytes) if isinstance(fits, MemoryBudgetError) else
                        Weighed(policy, fits.plan.search.seconds, fits.plan.search.peak_bytes))
         uniform[policy] = (t, fastest, fits)
@@ -135,8 +135,7 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
                       if not isinstance(u[2], MemoryBudgetError) and p not in tried}
         if len(set(choice)) > 1:
             t = trace(fn, args, traced.fine, devices, c, call, choice, types=types)
-            fastest = _build_traced(fn, t, args, devices, slots, dataset, c, call, None, budget_from, choice, False, types)
-            fits = _fitting(fn, t, fastest, args, devices, slots, dataset, c, call, budget, budget_from, choice, types)
+            _, fits = _fitting(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, choice, types, True)
             if isinstance(fits, MemoryBudgetError):
                 failed = fits
             else:
@@ -161,17 +160,24 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
                             bound) from failed
 
 
-def _fitting(fn, t: Traced, fastest: Program, args, devices, slots, dataset, c: Options, call: str,
-             budget: float | None, budget_from: str, policy: str, types) -> Program | MemoryBudgetError:
-    """`fastest` (planned without a budget) where it fits `budget`, else the plan under it, else
-    why none fits."""
-    if budget is None or fastest.plan.search.peak_bytes <= budget:
-        return dataclasses.replace(fastest, plan=dataclasses.replace(fastest.plan, search=dataclasses.replace(
+def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
+             budget_from: str, policy, types, fastest_first: bool) -> tuple[Program, Program | MemoryBudgetError]:
+    """The plan of `t` whose layouts price its regions (the fastest: planned without a budget), and
+    its plan under `budget` (the fastest where it fits), or why none fits. Without `fastest_first`
+    (one region: its policies are the uniform ones) planned under the budget first, and without it
+    only where nothing fits."""
+    def plan(limit):
+        return _build_traced(fn, t, args, devices, slots, dataset, c, call, limit, budget_from, policy, False, types)
+
+    fastest = plan(None) if fastest_first or budget is None else None
+    if fastest is not None and (budget is None or fastest.plan.search.peak_bytes <= budget):
+        return fastest, dataclasses.replace(fastest, plan=dataclasses.replace(fastest.plan, search=dataclasses.replace(
             fastest.plan.search, budget=budget)))
     try:
-        return _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, policy, False, types)
+        fits = plan(budget)
     except MemoryBudgetError as e:
-        return e
+        return fastest or plan(None), e
+    return fastest or fits, fits
 
 
 def _weigh_optimizer(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float,

@@ -66,7 +66,9 @@ class OpRecord:
       rejected: the best alternative it did not take, described, or `""`.
       ruled: False where jshard has no sharding rule for the primitive (left replicated).
       recompute: the recompute region it belongs to, `jshard.recompute(policy='selective')` or
-        `jax.checkpoint(policy=full)` (a bare `jax.checkpoint`, `flax.linen.remat`, ...), or `""`.
+        `jax.checkpoint(policy=full)` (a bare `jax.checkpoint`, `flax.linen.remat`, ...), or `""`;
+        a region the search chose for, its choice and number: `jshard.recompute(policy='auto' ->
+        'selective', region 0)` (`'none'` too: not recomputed; `Plan.search.regions` says why).
         A forward operator of a bare `jax.checkpoint` region is known by the backward pass's run
         of it (the same source line and primitive); one the policy saves is not run again, so it
         is named only inside `jshard.recompute`.
