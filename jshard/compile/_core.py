@@ -120,10 +120,11 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
                        Weighed(policy, fits.plan.search.seconds, fits.plan.search.peak_bytes))
         uniform[policy] = (t, fastest, fits)
     donated = argument_leaves(args, c.donate_argnums)
-    costs = {p: region_costs(t.nodes, fastest.values, t.axis_size, t.invars, t.outvars,
+    costs = {p: region_costs(t.nodes, {} if fastest is None else fastest.values, t.axis_size, t.invars, t.outvars,
                              frozenset(t.invars[i] for i in donated)) for p, (t, fastest, _) in uniform.items()}
     rate = (c.cost_model or CostModel()).flops
-    peak = uniform["none"][1].plan.search.peak_bytes
+    _, fastest, fits = uniform["none"]
+    peak = fastest.plan.search.peak_bytes if fastest is not None else fits.least_bytes or float("inf")
     moves = upgrades(costs, peak, rate)
     regions = sorted(costs["none"])
     estimates = [peak] + [m[2] for m in moves]
@@ -164,8 +165,8 @@ def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str
              budget_from: str, policy, types, fastest_first: bool) -> tuple[Program, Program | MemoryBudgetError]:
     """The plan of `t` whose layouts price its regions (the fastest: planned without a budget), and
     its plan under `budget` (the fastest where it fits), or why none fits. Without `fastest_first`
-    (one region: its policies are the uniform ones) planned under the budget first, and without it
-    only where nothing fits."""
+    (one region: its policies are the uniform ones, and recomputing the last region lowers no
+    estimate) planned under the budget only, the regions priced at its layouts, or (None) whole."""
     def plan(limit):
         return _build_traced(fn, t, args, devices, slots, dataset, c, call, limit, budget_from, policy, False, types)
 
@@ -176,7 +177,7 @@ def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str
     try:
         fits = plan(budget)
     except MemoryBudgetError as e:
-        return fastest or plan(None), e
+        return fastest, e
     return fastest or fits, fits
 
 
