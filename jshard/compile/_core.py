@@ -120,7 +120,7 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
                        Weighed(policy, fits.plan.search.seconds, fits.plan.search.peak_bytes))
         uniform[policy] = (t, fastest, fits)
     donated = argument_leaves(args, c.donate_argnums)
-    costs = {p: region_costs(t.nodes, {} if fastest is None else fastest.values, t.axis_size, t.invars, t.outvars,
+    costs = {p: region_costs(t.nodes, None if fastest is None else fastest.values, t.axis_size, t.invars, t.outvars,
                              frozenset(t.invars[i] for i in donated)) for p, (t, fastest, _) in uniform.items()}
     rate = (c.cost_model or CostModel()).flops
     _, fastest, fits = uniform["none"]
@@ -166,7 +166,8 @@ def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str
     """The plan of `t` whose layouts price its regions (the fastest: planned without a budget), and
     its plan under `budget` (the fastest where it fits), or why none fits. Without `fastest_first`
     (one region: its policies are the uniform ones, and recomputing the last region lowers no
-    estimate) planned under the budget only, the regions priced at its layouts, or (None) whole."""
+    estimate) planned under the budget only, the regions priced at its layouts, or (None) at the
+    finest cuts."""
     def plan(limit):
         return _build_traced(fn, t, args, devices, slots, dataset, c, call, limit, budget_from, policy, False, types)
 

@@ -75,10 +75,11 @@ class RegionChoice:
                 f"{self.seconds * 1e6:.3g} us of recompute{move}")
 
 
-def region_costs(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[str, int], args: Sequence,
+def region_costs(nodes: Sequence[Node], values: Mapping | None, axis_size: Mapping[str, int], args: Sequence,
                  outvars: Sequence, donated: frozenset = frozenset()) -> dict[int, RegionCost]:
     """Region number -> its `RegionCost` in the flattened program `nodes`, laid out as `values`
-    says (value -> `Spec`; absent: whole).
+    says (value -> `Spec`; absent: whole; `values` None: each value cut as finely as its dims
+    allow, the least the search estimates, where no plan was made).
 
     A value made at top level in the forward pass and live where the backward pass begins is the
     region's that made it (a loop's results: shared evenly among the regions inside the loop).
@@ -189,9 +190,26 @@ def _owners(nodes: Sequence[Node], regions: Sequence[int | None], i: int) -> lis
     return sorted(inside)
 
 
-def _cut(v, values: Mapping, axis_size: Mapping[str, int]) -> int:
+def _cut(v, values: Mapping | None, axis_size: Mapping[str, int]) -> int:
+    if values is None:
+        return finest_cut(v.aval.shape, axis_size)
     return math.prod(axis_size[a] for axes in values.get(v, ()) for a in axes)
 
 
-def _held(v, values: Mapping, axis_size: Mapping[str, int]) -> float:
+def _held(v, values: Mapping | None, axis_size: Mapping[str, int]) -> float:
+    if values is None:
+        return value_bytes(v) / finest_cut(v.aval.shape, axis_size)
     return value_bytes(v) / _cut(v, values, axis_size)
+
+
+def finest_cut(shape, axis_size: Mapping[str, int]) -> int:
+    """The most devices a tensor of `shape` can be cut over, each mesh axis on a dim it divides."""
+    left = list(shape)
+    cut = 1
+    for n in sorted((n for n in axis_size.values() if n > 1), reverse=True):
+        for d, m in enumerate(left):
+            if m % n == 0:
+                left[d] = m // n
+                cut *= n
+                break
+    return cut

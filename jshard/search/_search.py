@@ -28,7 +28,7 @@ from jshard.propagate import Decision, Engine, Rejected, Result, charge_constrai
 from jshard.rules import write_spec
 from jshard.search import _ilp, _recursive
 from jshard.search._graph import Assignment, Infeasible, SearchGraph
-from jshard.search._regions import RegionChoice
+from jshard.search._regions import RegionChoice, finest_cut
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
@@ -288,7 +288,7 @@ def _local(g: SearchGraph, k: int, a: Assignment, choice) -> float:
 
 def _least(g: SearchGraph) -> dict:
     """Each memory value's bytes per device, cut as finely as its dims allow."""
-    return {v: value_bytes(v) / _finest_cut(v.aval.shape, g.axis_size)
+    return {v: value_bytes(v) / finest_cut(v.aval.shape, g.axis_size)
             for v in g.memory_values}
 
 
@@ -324,19 +324,6 @@ def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str)
     return MemoryBudgetError(head + why + f" Largest: {rows}. Raise memory_budget, use more devices, donate the "
                              f"state (donate_argnums), shrink the batch, or recompute the layers in the backward "
                              f"pass (jshard.recompute(layer, policy='auto')).", float(live.max()), bound=True)
-
-
-def _finest_cut(shape, axis_size: Mapping[str, int]) -> int:
-    """The most devices a tensor of `shape` can be cut over, each mesh axis on a dim it divides."""
-    left = list(shape)
-    cut = 1
-    for n in sorted((n for n in axis_size.values() if n > 1), reverse=True):
-        for d, m in enumerate(left):
-            if m % n == 0:
-                left[d] = m // n
-                cut *= n
-                break
-    return cut
 
 
 def _name(g: SearchGraph, v, names: Mapping) -> str:
