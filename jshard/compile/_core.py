@@ -148,8 +148,10 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
                 if check and c.memory_budget is not None and devices is not None:  # XLA's buffers held to the budget
                     program = _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, key,
                                             types=types)
-            except MemoryBudgetError as e:
+            except MemoryBudgetError as e:  # XLA holds more than estimated: weighed as not fitting
                 failed = e
+                weighed = [dataclasses.replace(w, seconds=None, peak_bytes=e.least_bytes) if w.policy == key else w
+                           for w in weighed]
                 continue
             policies = (key,) * len(regions) if isinstance(key, str) else key
             report = dataclasses.replace(program.plan.search, regions=choices(costs, policies, moves, rate),
