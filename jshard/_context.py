@@ -49,7 +49,8 @@ class TraceContext:
     shape and the sharding its accumulated gradient takes); `accumulated` counts its calls.
     `recompute` is `parallelize`'s `recompute=` (the policy of `jshard.recompute` regions that name
     none); `recompute_choice` the policy this trace gives the regions left to the search
-    (`policy="auto"`), and `auto_regions` counts those met.
+    (`policy="auto"`): one for all of them, or a tuple with one per region in the order the trace
+    meets them; `auto_regions` counts those met.
     """
 
     call: str
@@ -62,7 +63,7 @@ class TraceContext:
     accumulator: tuple | None = None
     accumulated: int = 0
     recompute: object = None
-    recompute_choice: str = "full"
+    recompute_choice: str | tuple[str, ...] = "full"
     auto_regions: int = 0
 
     @property

@@ -39,11 +39,14 @@ class MemoryBudgetError(ShardingError):
     Attributes:
       least_bytes: the least per-device peak the search estimated (every tensor cut as finely as
         its dims allow), or None where unknown.
+      bound: whether `least_bytes` bounds every plan from below (the search's estimate with every
+        tensor cut as finely as it can be), rather than the peak of one plan.
     """
 
-    def __init__(self, message: str, least_bytes: float | None = None):
+    def __init__(self, message: str, least_bytes: float | None = None, bound: bool = False):
         super().__init__(message)
         self.least_bytes = least_bytes
+        self.bound = bound
 
 
 for _error in (ShardingError, LayoutConflictError, DeviceCountError, MemoryBudgetError):

@@ -147,7 +147,9 @@ def parallelize(
         too, all-gathered before use (FSDP). Roles:
         argument 0 is the parameters, the batch is the batch, the other arguments the state. A
         result updates an argument where it has the argument's tree, shapes and dtypes. A leaf
-        no free axis divides stays whole (`plan.summary()` names it). None: off.
+        no free axis divides stays whole (`plan.summary()` names it). None: off, except that
+        with `mode="auto"` and a memory budget no plan meets without it, the search weighs levels
+        1-3 itself and builds the fastest that fits (`plan.optimizer.why`, `plan.search.optimizer`).
       optimizer_parallel_threshold: bytes, or a size such as `"64KiB"` (the default, as
         MindSpore's `parallel_optimizer_threshold`); smaller leaves stay whole.
       optimizer_state_argnums: the optimizer-state arguments, where not every other one is.
@@ -177,11 +179,13 @@ def parallelize(
       recompute: the policy of the `jshard.recompute` regions that name none (MindSpore's
         parallel-wide recompute default): `"full"`, `"selective"`, `"none"`, a
         `jax.checkpoint_policies` name or callable, or `"auto"`: with `mode="auto"` the search
-        traces the step once per policy ("none", "selective", "full",
-        the same for every such region), prices each (its compute, recomputation included, and
-        collectives) against the memory budget, and keeps the fastest that fits;
-        `plan.search.recompute` lists what it weighed; elsewhere `"auto"` is `"full"`. Pipelines
-        apply it in their stages. None: `"full"`.
+        traces the step once per policy ("none", "selective", "full", the same for every such
+        region), prices each region under each policy (the bytes it keeps for the backward pass,
+        the FLOPs it runs again), gives each region the least recompute whose estimated peak fits
+        the memory budget, and builds the fastest plan that fits;
+        `plan.search.recompute` lists the uniform policies weighed, `plan.search.regions` each
+        region's choice; elsewhere `"auto"` is `"full"`. Pipelines apply it in their stages.
+        None: `"full"`.
 
     Returns:
       A `Parallelized` callable with `lower` and `plan`. Call it as `fn` is called: keyword

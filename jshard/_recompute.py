@@ -6,8 +6,9 @@ emitter rebuilds the remat equation with its sharding constraints inside (`jshar
 
 A region that names no policy takes `parallelize`'s `recompute=` (MindSpore's parallel-wide
 recompute default), else `"full"`. `policy="auto"` leaves the choice to the strategy search
-(`mode="auto"`): it traces the step once per policy in `AUTO_POLICIES`, the same for every such
-region, and keeps the fastest plan that fits the memory budget (`SearchReport.recompute`).
+(`mode="auto"`): it traces the step once per policy in `AUTO_POLICIES` (the same for every such
+region), prices each region's memory and recompute from those traces, and gives each region its
+own policy: the least recompute that fits the memory budget (`SearchReport.regions`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax
 
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
-from jshard.graph import RECOMPUTE_SCOPE
+from jshard.graph import AUTO_LABEL, RECOMPUTE_SCOPE
 from jshard.hetero import HOST_POLICIES
 
 Policy = str | Callable[..., bool]
@@ -110,23 +111,29 @@ def _deferred(fn: Callable[..., Any], policy: str | None, call: str) -> Callable
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        chosen = traced_policy(policy)
-        return _fixed(fn, _policy(chosen, call), _label(chosen))(*args, **kwargs)
+        chosen, region = traced_policy(policy)
+        if region is None:
+            return _fixed(fn, _policy(chosen, call), _label(chosen))(*args, **kwargs)
+        label = f"{AUTO_LABEL}{region}_{chosen}"  # the plan tells the search's regions apart by it
+        return (_scoped(fn, label) if chosen == "none" else _fixed(fn, _policy(chosen, call), label))(*args, **kwargs)
 
     return run
 
 
-def traced_policy(policy: str | None) -> Policy:
-    """The policy a region asking for `policy` (None or `"auto"`) gets in the current trace."""
+def traced_policy(policy: str | None) -> tuple[Policy, int | None]:
+    """The policy a region asking for `policy` (None or `"auto"`) gets in the current trace, and
+    for a region left to the search its number (in the order the trace meets them), else None."""
     ctx = _context.current()
     if ctx is None:
-        return "full"
+        return "full", None
     if policy is None:
         policy = "full" if ctx.recompute is None else ctx.recompute
     if policy != "auto":
-        return policy
+        return policy, None
+    region = ctx.auto_regions
     ctx.auto_regions += 1
-    return ctx.recompute_choice
+    choice = ctx.recompute_choice
+    return (choice if isinstance(choice, str) else choice[region]), region
 
 
 def check_policy(policy: Policy | None, call: str) -> None:

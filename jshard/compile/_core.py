@@ -32,7 +32,7 @@ from jshard.compile._boundary import (
 )
 from jshard.compile._offload import anchored, offloaded
 from jshard.compile._optimizer import accumulator, cuts, gathered, regathered, result_shardings
-from jshard.compile._options import Options
+from jshard.compile._options import OptimizerParallel, Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._trace import Traced, adopted, devices_for, trace
@@ -47,7 +47,10 @@ from jshard.layouts import (
     layout_of,
     to_pspec,
 )
-from jshard.search import Weighed
+from jshard.search import Weighed, assignment, choices, region_costs, upgrades
+
+OPTIMIZER_LEVELS = (1, 2, 3)
+"""The optimizer-parallel levels the search weighs where none is given and no plan fits without one."""
 
 BUDGET_ROUNDS = 3
 """How many searches a `memory_budget` gets when XLA's compiled program holds more than estimated."""
@@ -79,7 +82,8 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
 def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c: Options, call: str) -> Program:
     """Traces, plans and builds on one fine mesh, whose axes `named` names (`axis_names`); raises
     `NotRefined` where it is too coarse, or a `Layout` met in the trace names axes it does not. With
-    `jshard.recompute(policy="auto")` regions and the search planning, weighs each recompute policy."""
+    `jshard.recompute(policy="auto")` regions and the search planning, chooses a policy per region;
+    where no plan fits the budget and `optimizer_parallel` is not given, weighs its levels."""
     types = argument_types(args, fine, slots, dataset, c, call)
     traced = trace(fn, args, fine, devices, c, call, types=types)
     for a in traced.ctx.annotations:
@@ -94,44 +98,150 @@ def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c:
                 e.who = who
                 raise e
     budget, budget_from = _budget(c, devices)
+    try:
+        return _plan_signature(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types)
+    except MemoryBudgetError as e:
+        if c.optimizer is not None or budget is None or not c.searching or (e.bound and e.least_bytes > budget):
+            raise  # given, no budget to meet, or nothing fits even with every tensor cut as finely as it can be
+        return _weigh_optimizer(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types, e)
+
+
+def _plan_signature(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
+                    budget_from: str, types, check: bool = True) -> Program:
+    """The program of one traced signature, its `policy="auto"` recompute regions (when the search
+    plans) each given a policy."""
     if not (c.searching and traced.ctx.auto_regions):
-        return _build_traced(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types=types)
-    return _weigh_recompute(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types)
+        return _build_traced(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, check=check,
+                             types=types)
+    return _weigh_recompute(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types, check)
 
 
 def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
-                     budget_from: str, types) -> Program:
-    """Plans the step once per recompute policy of its `policy="auto"` regions (`AUTO_POLICIES`) on
-    the search's estimates, then builds the fastest that fits (with `memory_budget` and devices
-    present: whose compiled program fits), its `SearchReport.recompute` listing what was weighed."""
-    fine = traced.fine
-    planned: dict[str, tuple[Traced, Program]] = {}
+                     budget_from: str, types, check: bool = True) -> Program:
+    """Chooses a recompute policy per `policy="auto"` region and builds the step so.
+
+    The step is traced and planned once per policy (`AUTO_POLICIES`) given to every region: each
+    region priced under each policy from the fastest plans (`search.region_costs`); the least
+    recompute per region whose estimated peak fits the budget (a prefix of `search.upgrades`)
+    planned under the budget; and of it and the uniform plans that fit, the fastest built (with
+    `memory_budget` and devices present, `check`: the fastest whose compiled program fits; else
+    more recompute). Its `SearchReport` lists the policies weighed (`recompute`) and each region's
+    (`regions`)."""
+    uniform, weighed = {}, []
+    for policy in AUTO_POLICIES:
+        t = traced if policy == traced.ctx.recompute_choice else trace(fn, args, traced.fine, devices, c, call, policy,
+                                                                      types=types)
+        fastest, fits = _fitting(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, policy, types,
+                                 traced.ctx.auto_regions > 1)
+        weighed.append(Weighed(policy, None, fits.least_bytes) if isinstance(fits, MemoryBudgetError) else
+                       Weighed(policy, fits.plan.search.seconds, fits.plan.search.peak_bytes))
+        uniform[policy] = (t, fastest, fits)
+    donated = argument_leaves(args, c.donate_argnums)
+    costs = {p: region_costs(t.nodes, None if fastest is None else fastest.values, t.axis_size, t.invars, t.outvars,
+                             frozenset(t.invars[i] for i in donated)) for p, (t, fastest, _) in uniform.items()}
+    rate = c.costs.flops
+    _, fastest, fits = uniform["none"]
+    peak = fastest.plan.search.peak_bytes if fastest is not None else fits.least_bytes or float("inf")
+    moves = upgrades(costs, peak, rate)
+    regions = sorted(costs["none"])
+    estimates = [peak] + [m[2] for m in moves]
+    first = next((n for n, e in enumerate(estimates) if budget is None or e <= budget), len(moves))
+    failed, tried = None, set()
+    for n in range(first, len(moves) + 1):  # the estimate's prefix, then more recompute where XLA holds more
+        choice = assignment(regions, moves[:n])
+        candidates = {p: (u[0], u[2]) for p, u in uniform.items()
+                      if not isinstance(u[2], MemoryBudgetError) and p not in tried}
+        if len(set(choice)) > 1:
+            t = trace(fn, args, traced.fine, devices, c, call, choice, types=types)
+            _, fits = _fitting(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, choice, types, True)
+            if isinstance(fits, MemoryBudgetError):
+                failed = fits
+            else:
+                candidates[choice] = (t, fits)
+        for key in sorted(candidates, key=lambda k: candidates[k][1].plan.search.seconds):
+            t, program = candidates[key]
+            tried.add(key)
+            try:
+                if check and c.memory_budget is not None and devices is not None:  # XLA's buffers held to the budget
+                    program = _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, key,
+                                            types=types)
+            except MemoryBudgetError as e:  # XLA holds more than estimated: weighed as not fitting
+                failed = e
+                weighed = [dataclasses.replace(w, seconds=None, peak_bytes=e.least_bytes) if w.policy == key else w
+                           for w in weighed]
+                continue
+            policies = (key,) * len(regions) if isinstance(key, str) else key
+            report = dataclasses.replace(program.plan.search, regions=choices(costs, policies, moves, rate),
+                                         recompute=tuple(dataclasses.replace(w, chosen=key == w.policy) for w in weighed))
+            return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
+    bound = all(isinstance(u[2], MemoryBudgetError) and u[2].bound for u in uniform.values())
+    raise MemoryBudgetError(_recompute_error(call, budget, budget_from, weighed, traced.fine.device_count),
+                            min((w.peak_bytes for w in weighed if w.peak_bytes is not None), default=None),
+                            bound) from failed
+
+
+def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
+             budget_from: str, policy, types, fastest_first: bool) -> tuple[Program, Program | MemoryBudgetError]:
+    """The plan of `t` whose layouts price its regions (the fastest: planned without a budget), and
+    its plan under `budget` (the fastest where it fits), or why none fits. Without `fastest_first`
+    (one region: its policies are the uniform ones, and recomputing the last region lowers no
+    estimate) planned under the budget only, the regions priced at its layouts, or (None) at the
+    finest cuts."""
+    def plan(limit):
+        return _build_traced(fn, t, args, devices, slots, dataset, c, call, limit, budget_from, policy, False, types)
+
+    fastest = plan(None) if fastest_first or budget is None else None
+    if fastest is not None and (budget is None or fastest.plan.search.peak_bytes <= budget):
+        return fastest, dataclasses.replace(fastest, plan=dataclasses.replace(fastest.plan, search=dataclasses.replace(
+            fastest.plan.search, budget=budget)))
+    try:
+        fits = plan(budget)
+    except MemoryBudgetError as e:
+        return fastest, e
+    return fastest or fits, fits
+
+
+def _weigh_optimizer(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float,
+                     budget_from: str, types, without: MemoryBudgetError) -> Program:
+    """With no `optimizer_parallel` given and no plan fitting the budget without it (`without`):
+    plans each level 1-3 (the state, then the gradients, then the parameters cut over the
+    data-parallel axes; the search prices the collectives and the memory) and builds the fastest
+    that fits, the plan saying why (`OptimizerReport.why`, `SearchReport.optimizer`)."""
+    planned: dict[int, Program] = {}
     weighed = []
-    for policy in AUTO_POLICIES:  # each policy planned on the search's estimates; the compiled check after
-        t = traced if policy == traced.ctx.recompute_choice else trace(fn, args, fine, devices, c, call, policy, types=types)
+    for level in OPTIMIZER_LEVELS:
+        leveled = dataclasses.replace(c, optimizer=OptimizerParallel(level))
         try:
-            program = _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, policy, False, types)
-        except MemoryBudgetError as e:
-            weighed.append(Weighed(policy, None, e.least_bytes))
+            program = _plan_signature(fn, traced, args, devices, slots, dataset, leveled, call, budget, budget_from,
+                                      types, False)
+        except ShardingError as e:  # over the budget, or no data-parallel axis to cut over
+            weighed.append(Weighed(f"optimizer_parallel={level}", None, getattr(e, "least_bytes", None)))
             continue
-        planned[policy] = (t, program)
-        weighed.append(Weighed(policy, program.plan.search.seconds, program.plan.search.peak_bytes))
-    failed = None
-    for best in sorted(planned, key=lambda p: planned[p][1].plan.search.seconds):
-        t, program = planned[best]
+        planned[level] = program
+        weighed.append(Weighed(f"optimizer_parallel={level}", program.plan.search.seconds, program.plan.search.peak_bytes))
+    checked = c.memory_budget is not None and devices is not None
+    failed = without
+    for level in sorted(planned, key=lambda k: planned[k].plan.search.seconds):
+        leveled = dataclasses.replace(c, optimizer=OptimizerParallel(level))
         try:
-            if c.memory_budget is not None and devices is not None:  # XLA's buffers checked against the budget
-                program = _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, best, types=types)
+            program = planned[level] if not checked else _plan_signature(
+                fn, traced, args, devices, slots, dataset, leveled, call, budget, budget_from, types, True)
         except MemoryBudgetError as e:
             failed = e
-            weighed = [dataclasses.replace(w, seconds=None, peak_bytes=e.least_bytes) if w.policy == best else w
-                       for w in weighed]
+            weighed = [dataclasses.replace(w, seconds=None, peak_bytes=e.least_bytes)
+                       if w.policy == f"optimizer_parallel={level}" else w for w in weighed]
             continue
-        report = dataclasses.replace(program.plan.search, recompute=tuple(
-            dataclasses.replace(w, chosen=w.policy == best) for w in weighed))
-        return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
-    raise MemoryBudgetError(_recompute_error(call, budget, budget_from, weighed, fine.device_count),
-                            min((w.peak_bytes for w in weighed if w.peak_bytes is not None), default=None)) from failed
+        name = f"optimizer_parallel={level}"
+        weighed = [dataclasses.replace(w, chosen=w.policy == name) for w in weighed]
+        why = (f"chosen by the search: no plan without optimizer parallel fits {human_bytes(budget)} per device (the "
+               f"least it found: {human_bytes(without.least_bytes or 0)}); of the levels weighed ("
+               f"{', '.join(w.text() for w in weighed)}), level {level} is the fastest that fits")
+        plan = program.plan
+        return dataclasses.replace(program, plan=dataclasses.replace(
+            plan, optimizer=dataclasses.replace(plan.optimizer, why=why),
+            search=dataclasses.replace(plan.search, optimizer=tuple(weighed))))
+    raise MemoryBudgetError(f"{without} Optimizer parallel was weighed too, and fits at no level: "
+                            f"{', '.join(w.text() for w in weighed)}.", without.least_bytes) from failed
 
 
 def _budget(c: Options, devices) -> tuple[float | None, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,11 +27,13 @@ from jshard.propagate import EMPTY, Rewrite, emission_of, emit
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One compiled signature: its `Plan`, the jitted program (None on an abstract mesh: plan
-    only) and the argument shardings (a pytree like the arguments) calls place their inputs on."""
+    only), the argument shardings (a pytree like the arguments) calls place their inputs on, and
+    the planned layout of each value of the traced program (value -> `Spec`; empty: XLA's)."""
 
     plan: Plan
     jitted: Any
     in_shardings: Any
+    values: Mapping = dataclasses.field(default_factory=dict)
 
 
 def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Sequence, devices: list | None,
@@ -72,7 +74,7 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                 tuple(traced.ctx.annotations), "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *abstract(args, in_tree)),
                 search=planned.report, recompute=_recompute(traced, result, argument_leaves(args, options.donate_argnums)),
                 offload=report)
-    return Program(plan, jitted, in_tree)
+    return Program(plan, jitted, in_tree, {} if result is None else result.values)
 
 
 def _recompute(traced: Traced, result, donated_leaves: set[int]) -> RecomputeReport | None:

@@ -1,6 +1,7 @@
 """jaxpr → OpGraph: the traced program as a flat list of operator `Node`s (calls inlined, loop and
 branch bodies nested in place), the form every planner reads."""
 
+from jshard.graph._graph import AUTO_LABEL as AUTO_LABEL
 from jshard.graph._graph import CONSTRAINT as CONSTRAINT
 from jshard.graph._graph import INLINE as INLINE
 from jshard.graph._graph import JSHARD_SCOPE as JSHARD_SCOPE

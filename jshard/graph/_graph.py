@@ -28,6 +28,9 @@ CONSTRAINT = "sharding_constraint"
 JSHARD_SCOPE = "jshard_"
 """The prefix of the name scopes jshard's own constraints carry (`jshard_shard<k>`, `jshard_gather`);
 a constraint without one is the model's own."""
+AUTO_LABEL = "auto"
+"""A `jshard.recompute(policy="auto")` region's scope is `RECOMPUTE_SCOPE + AUTO_LABEL + "<k>_<policy>"`:
+its number in the trace and the policy the search gave it (`"none"` too: scoped, not recomputed)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

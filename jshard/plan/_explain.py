@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 from jshard._format import human_bytes
 from jshard.plan._records import source_str, strategies_str
 
 _MAX_CHAIN = 8
+_REGION = re.compile(r"policy='auto' -> '\w+', region (\d+)")
 
 
 def explain(plan, op) -> str:
@@ -49,6 +52,12 @@ def _recompute(plan, op) -> str:
     """Why the operator is (or is not) run again in the backward pass."""
     why = (f"{op.recompute}, the user's jax.checkpoint (or a remat built on it)" if op.recompute.startswith("jax.")
            else f"{op.recompute}, the user's jshard.recompute call")
+    region = _REGION.search(op.recompute)
+    chosen = [r for r in (plan.search.regions if plan.search is not None and region else ())
+              if r.region == int(region.group(1))]
+    if chosen:
+        why += (f"; the search's choice for it under the memory budget, the least recompute whose estimated peak "
+                f"fits: {chosen[0].text()}")
     if op.recomputed:
         return f"  recomputed: the backward pass runs this forward operator again instead of keeping its result ({why})"
     if op.backward:

@@ -22,6 +22,8 @@ class OptimizerReport:
       regathered: parameter leaves the backward pass all-gathers again (`optimizer_comm_recompute`).
       leaves: per cut leaf, `(path, role, layout before, layout after)`: its argument path, `"state"`
         or `"parameter"`, and its `PartitionSpec`s as text (`table()` lists them).
+      why: where the search chose the level (`optimizer_parallel` not given, a memory budget no plan
+        met without it), why; `""` where the user asked for it.
     """
 
     level: int
@@ -34,6 +36,7 @@ class OptimizerReport:
     whole: tuple[str, ...] = ()
     regathered: int = 0
     leaves: tuple[tuple[str, str, str, str], ...] = ()
+    why: str = ""
 
     def line(self) -> str:
         """One line for `Plan.summary`."""
@@ -42,7 +45,8 @@ class OptimizerReport:
                  f"recompute)") if self.regathered else ""
         return (f"optimizer parallel level {self.level} (threshold {human_bytes(self.threshold)}): "
                 f"{self.state_cut}/{self.state_total} optimizer-state and {self.params_cut}/{self.params_total} "
-                f"parameter leaves cut, {human_bytes(self.saved_bytes)} per device saved{kept}")
+                f"parameter leaves cut, {human_bytes(self.saved_bytes)} per device saved{kept}"
+                + (f"; {self.why}" if self.why else ""))
 
     def table(self) -> str:
         """One line per cut leaf: its path, role, and layout before and after the cut."""

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 from jshard._context import Annotation
 from jshard._format import var_str
 from jshard.cost import Comm
-from jshard.graph import CONSTRAINT, JSHARD_SCOPE, RECOMPUTE_SCOPE, Node
+from jshard.graph import AUTO_LABEL, CONSTRAINT, JSHARD_SCOPE, RECOMPUTE_SCOPE, Node
 from jshard.layouts import FineMesh, Spec, Strategy, TensorLayout, spec_from_pspec, to_pspec, typed_spec
 
 ORIGINS = ("user", "model", "propagated", "searched", "default")
@@ -26,6 +26,7 @@ engine, the search, or nowhere (left to XLA's own propagation from the anchors).
 
 _SCOPE = re.compile(r"jshard_shard\d+")
 _RECOMPUTE = re.compile(RECOMPUTE_SCOPE + r"(\w+)")
+_AUTO = re.compile(AUTO_LABEL + r"(\d+)_(\w+)")
 _RERUN = "rematted_computation"
 """The name scope JAX gives the forward operators a remat equation runs again in the backward pass."""
 
@@ -65,7 +66,9 @@ class OpRecord:
       rejected: the best alternative it did not take, described, or `""`.
       ruled: False where jshard has no sharding rule for the primitive (left replicated).
       recompute: the recompute region it belongs to, `jshard.recompute(policy='selective')` or
-        `jax.checkpoint(policy=full)` (a bare `jax.checkpoint`, `flax.linen.remat`, ...), or `""`.
+        `jax.checkpoint(policy=full)` (a bare `jax.checkpoint`, `flax.linen.remat`, ...), or `""`;
+        a region the search chose for, its choice and number: `jshard.recompute(policy='auto' ->
+        'selective', region 0)` (`'none'` too: not recomputed; `Plan.search.regions` says why).
         A forward operator of a bare `jax.checkpoint` region is known by the backward pass's run
         of it (the same source line and primitive); one the policy saves is not run again, so it
         is named only inside `jshard.recompute`.
@@ -206,7 +209,7 @@ def recompute_regions(nodes: Sequence[Node]) -> tuple[dict[int, str], list[int]]
     for i, node in enumerate(nodes):
         named = _RECOMPUTE.search(node.scope)
         if named:
-            found[i] = f"jshard.recompute(policy={named.group(1)!r})"
+            found[i] = _region_name(named.group(1))
         elif node.remat:
             found[i] = f"jax.checkpoint(policy={node.remat})"
         if node.remat and _RERUN in node.scope:
@@ -215,6 +218,15 @@ def recompute_regions(nodes: Sequence[Node]) -> tuple[dict[int, str], list[int]]
         if i not in found and not node.backward and (node.source, node.primitive) in again:
             found[i] = again[node.source, node.primitive]
     return found, [i for i, node in enumerate(nodes) if node.remat and _RERUN in node.scope]
+
+
+def _region_name(label: str) -> str:
+    """`OpRecord.recompute` for a `jshard.recompute` region's scope label: its policy, or for a
+    region the search chose for (`policy="auto"`) its number and the policy it got."""
+    auto = _AUTO.fullmatch(label)
+    if auto is None:
+        return f"jshard.recompute(policy={label!r})"
+    return f"jshard.recompute(policy='auto' -> {auto.group(2)!r}, region {auto.group(1)})"
 
 
 def _cutter(sizes):

@@ -28,6 +28,7 @@ from jshard.propagate import Decision, Engine, Rejected, Result, charge_constrai
 from jshard.rules import write_spec
 from jshard.search import _ilp, _recursive
 from jshard.search._graph import Assignment, Infeasible, SearchGraph
+from jshard.search._regions import RegionChoice, finest_cut
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
@@ -36,10 +37,11 @@ _KEY_SHARE = 0.01  # key operators, whose best rejected alternative a plan recor
 
 @dataclasses.dataclass(frozen=True)
 class Weighed:
-    """One recompute policy the search weighed for `jshard.recompute(policy="auto")` regions.
+    """One recompute policy the search weighed for `jshard.recompute(policy="auto")` regions, or one
+    optimizer-parallel level.
 
     Attributes:
-      policy: `"none"`, `"selective"` or `"full"`.
+      policy: `"none"`, `"selective"` or `"full"`; or `"optimizer_parallel=<level>"`.
       seconds: its plan's predicted seconds per call, or None where no plan fits the budget.
       peak_bytes: its plan's estimated peak per device, or (no plan) the least the search estimated.
       chosen: whether the program uses it.
@@ -76,13 +78,18 @@ class SearchReport:
         device (XLA's memory analysis), else None.
       budget_from: where the budget came from: `"memory_budget"`, or the device whose memory it is
         (`parallelize` without `memory_budget`).
-      recompute: with `jshard.recompute(policy="auto")` regions, each policy weighed (`Weighed`).
       unit_classes: the recursive search's distinct units of the heuristic core, summed over its
         levels and runs: units of identical layers (the same costs and redistribution tables) are
         one class, so it does not grow with an unrolled loop's depth. None for the ILP.
       evaluations: the recursive search's cost evaluations in the core (a unit's cost per candidate
         against its neighbours' picks, a pair's joint move), each computed once per class and picks,
         summed over its levels and runs; does not grow with an unrolled loop's depth. None for the ILP.
+      recompute: with `jshard.recompute(policy="auto")` regions, each policy weighed for all of
+        them at once (`Weighed`).
+      regions: with such regions, the policy each got (`RegionChoice`): the least recompute whose
+        estimated peak fits the budget, moves chosen by bytes saved per second of recompute.
+      optimizer: where `optimizer_parallel` was not given and no plan without it fit the budget,
+        each level weighed (`Weighed`, policy `"optimizer_parallel=<level>"`).
     """
 
     search: str
@@ -99,6 +106,8 @@ class SearchReport:
     recompute: tuple[Weighed, ...] = ()
     unit_classes: int | None = None
     evaluations: int | None = None
+    regions: tuple[RegionChoice, ...] = ()
+    optimizer: tuple[Weighed, ...] = ()
 
     def line(self) -> str:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
@@ -110,7 +119,10 @@ class SearchReport:
                 f"{self.candidates} candidates{weighed} in {self.planning_seconds:.2f} s; predicted "
                 f"{self.seconds * 1e6:.6g} us per call; estimated peak {human_bytes(self.peak_bytes)} per device, {budget}" + (
                     "" if self.compiled_peak_bytes is None else f"; compiled {human_bytes(self.compiled_peak_bytes)}") + (
-                    "" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute)))
+                    "" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute)) + (
+                    "" if not self.regions else "; recompute per region: " + ", ".join(r.text() for r in self.regions)) + (
+                    "" if not self.optimizer else "; optimizer parallel weighed: " + ", ".join(
+                        w.text() for w in self.optimizer)))
 
 
 def search(
@@ -309,7 +321,7 @@ def _local(g: SearchGraph, k: int, a: Assignment, choice) -> float:
 
 def _least(g: SearchGraph) -> dict:
     """Each memory value's bytes per device, cut as finely as its dims allow."""
-    return {v: value_bytes(v) / _finest_cut(v.aval.shape, g.axis_size)
+    return {v: value_bytes(v) / finest_cut(v.aval.shape, g.axis_size)
             for v in g.memory_values}
 
 
@@ -344,20 +356,7 @@ def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str)
     rows = "; ".join(f"{_name(g, v, names)} {var_str(v, short=False)} ({human_bytes(least[v])} per device at best)" for v in top)
     return MemoryBudgetError(head + why + f" Largest: {rows}. Raise memory_budget, use more devices, donate the "
                              f"state (donate_argnums), shrink the batch, or recompute the layers in the backward "
-                             f"pass (jshard.recompute(layer, policy='auto')).", float(live.max()))
-
-
-def _finest_cut(shape, axis_size: Mapping[str, int]) -> int:
-    """The most devices a tensor of `shape` can be cut over, each mesh axis on a dim it divides."""
-    left = list(shape)
-    cut = 1
-    for n in sorted((n for n in axis_size.values() if n > 1), reverse=True):
-        for d, m in enumerate(left):
-            if m % n == 0:
-                left[d] = m // n
-                cut *= n
-                break
-    return cut
+                             f"pass (jshard.recompute(layer, policy='auto')).", float(live.max()), bound=True)
 
 
 def _name(g: SearchGraph, v, names: Mapping) -> str:
