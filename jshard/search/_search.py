@@ -36,26 +36,35 @@ _KEY_SHARE = 0.01  # key operators, whose best rejected alternative a plan recor
 
 @dataclasses.dataclass(frozen=True)
 class Weighed:
-    """One recompute policy the search weighed for `jshard.recompute(policy="auto")` regions.
+    """One choice the search weighed: a recompute policy for `jshard.recompute(policy="auto")`
+    regions (`SearchReport.recompute`), or the state kept in host memory (`SearchReport.offload`).
 
     Attributes:
-      policy: `"none"`, `"selective"` or `"full"`.
+      policy: the recompute policy (`"none"`, `"selective"`, `"full"`), or the offloaded roles
+        (`"none"`, `"optimizer"`, `"optimizer+parameters"`).
       seconds: its plan's predicted seconds per call, or None where no plan fits the budget.
       peak_bytes: its plan's estimated peak per device, or (no plan) the least the search estimated.
       chosen: whether the program uses it.
+      host_seconds: of `seconds`, the state streamed between host and device memory per call
+        (`CostModel.host_seconds`).
     """
 
     policy: str
     seconds: float | None
     peak_bytes: float | None
     chosen: bool = False
+    host_seconds: float = 0.0
 
     def text(self) -> str:
         peak = "?" if self.peak_bytes is None else human_bytes(self.peak_bytes)
         if self.seconds is None:
             return f"{self.policy}: no plan fits (least peak {peak})"
-        when = f"{self.seconds:.4g} s" if self.seconds >= 1 else f"{self.seconds * 1e3:.4g} ms"
-        return f"{self.policy}: {when}, peak {peak}" + (" (chosen)" if self.chosen else "")
+        host = f" ({_time(self.host_seconds)} host<->device)" if self.host_seconds else ""
+        return f"{self.policy}: {_time(self.seconds)}{host}, peak {peak}" + (" (chosen)" if self.chosen else "")
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds:.4g} s" if seconds >= 1 else f"{seconds * 1e3:.4g} ms"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +86,9 @@ class SearchReport:
       budget_from: where the budget came from: `"memory_budget"`, or the device whose memory it is
         (`parallelize` without `memory_budget`).
       recompute: with `jshard.recompute(policy="auto")` regions, each policy weighed (`Weighed`).
+      offload: where the budget binds and the user gave no `offload=`, each placement of the state
+        weighed (`Weighed`: on the device, the optimizer state in host memory, and the parameters
+        too), its seconds with the streaming priced on the host link.
     """
 
     search: str
@@ -91,6 +103,7 @@ class SearchReport:
     compiled_peak_bytes: float | None = None
     budget_from: str = "memory_budget"
     recompute: tuple[Weighed, ...] = ()
+    offload: tuple[Weighed, ...] = ()
 
     def line(self) -> str:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
@@ -100,7 +113,8 @@ class SearchReport:
                 f"{self.candidates} candidates in {self.planning_seconds:.2f} s; predicted "
                 f"{self.seconds * 1e6:.6g} us per call; estimated peak {human_bytes(self.peak_bytes)} per device, {budget}" + (
                     "" if self.compiled_peak_bytes is None else f"; compiled {human_bytes(self.compiled_peak_bytes)}") + (
-                    "" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute)))
+                    "" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute)) + (
+                    "" if not self.offload else "; offload weighed: " + ", ".join(w.text() for w in self.offload)))
 
 
 def search(
@@ -114,6 +128,7 @@ def search(
     cost: CostModel | None = None,
     budget: float | None = None,
     donated: frozenset = frozenset(),
+    host: frozenset = frozenset(),
     names: Mapping | None = None,
     call: str = "jshard.parallelize",
     time_limit: float = 60.0,
@@ -129,13 +144,15 @@ def search(
       how: `"recursive"` or `"ilp"`.
       budget: bytes per device the plan must fit, or None.
       donated: arguments whose buffers the results reuse.
+      host: arguments and results kept in host memory between steps (on the device only while the
+        step uses them).
       names: var -> a name for errors (an argument's pytree path).
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget`.
     """
     start = time.perf_counter()
-    g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated)
+    g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated, host)
     axes = [(a,) for a, n in axis_size.items() if n > 1]
     if budget is not None and _least_peak(g) > budget:  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
