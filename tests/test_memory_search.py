@@ -87,7 +87,7 @@ def test_default_budget_of_an_abstract_mesh_is_its_device_kind():
 
 def test_unknown_device_kind_names_the_known_ones():
     with pytest.raises(js.ShardingError, match=r"CostModel.for_device\('Z80'\): no such device kind; the known "
-                                               r"kinds are H100, H200, A100\."):
+                                               r"kinds are H100, H200, A100, GH200\."):
         CostModel.for_device("Z80")
 
 

@@ -30,7 +30,7 @@ from jshard.compile._boundary import (
     in_shardings,
     out_shardings,
 )
-from jshard.compile._offload import anchored, offloaded, searched
+from jshard.compile._offload import anchored, least_streamed, offloaded, searched
 from jshard.compile._optimizer import accumulator, cuts, gathered, regathered, result_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
@@ -96,31 +96,43 @@ def _weigh_offload(fn, traced: Traced, args, devices, slots, dataset, c: Options
                    budget_from: str, types) -> Program:
     """`mode="auto"` under a budget, no `offload=` given: plans the step with the state on the device;
     where the budget binds (the search gave up speed, or recompute, to fit it: `_binds`), plans it
-    again with each of `SEARCHED` in host memory, each priced with its streaming on the host link
+    again with each of `SEARCHED` in host memory whose streaming alone (`least_streamed` on the host
+    link) does not cost more than the plan on the device, each priced with its streaming
     (`CostModel.host_seconds`), and builds the fastest that fits (with `memory_budget` and devices
     present: whose compiled program fits), its `SearchReport.offload` listing what was weighed."""
     checked = c.memory_budget is not None and devices is not None
+    cost = c.cost_model or CostModel()
     weighed: dict[tuple[str, ...], Weighed] = {}
     planned: dict[tuple[str, ...], Program] = {}
     errors: dict[tuple[str, ...], MemoryBudgetError] = {}
     place = lambda what, check: _build_placed(fn, traced, args, devices, slots, dataset, dataclasses.replace(
         c, offload=what), call, budget, budget_from, types, check)
-    for what in [(), *searched(traced, args, c)]:
+    choices = searched(traced, args, c)
+    try:
+        device = place((), False)
+    except MemoryBudgetError as e:
+        weighed[()], errors[()] = Weighed("none", None, e.least_bytes), e
+    else:
+        search = device.plan.search
+        weighed[()], planned[()] = Weighed("none", search.seconds, search.peak_bytes), device
+        least = lambda what: least_streamed(traced, args, c, what)
+        choices = [what for what in choices if cost.host_seconds(least(what), least(what)) < search.seconds]
+        if not _binds(search) or not choices:  # on the device, unhindered (or streaming alone costs more)
+            try:
+                return place((), True) if checked else device
+            except MemoryBudgetError as e:
+                weighed[()], errors[()] = Weighed("none", None, e.least_bytes), e
+                del planned[()]
+                choices = searched(traced, args, c)
+    for what in choices:
         try:
             program = place(what, False)
         except MemoryBudgetError as e:
             weighed[what], errors[what] = Weighed(_offload_name(what), None, e.least_bytes), e
             continue
-        host = program.plan.offload.seconds if program.plan.offload is not None else 0.0
-        search = program.plan.search
+        host, search = program.plan.offload.seconds, program.plan.search
         weighed[what], planned[what] = Weighed(_offload_name(what), search.seconds + host, search.peak_bytes,
                                                host_seconds=host), program
-        if not what and not _binds(search):  # on the device, unhindered: streaming could only add time
-            try:
-                return place((), True) if checked else program
-            except MemoryBudgetError as e:
-                weighed[what], errors[what] = Weighed("none", None, e.least_bytes), e
-                del planned[what]
     for best in sorted(planned, key=lambda w: weighed[w].seconds):
         try:
             program = place(best, True) if checked else planned[best]
@@ -128,8 +140,8 @@ def _weigh_offload(fn, traced: Traced, args, devices, slots, dataset, c: Options
             weighed[best], errors[best] = dataclasses.replace(weighed[best], seconds=None, peak_bytes=e.least_bytes), e
             continue
         return _offload_chosen(program, best, weighed, budget, budget_from)
-    least = min((w.peak_bytes for w in weighed.values() if w.peak_bytes is not None), default=None)
-    raise MemoryBudgetError(_offload_error(errors[()], weighed), least) from None
+    least_peak = min((w.peak_bytes for w in weighed.values() if w.peak_bytes is not None), default=None)
+    raise MemoryBudgetError(_offload_error(errors[()], weighed), least_peak) from None
 
 
 def _binds(search) -> bool:

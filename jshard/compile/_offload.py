@@ -11,6 +11,8 @@ lays the chosen leaves out in host memory (`jshard.hetero`).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 
@@ -19,7 +21,9 @@ from jshard.compile._optimizer import roles, updating
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
+from jshard.cost import itemsize
 from jshard.hetero import HostTable, Offload, check_fits, table_sharding
+from jshard.search import finest_cut
 
 SEARCHED = (("optimizer",), ("optimizer", "parameters"))
 """What the strategy search weighs keeping in host memory (`mode="auto"` under a memory budget, no
@@ -33,6 +37,15 @@ def searched(traced: Traced, args: tuple, options: Options) -> list[tuple[str, .
     params, state = roles(args, options)
     have = {"parameters": bool(_state(traced, params)), "optimizer": bool(_state(traced, state))}
     return [what for what in SEARCHED if all(have[name] for name in what)]
+
+
+def least_streamed(traced: Traced, args: tuple, options: Options, what: tuple[str, ...]) -> float:
+    """The fewest bytes per device that keeping `what` in host memory streams each way per step:
+    its leaves, each cut as finely as its dims allow on the mesh."""
+    params, state = roles(args, options)
+    ids = _state(traced, (params if "parameters" in what else set()) | (state if "optimizer" in what else set()))
+    return sum(math.prod(np.shape(traced.leaves[i])) * itemsize(dtype_of(traced.leaves[i]))
+               / finest_cut(np.shape(traced.leaves[i]), traced.axis_size) for i in ids)
 
 
 def _state(traced: Traced, ids) -> set[int]:

@@ -293,7 +293,7 @@ def _local(g: SearchGraph, k: int, a: Assignment, choice) -> float:
 
 def _least(g: SearchGraph) -> dict:
     """Each memory value's bytes per device, cut as finely as its dims allow."""
-    return {v: value_bytes(v) / _finest_cut(v.aval.shape, g.axis_size)
+    return {v: value_bytes(v) / finest_cut(v.aval.shape, g.axis_size)
             for v in g.memory_values}
 
 
@@ -331,7 +331,7 @@ def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str)
                              f"pass (jshard.recompute(layer, policy='auto')).", float(live.max()))
 
 
-def _finest_cut(shape, axis_size: Mapping[str, int]) -> int:
+def finest_cut(shape: Sequence[int], axis_size: Mapping[str, int]) -> int:
     """The most devices a tensor of `shape` can be cut over, each mesh axis on a dim it divides."""
     left = list(shape)
     cut = 1
