@@ -52,6 +52,8 @@ def test_a_budget_only_host_state_meets_offloads_the_optimizer_and_equals_one_de
     assert "offload optimizer: " in summary and "offload weighed: none: no plan fits" in summary
     assert f"chosen by the search under memory_budget={human_bytes(budget)} per device: with the state on the " \
            f"device no plan fits" in summary
+    dot = next(op for op in plan.ops if op.primitive == "dot_general")
+    assert "planned with the optimizer state in host memory, streamed each step" in plan.explain(dot)
 
     compiled = auto.lower(params, state, batches[0]).compile()
     ins = compiled.input_shardings[0]
