@@ -48,6 +48,10 @@ def test_tight_budget_chooses_full_recompute_and_equals_one_device(scan_gpt):
     report = auto.plan(*args).search
     chosen = [w for w in report.recompute if w.chosen]
     assert [w.policy for w in chosen] == ["full"], report.line()
+    # recompute binds the budget, so the search weighed the state in host memory too: streaming costs more here
+    assert [(w.policy, w.chosen) for w in report.offload] == [
+        ("none", True), ("optimizer", False), ("optimizer+parameters", False)], report.line()
+    assert all(w.host_seconds > 0 and w.seconds > report.seconds for w in report.offload[1:])
     assert report.peak_bytes <= budget and report.budget == budget
     assert "(the memory of one 4 MiB device, no memory_budget given)" in report.line()
     params, state, loss = auto(*args)
