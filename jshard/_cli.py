@@ -116,7 +116,7 @@ def _plan_parser(sub) -> None:
     plan.add_argument("--memory-budget", metavar="BYTES", default=None,
                       help="with --mode auto: per-device memory the plan must fit, e.g. 16GiB, 512MiB, 2e9")
     plan.add_argument("--device", metavar="KIND", default=None,
-                      help="the device kind to plan for (H100, H200, A100): the cost model's compute and link "
+                      help="the device kind to plan for (H100, H200, A100, GH200): the cost model's compute and link "
                            "rates, and its memory as the default --memory-budget (default: the devices present "
                            "if --devices fit them, else no budget)")
     plan.add_argument("--enable-alltoall", action=argparse.BooleanOptionalAction, default=None,

@@ -66,7 +66,7 @@ def parallelize(
     optimizer_comm_recompute: bool = False,
     accumulation_steps: int | None = None,
     accumulation_shard: bool = False,
-    offload: str | Sequence[str] = (),
+    offload: str | Sequence[str] | None = None,
     recompute: Any = None,
 ) -> Any:
     """Runs `fn` on many devices from MindSpore-style strategies; usable as a decorator.
@@ -174,8 +174,12 @@ def parallelize(
         in host memory between steps (memory kind `"pinned_host"` on the program's argument
         shardings and on the results that update them); the step streams each to the device for
         use and the update back. `plan.summary()` names the host leaves and the bytes moved per
-        step (`plan.offload`, a `jshard.plan.OffloadReport`). Activations: `jshard.recompute(fn,
-        policy="offload")`. A `jshard.hetero.HostTable` argument lives in host memory without it.
+        step (`plan.offload`, a `jshard.plan.OffloadReport`). None (the default): nothing, but with
+        `mode="auto"` and a memory budget that binds the search weighs keeping the optimizer state
+        (then the parameters too) in host memory, the streaming priced on the cost model's
+        `host_bandwidth`, and keeps the fastest plan that fits (`plan.search.offload`); `()`: never.
+        Activations: `jshard.recompute(fn, policy="offload")`. A `jshard.hetero.HostTable` argument
+        lives in host memory without it.
       recompute: the policy of the `jshard.recompute` regions that name none (MindSpore's
         parallel-wide recompute default): `"full"`, `"selective"`, `"none"`, a
         `jax.checkpoint_policies` name or callable, or `"auto"`: with `mode="auto"` the search

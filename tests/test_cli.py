@@ -131,7 +131,7 @@ def test_plan_with_a_budget_nothing_can_meet_exits_1(capsys):
         ([f"{EXAMPLE}:example", "--layers", "2"], "--layers size a reference model"),
         (["gpt", "--d-model", "30", "--heads", "4"], "--heads 4 must divide --d-model 30"),
         (["gpt", "--memory-budget", "lots"], "--memory-budget 'lots' is not a size"),
-        (["gpt", "--device", "Z80"], "--device 'Z80' is no known device kind; the known kinds are H100, H200, A100."),
+        (["gpt", "--device", "Z80"], "--device 'Z80' is no known device kind; the known kinds are H100, H200, A100, GH200."),
         (["gpt", "--mode", "semi_auto", "--search", "ilp"], "search='ilp' applies to the strategy search, mode='auto' (this call has mode='semi_auto')"),
     ],
 )

@@ -267,3 +267,42 @@ def test_offload_with_a_pipeline_is_rejected():
     with pytest.raises(js.ShardingError, match=r"offload=\('optimizer',\) keeps state in host memory in the one-program "
                                                r"path; it cannot be used with a pipeline yet"):
         js.parallelize(lambda p, b: p, devices=8, pipeline_stages=2, micro_batches=2, offload="optimizer")
+
+
+TABLE_OPTS = {"adam": optax.adam(0.1), "adagrad": optax.adagrad(0.1, initial_accumulator_value=0.1, eps=0.0)}
+
+
+@functools.cache
+def _table_update():
+    return js.parallelize(lambda t, ids, g: js.hetero.sparse_update(t, ids, g, 0.1), devices=8, mode="data",
+                          batch_argnums=(1, 2))
+
+
+@pytest.mark.parametrize("cut_rows", [False, True], ids=["whole", "rows_cut"])
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad"])
+def test_host_table_optimizer_equals_the_dense_one_on_the_touched_rows(optimizer, cut_rows):
+    k = jax.random.split(jax.random.key(5), 4)
+    rows = jax.random.normal(k[0], (TABLE_ROWS, DIM))
+    first = jnp.array([3, 5, 3, 60, 17, 5, 9, 33])  # repeated ids: their gradients add up
+    second = jnp.array([3, 3, 5, 60, 40, 41, 42, 43])  # 17, 9, 33 untouched
+    grads = [jax.random.normal(k[1], (8, DIM)), jax.random.normal(k[2], (8, DIM))]
+    opt, dense, state = TABLE_OPTS[optimizer], rows, TABLE_OPTS[optimizer].init(rows)
+    table = js.hetero.host_table(rows, optimizer=optimizer, cut_rows=cut_rows)
+    for ids, g in zip((first, second), grads):
+        updates, state = opt.update(jnp.zeros_like(rows).at[ids].add(g), state, dense)
+        dense, after_first = optax.apply_updates(dense, updates), table
+        table = _table_update()(table, ids, g)
+        touched = np.unique(np.asarray(ids))
+        # per step: a row's gradient sums at most 8 rows; the moments, sqrt and division a few ulps each
+        assert_close(np.asarray(table.rows)[touched], np.asarray(dense)[touched], terms=2 * (8 + 4))
+    assert {x.sharding.memory_kind for x in (table.rows, *table.slots)} == {HOST}
+    kept = np.setdiff1d(np.asarray(first), np.asarray(second))
+    np.testing.assert_array_equal(np.asarray(table.rows)[kept], np.asarray(after_first.rows)[kept])  # lazy: not moved
+    untouched = np.setdiff1d(np.arange(TABLE_ROWS), np.concatenate([first, second]))
+    np.testing.assert_array_equal(np.asarray(table.rows)[untouched], np.asarray(rows)[untouched])
+
+
+def test_host_table_unknown_optimizer_is_rejected():
+    with pytest.raises(js.ShardingError, match=r"jshard.hetero.host_table: optimizer='lamb' is no table optimizer; "
+                                               r"sparse_update applies one of \('sgd', 'adam', 'adagrad'\)"):
+        js.hetero.host_table(jnp.ones((8, 2)), optimizer="lamb")

@@ -48,6 +48,10 @@ def test_tight_budget_chooses_full_recompute_and_equals_one_device(scan_gpt):
     report = auto.plan(*args).search
     chosen = [w for w in report.recompute if w.chosen]
     assert [w.policy for w in chosen] == ["full"], report.line()
+    # recompute binds the budget, so the search weighed the state in host memory too: streaming costs more here
+    assert [(w.policy, w.chosen) for w in report.offload] == [
+        ("none", True), ("optimizer", False), ("optimizer+parameters", False)], report.line()
+    assert all(w.host_seconds > 0 and w.seconds > report.seconds for w in report.offload[1:])
     assert report.peak_bytes <= budget and report.budget == budget
     assert "(the memory of one 4 MiB device, no memory_budget given)" in report.line()
     params, state, loss = auto(*args)
@@ -87,7 +91,7 @@ def test_default_budget_of_an_abstract_mesh_is_its_device_kind():
 
 def test_unknown_device_kind_names_the_known_ones():
     with pytest.raises(js.ShardingError, match=r"CostModel.for_device\('Z80'\): no such device kind; the known "
-                                               r"kinds are H100, H200, A100\."):
+                                               r"kinds are H100, H200, A100, GH200\."):
         CostModel.for_device("Z80")
 
 

@@ -30,7 +30,7 @@ from jshard.compile._boundary import (
     in_shardings,
     out_shardings,
 )
-from jshard.compile._offload import anchored, offloaded
+from jshard.compile._offload import anchored, least_streamed, offloaded, searched
 from jshard.compile._optimizer import accumulator, cuts, gathered, regathered, result_shardings
 from jshard.compile._options import OptimizerParallel, Options
 from jshard.compile._planners import Problem, planner_for
@@ -98,12 +98,21 @@ def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c:
                 e.who = who
                 raise e
     budget, budget_from = _budget(c, devices)
+    if c.searching and c.offload is None and budget is not None:
+        return _weigh_offload(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types)
+    return _build_placed(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types)
+
+
+def _build_placed(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
+                  budget_from: str, types, check: bool = True) -> Program:
+    """Plans and builds with the state where `c.offload` puts it (`check`: as `_build_traced`'s);
+    where no plan fits the budget and `optimizer_parallel` is not given, weighs its levels."""
     try:
-        return _plan_signature(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types)
+        return _plan_signature(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types, check)
     except MemoryBudgetError as e:
         if c.optimizer is not None or budget is None or not c.searching or (e.bound and e.least_bytes > budget):
             raise  # given, no budget to meet, or nothing fits even with every tensor cut as finely as it can be
-        return _weigh_optimizer(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types, e)
+        return _weigh_optimizer(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types, e, check)
 
 
 def _plan_signature(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
@@ -114,6 +123,96 @@ def _plan_signature(fn, traced: Traced, args, devices, slots, dataset, c: Option
         return _build_traced(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, check=check,
                              types=types)
     return _weigh_recompute(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types, check)
+
+
+def _weigh_offload(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float,
+                   budget_from: str, types) -> Program:
+    """`mode="auto"` under a budget, no `offload=` given: plans the step with the state on the device;
+    where the budget binds (the search gave up speed, or recompute, to fit it: `_binds`), plans it
+    again with each of `SEARCHED` in host memory whose streaming alone (`least_streamed` on the host
+    link) does not cost more than the plan on the device, each priced with its streaming
+    (`CostModel.host_seconds`), and builds the fastest that fits (with `memory_budget` and devices
+    present: whose compiled program fits), its `SearchReport.offload` listing what was weighed."""
+    checked = c.memory_budget is not None and devices is not None
+    cost = c.costs
+    weighed: dict[tuple[str, ...], Weighed] = {}
+    planned: dict[tuple[str, ...], Program] = {}
+    errors: dict[tuple[str, ...], MemoryBudgetError] = {}
+    place = lambda what, check: _build_placed(fn, traced, args, devices, slots, dataset, dataclasses.replace(
+        c, offload=what), call, budget, budget_from, types, check)
+    choices = searched(traced, args, c)
+    try:
+        device = place((), False)
+    except MemoryBudgetError as e:
+        weighed[()], errors[()] = Weighed("none", None, e.least_bytes), e
+    else:
+        search = device.plan.search
+        weighed[()], planned[()] = Weighed("none", search.seconds, search.peak_bytes), device
+        least = lambda what: least_streamed(traced, args, c, what)
+        choices = [what for what in choices if cost.host_seconds(least(what), least(what)) < search.seconds]
+        if not _binds(search) or not choices:  # on the device, unhindered (or streaming alone costs more)
+            try:
+                return place((), True) if checked else device
+            except MemoryBudgetError as e:
+                weighed[()], errors[()] = Weighed("none", None, e.least_bytes), e
+                del planned[()]
+                choices = searched(traced, args, c)
+    for what in choices:
+        try:
+            program = place(what, False)
+        except MemoryBudgetError as e:
+            weighed[what], errors[what] = Weighed(_offload_name(what), None, e.least_bytes), e
+            continue
+        host, search = program.plan.offload.seconds, program.plan.search
+        weighed[what], planned[what] = Weighed(_offload_name(what), search.seconds + host, search.peak_bytes,
+                                               host_seconds=host), program
+    for best in sorted(planned, key=lambda w: weighed[w].seconds):
+        try:
+            program = place(best, True) if checked else planned[best]
+        except MemoryBudgetError as e:
+            weighed[best], errors[best] = dataclasses.replace(weighed[best], seconds=None, peak_bytes=e.least_bytes), e
+            continue
+        return _offload_chosen(program, best, weighed, budget, budget_from)
+    least_peak = min((w.peak_bytes for w in weighed.values() if w.peak_bytes is not None), default=None)
+    raise MemoryBudgetError(_offload_error(errors[()], weighed), least_peak) from None
+
+
+def _binds(search) -> bool:
+    """Whether the budget shaped a searched plan: the search traded speed for memory (the recursive
+    search's unweighted plan did not fit; the ILP, which does not say, always counts), or a
+    `policy="auto"` region recomputes."""
+    return (search.status != "fits" or any(w.chosen and w.policy != "none" for w in search.recompute)
+            or any(r.policy != "none" for r in search.regions))
+
+
+def _offload_name(what: tuple[str, ...]) -> str:
+    return "+".join(what) or "none"
+
+
+def _offload_chosen(program: Program, what: tuple[str, ...], weighed: dict, budget: float, budget_from: str) -> Program:
+    """`program` with the offloads weighed in its `SearchReport`, and why in its `OffloadReport`."""
+    plan = program.plan
+    shown = tuple(dataclasses.replace(w, chosen=k == what) for k, w in weighed.items())
+    search = dataclasses.replace(plan.search, offload=shown)
+    offload = plan.offload
+    if what:
+        device, chosen = weighed[()], weighed[what]
+        given = "memory_budget=" if budget_from == "memory_budget" else f"a budget of {budget_from}: "
+        stay = (f"with the state on the device no plan fits (least peak {human_bytes(device.peak_bytes or 0)})"
+                if device.seconds is None else f"with the state on the device the plan takes "
+                f"{device.seconds * 1e3:.4g} ms per step (peak {human_bytes(device.peak_bytes)}), with it "
+                f"{chosen.seconds * 1e3:.4g} ms")
+        offload = dataclasses.replace(offload, why=f"chosen by the search under {given}{human_bytes(budget)} per "
+                                                   f"device: {stay}")
+    return dataclasses.replace(program, plan=dataclasses.replace(plan, search=search, offload=offload))
+
+
+def _offload_error(device: MemoryBudgetError, weighed: dict) -> str:
+    tried = "; ".join(w.text() for k, w in weighed.items() if k)
+    if not tried:
+        return str(device)
+    return (f"{device} Offload weighed too (the state kept in host memory between steps, streamed over the "
+            f"host link): {tried}; none fits.")
 
 
 def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
@@ -202,7 +301,7 @@ def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str
 
 
 def _weigh_optimizer(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float,
-                     budget_from: str, types, without: MemoryBudgetError) -> Program:
+                     budget_from: str, types, without: MemoryBudgetError, check: bool = True) -> Program:
     """With no `optimizer_parallel` given and no plan fitting the budget without it (`without`):
     plans each level 1-3 (the state, then the gradients, then the parameters cut over the
     data-parallel axes; the search prices the collectives and the memory) and builds the fastest
@@ -219,7 +318,7 @@ def _weigh_optimizer(fn, traced: Traced, args, devices, slots, dataset, c: Optio
             continue
         planned[level] = program
         weighed.append(Weighed(f"optimizer_parallel={level}", program.plan.search.seconds, program.plan.search.peak_bytes))
-    checked = c.memory_budget is not None and devices is not None
+    checked = check and c.memory_budget is not None and devices is not None
     failed = without
     for level in sorted(planned, key=lambda k: planned[k].plan.search.seconds):
         leveled = dataclasses.replace(c, optimizer=OptimizerParallel(level))
@@ -287,7 +386,7 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
         optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
     offload = offloaded(traced, args, c, call)
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
-    problem = Problem(traced, in_sh, donated, budget)
+    problem = Problem(traced, in_sh, donated, budget, offload)
     checked = check and c.searching and c.memory_budget is not None and devices is not None
     held = 0.0
     for attempt in range(BUDGET_ROUNDS):

@@ -11,6 +11,8 @@ lays the chosen leaves out in host memory (`jshard.hetero`).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 
@@ -19,7 +21,36 @@ from jshard.compile._optimizer import roles, updating
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
+from jshard.cost import itemsize
 from jshard.hetero import HostTable, Offload, check_fits, table_sharding
+from jshard.search import finest_cut
+
+SEARCHED = (("optimizer",), ("optimizer", "parameters"))
+"""What the strategy search weighs keeping in host memory (`mode="auto"` under a memory budget, no
+`offload=` given), after the state on the device: the optimizer state, read once per step by the
+update, then the parameters too, read by the forward and the backward pass."""
+
+
+def searched(traced: Traced, args: tuple, options: Options) -> list[tuple[str, ...]]:
+    """The `SEARCHED` offloads this call has state for (optimizer state: an argument beyond the
+    parameters and the batch)."""
+    params, state = roles(args, options)
+    have = {"parameters": bool(_state(traced, params)), "optimizer": bool(_state(traced, state))}
+    return [what for what in SEARCHED if all(have[name] for name in what)]
+
+
+def least_streamed(traced: Traced, args: tuple, options: Options, what: tuple[str, ...]) -> float:
+    """The fewest bytes per device that keeping `what` in host memory streams each way per step:
+    its leaves, each cut as finely as its dims allow on the mesh."""
+    params, state = roles(args, options)
+    ids = _state(traced, (params if "parameters" in what else set()) | (state if "optimizer" in what else set()))
+    return sum(math.prod(np.shape(traced.leaves[i])) * itemsize(dtype_of(traced.leaves[i]))
+               / finest_cut(np.shape(traced.leaves[i]), traced.axis_size) for i in ids)
+
+
+def _state(traced: Traced, ids) -> set[int]:
+    """The leaves of `ids` that can live in host memory (PRNG keys stay on the device)."""
+    return {i for i in ids if not jax.dtypes.issubdtype(dtype_of(traced.leaves[i]), jax.dtypes.extended)}
 
 
 def offloaded(traced: Traced, args: tuple, options: Options, call: str) -> Offload | None:
@@ -32,29 +63,30 @@ def offloaded(traced: Traced, args: tuple, options: Options, call: str) -> Offlo
     params, state = roles(args, options)
     chosen = {"parameters": params, "optimizer": state}
     ids: set[int] = set()
-    for name in options.offload:
-        leaves = {i for i in chosen[name] if not jax.dtypes.issubdtype(dtype_of(traced.leaves[i]), jax.dtypes.extended)}
+    for name in options.offload or ():
+        leaves = _state(traced, chosen[name])
         if not leaves:
             raise ShardingError(_no_state_error(call, name, len(args), options))
         ids |= leaves
     tables = host_tables(args)
     for i, table in tables.items():
         shape, hosts = np.shape(traced.leaves[i]), jax.process_count() if table.cut_rows else 1
-        check_fits(call, shape, np.dtype(dtype_of(traced.leaves[i])), hosts)
+        if traced.paths[i].endswith(".rows"):  # a table's first leaf; its slots are shaped as it
+            check_fits(call, shape, np.dtype(dtype_of(traced.leaves[i])), hosts, slots=len(table.slots))
         if table.cut_rows and shape[0] % traced.fine.device_count:
             raise ShardingError(_rows_error(call, traced.paths[i], shape, traced.fine.device_count))
     if not ids and not tables:
         return None
     ids |= set(tables)
-    return Offload(options.offload, frozenset(ids), updating(traced, args, {i: i for i in ids}), frozenset(tables))
+    return Offload(options.offload or (), frozenset(ids), updating(traced, args, {i: i for i in ids}), frozenset(tables))
 
 
 def host_tables(args: tuple) -> dict[int, HostTable]:
-    """Argument leaf -> the `HostTable` whose rows it is."""
+    """Argument leaf -> the `HostTable` whose rows (or optimizer slot, shaped as the rows) it is."""
     found, start = {}, 0
     for node in jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(x, HostTable)):
         if isinstance(node, HostTable):
-            found[start] = node
+            found.update((start + k, node) for k in range(1 + len(node.slots)))  # leaves: rows, *slots, count
         start += len(jax.tree_util.tree_leaves(node))
     return found
 

@@ -118,7 +118,7 @@ class Options:
     optimizer: OptimizerParallel | None = None
     accumulation: Accumulation | None = None
     optimizer_comm_recompute: Any = False
-    offload: tuple[str, ...] = ()
+    offload: tuple[str, ...] | None = None
     recompute: Any = None
 
     @classmethod
@@ -130,12 +130,12 @@ class Options:
                virtual_stages: int = 1, pipeline_result_broadcast: bool = False, optimizer_parallel: int | None = None,
                optimizer_parallel_threshold: int | float | str = "64KiB",
                optimizer_state_argnums: int | Sequence[int] | None = None, accumulation_steps: int | None = None,
-               accumulation_shard: bool = False, offload: str | Sequence[str] = (), **fields: Any) -> Options:
+               accumulation_shard: bool = False, offload: str | Sequence[str] | None = None, **fields: Any) -> Options:
         """Options from `parallelize`'s keywords, normalized (argnums and argnames as tuples, sizes as
         bytes, the pipeline's keywords as one `PipelineOptions`, or None where none differs from its
         default; the optimizer-parallel keywords as one `OptimizerParallel`, or None without a level;
         the accumulation keywords as one `Accumulation`, or None without `accumulation_steps`;
-        `offload` as a tuple of names)."""
+        `offload` as a tuple of names, None where not given: the search may choose)."""
         optimizer = None if optimizer_parallel is None else OptimizerParallel(
             optimizer_parallel, optimizer_parallel_threshold,
             None if optimizer_state_argnums is None else _as_tuple(optimizer_state_argnums))
@@ -148,7 +148,7 @@ class Options:
                    memory_budget=parse_bytes(memory_budget), search_time_limit=float(search_time_limit),
                    pipeline=pipeline if pipeline.asked else None, optimizer=optimizer,
                    accumulation=accumulation,
-                   offload=_as_tuple(offload) if offload is not None else (), **fields)
+                   offload=None if offload is None else _as_tuple(offload), **fields)
 
     @property
     def costs(self) -> CostModel:
@@ -177,7 +177,7 @@ class Options:
         check_arguments(call, self)
         _check_optimizer(call, self)
         _check_accumulation(call, self)
-        check_offload(call, self.offload)  # with a pipeline: pipeline/_parallel.py refuses it
+        check_offload(call, self.offload or ())  # with a pipeline: pipeline/_parallel.py refuses it
         check_policy(self.recompute, call)
         if self.mode == "manual" and self.mesh is None:
             raise ShardingError(f"{call}: mode='manual' takes PartitionSpecs over your mesh; pass mesh=... too.")

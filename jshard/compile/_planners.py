@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 
 from jshard._errors import ShardingError
@@ -21,6 +22,7 @@ from jshard.compile._options import Options
 from jshard.compile._trace import Traced
 from jshard.cost import Comm
 from jshard.graph import CONSTRAINT, Node, operand_vars
+from jshard.hetero import Offload
 from jshard.layouts import FineMesh, constraint_spec, replicated, spec_from_pspec
 from jshard.plan import Plan
 from jshard.propagate import Decision, Result, propagate
@@ -31,12 +33,23 @@ from jshard.search import SearchReport, search
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """What a planner plans: the traced program, the argument shardings fixed before planning
-    (None: the planner decides), which argument leaves are donated, and the memory budget."""
+    (None: the planner decides), which argument leaves are donated, the memory budget, and the state
+    kept in host memory between steps (`Offload`, or None)."""
 
     traced: Traced
     in_shardings: Sequence[NamedSharding | None]
     donated: frozenset[int]
     budget: float | None
+    offload: Offload | None = None
+
+    @property
+    def host(self) -> frozenset:
+        """The argument and result values kept in host memory between steps."""
+        if self.offload is None:
+            return frozenset()
+        t = self.traced
+        return frozenset([t.invars[i] for i in self.offload.args] + [t.outvars[o] for o in self.offload.results
+                                                                     if isinstance(t.outvars[o], jcore.Var)])
 
     @property
     def fixed(self) -> dict:
@@ -95,7 +108,7 @@ class SearchPlanner:
         donated = frozenset(t.invars[i] for i in problem.donated)
         names = {v: f"args{p}" for v, p in zip(t.invars, t.paths)}
         result, report = search(t.nodes, list(t.invars) + consts, t.outvars, fixed, t.axis_size, how=c.search,
-                                cost=c.costs, budget=problem.budget, donated=donated, names=names,
+                                cost=c.costs, budget=problem.budget, donated=donated, host=problem.host, names=names,
                                 call=self.call, time_limit=c.search_time_limit)
         return Planned(result, report=report)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,9 +19,10 @@ from jshard.compile._options import Options
 from jshard.compile._planners import Planned
 from jshard.compile._signature import abstract
 from jshard.compile._trace import Traced
+from jshard.cost import CostModel, itemsize
 from jshard.hetero import Offload, offload_report, on_host_shardings, streamed
 from jshard.layouts import replicated, to_pspec
-from jshard.plan import Plan, RecomputeReport, build_ops, recompute_report
+from jshard.plan import HOST_MEMORY, Plan, RecomputeReport, build_ops, recompute_report
 from jshard.propagate import EMPTY, Rewrite, emission_of, emit
 
 
@@ -59,7 +61,8 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
     report = None
     if offload is not None:  # an updating result XLA would lay out is laid out as the leaf it updates
         out_sh = [in_sh[offload.results[o]] if sh is None and o in offload.results else sh for o, sh in enumerate(out_sh)]
-        report = offload_report(offload, traced.paths, traced.leaves, in_sh, traced.out_leaves, out_sh)
+        report = offload_report(offload, traced.paths, traced.leaves, in_sh, traced.out_leaves, out_sh,
+                                options.cost_model or CostModel())
         in_sh, out_sh = on_host_shardings(in_sh, offload.args), on_host_shardings(out_sh, frozenset(offload.results))
         evaluate = streamed(evaluate, offload)
     in_tree = jax.tree_util.tree_unflatten(traced.treedef, in_sh)
@@ -85,10 +88,27 @@ def _recompute(traced: Traced, result, donated_leaves: set[int]) -> RecomputeRep
 
 
 def compiled_peak(jitted: Any, args: tuple, shardings: Any = None) -> float:
-    """Per-device bytes the compiled program holds at once (arguments + results + temporaries -
-    donated), as XLA's buffer assignment reports them."""
-    m = jitted.lower(*abstract(args, shardings)).compile().memory_analysis()
-    return float(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    """Per-device bytes the compiled program holds at once in device memory (arguments + results +
+    temporaries - donated), as XLA's buffer assignment reports them. A backend that counts arguments
+    and results in host memory (`pinned_host`) with the device's (XLA:CPU, where both are one RAM
+    and reports no host bytes) has their bytes, read from the compiled shardings, taken out."""
+    lowered = jitted.lower(*abstract(args, shardings))
+    compiled = lowered.compile()
+    m = compiled.memory_analysis()
+    held = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    if m.host_argument_size_in_bytes or m.host_output_size_in_bytes:
+        return float(held)
+    return float(held - _host_bytes(args, compiled.input_shardings[0])
+                 - _host_bytes(lowered.out_info, compiled.output_shardings))
+
+
+def _host_bytes(values: Any, shardings: Any) -> float:
+    """Bytes per device of the leaves of `values` (shapes) whose sharding is in host memory."""
+    held = 0.0
+    for x, sh in zip(jax.tree_util.tree_leaves(values), jax.tree_util.tree_leaves(shardings)):
+        if sh.memory_kind == HOST_MEMORY:
+            held += math.prod(sh.shard_shape(tuple(x.shape))) * itemsize(x.dtype)
+    return held
 
 
 def _unflattened(evaluate: Callable[..., Any], out_tree) -> Callable[..., Any]:

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from jshard._errors import ShardingError
-from jshard.cost._devices import DEVICE_KINDS, kind_of
+from jshard.cost._devices import DEVICE_KINDS, HOST_BANDWIDTH, kind_of
 from jshard.layouts import Spec
 
 
@@ -44,8 +44,11 @@ class CostModel:
         all-to-all (MindSpore's `enable_alltoall`); if not, the axes that move are all-gathered
         first and the result sliced locally (`redistribution`). `parallelize` sets it from its
         `enable_alltoall` keyword.
+      host_bandwidth: bytes/s one way on the link between a device's memory and its host's (PCIe,
+        NVLink-C2C), which state kept in host memory crosses every step (`host_seconds`).
 
-    `CostModel.for_device("H100")` fills `flops`, `bandwidth` and `memory` from `DEVICE_KINDS`.
+    `CostModel.for_device("H100")` fills `flops`, `bandwidth`, `memory` and `host_bandwidth` from
+    `DEVICE_KINDS`.
 
     Examples:
       >>> CostModel().time(Comm("all-reduce", 1e6, ("d0",)), {"d0": 2}) > 0
@@ -59,10 +62,11 @@ class CostModel:
     device: str | None = None
     memory: float | None = None
     alltoall: bool = True
+    host_bandwidth: float = HOST_BANDWIDTH
 
     @classmethod
     def for_device(cls, name: str, **overrides) -> CostModel:
-        """The cost model of a known device kind (`DEVICE_KINDS`: `"H100"`, `"H200"`, `"A100"`).
+        """The cost model of a known device kind (`DEVICE_KINDS`: `"H100"`, `"H200"`, `"A100"`, `"GH200"`).
 
         Examples:
           >>> m = CostModel.for_device("h100")
@@ -79,7 +83,19 @@ class CostModel:
                                 f"memory=...) for another device.")
         known, kind = found
         return cls(**{"bandwidth": kind.bandwidth, "flops": kind.flops, "device": known, "memory": kind.memory,
-                      **overrides})
+                      "host_bandwidth": kind.host_bandwidth, **overrides})
+
+    def host_seconds(self, read: float, written: float) -> float:
+        """Seconds per step to stream `read` bytes per device from host memory to the device and
+        `written` bytes back: the host link is full duplex (PCIe, NVLink-C2C), so the two directions
+        overlap each other; they are not taken to overlap the step's compute (XLA's scheduler may
+        hide part of them behind it: the price is an upper bound).
+
+        Examples:
+          >>> CostModel(host_bandwidth=1e9).host_seconds(2e9, 1e9)
+          2.0
+        """
+        return max(read, written) / self.host_bandwidth
 
     def time(self, comm: Comm, axis_size: Mapping[str, int]) -> float:
         n = math.prod(axis_size[a] for a in comm.axes)

@@ -2,7 +2,9 @@
 
 A value is live from the operator that makes it to its last top-level use (a use inside a loop or
 branch counts at the loop); arguments from the start to the end unless donated; the function's
-results to the end. Bytes per device follow from each value's layout, so the search (and the
+results to the end. State kept in host memory between steps (`parallelize(..., offload=...)`) is
+on the device only while the step uses it: such an argument from its first use to its last, a
+result that updates it only where it is made (it streams back to the host from there). Bytes per device follow from each value's layout, so the search (and the
 recompute, offload and pipeline planners after it) weigh a layout's memory the same way.
 """
 
@@ -66,8 +68,10 @@ class LiveRanges:
         return [v for v in values if self.first[v] <= t <= self.last[v]]
 
 
-def live_ranges(nodes: Sequence[Node], args: Sequence, outvars: Sequence, donated: frozenset = frozenset()) -> LiveRanges:
-    """The `LiveRanges` of the non-scalar values of a flattened program (see the module docstring)."""
+def live_ranges(nodes: Sequence[Node], args: Sequence, outvars: Sequence, donated: frozenset = frozenset(),
+                host: frozenset = frozenset()) -> LiveRanges:
+    """The `LiveRanges` of the non-scalar values of a flattened program (see the module docstring);
+    `host`: the arguments and results kept in host memory between steps."""
     top, enclosing = [], -1
     for i, node in enumerate(nodes):
         if not node.inside:
@@ -76,18 +80,24 @@ def live_ranges(nodes: Sequence[Node], args: Sequence, outvars: Sequence, donate
     end = len(nodes)
     first: dict = {}
     last: dict = {}
+    streamed = set()
     for v in args:
         if isinstance(v, jcore.Var) and getattr(v.aval, "shape", ()):
-            first[v], last[v] = 0, (0 if v in donated else end)
+            first[v], last[v] = 0, (0 if v in donated or v in host else end)
+            if v in host:
+                streamed.add(v)
     for i, node in enumerate(nodes):
         for v in node.inputs:
             if isinstance(v, jcore.Var) and v in first:
+                if v in streamed:  # on the device from its first use
+                    first[v], last[v] = top[i], top[i]
+                    streamed.discard(v)
                 last[v] = max(last[v], top[i])
         if not node.inside:
             for v in node.outputs:
                 if getattr(v.aval, "shape", ()):
                     first[v] = last[v] = i
     for v in outvars:
-        if isinstance(v, jcore.Var) and v in last:
+        if isinstance(v, jcore.Var) and v in last and v not in host:
             last[v] = end
     return LiveRanges(first, last, end)

@@ -2,7 +2,8 @@
 between steps (`parallelize(..., offload=...)`: `Offload`, `streamed`) and activations kept there
 between the forward and the backward pass (`offload_names`, `recompute(policy="offload")`), and
 embedding tables that live, are read and are updated on the host (`HostTable`, `host_table`,
-`lookup`, `sparse_update`: MindSpore's parameter server, synchronous)."""
+`lookup`, `sparse_update` with SGD, lazy Adam or Adagrad, `TABLE_OPTIMIZERS`: MindSpore's
+parameter server, synchronous)."""
 
 from jshard.hetero._host import HOST_COMPUTE as HOST_COMPUTE
 from jshard.hetero._host import host_operators as host_operators
@@ -16,6 +17,7 @@ from jshard.hetero._offload import offload_names as offload_names
 from jshard.hetero._offload import offload_report as offload_report
 from jshard.hetero._offload import on_host_shardings as on_host_shardings
 from jshard.hetero._offload import streamed as streamed
+from jshard.hetero._table import TABLE_OPTIMIZERS as TABLE_OPTIMIZERS
 from jshard.hetero._table import HostTable as HostTable
 from jshard.hetero._table import check_fits as check_fits
 from jshard.hetero._table import host_table as host_table

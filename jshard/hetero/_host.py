@@ -130,7 +130,7 @@ def _to(tree: Any, space: jax.memory.Space) -> Any:
 
 def _check_host(fn: Callable[..., Any], args: tuple, call: str) -> None:
     """Raises `ShardingError` where `fn` runs an operator a host cannot (a collective)."""
-    closed = jax.make_jaxpr(fn)(*args)
+    closed = jax.make_jaxpr(lambda *xs: fn(*_to(xs, jax.memory.Space.Host)))(*args)  # as `run` calls it
     bad = [node for node in flatten(closed.jaxpr) if node.primitive in COLLECTIVES]
     if bad:
         raise ShardingError(_collective_error(call, bad[0]))

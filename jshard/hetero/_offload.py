@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jshard._errors import ShardingError, api_boundary
+from jshard.cost import CostModel
 from jshard.layouts import slices
 from jshard.plan import HOST_MEMORY, OffloadReport
 
@@ -88,13 +89,15 @@ def streamed(evaluate: Callable[..., Any], offload: Offload) -> Callable[..., An
 
 
 def offload_report(offload: Offload, paths: Sequence[str], leaves: Sequence, in_sh: Sequence[NamedSharding],
-                   out_leaves: Sequence, out_sh: Sequence[NamedSharding | None]) -> OffloadReport:
-    """The `Plan`'s record: the host leaves, their bytes per device and the bytes moved per step."""
+                   out_leaves: Sequence, out_sh: Sequence[NamedSharding | None], cost: CostModel) -> OffloadReport:
+    """The `Plan`'s record: the host leaves, their bytes per device, the bytes moved per step and
+    their price on `cost`'s host link."""
     held = sum(_per_device(leaves[i], in_sh[i]) for i in offload.args)
     read = sum(_per_device(leaves[i], in_sh[i]) for i in offload.args - offload.resident)
     written = sum(_per_device(out_leaves[o], out_sh[o]) for o, i in offload.results.items() if i not in offload.resident)
     return OffloadReport(offload.what, HOST_MEMORY, tuple(f"args{paths[i]}" for i in sorted(offload.args)),
-                         held, read, written, tuple(sorted(offload.args)), tuple(sorted(offload.results)))
+                         held, read, written, tuple(sorted(offload.args)), tuple(sorted(offload.results)),
+                         cost.host_seconds(read, written))
 
 
 def _per_device(x: Any, sh: NamedSharding | None) -> float:

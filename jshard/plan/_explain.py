@@ -25,6 +25,9 @@ def explain(plan, op) -> str:
     elif op.origin == "searched":
         how = "" if plan.search is None else f" (search={plan.search.search}, {plan.search.status})"
         lines.append(f"  chosen by the strategy search{how}: the least-cost plan over every operator together")
+        if plan.offload is not None and plan.offload.why:
+            lines.append(f"  planned with the {'+'.join(plan.offload.what)} state in host memory, streamed each step "
+                         f"({human_bytes(plan.offload.moved_bytes)} per device both ways): {plan.offload.why}")
     elif op.origin == "default":
         reason = "no sharding rule for this primitive" if not op.ruled else "no anchor reaches it"
         lines.append(f"  left replicated ({reason}); XLA decides its layout")

@@ -26,6 +26,10 @@ class OffloadReport:
       written_bytes: bytes per device streamed device -> host per step (the results that update them,
         but the host tables, updated on the host).
       args / results: the argument and result leaves (flat indices) in host memory.
+      seconds: the streaming's price per step on the cost model's host link
+        (`CostModel.host_seconds`).
+      why: where the strategy search chose the offload (`mode="auto"` under a memory budget, no
+        `offload=` given), why: the budget, and what staying on the device would have cost; else "".
     """
 
     what: tuple[str, ...]
@@ -36,6 +40,8 @@ class OffloadReport:
     written_bytes: float
     args: tuple[int, ...] = ()
     results: tuple[int, ...] = ()
+    seconds: float = 0.0
+    why: str = ""
 
     @property
     def moved_bytes(self) -> float:
@@ -46,7 +52,8 @@ class OffloadReport:
         """One line for `Plan.summary`."""
         shown = ", ".join(self.host[:4]) + (f", ... ({len(self.host)} leaves)" if len(self.host) > 4 else "")
         what = "+".join(self.what) or "host tables"
+        priced = f" ({self.seconds * 1e3:.4g} ms on the host link)" if self.seconds else ""
         return (f"offload {what}: {len(self.host)} leaves in host memory ({self.memory_kind}), "
                 f"{human_bytes(self.host_bytes)} per device, not held on the device between steps; streamed "
                 f"per step {human_bytes(self.read_bytes)} host->device + {human_bytes(self.written_bytes)} "
-                f"device->host per device: {shown}")
+                f"device->host per device{priced}: {shown}" + (f"; {self.why}" if self.why else ""))

@@ -6,6 +6,7 @@ from jshard.search._regions import RegionCost as RegionCost
 from jshard.search._regions import assignment as assignment
 from jshard.search._regions import choices as choices
 from jshard.search._regions import estimate as estimate
+from jshard.search._regions import finest_cut as finest_cut
 from jshard.search._regions import region_costs as region_costs
 from jshard.search._regions import upgrades as upgrades
 from jshard.search._search import SEARCHES as SEARCHES

@@ -109,7 +109,8 @@ class SearchGraph:
     """Units, edges and the memory model of one traced program on a mesh with `axis_size`."""
 
     def __init__(self, nodes: Sequence[Node], args: Sequence, outvars: Sequence, fixed: Mapping,
-                 axis_size: Mapping[str, int], cost: CostModel | None = None, donated: frozenset = frozenset()):
+                 axis_size: Mapping[str, int], cost: CostModel | None = None, donated: frozenset = frozenset(),
+                 host: frozenset = frozenset()):
         self.nodes, self.axis_size = nodes, dict(axis_size)
         self.cost = cost or CostModel()
         self.table = OpTable(nodes)
@@ -132,7 +133,7 @@ class SearchGraph:
         self._moves: dict = {}
         self._cands: dict = {}
         self._merged: dict[int, list] = {}  # unit -> its operands' dims made of several factors
-        self._memory_model(args, outvars, donated)
+        self._memory_model(args, outvars, donated, host)
 
     # -- units -------------------------------------------------------------------------------
     def _add_arg(self, v, spec: Spec | None) -> None:
@@ -324,10 +325,10 @@ class SearchGraph:
         return e.weight * found
 
     # -- memory --------------------------------------------------------------------------------
-    def _memory_model(self, args, outvars, donated) -> None:
-        """The program's live ranges (`jshard.cost.live_ranges`) and, for each value held, the unit
-        that lays it out."""
-        self.ranges = live_ranges(self.nodes, args, outvars, donated)
+    def _memory_model(self, args, outvars, donated, host) -> None:
+        """The program's live ranges (`jshard.cost.live_ranges`; `host`: the arguments and results
+        kept in host memory between steps) and, for each value held, the unit that lays it out."""
+        self.ranges = live_ranges(self.nodes, args, outvars, donated, host)
         self.first, self.last, self.end = self.ranges.first, self.ranges.last, self.ranges.end
         self.makers = self._makers()
         self.memory_values = [v for v in self.first if v in self.makers]

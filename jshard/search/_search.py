@@ -37,27 +37,36 @@ _KEY_SHARE = 0.01  # key operators, whose best rejected alternative a plan recor
 
 @dataclasses.dataclass(frozen=True)
 class Weighed:
-    """One recompute policy the search weighed for `jshard.recompute(policy="auto")` regions, or one
-    optimizer-parallel level.
+    """One choice the search weighed: a recompute policy for `jshard.recompute(policy="auto")`
+    regions (`SearchReport.recompute`), an optimizer-parallel level (`SearchReport.optimizer`), or
+    the state kept in host memory (`SearchReport.offload`).
 
     Attributes:
-      policy: `"none"`, `"selective"` or `"full"`; or `"optimizer_parallel=<level>"`.
+      policy: the recompute policy (`"none"`, `"selective"`, `"full"`), `"optimizer_parallel=<level>"`,
+        or the offloaded roles (`"none"`, `"optimizer"`, `"optimizer+parameters"`).
       seconds: its plan's predicted seconds per call, or None where no plan fits the budget.
       peak_bytes: its plan's estimated peak per device, or (no plan) the least the search estimated.
       chosen: whether the program uses it.
+      host_seconds: of `seconds`, the state streamed between host and device memory per call
+        (`CostModel.host_seconds`).
     """
 
     policy: str
     seconds: float | None
     peak_bytes: float | None
     chosen: bool = False
+    host_seconds: float = 0.0
 
     def text(self) -> str:
         peak = "?" if self.peak_bytes is None else human_bytes(self.peak_bytes)
         if self.seconds is None:
             return f"{self.policy}: no plan fits (least peak {peak})"
-        when = f"{self.seconds:.4g} s" if self.seconds >= 1 else f"{self.seconds * 1e3:.4g} ms"
-        return f"{self.policy}: {when}, peak {peak}" + (" (chosen)" if self.chosen else "")
+        host = f" ({_time(self.host_seconds)} host<->device)" if self.host_seconds else ""
+        return f"{self.policy}: {_time(self.seconds)}{host}, peak {peak}" + (" (chosen)" if self.chosen else "")
+
+
+def _time(seconds: float) -> str:
+    return f"{seconds:.4g} s" if seconds >= 1 else f"{seconds * 1e3:.4g} ms"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +99,9 @@ class SearchReport:
         estimated peak fits the budget, moves chosen by bytes saved per second of recompute.
       optimizer: where `optimizer_parallel` was not given and no plan without it fit the budget,
         each level weighed (`Weighed`, policy `"optimizer_parallel=<level>"`).
+      offload: where the budget binds and the user gave no `offload=`, each placement of the state
+        weighed (`Weighed`: on the device, the optimizer state in host memory, and the parameters
+        too), its seconds with the streaming priced on the host link.
     """
 
     search: str
@@ -108,6 +120,7 @@ class SearchReport:
     evaluations: int | None = None
     regions: tuple[RegionChoice, ...] = ()
     optimizer: tuple[Weighed, ...] = ()
+    offload: tuple[Weighed, ...] = ()
 
     def line(self) -> str:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
@@ -122,7 +135,8 @@ class SearchReport:
                     "" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute)) + (
                     "" if not self.regions else "; recompute per region: " + ", ".join(r.text() for r in self.regions)) + (
                     "" if not self.optimizer else "; optimizer parallel weighed: " + ", ".join(
-                        w.text() for w in self.optimizer)))
+                        w.text() for w in self.optimizer)) + (
+                    "" if not self.offload else "; offload weighed: " + ", ".join(w.text() for w in self.offload)))
 
 
 def search(
@@ -136,6 +150,7 @@ def search(
     cost: CostModel | None = None,
     budget: float | None = None,
     donated: frozenset = frozenset(),
+    host: frozenset = frozenset(),
     names: Mapping | None = None,
     call: str = "jshard.parallelize",
     time_limit: float = 60.0,
@@ -151,13 +166,15 @@ def search(
       how: `"recursive"` or `"ilp"`.
       budget: bytes per device the plan must fit, or None.
       donated: arguments whose buffers the results reuse.
+      host: arguments and results kept in host memory between steps (on the device only while the
+        step uses them).
       names: var -> a name for errors (an argument's pytree path).
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget`.
     """
     start = time.perf_counter()
-    g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated)
+    g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated, host)
     axes = [(a,) for a, n in axis_size.items() if n > 1]
     if budget is not None and _least_peak(g) > budget:  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)

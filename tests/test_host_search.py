@@ -1,0 +1,109 @@
+"""The search knows the host: with a memory budget and no `offload=` given, `mode="auto"` weighs
+keeping the optimizer state (then the parameters) in host memory, priced on the cost model's
+host link, and the plan says so; the user's `offload=` wins. Numerics against one device."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _loop import run_steps
+from _tolerance import assert_close, step_terms
+
+import jshard as js
+from jshard import models
+from jshard._format import human_bytes
+from jshard.cost import CostModel
+from jshard.cost._devices import kind_of
+
+HOST = "pinned_host"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """A small GPT with Adam on one device (nothing to cut: only the host can take state off it),
+    its batches, the single-device run, and the search's estimated peaks with the state on the
+    device and with the optimizer state in host memory."""
+    cfg = models.GPTConfig(vocab=32, seq_len=8, d_model=32, n_heads=4, n_layers=2, d_ff=64, scan=True)
+    optimizer = optax.adam(1e-3)
+    step = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), optimizer)
+    params = models.init_gpt(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    batches = [models.copy_task_batch(rng, cfg, 8) for _ in range(STEPS)]
+    state = optimizer.init(params)
+    peak = {what: js.parallelize(step, devices=1, mode="auto", offload=what).plan(params, state, batches[0]).search.peak_bytes
+            for what in [(), ("optimizer",)]}
+    return step, params, state, batches, run_steps(jax.jit(step), params, state, batches), peak
+
+
+def test_a_budget_only_host_state_meets_offloads_the_optimizer_and_equals_one_device(gpt):
+    step, params, state, batches, (ref_params, ref_state, ref_losses), peak = gpt
+    assert peak[("optimizer",)] < peak[()]  # the memory model: host state is off the device but while used
+    budget = (peak[("optimizer",)] + peak[()]) / 2
+    auto = js.parallelize(step, devices=1, mode="auto", memory_budget=budget)
+    plan = auto.plan(params, state, batches[0])
+    assert plan.offload.what == ("optimizer",)
+    weighed = {w.policy: w for w in plan.search.offload}
+    assert list(weighed) == ["none", "optimizer", "optimizer+parameters"]
+    assert weighed["none"].seconds is None and weighed["optimizer"].chosen
+    assert 0 < weighed["optimizer"].host_seconds < weighed["optimizer+parameters"].host_seconds
+    assert plan.search.compiled_peak_bytes <= budget  # XLA's buffers, host-memory leaves taken out
+    summary = plan.summary()
+    assert "offload optimizer: " in summary and "offload weighed: none: no plan fits" in summary
+    assert f"chosen by the search under memory_budget={human_bytes(budget)} per device: with the state on the " \
+           f"device no plan fits" in summary
+    dot = next(op for op in plan.ops if op.primitive == "dot_general")
+    assert "planned with the optimizer state in host memory, streamed each step" in plan.explain(dot)
+
+    compiled = auto.lower(params, state, batches[0]).compile()
+    ins = compiled.input_shardings[0]
+    assert {sh.memory_kind for sh in jax.tree.leaves(ins[1])} == {HOST}  # every optimizer leaf
+    assert {sh.memory_kind for sh in jax.tree.leaves((ins[0], ins[2]))} == {"device"}
+    got_params, got_state, got_losses = run_steps(auto, params, state, batches)
+    terms = STEPS * step_terms(params, batches[0])
+    assert_close(got_losses, ref_losses, dtype=np.float32, terms=terms)
+    assert_close((got_params, got_state), (ref_params, ref_state), terms=terms)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(got_state)} == {HOST}
+
+
+def test_a_budget_the_device_meets_offloads_nothing(gpt):
+    step, params, state, batches, _, peak = gpt
+    auto = js.parallelize(step, devices=1, mode="auto", cost_model=CostModel(memory=2 * peak[()], device="roomy"))
+    plan = auto.plan(params, state, batches[0])
+    assert plan.offload is None and plan.search.offload == ()  # the budget binds nothing: no streaming to pay
+    assert plan.search.budget == 2 * peak[()] and "offload" not in plan.search.line()
+    assert HOST not in {sh.memory_kind for sh in jax.tree.leaves(plan.in_shardings)}
+
+
+def test_an_impossible_budget_names_offload_among_what_was_weighed(gpt):
+    step, params, state, batches, _, _ = gpt
+    auto = js.parallelize(step, devices=1, mode="auto", memory_budget="64KiB")
+    with pytest.raises(js.MemoryBudgetError, match=(
+            r"jshard.parallelize\(train_step\): memory_budget=64 KiB per device cannot be met on 1 devices "
+            r"\(search='recursive'\): .* Offload weighed too \(the state kept in host memory between steps, streamed "
+            r"over the host link\): optimizer: no plan fits \(least peak .*\); optimizer\+parameters: no plan fits "
+            r"\(least peak .*\); none fits\.")) as e:
+        auto.plan(params, state, batches[0])
+    assert e.value.least_bytes > 64 * 2**10
+
+
+def test_the_users_offload_wins(gpt):
+    step, params, state, batches, _, peak = gpt
+    budget = (peak[("optimizer",)] + peak[()]) / 2
+    kept = js.parallelize(step, devices=1, mode="auto", memory_budget=budget, offload=())
+    with pytest.raises(js.MemoryBudgetError, match=r"cannot be met on 1 devices") as e:
+        kept.plan(params, state, batches[0])
+    assert "Offload weighed" not in str(e.value)
+    both = js.parallelize(step, devices=1, mode="auto", offload=("optimizer", "parameters"),
+                          cost_model=CostModel(memory=budget, device="small"))
+    plan = both.plan(params, state, batches[0])
+    assert plan.offload.what == ("optimizer", "parameters") and plan.search.offload == ()
+    assert plan.offload.why == ""
+
+
+def test_host_bandwidth_per_device_kind():
+    assert CostModel.for_device("H100").host_bandwidth == 64e9  # PCIe Gen5 x16, one way
+    assert CostModel.for_device("A100").host_bandwidth == 32e9  # PCIe Gen4 x16
+    assert CostModel.for_device("GH200").host_bandwidth == 450e9  # NVLink-C2C
+    assert kind_of("NVIDIA GH200 480GB")[0] == "GH200" and kind_of("NVIDIA H200")[0] == "H200"
+    assert CostModel(host_bandwidth=1e9).host_seconds(3e9, 1e9) == 3.0  # full duplex: the larger way
