@@ -1,4 +1,4 @@
-"""Pipeline parallel: stages, micro-batches, GPipe / 1F1B / interleaved schedules.
+"""Pipeline parallel: stages, micro-batches, GPipe / 1F1B / interleaved / zero-bubble (ZB-H1) schedules.
 
 `Pipeline` describes a model as first / layer stack / last; `pipeline_stage` tags per-stage
 functions; `jshard.parallelize(pipe, pipeline_stages=S, micro_batches=M, schedule=...)` returns a

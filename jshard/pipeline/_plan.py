@@ -17,6 +17,8 @@ from jshard.compile import abstract
 from jshard.layouts import slices
 from jshard.pipeline._schedule import Schedule
 
+_THEORY = {False: "(S-1)/(v·M+S-1)", True: "(S-1)/(3M+S-1)"}
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageInfo:
@@ -76,7 +78,7 @@ class PipelinePlan:
         lines = [
             f"pipeline: schedule={s.name}, stages={s.stages}, micro_batches={s.micro_batches}, "
             f"virtual_stages={s.virtual}, mesh {self.mesh_shape}",
-            f"bubble fraction {s.bubble_fraction:.4f} (theory (S-1)/(v·M+S-1) = {s.theoretical_bubble:.4f}), "
+            f"bubble fraction {s.bubble_fraction:.4f} (theory {_THEORY[s.split_backward]} = {s.theoretical_bubble:.4f}), "
             f"{s.ticks} ticks",
         ]
         for st in self.stages:
