@@ -19,10 +19,13 @@ permute where nothing crosses, one forward or one backward permute where one dir
 and one permute of neighbours swapping where stage `s` sends forward while `s + 1` sends back
 (1F1B's steady state). A permute's pairs are static, so the ticks are cut into consecutive loops,
 one per repeating pattern (`Schedule.segments`: warm-up, steady state, cool-down), each a `scan`
-whose body holds that pattern's ticks. The loops hand one carry from one to the next (its buffers
-updated in place, so no copies), and the compiled program's collective-permutes move per device
+whose body holds that pattern's ticks. The loops hand one carry from one to the next (the compiled
+HLO copies no buffer between them), and the compiled program's collective-permutes move per device
 about what must cross: `(M + S - 2) / M` of it per direction under GPipe (the fill and drain of a
-tick-synchronous pipeline), less under 1F1B where the swaps carry both directions at once.
+tick-synchronous pipeline), less under 1F1B where the swaps carry both directions at once. Each
+loop's body still has temporaries of its own, and a body of two ticks (1F1B's steady state) keeps
+more live than one tick does: a few percent more temporary memory than a single one-tick loop
+(README, pipeline "Known gaps").
 
 Backward is hand-written per micro-batch: a forward runs its chunk under `jax.vjp` and stores
 the pullback's residuals (the leaves of the `jax.vjp` closure, less the chunk's parameters, which
