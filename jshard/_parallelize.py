@@ -123,7 +123,8 @@ def parallelize(
         Only `devices`, `in_strategy` (strategies over one stage's devices) and `dataset_strategy`
         apply with it.
       micro_batches: M, how many micro-batches a step's batch is cut into (M >= S).
-      schedule: `"1f1b"`, `"gpipe"` or `"interleaved"` (with `virtual_stages`).
+      schedule: `"1f1b"`, `"gpipe"`, `"interleaved"` (with `virtual_stages`) or `"zb-h1"` (zero bubble:
+        each backward split into its input-gradient and weight-gradient parts, the latter run in the bubble).
       virtual_stages: v, model chunks per stage for `schedule="interleaved"`.
       pipeline_result_broadcast: inference outputs on every device (else on the last stage).
       optimizer_parallel: MindSpore's `enable_parallel_optimizer` / `optimizer_level` (ZeRO), in
