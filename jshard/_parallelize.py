@@ -132,7 +132,8 @@ def parallelize(
         apply with it. Or `fn` is any loss or `value_and_grad` step whose parts are tagged with
         `jshard.pipeline_stage(fn, k)`: it is cut at the tags, a `jshard.pipeline.Staged` step.
       micro_batches: M, how many micro-batches a step's batch is cut into (M >= S).
-      schedule: `"1f1b"`, `"gpipe"` or `"interleaved"` (with `virtual_stages`).
+      schedule: `"1f1b"`, `"gpipe"`, `"interleaved"` (with `virtual_stages`) or `"zb-h1"` (zero bubble:
+        each backward split into its input-gradient and weight-gradient parts, the latter run in the bubble).
       virtual_stages: v, model chunks per stage for `schedule="interleaved"`.
       pipeline_result_broadcast: inference outputs on every device (else on the last stage).
       optimizer_parallel: MindSpore's `enable_parallel_optimizer` / `optimizer_level` (ZeRO), in

@@ -36,7 +36,7 @@ class PipelineOptions:
     Attributes:
       stages: S, the number of stages.
       micro_batches: M, micro-batches per step.
-      schedule: `"1f1b"`, `"gpipe"` or `"interleaved"`.
+      schedule: `"1f1b"`, `"gpipe"`, `"interleaved"` or `"zb-h1"` (zero bubble).
       virtual_stages: v, model chunks per stage (interleaved).
       result_broadcast: inference outputs on every device (else on the last stage).
     """

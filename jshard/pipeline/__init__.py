@@ -1,4 +1,4 @@
-"""Pipeline parallel: stages, micro-batches, GPipe / 1F1B / interleaved schedules.
+"""Pipeline parallel: stages, micro-batches, GPipe / 1F1B / interleaved / zero-bubble (ZB-H1) schedules.
 
 `pipeline_stage(fn, k)` tags the parts of any step with their stage: `jshard.parallelize(step,
 pipeline_stages=S, micro_batches=M, schedule=...)` returns a `Staged` step, the step's forward loss

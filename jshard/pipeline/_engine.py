@@ -7,11 +7,25 @@ the stage's data / tensor strategies (`jshard.shard` calls, `in_strategy`) still
 pure data parallel inside stages (no `shard` calls, no `in_strategy`, `dataset_strategy=
 "data_parallel"`), they are manual too (`data_axes`): every device runs its own rows, accumulates its own gradients, and the
 gradients are all-reduced once per step rather than once per micro-batch. The schedule is a static
-tick table (`_schedule.py`); each stage gets its own column of it from `shard_map`, a `lax.scan`
-walks the ticks, and at each tick a `lax.switch` runs the stage's operation: idle, a forward, or
-a backward of one micro-batch on one chunk. Then one `ppermute` passes forward outputs to the next
-stage and one passes input gradients to the previous stage; what arrives is written into per-chunk
-slot buffers (slot = micro-batch mod slots).
+tick table (`_schedule.py`); each stage gets its own column of it from `shard_map`, `lax.scan`s
+walk the ticks, and at each tick a `lax.switch` runs the stage's operation: idle, a forward, or
+a backward of one micro-batch on one chunk (with zero bubble, a backward's input-gradient part
+`B` or its parameter-gradient part `W`). Then `ppermute`s pass forward outputs to the next stage
+and input gradients to the previous one; what arrives is written into per-chunk slot buffers
+(slot = micro-batch mod slots).
+
+Only what crosses moves. A tick permutes only the directions live at it (`Schedule.permutes`): no
+permute where nothing crosses, one forward or one backward permute where one direction is live,
+and one permute of neighbours swapping where stage `s` sends forward while `s + 1` sends back
+(1F1B's steady state). A permute's pairs are static, so the ticks are cut into consecutive loops,
+one per repeating pattern (`Schedule.segments`: warm-up, steady state, cool-down), each a `scan`
+whose body holds that pattern's ticks. The loops hand one carry from one to the next (the compiled
+HLO copies no buffer between them), and the compiled program's collective-permutes move per device
+about what must cross: `(M + S - 2) / M` of it per direction under GPipe (the fill and drain of a
+tick-synchronous pipeline), less under 1F1B where the swaps carry both directions at once. Each
+loop's body still has temporaries of its own, and a body of two ticks (1F1B's steady state) keeps
+more live than one tick does: a few percent more temporary memory than a single one-tick loop
+(README, pipeline "Known gaps").
 
 Backward is hand-written per micro-batch: a forward runs its chunk under `jax.vjp` and stores
 the pullback's residuals (the leaves of the `jax.vjp` closure, less the chunk's parameters, which
@@ -30,6 +44,7 @@ small probe compile of one chunk's forward on one stage's devices (`residual_spe
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
 from jshard.pipeline._model import Pipeline, stack_length
-from jshard.pipeline._schedule import F_LAST, IDLE, Schedule
+from jshard.pipeline._schedule import FORWARD, Schedule
 
 STAGE = "stage"
 
@@ -82,7 +97,7 @@ class Program:
         return {STAGE, *self.data_axes}
 
     def _micro_spec(self) -> PartitionSpec:
-        return _P(None, self.data_axes) if self.data_axes else _P()
+        return _P(self.data_axes) if self.data_axes else _P()
 
     def train(self) -> Callable[[dict, Any], tuple[jax.Array, dict]]:
         """`fn(params, batch) -> (loss, grads)`: the loss is the mean over micro-batches."""
@@ -142,7 +157,7 @@ class Program:
         rest, chunks, micro = jax.eval_shape(self._inputs, params, batch)
         chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), chunks)
         d = self._data_degree()
-        micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], a.shape[1] // d, *a.shape[2:]), a.dtype), micro)
+        micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // d, *a.shape[1:]), a.dtype), micro)
         return chunk, self._act(rest, micro)
 
     def _inputs(self, params, batch):
@@ -151,11 +166,12 @@ class Program:
         k = stack_length(stack) // (s * v)
         chunks = jax.tree.map(lambda a: a.reshape(v, s, k, *a.shape[1:]), stack)
         m = self.schedule.micro_batches
-        micro = jax.tree.map(lambda a: jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1), batch)
+        # `[rows / M, M, ...]`: micro-batch i is rows i::M, column i (a reshape, not a transposed copy)
+        micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]), batch)
         return rest, chunks, micro
 
     def _act(self, rest, micro) -> jax.ShapeDtypeStruct:
-        first_mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), micro)
+        first_mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], *a.shape[2:]), a.dtype), micro)
         return jax.eval_shape(self.pipe.first, rest, first_mb)
 
     # --- inside shard_map: one stage's view -------------------------------------------------
@@ -168,17 +184,10 @@ class Program:
         """The schedule as one int32 `[ticks, stages, fields]` array (`_fields`); each stage is
         handed its own column by `shard_map`."""
         sch = self.schedule
-        codes = sch.codes()
-        kind = np.where(codes == IDLE, 0, np.where(codes <= F_LAST, 1, 2))
-        columns = [kind, sch.field("chunk"), sch.field("micro")]
+        columns = [sch.codes(), sch.field("chunk"), sch.field("micro")]
         for k in ("F",) if sch.forward_only else ("F", "B"):
             columns += list(sch.receives(k))
         return np.stack(columns, axis=-1).astype(np.int32)
-
-    def _perms(self):
-        s, cyclic = self.schedule.stages, self.schedule.virtual > 1
-        pairs = range(s if cyclic else s - 1)
-        return [(i, (i + 1) % s) for i in pairs], [((i + 1) % s, i) for i in pairs]
 
     def _ops(self, rest, chunks, micro) -> _Ops:
         ctx = _context.current()
@@ -193,22 +202,46 @@ class Program:
     # the tick loop and its bodies
 
     def _loop(self, carry, ops: _Ops, table, directions):
-        """Scans the ticks: read this stage's slots, run its operation (a `switch` over small
-        per-tick values only, so the buffers stay in place), write the slots, pass to neighbours."""
-        perms, fields = self._perms(), self._fields()
+        """Scans the ticks, one loop per segment of the schedule (`Schedule.segments`): at each tick
+        read this stage's slots, run its operation (a `switch` over small per-tick values only, so
+        the buffers stay in place), write the slots, and permute what crosses at that tick."""
+        fields = self._fields()
         branches = [self._settled(b) for b in (ops.forward_branches() if self.schedule.forward_only
                                                else ops.train_branches())]
 
-        def tick(carry, row):
+        def tick(carry, row, permutes):
             mine = dict(zip(fields, row))
             c, i = mine["chunk"], mine["micro"]
             out = jax.lax.switch(mine["code"], branches, ops.read(carry, c, i), c, i)
-            carry = ops.write(carry, c, i, out)
-            for (buf, prefix), perm, send in zip(directions, perms, (out["send_f"], out.get("send_b"))):
-                carry[buf] = _receive(carry[buf], jax.lax.ppermute(send, STAGE, perm), mine, prefix)
-            return carry, None
+            return self._pass(ops.write(carry, c, i, out), out, mine, permutes, directions)
 
-        return jax.lax.scan(tick, carry, table[:, 0])[0]
+        table = table[:, 0]
+        for start, repeats, pattern in self.schedule.segments():
+
+            def body(r, carry, start=start, pattern=pattern):
+                for k, permutes in enumerate(pattern):  # rows read in place: a sliced table is a copy
+                    row = jax.lax.dynamic_index_in_dim(table, start + r * len(pattern) + k, 0, keepdims=False)
+                    carry = tick(carry, row, permutes)
+                return carry
+
+            carry = jax.lax.fori_loop(0, repeats, body, carry)
+        return carry
+
+    def _pass(self, carry, out, mine, permutes, directions):
+        """The tick's permutes (`Schedule.permutes`): one pattern carries each stage's one send
+        (its forward's output or its backward's input gradient), and what arrives is an activation
+        or a gradient as the table says; or forward and backward apart."""
+        pairs = lambda name: sorted(self.schedule.pairs(name))
+        carry = dict(carry)
+        if len(permutes) == 1:
+            send = out["send_f"] if "send_b" not in out else jnp.where(mine["code"] == FORWARD, out["send_f"], out["send_b"])
+            got = jax.lax.ppermute(send, STAGE, pairs(permutes[0]))
+            for buf, prefix in directions:
+                carry[buf] = _receive(carry[buf], got, mine, prefix)
+        for (buf, prefix), name in zip(directions, permutes if len(permutes) > 1 else ()):
+            got = jax.lax.ppermute(out["send_f" if name == "F" else "send_b"], STAGE, pairs(name))
+            carry[buf] = _receive(carry[buf], got, mine, prefix)
+        return carry
 
     def _train_body(self, rest, chunks, micro, table):
         ops = self._ops(rest, chunks, micro)
@@ -360,6 +393,7 @@ class _Ops:
         sch = program.schedule
         self.m, self.s, self.last_vstage = sch.micro_batches, sch.stages, sch.stages * sch.virtual - 1
         self.stage = jax.lax.axis_index(STAGE)
+        self.split = sch.split_backward
         self.pullback = _PullbackShape.of(run, self.chunk(0), act) if not sch.forward_only else None
 
     @property
@@ -380,7 +414,7 @@ class _Ops:
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.chunks)
 
     def _mb(self, i):
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), self.micro)
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 1, keepdims=False), self.micro)
 
     # --- the slots of one tick ---
 
@@ -412,6 +446,9 @@ class _Ops:
     # --- the branches ---
 
     def train_branches(self) -> list[Callable]:
+        """Indexed by the table's codes: idle, forward, backward (with zero bubble: its `B`), `W`."""
+        if self.split:
+            return [self.idle, self.forward, functools.partial(self.backward, weights=False), self.weights]
         return [self.idle, self.forward, self.backward]
 
     def forward_branches(self) -> list[Callable]:
@@ -440,22 +477,37 @@ class _Ops:
                           lambda: jnp.zeros((), jnp.float32), _P())
         return self._result(view, y=y, res=stored, loss=loss, send_f=y)
 
-    def backward(self, view, c, i):
-        """Applies the stored pullback of (chunk `c`, micro-batch `i`) to the gradient received
-        (or, on the last virtual stage, `last`'s); on virtual stage 0 also differentiates `first`."""
-        mb, j = self._mb(i), self._vstage(c)
-        zero_rest = lambda: jax.tree.map(jnp.zeros_like, self.rest)
+    def _output_gradient(self, view, c, i):
+        """`(g_rest, g_y)`: the gradient of the chunk's output, received or (on the last virtual
+        stage) `last`'s, and `last`'s gradient of the shared parameters (zero elsewhere)."""
+        mb, zero_rest = self._mb(i), lambda: jax.tree.map(jnp.zeros_like, self.rest)
 
         def from_last():
             loss, pull = jax.vjp(lambda r, y: self.pipe.last(r, y, mb), self.rest, view["y"])
             return pull(jnp.full(loss.shape, 1.0 / self.m, loss.dtype))
 
-        g_rest, g_y = self._cond(j == self.last_vstage, from_last, lambda: (zero_rest(), view["g"]),
-                                 (self.specs.shared, self.specs.act))
+        return self._cond(self._vstage(c) == self.last_vstage, from_last, lambda: (zero_rest(), view["g"]),
+                          (self.specs.shared, self.specs.act))
+
+    def backward(self, view, c, i, weights=True):
+        """Applies the stored pullback of (chunk `c`, micro-batch `i`) to its output's gradient; on
+        virtual stage 0 also differentiates `first`. With `weights=False` (zero bubble's `B`) only
+        the input's gradient: the parameters' is left to `weights` (XLA drops the unused half)."""
+        mb = self._mb(i)
+        g_rest, g_y = self._output_gradient(view, c, i)
         g_chunk, g_x = self.pullback.rebuild(self.chunk(c), view["res"])(g_y)
-        g_first = self._cond(j == 0, lambda: jax.vjp(lambda r: self.pipe.first(r, mb), self.rest)[1](g_x)[0],
-                             zero_rest, self.specs.shared)
+        g_first = self._cond(self._vstage(c) == 0, lambda: jax.vjp(lambda r: self.pipe.first(r, mb), self.rest)[1](g_x)[0],
+                             lambda: jax.tree.map(jnp.zeros_like, self.rest), self.specs.shared)
+        g_chunk = g_chunk if weights else jax.tree.map(jnp.zeros_like, g_chunk)
         return self._result(view, g_chunk=g_chunk, g_rest=jax.tree.map(jnp.add, g_rest, g_first), send_b=g_x)
+
+    def weights(self, view, c, i):
+        """Zero bubble's `W`: the gradient of chunk `c`'s parameters for micro-batch `i`, from the
+        residuals and the output's gradient its `B` left in their slots (on the last virtual stage
+        `last`'s gradient is taken again; its shared-parameter part was counted at the `B`)."""
+        _, g_y = self._output_gradient(view, c, i)
+        g_chunk, _ = self.pullback.rebuild(self.chunk(c), view["res"])(g_y)
+        return self._result(view, g_chunk=g_chunk)
 
     def idle_inference(self, view, c, i):
         return {"out_i": view["out_i"], "send_f": self._zero()}

@@ -17,6 +17,8 @@ from jshard.compile import abstract
 from jshard.layouts import slices
 from jshard.pipeline._schedule import Schedule
 
+_THEORY = {False: "(S-1)/(v·M+S-1)", True: "(S-1)/(3M+S-1)"}
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageInfo:
@@ -48,8 +50,8 @@ class PipelinePlan:
         and gradients, chunk outputs, and the residuals forwards keep for their backwards.
       boundary_bytes: bytes that must cross stage boundaries per step (activations forward and
         gradients backward, all micro-batches, whole tensors).
-      permute_bytes: bytes per device the program's `collective-permute`s move per step (one
-        activation per direction per tick, idle ticks included).
+      permute_bytes: bytes per device the program's `collective-permute`s move per step: one
+        activation per permute, only at ticks where something crosses (`Schedule.permutes`).
     """
 
     schedule: Schedule
@@ -76,7 +78,7 @@ class PipelinePlan:
         lines = [
             f"pipeline: schedule={s.name}, stages={s.stages}, micro_batches={s.micro_batches}, "
             f"virtual_stages={s.virtual}, mesh {self.mesh_shape}",
-            f"bubble fraction {s.bubble_fraction:.4f} (theory (S-1)/(v·M+S-1) = {s.theoretical_bubble:.4f}), "
+            f"bubble fraction {s.bubble_fraction:.4f} (theory {_THEORY[s.split_backward]} = {s.theoretical_bubble:.4f}), "
             f"{s.ticks} ticks",
         ]
         for st in self.stages:
@@ -119,18 +121,20 @@ def plan_of(program, mesh, layers: int, params, batch, compile_) -> PipelinePlan
         for st in range(s)
     )
     crossings = sched.micro_batches * (s * v - 1) * (1 if sched.forward_only else 2)
-    directions = 1 if sched.forward_only else 2
+    permutes = sum(len(p) for p in sched.permutes())
     return PipelinePlan(sched, stages, dict(mesh.shape), per_device, v * (slots * per_device + residual_bytes),
-                        crossings * whole, directions * sched.ticks * per_device, compile_)
+                        crossings * whole, permutes * per_device, compile_)
 
 
 def _peak_in_flight(sched: Schedule, stage: int) -> int:
-    """The most forwards this stage has run whose backward it has not run yet."""
+    """The most forwards this stage has run whose backward (with a split backward: `W`) it has
+    not run yet."""
     live = peak = 0
+    ends = "W" if sched.split_backward else "B"
     for row in sched.ops:
         op = row[stage]
         if op is not None:
-            live += 1 if op.kind == "F" else -1
+            live += 1 if op.kind == "F" else -1 if op.kind == ends else 0
             peak = max(peak, live)
     return peak
 

@@ -9,6 +9,19 @@ clock of unit ticks (one chunk's forward or backward per tick): each device runs
 as soon as its inputs arrived at an earlier tick, and idles otherwise. The resulting table is what
 the SPMD program executes, tick by tick, and what the bubble fraction is read from.
 
+Zero bubble (`"zb-h1"`, Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ZB-H1): the backward
+is split into `B` (the gradient of the chunk's input, which the previous stage waits for) and `W`
+(the gradient of the chunk's parameters, which nobody waits for); forwards and `B`s follow 1F1B's
+order, and a device that would idle runs a pending `W` instead. As in 1F1B, stage `s` holds at
+most `S - s` micro-batches (a micro-batch is held from its forward to its `W`), so memory is
+1F1B's; with forward, `B` and `W` one tick each the bubble is `(S - 1) / (3M + S - 1)`, a third of
+1F1B's idle time (`_simulate_zero_bubble`).
+
+`Schedule.permutes` says which `collective-permute`s each tick needs: only the directions live at
+that tick, and one permute where the sends of a tick pair neighbours up (1F1B's steady state: stage
+`s` sends forward to `s + 1` while `s + 1` sends a gradient back), so the program moves about
+what must cross (`segments` groups the ticks into loops of one repeating permute pattern).
+
 Virtual stage `j` (`0 <= j < S * v`) runs on device `j % S` as its chunk `j // S`; with `v = 1` a
 virtual stage is a stage.
 """
@@ -16,18 +29,26 @@ virtual stage is a stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
-# Operation codes in the table: what a device does at a tick.
-IDLE, F_FIRST, F_MID, F_LAST, B_FIRST, B_MID, B_LAST = range(7)
+# What a device does at a tick, as the program's `lax.switch` index.
+IDLE, FORWARD, BACKWARD, WEIGHTS = range(4)
+_KIND_CODE = {"F": FORWARD, "B": BACKWARD, "W": WEIGHTS}
+
+# The collective-permute patterns a tick may use (`Schedule.permutes`): forward (stage s to s + 1),
+# backward (s + 1 to s), or neighbours swapping in pairs starting at an even or an odd stage.
+PERMUTES = ("F", "B", "swap0", "swap1")
 
 
 class Op(NamedTuple):
-    """One operation: `kind` "F" or "B", on virtual stage `vstage`, for micro-batch `micro`."""
+    """One operation: `kind` "F" (forward), "B" (backward; with zero bubble only the input's
+    gradient) or "W" (zero bubble: the parameters' gradient), on virtual stage `vstage`, for
+    micro-batch `micro`."""
 
     kind: str
     vstage: int
@@ -39,7 +60,7 @@ class Schedule:
     """A static tick table for `stages` devices, `micro_batches` micro-batches, `virtual` chunks each.
 
     Attributes:
-      name: `"gpipe"`, `"1f1b"` or `"interleaved"`.
+      name: `"gpipe"`, `"1f1b"`, `"interleaved"` or `"zb-h1"`.
       stages: S, the pipeline devices (stage groups).
       micro_batches: M.
       virtual: v, model chunks per stage (1 unless interleaved).
@@ -65,20 +86,24 @@ class Schedule:
         return 1.0 - busy / (self.ticks * self.stages)
 
     @property
+    def split_backward(self) -> bool:
+        """Whether backwards are split into `B` (input gradient) and `W` (parameter gradient)."""
+        return self.name == "zb-h1" and not self.forward_only
+
+    @property
     def theoretical_bubble(self) -> float:
-        """(S - 1) / (v·M + S - 1): GPipe and 1F1B at v = 1; interleaving divides the bubble by ~v."""
+        """(S - 1) / (v·M + S - 1): GPipe and 1F1B at v = 1; interleaving divides the bubble by ~v;
+        zero bubble (ZB-H1, forward, `B` and `W` a tick each): (S - 1) / (3M + S - 1)."""
         s, m, v = self.stages, self.micro_batches, self.virtual
-        return (s - 1) / (v * m + s - 1)
+        return (s - 1) / (3 * m + s - 1) if self.split_backward else (s - 1) / (v * m + s - 1)
 
     def codes(self) -> np.ndarray:
-        """`[ticks, stages]` int32 operation codes (`IDLE`, `F_FIRST`, ..., `B_LAST`)."""
-        last = self.stages * self.virtual - 1
+        """`[ticks, stages]` int32 operation codes (`IDLE`, `FORWARD`, `BACKWARD`, `WEIGHTS`)."""
         out = np.zeros((self.ticks, self.stages), np.int32)
         for t, row in enumerate(self.ops):
             for s, op in enumerate(row):
                 if op is not None:
-                    where = 0 if op.vstage == 0 else 2 if op.vstage == last else 1
-                    out[t, s] = (F_FIRST if op.kind == "F" else B_FIRST) + where
+                    out[t, s] = _KIND_CODE[op.kind]
         return out
 
     def field(self, name: str) -> np.ndarray:
@@ -113,18 +138,20 @@ class Schedule:
 
         `what`: `"activations"` (received from the previous stage, until this stage's forward reads
         them), `"residuals"` (saved by a forward for its backward) or `"gradients"` (received from
-        the next stage, until the backward reads them). The slots are the fewest for which no two
-        live values of one chunk on one stage share a slot.
+        the next stage, until the backward reads them). With a split backward, residuals and
+        gradients live on until the `W`. The slots are the fewest for which no two live values of
+        one chunk on one stage share a slot.
         """
         when = {(op.kind, op.vstage, op.micro): t for t, row in enumerate(self.ops) for op in row if op is not None}
+        end = "W" if self.split_backward else "B"
         lives: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         if what == "residuals":
-            spans = [(op.vstage, op.micro, t, when.get(("B", op.vstage, op.micro), t))
+            spans = [(op.vstage, op.micro, t, when.get((end, op.vstage, op.micro), t))
                      for t, row in enumerate(self.ops) for op in row if op is not None and op.kind == "F"]
         else:
             kind = "F" if what == "activations" else "B"
             step = 1 if kind == "F" else -1
-            spans = [(op.vstage + step, op.micro, t, when[(kind, op.vstage + step, op.micro)])
+            spans = [(op.vstage + step, op.micro, t, when["F" if kind == "F" else end, op.vstage + step, op.micro])
                      for t, op, _ in self._sends(kind)]
         for j, micro, start, end in spans:
             lives.setdefault((j % self.stages, j // self.stages), []).append((start, end, micro))
@@ -132,6 +159,46 @@ class Schedule:
             if all(_fits(v, k) for v in lives.values()):
                 return k
         return self.micro_batches
+
+    def permutes(self) -> tuple[tuple[str, ...], ...]:
+        """Per tick, the `collective-permute` patterns (`PERMUTES`) the program runs at it: none
+        where nothing crosses, one where a single pattern carries every send of the tick's loop
+        position (each device sends at most one value a tick), else forward and backward apart."""
+        return tuple(pattern for _, repeats, body in self.segments() for _ in range(repeats) for pattern in body)
+
+    def pairs(self, name: str) -> set[tuple[int, int]]:
+        """The `(source, target)` stage pairs of permute pattern `name` (one of `PERMUTES`)."""
+        s, cyclic = self.stages, self.virtual > 1
+        pairs = range(s if cyclic else s - 1)
+        if name in ("F", "B"):
+            return {(i, (i + 1) % s) if name == "F" else ((i + 1) % s, i) for i in pairs}
+        if cyclic and s % 2:
+            return set()  # a ring of odd length does not pair up
+        start = int(name[-1])
+        return {e for i in pairs if i % 2 == start for e in ((i, (i + 1) % s), ((i + 1) % s, i))}
+
+    def _cover(self, want: frozenset) -> tuple[str, ...]:
+        if not want:
+            return ()
+        one = next((name for name in PERMUTES if want <= self.pairs(name)), None)
+        return (one,) if one else ("F", "B")
+
+    @functools.cached_property
+    def _segments(self):
+        needed: list[set[tuple[int, int]]] = [set() for _ in range(self.ticks)]
+        for kind, step in (("F", 1), ("B", -1)):
+            for t, _, s in self._sends(kind):
+                needed[t].add((s, (s + step) % self.stages))
+        return _cheapest_loops([frozenset(n) for n in needed], self._cover)
+
+    def segments(self) -> tuple[tuple[int, int, tuple[tuple[str, ...], ...]], ...]:
+        """The ticks as loops of one repeating permute pattern: `(start, repeats, pattern)`, where
+        the loop runs `repeats` (at least 2) times over `len(pattern)` ticks from tick `start`, and
+        `pattern[k]` is the permutes of its `k`-th tick, one pattern for every repeat (so a tick
+        may permute more than it needs). The fewest permutes, each loop body tick counted as one
+        more (code size); a loop is never run once, as XLA would inline that tick at the top level
+        and give it buffers of its own (more temporary memory)."""
+        return self._segments
 
     def table(self) -> str:
         """The schedule as text: one row per stage, one column per tick; `F3` is micro-batch 3's
@@ -179,6 +246,27 @@ class Schedule:
         return "\n".join(blocks)
 
 
+def _cheapest_loops(needed: list[frozenset], cover) -> tuple:
+    """Dynamic programming over the ticks: cut them into loops of period 1 to 3 run at least twice,
+    each body position permuting `cover` of what its repeats need, for the fewest permutes plus
+    body ticks."""
+    n = len(needed)
+    best: list[tuple[float, tuple]] = [(float("inf"), ())] * n + [(0.0, ())]
+    for t in range(n - 1, -1, -1):
+        for period in (1, 2, 3):
+            unions = [frozenset()] * period
+            for repeats in range(1, (n - t) // period + 1):
+                base = t + (repeats - 1) * period
+                unions = [u | needed[base + k] for k, u in enumerate(unions)]
+                if repeats < 2 and n > 1:
+                    continue
+                pattern = tuple(cover(u) for u in unions)
+                cost = repeats * sum(len(p) for p in pattern) + period + best[t + repeats * period][0]
+                if cost < best[t][0]:
+                    best[t] = (cost, ((t, repeats, pattern), *best[t + repeats * period][1]))
+    return best[0][1]
+
+
 def _fits(lives: list[tuple[int, int, int]], k: int) -> bool:
     by_slot: dict[int, list[tuple[int, int]]] = {}
     for start, end, micro in lives:
@@ -193,7 +281,7 @@ def _fits(lives: list[tuple[int, int, int]], k: int) -> bool:
 def _cell(op: Op | None, stages: int, virtual: int) -> str:
     if op is None:
         return "."
-    text = f"{'F' if op.kind == 'F' else 'B'}{op.micro}"
+    text = f"{op.kind}{op.micro}"
     return text + (f":{op.vstage // stages}" if virtual > 1 else "")
 
 
@@ -207,6 +295,8 @@ def build_schedule(name: str, *, stages: int, micro_batches: int, virtual: int =
       (22, 0.2727, 0.2727)
     """
     orders = _device_orders(name, stages, micro_batches, virtual, forward_only)
+    if name == "zb-h1" and not forward_only:
+        return Schedule(name, stages, micro_batches, virtual, forward_only, _simulate_zero_bubble(orders, stages))
     return Schedule(name, stages, micro_batches, virtual, forward_only, _simulate(orders, stages * virtual))
 
 
@@ -257,6 +347,36 @@ def _simulate(orders: list[list[Op]], vstages: int) -> tuple[tuple[Op | None, ..
             if op is not None:
                 nxt[s] += 1
         done.update(row_op for row_op in row if row_op is not None)
+        ticks.append(tuple(row))
+    return tuple(ticks)
+
+
+def _simulate_zero_bubble(orders: list[list[Op]], stages: int) -> tuple[tuple[Op | None, ...], ...]:
+    """ZB-H1 on unit ticks: each device runs its next forward or `B` (1F1B's order) once its inputs
+    are done and, for a forward, while it holds fewer than `S - s` micro-batches (forward run, `W`
+    not yet); otherwise the oldest `W` whose `B` is done; otherwise it idles."""
+    done: set[tuple[str, int, int]] = set()
+    nxt, held, pending = [0] * stages, [0] * stages, [[] for _ in range(stages)]
+    ticks = []
+    while any(n < len(o) for n, o in zip(nxt, orders)) or any(pending):
+        row: list[Op | None] = []
+        for s, order in enumerate(orders):
+            op = order[nxt[s]] if nxt[s] < len(order) else None
+            if op is not None and _ready(op, done, stages) and (op.kind == "B" or held[s] < stages):
+                nxt[s] += 1
+                held[s] += op.kind == "F"
+                row.append(op)
+            elif pending[s]:
+                held[s] -= 1
+                row.append(pending[s].pop(0))
+            else:
+                row.append(None)
+        if all(op is None for op in row):
+            raise RuntimeError(f"pipeline schedule deadlocked at tick {len(ticks)}: {orders}")
+        done.update(op for op in row if op is not None)
+        for s, op in enumerate(row):
+            if op is not None and op.kind == "B":
+                pending[s].append(Op("W", op.vstage, op.micro))
         ticks.append(tuple(row))
     return tuple(ticks)
 
