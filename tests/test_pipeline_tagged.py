@@ -193,6 +193,8 @@ def test_interleaved_in_strategy_and_integer_parameters_are_refused_for_a_cut_st
     loss = _case(2, False)[2]
     with pytest.raises(js.ShardingError, match=r"schedule='interleaved' runs several chunks .* Use schedule='gpipe'"):
         js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(js.ShardingError, match=r"schedule='zb-h1' splits each stage's backward .* Use schedule='gpipe'"):
+        js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="zb-h1")
     with pytest.raises(js.ShardingError, match=r"in_strategy= sets strategies inside the stages of a jshard\.Pipeline"):
         js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, in_strategy=((2, 1),))
     params, batch, _, _ = _case(2, False)

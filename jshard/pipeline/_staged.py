@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jshard.pipeline._cut import Cut
 from jshard.pipeline._engine import STAGE
-from jshard.pipeline._schedule import F_LAST, IDLE, Schedule
+from jshard.pipeline._schedule import BACKWARD, FORWARD, IDLE, Schedule
 
 Buffers = dict[str, jax.Array]
 """One 1-D (or `[..., width]`) array per dtype name."""
@@ -174,7 +174,7 @@ class StagedProgram:
         arrives each way (`valid`, `micro`)."""
         sch = self.schedule
         codes = sch.codes()
-        kind = np.where(codes == IDLE, 0, np.where(codes <= F_LAST, 1, 2))
+        kind = np.select([codes == IDLE, codes == FORWARD, codes == BACKWARD], [0, 1, 2], -1)
         (fv, _, fm), (bv, _, bm) = sch.receives("F"), sch.receives("B")
         return np.stack([kind, sch.field("micro"), fv, fm, bv, bm], axis=-1).astype(np.int32)
 
