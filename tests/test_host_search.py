@@ -48,7 +48,7 @@ def test_a_budget_only_host_state_meets_offloads_the_optimizer_and_equals_one_de
     assert weighed["none"].seconds is None and weighed["optimizer"].chosen
     assert 0 < weighed["optimizer"].host_seconds < weighed["optimizer+parameters"].host_seconds
     assert plan.search.compiled_peak_bytes <= budget  # XLA's buffers, host-memory leaves taken out
-    summary = plan.summary()
+    summary = " ".join(plan.summary().split())  # wrapped at 120 columns: read as one line
     assert "offload optimizer: " in summary and "offload weighed: none: no plan fits" in summary
     assert f"chosen by the search under memory_budget={human_bytes(budget)} per device: with the state on the " \
            f"device no plan fits" in summary

@@ -86,7 +86,7 @@ def test_only_optimizer_parallel_fits_and_the_search_chooses_its_level():
     peaks = {level: js.parallelize(step, optimizer_parallel=level, **kw).plan(*args).search.peak_bytes
              for level in (1, 3)}
     budget = (peaks[1] + peaks[3]) / 2
-    fn = js.parallelize(step, memory_budget=budget, **kw)
+    fn = js.parallelize(step, memory_budget=budget, offload=(), **kw)  # state kept on the device: levels only
     plan = fn.plan(*args)
     weighed = {w.policy: w for w in plan.search.optimizer}
     assert list(weighed) == ["optimizer_parallel=1", "optimizer_parallel=2", "optimizer_parallel=3"]
