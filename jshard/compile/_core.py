@@ -31,7 +31,7 @@ from jshard.compile._boundary import (
     out_shardings,
 )
 from jshard.compile._offload import anchored, offloaded
-from jshard.compile._optimizer import accumulator, cuts, gathered, regathered, result_shardings
+from jshard.compile._optimizer import accumulator, cuts, gathered, reduce_scattered, regathered, result_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
@@ -142,13 +142,13 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
     out_sh = out_shardings(traced, c, call)
     planner = planner_for(c, call)
     donated = frozenset(argument_leaves(args, c.donate_argnums))
-    optimizer, gather, kept = None, {}, None
+    optimizer, gather, kept, grads = None, {}, None, {}
     sharded = c.accumulation is not None and c.accumulation.shard
     if c.optimizer is not None or sharded:
         layouts = _layouts(traced, in_sh, planner, donated, c)
     if c.optimizer is not None:
         cut = cuts(traced, args, layouts, c, call)
-        gather = cut.gather  # level 3: the function all-gathers the cut parameters before use
+        gather, grads = cut.gather, cut.grads  # level 3: the function all-gathers the cut parameters before use
         in_sh, out_sh, optimizer = [cut.args.get(i, sh) for i, sh in enumerate(in_sh)], result_shardings(out_sh, cut), cut.report
     if sharded:  # jshard.accumulate cuts its accumulated gradients over the data-parallel axes
         kept = accumulator(traced, args, layouts, c, call)
@@ -170,11 +170,17 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
             if attempt == 0:
                 raise
             raise MemoryBudgetError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e), held) from None
+        scattered, made = reduce_scattered(traced, planned.result, grads)  # level 2 and 3: the gradients' reduce-scatter
+        if made and not problem.made:  # plan again with those gradients cut where they are made
+            problem = dataclasses.replace(problem, made=made)
+            planned = planner.plan(problem)
+            scattered, _ = reduce_scattered(traced, planned.result, grads)
         given = planned.in_shardings or [None] * len(in_sh)
         program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args,
-                                rewrite, offload)
+                                rewrite, offload, scattered)
         report = planned.report and dataclasses.replace(planned.report, budget_from=budget_from)
-        program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=optimizer, search=report))
+        shown = optimizer and dataclasses.replace(optimizer, reduce_scattered=len(scattered))
+        program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=shown, search=report))
         if not checked:
             return program
         held = compiled_peak(program.jitted, args, program.in_shardings)
