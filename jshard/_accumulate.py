@@ -22,9 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
@@ -72,7 +75,7 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
                                 f"given. Number the batch argument (default -1, the last).")
         if k == 1:
             return grad_fn(*args)
-        return _scanned(grad_fn, args, b % len(args), k, None if ctx is None else ctx.accumulator, call)
+        return _scanned(grad_fn, args, b % len(args), k, ctx, call)
 
     return run
 
@@ -92,14 +95,58 @@ def _steps(steps, ctx, call: str) -> int:
     return k
 
 
-def _scanned(grad_fn, args: tuple, b: int, k: int, accumulator, call: str):
-    leaves, tree = jax.tree_util.tree_flatten(args[b])
+def _scanned(grad_fn, args: tuple, b: int, k: int, ctx, call: str):
+    leaves = jax.tree_util.tree_leaves(args[b])
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args[b])[0]]
     for x, path in zip(leaves, paths):
         rows = np.shape(x)[0] if np.ndim(x) else None
         if rows is None or rows % k:
             raise ShardingError(_rows_error(call, b, path, x, k))
-    micro = [jnp.swapaxes(jnp.reshape(x, (np.shape(x)[0] // k, k, *np.shape(x)[1:])), 0, 1) for x in leaves]
+    axes = None if ctx is None or ctx.accumulator is not None else ctx.batch_axes
+    if axes and _local(args, leaves, k, axes, ctx.mesh):
+        return _reduced_once(grad_fn, args, b, k, axes, ctx.mesh)
+    total = _summed(grad_fn, args, b, k, None if ctx is None else ctx.accumulator, call)
+    return jax.tree.map(lambda t: t / k if jnp.issubdtype(t.dtype, jnp.inexact) else t, total)
+
+
+def _local(args: tuple, batch: list, k: int, axes: tuple[str, ...], mesh) -> bool:
+    """Whether each device can sum its own micro-batches: every argument leaf an array, and each
+    device's rows of every batch leaf a multiple of k."""
+    ways = math.prod(mesh.shape[a] for a in axes)
+    return (all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(args))
+            and all(np.shape(x)[0] % (k * ways) == 0 for x in batch))
+
+
+def _reduced_once(grad_fn, args: tuple, b: int, k: int, axes: tuple[str, ...], mesh):
+    """The micro-batch loop in a `shard_map` manual over the batch's `axes` (the others stay
+    automatic: tensor parallel inside holds): each device sums `grad_fn` over its rows of each
+    micro-batch (the same rows, `i * k + j` for micro-batch j, as the loop over the whole batch
+    takes), and one `psum` after the loop reduces the sums, not one per micro-batch."""
+    ways = math.prod(mesh.shape[a] for a in axes)
+    in_specs = tuple(jax.tree.map(lambda _, i=i: PartitionSpec(axes) if i == b else PartitionSpec(), a)
+                     for i, a in enumerate(args))
+
+    def local(*shards):
+        total = _summed(grad_fn, shards, b, k)
+        return jax.tree.map(lambda t: jax.lax.psum(t, axes) / (k * ways) if jnp.issubdtype(t.dtype, jnp.inexact)
+                            else jax.lax.psum(t, axes), total)
+
+    # check_vma off: the carry starts invariant (zeros) and takes each device's own sums
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), axis_names=frozenset(axes),
+                         check_vma=False)(*args)
+
+
+def _micro(args: tuple, b: int, k: int) -> tuple[list, Any]:
+    """The batch argument's leaves cut into k micro-batches (`[k, rows / k, ...]`: row `i * k + j`
+    goes to micro-batch j), and its tree."""
+    leaves, tree = jax.tree_util.tree_flatten(args[b])
+    return [jnp.swapaxes(jnp.reshape(x, (np.shape(x)[0] // k, k, *np.shape(x)[1:])), 0, 1) for x in leaves], tree
+
+
+def _summed(grad_fn, args: tuple, b: int, k: int, accumulator=None, call: str = ""):
+    """`grad_fn`'s results summed over the k micro-batches in a `lax.scan`, the gradients in the
+    carry laid out as `accumulator` cuts them (`_constrainer`)."""
+    micro, tree = _micro(args, b, k)
 
     def one(batch):
         return grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:])
@@ -112,7 +159,7 @@ def _scanned(grad_fn, args: tuple, b: int, k: int, accumulator, call: str):
 
     zeros = constrain(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
     total, _ = jax.lax.scan(body, zeros, micro)
-    return jax.tree.map(lambda t: t / k if jnp.issubdtype(t.dtype, jnp.inexact) else t, total)
+    return total
 
 
 def _constrainer(shapes, accumulator, call: str) -> Callable[[Any], Any]:

@@ -37,7 +37,15 @@ from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._trace import Traced, adopted, devices_for, trace
 from jshard.cost import CostModel, device_memory
-from jshard.layouts import FineMesh, NotRefined, TensorLayout, canonicalize_in_strategy, layout_of, to_pspec
+from jshard.layouts import (
+    FineMesh,
+    NotRefined,
+    TensorLayout,
+    canonicalize_in_strategy,
+    layout_of,
+    spec_from_pspec,
+    to_pspec,
+)
 from jshard.search import Weighed
 
 BUDGET_ROUNDS = 3
@@ -152,9 +160,10 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
         in_sh, out_sh, optimizer = [cut.args.get(i, sh) for i, sh in enumerate(in_sh)], result_shardings(out_sh, cut), cut.report
     if sharded:  # jshard.accumulate cuts its accumulated gradients over the data-parallel axes
         kept = accumulator(traced, args, layouts, c, call)
-    if gather or kept is not None:
+    axes = _batch_axes(in_sh, args, c) if c.accumulation is not None and not sharded else None
+    if gather or kept is not None or axes:  # axes: jshard.accumulate reduces once, after its loop
         traced = trace(gathered(fn, gather) if gather else fn, args, fine, devices, c, call, recompute,
-                       accumulator=kept, types=types)
+                       accumulator=kept, types=types, batch_axes=axes)
     rewrite = regathered(traced, gather) if c.optimizer_comm_recompute else None
     if optimizer is not None:
         optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
@@ -195,6 +204,23 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
         f"tighter estimates (XLA's temporary buffers exceed what the search models). Raise "
         f"memory_budget, or use more devices.", held
     )
+
+
+def _batch_axes(in_sh: list, args: tuple, c: Options) -> tuple[str, ...] | None:
+    """The mesh axes that cut the rows of every batch leaf, as laid out before planning (in_strategy
+    or the dataset policy), for `jshard.accumulate` to reduce once over; None: the leaves disagree,
+    one is left to the planner, or `mode="auto"` (the search plans the accumulation loop's body,
+    which a manual region would hide from it)."""
+    if c.mode not in ("data", "semi_auto"):
+        return None
+    batch = argument_leaves(args, (len(args) - 1,) if c.batch_argnums is None else c.batch_argnums)
+    found = set()
+    for i in batch:
+        if in_sh[i] is None:
+            return None
+        dims = spec_from_pspec(in_sh[i].spec, max(len(in_sh[i].spec), 1))
+        found.add(dims[0])
+    return found.pop() if len(found) == 1 and () not in found else None
 
 
 def _layouts(traced, in_sh: list, planner, donated: frozenset[int], c: Options) -> list[NamedSharding]:
