@@ -89,6 +89,30 @@ def test_tensor_parallel_inside_cuts_the_accumulator_over_the_free_axis_and_equa
     assert_close(got_params, ref_params, terms=terms)
 
 
+def test_tensor_parallel_inside_the_reduce_once_loop_equals_one_device():
+    """The 2-D preset (dp=2, mp=4): the micro-batch loop runs manual over dp alone, its `shard`
+    annotations keep their mp cuts inside (dp taken out), and the step equals one device."""
+    params, state, batches = _problem()
+    preset = models.preset("2d", 8)
+    p_strats = preset.parameters(params, models.GPT_RULES)
+    s_strats = models.state_strategies(p_strats, params, state)
+
+    def step(params, state, batch):
+        loss, grads = js.accumulate(jax.value_and_grad(lambda p, b: models.gpt_loss(p, b, CFG, preset)))(params, batch)
+        updates, state = OPT.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    par = js.parallelize(step, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
+                         out_strategy=(p_strats, s_strats, None), accumulation_steps=2)
+    text = par.lower(params, state, batches[0]).as_text()
+    assert 'sdy.manual_computation' in text and 'manual_axes={"d0"}' in text
+    got_params, got_state, got_losses = run_steps(par, params, state, batches)
+    ref_params, ref_state, ref_losses = _reference()
+    terms = STEPS * step_terms(params, batches[0])
+    assert_close(got_losses, ref_losses, dtype=np.float32, terms=terms)
+    assert_close(got_params, ref_params, terms=terms)
+
+
 def test_micro_batches_hold_less_temporary_memory_than_the_full_batch():
     full = _compiled(1, False)[1].memory_analysis().temp_size_in_bytes
     micro = _compiled(4, False)[1].memory_analysis().temp_size_in_bytes
