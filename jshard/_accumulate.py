@@ -12,17 +12,20 @@ redistribution), runs `grad_fn` on each in a `lax.scan`, sums its results in the
 returns their mean (floating leaves; integer ones, counts, summed): one optimizer update follows,
 on the mean gradient, as the full batch's step makes it where the loss is a mean over rows (for a
 masked mean, where every row's mask counts the same tokens). Under `parallelize(...,
-accumulation_steps=k)` k comes from there, and with `accumulation_shard=True` the carry's gradients
-are cut over the data-parallel axes (the core puts the cut in the trace context:
-`compile/_core.py`).
+accumulation_steps=k)` k comes from there. Where the core names the mesh axes that cut the batch's
+rows (`batch_axes` in the trace context: `compile/_core.py`), the loop runs in a `jax.shard_map`
+manual over them, each device summing its own rows of each micro-batch, and one `psum` after the
+loop reduces the sums: the gradients are reduced once per step, as MindSpore and Megatron do, not
+once per micro-batch. With `accumulation_shard=True` the carry's gradients are cut over the
+data-parallel axes instead (the core puts the cut in the trace context), and XLA sums each
+micro-batch's gradients inside the loop.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +51,9 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
 
     Returns:
       A function with `grad_fn`'s signature and results: floating leaves the mean over the
-      micro-batches, the others their sum. With k = 1 it is `grad_fn` itself.
+      micro-batches, the others their sum. With k = 1 it is `grad_fn` itself. Under
+      `parallelize` in `mode="data"` or `"semi_auto"` it sums each device's micro-batches and
+      reduces once, after the loop (a `shard_map` manual over the batch's axes).
 
     Raises:
       ShardingError: k is not a positive int (or not given outside `parallelize`), does not divide
