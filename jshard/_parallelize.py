@@ -136,9 +136,9 @@ def parallelize(
         XLA:CPU). `2` reduce-scatters the gradients, and jshard emits the reduce-scatter itself so
         it is there on every backend: the backward pass's product that sums a gradient over the
         data-parallel axes runs in a `jax.shard_map` manual over them alone, ending in
-        `lax.psum_scatter` onto the state's cut (not for a gradient made in a loop body, or cut on
-        a dim another axis cuts: XLA's all-reduce + slice there; `plan.optimizer.reduce_scattered`
-        counts them). `3` cuts the parameters too, all-gathered before use (FSDP), and
+        `lax.psum_scatter` onto the state's cut (also in a `lax.scan` body over stacked layers;
+        not for a gradient cut on a dim another axis cuts: XLA's all-reduce + slice there;
+        `plan.optimizer.reduce_scattered` counts them). `3` cuts the parameters too, all-gathered before use (FSDP), and
         reduce-scatters as `2`. Roles:
         argument 0 is the parameters, the batch is the batch, the other arguments the state. A
         result updates an argument where it has the argument's tree, shapes and dtypes. A leaf

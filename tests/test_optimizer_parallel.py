@@ -127,6 +127,25 @@ def test_auto_mode_level_3_cuts_state_and_parameters_and_equals_one_device():
     _compare(step, params, state, batches)
 
 
+def test_level_2_reduce_scatters_stacked_layers_in_the_scan_body_and_equals_one_device():
+    """The GPT of 2 blocks stacked under `lax.scan`: each layer's weight gradient is made in the
+    loop body, where the reduce-scatter runs (6 gradients, 2 trips), and the step equals one device."""
+    cfg = models.GPTConfig(n_layers=2, scan=True)
+    params = models.init_gpt(cfg, jax.random.key(0))
+    state, batches = OPT.init(params), _problem()[2]
+    train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), OPT)
+    step = js.parallelize(train, devices=8, mode="data", optimizer_parallel=2, optimizer_parallel_threshold=THRESHOLD)
+    report = js.audit(step.lower(params, state, batches[0]).compile())
+    big = [x for x in jax.tree.leaves(params) if _big(x)]
+    assert step.plan(params, state, batches[0]).optimizer.reduce_scattered == len(big)
+    assert report.count("reduce-scatter") == 2 * len(big) and report.bytes("reduce-scatter") == sum(x.nbytes for x in big)
+    got = run_steps(step, params, state, batches)
+    want = run_steps(jax.jit(train), params, state, batches)
+    terms = STEPS * step_terms(params, batches[0])
+    assert_close(got[2], want[2], dtype=np.float32, terms=terms)
+    assert_close(got[0], want[0], terms=terms)
+
+
 def test_the_plan_shows_the_cut():
     params, state, batches = _problem()
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)

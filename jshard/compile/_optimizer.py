@@ -208,20 +208,23 @@ def reduce_scattered(traced: Traced, result: Result | None, grads: dict[int, tup
     others stay automatic, so tensor parallel inside holds): the local product, then
     `lax.psum_scatter` onto the dim the cut adds them to. A gradient whose cut adds the axes to a
     dim another axis already cuts keeps XLA's route (the manual axes would come first there, another
-    layout than the cut), and so does one made in a loop body (a stacked layer's, in pieces).
+    layout than the cut). In a `scan` body (stacked layers: the body makes one layer's slice of
+    the stacked gradient) the product is matched against the slices of the stacked parameters.
 
     Returns:
       The `Emission.replaced` entries, and each replaced gradient's value -> its cut `Spec` and its
       operands -> their planned `Spec`s (for the planner to plan again from: the optimizer update
       reads the gradient cut; the backward pass stays as planned).
     """
-    wanted: dict[tuple, list] = {}
+    wanted: dict[tuple, list] = {}  # top level: the gradient's shape; in a scan: a stacked one's slice
     for i, (before, after) in grads.items():
         shape = tuple(np.shape(traced.leaves[i]))
         b, a = spec_from_pspec(before, len(shape)), spec_from_pspec(after, len(shape))
         k = next(d for d in range(len(shape)) if a[d] != b[d])
         if not b[k]:
-            wanted.setdefault(shape, []).append((b, a[k], k))
+            wanted.setdefault(("", shape), []).append((b, a[k], k))
+            if k and not b[0]:
+                wanted.setdefault(("scan", shape[1:]), []).append((b[1:], a[k], k - 1))
     values = {} if result is None else result.values
     consumers: dict = {}
     for n in traced.nodes:
@@ -230,11 +233,11 @@ def reduce_scattered(traced: Traced, result: Result | None, grads: dict[int, tup
                 consumers.setdefault(v, []).append(n)
     found, cut = {}, {}
     for n in traced.nodes:
-        if n.primitive != "dot_general" or n.inside or not _backward(n.eqn):
+        if n.primitive != "dot_general" or n.inside not in ("", "scan") or not (n.inside or _backward(n.eqn)):
             continue
         (lc, rc), (lb, _) = n.eqn.params["dimension_numbers"]
         for grad, perm in _views(n, consumers) if not lb else ():
-            hit = _match(n, grad, perm, wanted, values, traced.axis_size)
+            hit = _match(n, grad, perm, wanted.get((n.inside, tuple(grad.aval.shape)), ()), values, traced.axis_size)
             if hit is not None:
                 j, b, axes, k = hit
                 found[id(n.eqn)] = _scattered(n.eqn, traced.mesh, axes, lc[j], rc[j], perm[k])
@@ -254,16 +257,16 @@ def _views(node, consumers) -> list[tuple]:
     rank = len(out.aval.shape)
     views = [(out, tuple(range(rank)))]
     users = consumers.get(out, [])
-    if len(users) == 1 and users[0].primitive == "transpose" and not users[0].inside:
+    if len(users) == 1 and users[0].primitive == "transpose" and users[0].inside == node.inside:
         views.insert(0, (users[0].outputs[0], tuple(users[0].eqn.params["permutation"])))
     return views
 
 
 def _match(node, grad, perm, wanted, values, axis_size):
-    """The first wanted cut of `grad`'s shape that `node` sums over: `(contracted pair, layout
+    """The first of the `wanted` cuts of `grad` that `node` sums over: `(contracted pair, layout
     before, axes, dim)`; None: none."""
     (lc, rc), _ = node.eqn.params["dimension_numbers"]
-    for b, axes, k in wanted.get(tuple(grad.aval.shape), ()):
+    for b, axes, k in wanted:
         j = _contracted_over(node, lc, rc, axes, values, axis_size)
         if j is not None and _laid_out_as(values.get(grad), b, axes):
             return j, b, axes, k
