@@ -201,8 +201,8 @@ def reduce_scattered(traced: Traced, result: Result | None, grads: dict[int, tup
                      ) -> tuple[dict[int, Callable[[list], list]], dict]:
     """Level 2 and 3's gradient reduce-scatter, emitted by jshard itself (XLA:CPU's partitioner
     makes all-reduce + dynamic-slice of it, and only the GPU pipeline rewrites that into a
-    reduce-scatter): `Emission.replaced` entries for the backward pass's top-level `dot_general`s
-    that make a gradient `grads` names, a partial sum over the axes its cut adds (the plan, or
+    reduce-scatter): `Emission.replaced` entries for the backward pass's `dot_general`s (top
+    level, or in a `scan` body) that make a gradient `grads` names, a partial sum over the axes its cut adds (the plan, or
     with no plan (`propagation="xla"`) the first contracted dim they divide, lays both operands'
     contracted dim out over them). Each runs in a `jax.shard_map` manual over those axes only (the
     others stay automatic, so tensor parallel inside holds): the local product, then
