@@ -107,10 +107,11 @@ def _scanned(grad_fn, args: tuple, b: int, k: int, ctx, call: str):
         rows = np.shape(x)[0] if np.ndim(x) else None
         if rows is None or rows % k:
             raise ShardingError(_rows_error(call, b, path, x, k))
-    axes = None if ctx is None or ctx.accumulator is not None else ctx.batch_axes
+    accumulator = None if ctx is None else ctx.accumulator
+    axes = None if ctx is None else ctx.batch_axes
     if axes and _local(args, leaves, k, axes, ctx.mesh):
-        return _reduced_once(grad_fn, args, b, k, axes, ctx.mesh)
-    total = _summed(grad_fn, args, b, k, None if ctx is None else ctx.accumulator, call)
+        return _reduced_once(grad_fn, args, b, k, axes, ctx.mesh, accumulator, call)
+    total = _summed(grad_fn, args, b, k, accumulator=accumulator, call=call)
     return jax.tree.map(lambda t: t / k if jnp.issubdtype(t.dtype, jnp.inexact) else t, total)
 
 
@@ -122,23 +123,49 @@ def _local(args: tuple, batch: list, k: int, axes: tuple[str, ...], mesh) -> boo
             and all(np.shape(x)[0] % (k * ways) == 0 for x in batch))
 
 
-def _reduced_once(grad_fn, args: tuple, b: int, k: int, axes: tuple[str, ...], mesh):
+def _reduced_once(grad_fn, args: tuple, b: int, k: int, axes: tuple[str, ...], mesh, accumulator, call: str):
     """The micro-batch loop in a `shard_map` manual over the batch's `axes` (the others stay
     automatic: tensor parallel inside holds): each device sums `grad_fn` over its rows of each
     micro-batch (the same rows, `i * k + j` for micro-batch j, as the loop over the whole batch
-    takes), and one `psum` after the loop reduces the sums, not one per micro-batch."""
+    takes), and one `psum` after the loop reduces the sums, not one per micro-batch. With
+    `accumulator` (`accumulation_shard`), a gradient its cut gives `axes` on one dim is
+    reduce-scattered onto that dim after each micro-batch instead, into a carry cut so."""
     ways = math.prod(mesh.shape[a] for a in axes)
     in_specs = tuple(jax.tree.map(lambda _, i=i: PartitionSpec(axes) if i == b else PartitionSpec(), a)
                      for i, a in enumerate(args))
+    shapes = _shapes(grad_fn, args, b, k)
+    cuts = _cuts(shapes, accumulator, call) if accumulator is not None else [None] * len(jax.tree.leaves(shapes))
+    dims = [_scatter_dim(sh, axes) for sh in cuts]
+    tree = jax.tree_util.tree_structure(shapes)
+
+    def scatter(out):  # each micro-batch's gradients the accumulator cuts
+        leaves = [x if d is None else jax.lax.psum_scatter(x, axes, scatter_dimension=d, tiled=True)
+                  for x, d in zip(jax.tree.leaves(out), dims)]
+        return jax.tree_util.tree_unflatten(tree, leaves)
 
     def local(*shards):
-        total = _summed(grad_fn, shards, b, k)
-        return jax.tree.map(lambda t: jax.lax.psum(t, axes) / (k * ways) if jnp.issubdtype(t.dtype, jnp.inexact)
-                            else jax.lax.psum(t, axes), total)
+        total = _summed(grad_fn, shards, b, k, step=scatter)
+        leaves = [t if d is not None else jax.lax.psum(t, axes) for t, d in zip(jax.tree.leaves(total), dims)]
+        return jax.tree_util.tree_unflatten(tree, [t / (k * ways) if jnp.issubdtype(t.dtype, jnp.inexact) else t
+                                                   for t in leaves])
 
+    out_specs = jax.tree_util.tree_unflatten(tree, [
+        PartitionSpec() if d is None else PartitionSpec(*(axes if i == d else None for i in range(len(s.shape))))
+        for s, d in zip(jax.tree.leaves(shapes), dims)])
     # check_vma off: the carry starts invariant (zeros) and takes each device's own sums
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(), axis_names=frozenset(axes),
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset(axes),
                          check_vma=False)(*args)
+
+
+def _scatter_dim(sharding, axes: tuple[str, ...]) -> int | None:
+    """The dim a cut accumulator's `sharding` gives exactly `axes` (and no other dim any of them);
+    None: no such dim, or no cut."""
+    if sharding is None:
+        return None
+    dims = [tuple(p) if isinstance(p, tuple) else () if p is None else (p,) for p in sharding.spec]
+    hits = [d for d, p in enumerate(dims) if p == tuple(axes)]
+    others = [a for d, p in enumerate(dims) if d not in hits for a in p]
+    return hits[0] if len(hits) == 1 and not set(others) & set(axes) else None
 
 
 def _micro(args: tuple, b: int, k: int) -> tuple[list, Any]:
@@ -148,13 +175,22 @@ def _micro(args: tuple, b: int, k: int) -> tuple[list, Any]:
     return [jnp.swapaxes(jnp.reshape(x, (np.shape(x)[0] // k, k, *np.shape(x)[1:])), 0, 1) for x in leaves], tree
 
 
-def _summed(grad_fn, args: tuple, b: int, k: int, accumulator=None, call: str = ""):
-    """`grad_fn`'s results summed over the k micro-batches in a `lax.scan`, the gradients in the
-    carry laid out as `accumulator` cuts them (`_constrainer`)."""
+def _shapes(grad_fn, args: tuple, b: int, k: int):
+    """The shapes of `grad_fn`'s results on one micro-batch."""
+    micro, tree = _micro(args, b, k)
+    return jax.eval_shape(lambda batch: grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:]),
+                          [x[0] for x in micro])
+
+
+def _summed(grad_fn, args: tuple, b: int, k: int, step: Callable[[Any], Any] | None = None, accumulator=None,
+            call: str = ""):
+    """`grad_fn`'s results, passed through `step` where given, summed over the k micro-batches in
+    a `lax.scan`, the gradients in the carry laid out as `accumulator` cuts them (`_constrainer`)."""
     micro, tree = _micro(args, b, k)
 
     def one(batch):
-        return grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:])
+        out = grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:])
+        return out if step is None else step(out)
 
     shapes = jax.eval_shape(one, [x[0] for x in micro])
     constrain = _constrainer(shapes, accumulator, call)
@@ -169,39 +205,43 @@ def _summed(grad_fn, args: tuple, b: int, k: int, accumulator=None, call: str = 
 
 def _constrainer(shapes, accumulator, call: str) -> Callable[[Any], Any]:
     """Lays out the results' subtree that has the parameters' tree and shapes (the gradients) as
-    `accumulator` cuts it; identity without one.
-
-    Raises:
-      ShardingError: with `accumulator`, no result subtree is like the parameters.
-    """
+    `accumulator` cuts it (`_cuts`); identity without one."""
     if accumulator is None:
         return lambda total: total
+    cuts = _cuts(shapes, accumulator, call)
+
+    def constrain(total):
+        leaves, tree = jax.tree_util.tree_flatten(total)
+        return jax.tree_util.tree_unflatten(tree, [x if sh is None else jax.lax.with_sharding_constraint(x, sh)
+                                                   for x, sh in zip(leaves, cuts)])
+
+    return constrain
+
+
+def _cuts(shapes, accumulator, call: str) -> list:
+    """Per result leaf of the gradient function (`shapes`), the sharding `accumulator` cuts it to:
+    the leaves of the result subtree with the parameters' tree and shapes (the gradients); None
+    for the others.
+
+    Raises:
+      ShardingError: no result subtree is like the parameters.
+    """
     tree, cut = accumulator
 
     def like(part) -> bool:
         return (jax.tree_util.tree_structure(part) == tree
                 and [s.shape for s in jax.tree_util.tree_leaves(part)] == [shape for shape, _ in cut])
 
-    def cut_like(part):
-        leaves = [x if sh is None else jax.lax.with_sharding_constraint(x, sh)
-                  for x, (_, sh) in zip(jax.tree_util.tree_leaves(part), cut)]
-        return jax.tree_util.tree_unflatten(tree, leaves)
-
     if like(shapes):  # grad_fn is jax.grad: its result is the gradients
-        return cut_like
+        return [sh for _, sh in cut]
     hits = [i for i, part in enumerate(shapes) if like(part)] if isinstance(shapes, (tuple, list)) else []
     if not hits:
         raise ShardingError(f"{call}: accumulation_shard=True cuts the accumulated gradients like the parameters "
                             f"(argument 0 of the step), but no result of the gradient function has their tree and "
                             f"shapes. Differentiate with respect to the parameters as the step takes them "
                             f"(jax.value_and_grad(loss_fn)(params, batch)), or drop accumulation_shard.")
-
-    def constrain(total):
-        items = list(total)
-        items[hits[0]] = cut_like(items[hits[0]])
-        return tuple(items) if isinstance(total, tuple) else items
-
-    return constrain
+    return [sh for i, part in enumerate(shapes)
+            for sh in ([s for _, s in cut] if i == hits[0] else [None] * len(jax.tree_util.tree_leaves(part)))]
 
 
 def _rows_error(call: str, b: int, path: str, x, k: int) -> str:

@@ -160,7 +160,7 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
         in_sh, out_sh, optimizer = [cut.args.get(i, sh) for i, sh in enumerate(in_sh)], result_shardings(out_sh, cut), cut.report
     if sharded:  # jshard.accumulate cuts its accumulated gradients over the data-parallel axes
         kept = accumulator(traced, args, layouts, c, call)
-    axes = _batch_axes(in_sh, args, c) if c.accumulation is not None and not sharded else None
+    axes = _batch_axes(in_sh, args, c) if c.accumulation is not None else None
     if gather or kept is not None or axes:  # axes: jshard.accumulate reduces once, after its loop
         traced = trace(gathered(fn, gather) if gather else fn, args, fine, devices, c, call, recompute,
                        accumulator=kept, types=types, batch_axes=axes)
