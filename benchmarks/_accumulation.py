@@ -81,8 +81,8 @@ def accumulation_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=2), ks:
             "Collective bytes per step from the compiled HLO (loops weighted by their trip count). Accumulator "
             "as the gradients: each device sums its own micro-batches (the loop in a shard_map manual over the "
             "batch's axes) and one all-reduce after the loop reduces them, so the all-reduce bytes are those of "
-            "k = 1. Cut: each micro-batch's gradients are summed over the devices inside the scan, so its "
-            "all-reduce bytes grow k-fold.",
+            "k = 1. Cut: each micro-batch's gradients above the threshold are reduce-scattered into the cut carry "
+            "(k reduce-scatters), the small ones all-reduced once.",
             "accumulation_shard=True (last rows) cuts the scan's accumulated gradients over the data-parallel "
             "axes, as optimizer_parallel cuts the state they update (MindSpore's gradient_accumulation_shard "
             "asks for its parallel optimizer too); compare with the rows of the same k and optimizer_parallel=1.",

@@ -17,8 +17,9 @@ rows (`batch_axes` in the trace context: `compile/_core.py`), the loop runs in a
 manual over them, each device summing its own rows of each micro-batch, and one `psum` after the
 loop reduces the sums: the gradients are reduced once per step, as MindSpore and Megatron do, not
 once per micro-batch. With `accumulation_shard=True` the carry's gradients are cut over the
-data-parallel axes instead (the core puts the cut in the trace context), and XLA sums each
-micro-batch's gradients inside the loop.
+data-parallel axes (the core puts the cut in the trace context), and in the manual loop each
+micro-batch's gradient is reduce-scattered into that cut (MindSpore's
+`gradient_accumulation_shard`).
 """
 
 from __future__ import annotations

@@ -158,15 +158,15 @@ def parallelize(
         updates once per step. In `mode="data"` and `"semi_auto"`, where every batch leaf's rows
         are cut over the same axes before planning, the loop runs in a `jax.shard_map` manual over
         them: each device sums its own micro-batches and one `psum` after the loop reduces the
-        gradients once per step (else, and with `accumulation_shard`, XLA reduces each
-        micro-batch's). k must divide the batch's rows (and, with the `"data_parallel"`
+        gradients once per step (else XLA reduces each micro-batch's). k must divide the batch's rows (and, with the `"data_parallel"`
         dataset strategy, leave micro-batches the devices divide). None: off.
       accumulation_shard: MindSpore's `gradient_accumulation_shard`, in `mode="data"` and
         `"semi_auto"`: the accumulated gradients (the scan carry) are cut over the data-parallel
         axes their parameter's layout leaves free, on its largest dim they divide (as
         `optimizer_parallel` cuts it; leaves under `optimizer_parallel_threshold` stay whole when
         `optimizer_parallel` is set), instead of being held whole on every data-parallel device;
-        each micro-batch's gradients are then summed over the devices inside the loop.
+        in the manual loop each micro-batch's gradient is reduce-scattered into the cut carry
+        (`lax.psum_scatter`, where the cut puts exactly the batch's axes on one dim).
       offload: MindSpore's heterogeneous storage: `("optimizer",)`, `("parameters",)` or both keep
         the optimizer-state leaves, the parameter leaves or both (the roles above; PRNG keys stay)
         in host memory between steps (memory kind `"pinned_host"` on the program's argument
