@@ -70,16 +70,19 @@ def accumulation_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=2), ks:
                          *cells, f"{diff:.2g}"))
     return Table(
         "11. Gradient accumulation: k micro-batches per step",
-        "the losses of k micro-batches equal the full batch's (f32 rounding); temp memory falls with k",
+        "the losses of k micro-batches equal the full batch's (f32 rounding); temp memory falls with k; the "
+        "gradients reduced once per step",
         ("k", "micro-batch rows", "accumulator", "temp", "arguments", "collectives", "by kind", "max |loss - k=1 loss|"),
         tuple(rows),
         (
             f"GPT ({cfg.n_layers} layers, d_model {cfg.d_model}, seq {cfg.seq_len}) with Adam, {ROWS} rows, data "
             f"parallel on {devices} simulated CPU devices, {STEPS} steps; the step calls "
             f"`js.accumulate(jax.value_and_grad(loss))` under `parallelize(..., accumulation_steps=k)`.",
-            "Collective bytes per step from the compiled HLO (loops weighted by their trip count): each "
-            "micro-batch's gradients are summed over the devices inside the scan (GSPMD has no per-device "
-            "accumulator), so all-reduce bytes grow k-fold.",
+            "Collective bytes per step from the compiled HLO (loops weighted by their trip count). Accumulator "
+            "as the gradients: each device sums its own micro-batches (the loop in a shard_map manual over the "
+            "batch's axes) and one all-reduce after the loop reduces them, so the all-reduce bytes are those of "
+            "k = 1. Cut: each micro-batch's gradients above the threshold are reduce-scattered into the cut carry "
+            "(k reduce-scatters), the small ones all-reduced once.",
             "accumulation_shard=True (last rows) cuts the scan's accumulated gradients over the data-parallel "
             "axes, as optimizer_parallel cuts the state they update (MindSpore's gradient_accumulation_shard "
             "asks for its parallel optimizer too); compare with the rows of the same k and optimizer_parallel=1.",

@@ -12,19 +12,26 @@ redistribution), runs `grad_fn` on each in a `lax.scan`, sums its results in the
 returns their mean (floating leaves; integer ones, counts, summed): one optimizer update follows,
 on the mean gradient, as the full batch's step makes it where the loss is a mean over rows (for a
 masked mean, where every row's mask counts the same tokens). Under `parallelize(...,
-accumulation_steps=k)` k comes from there, and with `accumulation_shard=True` the carry's gradients
-are cut over the data-parallel axes (the core puts the cut in the trace context:
-`compile/_core.py`).
+accumulation_steps=k)` k comes from there. Where the core names the mesh axes that cut the batch's
+rows (`batch_axes` in the trace context: `compile/_core.py`), the loop runs in a `jax.shard_map`
+manual over them, each device summing its own rows of each micro-batch, and one `psum` after the
+loop reduces the sums: the gradients are reduced once per step, as MindSpore and Megatron do, not
+once per micro-batch. With `accumulation_shard=True` the carry's gradients are cut over the
+data-parallel axes (the core puts the cut in the trace context), and in the manual loop each
+micro-batch's gradient is reduce-scattered into that cut (MindSpore's
+`gradient_accumulation_shard`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
@@ -45,7 +52,9 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
 
     Returns:
       A function with `grad_fn`'s signature and results: floating leaves the mean over the
-      micro-batches, the others their sum. With k = 1 it is `grad_fn` itself.
+      micro-batches, the others their sum. With k = 1 it is `grad_fn` itself. Under
+      `parallelize` in `mode="data"` or `"semi_auto"` it sums each device's micro-batches and
+      reduces once, after the loop (a `shard_map` manual over the batch's axes).
 
     Raises:
       ShardingError: k is not a positive int (or not given outside `parallelize`), does not divide
@@ -72,7 +81,7 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
                                 f"given. Number the batch argument (default -1, the last).")
         if k == 1:
             return grad_fn(*args)
-        return _scanned(grad_fn, args, b % len(args), k, None if ctx is None else ctx.accumulator, call)
+        return _scanned(grad_fn, args, b % len(args), k, ctx, call)
 
     return run
 
@@ -92,17 +101,97 @@ def _steps(steps, ctx, call: str) -> int:
     return k
 
 
-def _scanned(grad_fn, args: tuple, b: int, k: int, accumulator, call: str):
-    leaves, tree = jax.tree_util.tree_flatten(args[b])
+def _scanned(grad_fn, args: tuple, b: int, k: int, ctx, call: str):
+    leaves = jax.tree_util.tree_leaves(args[b])
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args[b])[0]]
     for x, path in zip(leaves, paths):
         rows = np.shape(x)[0] if np.ndim(x) else None
         if rows is None or rows % k:
             raise ShardingError(_rows_error(call, b, path, x, k))
-    micro = [jnp.swapaxes(jnp.reshape(x, (np.shape(x)[0] // k, k, *np.shape(x)[1:])), 0, 1) for x in leaves]
+    accumulator = None if ctx is None else ctx.accumulator
+    axes = None if ctx is None else ctx.batch_axes
+    if axes and _local(args, leaves, k, axes, ctx.mesh):
+        return _reduced_once(grad_fn, args, b, k, axes, ctx.mesh, accumulator, call)
+    total = _summed(grad_fn, args, b, k, accumulator=accumulator, call=call)
+    return jax.tree.map(lambda t: t / k if jnp.issubdtype(t.dtype, jnp.inexact) else t, total)
+
+
+def _local(args: tuple, batch: list, k: int, axes: tuple[str, ...], mesh) -> bool:
+    """Whether each device can sum its own micro-batches: every argument leaf an array, and each
+    device's rows of every batch leaf a multiple of k."""
+    ways = math.prod(mesh.shape[a] for a in axes)
+    return (all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(args))
+            and all(np.shape(x)[0] % (k * ways) == 0 for x in batch))
+
+
+def _reduced_once(grad_fn, args: tuple, b: int, k: int, axes: tuple[str, ...], mesh, accumulator, call: str):
+    """The micro-batch loop in a `shard_map` manual over the batch's `axes` (the others stay
+    automatic: tensor parallel inside holds): each device sums `grad_fn` over its rows of each
+    micro-batch (the same rows, `i * k + j` for micro-batch j, as the loop over the whole batch
+    takes), and one `psum` after the loop reduces the sums, not one per micro-batch. With
+    `accumulator` (`accumulation_shard`), a gradient its cut gives `axes` on one dim is
+    reduce-scattered onto that dim after each micro-batch instead, into a carry cut so."""
+    ways = math.prod(mesh.shape[a] for a in axes)
+    in_specs = tuple(jax.tree.map(lambda _, i=i: PartitionSpec(axes) if i == b else PartitionSpec(), a)
+                     for i, a in enumerate(args))
+    shapes = _shapes(grad_fn, args, b, k)
+    cuts = _cuts(shapes, accumulator, call) if accumulator is not None else [None] * len(jax.tree.leaves(shapes))
+    dims = [_scatter_dim(sh, axes) for sh in cuts]
+    tree = jax.tree_util.tree_structure(shapes)
+
+    def scatter(out):  # each micro-batch's gradients the accumulator cuts
+        leaves = [x if d is None else jax.lax.psum_scatter(x, axes, scatter_dimension=d, tiled=True)
+                  for x, d in zip(jax.tree.leaves(out), dims)]
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    def local(*shards):
+        total = _summed(grad_fn, shards, b, k, step=scatter)
+        leaves = [t if d is not None else jax.lax.psum(t, axes) for t, d in zip(jax.tree.leaves(total), dims)]
+        return jax.tree_util.tree_unflatten(tree, [t / (k * ways) if jnp.issubdtype(t.dtype, jnp.inexact) else t
+                                                   for t in leaves])
+
+    out_specs = jax.tree_util.tree_unflatten(tree, [
+        PartitionSpec() if d is None else PartitionSpec(*(axes if i == d else None for i in range(len(s.shape))))
+        for s, d in zip(jax.tree.leaves(shapes), dims)])
+    # check_vma off: the carry starts invariant (zeros) and takes each device's own sums
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset(axes),
+                         check_vma=False)(*args)
+
+
+def _scatter_dim(sharding, axes: tuple[str, ...]) -> int | None:
+    """The dim a cut accumulator's `sharding` gives exactly `axes` (and no other dim any of them);
+    None: no such dim, or no cut."""
+    if sharding is None:
+        return None
+    dims = [tuple(p) if isinstance(p, tuple) else () if p is None else (p,) for p in sharding.spec]
+    hits = [d for d, p in enumerate(dims) if p == tuple(axes)]
+    others = [a for d, p in enumerate(dims) if d not in hits for a in p]
+    return hits[0] if len(hits) == 1 and not set(others) & set(axes) else None
+
+
+def _micro(args: tuple, b: int, k: int) -> tuple[list, Any]:
+    """The batch argument's leaves cut into k micro-batches (`[k, rows / k, ...]`: row `i * k + j`
+    goes to micro-batch j), and its tree."""
+    leaves, tree = jax.tree_util.tree_flatten(args[b])
+    return [jnp.swapaxes(jnp.reshape(x, (np.shape(x)[0] // k, k, *np.shape(x)[1:])), 0, 1) for x in leaves], tree
+
+
+def _shapes(grad_fn, args: tuple, b: int, k: int):
+    """The shapes of `grad_fn`'s results on one micro-batch."""
+    micro, tree = _micro(args, b, k)
+    return jax.eval_shape(lambda batch: grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:]),
+                          [x[0] for x in micro])
+
+
+def _summed(grad_fn, args: tuple, b: int, k: int, step: Callable[[Any], Any] | None = None, accumulator=None,
+            call: str = ""):
+    """`grad_fn`'s results, passed through `step` where given, summed over the k micro-batches in
+    a `lax.scan`, the gradients in the carry laid out as `accumulator` cuts them (`_constrainer`)."""
+    micro, tree = _micro(args, b, k)
 
     def one(batch):
-        return grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:])
+        out = grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:])
+        return out if step is None else step(out)
 
     shapes = jax.eval_shape(one, [x[0] for x in micro])
     constrain = _constrainer(shapes, accumulator, call)
@@ -112,44 +201,48 @@ def _scanned(grad_fn, args: tuple, b: int, k: int, accumulator, call: str):
 
     zeros = constrain(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
     total, _ = jax.lax.scan(body, zeros, micro)
-    return jax.tree.map(lambda t: t / k if jnp.issubdtype(t.dtype, jnp.inexact) else t, total)
+    return total
 
 
 def _constrainer(shapes, accumulator, call: str) -> Callable[[Any], Any]:
     """Lays out the results' subtree that has the parameters' tree and shapes (the gradients) as
-    `accumulator` cuts it; identity without one.
-
-    Raises:
-      ShardingError: with `accumulator`, no result subtree is like the parameters.
-    """
+    `accumulator` cuts it (`_cuts`); identity without one."""
     if accumulator is None:
         return lambda total: total
+    cuts = _cuts(shapes, accumulator, call)
+
+    def constrain(total):
+        leaves, tree = jax.tree_util.tree_flatten(total)
+        return jax.tree_util.tree_unflatten(tree, [x if sh is None else jax.lax.with_sharding_constraint(x, sh)
+                                                   for x, sh in zip(leaves, cuts)])
+
+    return constrain
+
+
+def _cuts(shapes, accumulator, call: str) -> list:
+    """Per result leaf of the gradient function (`shapes`), the sharding `accumulator` cuts it to:
+    the leaves of the result subtree with the parameters' tree and shapes (the gradients); None
+    for the others.
+
+    Raises:
+      ShardingError: no result subtree is like the parameters.
+    """
     tree, cut = accumulator
 
     def like(part) -> bool:
         return (jax.tree_util.tree_structure(part) == tree
                 and [s.shape for s in jax.tree_util.tree_leaves(part)] == [shape for shape, _ in cut])
 
-    def cut_like(part):
-        leaves = [x if sh is None else jax.lax.with_sharding_constraint(x, sh)
-                  for x, (_, sh) in zip(jax.tree_util.tree_leaves(part), cut)]
-        return jax.tree_util.tree_unflatten(tree, leaves)
-
     if like(shapes):  # grad_fn is jax.grad: its result is the gradients
-        return cut_like
+        return [sh for _, sh in cut]
     hits = [i for i, part in enumerate(shapes) if like(part)] if isinstance(shapes, (tuple, list)) else []
     if not hits:
         raise ShardingError(f"{call}: accumulation_shard=True cuts the accumulated gradients like the parameters "
                             f"(argument 0 of the step), but no result of the gradient function has their tree and "
                             f"shapes. Differentiate with respect to the parameters as the step takes them "
                             f"(jax.value_and_grad(loss_fn)(params, batch)), or drop accumulation_shard.")
-
-    def constrain(total):
-        items = list(total)
-        items[hits[0]] = cut_like(items[hits[0]])
-        return tuple(items) if isinstance(total, tuple) else items
-
-    return constrain
+    return [sh for i, part in enumerate(shapes)
+            for sh in ([s for _, s in cut] if i == hits[0] else [None] * len(jax.tree_util.tree_leaves(part)))]
 
 
 def _rows_error(call: str, b: int, path: str, x, k: int) -> str:

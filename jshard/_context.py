@@ -46,7 +46,9 @@ class TraceContext:
 
     `accumulation_steps` and `accumulator` are what `jshard.accumulate` reads (`parallelize`'s
     `accumulation_steps`, and with `accumulation_shard` the parameters' tree with each leaf's
-    shape and the sharding its accumulated gradient takes); `accumulated` counts its calls.
+    shape and the sharding its accumulated gradient takes); `accumulated` counts its calls;
+    `batch_axes` the mesh axes that cut the batch's rows, over which `jshard.accumulate` sums each
+    device's micro-batches before one reduction (None: it reduces each micro-batch).
     `recompute` is `parallelize`'s `recompute=` (the policy of `jshard.recompute` regions that name
     none); `recompute_choice` the policy this trace gives the regions left to the search
     (`policy="auto"`): one for all of them, or a tuple with one per region in the order the trace
@@ -62,6 +64,7 @@ class TraceContext:
     accumulation_steps: int | None = None
     accumulator: tuple | None = None
     accumulated: int = 0
+    batch_axes: tuple[str, ...] | None = None
     recompute: object = None
     recompute_choice: str | tuple[str, ...] = "full"
     auto_regions: int = 0

@@ -142,10 +142,14 @@ def parallelize(
         `optimizer_parallel_threshold` bytes over the data-parallel devices (the mesh axes its
         layout leaves replicated) on its largest dim they divide, as the argument's and the
         updated result's sharding, so the state stays cut between steps; the update is computed
-        cut, from each device's slice of the summed gradients. `2` (the gradients reduce-scattered)
-        builds the same program: XLA:CPU compiles the sum and slice to all-reduce + dynamic-slice,
-        XLA:GPU has a pass that rewrites that pair into a reduce-scatter. `3` cuts the parameters
-        too, all-gathered before use (FSDP). Roles:
+        cut, from each device's slice of the summed gradients (all-reduce + dynamic-slice on
+        XLA:CPU). `2` reduce-scatters the gradients, and jshard emits the reduce-scatter itself so
+        it is there on every backend: the backward pass's product that sums a gradient over the
+        data-parallel axes runs in a `jax.shard_map` manual over them alone, ending in
+        `lax.psum_scatter` onto the state's cut (also in a `lax.scan` body over stacked layers;
+        not for a gradient cut on a dim another axis cuts: XLA's all-reduce + slice there;
+        `plan.optimizer.reduce_scattered` counts them). `3` cuts the parameters too, all-gathered before use (FSDP), and
+        reduce-scatters as `2`. Roles:
         argument 0 is the parameters, the batch is the batch, the other arguments the state. A
         result updates an argument where it has the argument's tree, shapes and dtypes. A leaf
         no free axis divides stays whole (`plan.summary()` names it). None: off, except that
@@ -163,13 +167,18 @@ def parallelize(
         wraps its gradient function in `jshard.accumulate` (`loss, grads =
         js.accumulate(jax.value_and_grad(loss_fn))(params, batch)`), which runs it on k
         micro-batches of the batch's rows in a `lax.scan` and returns the mean; the optimizer
-        updates once per step. k must divide the batch's rows (and, with the `"data_parallel"`
+        updates once per step. In `mode="data"` and `"semi_auto"`, where every batch leaf's rows
+        are cut over the same axes before planning, the loop runs in a `jax.shard_map` manual over
+        them: each device sums its own micro-batches and one `psum` after the loop reduces the
+        gradients once per step (else XLA reduces each micro-batch's). k must divide the batch's rows (and, with the `"data_parallel"`
         dataset strategy, leave micro-batches the devices divide). None: off.
       accumulation_shard: MindSpore's `gradient_accumulation_shard`, in `mode="data"` and
         `"semi_auto"`: the accumulated gradients (the scan carry) are cut over the data-parallel
         axes their parameter's layout leaves free, on its largest dim they divide (as
         `optimizer_parallel` cuts it; leaves under `optimizer_parallel_threshold` stay whole when
-        `optimizer_parallel` is set), instead of being held whole on every data-parallel device.
+        `optimizer_parallel` is set), instead of being held whole on every data-parallel device;
+        in the manual loop each micro-batch's gradient is reduce-scattered into the cut carry
+        (`lax.psum_scatter`, where the cut puts exactly the batch's axes on one dim).
       offload: MindSpore's heterogeneous storage: `("optimizer",)`, `("parameters",)` or both keep
         the optimizer-state leaves, the parameter leaves or both (the roles above; PRNG keys stay)
         in host memory between steps (memory kind `"pinned_host"` on the program's argument

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
@@ -225,8 +225,20 @@ class _Call:
         except NotRefined as e:
             e.who = self.op
             raise
+        manual = jax.sharding.get_abstract_mesh().manual_axes
+        if manual:  # in a region manual over them (jshard.accumulate's loop): each device's slice is its own
+            return jax.lax.with_sharding_constraint(x, _without(spec, manual))
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.ctx.mesh, spec))
 
+
+
+def _without(spec: PartitionSpec, axes) -> PartitionSpec:
+    """`spec` with `axes` taken out of every dim."""
+    dims = []
+    for d in spec:
+        kept = tuple(a for a in (d if isinstance(d, tuple) else (d,)) if a is not None and a not in axes)
+        dims.append(None if d is None or not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*dims)
 
 
 def _describe(x) -> str:

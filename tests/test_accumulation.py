@@ -79,10 +79,35 @@ def test_tensor_parallel_inside_cuts_the_accumulator_over_the_free_axis_and_equa
 
     par = js.parallelize(step, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
                          out_strategy=(p_strats, s_strats, None), accumulation_steps=2, accumulation_shard=True)
+    # w_up [64, 256]: mp (d1, d2) cuts its columns; the accumulator adds dp (d0) on the rows, and each
+    # micro-batch's gradient is reduce-scattered onto them over dp alone (a group of 2 devices)
+    report = js.audit(par.lower(params, state, batches[0]).compile())
+    assert report.count("reduce-scatter") > 0 and {c.group_size for c in report.collectives
+                                                   if c.kind == "reduce-scatter"} == {2}
+    got_params, got_state, got_losses = run_steps(par, params, state, batches)
+    ref_params, ref_state, ref_losses = _reference()
+    terms = STEPS * step_terms(params, batches[0])
+    assert_close(got_losses, ref_losses, dtype=np.float32, terms=terms)
+    assert_close(got_params, ref_params, terms=terms)
+
+
+def test_tensor_parallel_inside_the_reduce_once_loop_equals_one_device():
+    """The 2-D preset (dp=2, mp=4): the micro-batch loop runs manual over dp alone, its `shard`
+    annotations keep their mp cuts inside (dp taken out), and the step equals one device."""
+    params, state, batches = _problem()
+    preset = models.preset("2d", 8)
+    p_strats = preset.parameters(params, models.GPT_RULES)
+    s_strats = models.state_strategies(p_strats, params, state)
+
+    def step(params, state, batch):
+        loss, grads = js.accumulate(jax.value_and_grad(lambda p, b: models.gpt_loss(p, b, CFG, preset)))(params, batch)
+        updates, state = OPT.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    par = js.parallelize(step, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
+                         out_strategy=(p_strats, s_strats, None), accumulation_steps=2)
     text = par.lower(params, state, batches[0]).as_text()
-    # w_up [64, 256]: mp (mp_0, mp_1: the preset Layout's names) cuts its columns; the accumulator's
-    # constraint adds dp on the rows
-    assert 'sdy.sharding_constraint %' in text and '<@mesh, [{"dp"}, {"mp_0", "mp_1"}]> : tensor<64x256xf32>' in text
+    assert 'sdy.manual_computation' in text and 'manual_axes={"dp"}' in text
     got_params, got_state, got_losses = run_steps(par, params, state, batches)
     ref_params, ref_state, ref_losses = _reference()
     terms = STEPS * step_terms(params, batches[0])
@@ -95,7 +120,22 @@ def test_micro_batches_hold_less_temporary_memory_than_the_full_batch():
     micro = _compiled(4, False)[1].memory_analysis().temp_size_in_bytes
     cut = _compiled(4, True)[1].memory_analysis().temp_size_in_bytes
     assert micro < full
-    assert cut < micro  # the accumulated gradients cut 8 ways, the optimizer state too
+    assert cut < micro  # the accumulated gradients cut 8 ways (reduce-scattered into the carry)
+
+
+def test_four_micro_batches_reduce_the_gradients_once_as_the_full_batch_does():
+    """Each device sums its own micro-batches, one all-reduce after the loop: the bytes of the
+    full-batch step, not 4 times them. With `accumulation_shard` each micro-batch's gradients above
+    the threshold are reduce-scattered into the cut carry (on every backend: jshard emits it), the
+    small ones all-reduced once."""
+    full, micro, cut = (js.audit(_compiled(k, shard)[1]) for k, shard in ((1, False), (4, False), (4, True)))
+    assert full.bytes("all-reduce") > 0
+    assert abs(micro.bytes("all-reduce") - full.bytes("all-reduce")) <= 0.02 * full.bytes("all-reduce")
+    assert micro.bytes() <= 1.02 * full.bytes()  # and the optimizer-parallel all-gather of the updates, once
+    params, _, _ = _problem()
+    big = [x for x in jax.tree.leaves(params) if x.nbytes >= 16 * 2**10]
+    assert cut.count("reduce-scatter") == 4 * len(big) and cut.bytes("reduce-scatter") == 4 * sum(x.nbytes for x in big)
+    assert cut.bytes("all-reduce") < full.bytes("all-reduce") - sum(x.nbytes for x in big)
 
 
 def test_the_micro_batches_run_in_one_scan_of_k():
@@ -165,7 +205,8 @@ def _linear_step(argnums):
 def test_a_jax_grad_result_is_the_accumulator_cut_and_equals_one_device():
     w, x = jnp.linspace(-1, 1, 64 * 8).reshape(64, 8), jnp.linspace(-2, 2, 32 * 64).reshape(32, 64)
     par = js.parallelize(_linear_step(0), devices=8, mode="data", accumulation_steps=2, accumulation_shard=True)
-    assert '<@mesh, [{"d0", "d1", "d2"}, {}]> : tensor<64x8xf32>' in par.lower(w, x).as_text()
+    # the loop manual over the batch's axes; the accumulated gradient comes out cut on its rows
+    assert 'out_shardings=[<@mesh, [{"d0", "d1", "d2"}, {}]>] manual_axes={"d0", "d1", "d2"}' in par.lower(w, x).as_text()
     want = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2))(w, x))(w, x)
     assert_close(par(w, x), want, terms=2 * x.size)  # forward and backward sums over x
 

@@ -65,13 +65,19 @@ def _compare(step, params, state, batches):
     return got_params, got_state
 
 
-@pytest.mark.parametrize("level", [1, 2, 3])
-def test_data_parallel_levels_cut_state_and_equal_one_device(level):
+@functools.cache
+def _data_parallel(level: int):
     params, state, batches = _problem()
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
     step = js.parallelize(train, devices=8, mode="data", optimizer_parallel=level,
                           optimizer_parallel_threshold="16KiB")
-    compiled = step.lower(params, state, batches[0]).compile()
+    return step, step.lower(params, state, batches[0]).compile()
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_data_parallel_levels_cut_state_and_equal_one_device(level):
+    params, state, batches = _problem()
+    step, compiled = _data_parallel(level)
     (p_sh, s_sh, _), _ = compiled.input_shardings
     p_leaves, s_leaves = jax.tree.leaves(params), jax.tree.leaves(state)
     _check_cut(s_leaves, jax.tree.leaves(s_sh), 8, cut=True)
@@ -91,6 +97,23 @@ def test_data_parallel_levels_cut_state_and_equal_one_device(level):
     _check_cut(jax.tree.leaves(new_params), [x.sharding for x in jax.tree.leaves(new_params)], 8, cut=level == 3)
 
 
+@pytest.mark.parametrize("level", [2, 3])
+def test_levels_2_and_3_reduce_scatter_the_gradients_on_cpu_with_no_more_bytes_than_level_1(level):
+    """XLA:CPU makes all-reduce + dynamic-slice of a cut gradient; jshard emits the reduce-scatter
+    itself: one per gradient above the threshold, no all-to-all, and no more collective bytes than
+    level 1 (the HLO's operand bytes; a reduce-scatter moves half an all-reduce's on the wire)."""
+    params, state, batches = _problem()
+    step, compiled = _data_parallel(level)
+    report, first = js.audit(compiled), js.audit(_data_parallel(1)[1])
+    big = [x for x in jax.tree.leaves(params) if _big(x)]
+    assert first.count("reduce-scatter") == 0
+    assert report.count("reduce-scatter") == len(big) and report.bytes("reduce-scatter") == sum(x.nbytes for x in big)
+    assert report.count("all-to-all") == 0
+    assert report.bytes() <= first.bytes()
+    assert report.bytes("all-reduce") + report.bytes("reduce-scatter") <= first.bytes("all-reduce")
+    assert step.plan(params, state, batches[0]).optimizer.reduce_scattered == len(big)
+
+
 def test_auto_mode_level_3_cuts_state_and_parameters_and_equals_one_device():
     params, state, batches = _problem()
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
@@ -102,6 +125,25 @@ def test_auto_mode_level_3_cuts_state_and_parameters_and_equals_one_device():
         if _big(x):  # the search left these whole (a tiny model): the cut takes all 8 devices
             assert _per_device(x, sh) == np.size(x) * np.dtype(x.dtype).itemsize // 8, (np.shape(x), sh)
     _compare(step, params, state, batches)
+
+
+def test_level_2_reduce_scatters_stacked_layers_in_the_scan_body_and_equals_one_device():
+    """The GPT of 2 blocks stacked under `lax.scan`: each layer's weight gradient is made in the
+    loop body, where the reduce-scatter runs (6 gradients, 2 trips), and the step equals one device."""
+    cfg = models.GPTConfig(n_layers=2, scan=True)
+    params = models.init_gpt(cfg, jax.random.key(0))
+    state, batches = OPT.init(params), _problem()[2]
+    train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), OPT)
+    step = js.parallelize(train, devices=8, mode="data", optimizer_parallel=2, optimizer_parallel_threshold=THRESHOLD)
+    report = js.audit(step.lower(params, state, batches[0]).compile())
+    big = [x for x in jax.tree.leaves(params) if _big(x)]
+    assert step.plan(params, state, batches[0]).optimizer.reduce_scattered == len(big)
+    assert report.count("reduce-scatter") == 2 * len(big) and report.bytes("reduce-scatter") == sum(x.nbytes for x in big)
+    got = run_steps(step, params, state, batches)
+    want = run_steps(jax.jit(train), params, state, batches)
+    terms = STEPS * step_terms(params, batches[0])
+    assert_close(got[2], want[2], dtype=np.float32, terms=terms)
+    assert_close(got[0], want[0], terms=terms)
 
 
 def test_the_plan_shows_the_cut():
@@ -116,21 +158,25 @@ def test_the_plan_shows_the_cut():
     line = plan.optimizer.line()
     assert line in " ".join(plan.summary().split())  # the summary wraps it at 120 columns
     assert line == (f"optimizer parallel level 3 (threshold 16 KiB): 12/{n_state} optimizer-state and "
-                    f"6/{n_params} parameter leaves cut, {human_bytes(saved)} per device saved")
+                    f"6/{n_params} parameter leaves cut, {human_bytes(saved)} per device saved; 6 gradients "
+                    f"reduce-scattered to their cut")
 
 
 def test_tensor_parallel_inside_cuts_over_the_free_axis():
-    """The 2-D preset (dp=2, mp=4) lays out weights and state over the mp axis; level 1 cuts the
-    state over the dp axis too (8 ways in all), and the result equals one device."""
+    """The 2-D preset (dp=2, mp=4) lays out weights and state over the mp axis; level 2 cuts the
+    state over the dp axis too (8 ways in all) and reduce-scatters the gradients over dp in a
+    `shard_map` manual over dp alone (mp stays automatic inside), and the result equals one device."""
     params, state, batches = _problem()
     preset = models.preset("2d", 8)
     p_strats = preset.parameters(params, models.GPT_RULES)
     s_strats = models.state_strategies(p_strats, params, state)
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG, preset), OPT)
     step = js.parallelize(train, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
-                          out_strategy=(p_strats, s_strats, None), optimizer_parallel=1,
+                          out_strategy=(p_strats, s_strats, None), optimizer_parallel=2,
                           optimizer_parallel_threshold=THRESHOLD)
-    (_, s_sh, _), _ = step.lower(params, state, batches[0]).compile().input_shardings
+    compiled = step.lower(params, state, batches[0]).compile()
+    (_, s_sh, _), _ = compiled.input_shardings
+    assert js.audit(compiled).count("reduce-scatter") == step.plan(params, state, batches[0]).optimizer.reduce_scattered > 0
     _check_cut(jax.tree.leaves(state), jax.tree.leaves(s_sh), 8, cut=True, small=False)
     _, new_state = _compare(step, params, state, batches)
     _check_cut(jax.tree.leaves(new_state), [x.sharding for x in jax.tree.leaves(new_state)], 8, cut=True, small=False)
@@ -198,7 +244,9 @@ def test_no_data_parallel_axis_is_named():
 def test_comm_recompute_gathers_again_in_the_backward_and_equals_one_device():
     """Level 3 with `optimizer_comm_recompute`: each cut parameter is all-gathered twice (forward,
     then again in the backward pass), so the gathered copy is not held from one to the other:
-    twice the all-gather bytes, less temporary memory, the same numbers."""
+    twice the all-gather bytes, the same numbers. (Its temporary memory is no longer below the
+    program that keeps the gathered copy: since level 3 reduce-scatters the gradients, that one
+    holds 447 KB against 459 KB with the second gather on this model.)"""
     params, state, batches = _problem()
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
     kept, again = (js.parallelize(train, devices=8, mode="data", optimizer_parallel=3, optimizer_parallel_threshold="16KiB",
@@ -207,7 +255,6 @@ def test_comm_recompute_gathers_again_in_the_backward_and_equals_one_device():
     big_params = sum(x.nbytes for x in jax.tree.leaves(params) if _big(x))
     assert js.audit(kept_c).bytes("all-gather") == big_params
     assert js.audit(again_c).bytes("all-gather") == 2 * big_params
-    assert again_c.memory_analysis().temp_size_in_bytes < kept_c.memory_analysis().temp_size_in_bytes
     n_big = sum(_big(x) for x in jax.tree.leaves(params))
     summary = " ".join(again.plan(params, state, batches[0]).summary().split())  # its lines wrap at 120 columns
     assert f"; {n_big} parameter leaves all-gathered again in the backward pass" in summary

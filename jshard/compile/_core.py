@@ -31,7 +31,7 @@ from jshard.compile._boundary import (
     out_shardings,
 )
 from jshard.compile._offload import anchored, least_streamed, offloaded, searched
-from jshard.compile._optimizer import accumulator, cuts, gathered, regathered, result_shardings
+from jshard.compile._optimizer import accumulator, cuts, gathered, reduce_scattered, regathered, result_shardings
 from jshard.compile._options import OptimizerParallel, Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
@@ -45,6 +45,7 @@ from jshard.layouts import (
     canonicalize_in_strategy,
     canonicalize_strategy_tree,
     layout_of,
+    spec_from_pspec,
     to_pspec,
 )
 from jshard.search import Weighed, assignment, choices, region_costs, upgrades
@@ -368,19 +369,20 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
     out_sh = out_shardings(traced, c, call)
     planner = planner_for(c, call)
     donated = frozenset(argument_leaves(args, c.donate_argnums))
-    optimizer, gather, kept = None, {}, None
+    optimizer, gather, kept, grads = None, {}, None, {}
     sharded = c.accumulation is not None and c.accumulation.shard
     if c.optimizer is not None or sharded:
         layouts = _layouts(traced, in_sh, planner, donated, c)
     if c.optimizer is not None:
         cut = cuts(traced, args, layouts, c, call)
-        gather = cut.gather  # level 3: the function all-gathers the cut parameters before use
+        gather, grads = cut.gather, cut.grads  # level 3: the function all-gathers the cut parameters before use
         in_sh, out_sh, optimizer = [cut.args.get(i, sh) for i, sh in enumerate(in_sh)], result_shardings(out_sh, cut), cut.report
     if sharded:  # jshard.accumulate cuts its accumulated gradients over the data-parallel axes
         kept = accumulator(traced, args, layouts, c, call)
-    if gather or kept is not None:
+    axes = _batch_axes(in_sh, args, c) if c.accumulation is not None else None
+    if gather or kept is not None or axes:  # axes: jshard.accumulate reduces once, after its loop
         traced = trace(gathered(fn, gather) if gather else fn, args, fine, devices, c, call, recompute,
-                       accumulator=kept, types=types)
+                       accumulator=kept, types=types, batch_axes=axes)
     rewrite = regathered(traced, gather) if c.optimizer_comm_recompute else None
     if optimizer is not None:
         optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
@@ -396,11 +398,17 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
             if attempt == 0:
                 raise
             raise MemoryBudgetError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e), held) from None
+        scattered, made = reduce_scattered(traced, planned.result, grads)  # level 2 and 3: the gradients' reduce-scatter
+        if made and not problem.made:  # plan again with those gradients cut where they are made
+            problem = dataclasses.replace(problem, made=made)
+            planned = planner.plan(problem)
+            scattered, _ = reduce_scattered(traced, planned.result, grads)
         given = planned.in_shardings or [None] * len(in_sh)
         program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args,
-                                rewrite, offload)
+                                rewrite, offload, scattered)
         report = planned.report and dataclasses.replace(planned.report, budget_from=budget_from)
-        program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=optimizer, search=report))
+        shown = optimizer and dataclasses.replace(optimizer, reduce_scattered=len(scattered))
+        program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=shown, search=report))
         if not checked:
             return program
         held = compiled_peak(program.jitted, args, program.in_shardings)
@@ -415,6 +423,23 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
         f"tighter estimates (XLA's temporary buffers exceed what the search models). Raise "
         f"memory_budget, or use more devices.", held
     )
+
+
+def _batch_axes(in_sh: list, args: tuple, c: Options) -> tuple[str, ...] | None:
+    """The mesh axes that cut the rows of every batch leaf, as laid out before planning (in_strategy
+    or the dataset policy), for `jshard.accumulate` to reduce once over; None: the leaves disagree,
+    one is left to the planner, or `mode="auto"` (the search plans the accumulation loop's body,
+    which a manual region would hide from it)."""
+    if c.mode not in ("data", "semi_auto"):
+        return None
+    batch = argument_leaves(args, (len(args) - 1,) if c.batch_argnums is None else c.batch_argnums)
+    found = set()
+    for i in batch:
+        if in_sh[i] is None:
+            return None
+        dims = spec_from_pspec(in_sh[i].spec, max(len(in_sh[i].spec), 1))
+        found.add(dims[0])
+    return found.pop() if len(found) == 1 and () not in found else None
 
 
 def _layouts(traced, in_sh: list, planner, donated: frozenset[int], c: Options) -> list[NamedSharding]:

@@ -1,13 +1,16 @@
 """The optimizer-parallel stage (ZeRO; MindSpore's `enable_parallel_optimizer`): which argument
-leaves are cut over the data-parallel devices, and how.
+leaves are cut over the data-parallel devices, and how the gradients reach the cut.
 
 A leaf at or above the threshold is cut over the mesh axes its layout leaves free (in data mode:
 all of them), on its largest dim they divide; it is the argument's sharding and the sharding of the
 result that updates it (a result subtree with the argument's tree and shapes), so it stays cut
 between steps. Level 1 and 2 cut the optimizer state: the planner lays out the update cut, from
-each device's slice of the summed gradients (all-reduce + dynamic-slice on XLA:CPU, which has no
-reduce-scatter rewrite; so level 2 builds level 1's program). Level 3 cuts the parameters too,
-which the function all-gathers to their planned layout before use (`gathered`).
+each device's slice of the summed gradients (level 1: all-reduce + dynamic-slice on XLA:CPU,
+which has no reduce-scatter rewrite). Level 2 (and 3) reduce-scatter the gradients themselves: the backward
+pass's product that sums a gradient over the data-parallel devices is emitted in a `shard_map`
+manual over them, ending in `lax.psum_scatter` (`reduce_scattered`), so the compiled program
+holds a reduce-scatter on every backend. Level 3 cuts the parameters too, which the function
+all-gathers to their planned layout before use (`gathered`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from jshard.compile._trace import Traced
 from jshard.graph import CONSTRAINT, JSHARD_SCOPE
 from jshard.layouts import slices, spec_from_pspec
 from jshard.plan import OptimizerReport
-from jshard.propagate import Rewrite
+from jshard.propagate import Result, Rewrite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +48,15 @@ class Cuts:
         cut and after.
       gather: parameter leaf -> the sharding it is all-gathered to before use (level 3).
       report: what the `Plan` records.
+      grads: parameter leaf -> its layout and the cut its gradient is reduce-scattered to (level 2
+        and 3: the state's cut, which the update reads it in).
     """
 
     args: dict[int, NamedSharding]
     results: dict[int, tuple[NamedSharding, NamedSharding]]
     gather: dict[int, NamedSharding]
     report: OptimizerReport
+    grads: dict[int, tuple[PartitionSpec, PartitionSpec]] = dataclasses.field(default_factory=dict)
 
 
 def roles(args: tuple, options: Options) -> tuple[set[int], set[int]]:
@@ -90,7 +96,12 @@ def cuts(traced: Traced, args: tuple, layouts: Sequence[NamedSharding], options:
                              len(cut.keys() & params), len(params), saved, tuple(whole), leaves=leaves)
     gather = {i: layouts[i] for i in cut if i in params}
     kept = {i: (layouts[i], cut.get(i, layouts[i])) for i in params | state}
-    return Cuts(cut, updating(traced, args, kept), gather, report)
+    grads = {}
+    for i in (sorted(params) if o.level >= 2 else ()):
+        spec = _cut_spec(np.shape(traced.leaves[i]), layouts[i].spec, traced.axis_size)
+        if _bytes(traced.leaves[i]) >= o.threshold_bytes and spec is not None:
+            grads[i] = (layouts[i].spec, spec)
+    return Cuts(cut, updating(traced, args, kept), gather, report, grads)
 
 
 def accumulator(traced: Traced, args: tuple, layouts: Sequence[NamedSharding], options: Options, call: str) -> tuple:
@@ -184,6 +195,123 @@ def _regather(gathered: dict, start: int):
         return ins
 
     return rewrite
+
+
+def reduce_scattered(traced: Traced, result: Result | None, grads: dict[int, tuple[PartitionSpec, PartitionSpec]]
+                     ) -> tuple[dict[int, Callable[[list], list]], dict]:
+    """Level 2 and 3's gradient reduce-scatter, emitted by jshard itself (XLA:CPU's partitioner
+    makes all-reduce + dynamic-slice of it, and only the GPU pipeline rewrites that into a
+    reduce-scatter): `Emission.replaced` entries for the backward pass's `dot_general`s (top
+    level, or in a `scan` body) that make a gradient `grads` names, a partial sum over the axes its cut adds (the plan, or
+    with no plan (`propagation="xla"`) the first contracted dim they divide, lays both operands'
+    contracted dim out over them). Each runs in a `jax.shard_map` manual over those axes only (the
+    others stay automatic, so tensor parallel inside holds): the local product, then
+    `lax.psum_scatter` onto the dim the cut adds them to. A gradient whose cut adds the axes to a
+    dim another axis already cuts keeps XLA's route (the manual axes would come first there, another
+    layout than the cut). In a `scan` body (stacked layers: the body makes one layer's slice of
+    the stacked gradient) the product is matched against the slices of the stacked parameters.
+
+    Returns:
+      The `Emission.replaced` entries, and each replaced gradient's value -> its cut `Spec` and its
+      operands -> their planned `Spec`s (for the planner to plan again from: the optimizer update
+      reads the gradient cut; the backward pass stays as planned).
+    """
+    wanted: dict[tuple, list] = {}  # top level: the gradient's shape; in a scan: a stacked one's slice
+    for i, (before, after) in grads.items():
+        shape = tuple(np.shape(traced.leaves[i]))
+        b, a = spec_from_pspec(before, len(shape)), spec_from_pspec(after, len(shape))
+        k = next(d for d in range(len(shape)) if a[d] != b[d])
+        if not b[k]:
+            wanted.setdefault(("", shape), []).append((b, a[k], k))
+            if k and not b[0]:
+                wanted.setdefault(("scan", shape[1:]), []).append((b[1:], a[k], k - 1))
+    values = {} if result is None else result.values
+    consumers: dict = {}
+    for n in traced.nodes:
+        for v in n.inputs:
+            if isinstance(v, jcore.Var):
+                consumers.setdefault(v, []).append(n)
+    found, cut = {}, {}
+    for n in traced.nodes:
+        if n.primitive != "dot_general" or n.inside not in ("", "scan") or not (n.inside or _backward(n.eqn)):
+            continue
+        (lc, rc), (lb, _) = n.eqn.params["dimension_numbers"]
+        for grad, perm in _views(n, consumers) if not lb else ():
+            hit = _match(n, grad, perm, wanted.get((n.inside, tuple(grad.aval.shape)), ()), values, traced.axis_size)
+            if hit is not None:
+                j, b, axes, k = hit
+                found[id(n.eqn)] = _scattered(n.eqn, traced.mesh, axes, lc[j], rc[j], perm[k])
+                spec = [()] * len(perm)
+                for d, dim in enumerate(b):
+                    spec[perm[d]] = dim + axes if d == k else dim
+                cut[n.outputs[0]] = tuple(spec)
+                cut.update({v: values[v] for v in n.inputs[:2] if v in values})  # its operands as planned
+                break
+    return found, cut
+
+
+def _views(node, consumers) -> list[tuple]:
+    """The values `node`'s product may be a gradient as, with the permutation of its dims each
+    takes: transposed by its one consumer (`x.T @ dy` made as `(dy.T @ x).T`), then itself."""
+    out = node.outputs[0]
+    rank = len(out.aval.shape)
+    views = [(out, tuple(range(rank)))]
+    users = consumers.get(out, [])
+    if len(users) == 1 and users[0].primitive == "transpose" and users[0].inside == node.inside:
+        views.insert(0, (users[0].outputs[0], tuple(users[0].eqn.params["permutation"])))
+    return views
+
+
+def _match(node, grad, perm, wanted, values, axis_size):
+    """The first of the `wanted` cuts of `grad` that `node` sums over: `(contracted pair, layout
+    before, axes, dim)`; None: none."""
+    (lc, rc), _ = node.eqn.params["dimension_numbers"]
+    for b, axes, k in wanted:
+        j = _contracted_over(node, lc, rc, axes, values, axis_size)
+        if j is not None and _laid_out_as(values.get(grad), b, axes):
+            return j, b, axes, k
+    return None
+
+
+def _contracted_over(node, lc, rc, axes: tuple[str, ...], values, axis_size) -> int | None:
+    """Which contracted dim pair of `node` the plan cuts over `axes` on both operands (no plan: the
+    first `axes` divide); None: the product is no partial sum over them."""
+    lhs, rhs = node.inputs[:2]
+    if lhs in values and rhs in values:
+        ls, rs = values[lhs], values[rhs]
+        hits = [j for j in range(len(lc)) if set(axes) <= set(ls[lc[j]]) and set(axes) <= set(rs[rc[j]])]
+    else:
+        ways = math.prod(axis_size[a] for a in axes)
+        hits = [j for j in range(len(lc)) if lhs.aval.shape[lc[j]] % ways == 0]
+    return hits[0] if hits else None
+
+
+def _laid_out_as(spec, before, axes: tuple[str, ...]) -> bool:
+    """Whether a planned gradient layout (None: no plan) is the parameter's layout `before` on the
+    other axes than `axes`."""
+    return spec is None or tuple(tuple(a for a in dim if a not in axes) for dim in spec) == tuple(before)
+
+
+def _scattered(eqn, mesh, axes: tuple[str, ...], lc: int, rc: int, k: int) -> Callable[[list], list]:
+    """`eqn` (a `dot_general`) as a `shard_map` manual over `axes`: each device's partial product of
+    its slices of contracted dims `lc`/`rc`, reduce-scattered onto dim `k`."""
+    params = eqn.params
+
+    def local(lhs, rhs):
+        y = jax.lax.dot_general(lhs, rhs, params["dimension_numbers"], precision=params["precision"],
+                                preferred_element_type=params["preferred_element_type"])
+        return jax.lax.psum_scatter(y, axes, scatter_dimension=k, tiled=True)
+
+    on = lambda rank, d: PartitionSpec(*(axes if i == d else None for i in range(rank)))
+    ranks = [len(v.aval.shape) for v in (*eqn.invars, eqn.outvars[0])]
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(on(ranks[0], lc), on(ranks[1], rc)), out_specs=on(ranks[2], k),
+                           axis_names=frozenset(axes))
+
+    def run(ins):
+        with jax.named_scope(f"{JSHARD_SCOPE}reduce_scatter"):
+            return [mapped(*ins)]
+
+    return run
 
 
 def _backward(eqn) -> bool:

@@ -9,7 +9,7 @@ picks one per `Options` (`planner_for`) and treats them alike.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -33,14 +33,16 @@ from jshard.search import SearchReport, search
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """What a planner plans: the traced program, the argument shardings fixed before planning
-    (None: the planner decides), which argument leaves are donated, the memory budget, and the state
-    kept in host memory between steps (`Offload`, or None)."""
+    (None: the planner decides), which argument leaves are donated, the memory budget, the state
+    kept in host memory between steps (`Offload`, or None), and values made in the program whose
+    layout is fixed too (value -> `Spec`: a gradient jshard reduce-scatters itself)."""
 
     traced: Traced
     in_shardings: Sequence[NamedSharding | None]
     donated: frozenset[int]
     budget: float | None
     offload: Offload | None = None
+    made: Mapping = dataclasses.field(default_factory=dict)
 
     @property
     def host(self) -> frozenset:
@@ -53,9 +55,10 @@ class Problem:
 
     @property
     def fixed(self) -> dict:
-        """Argument value -> `Spec`, for the arguments whose layout is fixed."""
-        return {v: constraint_spec(sh, len(np.shape(x)))
-                for v, sh, x in zip(self.traced.invars, self.in_shardings, self.traced.leaves) if sh is not None}
+        """Value -> `Spec`, for the arguments whose layout is fixed, and `made`."""
+        return {**{v: constraint_spec(sh, len(np.shape(x)))
+                   for v, sh, x in zip(self.traced.invars, self.in_shardings, self.traced.leaves) if sh is not None},
+                **self.made}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,23 +40,26 @@ class Program:
 
 def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Sequence, devices: list | None,
                   options: Options, args: tuple, rewrite: Rewrite | None = None,
-                  offload: Offload | None = None) -> Program:
+                  offload: Offload | None = None, replaced: Mapping | None = None) -> Program:
     """The jitted program and its `Plan` for one planning answer (`planned.result` None: XLA
     propagates from the anchors), the top-level program rewritten by `rewrite` where given
-    (communication recompute); `offload`'s leaves in host memory, moved to the device for the step."""
+    (communication recompute), the equations `replaced` names emitted by its functions (the
+    gradients' reduce-scatter, `Emission.replaced`); `offload`'s leaves in host memory, moved to
+    the device for the step."""
     result, mesh = planned.result, traced.mesh
     evaluate = jcore.jaxpr_as_fun(traced.closed)
+    emission = EMPTY
     if result is not None:
         in_sh = [sh or NamedSharding(mesh, to_pspec(result.values.get(v, replicated(np.ndim(x)))))
                  for v, sh, x in zip(traced.invars, in_sh, traced.leaves)]
         out_sh = [sh if sh is not None or v not in result.values else NamedSharding(mesh, to_pspec(result.values[v]))
                   for v, sh in zip(traced.outvars, out_sh)]
         if set(mesh.explicit_axes) != set(mesh.axis_names):  # on Explicit axes only, the types say it all
-            evaluate = emit(traced.closed, emission_of(traced.nodes, result, dict(mesh.shape), options.enable_alltoall), mesh, rewrite)
-        elif rewrite is not None:
-            evaluate = emit(traced.closed, EMPTY, mesh, rewrite)
-    elif rewrite is not None:
-        evaluate = emit(traced.closed, EMPTY, mesh, rewrite)
+            emission = emission_of(traced.nodes, result, dict(mesh.shape), options.enable_alltoall)
+    if replaced:
+        emission = dataclasses.replace(emission, replaced=replaced)
+    if emission is not EMPTY or rewrite is not None:
+        evaluate = emit(traced.closed, emission, mesh, rewrite)
     in_sh = [sh or NamedSharding(mesh, PartitionSpec()) for sh in in_sh]
     report = None
     if offload is not None:  # an updating result XLA would lay out is laid out as the leaf it updates

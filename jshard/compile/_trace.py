@@ -143,12 +143,13 @@ def devices_for(options: Options) -> list[jax.Device] | None:
 
 def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | None, options: Options,
           call: str, recompute: str = "full", accumulator: tuple | None = None,
-          types: Sequence | None = None) -> Traced:
+          types: Sequence | None = None, batch_axes: tuple[str, ...] | None = None) -> Traced:
     """`fn(*args)` traced on the mesh of `fine` (the user's mesh where there is one, an abstract one
     without devices), `jshard.recompute(policy="auto")` regions recomputed by `recompute`;
     `jshard.accumulate` calls in it read `options.accumulation` and `accumulator` (the accumulated
-    gradients' cut, with `accumulation_shard`); `types`: each argument leaf's sharding its type
-    carries (`Explicit` axes).
+    gradients' cut, with `accumulation_shard`) and `batch_axes` (the axes that cut the batch's rows:
+    each device sums its micro-batches, then one reduction); `types`: each argument leaf's sharding
+    its type carries (`Explicit` axes).
 
     Raises:
       ShardingError: `accumulation_steps` is given but `fn` calls no `jshard.accumulate`.
@@ -169,7 +170,7 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
     types = types or [None] * len(leaves)
     avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=t) for x, t in zip(leaves, types)]
     ctx = _context.TraceContext(call, fine, mesh, options.mode, accumulation_steps=steps, accumulator=accumulator,
-                                recompute=options.recompute, recompute_choice=recompute)
+                                batch_axes=batch_axes, recompute=options.recompute, recompute_choice=recompute)
     with _context.tracing(ctx), _users_mesh(options.mesh):
         try:
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)

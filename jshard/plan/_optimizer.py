@@ -20,6 +20,8 @@ class OptimizerReport:
       whole: paths of the leaves at or above the threshold that no free mesh axis divides (kept
         whole).
       regathered: parameter leaves the backward pass all-gathers again (`optimizer_comm_recompute`).
+      reduce_scattered: gradients jshard reduce-scatters to their cut itself (level 2 and 3: a
+        `shard_map` ending in `lax.psum_scatter`, on every backend).
       leaves: per cut leaf, `(path, role, layout before, layout after)`: its argument path, `"state"`
         or `"parameter"`, and its `PartitionSpec`s as text (`table()` lists them).
       why: where the search chose the level (`optimizer_parallel` not given, a memory budget no plan
@@ -35,6 +37,7 @@ class OptimizerReport:
     saved_bytes: float
     whole: tuple[str, ...] = ()
     regathered: int = 0
+    reduce_scattered: int = 0
     leaves: tuple[tuple[str, str, str, str], ...] = ()
     why: str = ""
 
@@ -43,6 +46,7 @@ class OptimizerReport:
         kept = f"; kept whole (no free axis divides them): {', '.join(self.whole)}" if self.whole else ""
         kept += (f"; {self.regathered} parameter leaves all-gathered again in the backward pass (communication "
                  f"recompute)") if self.regathered else ""
+        kept += (f"; {self.reduce_scattered} gradients reduce-scattered to their cut") if self.reduce_scattered else ""
         return (f"optimizer parallel level {self.level} (threshold {human_bytes(self.threshold)}): "
                 f"{self.state_cut}/{self.state_total} optimizer-state and {self.params_cut}/{self.params_total} "
                 f"parameter leaves cut, {human_bytes(self.saved_bytes)} per device saved{kept}"

@@ -35,10 +35,13 @@ class Emission:
     """Where to constrain: `outputs` maps a value to its layout, right after it is made;
     `inputs` maps `(id(eqn), operand index)` to the layouts the equation's operand passes through,
     the last the one it must receive (operand indices past the equation's own inputs are its
-    bodies' results, as in `operand_vars`)."""
+    bodies' results, as in `operand_vars`); `replaced` maps `id(eqn)` to a function of the
+    equation's inputs that computes its outputs in its stead, laid out as it lays them out (no
+    output constraint follows: e.g. a gradient reduce-scattered in a `shard_map`)."""
 
     outputs: Mapping
     inputs: Mapping
+    replaced: Mapping = dataclasses.field(default_factory=dict)
 
 
 EMPTY = Emission({}, {})
@@ -71,6 +74,10 @@ class _Interpreter:
             if rewrite is not None:
                 ins = rewrite(t, eqn, ins, read)
             ins = [self._in(eqn, k, x) for k, x in enumerate(ins)]
+            replaced = self.emission.replaced.get(id(eqn))
+            if replaced is not None:
+                env.update(zip(eqn.outvars, replaced(ins)))
+                continue
             outs = self._eqn(eqn, ins)
             for v, x in zip(eqn.outvars, outs):
                 env[v] = self._out(v, x)
@@ -110,7 +117,7 @@ class _Interpreter:
         if key not in self._touched:
             self._touched[key] = False
             bodies = [_closed(eqn).jaxpr] if eqn.primitive.name in INLINE else [j.jaxpr for j in _nested_closed(eqn)]
-            constrained = {k[0] for k in self.emission.inputs}
+            constrained = {k[0] for k in self.emission.inputs} | set(self.emission.replaced)
             self._touched[key] = key in constrained or any(
                 id(e) in constrained or any(v in self.emission.outputs for v in e.outvars) or (e.primitive.name in INLINE | NESTED and self._touches(e))
                 for body in bodies
