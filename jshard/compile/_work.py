@@ -44,7 +44,8 @@ def _data_parallel(report: WorkReport, traced, table: OpTable, args: tuple, batc
         dataset = dataset_anchors(args, batch, data, traced.fine.device_count, call)
         fixed = Problem(traced, in_shardings(traced, slots, dataset, data, call), frozenset(), None).fixed
     except ShardingError as e:
-        return dataclasses.replace(report, data_missing=str(e).split(": ", 1)[-1])
+        why = str(e).split(": ", 1)[-1]  # the call is the user's; its fix is for a plan they did not ask for
+        return dataclasses.replace(report, data_missing=why.split(". ", 1)[0].rstrip(".") + ".")
     result = Engine(traced.nodes, traced.axis_size, c.costs, table).run({**traced.typed(), **fixed}, traced.outvars)
     there = priced(traced.nodes, result, traced.axis_size, c.costs, table)
     return dataclasses.replace(report, data_comm_seconds=there.comm_seconds, data_compute_seconds=there.compute_seconds)
