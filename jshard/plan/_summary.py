@@ -31,8 +31,8 @@ _MAX_WIDTHS = {"operators": 24, "origin": 14}  # so the strategy keeps the width
 
 
 def header_lines(plan) -> list[str]:
-    """The summary's lines above the table: devices, mesh, origins, coverage, what one device does where
-    nearly nothing is cut (`WorkReport.line`), search, optimizer, recompute and offload."""
+    """The summary's lines above the table: devices, mesh, origins, coverage, search, optimizer,
+    recompute, offload, and what one device does where nearly nothing is cut (`WorkReport.line`)."""
     axes = ", ".join(f"{n}={s}" for n, s in zip(plan.fine.names, plan.fine.sizes))
     origins = collections.Counter(op.origin for op in plan.ops)
     lines = [
@@ -40,8 +40,6 @@ def header_lines(plan) -> list[str]:
         f"{len(plan.ops)} operators: " + ", ".join(f"{origins[o]} {o}" for o in ORIGINS if origins[o])
         + f"; coverage {plan.coverage:.1%}; predicted collectives {human_bytes(plan.predicted_bytes())} per device",
     ]
-    if plan.work is not None and plan.work.line() is not None:
-        lines.append(plan.work.line())
     if plan.search is not None:
         lines.append(plan.search.line())
     if plan.optimizer is not None:
@@ -50,6 +48,8 @@ def header_lines(plan) -> list[str]:
         lines.append(plan.recompute.line())
     if plan.offload is not None:
         lines.append(plan.offload.line())
+    if plan.work is not None and plan.work.line() is not None:
+        lines.append(plan.work.line())
     return lines
 
 
