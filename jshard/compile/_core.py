@@ -31,6 +31,7 @@ from jshard.compile._boundary import (
     in_shardings,
     out_shardings,
 )
+from jshard.compile._collisions import warn_collisions
 from jshard.compile._offload import anchored, least_streamed, offloaded, searched
 from jshard.compile._optimizer import accumulator, cuts, gathered, regathered, result_shardings
 from jshard.compile._options import OptimizerParallel, Options
@@ -80,6 +81,7 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
                 raise ShardingError(_users_mesh_error(call, e.matrix, e.who, options)) from None
             needed.append((e.matrix, e.who, e.names))
             continue
+        warn_collisions(program, slots, options, call)
         return with_work(program, args, batch, slots, options, call)
 
 
