@@ -66,8 +66,10 @@ class WorkReport:
         """The summary's line where (nearly) nothing is cut, else None."""
         if not self.replicated:
             return None
-        what = "nothing is cut" if self.device_flops >= self.flops else "little is cut"
-        line = f"{what}: each of the {self.devices} devices does {self.share:.0%} of the single-device work"
+        whole = self.device_flops >= self.flops
+        share = f"{self.share:.0%}" if whole else f"{min(self.share, 0.999):.1%}"  # never "100%" for a cut
+        line = (f"{'nothing' if whole else 'little'} is cut: each of the {self.devices} devices does {share} of the "
+                f"single-device work")
         if self.mode == "data":
             return line + "; mode='data' cuts only the batch arguments, and little of this program's work follows them"
         data = self.data_seconds
