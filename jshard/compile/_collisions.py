@@ -46,32 +46,30 @@ class Collision(NamedTuple):
 def collisions(program: Program, slots, c: Options) -> list[Collision]:
     """The collisions of `program`'s tuple-given arguments (`slots`: the `in_strategy` slots)."""
     traced, result = program.traced, program.result
-    if traced is None or result is None:
+    given = {} if traced is None or result is None else {
+        v: i for i, (v, slot) in enumerate(zip(traced.invars, slots)) if _is_tuple(slot) and v in result.values}
+    if len(given) < 2:
         return []
-    n = traced.fine.device_count
-    given = {v: i for i, (v, slot) in enumerate(zip(traced.invars, slots)) if _is_tuple(slot)}
     found: dict[tuple[int, int], Collision] = {}
     for k, node in enumerate(traced.nodes):
         decision = result.decisions.get(k)
-        if decision is None or len(given) < 2:
-            continue
-        ins = [(j, v) for j, v in enumerate(operand_vars(node)[0]) if isinstance(v, jcore.Var) and v in given]
+        ins = [] if decision is None else [(j, v) for j, v in enumerate(operand_vars(node)[0])
+                                           if isinstance(v, jcore.Var) and v in given]
         for a, (ja, va) in enumerate(ins):
             for jb, vb in ins[a + 1:]:
-                pair = (given[va], given[vb])
-                shared = _axes(result.values[va]) & _axes(result.values[vb])
-                if va is vb or not shared or not _shareable(slots[pair[0]], slots[pair[1]], n):
+                pair, specs = (given[va], given[vb]), (result.values[va], result.values[vb])
+                shared = _axes(specs[0]) & _axes(specs[1])
+                if va is vb or not shared or not _shareable(slots[pair[0]], slots[pair[1]], traced.fine.device_count):
                     continue
-                moved = [c_ for j, v in ((ja, va), (jb, vb)) if decision.in_specs[j] != result.values[v]
-                         for c_ in redistribution(*array_of(v), result.values[v], decision.in_specs[j],
-                                                  traced.axis_size, c.costs.alltoall)]
-                if not moved:
-                    continue
-                nbytes = node.weight * sum(m.bytes for m in moved)
-                seconds = node.weight * sum(c.costs.time(m, traced.axis_size) for m in moved)
-                old = found.get(pair)
-                found[pair] = Collision(*pair, tuple(sorted(shared)), node.primitive, node.source, nbytes, seconds) \
-                    if old is None else old._replace(bytes=old.bytes + nbytes, seconds=old.seconds + seconds)
+                moved = [m for j, v, spec in ((ja, va, specs[0]), (jb, vb, specs[1])) if decision.in_specs[j] != spec
+                         for m in redistribution(*array_of(v), spec, decision.in_specs[j], traced.axis_size,
+                                                 c.costs.alltoall)]
+                if moved:
+                    nbytes = node.weight * sum(m.bytes for m in moved)
+                    seconds = node.weight * sum(c.costs.time(m, traced.axis_size) for m in moved)
+                    old = found.get(pair)
+                    found[pair] = (Collision(*pair, tuple(sorted(shared)), node.primitive, node.source, nbytes, seconds)
+                                   if old is None else old._replace(bytes=old.bytes + nbytes, seconds=old.seconds + seconds))
     return list(found.values())
 
 
