@@ -18,6 +18,7 @@ from jshard._devices import simulate_devices as simulate_devices
 from jshard._distributed import ProcessInfo as ProcessInfo
 from jshard._distributed import init as init
 from jshard._errors import DeviceCountError as DeviceCountError
+from jshard._errors import LayoutCollisionWarning as LayoutCollisionWarning
 from jshard._errors import LayoutConflictError as LayoutConflictError
 from jshard._errors import MemoryBudgetError as MemoryBudgetError
 from jshard._errors import ShardingError as ShardingError
@@ -62,6 +63,7 @@ __all__ = [
     "Audit",
     "DeviceCountError",
     "Layout",
+    "LayoutCollisionWarning",
     "LayoutConflictError",
     "MemoryBudgetError",
     "OpRecord",

@@ -67,9 +67,10 @@ def _multiprocess_parsers(sub) -> None:
 PLAN_DESCRIPTION = """\
 Plans TARGET for N devices with jshard.parallelize (mode=auto: the strategy search) and prints the
 plan summary, the planning time, the estimated peak memory per device against the budget and the
-predicted collective bytes per device. Nothing is materialized or compiled: parameters and optimizer
-state are shapes (jax.eval_shape), and with more devices than are present the plan is made on an
-abstract mesh, so a cluster-sized plan runs on a laptop.
+predicted collective bytes per device; where (nearly) nothing is cut, the summary says so, with the
+data-parallel plan's predicted time beside the plan's. Nothing is materialized or compiled:
+parameters and optimizer state are shapes (jax.eval_shape), and with more devices than are present
+the plan is made on an abstract mesh, so a cluster-sized plan runs on a laptop.
 
 TARGET is either
   a reference model's Adam train step, step(params, opt_state, batch), its state donated:
@@ -93,7 +94,8 @@ The search's memory budget is --memory-budget, else the memory of one --device (
 else of the devices present; gpt-scan marks its block jshard.recompute(policy="auto"), so the search
 weighs no, selective and full recompute of the blocks and keeps the fastest plan that fits.
 
-Exit status: 0 planned, 1 no plan (e.g. a memory budget nothing can meet), 2 bad arguments or TARGET.
+Exit status: 0 planned, 1 no plan (e.g. a memory budget nothing can meet, or the plan found holds more than
+it: printed, marked "over", not saved), 2 bad arguments or TARGET.
 """
 
 
@@ -345,11 +347,19 @@ def _plan(args: argparse.Namespace) -> int:
         against = "no memory budget" if report.budget is None else f"budget {human_bytes(report.budget)}"
         if report.budget is not None and report.budget_from != "memory_budget":
             against += f" ({report.budget_from})"
-        fits = "" if report.budget is None else (" (fits)" if report.peak_bytes <= report.budget else " (over)")
+        over = report.budget is not None and max(report.peak_bytes, report.compiled_peak_bytes or 0) > report.budget
+        fits = "" if report.budget is None else (" (over: the plan does not fit)" if over else " (fits)")
         line = f"estimated peak memory per device: {human_bytes(report.peak_bytes)}, {against}{fits}"
         if report.compiled_peak_bytes is not None:
             line += f"; compiled program holds {human_bytes(report.compiled_peak_bytes)}"
         print(line)
+        if over:  # never printed as a success, nor saved
+            print(f"jshard plan: no plan ({seconds:.1f} s): the plan found holds more than the budget of "
+                  f"{human_bytes(report.budget)} per device (estimated {human_bytes(report.peak_bytes)}"
+                  + ("" if report.compiled_peak_bytes is None else
+                     f", compiled {human_bytes(report.compiled_peak_bytes)}")
+                  + "). Raise --memory-budget, or plan for more --devices.", file=sys.stderr)
+            return 1
     else:
         print(f"estimated peak memory per device: not estimated (mode={plan.mode}"
               + (", search=propagation" if plan.mode == "auto" else "") + " does not model memory)")

@@ -49,5 +49,11 @@ class MemoryBudgetError(ShardingError):
         self.bound = bound
 
 
-for _error in (ShardingError, LayoutConflictError, DeviceCountError, MemoryBudgetError):
+class LayoutCollisionWarning(UserWarning):
+    """Strategy tuples given apart (`in_strategy`) whose cuts land on one mesh axis where an operator
+    takes them together, so that XLA redistributes one first; the warning names the cost and the
+    shared `Layout` that keeps the cuts apart."""
+
+
+for _error in (ShardingError, LayoutConflictError, DeviceCountError, MemoryBudgetError, LayoutCollisionWarning):
     _error.__module__ = "jshard"  # as tracebacks print it: jshard.ShardingError, the name users import

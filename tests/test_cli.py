@@ -1,5 +1,6 @@
 """`jshard demo` and `jshard plan`, run in-process on the suite's 8 simulated devices."""
 
+import dataclasses
 import io
 import logging
 import os
@@ -205,3 +206,36 @@ def test_the_command_prints_no_traceback(tmp_path):
                          env=env, cwd=tmp_path, timeout=120)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.startswith("jshard demo: error: ") and run.stderr.count("\n") == 1, run.stderr
+
+
+def test_plan_where_nothing_is_cut_says_so_beside_the_data_parallel_plan(capsys):
+    assert main(["plan", "mlp"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the summary wraps at 120 columns
+    assert ("nothing is cut: each of the 8 devices does 100% of the single-device work; the data-parallel plan would "
+            "take ") in out
+    assert "the cost model says the step is too small to cut" in out
+
+
+def test_plan_over_its_budget_is_no_success(capsys, monkeypatch, tmp_path):
+    """A search answer over the budget (the searches raise rather than return one; faked here) is
+    printed as over, not saved, and exits 1."""
+    parallelize = js.parallelize
+
+    class Over:
+        def __init__(self, fn, **options):
+            self.inner = parallelize(fn, **options)
+
+        def plan(self, *args):
+            plan = self.inner.plan(*args)
+            search = dataclasses.replace(plan.search, peak_bytes=2 * plan.search.budget)
+            return dataclasses.replace(plan, search=search)
+
+    monkeypatch.setattr(js, "parallelize", Over)
+    path = tmp_path / "plan.json"
+    assert main(["plan", "mlp", "--memory-budget", "1MiB", "--save", str(path)]) == 1
+    captured = capsys.readouterr()
+    out = " ".join(captured.out.split())
+    assert "budget 1 MiB (over: the plan does not fit)" in out and "(fits)" not in out
+    assert "estimated peak memory per device: 2 MiB, budget 1 MiB (over: the plan does not fit)" in out
+    assert "no plan" in captured.err and "holds more than the budget of 1 MiB per device" in captured.err
+    assert not path.exists()

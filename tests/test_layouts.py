@@ -245,7 +245,10 @@ def test_function_boundary_strategies():
         in_strategy=({"w": (1, 4), "b": LAY("None", ("dp", "sp"))}, (2, 1)),
         out_strategy=(LAY("dp", ("sp", "mp")), None),
     )
-    compiled = step.lower(params, x).compile()
+    # x's rows and w's columns both land on dp, where the matmul takes them together.
+    with pytest.warns(js.LayoutCollisionWarning, match=r"in_strategy\[1\]=\(2, 1\) and in_strategy\[0\]\['w'\]=\(1, 4\) .* "
+                      r"both cut onto mesh axis dp"):
+        compiled = step.lower(params, x).compile()
     (p_sh, x_sh), kwargs = compiled.input_shardings
     assert kwargs == {}
     # A lone tuple is its own device matrix (+ repeats): (1, 4) → [1, 4, 2]; (2, 1) → [2, 1, 4]. The

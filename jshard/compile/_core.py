@@ -6,7 +6,8 @@ tracing again where a strategy met while tracing needs a finer one), fixes the b
 `offload`, choosing the state kept in host memory: `_offload.py`), asks the
 `Planner` the options name, and builds the `Program`. With `memory_budget` and devices present, the
 searched program's compiled memory is checked and the search asked again for less, up to
-`BUDGET_ROUNDS` times.
+`BUDGET_ROUNDS` times. The built plan's work per device is priced last (`_work.py`: where nearly
+nothing is cut, beside the data-parallel plan's).
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from jshard.compile._boundary import (
     in_shardings,
     out_shardings,
 )
+from jshard.compile._collisions import warn_collisions
 from jshard.compile._offload import anchored, least_streamed, offloaded, searched
 from jshard.compile._optimizer import accumulator, cuts, gathered, reduce_scattered, regathered, result_shardings
 from jshard.compile._options import OptimizerParallel, Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._trace import Traced, adopted, devices_for, trace
+from jshard.compile._work import with_work
 from jshard.cost import device_memory
 from jshard.layouts import (
     FineMesh,
@@ -73,11 +76,14 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
     while True:
         fine, named = _fine_mesh(options, n, needed, call)
         try:
-            return _build_on(fn, args, fine, named, devices, slots, dataset, options, call)
+            program = _build_on(fn, args, fine, named, devices, slots, dataset, options, call)
         except NotRefined as e:
             if options.mesh is not None:
                 raise ShardingError(_users_mesh_error(call, e.matrix, e.who, options)) from None
             needed.append((e.matrix, e.who, e.names))
+            continue
+        warn_collisions(program, slots, options, call)
+        return with_work(program, args, batch, slots, options, call)
 
 
 def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c: Options, call: str) -> Program:

@@ -23,19 +23,22 @@ from jshard.cost import CostModel, itemsize
 from jshard.hetero import Offload, offload_report, on_host_shardings, streamed
 from jshard.layouts import replicated, to_pspec
 from jshard.plan import HOST_MEMORY, Plan, RecomputeReport, build_ops, recompute_report
-from jshard.propagate import EMPTY, Rewrite, emission_of, emit
+from jshard.propagate import EMPTY, Result, Rewrite, emission_of, emit
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
     """One compiled signature: its `Plan`, the jitted program (None on an abstract mesh: plan
     only), the argument shardings (a pytree like the arguments) calls place their inputs on, and
-    the planned layout of each value of the traced program (value -> `Spec`; empty: XLA's)."""
+    the planned layout of each value of the traced program (value -> `Spec`; empty: XLA's), and
+    the traced program and the planner's `Result` it was built from (None: XLA propagates)."""
 
     plan: Plan
     jitted: Any
     in_shardings: Any
     values: Mapping = dataclasses.field(default_factory=dict)
+    traced: Traced | None = dataclasses.field(default=None, repr=False, compare=False)
+    result: Result | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Sequence, devices: list | None,
@@ -80,7 +83,7 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                 tuple(traced.ctx.annotations), "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *abstract(args, in_tree)),
                 search=planned.report, recompute=_recompute(traced, result, argument_leaves(args, options.donate_argnums)),
                 offload=report)
-    return Program(plan, jitted, in_tree, {} if result is None else result.values)
+    return Program(plan, jitted, in_tree, {} if result is None else result.values, traced, result)
 
 
 def _recompute(traced: Traced, result, donated_leaves: set[int]) -> RecomputeReport | None:

@@ -24,6 +24,7 @@ from jshard.plan._recompute import RecomputeReport
 from jshard.plan._records import OpRecord
 from jshard.plan._slices import RankSlices, rank_slices
 from jshard.plan._summary import WIDTH, summary_html, summary_renderable, summary_text
+from jshard.plan._work import WorkReport
 from jshard.search import SearchReport
 
 
@@ -49,6 +50,9 @@ class Plan:
         `RecomputeReport`), or None where the program recomputes nothing (or was loaded).
       offload: the state kept in host memory and the bytes streamed per step (an `OffloadReport`),
         or None.
+      work: the share of the single-device work each device does and, where it is nearly all of
+        it, the data-parallel plan's predicted time beside this plan's (a `WorkReport`); None
+        where XLA propagates, or for a loaded plan.
     """
 
     mesh: Mesh | None
@@ -66,6 +70,7 @@ class Plan:
     optimizer: OptimizerReport | None = dataclasses.field(default=None, compare=False)
     recompute: RecomputeReport | None = dataclasses.field(default=None, compare=False)
     offload: OffloadReport | None = dataclasses.field(default=None, compare=False)
+    work: WorkReport | None = dataclasses.field(default=None, compare=False)
 
     @property
     def device_count(self) -> int:

@@ -31,7 +31,8 @@ _MAX_WIDTHS = {"operators": 24, "origin": 14}  # so the strategy keeps the width
 
 
 def header_lines(plan) -> list[str]:
-    """The summary's lines above the table: devices, mesh, origins, coverage, search, optimizer, recompute and offload."""
+    """The summary's lines above the table: devices, mesh, origins, coverage, search, optimizer,
+    recompute, offload, and what one device does where nearly nothing is cut (`WorkReport.line`)."""
     axes = ", ".join(f"{n}={s}" for n, s in zip(plan.fine.names, plan.fine.sizes))
     origins = collections.Counter(op.origin for op in plan.ops)
     lines = [
@@ -47,6 +48,8 @@ def header_lines(plan) -> list[str]:
         lines.append(plan.recompute.line())
     if plan.offload is not None:
         lines.append(plan.offload.line())
+    if plan.work is not None and plan.work.line() is not None:
+        lines.append(plan.work.line())
     return lines
 
 

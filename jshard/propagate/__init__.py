@@ -11,3 +11,5 @@ from jshard.propagate._engine import Result as Result
 from jshard.propagate._engine import charge_constraints as charge_constraints
 from jshard.propagate._engine import emission_of as emission_of
 from jshard.propagate._engine import propagate as propagate
+from jshard.propagate._priced import Priced as Priced
+from jshard.propagate._priced import priced as priced

@@ -126,6 +126,8 @@ class SearchReport:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
         if self.budget is not None and self.budget_from != "memory_budget":
             budget += f" ({self.budget_from})"
+        if self.budget is not None and max(self.peak_bytes, self.compiled_peak_bytes or 0) > self.budget:
+            budget += " (over: the plan does not fit)"
         weighed = "" if self.unit_classes is None else (
             f" ({self.unit_classes} unit classes, {self.evaluations} cost evaluations)")
         return (f"search={self.search} over mesh {self.mesh}: {self.status}; {self.units} decisions among "

@@ -1,0 +1,125 @@
+"""The collision check: `in_strategy` tuples given apart whose cuts land on one mesh axis where an
+operator takes them together.
+
+A lone strategy tuple is its own device matrix (repeated calculation appended as its last axis),
+so its cuts take the mesh's major axes: `(2, 1)` for an input and `(1, 4)` for a kernel put the
+input's rows and the kernel's columns both on the major axis of 2 devices. The operator that takes
+both (the matmul) cannot keep both layouts, and XLA redistributes one of them before it, every
+call. One `Layout` holding both cuts (device matrix `[2, 4]`, as MindSpore's matmul strategy
+`((2, 1), (1, 4))` in one `shard` call makes) keeps them on different axes. Tuples given together
+in one `shard` call share one device matrix, and a `Layout`'s axes are the user's choice: neither is
+checked. Only collisions a shared `Layout` can resolve are reported (the cut dims' counts multiply
+to a divisor of the device count), as a `LayoutCollisionWarning` naming the predicted cost.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple
+
+from jax.extend import core as jcore
+
+from jshard._errors import LayoutCollisionWarning
+from jshard._format import human_bytes
+from jshard.compile._options import Options
+from jshard.compile._program import Program
+from jshard.cost import array_of, redistribution
+from jshard.graph import operand_vars
+from jshard.plan import source_str
+
+
+class Collision(NamedTuple):
+    """Two argument leaves (`first`, `second`, leaf indices) given tuples whose cuts share the mesh
+    `axes`, the first operator that takes both (its primitive and source), and what redistributing
+    them costs per call over all such operators (`bytes` per device, `seconds`)."""
+
+    first: int
+    second: int
+    axes: tuple[str, ...]
+    primitive: str
+    source: str
+    bytes: float
+    seconds: float
+
+
+def collisions(program: Program, slots, c: Options) -> list[Collision]:
+    """The collisions of `program`'s tuple-given arguments (`slots`: the `in_strategy` slots)."""
+    traced, result = program.traced, program.result
+    given = {} if traced is None or result is None else {
+        v: i for i, (v, slot) in enumerate(zip(traced.invars, slots)) if _is_tuple(slot) and v in result.values}
+    if len(given) < 2:
+        return []
+    found: dict[tuple[int, int], Collision] = {}
+    for k, node in enumerate(traced.nodes):
+        decision = result.decisions.get(k)
+        ins = [] if decision is None else [(j, v) for j, v in enumerate(operand_vars(node)[0])
+                                           if isinstance(v, jcore.Var) and v in given]
+        for a, (ja, va) in enumerate(ins):
+            for jb, vb in ins[a + 1:]:
+                pair, specs = (given[va], given[vb]), (result.values[va], result.values[vb])
+                shared = _axes(specs[0]) & _axes(specs[1])
+                if va is vb or not shared or not _shareable(slots[pair[0]], slots[pair[1]], traced.fine.device_count):
+                    continue
+                moved = [m for j, v, spec in ((ja, va, specs[0]), (jb, vb, specs[1])) if decision.in_specs[j] != spec
+                         for m in redistribution(*array_of(v), spec, decision.in_specs[j], traced.axis_size,
+                                                 c.costs.alltoall)]
+                if moved:
+                    nbytes = node.weight * sum(m.bytes for m in moved)
+                    seconds = node.weight * sum(c.costs.time(m, traced.axis_size) for m in moved)
+                    old = found.get(pair)
+                    found[pair] = (Collision(*pair, tuple(sorted(shared)), node.primitive, node.source, nbytes, seconds)
+                                   if old is None else old._replace(bytes=old.bytes + nbytes, seconds=old.seconds + seconds))
+    return list(found.values())
+
+
+def warn_collisions(program: Program, slots, c: Options, call: str) -> None:
+    """Warns (`LayoutCollisionWarning`) once per colliding pair of tuple-given arguments."""
+    if program.traced is None:
+        return
+    paths, n = program.traced.paths, program.traced.fine.device_count
+    for hit in collisions(program, slots, c):
+        warnings.warn(_collision_message(hit, slots, paths, n, call), LayoutCollisionWarning, stacklevel=2)
+
+
+def _is_tuple(slot) -> bool:
+    """Whether a slot is a strategy tuple (not a `Layout` call's, nor a `PartitionSpec`, a tuple too)."""
+    return isinstance(slot, tuple) and all(isinstance(s, int) for s in slot)
+
+
+def _axes(spec) -> set[str]:
+    return {a for dim in spec for a in dim}
+
+
+def _shareable(first: tuple[int, ...], second: tuple[int, ...], n: int) -> bool:
+    """Whether one device matrix holds both tuples' cuts apart."""
+    product = math.prod(s for s in (*first, *second) if s > 1)
+    return n % product == 0
+
+
+def _collision_message(hit: Collision, slots, paths, n: int, call: str) -> str:
+    a, b = slots[hit.first], slots[hit.second]
+    name_a, name_b = f"in_strategy{paths[hit.first]}", f"in_strategy{paths[hit.second]}"
+    return (f"{call}: {name_a}={a} and {name_b}={b} are lone tuples, each its own device matrix, so both "
+            f"cut onto mesh axis {', '.join(hit.axes)}; {hit.primitive} at {source_str(hit.source)} takes them "
+            f"together and XLA redistributes one first: predicted {human_bytes(hit.bytes)} per device per call "
+            f"({hit.seconds * 1e6:.3g} us). Give both one Layout, as one shard call's strategy {(a, b)} would: "
+            f"{_suggestion(a, b, n, name_a, name_b)}.")
+
+
+def _suggestion(a: tuple[int, ...], b: tuple[int, ...], n: int, name_a: str, name_b: str) -> str:
+    """`lay = jshard.Layout(...)` with one axis per cut dim of `a`, then of `b` (and one for the
+    devices that repeat the computation), and each argument's call of it."""
+    matrix, names, calls = [], [], []
+    for strategy in (a, b):
+        dims = []
+        for cut in strategy:
+            if cut > 1:
+                names.append(f"m{len(matrix)}")
+                matrix.append(cut)
+            dims.append(repr(names[-1] if cut > 1 else "None"))
+        calls.append(f"lay({', '.join(dims)})")
+    if math.prod(matrix) < n:
+        matrix.append(n // math.prod(matrix))
+        names.append("rest")
+    return f"lay = jshard.Layout({tuple(matrix)}, {tuple(names)}); {name_a}={calls[0]}, {name_b}={calls[1]}"
