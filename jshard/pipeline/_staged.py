@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jshard.pipeline._cut import Cut
-from jshard.pipeline._engine import STAGE
+from jshard.pipeline._engine import STAGE, scan_ticks
 from jshard.pipeline._schedule import BACKWARD, FORWARD, IDLE, Schedule
 
 Buffers = dict[str, jax.Array]
@@ -179,7 +179,7 @@ class StagedProgram:
         return np.stack([kind, sch.field("micro"), fv, fm, bv, bm], axis=-1).astype(np.int32)
 
     def _body(self, packed, micro, table):
-        sch, s = self.schedule, self.schedule.stages
+        sch = self.schedule
         params = {name: b[0] for name, b in packed.items()}
         ticks = _Ticks(self, params, micro)
         bw, gw = ticks.bw, ticks.gw
@@ -188,22 +188,18 @@ class StagedProgram:
             "gin": _zeros(sch.slots("gradients"), gw), "g": _zeros(None, self.param_widths),
             "loss": jnp.zeros((), jnp.float32),
         }
-        forward = [(i, i + 1) for i in range(s - 1)]
-        backward = [(i + 1, i) for i in range(s - 1)]
 
-        def tick(carry, row):
-            kind, i, fv, fm, bv, bm = (row[n] for n in range(6))
+        def tick(carry, row, permutes):
+            kind, i = row[0], row[1]
             view = {"x": _at(carry["xin"], i), "res": _at(carry["res"], i), "g_in": _at(carry["gin"], i)}
             out = jax.lax.switch(kind, [ticks.idle, ticks.forward, ticks.backward], view, i)
             carry = dict(carry)
             carry["res"] = _put(carry["res"], i, out["res"])
             carry["g"] = jax.tree.map(jnp.add, carry["g"], out["g"])
             carry["loss"] = carry["loss"] + out["loss"]
-            carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(out["send_f"], STAGE, forward), fv, fm)
-            carry["gin"] = _receive(carry["gin"], jax.lax.ppermute(out["send_b"], STAGE, backward), bv, bm)
-            return carry, None
+            return self._pass(carry, out, row, permutes)
 
-        carry = jax.lax.scan(tick, carry, table[:, 0])[0]
+        carry = scan_ticks(sch, table[:, 0], carry, tick)
         d = self._data_degree()
         loss = jax.lax.psum(carry["loss"], (STAGE, *self.data_axes)) / (sch.micro_batches * d)
         g = carry["g"]
@@ -211,6 +207,28 @@ class StagedProgram:
             g = jax.tree.map(lambda x: x / d, jax.lax.psum(g, self.data_axes))
         g = self._sum_tied(g)
         return loss, {name: x[None] for name, x in g.items()}
+
+    def _pass(self, carry, out, row, permutes):
+        """The tick's permutes (`Schedule.permutes`): forward (`send_f`, all boundary values),
+        backward (`send_b`, their float gradients), or one swap carrying each stage's one send in a
+        buffer wide enough for either; what arrives is written where the table says it arrives."""
+        kind, fv, fm, bv, bm = row[0], row[2], row[3], row[4], row[5]
+        pairs = lambda name: sorted(self.schedule.pairs(name))
+        bw, gw = widths(self._boundary_flats(False)), widths(self._boundary_flats(True))
+        carry = dict(carry)
+        for name in permutes:
+            if name == "F":
+                carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(out["send_f"], STAGE, pairs(name)), fv, fm)
+            elif name == "B":
+                carry["gin"] = _receive(carry["gin"], jax.lax.ppermute(out["send_b"], STAGE, pairs(name)), bv, bm)
+            else:
+                both = {d: max(bw.get(d, 0), gw.get(d, 0)) for d in sorted({*bw, *gw})}
+                send = {d: jnp.where(kind == 1, _widen(out["send_f"], d, w), _widen(out["send_b"], d, w))
+                        for d, w in both.items()}
+                got = jax.lax.ppermute(send, STAGE, pairs(name))
+                carry["xin"] = _receive(carry["xin"], {d: got[d][:w] for d, w in bw.items()}, fv, fm)
+                carry["gin"] = _receive(carry["gin"], {d: got[d][:w] for d, w in gw.items()}, bv, bm)
+        return carry
 
     def _sum_tied(self, g: Buffers) -> Buffers:
         """Each leaf read by more than one stage gets the sum of its stages' gradients, in every copy."""
@@ -348,6 +366,12 @@ def _micro(batch, m: int):
 def _zeros(slots: int | None, w: dict[str, int]) -> Buffers:
     lead = () if slots is None else (slots,)
     return {name: jnp.zeros((*lead, width), name) for name, width in w.items()}
+
+
+def _widen(buffers: Buffers, dtype: str, width: int) -> jax.Array:
+    """`buffers[dtype]` zero-padded to `width` (zeros where it has no such dtype)."""
+    x = buffers.get(dtype, jnp.zeros((0,), dtype))
+    return jnp.pad(x, (0, width - x.shape[0])) if width > x.shape[0] else x
 
 
 def _at(buffers: Buffers, i) -> Buffers:
