@@ -191,11 +191,11 @@ class StagedProgram:
 
         def tick(carry, row, permutes):
             kind, i = row[0], row[1]
-            view = {"x": _at(carry["xin"], i), "res": _at(carry["res"], i), "g_in": _at(carry["gin"], i)}
+            view = {"x": _at(carry["xin"], i), "res": _at(carry["res"], i), "g_in": _at(carry["gin"], i), "g": carry["g"]}
             out = jax.lax.switch(kind, [ticks.idle, ticks.forward, ticks.backward], view, i)
             carry = dict(carry)
             carry["res"] = _put(carry["res"], i, out["res"])
-            carry["g"] = jax.tree.map(jnp.add, carry["g"], out["g"])
+            carry["g"] = out["g"]
             carry["loss"] = carry["loss"] + out["loss"]
             return self._pass(carry, out, row, permutes)
 
@@ -279,7 +279,7 @@ class _Ticks:
 
     def _result(self, view, **changes) -> dict:
         base = {"res": view["res"], "send_f": _zeros(None, self.bw), "send_b": _zeros(None, self.gw),
-                "g": _zeros(None, self.pw), "loss": jnp.zeros((), jnp.float32)}
+                "g": view["g"], "loss": jnp.zeros((), jnp.float32)}
         return {**base, **changes}
 
     def idle(self, view, i):
@@ -352,7 +352,8 @@ class _Ticks:
                 cot = self.gf[k].unpack(view["g_in"])
             g_params, g_x = pull(cot)
             send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
-            return self._result(view, g=self.pf[k].pack(g_params, self.pw), send_b=send_b)
+            g = jax.tree.map(jnp.add, view["g"], self.pf[k].pack(g_params, self.pw))
+            return self._result(view, g=g, send_b=send_b)
 
         return jax.lax.switch(self.stage, [lambda k=k: at(k) for k in range(self.cut.stages)])
 
