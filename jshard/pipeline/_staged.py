@@ -21,6 +21,14 @@ differing shapes are packed as one flat buffer per dtype:
 The tick table, micro-batch order and slot counts are the `Schedule`'s, as in the stacked form;
 with pure data parallel inside stages (`dataset_strategy="data_parallel"`) every axis is manual:
 each device runs its own rows, and gradients are summed once per step.
+
+Only what crosses moves, as in the stacked form: the ticks run as the schedule's loops of one
+repeating permute pattern (`Schedule.segments`, `scan_ticks`), and a tick permutes only the
+directions live at it (`Schedule.permutes`): forward, backward, or one swap where stage `s` sends
+forward while `s + 1` sends back, in a buffer as wide as the wider of the two. A two-tick loop body
+(1F1B's steady state) runs two switches; the backward adds its parameter gradient into the running
+sum inside its branch, so neither switch outputs a gradient-sized increment that XLA would keep
+live across both ticks.
 """
 
 from __future__ import annotations
@@ -264,7 +272,7 @@ class StagedProgram:
 class _Ticks:
     """One stage's tick operations (idle, forward, backward), each a switch over the stage index;
     every one returns the same dict: the residuals to store, what to send each way, the parameter
-    gradient and loss increments."""
+    gradients' running sum (the backward adds its own to `view["g"]`) and the loss increment."""
 
     def __init__(self, program: StagedProgram, params: Buffers, micro: Any):
         self.p, self.params, self.micro = program, params, micro
