@@ -25,7 +25,7 @@ each device runs its own rows, and gradients are summed once per step.
 Only what crosses moves, as in the stacked form: the ticks run as the schedule's loops of one
 repeating permute pattern (`Schedule.segments`, `scan_ticks`), and a tick permutes only the
 directions live at it (`Schedule.permutes`): forward, backward, or one swap where stage `s` sends
-forward while `s + 1` sends back, in a buffer as wide as the wider of the two. A two-tick loop body
+forward while `s + 1` sends back, in the boundary's buffers. A two-tick loop body
 (1F1B's steady state) runs two switches; the backward adds its parameter gradient into the running
 sum inside its branch, so neither switch outputs a gradient-sized increment that XLA would keep
 live across both ticks.
@@ -218,24 +218,24 @@ class StagedProgram:
 
     def _pass(self, carry, out, row, permutes):
         """The tick's permutes (`Schedule.permutes`): forward (`send_f`, all boundary values),
-        backward (`send_b`, their float gradients), or one swap carrying each stage's one send in a
-        buffer wide enough for either; what arrives is written where the table says it arrives."""
+        backward (`send_b`, their float gradients), or one swap carrying each stage's one send: the
+        gradients' buffers are the boundary's float buffers (same widths), so the swap sends the
+        boundary's buffers, holding a gradient where the stage ran a backward. What arrives is
+        written where the table says it arrives."""
         kind, fv, fm, bv, bm = row[0], row[2], row[3], row[4], row[5]
         pairs = lambda name: sorted(self.schedule.pairs(name))
-        bw, gw = widths(self._boundary_flats(False)), widths(self._boundary_flats(True))
+        f, b = out["send_f"], out["send_b"]
         carry = dict(carry)
         for name in permutes:
             if name == "F":
-                carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(out["send_f"], STAGE, pairs(name)), fv, fm)
+                carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(f, STAGE, pairs(name)), fv, fm)
             elif name == "B":
-                carry["gin"] = _receive(carry["gin"], jax.lax.ppermute(out["send_b"], STAGE, pairs(name)), bv, bm)
+                carry["gin"] = _receive(carry["gin"], jax.lax.ppermute(b, STAGE, pairs(name)), bv, bm)
             else:
-                both = {d: max(bw.get(d, 0), gw.get(d, 0)) for d in sorted({*bw, *gw})}
-                send = {d: jnp.where(kind == 1, _widen(out["send_f"], d, w), _widen(out["send_b"], d, w))
-                        for d, w in both.items()}
+                send = {d: jnp.where(kind == FORWARD, x, b[d]) if d in b else x for d, x in f.items()}
                 got = jax.lax.ppermute(send, STAGE, pairs(name))
-                carry["xin"] = _receive(carry["xin"], {d: got[d][:w] for d, w in bw.items()}, fv, fm)
-                carry["gin"] = _receive(carry["gin"], {d: got[d][:w] for d, w in gw.items()}, bv, bm)
+                carry["xin"] = _receive(carry["xin"], got, fv, fm)
+                carry["gin"] = _receive(carry["gin"], {d: got[d] for d in b}, bv, bm)
         return carry
 
     def _sum_tied(self, g: Buffers) -> Buffers:
@@ -375,12 +375,6 @@ def _micro(batch, m: int):
 def _zeros(slots: int | None, w: dict[str, int]) -> Buffers:
     lead = () if slots is None else (slots,)
     return {name: jnp.zeros((*lead, width), name) for name, width in w.items()}
-
-
-def _widen(buffers: Buffers, dtype: str, width: int) -> jax.Array:
-    """`buffers[dtype]` zero-padded to `width` (zeros where it has no such dtype)."""
-    x = buffers.get(dtype, jnp.zeros((0,), dtype))
-    return jnp.pad(x, (0, width - x.shape[0])) if width > x.shape[0] else x
 
 
 def _at(buffers: Buffers, i) -> Buffers:
