@@ -1,11 +1,12 @@
-"""`python -m benchmarks._pipeline_tagged`: a step cut at `pipeline_stage` tags (issue 17, items 1, 3).
+"""`python -m benchmarks._pipeline_tagged`: a step cut at `pipeline_stage` tags (issue 17, items 1-3).
 
 The reference GPT of `benchmarks._pipeline` (8 blocks, d_model 64, batch 64), unrolled and tagged
 (`models.gpt_staged_loss`: the embedding with blocks 0-1 on stage 0, ..., blocks 6-7 with the head
 on stage 3), on 8 simulated CPU devices as 4 stages × 2-way data parallel, 16 micro-batches. Per
 schedule: compiled temp memory and argument bytes per device (the packed parameters: one stage's
 share, against the whole model's), collective-permute and all-reduce bytes per device from the
-audit, against what must cross stages; and the loss against the one-device step. Deterministic
+audit (loops weighted by their trip counts), against what must cross stages (M activations forward
+and M gradients back per boundary); and the loss against the one-device step. Deterministic
 figures from compiled programs; not part of `python -m benchmarks` (BENCHMARKS.md).
 """
 

@@ -215,17 +215,7 @@ class Program:
             out = jax.lax.switch(mine["code"], branches, ops.read(carry, c, i), c, i)
             return self._pass(ops.write(carry, c, i, out), out, mine, permutes, directions)
 
-        table = table[:, 0]
-        for start, repeats, pattern in self.schedule.segments():
-
-            def body(r, carry, start=start, pattern=pattern):
-                for k, permutes in enumerate(pattern):  # rows read in place: a sliced table is a copy
-                    row = jax.lax.dynamic_index_in_dim(table, start + r * len(pattern) + k, 0, keepdims=False)
-                    carry = tick(carry, row, permutes)
-                return carry
-
-            carry = jax.lax.fori_loop(0, repeats, body, carry)
-        return carry
+        return scan_ticks(self.schedule, table[:, 0], carry, tick)
 
     def _pass(self, carry, out, mine, permutes, directions):
         """The tick's permutes (`Schedule.permutes`): one pattern carries each stage's one send
@@ -295,6 +285,23 @@ class Program:
             return _pin(out, specs)
 
         return run
+
+
+def scan_ticks(schedule: Schedule, table: jax.Array, carry: Any, tick: Callable) -> Any:
+    """Runs `tick(carry, row, permutes)` over `schedule`'s ticks: one `fori_loop` per segment
+    (`Schedule.segments`), whose body holds the segment's pattern of ticks, each handed its row of
+    this stage's `[ticks, fields]` table and its permute patterns (`Schedule.permutes`). Rows are
+    read in place (a sliced table is a copy), and the loops hand one carry on (no buffer copied)."""
+    for start, repeats, pattern in schedule.segments():
+
+        def body(r, carry, start=start, pattern=pattern):
+            for k, permutes in enumerate(pattern):
+                row = jax.lax.dynamic_index_in_dim(table, start + r * len(pattern) + k, 0, keepdims=False)
+                carry = tick(carry, row, permutes)
+            return carry
+
+        carry = jax.lax.fori_loop(0, repeats, body, carry)
+    return carry
 
 
 def _pin(tree, specs):

@@ -21,6 +21,14 @@ differing shapes are packed as one flat buffer per dtype:
 The tick table, micro-batch order and slot counts are the `Schedule`'s, as in the stacked form;
 with pure data parallel inside stages (`dataset_strategy="data_parallel"`) every axis is manual:
 each device runs its own rows, and gradients are summed once per step.
+
+Only what crosses moves, as in the stacked form: the ticks run as the schedule's loops of one
+repeating permute pattern (`Schedule.segments`, `scan_ticks`), and a tick permutes only the
+directions live at it (`Schedule.permutes`): forward, backward, or one swap where stage `s` sends
+forward while `s + 1` sends back, in the boundary's buffers. A two-tick loop body
+(1F1B's steady state) runs two switches; the backward adds its parameter gradient into the running
+sum inside its branch, so neither switch outputs a gradient-sized increment that XLA would keep
+live across both ticks.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jshard.pipeline._cut import Cut
-from jshard.pipeline._engine import STAGE
+from jshard.pipeline._engine import STAGE, scan_ticks
 from jshard.pipeline._schedule import BACKWARD, FORWARD, IDLE, Schedule
 
 Buffers = dict[str, jax.Array]
@@ -179,7 +187,7 @@ class StagedProgram:
         return np.stack([kind, sch.field("micro"), fv, fm, bv, bm], axis=-1).astype(np.int32)
 
     def _body(self, packed, micro, table):
-        sch, s = self.schedule, self.schedule.stages
+        sch = self.schedule
         params = {name: b[0] for name, b in packed.items()}
         ticks = _Ticks(self, params, micro)
         bw, gw = ticks.bw, ticks.gw
@@ -188,22 +196,18 @@ class StagedProgram:
             "gin": _zeros(sch.slots("gradients"), gw), "g": _zeros(None, self.param_widths),
             "loss": jnp.zeros((), jnp.float32),
         }
-        forward = [(i, i + 1) for i in range(s - 1)]
-        backward = [(i + 1, i) for i in range(s - 1)]
 
-        def tick(carry, row):
-            kind, i, fv, fm, bv, bm = (row[n] for n in range(6))
-            view = {"x": _at(carry["xin"], i), "res": _at(carry["res"], i), "g_in": _at(carry["gin"], i)}
+        def tick(carry, row, permutes):
+            kind, i = row[0], row[1]
+            view = {"x": _at(carry["xin"], i), "res": _at(carry["res"], i), "g_in": _at(carry["gin"], i), "g": carry["g"]}
             out = jax.lax.switch(kind, [ticks.idle, ticks.forward, ticks.backward], view, i)
             carry = dict(carry)
             carry["res"] = _put(carry["res"], i, out["res"])
-            carry["g"] = jax.tree.map(jnp.add, carry["g"], out["g"])
+            carry["g"] = out["g"]
             carry["loss"] = carry["loss"] + out["loss"]
-            carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(out["send_f"], STAGE, forward), fv, fm)
-            carry["gin"] = _receive(carry["gin"], jax.lax.ppermute(out["send_b"], STAGE, backward), bv, bm)
-            return carry, None
+            return self._pass(carry, out, row, permutes)
 
-        carry = jax.lax.scan(tick, carry, table[:, 0])[0]
+        carry = scan_ticks(sch, table[:, 0], carry, tick)
         d = self._data_degree()
         loss = jax.lax.psum(carry["loss"], (STAGE, *self.data_axes)) / (sch.micro_batches * d)
         g = carry["g"]
@@ -211,6 +215,28 @@ class StagedProgram:
             g = jax.tree.map(lambda x: x / d, jax.lax.psum(g, self.data_axes))
         g = self._sum_tied(g)
         return loss, {name: x[None] for name, x in g.items()}
+
+    def _pass(self, carry, out, row, permutes):
+        """The tick's permutes (`Schedule.permutes`): forward (`send_f`, all boundary values),
+        backward (`send_b`, their float gradients), or one swap carrying each stage's one send: the
+        gradients' buffers are the boundary's float buffers (same widths), so the swap sends the
+        boundary's buffers, holding a gradient where the stage ran a backward. What arrives is
+        written where the table says it arrives."""
+        kind, fv, fm, bv, bm = row[0], row[2], row[3], row[4], row[5]
+        pairs = lambda name: sorted(self.schedule.pairs(name))
+        f, b = out["send_f"], out["send_b"]
+        carry = dict(carry)
+        for name in permutes:
+            if name == "F":
+                carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(f, STAGE, pairs(name)), fv, fm)
+            elif name == "B":
+                carry["gin"] = _receive(carry["gin"], jax.lax.ppermute(b, STAGE, pairs(name)), bv, bm)
+            else:
+                send = {d: jnp.where(kind == FORWARD, x, b[d]) if d in b else x for d, x in f.items()}
+                got = jax.lax.ppermute(send, STAGE, pairs(name))
+                carry["xin"] = _receive(carry["xin"], got, fv, fm)
+                carry["gin"] = _receive(carry["gin"], {d: got[d] for d in b}, bv, bm)
+        return carry
 
     def _sum_tied(self, g: Buffers) -> Buffers:
         """Each leaf read by more than one stage gets the sum of its stages' gradients, in every copy."""
@@ -246,7 +272,7 @@ class StagedProgram:
 class _Ticks:
     """One stage's tick operations (idle, forward, backward), each a switch over the stage index;
     every one returns the same dict: the residuals to store, what to send each way, the parameter
-    gradient and loss increments."""
+    gradients' running sum (the backward adds its own to `view["g"]`) and the loss increment."""
 
     def __init__(self, program: StagedProgram, params: Buffers, micro: Any):
         self.p, self.params, self.micro = program, params, micro
@@ -261,7 +287,7 @@ class _Ticks:
 
     def _result(self, view, **changes) -> dict:
         base = {"res": view["res"], "send_f": _zeros(None, self.bw), "send_b": _zeros(None, self.gw),
-                "g": _zeros(None, self.pw), "loss": jnp.zeros((), jnp.float32)}
+                "g": view["g"], "loss": jnp.zeros((), jnp.float32)}
         return {**base, **changes}
 
     def idle(self, view, i):
@@ -334,7 +360,8 @@ class _Ticks:
                 cot = self.gf[k].unpack(view["g_in"])
             g_params, g_x = pull(cot)
             send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
-            return self._result(view, g=self.pf[k].pack(g_params, self.pw), send_b=send_b)
+            g = jax.tree.map(jnp.add, view["g"], self.pf[k].pack(g_params, self.pw))
+            return self._result(view, g=g, send_b=send_b)
 
         return jax.lax.switch(self.stage, [lambda k=k: at(k) for k in range(self.cut.stages)])
 
