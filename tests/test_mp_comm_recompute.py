@@ -128,3 +128,17 @@ def test_bad_mp_comm_recompute_and_no_constraints_to_keep_raise():
                                                r"the results of the collectives jshard's constraints make, but with "
                                                r"propagation='xla' jshard places none .* or mp_comm_recompute=True"):
         step.lower(*_args())
+
+
+def test_a_scan_over_layers_cannot_keep_and_says_so():
+    def loss(w1, w2, x):
+        layer = js.recompute(block, mp_comm_recompute=False)
+        x, _ = jax.lax.scan(lambda c, _: (layer(w1, w2, c), None), x, None, length=LAYERS)
+        return (x**2).sum()
+
+    step = js.parallelize(jax.grad(loss, argnums=(0, 1)), devices=8, mode="semi_auto")
+    with pytest.raises(js.ShardingError, match=r"mp_comm_recompute=False\): the backward pass runs the region at "
+                                               r".*test_mp_comm_recompute.py:\d+:\d+ \(block\) again where its forward "
+                                               r"pass's values are out of reach .* Call the layers in a Python loop, "
+                                               r"or use mp_comm_recompute=True"):
+        step.lower(*_args())

@@ -27,6 +27,8 @@ from jax.sharding import Mesh, NamedSharding
 from jshard._compat import linear_util as lu
 from jshard._compat import partial_eval as pe
 from jshard._compat import source_info_util
+from jshard._errors import ShardingError
+from jshard._source import user_source
 from jshard.graph import INLINE, NESTED, REMAT, KeepComm
 from jshard.layouts import Spec, to_pspec
 
@@ -120,7 +122,9 @@ class _Interpreter:
     def _remat(self, eqn, ins) -> list:
         """The remat equation bound again, its body re-run under its constraints, its params kept."""
         body = _closed(eqn)
-        kept = self._kept(eqn, body.jaxpr) if isinstance(eqn.params.get("policy"), KeepComm) else None
+        kept = None  # a forward-only run of the region (not differentiated) has nothing to keep yet
+        if isinstance(eqn.params.get("policy"), KeepComm) and eqn.params.get("differentiated"):
+            kept = self._kept(eqn, body.jaxpr)
         rebuilt = _retraced(lambda *args: self.run(body.jaxpr, body.consts, args, kept=kept), body)
         jaxpr = pe.convert_constvars_jaxpr(rebuilt.jaxpr)  # as jax.checkpoint binds: consts first
         return _bind(eqn, {**eqn.params, "jaxpr": jaxpr}, [*rebuilt.consts, *ins])
@@ -149,6 +153,7 @@ class _Interpreter:
         made, same = _numbered(jaxpr.eqns[: next(t for t, e in enumerate(jaxpr.eqns) if e is eqn)])
         same = {**same, **{b: same.get(o, o) for b, o in zip(body.invars, eqn.invars)}}
         kept: dict = {}
+        matched = False
         for e in body.eqns:
             ins = [same.get(v) if isinstance(v, jcore.Var) else v for v in e.invars]
             if any(v is None for v in ins):
@@ -156,10 +161,14 @@ class _Interpreter:
             twin = _twin(made, e, ins)
             if twin is None:
                 continue
+            matched = True
             same.update(zip(e.outvars, twin.outvars))
             kept.update({v: env[w] for v, w in zip(e.outvars, twin.outvars) if v in self.emission.communicated and w in env})
             kept.update({(id(e), k): self._received[(id(twin), k)] for k in range(len(e.invars))
                          if (id(e), k) in self.emission.communicated and (id(twin), k) in self._received})
+        made_here = [e for e in body.eqns if any(v in self.emission.communicated for v in e.outvars)]
+        if not matched and made_here:
+            raise ShardingError(_unkept_error(user_source(made_here[0].source_info)))
         return kept
 
     def _rebuilt(self, eqn) -> dict:
@@ -184,6 +193,13 @@ class _Interpreter:
             return [self._in(eqn, start + k, x) for k, x in enumerate(outs)]
 
         return _retraced(fn, body)
+
+
+def _unkept_error(source: str) -> str:
+    return (f"jshard.recompute(..., mp_comm_recompute=False): the backward pass runs the region at {source} again "
+            f"where its forward pass's values are out of reach (in another loop: a lax.scan over layers runs the "
+            f"forward and the backward pass in two scans), so the results of its collectives cannot be kept. Call "
+            f"the layers in a Python loop, or use mp_comm_recompute=True (the collectives run again).")
 
 
 def _key(v):
