@@ -67,7 +67,8 @@ def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy | None = N
         gathered or reduced tensors) from the forward pass and recomputes only its computation:
         fewer collective bytes, more memory. It acts under `parallelize`, where jshard places the
         constraints that make those collectives (not under `mode="manual"` or
-        `propagation="xla"`, which raise), and means nothing for `policy="none"`.
+        `propagation="xla"`, nor in a `lax.scan` over layers, whose backward loop cannot reach the
+        forward loop's values: those raise `ShardingError`), and means nothing for `policy="none"`.
 
     Returns:
       `jax.checkpoint(fn, policy=...)` for a fixed policy, a function choosing its policy when it is
