@@ -109,7 +109,7 @@ class _Interpreter:
 
     def _eqn(self, eqn, ins) -> list:
         name = eqn.primitive.name
-        if name in REMAT and self._touches(eqn):
+        if name in REMAT and (self._touches(eqn) or _keeps(eqn)):
             return self._remat(eqn, ins)
         if name in INLINE and self._touches(eqn):
             sub = _closed(eqn)
@@ -122,9 +122,7 @@ class _Interpreter:
     def _remat(self, eqn, ins) -> list:
         """The remat equation bound again, its body re-run under its constraints, its params kept."""
         body = _closed(eqn)
-        kept = None  # a forward-only run of the region (not differentiated) has nothing to keep yet
-        if isinstance(eqn.params.get("policy"), KeepComm) and eqn.params.get("differentiated"):
-            kept = self._kept(eqn, body.jaxpr)
+        kept = self._kept(eqn, body.jaxpr) if _keeps(eqn) else None
         rebuilt = _retraced(lambda *args: self.run(body.jaxpr, body.consts, args, kept=kept), body)
         jaxpr = pe.convert_constvars_jaxpr(rebuilt.jaxpr)  # as jax.checkpoint binds: consts first
         return _bind(eqn, {**eqn.params, "jaxpr": jaxpr}, [*rebuilt.consts, *ins])
@@ -137,8 +135,7 @@ class _Interpreter:
             bodies = [_closed(eqn).jaxpr] if eqn.primitive.name in INLINE else [j.jaxpr for j in _nested_closed(eqn)]
             constrained = {k[0] for k in self.emission.inputs}
             self._touched[key] = key in constrained or any(
-                id(e) in constrained
-                or any(v in self.emission.outputs or v in self.emission.communicated for v in e.outvars) or (e.primitive.name in INLINE | NESTED and self._touches(e))
+                id(e) in constrained or any(v in self.emission.outputs for v in e.outvars) or (e.primitive.name in INLINE | NESTED and self._touches(e))
                 for body in bodies
                 for e in body.eqns
             )
@@ -193,6 +190,12 @@ class _Interpreter:
             return [self._in(eqn, start + k, x) for k, x in enumerate(outs)]
 
         return _retraced(fn, body)
+
+
+def _keeps(eqn) -> bool:
+    """Whether `eqn` is the backward pass's run of a remat keeping its collectives' results (a
+    forward-only run, not differentiated, has nothing to keep)."""
+    return isinstance(eqn.params.get("policy"), KeepComm) and bool(eqn.params.get("differentiated"))
 
 
 def _unkept_error(source: str) -> str:
