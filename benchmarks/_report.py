@@ -12,7 +12,18 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from benchmarks import _abstract, _accumulation, _against_jit, _compiled, _gpu, _hetero, _memory, _planning, _search
+from benchmarks import (
+    _abstract,
+    _accumulation,
+    _against_jit,
+    _comm_recompute,
+    _compiled,
+    _gpu,
+    _hetero,
+    _memory,
+    _planning,
+    _search,
+)
 from benchmarks._models import model_table, workload
 from benchmarks._settings import DEVICES, Settings
 from benchmarks._table import Table
@@ -62,7 +73,8 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
         if name == "memory":
             made = _memory.memory_tables(DEVICES, settings.step_rounds, settings.memory_step_budget)
         elif name == "accumulation":
-            made = [_accumulation.accumulation_table(), _accumulation.comm_recompute_table()]
+            made = [_accumulation.accumulation_table(), _accumulation.comm_recompute_table(),
+                    _comm_recompute.comm_recompute_table()]
         elif name == "hetero":
             made = [_hetero.hetero_table(DEVICES, settings.step_rounds, settings.step_budget)]
         else:

@@ -9,6 +9,11 @@ recompute default), else `"full"`. `policy="auto"` leaves the choice to the stra
 (`mode="auto"`): it traces the step once per policy in `AUTO_POLICIES` (the same for every such
 region), prices each region's memory and recompute from those traces, and gives each region its
 own policy: the least recompute that fits the memory budget (`SearchReport.regions`).
+
+`mp_comm_recompute=False` (MindSpore's `recompute(mp_comm_recompute=False)`) keeps the results of
+the region's collectives: the policy becomes a `jshard.graph.KeepComm`, which also saves the values
+emission names `COMM_NAME` (each value a collective makes inside the region), so the backward pass
+recomputes the region's computation but does not communicate again.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import jax
 
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
-from jshard.graph import AUTO_LABEL, RECOMPUTE_SCOPE
+from jshard.graph import AUTO_LABEL, COMM_KEPT_LABEL, RECOMPUTE_SCOPE, KeepComm
 from jshard.hetero import HOST_POLICIES
 
 Policy = str | Callable[..., bool]
@@ -39,7 +44,8 @@ _NAMED = ("nothing_saveable", "everything_saveable", "dots_saveable", "dots_with
 
 
 @api_boundary
-def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy | None = None) -> Any:
+def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy | None = None,
+              mp_comm_recompute: bool = True) -> Any:
     """`fn` recomputed in the backward pass instead of keeping its intermediate values; usable as a
     decorator, with or without arguments.
 
@@ -55,6 +61,14 @@ def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy | None = N
         `parallelize(mode="auto")` the search picks one of `AUTO_POLICIES` by predicted step time
         and memory budget; elsewhere, with no search to decide, `"full"`), or None (the default:
         the enclosing `parallelize`'s `recompute=`, else `"full"`).
+      mp_comm_recompute: MindSpore's flag of the same name. True (the default): the collectives
+        inside the region (the all-gathers, all-reduces, all-to-alls the plan's layouts make there)
+        run again with it in the backward pass. False: the region keeps their results (the
+        gathered or reduced tensors) from the forward pass and recomputes only its computation:
+        fewer collective bytes, more memory. It acts under `parallelize`, where jshard places the
+        constraints that make those collectives (not under `mode="manual"` or
+        `propagation="xla"`, nor in a `lax.scan` over layers, whose backward loop cannot reach the
+        forward loop's values: those raise `ShardingError`), and means nothing for `policy="none"`.
 
     Returns:
       `jax.checkpoint(fn, policy=...)` for a fixed policy, a function choosing its policy when it is
@@ -62,7 +76,7 @@ def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy | None = N
 
     Raises:
       ShardingError: `policy` names no policy.
-      TypeError: `policy` is neither a string nor a callable.
+      TypeError: `policy` is neither a string nor a callable, or `mp_comm_recompute` is no bool.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jshard as js
@@ -72,14 +86,18 @@ def recompute(fn: Callable[..., Any] | None = None, *, policy: Policy | None = N
     """
     named = f"policy={policy!r}" if fn is None else getattr(fn, "__name__", type(fn).__name__)
     call = f"jshard.recompute({named})"
+    if not isinstance(mp_comm_recompute, bool):
+        raise TypeError(f"{call}: mp_comm_recompute must be True (the region's collectives run again in the "
+                        f"backward pass) or False (their results are kept), not {mp_comm_recompute!r}.")
+    keep = not mp_comm_recompute
     if policy is not None and policy != "auto":
         resolved, label = _policy(policy, call), _label(policy)
         if fn is None:
-            return lambda f: _fixed(f, resolved, label)
-        return _fixed(fn, resolved, label)
+            return lambda f: _fixed(f, resolved, label, keep)
+        return _fixed(fn, resolved, label, keep)
     if fn is None:
-        return lambda f: _deferred(f, policy, call)
-    return _deferred(fn, policy, call)
+        return lambda f: _deferred(f, policy, call, keep)
+    return _deferred(fn, policy, call, keep)
 
 
 def _label(policy: Policy) -> str:
@@ -101,21 +119,26 @@ _NONE = object()
 """`_policy`'s answer for `"none"`: no recompute."""
 
 
-def _fixed(fn: Callable[..., Any], resolved: Any, label: str) -> Callable[..., Any]:
-    """`fn` under `jax.checkpoint` with `resolved` (keeping fn's name and docstring), in its `label`'s name scope."""
-    return fn if resolved is _NONE else jax.checkpoint(_scoped(fn, label), policy=resolved)
+def _fixed(fn: Callable[..., Any], resolved: Any, label: str, keep: bool = False) -> Callable[..., Any]:
+    """`fn` under `jax.checkpoint` with `resolved` (keeping fn's name and docstring), in its `label`'s
+    name scope; with `keep`, the results of its collectives kept too (`KeepComm`)."""
+    if resolved is _NONE:
+        return fn
+    if keep:
+        return jax.checkpoint(_scoped(fn, label + COMM_KEPT_LABEL), policy=KeepComm(resolved))
+    return jax.checkpoint(_scoped(fn, label), policy=resolved)
 
 
-def _deferred(fn: Callable[..., Any], policy: str | None, call: str) -> Callable[..., Any]:
+def _deferred(fn: Callable[..., Any], policy: str | None, call: str, keep: bool) -> Callable[..., Any]:
     """`fn` recomputed by the policy the trace it runs in gives it (see `recompute`)."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         chosen, region = traced_policy(policy)
         if region is None:
-            return _fixed(fn, _policy(chosen, call), _label(chosen))(*args, **kwargs)
+            return _fixed(fn, _policy(chosen, call), _label(chosen), keep)(*args, **kwargs)
         label = f"{AUTO_LABEL}{region}_{chosen}"  # the plan tells the search's regions apart by it
-        return (_scoped(fn, label) if chosen == "none" else _fixed(fn, _policy(chosen, call), label))(*args, **kwargs)
+        return (_scoped(fn, label) if chosen == "none" else _fixed(fn, _policy(chosen, call), label, keep))(*args, **kwargs)
 
     return run
 

@@ -13,6 +13,7 @@ nothing is cut, beside the data-parallel plan's).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +41,7 @@ from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._trace import Traced, adopted, devices_for, trace
 from jshard.compile._work import with_work
 from jshard.cost import device_memory
+from jshard.graph import COMM_KEPT_LABEL, RECOMPUTE_SCOPE
 from jshard.layouts import (
     FineMesh,
     NotRefined,
@@ -392,6 +394,7 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
     rewrite = regathered(traced, gather) if c.optimizer_comm_recompute else None
     if optimizer is not None:
         optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
+    _check_comm_kept(traced, c, call)
     offload = offloaded(traced, args, c, call)
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
     problem = Problem(traced, in_sh, donated, budget, offload)
@@ -549,3 +552,24 @@ def _users_mesh_error(call: str, matrix, who: str, c: Options) -> str:
         f"Layout({tuple(mesh.devices.shape)}, {tuple(mesh.axis_names)})), or drop mesh= (and call "
         f"outside jax.set_mesh) so that jshard builds and refines its own mesh."
     )
+
+
+_COMM_KEPT = re.compile(RECOMPUTE_SCOPE + r"\w*" + COMM_KEPT_LABEL + r"\b")
+
+
+def _check_comm_kept(traced: Traced, c: Options, call: str) -> None:
+    """Raises `ShardingError` where a `jshard.recompute(..., mp_comm_recompute=False)` region sits
+    in a program jshard places no constraints in (whose collectives' results it cannot keep)."""
+    mesh = traced.mesh
+    why = ("mode='manual'" if c.mode == "manual" else "propagation='xla'" if c.propagation == "xla"
+           else "every mesh axis Explicit" if set(mesh.explicit_axes) == set(mesh.axis_names) else None)
+    kept = next((n for n in traced.nodes if _COMM_KEPT.search(n.scope)), None) if why else None
+    if kept is not None:
+        raise ShardingError(_comm_kept_error(call, kept.source, why))
+
+
+def _comm_kept_error(call: str, source: str, why: str) -> str:
+    return (f"{call}: jshard.recompute(..., mp_comm_recompute=False) at {source} keeps the results of the "
+            f"collectives jshard's constraints make, but with {why} jshard places none (XLA makes the "
+            f"collectives). Use mode='semi_auto' (or 'data', 'auto') with jshard's propagation, or "
+            f"mp_comm_recompute=True.")

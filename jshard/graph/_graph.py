@@ -10,7 +10,8 @@ equations follow it as nodes marked with the enclosing primitive.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from jax.extend import core as jcore
 
@@ -31,6 +32,29 @@ a constraint without one is the model's own."""
 AUTO_LABEL = "auto"
 """A `jshard.recompute(policy="auto")` region's scope is `RECOMPUTE_SCOPE + AUTO_LABEL + "<k>_<policy>"`:
 its number in the trace and the policy the search gave it (`"none"` too: scoped, not recomputed)."""
+COMM_KEPT_LABEL = "_comm_kept"
+"""Ends the scope label of a `jshard.recompute(..., mp_comm_recompute=False)` region
+(`jshard_recompute_full_comm_kept`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepComm:
+    """A remat policy saving what `policy` saves (None: nothing, `jax.checkpoint`'s default) that
+    marks its region as keeping the results of its collectives: MindSpore's
+    `recompute(mp_comm_recompute=False)` (`jshard.recompute`). Emission gives the backward pass's
+    run of such a region the values the forward pass's collectives made instead of making them again.
+
+    Attributes:
+      policy: the region's own policy.
+    """
+
+    policy: Callable[..., Any] | None
+
+    def __call__(self, prim, *args, **params):
+        return False if self.policy is None else self.policy(prim, *args, **params)
+
+    def __repr__(self) -> str:
+        return f"{remat_policy_name(self.policy)}, mp_comm_recompute=False"
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

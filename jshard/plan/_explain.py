@@ -55,6 +55,8 @@ def _recompute(plan, op) -> str:
     """Why the operator is (or is not) run again in the backward pass."""
     why = (f"{op.recompute}, the user's jax.checkpoint (or a remat built on it)" if op.recompute.startswith("jax.")
            else f"{op.recompute}, the user's jshard.recompute call")
+    if "mp_comm_recompute=False" in op.recompute:
+        why += "; the results of its collectives are kept from the forward pass, not communicated again"
     region = _REGION.search(op.recompute)
     chosen = [r for r in (plan.search.regions if plan.search is not None and region else ())
               if r.region == int(region.group(1))]

@@ -21,7 +21,11 @@ class RecomputeReport:
     Attributes:
       regions: per region kind (`OpRecord.recompute`: `jshard.recompute(policy='full')`,
         `jax.checkpoint(policy=full)`, ...), how many operators belong to it and how many of them
-        the backward pass runs again.
+        the backward pass runs again. A region keeping its collectives' results
+        (`jshard.recompute(policy='full', mp_comm_recompute=False)`) counts its operators as
+        traced: emission then gives its backward run the forward pass's gathered and reduced
+        values, so the operators making only those are not run again, and the peaks here leave
+        those kept values out.
       peak_bytes: the memory model's peak per device (`cost.live_ranges`: the values live at once
         between top-level operators, each at its planned layout) of the program as planned: a
         value a region recomputes is held from its run in the backward pass to its last use.

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 from jshard._context import Annotation
 from jshard._format import var_str
 from jshard.cost import Comm
-from jshard.graph import AUTO_LABEL, CONSTRAINT, JSHARD_SCOPE, RECOMPUTE_SCOPE, Node
+from jshard.graph import AUTO_LABEL, COMM_KEPT_LABEL, CONSTRAINT, JSHARD_SCOPE, RECOMPUTE_SCOPE, Node
 from jshard.layouts import FineMesh, Spec, Strategy, TensorLayout, spec_from_pspec, to_pspec, typed_spec
 
 ORIGINS = ("user", "model", "propagated", "searched", "default")
@@ -68,7 +68,9 @@ class OpRecord:
       recompute: the recompute region it belongs to, `jshard.recompute(policy='selective')` or
         `jax.checkpoint(policy=full)` (a bare `jax.checkpoint`, `flax.linen.remat`, ...), or `""`;
         a region the search chose for, its choice and number: `jshard.recompute(policy='auto' ->
-        'selective', region 0)` (`'none'` too: not recomputed; `Plan.search.regions` says why).
+        'selective', region 0)` (`'none'` too: not recomputed; `Plan.search.regions` says why);
+        `, mp_comm_recompute=False` follows the policy where the region keeps the results of its
+        collectives instead of communicating again (`jshard.recompute(fn, mp_comm_recompute=False)`).
         A forward operator of a bare `jax.checkpoint` region is known by the backward pass's run
         of it (the same source line and primitive); one the policy saves is not run again, so it
         is named only inside `jshard.recompute`.
@@ -223,10 +225,13 @@ def recompute_regions(nodes: Sequence[Node]) -> tuple[dict[int, str], list[int]]
 def _region_name(label: str) -> str:
     """`OpRecord.recompute` for a `jshard.recompute` region's scope label: its policy, or for a
     region the search chose for (`policy="auto"`) its number and the policy it got."""
+    kept = label.endswith(COMM_KEPT_LABEL)
+    label = label.removesuffix(COMM_KEPT_LABEL)
+    comm = ", mp_comm_recompute=False" if kept else ""
     auto = _AUTO.fullmatch(label)
     if auto is None:
-        return f"jshard.recompute(policy={label!r})"
-    return f"jshard.recompute(policy='auto' -> {auto.group(2)!r}, region {auto.group(1)})"
+        return f"jshard.recompute(policy={label!r}{comm})"
+    return f"jshard.recompute(policy='auto' -> {auto.group(2)!r}, region {auto.group(1)}{comm})"
 
 
 def _cutter(sizes):

@@ -9,7 +9,10 @@ made. Call-like equations (`pjit`, `custom_jvp_call`, ...) are inlined where a c
 inside them; loop and branch bodies are rebuilt with theirs, and so are `remat` bodies
 (`jax.checkpoint`, `jshard.recompute`): the remat equation is bound again with its policy,
 `prevent_cse` and `differentiated` params, so the program recomputes what `jax.jit` would (inlined,
-XLA would merge the recomputed forward pass with the first and keep its values).
+XLA would merge the recomputed forward pass with the first and keep its values). The backward
+pass's run of a remat whose policy is a `KeepComm` (`jshard.recompute(..., mp_comm_recompute=False)`)
+takes, for each value a collective makes in it, the value the forward pass's run made (found by
+matching equations on their inputs from the remat's operands on), so it communicates no more.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from jax.sharding import Mesh, NamedSharding
 from jshard._compat import linear_util as lu
 from jshard._compat import partial_eval as pe
 from jshard._compat import source_info_util
-from jshard.graph import INLINE, NESTED, REMAT
+from jshard._errors import ShardingError
+from jshard._source import user_source
+from jshard.graph import INLINE, NESTED, REMAT, KeepComm
 from jshard.layouts import Spec, to_pspec
 
 _BODY_KEYS = ("jaxpr", "cond_jaxpr", "body_jaxpr")
@@ -37,11 +42,14 @@ class Emission:
     the last the one it must receive (operand indices past the equation's own inputs are its
     bodies' results, as in `operand_vars`); `replaced` maps `id(eqn)` to a function of the
     equation's inputs that computes its outputs in its stead, laid out as it lays them out (no
-    output constraint follows: e.g. a gradient reduce-scattered in a `shard_map`)."""
+    output constraint follows: e.g. a gradient reduce-scattered in a `shard_map`);
+    `communicated` holds the values (and `inputs` keys) a collective makes there: a
+    redistribution, partial sums summed, a model constraint's move."""
 
     outputs: Mapping
     inputs: Mapping
     replaced: Mapping = dataclasses.field(default_factory=dict)
+    communicated: frozenset = frozenset()
 
 
 EMPTY = Emission({}, {})
@@ -57,35 +65,50 @@ class _Interpreter:
     def __init__(self, emission: Emission, mesh: Mesh, rewrite: Rewrite | None = None):
         self.emission, self.mesh, self.rewrite = emission, mesh, rewrite
         self._touched: dict[int, bool] = {}
+        self._scopes: list[tuple[jcore.Jaxpr, dict]] = []  # the jaxprs being run, innermost last
+        self._received: dict = {}  # (id(eqn), k) -> the operand a collective made for it, as run
 
     def constrain(self, x, spec: Spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, to_pspec(spec)))
 
-    def run(self, jaxpr: jcore.Jaxpr, consts, args, top: bool = False) -> list:
+    def run(self, jaxpr: jcore.Jaxpr, consts, args, top: bool = False, kept: Mapping | None = None) -> list:
+        """`jaxpr` run under its constraints; `kept` maps values (and `(id(eqn), k)` operands) to
+        what they are instead of made (`_kept`)."""
         rewrite = self.rewrite() if top and self.rewrite is not None else None
+        kept = kept or {}
         env: dict = {}
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
         for v, x in zip(jaxpr.constvars, consts):
             env[v] = x
         for v, x in zip(jaxpr.invars, args):
             env[v] = x
-        for t, eqn in enumerate(jaxpr.eqns):
-            ins = [read(v) for v in eqn.invars]
-            if rewrite is not None:
-                ins = rewrite(t, eqn, ins, read)
-            ins = [self._in(eqn, k, x) for k, x in enumerate(ins)]
-            replaced = self.emission.replaced.get(id(eqn))
-            if replaced is not None:
-                env.update(zip(eqn.outvars, replaced(ins)))
-                continue
-            outs = self._eqn(eqn, ins)
-            for v, x in zip(eqn.outvars, outs):
-                env[v] = self._out(v, x)
+        self._scopes.append((jaxpr, env))
+        try:
+            for t, eqn in enumerate(jaxpr.eqns):
+                if eqn.outvars and all(v in kept for v in eqn.outvars):
+                    outs = [kept[v] for v in eqn.outvars]
+                else:
+                    ins = [read(v) for v in eqn.invars]
+                    if rewrite is not None:
+                        ins = rewrite(t, eqn, ins, read)
+                    ins = [kept.get((id(eqn), k)) if (id(eqn), k) in kept else self._in(eqn, k, x)
+                           for k, x in enumerate(ins)]
+                    replaced = self.emission.replaced.get(id(eqn))
+                    if replaced is not None:
+                        env.update(zip(eqn.outvars, replaced(ins)))
+                        continue
+                    outs = self._eqn(eqn, ins)
+                for v, x in zip(eqn.outvars, outs):
+                    env[v] = self._out(v, x)
+        finally:
+            self._scopes.pop()
         return [read(v) for v in jaxpr.outvars]
 
     def _in(self, eqn, k, x):
         for spec in self.emission.inputs.get((id(eqn), k), ()):
             x = self.constrain(x, spec)
+        if (id(eqn), k) in self.emission.communicated:
+            self._received[(id(eqn), k)] = x
         return x
 
     def _out(self, v, x):
@@ -94,7 +117,7 @@ class _Interpreter:
 
     def _eqn(self, eqn, ins) -> list:
         name = eqn.primitive.name
-        if name in REMAT and self._touches(eqn):
+        if name in REMAT and (self._touches(eqn) or _keeps(eqn)):
             return self._remat(eqn, ins)
         if name in INLINE and self._touches(eqn):
             sub = _closed(eqn)
@@ -107,7 +130,8 @@ class _Interpreter:
     def _remat(self, eqn, ins) -> list:
         """The remat equation bound again, its body re-run under its constraints, its params kept."""
         body = _closed(eqn)
-        rebuilt = _retraced(lambda *args: self.run(body.jaxpr, body.consts, args), body)
+        kept = self._kept(eqn, body.jaxpr) if _keeps(eqn) else None
+        rebuilt = _retraced(lambda *args: self.run(body.jaxpr, body.consts, args, kept=kept), body)
         jaxpr = pe.convert_constvars_jaxpr(rebuilt.jaxpr)  # as jax.checkpoint binds: consts first
         return _bind(eqn, {**eqn.params, "jaxpr": jaxpr}, [*rebuilt.consts, *ins])
 
@@ -124,6 +148,33 @@ class _Interpreter:
                 for e in body.eqns
             )
         return self._touched[key]
+
+    def _kept(self, eqn, body: jcore.Jaxpr) -> dict:
+        """For a remat keeping its collectives' results: each value (or operand) a collective makes
+        in its body -> the value the enclosing program made for it already (its forward pass's run
+        of the region). A body equation is that program's equation of the same primitive and params
+        on the same values, the remat's operands standing for its body's inputs."""
+        jaxpr, env = self._scopes[-1]
+        made, same = _numbered(jaxpr.eqns[: next(t for t, e in enumerate(jaxpr.eqns) if e is eqn)])
+        same = {**same, **{b: same.get(o, o) for b, o in zip(body.invars, eqn.invars)}}
+        kept: dict = {}
+        matched = False
+        for e in body.eqns:
+            ins = [same.get(v) if isinstance(v, jcore.Var) else v for v in e.invars]
+            if any(v is None for v in ins):
+                continue
+            twin = _twin(made, e, ins)
+            if twin is None:
+                continue
+            matched = True
+            same.update(zip(e.outvars, twin.outvars))
+            kept.update({v: env[w] for v, w in zip(e.outvars, twin.outvars) if v in self.emission.communicated and w in env})
+            kept.update({(id(e), k): self._received[(id(twin), k)] for k in range(len(e.invars))
+                         if (id(e), k) in self.emission.communicated and (id(twin), k) in self._received})
+        made_here = [e for e in body.eqns if any(v in self.emission.communicated for v in e.outvars)]
+        if not matched and made_here:
+            raise ShardingError(_unkept_error(user_source(made_here[0].source_info)))
+        return kept
 
     def _rebuilt(self, eqn) -> dict:
         """The loop's or branch's params with every body re-run under its constraints."""
@@ -147,6 +198,53 @@ class _Interpreter:
             return [self._in(eqn, start + k, x) for k, x in enumerate(outs)]
 
         return _retraced(fn, body)
+
+
+def _keeps(eqn) -> bool:
+    """Whether `eqn` is the backward pass's run of a remat keeping its collectives' results (a
+    forward-only run, not differentiated, has nothing to keep)."""
+    return isinstance(eqn.params.get("policy"), KeepComm) and bool(eqn.params.get("differentiated"))
+
+
+def _unkept_error(source: str) -> str:
+    return (f"jshard.recompute(..., mp_comm_recompute=False): the backward pass runs the region at {source} again "
+            f"where its forward pass's values are out of reach (in another loop: a lax.scan over layers runs the "
+            f"forward and the backward pass in two scans), so the results of its collectives cannot be kept. Call "
+            f"the layers in a Python loop, or use mp_comm_recompute=True (the collectives run again).")
+
+
+def _key(v):
+    """A value as `_kept` matches equations' inputs: a variable itself, a literal by its value."""
+    return v if isinstance(v, jcore.Var) else ("literal", str(v))
+
+
+def _numbered(eqns) -> tuple[dict, dict]:
+    """Value numbering of `eqns`: `(primitive, *inputs) -> [equations]`, each the first of the
+    equations alike on the same values, and each value -> the one made first of those alike."""
+    made: dict = {}
+    same: dict = {}
+    for e in eqns:
+        ins = [same.get(v, v) if isinstance(v, jcore.Var) else v for v in e.invars]
+        twin = _twin(made, e, ins)
+        if twin is None:
+            made.setdefault((e.primitive, *map(_key, ins)), []).append(e)
+        else:
+            same.update(zip(e.outvars, twin.outvars))
+    return made, same
+
+
+def _twin(made: dict, e: jcore.JaxprEqn, ins: list):
+    """The equation of `made` that makes what `e` makes on `ins` (effect-free), or None."""
+    if e.effects:
+        return None
+    return next((f for f in made.get((e.primitive, *map(_key, ins)), ()) if _same_params(e, f)), None)
+
+
+def _same_params(a: jcore.JaxprEqn, b: jcore.JaxprEqn) -> bool:
+    try:
+        return bool(a.params == b.params)
+    except (TypeError, ValueError):  # params holding arrays: not comparable, so not known to be the same
+        return False
 
 
 def _retraced(fn: Callable[..., list], body: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:

@@ -511,24 +511,37 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
     layout: `jshard.cost.gathered_layout`). A value whose
     type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
     JAX's own `reshard`s move it."""
-    outputs, inputs = {}, {}
+    outputs, inputs, communicated = {}, {}, set()
+    moves = lambda v, dst: bool(redistribution(*array_of(v), result.values[v], dst, axis_size, alltoall))
     for i, d in result.decisions.items():
         node = nodes[i]
         if node.primitive == CONSTRAINT:
             v = node.inputs[0]
-            if not alltoall and isinstance(v, jcore.Var) and v in result.values and typed_spec(v.aval) is None:
-                route = stages(result.values[v], d.out_specs[0], axis_size, alltoall=False)
+            if isinstance(v, jcore.Var) and v in result.values and typed_spec(v.aval) is None:
+                route = [] if alltoall else stages(result.values[v], d.out_specs[0], axis_size, alltoall=False)
                 if len(route) > 1:  # the constraint's own move would be an all-to-all: gathered first
                     inputs[(id(node.eqn), 0)] = tuple(route[:-1])
+                if moves(v, d.out_specs[0]):
+                    communicated.add(node.outputs[0])
             continue
         if not d.implied:
+            reduced = any(c.kind in _REDUCTIONS for c in d.comms)
             for v, spec in zip(node.outputs, d.out_specs):
                 if result.values.get(v) == spec and typed_spec(v.aval) is None:
                     outputs[v] = spec
+                    if reduced:
+                        communicated.add(v)
         ins, _ = operand_vars(node)
         for k, v in enumerate(ins):
             if (isinstance(v, jcore.Var) and v in result.values and result.values[v] != d.in_specs[k]
                     and typed_spec(v.aval) is None):
                 inputs[(id(node.eqn), k)] = tuple(stages(result.values[v], d.in_specs[k], axis_size, alltoall))
                 outputs[v] = result.values[v]  # pin the value where it is made, or XLA may move the cut upstream
-    return Emission(outputs, inputs)
+                if moves(v, d.in_specs[k]):
+                    communicated.add((id(node.eqn), k))
+    return Emission(outputs, inputs, frozenset(communicated))
+
+
+_REDUCTIONS = ("all-reduce", "reduce-scatter")
+"""The collectives that sum an operator's partial results (`Decision.comms`): its constrained outputs
+are what they make."""
