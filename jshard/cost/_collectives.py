@@ -108,17 +108,32 @@ def local_bytes(shape: Sequence[int], itemsize: int, spec: Spec, axis_size: Mapp
 def redistribution(
     shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, axis_size: Mapping[str, int]
 ) -> list[Comm]:
-    """The collectives that turn layout `src` into `dst`.
+    """The collectives that turn layout `src` into `dst`, one step of `stages` after another.
 
-    As XLA's SPMD partitioner does it: where `dst` cuts every dim into a multiple of `src`'s slices,
-    a device whose `src` axes lead its `dst` axes in every dim slices its part locally (free);
-    otherwise each device slices the part another device needs and a collective-permute sends it
-    there (axes swapped, renamed or reordered). Where `dst` keeps, of `src`'s axes, a coarser cut of
-    every dim but not its leading axes (an axis moved, or a major one dropped), a collective-permute
-    of the slices, then the all-gathers. Between layouts of equal total cut, all-to-alls as XLA walks
-    them, then a collective-permute where the axes stand otherwise (`_all_to_alls`). Otherwise an
-    axis that moves to another dim is an all-to-all, and the axes `dst` drops are all-gathered one
-    dim at a time, the minor dim first.
+    Each step is one whose route through XLA's SPMD partitioner is known (`_step`): a finer layout
+    (a local slice, or a collective-permute), a coarser one (all-gathers, after a permute where axes
+    move or a major one goes), or the same axes in other places (all-to-alls, then a permute). The
+    engine constrains each stage, so the compiled program moves what this prices.
+    """
+    comms, at = [], src
+    for stage in stages(src, dst, axis_size):
+        comms += _step(shape, itemsize, at, stage, axis_size)
+        at = stage
+    return comms
+
+
+def _step(shape, itemsize, src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> list[Comm]:
+    """One stage's collectives, as XLA's SPMD partitioner moves it.
+
+    Where `dst` cuts every dim into a multiple of `src`'s slices, a device whose `src` axes lead its
+    `dst` axes in every dim slices its part locally (free); otherwise each device slices the part
+    another device needs and a collective-permute sends it there (axes swapped, renamed or
+    reordered). Where `dst` keeps, of `src`'s axes, a coarser cut of every dim but not its leading
+    axes (an axis moved, or a major one dropped), a collective-permute of the slices, then the
+    all-gathers. Between layouts of equal total cut, all-to-alls as XLA walks them, then a
+    collective-permute where the axes stand otherwise (`_all_to_alls`). Otherwise an axis that moves
+    to another dim is an all-to-all, and the axes `dst` drops are all-gathered one dim at a time, the
+    minor dim first.
     """
     if src == dst:
         return []
@@ -160,13 +175,27 @@ def redistribution(
 
 
 def _all_to_alls(shape, itemsize, src: Spec, dst: Spec, axis_size) -> list[Comm] | None:
-    """Between layouts of the same axes: as XLA's SPMD partitioner does it, each all-to-all moves the
-    minor axes of a dim cut more than `dst` cuts it to the minor end of a dim cut less; where the
-    axes then stand otherwise than in `dst`, a collective-permute puts the slices on their devices.
-    None where that walk does not reach `dst`'s cuts."""
-    cut = lambda axes: math.prod(axis_size[a] for a in axes)
-    cur, comms = [list(axes) for axes in src], []
+    """Between layouts of the same axes: one all-to-all per step of `_walk`, then a
+    collective-permute where the axes stand otherwise than in `dst`; None where the walk does not
+    reach `dst`'s cuts."""
+    walk = _walk(src, dst, axis_size)
+    if walk is None:
+        return None
     payload = local_bytes(shape, itemsize, src, axis_size)
+    comms = [Comm("all-to-all", payload, group) for _, group in walk]
+    cur = walk[-1][0] if walk else src
+    if cur != tuple(dst):
+        changed = tuple(dict.fromkeys(a for c, d in zip(cur, dst) if c != d for a in (*c, *d)))
+        comms.append(Comm("collective-permute", payload, changed))
+    return comms
+
+
+def _walk(src: Spec, dst: Spec, axis_size) -> list[tuple[Spec, tuple[str, ...]]] | None:
+    """XLA's SPMD partitioner's all-to-alls between layouts of the same total cut: each moves the
+    minor axes of a dim cut more than `dst` cuts it to the minor end of a dim cut less. The layout
+    after each step and the axes it moves; None where the walk does not reach `dst`'s cuts."""
+    cut = lambda axes: math.prod(axis_size[a] for a in axes)
+    cur, steps = [list(axes) for axes in src], []
     while True:
         s = next((d for d in range(len(cur)) if cut(cur[d]) > cut(dst[d])), None)
         t = next((d for d in range(len(cur)) if cut(cur[d]) < cut(dst[d])), None)
@@ -180,13 +209,10 @@ def _all_to_alls(shape, itemsize, src: Spec, dst: Spec, axis_size) -> list[Comm]
         cur[t] += group
         if cut(cur[t]) > cut(dst[t]):  # the move overshoots `dst`'s cut (axes of unequal sizes): not this walk
             return None
-        comms.append(Comm("all-to-all", payload, tuple(group)))
+        steps.append((tuple(map(tuple, cur)), tuple(group)))
     if any(cut(c) != cut(d) for c, d in zip(cur, dst)):
         return None
-    if tuple(map(tuple, cur)) != tuple(dst):
-        changed = tuple(dict.fromkeys(a for c, d in zip(cur, dst) if tuple(c) != d for a in (*c, *d)))
-        comms.append(Comm("collective-permute", payload, changed))
-    return comms
+    return steps
 
 
 def _coarsen(shape, itemsize, src: Spec, dst: Spec, dropped, axis_size) -> list[Comm]:
@@ -209,19 +235,43 @@ def _coarsen(shape, itemsize, src: Spec, dst: Spec, dropped, axis_size) -> list[
 
 
 def stages(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> list[Spec]:
-    """The layouts that take a value from `src` to `dst` the way `redistribution` prices it: first
-    the collectives (`dst` without the axes it adds at the minor end of a dim), then the local
-    slice by those new axes. Constrained as one step, XLA may find no direct way and gather the
-    whole value first (its SPMD partitioner's "involuntary full rematerialization")."""
+    """The layouts that take a value from `src` to `dst`, each one step `redistribution` prices as
+    XLA moves it: the axes `dst` drops all-gathered (`src` without them), then the axes both keep
+    moved to `dst`'s places (one stage per all-to-all of `_walk`, then a permute; through their
+    common leading axes, gathered and sliced, where no walk reaches them), then the local slice (or permute) by the axes `dst`
+    adds. Constrained as one step, XLA's SPMD partitioner takes a route of its own where axes are
+    dropped or added as others move: often it gathers the whole value first (its "involuntary
+    full rematerialization"), sometimes all-to-alls and permutes, which no model of one step
+    predicts.
+    """
+    if src == dst:
+        return []
     if _finer(src, dst, axis_size):
         return [dst]
     have = {a for axes in src for a in axes}
-    mid = []
-    for axes in dst:
-        n = len(axes)
-        while n and axes[n - 1] not in have:
-            n -= 1
-        mid.append(tuple(axes[:n]))
-    mid = tuple(mid)
-    return [mid, dst] if mid not in (src, dst) else [dst]
+    want = {a for axes in dst for a in axes}
+    if want <= have and _finer(dst, src, axis_size):  # coarser: a permute where axes move, the all-gathers
+        return [dst]
+    kept = tuple(tuple(a for a in axes if a in want) for axes in src)
+    placed = tuple(tuple(a for a in axes if a in have) for axes in dst)
+    route = [kept]
+    if not _finer(kept, placed, axis_size):
+        walk = _walk(kept, placed, axis_size)
+        if walk is None:
+            route.append(tuple(_common(k, p) for k, p in zip(kept, placed)))
+        else:
+            route += [layout for layout, _ in walk]
+    route += [placed, dst]
+    out = []
+    for stage in route:
+        if stage != (out[-1] if out else src):
+            out.append(stage)
+    return out
 
+
+def _common(a: tuple, b: tuple) -> tuple:
+    """The leading axes `a` and `b` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]

@@ -422,7 +422,8 @@ def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, i
 def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int]) -> Emission:
     """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
     implied by the inputs), and inputs an operator receives in another layout than they were made
-    (with the value pinned where it is made too), in the `stages` the cost model prices. A value whose
+    (with the value pinned where it is made too), in the `stages` the cost model prices; a `shard`
+    call's own constraint is reached through the same stages. A value whose
     type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
     JAX's own `reshard`s move it."""
     outputs, inputs = {}, {}
@@ -440,4 +441,13 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
                     and typed_spec(v.aval) is None):
                 inputs[(id(node.eqn), k)] = tuple(stages(result.values[v], d.in_specs[k], axis_size))
                 outputs[v] = result.values[v]  # pin the value where it is made, or XLA may move the cut upstream
+    for node in nodes:  # a `shard` call's input arriving in another layout: through the stages too
+        v = node.inputs[0] if node.primitive == CONSTRAINT else None
+        if not isinstance(v, jcore.Var) or v not in result.values or typed_spec(v.aval) is not None:
+            continue
+        src, dst = result.values[v], result.values.get(node.outputs[0])
+        route = stages(src, dst, axis_size) if dst is not None else []
+        if len(route) > 1:
+            inputs[(id(node.eqn), 0)] = tuple(route[:-1])
+            outputs[v] = src
     return Emission(outputs, inputs)
