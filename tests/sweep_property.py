@@ -6,7 +6,7 @@ counted by kind, every mismatch listed.
 A program either runs, equals one device and moves the bytes its plan predicts per kind of collective
 (within 2%), or is refused with a `ShardingError`; anything else is a mismatch: `values` (differs
 from one device), `bytes <kind>` (mispriced), `error <type>` (some other exception). A layout pair
-(`src` -> `dst` over mesh 2x2x2) is a mismatch where `redistribution` prices a kind otherwise than
+(`src` -> `dst` over a mesh of `MESHES`) is a mismatch where `redistribution` prices a kind otherwise than
 XLA compiles the `stages` the engine constrains. Not a test (pytest collects test_*.py only); its
 cases are drawn as the tests draw theirs (`tests/_programs.py`), so a listed mismatch replays as an
 `@example` there.
@@ -22,6 +22,10 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+MESHES = ({"d0": 2, "d1": 2, "d2": 2}, {"d0": 4, "d1": 2}, {"d0": 2, "d1": 4})
+"""The meshes layout pairs are drawn over: 8 devices as three axes of 2, and two of unequal sizes."""
 
 
 def _programs(count: int, seed: int, modes) -> list:
@@ -43,9 +47,11 @@ def _programs(count: int, seed: int, modes) -> list:
     return drawn[:count]
 
 
-def _pairs(count: int, seed: int) -> list:
-    """Random `(shape, src, dst)` over mesh d0, d1, d2 = 2, 2, 2: each axis on some dim or none, in a
-    random order, dims sized so every cut divides."""
+def _pairs(count: int, seed: int, mesh: dict[str, int]) -> list:
+    """Random `(shape, src, dst)` over `mesh` (axis name -> size): each axis on some dim or none, in
+    a random order, dims sized so both cuts divide."""
+    import math
+
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -56,15 +62,15 @@ def _pairs(count: int, seed: int) -> list:
 
         def spec():
             dims = [[] for _ in range(rank)]
-            for a in rng.permutation(["d0", "d1", "d2"]):
+            for a in rng.permutation(sorted(mesh)):
                 where = int(rng.integers(-1, rank))
                 if where >= 0:
                     dims[where].append(str(a))
             return tuple(tuple(d) for d in dims)
 
         src, dst = spec(), spec()
-        if src != dst and all(s % 8 == 0 or s % (2 ** max(len(a), len(b))) == 0
-                              for s, a, b in zip(shape, src, dst)):
+        cut = lambda axes: math.prod(mesh[a] for a in axes)
+        if src != dst and all(n % cut(a) == 0 and n % cut(b) == 0 for n, a, b in zip(shape, src, dst)):
             pairs.append((shape, src, dst))
     return pairs
 
@@ -103,7 +109,7 @@ def check_program(program) -> tuple[str, str]:
         return f"error {type(e).__name__}", "".join(traceback.format_exception_only(e))[-400:]
 
 
-def check_pair(shape, src, dst) -> tuple[str, str]:
+def check_pair(shape, src, dst, mesh: dict[str, int]) -> tuple[str, str]:
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -111,8 +117,8 @@ def check_pair(shape, src, dst) -> tuple[str, str]:
     import jshard as js
     from jshard.cost import redistribution, stages
 
-    mesh = jax.make_mesh((2, 2, 2), ("d0", "d1", "d2"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    sizes = dict(mesh.shape)
+    sizes = dict(mesh)
+    mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
     spec = lambda s: jax.sharding.NamedSharding(mesh, P(*(a or None for a in s)))
 
     def reshard(x):
@@ -151,7 +157,8 @@ def main(argv=None) -> int:
     semi = args.programs * 2 // 3
     cases += [("program", p) for p in _programs(semi, args.seed, ("semi_auto",))]
     cases += [("program", p) for p in _programs(args.programs - semi, args.seed + 1, ("auto", "data"))]
-    cases += [("pair", p) for p in _pairs(args.pairs, args.seed)]
+    for mesh in MESHES:
+        cases += [("pair", (*p, mesh)) for p in _pairs(args.pairs // len(MESHES), args.seed, mesh)]
     counts, lines = collections.Counter(), []
     for i, (what, case) in enumerate(cases):
         outcome, detail = check_program(case) if what == "program" else check_pair(*case)

@@ -311,11 +311,12 @@ class Engine:
             comms += moved
             if not moved and any(want) and best_fit is None:
                 best_fit = j
-        partial = tuple(x for fac in sorted(f.reduced) for x in a.get(fac, ()))
-        if partial:
-            for d, v in zip(f.outputs, outs):
-                spec = write_spec(d, a, f.sizes, self.axis_size)
-                comms.append(Comm("all-reduce", local_bytes(*array_of(v), spec, self.axis_size), partial))
+        # One all-reduce per cut reduced factor, over its axes: XLA sums the partial results of each
+        # reduced dim on its own (two cut dims of a reduce or a contraction: two all-reduces).
+        partial = [tuple(a[fac]) for fac in sorted(f.reduced) if a.get(fac)]
+        for d, v in zip(f.outputs, outs) if partial else ():
+            spec = write_spec(d, a, f.sizes, self.axis_size)
+            comms += [Comm("all-reduce", local_bytes(*array_of(v), spec, self.axis_size), axes) for axes in partial]
         seconds = node.weight * sum(self.cost.time(c, self.axis_size) for c in comms)
         cut = math.prod(self.axis_size[x] for axes in a.values() for x in axes)
         compute = node.weight * f.flops / cut / self.cost.flops
