@@ -1,7 +1,9 @@
 """Properties: any MatMul strategy, and any small random program (tests/_programs.py: chains of
 elementwise, dot, reshape, transpose, reduce, gather and scan steps under random anchors), either
 runs, equals the single-device run and moves the collective bytes its plan predicts (within 2%), or
-is refused with a `ShardingError`; it never fails some other way, and never silently drops a cut."""
+is refused with a `ShardingError`; it never fails some other way, and never silently drops a cut. Any
+pair of layouts over a mesh of 8 devices is priced per kind as XLA compiles the stages the engine
+constrains. A seeded sample here; `tests/sweep_property.py` runs thousands and lists each mismatch."""
 
 import functools
 import math
@@ -118,7 +120,7 @@ def check_program(program: Program) -> None:
 
 
 # Regressions, each an engine bug the property found (fixed at the root in jshard/):
-@settings(max_examples=60, deadline=None, derandomize=True)
+@settings(max_examples=80, deadline=None, derandomize=True)
 @given(programs())
 # a carry laid out in the body, not as its loop guessed on entry (no gather charged)
 @example(Program(shape=(3, 2, 3), steps=(Step(kind='reshape', param=(3, 6), extras=(), strategy=((1, 2, 1),)), Step(kind='unary', param='tanh', extras=(), strategy=None), Step(kind='scan', param='tanh', extras=(((6,), False),), strategy=((1, 2), None))), mode='semi_auto', dataset='full_batch', in_strategy=None))
@@ -146,11 +148,14 @@ def check_program(program: Program) -> None:
 # a shard call's input in another layout, an axis moved and one added: reached through the stages
 @example(Program(shape=(16,), steps=(Step(kind='binary', param='mul', extras=(((16,), False),), strategy=((4,), (4,))), Step(kind='dot', param=16, extras=(((16, 16), False),), strategy=None), Step(kind='reshape', param=(4, 4), extras=(), strategy=((4,),)), Step(kind='transpose', param=(0, 1), extras=(), strategy=((2, 4),))), mode='semi_auto', dataset='full_batch', in_strategy=(None, (1,), None)))
 @example(Program(shape=(16, 2, 8), steps=(Step(kind='scan', param='tanh', extras=(((2, 8), False),), strategy=(None, None)), Step(kind='reshape', param=(16, 16), extras=(), strategy=((4, 1, 2),))), mode='semi_auto', dataset='full_batch', in_strategy=(None, (2, 1))))
+# a shard call with no operator of its own (a reshape to the same shape) gathering an argument: the
+# next operator pays
+@example(Program(shape=(2,), steps=(Step(kind='reshape', param=(2,), extras=(), strategy=((1,),)), Step(kind='unary', param='abs', extras=(), strategy=((1,),)), Step(kind='unary', param='abs', extras=(), strategy=None)), mode='semi_auto', dataset='full_batch', in_strategy=((2,),)))
 def test_random_program_semi_auto(program):
     check_program(program)
 
 
-@settings(max_examples=30, deadline=None, derandomize=True)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(programs(modes=("auto", "data")))
 # a gather's lined-up strategies fix no rule for its output (was an indivisible cut)
 @example(Program(shape=(3, 16), steps=(Step(kind='transpose', param=(1, 0), extras=(), strategy=None), Step(kind='unary', param='tanh', extras=(), strategy=(None,)), Step(kind='batch_dot', param=2, extras=(((16, 3, 2), False),), strategy=None), Step(kind='gather', param=(0, 16), extras=(((2,), True),), strategy=((4, 1), (1,)))), mode='auto', dataset='data_parallel', in_strategy=(None, None, None)))
@@ -241,7 +246,7 @@ def layout_pairs(draw):
 
 # Layout pairs XLA moves by a route of its own when asked in one step (often a full gather, its
 # "involuntary full rematerialization"); through the stages, each priced step is what it compiles.
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(layout_pairs())
 @example(((8, 8, 8), ((), ("d2", "d1"), ()), (("d2",), ("d0",), ("d1",)), MESHES[0]))
 @example(((16, 8, 4), (("d0",), (), ("d1",)), (("d2",), ("d0", "d1"), ()), MESHES[0]))

@@ -363,20 +363,33 @@ def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping
                        priced=lambda v: False) -> None:
     """Charges the redistribution into each sharding constraint (a `shard` call's input arriving
     in another layout: an argument laid out by `in_strategy`) to the first operator that uses the
-    constraint's result, unless `priced(input)` says its maker already paid it. Constraints are
+    constraint's result (else the one that made its input), unless `priced(input)` says its maker already paid it. Constraints are
     no operators of the `Plan`, and XLA moves the value all the same."""
     users: dict = collections.defaultdict(list)
+    makers = {}
     for j in sorted(result.decisions):
         for v in operand_vars(nodes[j])[0]:
             if isinstance(v, jcore.Var):
                 users[v].append(j)
+        if nodes[j].primitive != CONSTRAINT:
+            makers.update((v, j) for v in nodes[j].outputs)
+
+    def first_user(v):
+        """The first operator that takes `v`, through constraints that take it first (a `shard`
+        call with no operator of its own, as a reshape to the same shape)."""
+        direct = next((j for j in users.get(v, ()) if nodes[j].primitive != CONSTRAINT), None)
+        if direct is not None:
+            return direct
+        return next((j for c in users.get(v, ()) if (j := first_user(nodes[c].outputs[0])) is not None), None)
+
     for i, node in enumerate(nodes):
         v = node.inputs[0] if node.primitive == CONSTRAINT else None
         if not isinstance(v, jcore.Var) or v not in result.values or priced(v):
             continue
         out = node.outputs[0]
         src, dst = result.values[v], result.values.get(out)
-        j = next((j for j in users.get(out, ()) if nodes[j].primitive != CONSTRAINT), None)
+        j = first_user(out)
+        j = makers.get(v) if j is None else j  # no operator after it: the one that made the value pays
         if dst is None or src == dst or j is None:
             continue
         d = result.decisions[j]
