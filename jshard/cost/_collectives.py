@@ -128,12 +128,11 @@ def _step(shape, itemsize, src: Spec, dst: Spec, axis_size: Mapping[str, int]) -
     Where `dst` cuts every dim into a multiple of `src`'s slices, a device whose `src` axes lead its
     `dst` axes in every dim slices its part locally (free); otherwise each device slices the part
     another device needs and a collective-permute sends it there (axes swapped, renamed or
-    reordered). Where `dst` keeps, of `src`'s axes, a coarser cut of every dim but not its leading
-    axes (an axis moved, or a major one dropped), a collective-permute of the slices, then the
-    all-gathers. Between layouts of equal total cut, all-to-alls as XLA walks them, then a
-    collective-permute where the axes stand otherwise (`_all_to_alls`). Otherwise an axis that moves
-    to another dim is an all-to-all, and the axes `dst` drops are all-gathered one dim at a time, the
-    minor dim first.
+    reordered). Where `dst` keeps, of `src`'s axes, a coarser cut of every dim: the axes dropped
+    from the minor ends of their dims are all-gathered one dim at a time, the minor dim first; where
+    it keeps other than their leading axes (an axis moved, or a major one dropped), a
+    collective-permute of the slices comes first. Between layouts of the same axes, all-to-alls as
+    XLA walks them, then a collective-permute where the axes stand otherwise (`_all_to_alls`).
     """
     if src == dst:
         return []
@@ -144,34 +143,25 @@ def _step(shape, itemsize, src: Spec, dst: Spec, axis_size: Mapping[str, int]) -
         return [Comm("collective-permute", local_bytes(shape, itemsize, dst, axis_size), changed)]
     where_src = {a: d for d, axes in enumerate(src) for a in axes}
     where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
-    moved = tuple(a for a, d in where_src.items() if a in where_dst and where_dst[a] != d)
     dropped = tuple(a for a in where_src if a not in where_dst)
-    same = all(
-        tuple(a for a in s if a in where_dst and where_dst[a] == d) == tuple(a for a in t if a in where_src)
-        for d, (s, t) in enumerate(zip(src, dst))
-    )
-    comms = []
-    coarser = _finer(dst, src, axis_size) and set(where_dst) <= set(where_src)
-    if coarser and any(t != s[: len(t)] for s, t in zip(src, dst)):
-        # Every dim keeps a cut dividing its own: XLA permutes the slices to devices grouped as `dst`
-        # groups them (the moved axes in their new dims), then all-gathers the extra cuts.
-        changed = tuple(dict.fromkeys(a for s, t in zip(src, dst) if t != s[: len(t)] for a in t))
-        comms.append(Comm("collective-permute", local_bytes(shape, itemsize, src, axis_size), changed))
-        return comms + _coarsen(shape, itemsize, src, dst, dropped, axis_size)
-    if moved and math.prod(axis_size[a] for a in where_src) == math.prod(axis_size[a] for a in where_dst):
-        swaps = _all_to_alls(shape, itemsize, src, dst, axis_size)
-        if swaps is not None:
-            return swaps
-    if moved or not same:
-        axes = moved or tuple(a for a in where_src if a in where_dst)
-        comms.append(Comm("all-to-all", local_bytes(shape, itemsize, src, axis_size), axes))
-    kept = list(src)
-    for d in reversed(range(len(src))):
-        gone = tuple(a for a in src[d] if a in dropped)
-        if gone:
-            kept[d] = tuple(a for a in src[d] if a not in dropped)
-            comms.append(Comm("all-gather", local_bytes(shape, itemsize, kept, axis_size), gone))
-    return comms
+    if _finer(dst, src, axis_size) and set(where_dst) <= set(where_src):
+        if any(t != s[: len(t)] for s, t in zip(src, dst)):
+            # Every dim keeps a cut dividing its own: XLA permutes the slices to devices grouped as
+            # `dst` groups them (the moved axes in their new dims), then all-gathers the extra cuts.
+            changed = tuple(dict.fromkeys(a for s, t in zip(src, dst) if t != s[: len(t)] for a in t))
+            permute = Comm("collective-permute", local_bytes(shape, itemsize, src, axis_size), changed)
+            return [permute, *_coarsen(shape, itemsize, src, dst, dropped, axis_size)]
+        comms, kept = [], list(src)  # axes dropped from the minor ends of their dims
+        for d in reversed(range(len(src))):
+            gone = tuple(a for a in src[d] if a in dropped)
+            if gone:
+                kept[d] = tuple(a for a in src[d] if a not in dropped)
+                comms.append(Comm("all-gather", local_bytes(shape, itemsize, kept, axis_size), gone))
+        return comms
+    swaps = _all_to_alls(shape, itemsize, src, dst, axis_size) if not dropped and set(where_dst) == set(where_src) else None
+    if swaps is None:  # `stages` makes no other step
+        raise AssertionError(f"jshard.cost: {src} -> {dst} is no step of `stages`; price it with `redistribution`")
+    return swaps
 
 
 def _all_to_alls(shape, itemsize, src: Spec, dst: Spec, axis_size) -> list[Comm] | None:
@@ -238,8 +228,8 @@ def stages(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> list[Spec]:
     """The layouts that take a value from `src` to `dst`, each one step `redistribution` prices as
     XLA moves it: the axes `dst` drops all-gathered (`src` without them), then the axes both keep
     moved to `dst`'s places (one stage per all-to-all of `_walk`, then a permute; through their
-    common leading axes, gathered and sliced, where no walk reaches them), then the local slice (or permute) by the axes `dst`
-    adds. Constrained as one step, XLA's SPMD partitioner takes a route of its own where axes are
+    common leading axes, gathered and sliced, where no walk reaches them), then the local slice (or
+    permute) by the axes `dst` adds. Constrained as one step, XLA's SPMD partitioner takes a route of its own where axes are
     dropped or added as others move: often it gathers the whole value first (its "involuntary
     full rematerialization"), sometimes all-to-alls and permutes, which no model of one step
     predicts.

@@ -363,8 +363,9 @@ def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping
                        priced=lambda v: False) -> None:
     """Charges the redistribution into each sharding constraint (a `shard` call's input arriving
     in another layout: an argument laid out by `in_strategy`) to the first operator that uses the
-    constraint's result (else the one that made its input), unless `priced(input)` says its maker already paid it. Constraints are
-    no operators of the `Plan`, and XLA moves the value all the same."""
+    constraint's result (else the one that made its input), unless `priced(input)` says its maker
+    already paid it. Constraints are no operators of the `Plan`, and XLA moves the value all the
+    same."""
     users: dict = collections.defaultdict(list)
     makers = {}
     for j in sorted(result.decisions):
@@ -437,8 +438,7 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
     """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
     implied by the inputs), and inputs an operator receives in another layout than they were made
     (with the value pinned where it is made too), in the `stages` the cost model prices; a `shard`
-    call's own constraint is reached through the same stages. A value whose
-    type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
+    call's own constraint is reached through the same stages. A value whose type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
     JAX's own `reshard`s move it."""
     outputs, inputs = {}, {}
     for i, d in result.decisions.items():
