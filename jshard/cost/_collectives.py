@@ -129,27 +129,37 @@ def local_bytes(shape: Sequence[int], itemsize: int, spec: Spec, axis_size: Mapp
 def redistribution(
     shape: Sequence[int], itemsize: int, src: Spec, dst: Spec, axis_size: Mapping[str, int], alltoall: bool = True
 ) -> list[Comm]:
-    """The collectives that turn layout `src` into `dst`.
+    """The collectives that turn layout `src` into `dst`, one step of `stages` after another.
 
-    As XLA's SPMD partitioner does it: where `dst` cuts every dim into a multiple of `src`'s slices,
-    a device whose `src` axes lead its `dst` axes in every dim slices its part locally (free);
-    otherwise each device slices the part another device needs and a collective-permute sends it
-    there (axes swapped, renamed or reordered). Where `dst` keeps, of `src`'s axes, a coarser cut of
-    every dim but not its leading axes (an axis moved, or a major one dropped), a collective-permute
-    of the slices, then the all-gathers. Between layouts of equal total cut, all-to-alls as XLA walks
-    them, then a collective-permute where the axes stand otherwise (`_all_to_alls`). Otherwise an
-    axis that moves to another dim is an all-to-all, and the axes `dst` drops are all-gathered one
-    dim at a time, the minor dim first.
+    Each step is one whose route through XLA's SPMD partitioner is known (`_step`): a finer layout
+    (a local slice, or a collective-permute), a coarser one (all-gathers, after a permute where axes
+    move or a major one goes), or the same axes in other places (all-to-alls, then a permute). The
+    engine constrains each stage, so the compiled program moves what this prices.
 
     Without `alltoall` (MindSpore's `enable_alltoall` off), a move that would take an all-to-all
     all-gathers the axes that change dim first (`gathered_layout`), then goes on from there.
     """
+    comms, at = [], src
+    for stage in stages(src, dst, axis_size, alltoall):
+        comms += _step(shape, itemsize, at, stage, axis_size)
+        at = stage
+    return comms
+
+
+def _step(shape, itemsize, src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> list[Comm]:
+    """One stage's collectives, as XLA's SPMD partitioner moves it.
+
+    Where `dst` cuts every dim into a multiple of `src`'s slices, a device whose `src` axes lead its
+    `dst` axes in every dim slices its part locally (free); otherwise each device slices the part
+    another device needs and a collective-permute sends it there (axes swapped, renamed or
+    reordered). Where `dst` keeps, of `src`'s axes, a coarser cut of every dim: the axes dropped
+    from the minor ends of their dims are all-gathered one dim at a time, the minor dim first; where
+    it keeps other than their leading axes (an axis moved, or a major one dropped), a
+    collective-permute of the slices comes first. Between layouts of the same axes, all-to-alls as
+    XLA walks them, then a collective-permute where the axes stand otherwise (`_all_to_alls`).
+    """
     if src == dst:
         return []
-    mid = None if alltoall else _without_all_to_all(src, dst, axis_size)
-    if mid is not None:
-        return redistribution(shape, itemsize, src, mid, axis_size) + redistribution(
-            shape, itemsize, mid, dst, axis_size, alltoall=False)
     if _finer(src, dst, axis_size):
         if all(t[: len(s)] == s for s, t in zip(src, dst)):
             return []
@@ -157,44 +167,49 @@ def redistribution(
         return [Comm("collective-permute", local_bytes(shape, itemsize, dst, axis_size), changed)]
     where_src = {a: d for d, axes in enumerate(src) for a in axes}
     where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
-    moved = tuple(a for a, d in where_src.items() if a in where_dst and where_dst[a] != d)
     dropped = tuple(a for a in where_src if a not in where_dst)
-    same = all(
-        tuple(a for a in s if a in where_dst and where_dst[a] == d) == tuple(a for a in t if a in where_src)
-        for d, (s, t) in enumerate(zip(src, dst))
-    )
-    comms = []
-    coarser = _finer(dst, src, axis_size) and set(where_dst) <= set(where_src)
-    if coarser and any(t != s[: len(t)] for s, t in zip(src, dst)):
-        # Every dim keeps a cut dividing its own: XLA permutes the slices to devices grouped as `dst`
-        # groups them (the moved axes in their new dims), then all-gathers the extra cuts.
-        changed = tuple(dict.fromkeys(a for s, t in zip(src, dst) if t != s[: len(t)] for a in t))
-        comms.append(Comm("collective-permute", local_bytes(shape, itemsize, src, axis_size), changed))
-        return comms + _coarsen(shape, itemsize, src, dst, dropped, axis_size)
-    if moved and math.prod(axis_size[a] for a in where_src) == math.prod(axis_size[a] for a in where_dst):
-        swaps = _all_to_alls(shape, itemsize, src, dst, axis_size)
-        if swaps is not None:
-            return swaps
-    if moved or not same:
-        axes = moved or tuple(a for a in where_src if a in where_dst)
-        comms.append(Comm("all-to-all", local_bytes(shape, itemsize, src, axis_size), axes))
-    kept = list(src)
-    for d in reversed(range(len(src))):
-        gone = tuple(a for a in src[d] if a in dropped)
-        if gone:
-            kept[d] = tuple(a for a in src[d] if a not in dropped)
-            comms.append(Comm("all-gather", local_bytes(shape, itemsize, kept, axis_size), gone))
-    return comms
+    if _finer(dst, src, axis_size) and set(where_dst) <= set(where_src):
+        if any(t != s[: len(t)] for s, t in zip(src, dst)):
+            # Every dim keeps a cut dividing its own: XLA permutes the slices to devices grouped as
+            # `dst` groups them (the moved axes in their new dims), then all-gathers the extra cuts.
+            changed = tuple(dict.fromkeys(a for s, t in zip(src, dst) if t != s[: len(t)] for a in t))
+            permute = Comm("collective-permute", local_bytes(shape, itemsize, src, axis_size), changed)
+            return [permute, *_coarsen(shape, itemsize, src, dst, dropped, axis_size)]
+        comms, kept = [], list(src)  # axes dropped from the minor ends of their dims
+        for d in reversed(range(len(src))):
+            gone = tuple(a for a in src[d] if a in dropped)
+            if gone:
+                kept[d] = tuple(a for a in src[d] if a not in dropped)
+                comms.append(Comm("all-gather", local_bytes(shape, itemsize, kept, axis_size), gone))
+        return comms
+    swaps = _all_to_alls(shape, itemsize, src, dst, axis_size) if not dropped and set(where_dst) == set(where_src) else None
+    if swaps is None:  # `stages` makes no other step
+        raise AssertionError(f"jshard.cost: {src} -> {dst} is no step of `stages`; price it with `redistribution`")
+    return swaps
 
 
 def _all_to_alls(shape, itemsize, src: Spec, dst: Spec, axis_size) -> list[Comm] | None:
-    """Between layouts of the same axes: as XLA's SPMD partitioner does it, each all-to-all moves the
-    minor axes of a dim cut more than `dst` cuts it to the minor end of a dim cut less; where the
-    axes then stand otherwise than in `dst`, a collective-permute puts the slices on their devices.
-    None where that walk does not reach `dst`'s cuts."""
-    cut = lambda axes: math.prod(axis_size[a] for a in axes)
-    cur, comms = [list(axes) for axes in src], []
+    """Between layouts of the same axes: one all-to-all per step of `_walk`, then a
+    collective-permute where the axes stand otherwise than in `dst`; None where the walk does not
+    reach `dst`'s cuts."""
+    walk = _walk(src, dst, axis_size)
+    if walk is None:
+        return None
     payload = local_bytes(shape, itemsize, src, axis_size)
+    comms = [Comm("all-to-all", payload, group) for _, group in walk]
+    cur = walk[-1][0] if walk else src
+    if cur != tuple(dst):
+        changed = tuple(dict.fromkeys(a for c, d in zip(cur, dst) if c != d for a in (*c, *d)))
+        comms.append(Comm("collective-permute", payload, changed))
+    return comms
+
+
+def _walk(src: Spec, dst: Spec, axis_size) -> list[tuple[Spec, tuple[str, ...]]] | None:
+    """XLA's SPMD partitioner's all-to-alls between layouts of the same total cut: each moves the
+    minor axes of a dim cut more than `dst` cuts it to the minor end of a dim cut less. The layout
+    after each step and the axes it moves; None where the walk does not reach `dst`'s cuts."""
+    cut = lambda axes: math.prod(axis_size[a] for a in axes)
+    cur, steps = [list(axes) for axes in src], []
     while True:
         s = next((d for d in range(len(cur)) if cut(cur[d]) > cut(dst[d])), None)
         t = next((d for d in range(len(cur)) if cut(cur[d]) < cut(dst[d])), None)
@@ -208,13 +223,10 @@ def _all_to_alls(shape, itemsize, src: Spec, dst: Spec, axis_size) -> list[Comm]
         cur[t] += group
         if cut(cur[t]) > cut(dst[t]):  # the move overshoots `dst`'s cut (axes of unequal sizes): not this walk
             return None
-        comms.append(Comm("all-to-all", payload, tuple(group)))
+        steps.append((tuple(map(tuple, cur)), tuple(group)))
     if any(cut(c) != cut(d) for c, d in zip(cur, dst)):
         return None
-    if tuple(map(tuple, cur)) != tuple(dst):
-        changed = tuple(dict.fromkeys(a for c, d in zip(cur, dst) if tuple(c) != d for a in (*c, *d)))
-        comms.append(Comm("collective-permute", payload, changed))
-    return comms
+    return steps
 
 
 def _coarsen(shape, itemsize, src: Spec, dst: Spec, dropped, axis_size) -> list[Comm]:
@@ -262,23 +274,47 @@ def _without_all_to_all(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> S
 
 
 def stages(src: Spec, dst: Spec, axis_size: Mapping[str, int], alltoall: bool = True) -> list[Spec]:
-    """The layouts that take a value from `src` to `dst` the way `redistribution` prices it: first
-    the collectives (`dst` without the axes it adds at the minor end of a dim), then the local
-    slice by those new axes. Constrained as one step, XLA may find no direct way and gather the
-    whole value first (its SPMD partitioner's "involuntary full rematerialization"). Without
-    `alltoall`, where the move would take an all-to-all, `gathered_layout` comes first."""
+    """The layouts that take a value from `src` to `dst`, each one step `redistribution` prices as
+    XLA moves it: the axes `dst` drops all-gathered (`src` without them), then the axes both keep
+    moved to `dst`'s places (one stage per all-to-all of `_walk`, then a permute; through their
+    common leading axes, gathered and sliced, where no walk reaches them), then the local slice (or
+    permute) by the axes `dst` adds. Constrained as one step, XLA's SPMD partitioner takes a route of its own where axes are
+    dropped or added as others move: often it gathers the whole value first (its "involuntary
+    full rematerialization"), sometimes all-to-alls and permutes, which no model of one step
+    predicts. Without `alltoall`, where the move would take an all-to-all, `gathered_layout` comes
+    first.
+    """
+    if src == dst:
+        return []
     mid = None if alltoall else _without_all_to_all(src, dst, axis_size)
     if mid is not None:
         return [mid, *stages(mid, dst, axis_size, alltoall=False)]
     if _finer(src, dst, axis_size):
         return [dst]
     have = {a for axes in src for a in axes}
-    mid = []
-    for axes in dst:
-        n = len(axes)
-        while n and axes[n - 1] not in have:
-            n -= 1
-        mid.append(tuple(axes[:n]))
-    mid = tuple(mid)
-    return [mid, dst] if mid not in (src, dst) else [dst]
+    want = {a for axes in dst for a in axes}
+    if want <= have and _finer(dst, src, axis_size):  # coarser: a permute where axes move, the all-gathers
+        return [dst]
+    kept = tuple(tuple(a for a in axes if a in want) for axes in src)
+    placed = tuple(tuple(a for a in axes if a in have) for axes in dst)
+    route = [kept]
+    if not _finer(kept, placed, axis_size):
+        walk = _walk(kept, placed, axis_size)
+        if walk is None:
+            route.append(tuple(_common(k, p) for k, p in zip(kept, placed)))
+        else:
+            route += [layout for layout, _ in walk]
+    route += [placed, dst]
+    out = []
+    for stage in route:
+        if stage != (out[-1] if out else src):
+            out.append(stage)
+    return out
 
+
+def _common(a: tuple, b: tuple) -> tuple:
+    """The leading axes `a` and `b` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]

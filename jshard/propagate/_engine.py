@@ -394,11 +394,12 @@ class Engine:
             comms += moved
             if not moved and any(want) and best_fit is None:
                 best_fit = j
-        partial = tuple(x for fac in sorted(f.reduced) for x in a.get(fac, ()))
-        if partial:
-            for d, v in zip(f.outputs, outs):
-                spec = write_spec(d, a, f.sizes, self.axis_size)
-                comms.append(Comm("all-reduce", local_bytes(*array_of(v), spec, self.axis_size), partial))
+        # One all-reduce per cut reduced factor, over its axes: XLA sums the partial results of each
+        # reduced dim on its own (two cut dims of a reduce or a contraction: two all-reduces).
+        partial = [tuple(a[fac]) for fac in sorted(f.reduced) if a.get(fac)]
+        for d, v in zip(f.outputs, outs) if partial else ():
+            spec = write_spec(d, a, f.sizes, self.axis_size)
+            comms += [Comm("all-reduce", local_bytes(*array_of(v), spec, self.axis_size), axes) for axes in partial]
         seconds = node.weight * sum(self.cost.time(c, self.axis_size) for c in comms)
         cut = math.prod(self.axis_size[x] for axes in a.values() for x in axes)
         compute = node.weight * f.flops / cut / self.cost.flops
@@ -445,20 +446,34 @@ def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping
                        priced=lambda v: False) -> None:
     """Charges the redistribution into each sharding constraint (a `shard` call's input arriving
     in another layout: an argument laid out by `in_strategy`) to the first operator that uses the
-    constraint's result, unless `priced(input)` says its maker already paid it. Constraints are
-    no operators of the `Plan`, and XLA moves the value all the same."""
+    constraint's result (else the one that made its input), unless `priced(input)` says its maker
+    already paid it. Constraints are no operators of the `Plan`, and XLA moves the value all the
+    same."""
     users: dict = collections.defaultdict(list)
+    makers = {}
     for j in sorted(result.decisions):
         for v in operand_vars(nodes[j])[0]:
             if isinstance(v, jcore.Var):
                 users[v].append(j)
+        if nodes[j].primitive != CONSTRAINT:
+            makers.update((v, j) for v in nodes[j].outputs)
+
+    def first_user(v):
+        """The first operator that takes `v`, through constraints that take it first (a `shard`
+        call with no operator of its own, as a reshape to the same shape)."""
+        direct = next((j for j in users.get(v, ()) if nodes[j].primitive != CONSTRAINT), None)
+        if direct is not None:
+            return direct
+        return next((j for c in users.get(v, ()) if (j := first_user(nodes[c].outputs[0])) is not None), None)
+
     for i, node in enumerate(nodes):
         v = node.inputs[0] if node.primitive == CONSTRAINT else None
         if not isinstance(v, jcore.Var) or v not in result.values or priced(v):
             continue
         out = node.outputs[0]
         src, dst = result.values[v], result.values.get(out)
-        j = next((j for j in users.get(out, ()) if nodes[j].primitive != CONSTRAINT), None)
+        j = first_user(out)
+        j = makers.get(v) if j is None else j  # no operator after it: the one that made the value pays
         if dst is None or src == dst or j is None:
             continue
         d = result.decisions[j]
@@ -506,9 +521,9 @@ def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, i
 def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], alltoall: bool = True) -> Emission:
     """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
     implied by the inputs), and inputs an operator receives in another layout than they were made
-    (with the value pinned where it is made too), in the `stages` the cost model prices (without
-    `alltoall`, a move that would be an all-to-all, a `shard` call's too, through its gathered
-    layout: `jshard.cost.gathered_layout`). A value whose
+    (with the value pinned where it is made too), in the `stages` the cost model prices; a `shard`
+    call's own constraint is reached through the same stages (without `alltoall`, a move that would
+    be an all-to-all goes through its gathered layout: `jshard.cost.gathered_layout`). A value whose
     type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
     JAX's own `reshard`s move it."""
     outputs, inputs, communicated = {}, {}, set()
@@ -518,10 +533,7 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
         if node.primitive == CONSTRAINT:
             v = node.inputs[0]
             if isinstance(v, jcore.Var) and v in result.values and typed_spec(v.aval) is None:
-                route = [] if alltoall else stages(result.values[v], d.out_specs[0], axis_size, alltoall=False)
-                if len(route) > 1:  # the constraint's own move would be an all-to-all: gathered first
-                    inputs[(id(node.eqn), 0)] = tuple(route[:-1])
-                if moves(v, d.out_specs[0]):
+                if moves(v, d.out_specs[0]):  # its route's stages: below
                     communicated.add(node.outputs[0])
             continue
         if not d.implied:
@@ -539,6 +551,15 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
                 outputs[v] = result.values[v]  # pin the value where it is made, or XLA may move the cut upstream
                 if moves(v, d.in_specs[k]):
                     communicated.add((id(node.eqn), k))
+    for node in nodes:  # a `shard` call's input arriving in another layout: through the stages too
+        v = node.inputs[0] if node.primitive == CONSTRAINT else None
+        if not isinstance(v, jcore.Var) or v not in result.values or typed_spec(v.aval) is not None:
+            continue
+        src, dst = result.values[v], result.values.get(node.outputs[0])
+        route = stages(src, dst, axis_size, alltoall) if dst is not None else []
+        if len(route) > 1:
+            inputs[(id(node.eqn), 0)] = tuple(route[:-1])
+            outputs[v] = src
     return Emission(outputs, inputs, frozenset(communicated))
 
 

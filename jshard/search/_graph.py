@@ -299,7 +299,7 @@ class SearchGraph:
             return 0.0
         f = u.factors
         seconds = 0.0
-        partial = tuple(x for fac in sorted(f.reduced) if fac in u.own for x in a.get(fac, ()))
+        partial = [tuple(a[fac]) for fac in sorted(f.reduced) if fac in u.own and a.get(fac)]  # one all-reduce each
         if partial:
             n_in = len(f.inputs)
             outs = self.table.vars[u.node][1]
@@ -307,8 +307,8 @@ class SearchGraph:
                 if pos >= n_in:
                     v = outs[pos - n_in]
                     shape, itemsize = array_of(v)
-                    comm = Comm("all-reduce", local_bytes(shape, itemsize, self.spec(k, pos, a), self.axis_size), partial)
-                    seconds += self.cost.time(comm, self.axis_size)
+                    payload = local_bytes(shape, itemsize, self.spec(k, pos, a), self.axis_size)
+                    seconds += sum(self.cost.time(Comm("all-reduce", payload, axes), self.axis_size) for axes in partial)
         if u.flops:
             cut = math.prod(self.axis_size[x] for fac in u.own for x in a.get(fac, ()))
             seconds += u.flops / cut / self.cost.flops
