@@ -560,7 +560,7 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
         if len(route) > 1:
             inputs[(id(node.eqn), 0)] = tuple(route[:-1])
             outputs[v] = src
-    return Emission(outputs, inputs, frozenset(communicated))
+    return Emission(outputs, inputs, communicated=frozenset(communicated))
 
 
 _REDUCTIONS = ("all-reduce", "reduce-scatter")
