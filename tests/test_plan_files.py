@@ -174,3 +174,18 @@ def test_nothing_in_a_file_is_executed(tmp_path):
     with pytest.raises(js.ShardingError, match=r"is not a text file \(byte 0 is not UTF-8\)"):
         js.Plan.load(path)
     assert not _Payload.target.exists()
+
+
+def test_a_plan_on_named_layout_axes_rebuilds_without_its_strategies(tmp_path):
+    """A plan whose mesh the user's Layouts named (dp, mp_0, mp_1) is rebuilt on that mesh, names
+    and all, from the file alone (no in_strategy given again)."""
+    lay = js.Layout((2, 4), ("dp", "mp"))
+    x, w1, w2 = ARGS
+    made = js.parallelize(_grad, devices=8, in_strategy=(lay("dp", "None"), lay("None", "mp"), None)).plan(x, w1, w2)
+    assert set(made.fine.names) == {"dp", "mp_0", "mp_1"}
+    made.save(tmp_path / "plan.json")
+    rebuilt = js.parallelize(_grad, devices=8, plan=js.Plan.load(tmp_path / "plan.json"))
+    assert rebuilt.plan(x, w1, w2).fine.names == made.fine.names
+    for got, want in zip(rebuilt(x, w1, w2), jax.jit(_grad)(x, w1, w2)):
+        tolerance = 64 * np.finfo(np.float32).eps * float(np.max(np.abs(want)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=tolerance)

@@ -508,8 +508,9 @@ def _check_axis_names(layout: TensorLayout, mesh: Mesh | None, who: str, call: s
 
 
 def _fine_mesh(c: Options, n: int, needed, call: str) -> tuple[FineMesh, dict]:
-    """The user's mesh as it is (its axes and names), or jshard's own, refined for `needed`, its
-    axes named as the user's `Layout`s name them; and those names (`axis_names`)."""
+    """The user's mesh as it is (its axes and names), a loaded plan's (as it was made and named), or
+    jshard's own, refined for `needed`, its axes named as the user's `Layout`s name them; and those
+    names (`axis_names`)."""
     if c.mesh is not None:
         users = FineMesh.of_mesh(c.mesh)
         for matrix, who, _ in needed:
@@ -517,6 +518,8 @@ def _fine_mesh(c: Options, n: int, needed, call: str) -> tuple[FineMesh, dict]:
                 raise ShardingError(_users_mesh_error(call, matrix, who, c))
         return users, {}
     names = axis_names([(m, a, w) for m, w, a in needed if a is not None], call)
+    if c.plan is not None and c.plan.fine.device_count == n:  # a loaded plan: the mesh it was made on, as named
+        return c.plan.fine, names
     fine = FineMesh.for_devices(n)
     if not all(fine.fits(m) for m, _, _ in needed):
         fine = FineMesh.refining(n, [m for m, _, _ in needed], [w for _, w, _ in needed], call=call)
