@@ -312,6 +312,13 @@ class _Job:
         record = read_failure(self.failures, worker.rank)
         return record is not None and PEER_LOST.search(f"{record['type']}: {record['message']}") is not None
 
+    def _why(self, worker: _Worker) -> str:
+        """A worker's failure in a few words: its exception's type and message, else its exit status."""
+        record = read_failure(self.failures, worker.rank)
+        if record is not None and record["type"] != "SystemExit":
+            return f"{record['type']}: {record['message'][:160]}"
+        return f"exit status {_status(worker.proc.returncode)}"
+
     def _failed_at(self, worker: _Worker) -> float:
         """When a worker failed: its failure record's time, else when the launcher saw it exit."""
         record = read_failure(self.failures, worker.rank)
@@ -338,6 +345,10 @@ class _Job:
                      f"--worker-num {self.args.worker_num} processes reached the coordinator {self.coordinator}. "
                      "Start every node (jshard launch with the same --worker-num, --master-addr and --master-port, "
                      "each with its --node-rank), and check that node 0 is reachable.")
+        after = [w for w in self.workers if w is not failed and w not in running and w.proc.returncode not in (None, 0)]
+        if after:  # failed too, most likely because `failed` did (a peer gone)
+            self.say(f"also failed on this node (after rank {failed.rank}, a consequence where a peer went away): "
+                     + ", ".join(f"rank {w.rank} ({self._why(w)})" for w in after))
         if running:
             self.say(f"stopping the other {len(running)} worker(s) on this node: ranks "
                      f"{', '.join(str(w.rank) for w in running)}")

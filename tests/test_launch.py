@@ -85,6 +85,7 @@ def test_the_cause_is_named_not_the_peer_that_noticed_it(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "jshard launch: rank 1 was killed by SIGKILL" in err and "exit status 137 (rank 1)" in err
     assert "rank 0 raised" not in err
+    assert "also failed on this node (after rank 1, a consequence where a peer went away): rank 0 (RuntimeError: " in err
 
 
 def test_a_peer_failure_alone_is_reported_when_no_cause_shows(tmp_path, capsys):
