@@ -16,9 +16,12 @@ LAYERS, ROWS, D, F = 4, 2048, 64, 256
 """Blocks, batch rows, model width and hidden width: activations outweigh the weights."""
 
 
-def _block(name=lambda y: y):
-    col = js.shard(jnp.matmul, in_strategy=((2, 1), (1, 4)))  # w1's columns over mp = 4, rows over dp = 2
-    row = js.shard(jnp.matmul, in_strategy=((2, 4), (4, 1)))  # w2's rows: partial sums, all-reduced
+def megatron_block(name=lambda y: y):
+    """A Megatron block `tanh(gelu(x @ w1) @ w2) + x` on a 2 x 4 device matrix: w1's columns over
+    mp = 4 and x's rows over dp = 2, w2's rows (partial sums, all-reduced); `name` wraps the reduced
+    value (e.g. `checkpoint_name`). tanh's backward needs that reduced value."""
+    col = js.shard(jnp.matmul, in_strategy=((2, 1), (1, 4)))
+    row = js.shard(jnp.matmul, in_strategy=((2, 4), (4, 1)))
 
     def block(w1, w2, x):
         return jnp.tanh(name(row(jax.nn.gelu(col(x, w1)), w2))) + x
@@ -26,9 +29,10 @@ def _block(name=lambda y: y):
     return block
 
 
-def _grad(layer):
+def stacked_grad(layer, layers: int = LAYERS):
+    """The gradient in (w1, w2) of the mean square of `layers` applications of `layer(w1, w2, x)`."""
     def loss(w1, w2, x):
-        for _ in range(LAYERS):
+        for _ in range(layers):
             x = layer(w1, w2, x)
         return (x**2).mean()
 
@@ -36,11 +40,12 @@ def _grad(layer):
 
 
 WRAPS = (
-    ("none (no recompute)", lambda: _block()),
-    ("jshard.recompute(block) (mp_comm_recompute=True)", lambda: js.recompute(_block())),
-    ("jshard.recompute(block, mp_comm_recompute=False)", lambda: js.recompute(_block(), mp_comm_recompute=False)),
+    ("none (no recompute)", lambda: megatron_block()),
+    ("jshard.recompute(block) (mp_comm_recompute=True)", lambda: js.recompute(megatron_block())),
+    ("jshard.recompute(block, mp_comm_recompute=False)", lambda: js.recompute(megatron_block(), mp_comm_recompute=False)),
     ("by hand: checkpoint_name + save_only_these_names", lambda: jax.checkpoint(
-        _block(lambda y: checkpoint_name(y, "reduced")), policy=jax.checkpoint_policies.save_only_these_names("reduced"))),
+        megatron_block(lambda y: checkpoint_name(y, "reduced")),
+        policy=jax.checkpoint_policies.save_only_these_names("reduced"))),
 )
 
 
@@ -49,10 +54,10 @@ def comm_recompute_table(devices: int = 8) -> Table:
     keys = jax.random.split(jax.random.key(0), 3)
     args = (jax.random.normal(keys[0], (D, F)) / D**0.5, jax.random.normal(keys[1], (F, D)) / F**0.5,
             jax.random.normal(keys[2], (ROWS, D)))
-    want = jax.jit(_grad(_block()))(*args)
+    want = jax.jit(stacked_grad(megatron_block()))(*args)
     rows = []
     for name, wrap in WRAPS:
-        step = js.parallelize(_grad(wrap()), devices=devices, mode="semi_auto")
+        step = js.parallelize(stacked_grad(wrap()), devices=devices, mode="semi_auto")
         compiled = step.lower(*args).compile()
         audit = js.audit(compiled)
         diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(step(*args), want))

@@ -24,10 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-MESHES = ({"d0": 2, "d1": 2, "d2": 2}, {"d0": 4, "d1": 2}, {"d0": 2, "d1": 4})
-"""The meshes layout pairs are drawn over: 8 devices as three axes of 2, and two of unequal sizes."""
-
-
 def _programs(count: int, seed: int, modes) -> list:
     """`count` programs drawn by hypothesis from `seed` (the same draw for the same arguments)."""
     from _programs import programs
@@ -110,31 +106,14 @@ def check_program(program) -> tuple[str, str]:
 
 
 def check_pair(shape, src, dst, mesh: dict[str, int]) -> tuple[str, str]:
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
+    """(outcome, detail) of one layout pair, compiled and priced as `test_property` does."""
+    from test_property import compiled_and_priced
 
-    import jshard as js
-    from jshard.cost import redistribution, stages
-
-    sizes = dict(mesh)
-    mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
-    spec = lambda s: jax.sharding.NamedSharding(mesh, P(*(a or None for a in s)))
-
-    def reshard(x):
-        for stage in stages(src, dst, sizes):
-            x = jax.lax.with_sharding_constraint(x, spec(stage))
-        return x
-
-    compiled = jax.jit(reshard, in_shardings=spec(src), out_shardings=spec(dst)).lower(jnp.zeros(shape)).compile()
-    got = {k: b for k, (_, b) in js.audit(compiled).by_kind().items()}
-    predicted = collections.Counter()
-    for comm in redistribution(shape, 4, src, dst, sizes):
-        predicted[comm.kind] += comm.bytes
+    got, predicted = compiled_and_priced(shape, src, dst, dict(mesh))
     bad = sorted(k for k in set(got) | set(predicted) if abs(got.get(k, 0) - predicted.get(k, 0)) > 0.02 * max(
         got.get(k, 0), predicted.get(k, 0)))
     if bad:
-        return "bytes " + ",".join(bad), f"predicted {dict(predicted)}, compiled {got}"
+        return "bytes " + ",".join(bad), f"predicted {predicted}, compiled {got}"
     return "ok", ""
 
 
@@ -150,6 +129,7 @@ def main(argv=None) -> int:
 
     jshard.simulate_devices(8)
     import jax
+    from test_property import MESHES  # the meshes layout pairs are drawn over, as the tests draw them
 
     jax.config.update("jax_numpy_rank_promotion", "raise")
     start = time.perf_counter()

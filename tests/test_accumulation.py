@@ -52,11 +52,27 @@ def _compiled(k: int, shard: bool):
     return step, step.lower(params, state, batches[0]).compile()
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["carry-as-gradient", "carry-cut"])
-def test_four_micro_batches_equal_the_full_batch_on_one_device(shard):
+def _two_d(**options):
+    """The step under the 2-D preset (dp=2, mp=4) with `jshard.accumulate` over 2 micro-batches: the
+    weights laid out over mp by the preset's rules, their optimizer state alike, the batch over dp."""
     params, state, batches = _problem()
-    step, _ = _compiled(4, shard)
-    got_params, got_state, got_losses = run_steps(step, params, state, batches)
+    preset = models.preset("2d", 8)
+    p_strats = preset.parameters(params, models.GPT_RULES)
+    s_strats = models.state_strategies(p_strats, params, state)
+
+    def step(params, state, batch):
+        loss, grads = js.accumulate(jax.value_and_grad(lambda p, b: models.gpt_loss(p, b, CFG, preset)))(params, batch)
+        updates, state = OPT.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    return js.parallelize(step, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
+                          out_strategy=(p_strats, s_strats, None), accumulation_steps=2, **options)
+
+
+def _assert_equals_one_device(par, params, state, batches):
+    """`STEPS` steps of `par` give the losses, parameters and optimizer state of the full-batch step
+    on one device."""
+    got_params, got_state, got_losses = run_steps(par, params, state, batches)
     ref_params, ref_state, ref_losses = _reference()
     terms = STEPS * step_terms(params, batches[0])
     assert_close(got_losses, ref_losses, dtype=np.float32, terms=terms)
@@ -64,55 +80,33 @@ def test_four_micro_batches_equal_the_full_batch_on_one_device(shard):
     assert_close(got_state, ref_state, terms=terms)
 
 
+@pytest.mark.parametrize("shard", [False, True], ids=["carry-as-gradient", "carry-cut"])
+def test_four_micro_batches_equal_the_full_batch_on_one_device(shard):
+    params, state, batches = _problem()
+    _assert_equals_one_device(_compiled(4, shard)[0], params, state, batches)
+
+
 def test_tensor_parallel_inside_cuts_the_accumulator_over_the_free_axis_and_equals_one_device():
     """The 2-D preset (dp=2, mp=4) lays the weights out over mp; `accumulation_shard` cuts their
     accumulated gradients over dp too, and 2 micro-batches equal the full batch on one device."""
     params, state, batches = _problem()
-    preset = models.preset("2d", 8)
-    p_strats = preset.parameters(params, models.GPT_RULES)
-    s_strats = models.state_strategies(p_strats, params, state)
-
-    def step(params, state, batch):
-        loss, grads = js.accumulate(jax.value_and_grad(lambda p, b: models.gpt_loss(p, b, CFG, preset)))(params, batch)
-        updates, state = OPT.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
-    par = js.parallelize(step, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
-                         out_strategy=(p_strats, s_strats, None), accumulation_steps=2, accumulation_shard=True)
+    par = _two_d(accumulation_shard=True)
     # w_up [64, 256]: mp (d1, d2) cuts its columns; the accumulator adds dp (d0) on the rows, and each
     # micro-batch's gradient is reduce-scattered onto them over dp alone (a group of 2 devices)
     report = js.audit(par.lower(params, state, batches[0]).compile())
     assert report.count("reduce-scatter") > 0 and {c.group_size for c in report.collectives
                                                    if c.kind == "reduce-scatter"} == {2}
-    got_params, got_state, got_losses = run_steps(par, params, state, batches)
-    ref_params, ref_state, ref_losses = _reference()
-    terms = STEPS * step_terms(params, batches[0])
-    assert_close(got_losses, ref_losses, dtype=np.float32, terms=terms)
-    assert_close(got_params, ref_params, terms=terms)
+    _assert_equals_one_device(par, params, state, batches)
 
 
 def test_tensor_parallel_inside_the_reduce_once_loop_equals_one_device():
     """The 2-D preset (dp=2, mp=4): the micro-batch loop runs manual over dp alone, its `shard`
     annotations keep their mp cuts inside (dp taken out), and the step equals one device."""
     params, state, batches = _problem()
-    preset = models.preset("2d", 8)
-    p_strats = preset.parameters(params, models.GPT_RULES)
-    s_strats = models.state_strategies(p_strats, params, state)
-
-    def step(params, state, batch):
-        loss, grads = js.accumulate(jax.value_and_grad(lambda p, b: models.gpt_loss(p, b, CFG, preset)))(params, batch)
-        updates, state = OPT.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
-    par = js.parallelize(step, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
-                         out_strategy=(p_strats, s_strats, None), accumulation_steps=2)
+    par = _two_d()
     text = par.lower(params, state, batches[0]).as_text()
     assert 'sdy.manual_computation' in text and 'manual_axes={"dp"}' in text
-    got_params, got_state, got_losses = run_steps(par, params, state, batches)
-    ref_params, ref_state, ref_losses = _reference()
-    terms = STEPS * step_terms(params, batches[0])
-    assert_close(got_losses, ref_losses, dtype=np.float32, terms=terms)
-    assert_close(got_params, ref_params, terms=terms)
+    _assert_equals_one_device(par, params, state, batches)
 
 
 def test_micro_batches_hold_less_temporary_memory_than_the_full_batch():

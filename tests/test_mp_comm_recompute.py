@@ -15,27 +15,15 @@ from _tolerance import assert_close, step_terms
 from jax.ad_checkpoint import checkpoint_name
 
 import jshard as js
+from benchmarks._comm_recompute import megatron_block, stacked_grad
 
 LAYERS, ROWS, D, F = 2, 64, 32, 64
-col = js.shard(jnp.matmul, in_strategy=((2, 1), (1, 4)))  # Megatron: columns of w1 cut over mp = 4
-row = js.shard(jnp.matmul, in_strategy=((2, 4), (4, 1)))  # rows of w2: partial sums, all-reduced
-
-
-def block(w1, w2, x):
-    return jnp.tanh(row(jax.nn.gelu(col(x, w1)), w2)) + x  # tanh's backward needs the reduced value
-
-
-def by_hand(w1, w2, x):
-    return jnp.tanh(checkpoint_name(row(jax.nn.gelu(col(x, w1)), w2), "reduced")) + x
+block = megatron_block()  # table 14's block, on fewer and smaller layers
+by_hand = megatron_block(lambda y: checkpoint_name(y, "reduced"))
 
 
 def _grad(layer):
-    def loss(w1, w2, x):
-        for _ in range(LAYERS):
-            x = layer(w1, w2, x)
-        return (x**2).sum()
-
-    return jax.grad(loss, argnums=(0, 1))
+    return stacked_grad(layer, LAYERS)
 
 
 WRAPS = {
@@ -124,7 +112,7 @@ def test_bad_mp_comm_recompute_and_no_constraints_to_keep_raise():
         js.recompute(block, mp_comm_recompute="no")
     step = js.parallelize(_grad(js.recompute(block, mp_comm_recompute=False)), devices=8, propagation="xla")
     with pytest.raises(js.ShardingError, match=r"jshard.parallelize\(loss\): jshard.recompute\(\.\.\., mp_comm_recompute=False\) at "
-                                               r".*test_mp_comm_recompute.py:\d+:\d+ \(block\) keeps "
+                                               r".*_comm_recompute.py:\d+:\d+ \(megatron_block\.<locals>\.block\) keeps "
                                                r"the results of the collectives jshard's constraints make, but with "
                                                r"propagation='xla' jshard places none .* or mp_comm_recompute=True"):
         step.lower(*_args())
@@ -138,7 +126,7 @@ def test_a_scan_over_layers_cannot_keep_and_says_so():
 
     step = js.parallelize(jax.grad(loss, argnums=(0, 1)), devices=8, mode="semi_auto")
     with pytest.raises(js.ShardingError, match=r"mp_comm_recompute=False\): the backward pass runs the region at "
-                                               r".*test_mp_comm_recompute.py:\d+:\d+ \(block\) again where its forward "
+                                               r".*_comm_recompute.py:\d+:\d+ \(megatron_block\.<locals>\.block\) again where its forward "
                                                r"pass's values are out of reach .* Call the layers in a Python loop, "
                                                r"or use mp_comm_recompute=True"):
         step.lower(*_args())

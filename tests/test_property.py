@@ -195,7 +195,7 @@ RESHARDS = [
 MESHES = ({"d0": 2, "d1": 2, "d2": 2}, {"d0": 4, "d1": 2}, {"d0": 2, "d1": 4})
 
 
-def _reshard(shape, src, dst, sizes) -> tuple[dict, dict]:
+def compiled_and_priced(shape, src, dst, sizes) -> tuple[dict, dict]:
     """`(compiled, predicted)`: each kind's bytes per device of `src` -> `dst` over a mesh of `sizes`,
     compiled through the `stages` the engine constrains, and as `redistribution` prices them."""
     mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes), axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
@@ -218,7 +218,7 @@ def _reshard(shape, src, dst, sizes) -> tuple[dict, dict]:
 def test_redistribution_is_what_xla_emits(shape, src, dst, want):
     """`redistribution` prices each kind as the compiled resharding moves it, through the `stages`
     the engine constrains."""
-    got, predicted = _reshard(shape, src, dst, MESHES[0])
+    got, predicted = compiled_and_priced(shape, src, dst, MESHES[0])
     assert got == want
     assert predicted == want
 
@@ -254,5 +254,5 @@ def layout_pairs(draw):
 @example(((4, 4, 8), ((), ("d0",), ("d1",)), ((), ("d1",), ("d0",)), MESHES[2]))
 def test_any_layout_pair_is_priced_as_compiled(pair):
     shape, src, dst, sizes = pair
-    got, predicted = _reshard(shape, src, dst, sizes)
+    got, predicted = compiled_and_priced(shape, src, dst, sizes)
     assert got == predicted, f"{src} -> {dst} through {stages(src, dst, sizes)}"

@@ -10,6 +10,7 @@ compare figure for figure.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -269,8 +270,14 @@ def _without_all_to_all(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> S
     mid = gathered_layout(src, dst)
     if mid is None or mid == src:
         return None
-    route = redistribution((1,) * len(src), 1, src, dst, axis_size)
-    return mid if any(c.kind == "all-to-all" for c in route) else None
+    return mid if _takes_all_to_all(src, dst, tuple(axis_size.items())) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _takes_all_to_all(src: Spec, dst: Spec, sizes: tuple[tuple[str, int], ...]) -> bool:
+    """Whether the move from `src` to `dst` (all-to-alls on) has an all-to-all, priced once per
+    pair and mesh: the route is the same for every shape."""
+    return any(c.kind == "all-to-all" for c in redistribution((1,) * len(src), 1, src, dst, dict(sizes)))
 
 
 def stages(src: Spec, dst: Spec, axis_size: Mapping[str, int], alltoall: bool = True) -> list[Spec]:
