@@ -31,7 +31,9 @@ LAYOUTS = {"loop_gpt": ("given", "default"), "linen_lm": ("given", "default"), "
 """The zoo's models, each with the batch layouts it is measured with (`given`: as the expert lays the
 batch; `default`: left to jshard's dataset strategy)."""
 MODELS = tuple(LAYOUTS)
-PLANS = ("expert", "jshard", "shardy")
+PLANS = ("expert", "jshard", "shardy", "search")
+"""The author's `jax.jit`; jshard's and Shardy's propagation from the model's anchors
+(`mode="semi_auto"`); jshard's search (`mode="auto"`, the recursive search, the anchors kept)."""
 WORSE = "🔴 **WORSE**"
 """The marker of a jshard row that misses a target (GitHub renders the circle red)."""
 
@@ -93,17 +95,18 @@ def measure(name: str, layout: str, plan: str) -> Row:
             if plan == "expert":
                 compiled = c.expert()
             else:
-                step = js.parallelize(c.step, mode="semi_auto", propagation="jshard" if plan == "jshard" else "xla",
-                                      **c.options[layout])
-                compiled = step.lower(*c.args[layout]).compile()
+                mode = {"jshard": {"mode": "semi_auto"}, "shardy": {"mode": "semi_auto", "propagation": "xla"},
+                        "search": {"mode": "auto"}}[plan]
+                compiled = js.parallelize(c.step, **mode, **c.options[layout]).lower(*c.args[layout]).compile()
             outputs = jax.device_get(compiled(*jax.device_put(c.args[layout], compiled.input_shardings[0])))
     except Exception as e:  # a plan that fails is a row of the report, not the end of the run
         return Row(name, layout, plan, None, error=error_line(e))
     return Row(name, layout, plan, js.audit(compiled), outputs)
 
 
-def zoo_table(models: tuple[str, ...] = MODELS) -> Table:
-    """The zoo table: per model, the expert row, then jshard's and Shardy's per batch layout."""
+def zoo_table(models: tuple[str, ...] = MODELS, search: bool = True) -> Table:
+    """The zoo table: per model, the expert row, then jshard's and Shardy's per batch layout, then
+    (with `search`) the search's with the batch given."""
     cells = []
     for name in models:
         c = case(name)
@@ -113,6 +116,8 @@ def zoo_table(models: tuple[str, ...] = MODELS) -> Table:
             shardy = measure(name, layout, "shardy")
             cells.append(_cells(c, measure(name, layout, "jshard"), expert, shardy))
             cells.append(_cells(c, shardy, expert, None))
+        if search:
+            cells.append(_cells(c, measure(name, "given", "search"), expert, measure(name, "given", "shardy")))
     return Table(
         "15. The zoo: models jshard was not shaped on, against their authors' expert plans and Shardy",
         f"jshard's compiled collective bytes <= Shardy's from the same anchors and <= {1 + EXPERT_SLACK:g}x the "
@@ -126,6 +131,9 @@ def zoo_table(models: tuple[str, ...] = MODELS) -> Table:
          "its explicitly sharded state; eqx_vit's `device_put` of its pytree by its path rule; linen_resnet's data "
          "parallel). jshard / Shardy: `parallelize(step, mode='semi_auto', propagation='jshard' / 'xla')` with the "
          "model's own anchors (`shard` tuples, logical constraints, `out_sharding`s, `with_sharding_constraint`s).",
+         "jshard search: `mode='auto'` (the recursive search, no memory budget), the model's anchors kept; its "
+         "ratio to Shardy is to Shardy's propagation with the batch given. Not held to the targets: with no budget "
+         "it may trade memory for bytes (see peak).",
          "batch given: the arguments placed as the expert places them (loop_gpt: `in_strategy=(None, (2, 1))`); "
          "default: the batch left to jshard's dataset strategy. nnx_gqa creates its batch sharded on Explicit axes "
          "and linen_resnet's expert is data parallel, so they have no default row.",
@@ -137,7 +145,7 @@ def zoo_table(models: tuple[str, ...] = MODELS) -> Table:
 
 def _cells(c: Case, row: Row, expert: Row, shardy: Row | None, style: str = "") -> tuple[str, ...]:
     """One row's cells (the model's style on its first row only)."""
-    label = {"expert": "expert jax.jit", "jshard": "jshard", "shardy": "Shardy"}[row.plan]
+    label = {"expert": "expert jax.jit", "jshard": "jshard", "shardy": "Shardy", "search": "jshard search"}[row.plan]
     head = (c.name, style, row.layout, label)
     if row.audit is None:
         return (*head, f"failed: {row.error}", "-", "-", "-", "-", WORSE if row.plan == "jshard" else "")
