@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 from jax.extend import core as jcore
+from jax.sharding import AbstractMesh, NamedSharding
 
 from jshard._errors import ShardingError
 from jshard._format import shape_str
@@ -86,10 +87,22 @@ class Cut:
             env.update(zip(self._crossing[k - 1], inputs))
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
         for op in self.ops[k]:
-            params = op.eqn.primitive.get_bind_params(op.eqn.params)
-            out = op.eqn.primitive.bind(*map(read, op.inputs), **params)
+            out = _bind(op.eqn, map(read, op.inputs))
             env.update(zip(op.outputs, out if op.eqn.primitive.multiple_results else [out]))
         return [read(v) for v in (self._crossing[k] if k < self.stages - 1 else (self._loss,))]
+
+
+def _bind(eqn, args):
+    """`eqn` applied to `args`. A `jshard.shard` constraint, traced over one stage's devices, is
+    bound over the mesh in context (inside the pipeline's `shard_map`, the stage's own automatic
+    axes), so that its strategy holds on whichever stage runs it."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    sharding = params.get("sharding") if eqn.primitive.name == "sharding_constraint" else None
+    if isinstance(sharding, NamedSharding) and not isinstance(sharding.mesh, AbstractMesh):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.manual_axes:
+            params = {**params, "sharding": NamedSharding(mesh, sharding.spec), "context_mesh": mesh}
+    return eqn.primitive.bind(*args, **params)
 
 
 def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline.cut") -> Cut:

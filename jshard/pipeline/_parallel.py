@@ -311,12 +311,23 @@ class Staged:
     def _entry(self, params, batch) -> _StagedEntry:
         return self._cache.get((params, batch), lambda: self._build(params, batch))
 
-    def _data_axes(self) -> tuple[str, ...]:
+    def _data_axes(self, params, batch) -> tuple[str, ...]:
+        """The stage's axes its micro-batches' rows are cut over, each device running its own rows:
+        all of them under `dataset_strategy="data_parallel"`, none where the step calls
+        `jshard.shard` (its strategies then lay out each stage over the stage's axes)."""
         data = self.options.dataset_strategy == "data_parallel" and self.inner.device_count > 1
-        return tuple(self.inner.names) if data else ()
+        return tuple(self.inner.names) if data and not self._shard_calls(params, batch) else ()
+
+    def _shard_calls(self, params, batch) -> int:
+        """How many `jshard.shard` calls the step makes (traced once, shapes only)."""
+        stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
+        ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto")
+        with _context.tracing(ctx):
+            jax.eval_shape(self.fn, abstract(params), abstract(batch))
+        return len(ctx.annotations)
 
     def _build(self, params, batch) -> _StagedEntry:
-        c, data_axes = self.pipeline, self._data_axes()
+        c, data_axes = self.pipeline, self._data_axes(params, batch)
         d = self.inner.device_count if data_axes else 1
         _check_batch(self.call, batch, c.micro_batches, d)
         leaves, treedef = jax.tree_util.tree_flatten(abstract(params))
@@ -340,19 +351,13 @@ class Staged:
         return e
 
     def _cut(self, params, micro):
-        """The cut of `fn` on one device's micro-batch; `jshard.shard` calls inside are refused
-        (strategies inside cut stages are not built yet)."""
+        """The cut of `fn` on one device's micro-batch, its `jshard.shard` calls traced over one
+        stage's devices: their strategies hold inside every stage (`Cut.run` binds them over the
+        stage's own axes)."""
         stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
         ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto", recompute=self.options.recompute)
         with _context.tracing(ctx):
             staged = cut(self.fn, params, micro, self.pipeline.stages, self.call)
-        if ctx.annotations:
-            raise ShardingError(
-                f"{self.call}: the step calls jshard.shard ({len(ctx.annotations)} call(s)) inside stages cut by "
-                f"jshard.pipeline_stage; strategies inside cut stages are not supported yet. Drop the shard calls "
-                f"(each stage then runs data parallel over its {self.inner.device_count} devices), or describe "
-                f"the model as a jshard.Pipeline, whose stages take strategies."
-            )
         return staged
 
 
@@ -410,9 +415,11 @@ def _check_staged(call: str, options: Options) -> None:
                             f"gradients, which a step cut by jshard.pipeline_stage tags does not do yet. Use "
                             f"schedule='gpipe' or '1f1b', or a jshard.Pipeline.")
     if options.in_strategy:
-        raise ShardingError(f"{call}: in_strategy= sets strategies inside the stages of a jshard.Pipeline; a step "
-                            f"cut by jshard.pipeline_stage tags runs its stages data parallel (strategies inside cut "
-                            f"stages are not supported yet). Drop in_strategy=, or use a jshard.Pipeline.")
+        raise ShardingError(f"{call}: in_strategy= sets strategies inside the stages of a jshard.Pipeline; a step cut "
+                            f"by jshard.pipeline_stage tags packs each stage's parameters into one buffer per dtype, "
+                            f"which takes no per-leaf strategy. Drop in_strategy= and give the operators strategies "
+                            f"with jshard.shard inside the stages (they hold on each stage's devices), or use a "
+                            f"jshard.Pipeline.")
 
 
 def _check_float_params(call: str, params: Any) -> None:

@@ -1,0 +1,86 @@
+"""Strategies, balance and search inside the stages of a step cut by `pipeline_stage` tags (or by
+the cost model where it has none): `jshard.shard` strategies hold on each stage's own devices, an
+untagged step is cut where the predicted per-stage times are most even, and `mode="auto"` searches
+each stage's strategy over its devices. Every result equals the unpipelined single-device step."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tolerance import assert_close, step_terms
+
+import jshard as js
+
+D, VOCAB, SEQ, LAYERS, ROWS = 32, 16, 8, 4, 16
+
+col = js.shard(jnp.matmul, in_strategy=((1, 1, 1), (1, 4)))  # Megatron: the up projection's columns over 4
+row = js.shard(jnp.matmul, in_strategy=((1, 1, 4), (4, 1)))  # the down projection's rows: a partial sum
+
+
+@functools.cache
+def _params() -> dict:
+    keys = iter(jax.random.split(jax.random.key(0), 2 + 2 * LAYERS))
+    dense = lambda a, b: jax.random.normal(next(keys), (a, b)) / np.sqrt(a)
+    return {"embed": jax.random.normal(next(keys), (VOCAB, D)) * 0.3, "head": dense(D, VOCAB),
+            "layers": [{"up": dense(D, 4 * D), "down": dense(4 * D, D)} for _ in range(LAYERS)]}
+
+
+@functools.cache
+def _batch() -> tuple:
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (ROWS, SEQ))
+    return tokens, np.roll(tokens, -1, axis=1)
+
+
+def _megatron(p, x):
+    return x + row(jax.nn.gelu(col(x, p["up"])), p["down"])
+
+
+def _loss(block, stage_of_layer=None):
+    """A tiny GPT-like loss; each part tagged with its stage where `stage_of_layer` is given."""
+    tag = (lambda fn, k: fn) if stage_of_layer is None else js.pipeline_stage
+    last = 0 if stage_of_layer is None else max(stage_of_layer)
+
+    def loss(params, batch):
+        tokens, targets = batch
+        x = tag(lambda e, t: e[t], 0)(params["embed"], tokens)
+        for i, lp in enumerate(params["layers"]):
+            x = tag(block, 0 if stage_of_layer is None else stage_of_layer[i])(lp, x)
+        logits = tag(lambda w, h: h @ w, last)(params["head"], x)
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1).mean()
+
+    return loss
+
+
+@functools.cache
+def _reference(block):
+    return jax.jit(jax.value_and_grad(_loss(block)))(_params(), _batch())
+
+
+def _groups(hlo: str, op: str) -> set[frozenset[int]]:
+    """The device groups of every `op` in compiled HLO text (explicit or iota replica groups)."""
+    out = set()
+    for m in re.finditer(rf"{op}\([^\n]*?replica_groups=(\{{[\d,{{}}]*\}}|\[[\d,]+\]<=\[\d+\])", hlo):
+        g = m.group(1)
+        if g.startswith("{"):
+            out |= {frozenset(map(int, x.split(","))) for x in re.findall(r"\{([\d,]+)\}", g)}
+        else:
+            shape, n = re.match(r"\[([\d,]+)\]<=\[(\d+)\]", g).groups()
+            rows = np.arange(int(n)).reshape([int(s) for s in shape.split(",")])
+            out |= {frozenset(r.tolist()) for r in rows.reshape(-1, rows.shape[-1])}
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_megatron_strategies_hold_inside_tagged_stages(schedule):
+    """8 devices, S=2: each stage's 4 devices run its blocks Megatron-style; loss and gradients equal
+    the unpipelined single-device step, and the compiled program all-reduces the row-parallel
+    partial sums over each stage's own 4 devices."""
+    step = js.parallelize(_loss(_megatron, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
+                          schedule=schedule)
+    params, batch = _params(), _batch()
+    assert_close(step(params, batch), _reference(_megatron), terms=step_terms(params, batch))
+    groups = _groups(step.compile(params, batch).as_text(), "all-reduce")
+    assert {frozenset(range(4)), frozenset(range(4, 8))} <= groups, groups
