@@ -84,3 +84,40 @@ def test_megatron_strategies_hold_inside_tagged_stages(schedule):
     assert_close(step(params, batch), _reference(_megatron), terms=step_terms(params, batch))
     groups = _groups(step.compile(params, batch).as_text(), "all-reduce")
     assert {frozenset(range(4)), frozenset(range(4, 8))} <= groups, groups
+
+
+def _plain(p, x):
+    return x + jax.nn.gelu(x @ p["up"]) @ p["down"]
+
+
+def test_an_untagged_step_is_cut_where_the_stages_balance():
+    """No tags, S=4: the cost model cuts between the blocks (each stage one block's parameters, the
+    embedding with the first, the head with the last), the stages' compute within 10% of each
+    other, and loss and gradients equal the unpipelined step."""
+    params, batch = _params(), _batch()
+    step = js.parallelize(_loss(_plain), devices=8, pipeline_stages=4, micro_batches=4)
+    assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))
+    c = step.program(params, batch).cut
+    leaves = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    assert [sorted(leaves[j] for j in idx) for idx in c.params] == [
+        ["['embed']", "['layers'][0]['down']", "['layers'][0]['up']"],
+        ["['layers'][1]['down']", "['layers'][1]['up']"], ["['layers'][2]['down']", "['layers'][2]['up']"],
+        ["['head']", "['layers'][3]['down']", "['layers'][3]['up']"]]
+    b = c.balance
+    assert not b.tagged and len(b.cuts) == 3 and b.imbalance < 1.1, b.summary()
+    assert all("(_plain)" in where for where in b.cuts), b.cuts  # each stage ends with a block's last add
+    one = ROWS // (4 * 2) * SEQ * D * 4  # one device's micro-batch (M=4, 2 devices a stage): what crosses
+    assert b.boundary_bytes == (one, one, one)
+    assert "cut by the cost model (no tags)" in b.summary()
+
+
+def test_unequal_tags_are_kept_and_their_imbalance_reported():
+    """Three blocks on stage 0, one and the head on stage 1: MindSpore's tags are kept as given,
+    and the balance report names stage 0 the slowest, with the compute ratio."""
+    params, batch = _params(), _batch()
+    step = js.parallelize(_loss(_plain, [0, 0, 0, 1]), devices=8, pipeline_stages=2, micro_batches=4)
+    b = step.program(params, batch).cut.balance
+    assert b.tagged and b.slowest == 0
+    assert b.flops[0] > 2.5 * b.flops[1] and b.imbalance > 1.4, b.summary()
+    assert re.search(r"stages as tagged \(pipeline_stage\): slowest stage 0, 1\.\d\dx the mean stage's compute",
+                     b.summary())

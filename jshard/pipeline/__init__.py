@@ -2,13 +2,15 @@
 
 `pipeline_stage(fn, k)` tags the parts of any step with their stage: `jshard.parallelize(step,
 pipeline_stages=S, micro_batches=M, schedule=...)` returns a `Staged` step, the step's forward loss
-`cut` into per-stage functions (`Cut`) run by a `StagedProgram` with each stage's parameters on its
+`cut` into per-stage functions (`Cut`; with no tags, where the cost model balances the stages,
+reported in its `StageBalance`) run by a `StagedProgram` with each stage's parameters on its
 own devices. `Pipeline` describes a model as first / layer stack / last (the fast path for identical
 layers); for it `parallelize` returns a `Pipelined` step (one `jax.jit` program per step, see
 `_engine.py` for why); its `plan` is a `PipelinePlan` with the `Schedule` table and picture,
 bubble, memory and boundary bytes.
 """
 
+from jshard.pipeline._balance import StageBalance as StageBalance
 from jshard.pipeline._cut import Cut as Cut
 from jshard.pipeline._cut import cut as cut
 from jshard.pipeline._model import Pipeline as Pipeline

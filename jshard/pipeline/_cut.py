@@ -30,7 +30,9 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jshard._errors import ShardingError
 from jshard._format import shape_str
 from jshard._source import user_source
+from jshard.cost import CostModel
 from jshard.graph import INLINE, distinct_calls, nested_jaxprs, resolve
+from jshard.pipeline._balance import StageBalance, balance, report
 
 STAGE_SCOPE = "jshard_pipeline_stage_"
 """The name scope `pipeline_stage(fn, k)` runs `fn` in, followed by `k`."""
@@ -60,6 +62,8 @@ class Cut:
       ops: per stage, its equations in program order.
       params: per stage, the indices of the parameter leaves it reads (flat, `jax.tree.leaves` order).
       boundary: per boundary `k -> k+1` (`k < S - 1`), the values crossing it, as avals.
+      balance: where the stages end and each one's predicted cost (`StageBalance`), where the cut
+        was priced by a cost model.
     """
 
     stages: int
@@ -71,6 +75,7 @@ class Cut:
     _consts: dict
     _crossing: tuple[tuple[Any, ...], ...]
     _loss: Any
+    balance: StageBalance | None = None
 
     @property
     def loss_aval(self) -> jax.core.ShapedArray:
@@ -105,12 +110,15 @@ def _bind(eqn, args):
     return eqn.primitive.bind(*args, **params)
 
 
-def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline.cut") -> Cut:
+def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline.cut",
+        cost: CostModel | None = None) -> Cut:
     """`step`'s forward loss on `(params, batch)` (shapes of one micro-batch) cut into `stages`;
-    `call` names the public call in errors.
+    `call` names the public call in errors. With a `cost` model, an untagged loss is cut where
+    the stages' predicted times are most even (`_balance.py`), and every cut carries its
+    `StageBalance`.
 
     Raises:
-      ShardingError: no tagged operator, a stage id >= `stages`, stages out of order along the data
+      ShardingError: no tagged operator (and no cost model, or no narrow places to cut), a stage id >= `stages`, stages out of order along the data
         flow, a stage with nothing to run, or a result that is neither a loss nor `(loss, grads)`.
 
     Examples:
@@ -126,17 +134,23 @@ def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline
     jaxpr, n_params = closed.jaxpr, len(jax.tree.leaves(params))
     loss = _loss_var(call, jaxpr, jax.eval_shape(step, params, batch), params)
     ops = _needed(_flatten(call, jaxpr), loss)
-    if all(op.tag is None for op in ops):
-        raise ShardingError(_no_tags_error(call, stages))
+    param_vars = tuple(jaxpr.invars[:n_params])
+    tagged = any(op.tag is not None for op in ops)
+    if not tagged:
+        stage_of = None if cost is None else balance(ops, stages, param_vars, loss, cost)
+        if stage_of is None:
+            raise ShardingError(_no_tags_error(call, stages, cost is not None, len(ops)))
+        ops = [dataclasses.replace(op, tag=k) for op, k in zip(ops, stage_of)]
     ops = _assign(call, ops, stages, loss)
     per_stage = tuple(tuple(op for op in ops if op.stage == k) for k in range(stages))
     _check_every_stage_runs(call, per_stage, stages)
-    param_vars = tuple(jaxpr.invars[:n_params])
+    balanced = None if cost is None else report(ops, [op.stage for op in ops], stages, param_vars, loss, cost,
+                                                tagged, _where)
     index = {v: i for i, v in enumerate(param_vars)}
     used = tuple(tuple(sorted({index[v] for op in st for v in _vars(op.inputs) if v in index})) for st in per_stage)
     crossing = _crossing(ops, stages, loss)
     return Cut(stages, per_stage, used, tuple(tuple(v.aval for v in b) for b in crossing), param_vars,
-               tuple(jaxpr.invars[n_params:]), dict(zip(jaxpr.constvars, closed.consts)), crossing, loss)
+               tuple(jaxpr.invars[n_params:]), dict(zip(jaxpr.constvars, closed.consts)), crossing, loss, balanced)
 
 
 def _loss_var(call: str, jaxpr, out, params):
@@ -306,7 +320,10 @@ def _order_error(call: str, op: Op, late: int) -> str:
             f"Tag it {late} or later, or move the producer to stage {op.tag} or earlier.")
 
 
-def _no_tags_error(call: str, stages: int) -> str:
-    return (f"{call}: pipeline_stages={stages}, but no operator of the loss is tagged with a stage. Wrap the "
+def _no_tags_error(call: str, stages: int, priced: bool = False, ops: int = 0) -> str:
+    why = (f" Cut by the cost model, its {ops} operator(s) hold fewer narrow places to end a stage at (where no "
+           f"more crosses than between two of its layers) than the {stages - 1} cut(s) {stages} stages need."
+           if priced else "")
+    return (f"{call}: pipeline_stages={stages}, but no operator of the loss is tagged with a stage.{why} Wrap the "
             f"parts of the model in jshard.pipeline_stage(fn, k) (the embedding and first layers k=0, ..., the "
             f"head k={stages - 1}), or pass a jshard.Pipeline(first=..., layer=..., last=...).")

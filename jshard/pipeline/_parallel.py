@@ -357,7 +357,7 @@ class Staged:
         stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
         ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto", recompute=self.options.recompute)
         with _context.tracing(ctx):
-            staged = cut(self.fn, params, micro, self.pipeline.stages, self.call)
+            staged = cut(self.fn, params, micro, self.pipeline.stages, self.call, self.options.costs)
         return staged
 
 
