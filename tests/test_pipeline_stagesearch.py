@@ -121,3 +121,47 @@ def test_unequal_tags_are_kept_and_their_imbalance_reported():
     assert b.flops[0] > 2.5 * b.flops[1] and b.imbalance > 1.4, b.summary()
     assert re.search(r"stages as tagged \(pipeline_stage\): slowest stage 0, 1\.\d\dx the mean stage's compute",
                      b.summary())
+
+
+def test_auto_searches_each_stage_over_its_devices():
+    """mode="auto", no tags, S=2 on 8 devices under a 60 KiB budget per device: each stage's
+    strategy is searched over its 4 devices (each stage's `Plan`: every operator `searched`, the
+    budget), the step runs those strategies, and it equals the unpipelined step."""
+    params, batch = _params(), _batch()
+    step = js.parallelize(_loss(_plain), devices=8, pipeline_stages=2, micro_batches=4, mode="auto",
+                          memory_budget="60KiB")
+    assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))
+    c = step.program(params, batch).cut
+    assert not c.balance.tagged and len(c.plans) == 2
+    for plan in c.plans:
+        assert plan.mode == "auto" and dict(plan.mesh.shape) == {"d0": 2, "d1": 2}
+        assert {op.origin for op in plan.ops} == {"searched"}
+        assert plan.search.budget == 60 * 1024 and plan.search.peak_bytes <= plan.search.budget
+        assert re.search(r"search=recursive over mesh 2·2: .*budget\s+60\s+KiB", plan.summary(), re.S), plan.summary()
+    cut_ops = [op for plan in c.plans for op in plan.ops
+               if any(d > 1 for s in (op.in_strategy or ()) if s for d in s)]
+    assert cut_ops  # the search cut something inside a stage (the budget binds: 66 KiB of parameters a stage)
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: js.parallelize(_loss(_megatron, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
+                            mode="auto"),
+     r"mode='auto' with pipeline_stages= searches every stage's strategy, but the step calls jshard\.shard \(\d+ "
+     r"call\(s\), the first matmul at .*\) inside its stages\. Use mode='semi_auto'"),
+    (lambda: js.parallelize(_loss(_plain, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
+                            mode="data"),
+     r"stage-internal strategies as in semi_auto \(or searched, mode='auto'\); mode='data' cannot be combined"),
+    (lambda: js.parallelize(lambda p, b: p["head"].sum(), devices=8, pipeline_stages=2, micro_batches=4),
+     r"no operator of the loss is tagged with a stage\. Cut by the cost model, its 1 operator\(s\) hold fewer "
+     r"narrow places"),
+], ids=["auto-with-shard-calls", "mode-data", "untagged-too-small"])
+def test_what_a_searched_or_balanced_pipeline_cannot_do_is_an_error(make, message):
+    with pytest.raises(js.ShardingError, match=message):
+        make()(_params(), _batch())
+
+
+def test_auto_refuses_a_stacked_pipeline():
+    pipe = js.Pipeline(first=lambda p, b: b @ p["w_in"], layer=lambda w, x: jnp.tanh(x @ w), last=lambda p, x, b: (x ** 2).mean())
+    with pytest.raises(js.ShardingError, match=r"mode='auto' searches the strategies inside the stages of a step cut "
+                                               r"into stages .* Use mode='semi_auto' with the Pipeline"):
+        js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, mode="auto")

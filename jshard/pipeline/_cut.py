@@ -27,6 +27,7 @@ import jax
 from jax.extend import core as jcore
 from jax.sharding import AbstractMesh, NamedSharding
 
+from jshard._compat import source_info_util
 from jshard._errors import ShardingError
 from jshard._format import shape_str
 from jshard._source import user_source
@@ -98,7 +99,7 @@ class Cut:
 
 
 def _bind(eqn, args):
-    """`eqn` applied to `args`. A `jshard.shard` constraint, traced over one stage's devices, is
+    """`eqn` applied to `args`, under its source line and context. A `jshard.shard` constraint, traced over one stage's devices, is
     bound over the mesh in context (inside the pipeline's `shard_map`, the stage's own automatic
     axes), so that its strategy holds on whichever stage runs it."""
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -107,7 +108,9 @@ def _bind(eqn, args):
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.manual_axes:
             params = {**params, "sharding": NamedSharding(mesh, sharding.spec), "context_mesh": mesh}
-    return eqn.primitive.bind(*args, **params)
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        return eqn.primitive.bind(*args, **params)
 
 
 def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline.cut",

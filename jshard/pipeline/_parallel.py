@@ -43,6 +43,7 @@ from jshard.pipeline._model import Pipeline, check_stage_ids, stack_length
 from jshard.pipeline._plan import PipelinePlan, plan_of
 from jshard.pipeline._schedule import SCHEDULES, build_schedule
 from jshard.pipeline._staged import StagedProgram
+from jshard.pipeline._stagesearch import searched
 
 
 @dataclasses.dataclass
@@ -316,7 +317,9 @@ class Staged:
         all of them under `dataset_strategy="data_parallel"`, none where the step calls
         `jshard.shard` (its strategies then lay out each stage over the stage's axes)."""
         data = self.options.dataset_strategy == "data_parallel" and self.inner.device_count > 1
-        return tuple(self.inner.names) if data and not self._shard_calls(params, batch) else ()
+        if not data or self.options.mode == "auto":  # the search lays the rows out with the rest
+            return ()
+        return tuple(self.inner.names) if not self._shard_calls(params, batch) else ()
 
     def _shard_calls(self, params, batch) -> int:
         """How many `jshard.shard` calls the step makes (traced once, shapes only)."""
@@ -358,7 +361,16 @@ class Staged:
         ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto", recompute=self.options.recompute)
         with _context.tracing(ctx):
             staged = cut(self.fn, params, micro, self.pipeline.stages, self.call, self.options.costs)
-        return staged
+        if self.options.mode != "auto":
+            return staged
+        if ctx.annotations:
+            raise ShardingError(
+                f"{self.call}: mode='auto' with pipeline_stages= searches every stage's strategy, but the step calls "
+                f"jshard.shard ({len(ctx.annotations)} call(s), the first {ctx.annotations[0].name} at "
+                f"{ctx.annotations[0].source}) inside its stages. Use mode='semi_auto' to keep those strategies, or "
+                f"drop the shard calls to have them searched."
+            )
+        return searched(self.call, staged, self.options, self.inner, jax.tree.leaves(params), micro)
 
 
 def _pipeline_mesh(call: str, options: Options) -> tuple[int, FineMesh, Mesh]:
@@ -521,11 +533,12 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
             f"{call}: micro_batches=, schedule= and virtual_stages= configure a pipeline, but pipeline_stages= "
             f"is missing. Pass pipeline_stages=S (and a jshard.Pipeline), or drop them."
         )
-    if options.mesh is not None or options.mode != "semi_auto":
+    if options.mesh is not None or options.mode not in ("semi_auto", "auto"):
         what = "mesh=" if options.mesh is not None else f"mode={options.mode!r}"
         raise ShardingError(
             f"{call}: pipeline_stages= builds its own mesh (a stage axis, then each stage's devices) with "
-            f"stage-internal strategies as in semi_auto; {what} cannot be combined with it. Drop {what.split('=')[0]}=."
+            f"stage-internal strategies as in semi_auto (or searched, mode='auto'); {what} cannot be combined with "
+            f"it. Drop {what.split('=')[0]}=."
         )
     jit_options = [k for k in ("static_argnums", "static_argnames", "donate_argnames") if getattr(options, k)]
     if jit_options:
@@ -557,6 +570,13 @@ def _pipelined_step(fn: Any, options: Options) -> Pipelined | Staged:
     """A `Pipelined` step for a `jshard.Pipeline`, a `Staged` one for a function tagged with
     `jshard.pipeline_stage`."""
     if isinstance(fn, Pipeline):
+        if options.mode == "auto":
+            raise ShardingError(
+                f"jshard.parallelize({_name(fn)}): mode='auto' searches the strategies inside the stages of a step cut "
+                f"into stages (pipeline_stage tags, or none: cut by the cost model); a jshard.Pipeline's stages take "
+                f"in_strategy and jshard.shard calls. Use mode='semi_auto' with the Pipeline, or pass its loss as a "
+                f"plain function with mode='auto'."
+            )
         return Pipelined(fn, options)
     if not callable(fn):
         raise TypeError(
