@@ -164,3 +164,17 @@ def test_auto_refuses_a_stacked_pipeline():
     with pytest.raises(js.ShardingError, match=r"mode='auto' searches the strategies inside the stages of a step cut "
                                                r"into stages .* Use mode='semi_auto' with the Pipeline"):
         js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, mode="auto")
+
+
+def test_recompute_regions_hold_inside_stages():
+    """A `jshard.recompute` block inside a stage stays one region of the cut, so the stage's backward
+    recomputes it: under GPipe (M micro-batches' residuals held) the compiled temporary memory is
+    under half the plain blocks', and the step still equals the unpipelined one."""
+    params, batch = _params(), _batch()
+    temp = {}
+    for name, block in (("plain", _plain), ("recompute", js.recompute(_plain))):
+        step = js.parallelize(_loss(block, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
+                              schedule="gpipe")
+        temp[name] = step.compile(params, batch).memory_analysis().temp_size_in_bytes
+    assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))  # the recomputed one
+    assert temp["recompute"] < 0.5 * temp["plain"], temp

@@ -4,8 +4,9 @@ A step passed with `pipeline_stages=S` and no `pipeline_stage` tags is cut into 
 forward loss's operators in program order (a value then only flows to later stages). `balance`
 picks the S - 1 cuts:
 
-1. compute first: each operator's FLOPs (the rules' `Factors.flops`; an operator with no rule,
-   its results' elements), the slowest stage's as small as cuts anywhere make it;
+1. compute first: each operator's FLOPs (the rules' `Factors.flops`; a call with no rule, such as
+   a recompute region, its body's; any other operator with no rule, its results' elements), the
+   slowest stage's as small as cuts anywhere make it;
 2. narrow places: among the places where cutting keeps the slowest stage within 10% of that
    best, only those where the fewest bytes cross, the narrowest width that still allows it
    (between two layers, their activation; not inside a layer, where more is live);
@@ -246,9 +247,15 @@ def _crossing_bytes(ops: Sequence[Any], loss) -> np.ndarray:
 
 
 def _flops(eqn) -> float:
+    """`eqn`'s FLOPs: its rule's; a call with no rule (a recompute region, a custom derivative),
+    its body's; else its results' elements."""
     fn = RULES.get(eqn.primitive.name)
     if fn is not None:
         return float(fn(eqn).flops)
+    bodies = [sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+              for sub in (eqn.params.get(k) for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")) if sub is not None]
+    if bodies:
+        return sum(_flops(e) for body in bodies for e in body.eqns)
     return float(sum(np.prod(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")))
 
 

@@ -32,7 +32,7 @@ from jshard._errors import ShardingError
 from jshard._format import shape_str
 from jshard._source import user_source
 from jshard.cost import CostModel
-from jshard.graph import INLINE, distinct_calls, nested_jaxprs, resolve
+from jshard.graph import INLINE, REMAT, distinct_calls, nested_jaxprs, resolve
 from jshard.pipeline._balance import StageBalance, balance, report
 
 STAGE_SCOPE = "jshard_pipeline_stage_"
@@ -224,16 +224,19 @@ def _walk(call: str, jaxpr, env: dict, prefix: str, out: list[Op]) -> None:
 def _call_body(eqn):
     """The body of a call-like equation (`jax.jit`, a remat) to inline, or None. A custom
     derivative (`jax.custom_jvp` / `custom_vjp`) stays one equation, so that its rule is the one
-    differentiated; so does a body with constants of its own."""
+    differentiated; so does a body with constants of its own, and a recompute region
+    (`jax.checkpoint`, `jshard.recompute`) with no stage tag inside, so that its stage's backward
+    recomputes it rather than storing what it made."""
     if eqn.primitive.name not in _INLINED:
         return None
     for key in _CALL_KEYS:
         sub = eqn.params.get(key)
         if sub is None:
             continue
-        if isinstance(sub, jcore.ClosedJaxpr):
-            return None if sub.consts else sub.jaxpr
-        return sub
+        body = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+        if (isinstance(sub, jcore.ClosedJaxpr) and sub.consts) or (eqn.primitive.name in REMAT and not _tags_in(body)):
+            return None
+        return body
     return None
 
 
