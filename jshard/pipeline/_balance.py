@@ -119,8 +119,22 @@ class _Costs:
         return BACKWARD_FACTOR * self.flops(lo, hi) / self.cost.flops + comm
 
     def param_bytes(self, lo: int, hi: int) -> int:
-        return sum(self.param_size[j] for j, pos in self.reads.items()
-                   if bisect.bisect_left(pos, lo) < len(pos) and pos[bisect.bisect_left(pos, lo)] < hi)
+        """Bytes of the parameter leaves operators `[lo, hi)` read."""
+        firsts, sizes = self._first_reads(lo)
+        return int(sizes[int(np.searchsorted(firsts, hi, side="left"))])
+
+    @functools.cache
+    def _first_reads(self, lo: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each leaf's first read at or after `lo`, sorted, and the running sum of their bytes
+        (`sizes[i]`: the leaves first read before `firsts[i]`)."""
+        found = []
+        for j, pos in self.reads.items():
+            i = bisect.bisect_left(pos, lo)
+            if i < len(pos):
+                found.append((pos[i], self.param_size[j]))
+        found.sort()
+        firsts = np.asarray([f for f, _ in found], dtype=np.int64)
+        return firsts, np.concatenate([[0], np.cumsum([b for _, b in found], dtype=np.int64)])
 
     def narrowest(self, stages: int) -> list[int]:
         """The places to cut before (step 2 of the module docstring), or [] where fewer than
