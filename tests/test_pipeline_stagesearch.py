@@ -153,7 +153,11 @@ def test_auto_searches_each_stage_over_its_devices():
     (lambda: js.parallelize(lambda p, b: p["head"].sum(), devices=8, pipeline_stages=2, micro_batches=4),
      r"no operator of the loss is tagged with a stage\. Cut by the cost model, its 1 operator\(s\) hold fewer "
      r"narrow places"),
-], ids=["auto-with-shard-calls", "mode-data", "untagged-too-small"])
+    (lambda: js.parallelize(_loss(_plain), devices=8, pipeline_stages=2, micro_batches=4, mode="auto",
+                            memory_budget="4KiB"),
+     r"jshard\.parallelize\(loss\) \(stage 0\): memory_budget=4 KiB per device cannot be met on 4 devices .* "
+     r"Raise memory_budget"),
+], ids=["auto-with-shard-calls", "mode-data", "untagged-too-small", "stage-over-budget"])
 def test_what_a_searched_or_balanced_pipeline_cannot_do_is_an_error(make, message):
     with pytest.raises(js.ShardingError, match=message):
         make()(_params(), _batch())
