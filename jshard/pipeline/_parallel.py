@@ -234,7 +234,10 @@ class Staged:
     function `fn(params, batch)` returning a scalar loss (a mean over the batch's rows), or
     `jax.value_and_grad(loss)(params, batch)`; its forward loss is traced on one micro-batch, cut
     into stages (`_cut.py`) and run under the schedule (`_staged.py`). The gradients are the
-    pipeline's own, one backward per stage and micro-batch.
+    pipeline's own, one backward per stage and micro-batch. With no tags the cost model cuts it
+    (`_balance.py`; `program(params, batch).cut.balance`); `jshard.shard` calls inside stages hold on
+    each stage's devices; with `mode="auto"` each stage's strategy is searched over its devices
+    (`_stagesearch.py`; `program(params, batch).cut.plans`).
 
     Each stage's parameters live on its own devices only: `pack(params, batch)` lays a parameter
     tree out as `[S, width]` buffers cut over the stage axis, `train(packed, batch)` runs the step
@@ -525,7 +528,9 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
     """What `parallelize(..., pipeline_stages=S)` returns: a `Pipelined` (or a decorator making one).
 
     Of the `Options`, only `devices`, `in_strategy` (strategies over one stage's devices),
-    `dataset_strategy` and `pipeline` apply.
+    `dataset_strategy` and `pipeline` apply; for a step cut into stages also `cost_model` (the
+    balance of an untagged step), and with `mode="auto"` `search` and `memory_budget` (each stage's
+    strategy searched over its devices).
     """
     call = f"jshard.parallelize({_name(fn) if fn is not None else 'fn'})"
     if options.pipeline.stages is None:
