@@ -2,13 +2,16 @@
 
 `pipeline_stage(fn, k)` tags the parts of any step with their stage: `jshard.parallelize(step,
 pipeline_stages=S, micro_batches=M, schedule=...)` returns a `Staged` step, the step's forward loss
-`cut` into per-stage functions (`Cut`) run by a `StagedProgram` with each stage's parameters on its
+`cut` into per-stage functions (`Cut`; with no tags, where the cost model balances the stages,
+reported in its `StageBalance`; with `mode="auto"` a `SearchedCut`, each stage's strategy searched
+over its devices) run by a `StagedProgram` with each stage's parameters on its
 own devices. `Pipeline` describes a model as first / layer stack / last (the fast path for identical
 layers); for it `parallelize` returns a `Pipelined` step (one `jax.jit` program per step, see
 `_engine.py` for why); its `plan` is a `PipelinePlan` with the `Schedule` table and picture,
 bubble, memory and boundary bytes.
 """
 
+from jshard.pipeline._balance import StageBalance as StageBalance
 from jshard.pipeline._cut import Cut as Cut
 from jshard.pipeline._cut import cut as cut
 from jshard.pipeline._model import Pipeline as Pipeline
@@ -23,3 +26,4 @@ from jshard.pipeline._schedule import SCHEDULES as SCHEDULES
 from jshard.pipeline._schedule import Schedule as Schedule
 from jshard.pipeline._schedule import build_schedule as build_schedule
 from jshard.pipeline._staged import StagedProgram as StagedProgram
+from jshard.pipeline._stagesearch import SearchedCut as SearchedCut

@@ -25,11 +25,15 @@ from typing import Any
 
 import jax
 from jax.extend import core as jcore
+from jax.sharding import AbstractMesh, NamedSharding
 
+from jshard._compat import source_info_util
 from jshard._errors import ShardingError
 from jshard._format import shape_str
 from jshard._source import user_source
-from jshard.graph import INLINE, distinct_calls, nested_jaxprs, resolve
+from jshard.cost import CostModel
+from jshard.graph import INLINE, REMAT, distinct_calls, nested_jaxprs, resolve
+from jshard.pipeline._balance import StageBalance, balance, report
 
 STAGE_SCOPE = "jshard_pipeline_stage_"
 """The name scope `pipeline_stage(fn, k)` runs `fn` in, followed by `k`."""
@@ -59,6 +63,8 @@ class Cut:
       ops: per stage, its equations in program order.
       params: per stage, the indices of the parameter leaves it reads (flat, `jax.tree.leaves` order).
       boundary: per boundary `k -> k+1` (`k < S - 1`), the values crossing it, as avals.
+      balance: where the stages end and each one's predicted cost (`StageBalance`), where the cut
+        was priced by a cost model.
     """
 
     stages: int
@@ -70,6 +76,7 @@ class Cut:
     _consts: dict
     _crossing: tuple[tuple[Any, ...], ...]
     _loss: Any
+    balance: StageBalance | None = None
 
     @property
     def loss_aval(self) -> jax.core.ShapedArray:
@@ -86,18 +93,35 @@ class Cut:
             env.update(zip(self._crossing[k - 1], inputs))
         read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]
         for op in self.ops[k]:
-            params = op.eqn.primitive.get_bind_params(op.eqn.params)
-            out = op.eqn.primitive.bind(*map(read, op.inputs), **params)
+            out = _bind(op.eqn, map(read, op.inputs))
             env.update(zip(op.outputs, out if op.eqn.primitive.multiple_results else [out]))
         return [read(v) for v in (self._crossing[k] if k < self.stages - 1 else (self._loss,))]
 
 
-def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline.cut") -> Cut:
+def _bind(eqn, args):
+    """`eqn` applied to `args`, under its source line and context. A `jshard.shard` constraint, traced over one stage's devices, is
+    bound over the mesh in context (inside the pipeline's `shard_map`, the stage's own automatic
+    axes), so that its strategy holds on whichever stage runs it."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    sharding = params.get("sharding") if eqn.primitive.name == "sharding_constraint" else None
+    if isinstance(sharding, NamedSharding) and not isinstance(sharding.mesh, AbstractMesh):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.manual_axes:
+            params = {**params, "sharding": NamedSharding(mesh, sharding.spec), "context_mesh": mesh}
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        return eqn.primitive.bind(*args, **params)
+
+
+def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline.cut",
+        cost: CostModel | None = None) -> Cut:
     """`step`'s forward loss on `(params, batch)` (shapes of one micro-batch) cut into `stages`;
-    `call` names the public call in errors.
+    `call` names the public call in errors. With a `cost` model, an untagged loss is cut where
+    the stages' predicted times are most even (`_balance.py`), and every cut carries its
+    `StageBalance`.
 
     Raises:
-      ShardingError: no tagged operator, a stage id >= `stages`, stages out of order along the data
+      ShardingError: no tagged operator (and no cost model, or no narrow places to cut), a stage id >= `stages`, stages out of order along the data
         flow, a stage with nothing to run, or a result that is neither a loss nor `(loss, grads)`.
 
     Examples:
@@ -113,17 +137,23 @@ def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline
     jaxpr, n_params = closed.jaxpr, len(jax.tree.leaves(params))
     loss = _loss_var(call, jaxpr, jax.eval_shape(step, params, batch), params)
     ops = _needed(_flatten(call, jaxpr), loss)
-    if all(op.tag is None for op in ops):
-        raise ShardingError(_no_tags_error(call, stages))
+    param_vars = tuple(jaxpr.invars[:n_params])
+    tagged = any(op.tag is not None for op in ops)
+    if not tagged:
+        stage_of = None if cost is None else balance(ops, stages, param_vars, loss, cost)
+        if stage_of is None:
+            raise ShardingError(_no_tags_error(call, stages, cost is not None, len(ops)))
+        ops = [dataclasses.replace(op, tag=k) for op, k in zip(ops, stage_of)]
     ops = _assign(call, ops, stages, loss)
     per_stage = tuple(tuple(op for op in ops if op.stage == k) for k in range(stages))
     _check_every_stage_runs(call, per_stage, stages)
-    param_vars = tuple(jaxpr.invars[:n_params])
+    balanced = None if cost is None else report(ops, [op.stage for op in ops], stages, param_vars, loss, cost,
+                                                tagged, _where)
     index = {v: i for i, v in enumerate(param_vars)}
     used = tuple(tuple(sorted({index[v] for op in st for v in _vars(op.inputs) if v in index})) for st in per_stage)
     crossing = _crossing(ops, stages, loss)
     return Cut(stages, per_stage, used, tuple(tuple(v.aval for v in b) for b in crossing), param_vars,
-               tuple(jaxpr.invars[n_params:]), dict(zip(jaxpr.constvars, closed.consts)), crossing, loss)
+               tuple(jaxpr.invars[n_params:]), dict(zip(jaxpr.constvars, closed.consts)), crossing, loss, balanced)
 
 
 def _loss_var(call: str, jaxpr, out, params):
@@ -194,16 +224,19 @@ def _walk(call: str, jaxpr, env: dict, prefix: str, out: list[Op]) -> None:
 def _call_body(eqn):
     """The body of a call-like equation (`jax.jit`, a remat) to inline, or None. A custom
     derivative (`jax.custom_jvp` / `custom_vjp`) stays one equation, so that its rule is the one
-    differentiated; so does a body with constants of its own."""
+    differentiated; so does a body with constants of its own, and a recompute region
+    (`jax.checkpoint`, `jshard.recompute`) with no stage tag inside, so that its stage's backward
+    recomputes it rather than storing what it made."""
     if eqn.primitive.name not in _INLINED:
         return None
     for key in _CALL_KEYS:
         sub = eqn.params.get(key)
         if sub is None:
             continue
-        if isinstance(sub, jcore.ClosedJaxpr):
-            return None if sub.consts else sub.jaxpr
-        return sub
+        body = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+        if (isinstance(sub, jcore.ClosedJaxpr) and sub.consts) or (eqn.primitive.name in REMAT and not _tags_in(body)):
+            return None
+        return body
     return None
 
 
@@ -293,7 +326,10 @@ def _order_error(call: str, op: Op, late: int) -> str:
             f"Tag it {late} or later, or move the producer to stage {op.tag} or earlier.")
 
 
-def _no_tags_error(call: str, stages: int) -> str:
-    return (f"{call}: pipeline_stages={stages}, but no operator of the loss is tagged with a stage. Wrap the "
+def _no_tags_error(call: str, stages: int, priced: bool = False, ops: int = 0) -> str:
+    why = (f" Cut by the cost model, its {ops} operator(s) hold fewer narrow places to end a stage at (where no "
+           f"more crosses than between two of its layers) than the {stages - 1} cut(s) {stages} stages need."
+           if priced else "")
+    return (f"{call}: pipeline_stages={stages}, but no operator of the loss is tagged with a stage.{why} Wrap the "
             f"parts of the model in jshard.pipeline_stage(fn, k) (the embedding and first layers k=0, ..., the "
             f"head k={stages - 1}), or pass a jshard.Pipeline(first=..., layer=..., last=...).")

@@ -43,6 +43,7 @@ from jshard.pipeline._model import Pipeline, check_stage_ids, stack_length
 from jshard.pipeline._plan import PipelinePlan, plan_of
 from jshard.pipeline._schedule import SCHEDULES, build_schedule
 from jshard.pipeline._staged import StagedProgram
+from jshard.pipeline._stagesearch import searched
 
 
 @dataclasses.dataclass
@@ -233,7 +234,10 @@ class Staged:
     function `fn(params, batch)` returning a scalar loss (a mean over the batch's rows), or
     `jax.value_and_grad(loss)(params, batch)`; its forward loss is traced on one micro-batch, cut
     into stages (`_cut.py`) and run under the schedule (`_staged.py`). The gradients are the
-    pipeline's own, one backward per stage and micro-batch.
+    pipeline's own, one backward per stage and micro-batch. With no tags the cost model cuts it
+    (`_balance.py`; `program(params, batch).cut.balance`); `jshard.shard` calls inside stages hold on
+    each stage's devices; with `mode="auto"` each stage's strategy is searched over its devices
+    (`_stagesearch.py`; `program(params, batch).cut.plans`).
 
     Each stage's parameters live on its own devices only: `pack(params, batch)` lays a parameter
     tree out as `[S, width]` buffers cut over the stage axis, `train(packed, batch)` runs the step
@@ -311,12 +315,25 @@ class Staged:
     def _entry(self, params, batch) -> _StagedEntry:
         return self._cache.get((params, batch), lambda: self._build(params, batch))
 
-    def _data_axes(self) -> tuple[str, ...]:
+    def _data_axes(self, params, batch) -> tuple[str, ...]:
+        """The stage's axes its micro-batches' rows are cut over, each device running its own rows:
+        all of them under `dataset_strategy="data_parallel"`, none where the step calls
+        `jshard.shard` (its strategies then lay out each stage over the stage's axes)."""
         data = self.options.dataset_strategy == "data_parallel" and self.inner.device_count > 1
-        return tuple(self.inner.names) if data else ()
+        if not data or self.options.mode == "auto":  # the search lays the rows out with the rest
+            return ()
+        return tuple(self.inner.names) if not self._shard_calls(params, batch) else ()
+
+    def _shard_calls(self, params, batch) -> int:
+        """How many `jshard.shard` calls the step makes (traced once, shapes only)."""
+        stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
+        ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto")
+        with _context.tracing(ctx):
+            jax.eval_shape(self.fn, abstract(params), abstract(batch))
+        return len(ctx.annotations)
 
     def _build(self, params, batch) -> _StagedEntry:
-        c, data_axes = self.pipeline, self._data_axes()
+        c, data_axes = self.pipeline, self._data_axes(params, batch)
         d = self.inner.device_count if data_axes else 1
         _check_batch(self.call, batch, c.micro_batches, d)
         leaves, treedef = jax.tree_util.tree_flatten(abstract(params))
@@ -340,20 +357,23 @@ class Staged:
         return e
 
     def _cut(self, params, micro):
-        """The cut of `fn` on one device's micro-batch; `jshard.shard` calls inside are refused
-        (strategies inside cut stages are not built yet)."""
+        """The cut of `fn` on one device's micro-batch, its `jshard.shard` calls traced over one
+        stage's devices: their strategies hold inside every stage (`Cut.run` binds them over the
+        stage's own axes)."""
         stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
         ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto", recompute=self.options.recompute)
         with _context.tracing(ctx):
-            staged = cut(self.fn, params, micro, self.pipeline.stages, self.call)
+            staged = cut(self.fn, params, micro, self.pipeline.stages, self.call, self.options.costs)
+        if self.options.mode != "auto":
+            return staged
         if ctx.annotations:
             raise ShardingError(
-                f"{self.call}: the step calls jshard.shard ({len(ctx.annotations)} call(s)) inside stages cut by "
-                f"jshard.pipeline_stage; strategies inside cut stages are not supported yet. Drop the shard calls "
-                f"(each stage then runs data parallel over its {self.inner.device_count} devices), or describe "
-                f"the model as a jshard.Pipeline, whose stages take strategies."
+                f"{self.call}: mode='auto' with pipeline_stages= searches every stage's strategy, but the step calls "
+                f"jshard.shard ({len(ctx.annotations)} call(s), the first {ctx.annotations[0].name} at "
+                f"{ctx.annotations[0].source}) inside its stages. Use mode='semi_auto' to keep those strategies, or "
+                f"drop the shard calls to have them searched."
             )
-        return staged
+        return searched(self.call, staged, self.options, self.inner, jax.tree.leaves(params), micro)
 
 
 def _pipeline_mesh(call: str, options: Options) -> tuple[int, FineMesh, Mesh]:
@@ -410,9 +430,11 @@ def _check_staged(call: str, options: Options) -> None:
                             f"gradients, which a step cut by jshard.pipeline_stage tags does not do yet. Use "
                             f"schedule='gpipe' or '1f1b', or a jshard.Pipeline.")
     if options.in_strategy:
-        raise ShardingError(f"{call}: in_strategy= sets strategies inside the stages of a jshard.Pipeline; a step "
-                            f"cut by jshard.pipeline_stage tags runs its stages data parallel (strategies inside cut "
-                            f"stages are not supported yet). Drop in_strategy=, or use a jshard.Pipeline.")
+        raise ShardingError(f"{call}: in_strategy= sets strategies inside the stages of a jshard.Pipeline; a step cut "
+                            f"by jshard.pipeline_stage tags packs each stage's parameters into one buffer per dtype, "
+                            f"which takes no per-leaf strategy. Drop in_strategy= and give the operators strategies "
+                            f"with jshard.shard inside the stages (they hold on each stage's devices), or use a "
+                            f"jshard.Pipeline.")
 
 
 def _check_float_params(call: str, params: Any) -> None:
@@ -506,7 +528,9 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
     """What `parallelize(..., pipeline_stages=S)` returns: a `Pipelined` (or a decorator making one).
 
     Of the `Options`, only `devices`, `in_strategy` (strategies over one stage's devices),
-    `dataset_strategy` and `pipeline` apply.
+    `dataset_strategy` and `pipeline` apply; for a step cut into stages also `cost_model` (the
+    balance of an untagged step), and with `mode="auto"` `search` and `memory_budget` (each stage's
+    strategy searched over its devices).
     """
     call = f"jshard.parallelize({_name(fn) if fn is not None else 'fn'})"
     if options.pipeline.stages is None:
@@ -514,11 +538,12 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
             f"{call}: micro_batches=, schedule= and virtual_stages= configure a pipeline, but pipeline_stages= "
             f"is missing. Pass pipeline_stages=S (and a jshard.Pipeline), or drop them."
         )
-    if options.mesh is not None or options.mode != "semi_auto":
+    if options.mesh is not None or options.mode not in ("semi_auto", "auto"):
         what = "mesh=" if options.mesh is not None else f"mode={options.mode!r}"
         raise ShardingError(
             f"{call}: pipeline_stages= builds its own mesh (a stage axis, then each stage's devices) with "
-            f"stage-internal strategies as in semi_auto; {what} cannot be combined with it. Drop {what.split('=')[0]}=."
+            f"stage-internal strategies as in semi_auto (or searched, mode='auto'); {what} cannot be combined with "
+            f"it. Drop {what.split('=')[0]}=."
         )
     jit_options = [k for k in ("static_argnums", "static_argnames", "donate_argnames") if getattr(options, k)]
     if jit_options:
@@ -550,6 +575,13 @@ def _pipelined_step(fn: Any, options: Options) -> Pipelined | Staged:
     """A `Pipelined` step for a `jshard.Pipeline`, a `Staged` one for a function tagged with
     `jshard.pipeline_stage`."""
     if isinstance(fn, Pipeline):
+        if options.mode == "auto":
+            raise ShardingError(
+                f"jshard.parallelize({_name(fn)}): mode='auto' searches the strategies inside the stages of a step cut "
+                f"into stages (pipeline_stage tags, or none: cut by the cost model); a jshard.Pipeline's stages take "
+                f"in_strategy and jshard.shard calls. Use mode='semi_auto' with the Pipeline, or pass its loss as a "
+                f"plain function with mode='auto'."
+            )
         return Pipelined(fn, options)
     if not callable(fn):
         raise TypeError(

@@ -94,9 +94,9 @@ class Flat:
         return out
 
     def unpack(self, buffers: Buffers) -> list[jax.Array]:
-        """The arrays read back from `buffers`."""
-        return [jax.lax.dynamic_slice_in_dim(buffers[np.dtype(a.dtype).name], o, int(np.prod(a.shape))).reshape(a.shape)
-                for a, o in zip(self.avals, self.offsets)]
+        """The arrays read back from `buffers` (each whole on the stage's devices: `_whole`)."""
+        return _whole([jax.lax.dynamic_slice_in_dim(buffers[np.dtype(a.dtype).name], o, int(np.prod(a.shape))).reshape(a.shape)
+                       for a, o in zip(self.avals, self.offsets)])
 
 
 def widths(flats: Sequence[Flat]) -> dict[str, int]:
@@ -275,7 +275,7 @@ class _Ticks:
     gradients' running sum (the backward adds its own to `view["g"]`) and the loss increment."""
 
     def __init__(self, program: StagedProgram, params: Buffers, micro: Any):
-        self.p, self.params, self.micro = program, params, micro
+        self.p, self.params, self.micro = program, _whole(params), micro
         self.cut, self.m = program.cut, program.schedule.micro_batches
         self.pf, self.pw = program.param_flats, program.param_widths
         self.bf, self.gf = program._boundary_flats(False), program._boundary_flats(True)
@@ -288,7 +288,7 @@ class _Ticks:
     def _result(self, view, **changes) -> dict:
         base = {"res": view["res"], "send_f": _zeros(None, self.bw), "send_b": _zeros(None, self.gw),
                 "g": view["g"], "loss": jnp.zeros((), jnp.float32)}
-        return {**base, **changes}
+        return _whole({**base, **changes})
 
     def idle(self, view, i):
         return self._result(view)
@@ -335,6 +335,7 @@ class _Ticks:
     def forward(self, view, i):
         """Runs the stage on micro-batch `i` under `jax.vjp`, storing its residuals; sends its
         outputs on, or (the last stage) adds its loss."""
+        view = _whole(view)
 
         def at(k):
             outs, pull, params_k = self._vjp(k, i, view["x"])
@@ -348,6 +349,7 @@ class _Ticks:
     def backward(self, view, i):
         """Rebuilds the stored pullback of micro-batch `i`, applies it to the gradient received
         (the last stage: the loss's `1 / M`), and sends the input gradient back."""
+        view = _whole(view)
 
         def at(k):
             tree, param_of, _ = self.pulls[k]
@@ -370,6 +372,17 @@ def _micro(batch, m: int):
     """`[rows, ...]` leaves as `[M, rows / M, ...]`, micro-batch `i` the rows `i::M` (the stacked
     form's order)."""
     return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1), batch)
+
+
+def _whole(tree):
+    """`tree` whole on each device of a stage whose axes are automatic (`jshard.shard` strategies
+    inside the stages): every branch of a tick's switch ends with its buffers in this one layout,
+    so the packed buffers are read by local slices, and no collective runs in one stage's branch
+    that another stage's devices would have to join."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not set(mesh.axis_names) - set(mesh.manual_axes):
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
 
 
 def _zeros(slots: int | None, w: dict[str, int]) -> Buffers:
