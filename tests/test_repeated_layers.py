@@ -13,13 +13,13 @@ import jshard.search._recursive as recursive
 from jshard import models
 
 
-def _plan(n_layers: int) -> js.Plan:
+def _plan(n_layers: int, **options) -> js.Plan:
     cfg = models.GPTConfig(vocab=64, seq_len=16, d_model=64, n_heads=8, n_layers=n_layers, d_ff=256, scan=False)
     optimizer = optax.adam(1e-3)
     step = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), optimizer)
     params = jax.eval_shape(lambda: models.init_gpt(cfg, jax.random.key(0)))
     batch = tuple(jax.ShapeDtypeStruct((64, 16), t) for t in (np.int32, np.int32, np.float32))
-    return js.parallelize(step, devices=64, mode="auto").plan(params, jax.eval_shape(optimizer.init, params), batch)
+    return js.parallelize(step, devices=64, mode="auto", **options).plan(params, jax.eval_shape(optimizer.init, params), batch)
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +83,10 @@ def test_identical_layers_are_weighed_once(replayed):
     assert f"({plan12.search.unit_classes} unit classes, {plan12.search.evaluations} cost evaluations)" in plan12.search.line()
 
 
-def test_replaying_the_interior_layers_plans_what_the_full_search_plans(replayed, monkeypatch):
-    """The 12-layer plan with no replay (every unit decided on its own at every level) is the
-    replayed one: the same strategies, layouts and predicted cost."""
-    monkeypatch.setattr(recursive, "_WINDOW", None)
-    full = _plan(12)
+def test_replaying_the_interior_layers_plans_what_the_full_search_plans(replayed):
+    """The 12-layer plan with no replay (`search_replay=False`: every unit decided on its own at
+    every level) is the replayed one: the same strategies, layouts and predicted cost."""
+    full = _plan(12, search_replay=False)
     plan = replayed[12][0]
     assert full.search.seconds == plan.search.seconds
     assert full.ops == plan.ops and full.in_specs == plan.in_specs and full.out_specs == plan.out_specs

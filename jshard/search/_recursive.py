@@ -48,13 +48,13 @@ _BISECTIONS = 6
 _PASSES = 4
 _ROOTS = 4  # the heaviest units tried with each candidate, one after another, per level
 _HEAVY = 0.1  # ... among those with at least this share of the heaviest one's compute
-_WINDOW = 1  # replay: layers of a repeated run decided freely at each end; the interior ones as one (None: never)
+_WINDOW = 1  # replay: layers of a repeated run decided on their own at each end; the interior ones as one
 _ROUNDS = 2  # ... runs found on the units' structure refined by their neighbours' to this many hops
 _PERIODS = 16  # ... among the commonest periods
 
 
-def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solved:
-    search = _Recursive(g, levels)
+def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True) -> Solved:
+    search = _Recursive(g, levels, replay)
     choice, seconds = search.run(0.0)
     peak, t = g.peak(choice)
     if budget is None or peak <= budget:
@@ -85,8 +85,8 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solv
 
 
 class _Recursive:
-    def __init__(self, g: SearchGraph, levels: Sequence[Group]):
-        self.g, self.levels = g, list(levels)
+    def __init__(self, g: SearchGraph, levels: Sequence[Group], replay: bool = True):
+        self.g, self.levels, self.replay = g, list(levels), replay
         degree = collections.Counter(k for e in g.edges for k in (e.src[0], e.dst[0]))
         self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
@@ -118,7 +118,7 @@ class _Recursive:
     def run(self, lam: float) -> tuple[list[Assignment], float]:
         self.runs += 1
         if self.ties is None:
-            self.ties, self.alone = _Ties(self), None
+            self.ties, self.alone = _Ties(self, self.replay), None
             _log.info("replay: %d of %d units in the interior of %d repeated runs, decided as %d",
                       self.ties.replayed, len(self.g.units), self.ties.runs, len(self.ties.reps))
         base: list[Assignment] = [{} for _ in self.g.units]
@@ -202,7 +202,7 @@ class _Ties:
         colour = np.array([kinds.setdefault((g.shape_of_unit[k], search.kept_bytes.get(k)), len(kinds))
                            for k in range(n)], np.int64)
         ties = np.arange(n)
-        runs = _runs(self._refined(search, colour)) if replay and _WINDOW is not None and g.edges else []
+        runs = _runs(self._refined(search, colour)) if replay and g.edges else []
         for start, period, repeats in runs:
             block = start + period * np.arange(_WINDOW, repeats - _WINDOW)[:, None] + np.arange(period)
             ties[block] = block[0]  # an interior layer's unit -> the first interior layer's
