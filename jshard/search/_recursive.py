@@ -293,9 +293,12 @@ class _Level:
     then each of the heaviest units pinned to each of its candidates and the rest decided in program
     order, each improved by single and pairwise moves until none helps; the eliminated units then
     take their best answers to the core's choice.
+
+    The level's units are the classes of `ties` (`_Ties`): a class of replayed layers is one unit
+    with its members' costs and tables summed; where nothing repeats, each unit is its own class.
     """
 
-    def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float, ties):
+    def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float, ties: _Ties):
         g = self.g = search.g
         self.search = search
         self.ties = ties  # the level's units are its classes (one unit each where nothing repeats)
