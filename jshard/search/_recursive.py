@@ -119,8 +119,9 @@ class _Recursive:
         self.runs += 1
         if self.ties is None:
             self.ties, self.alone = _Ties(self, self.replay), None
-            _log.info("replay: %d of %d units in the interior of %d repeated runs, decided as %d",
-                      self.ties.replayed, len(self.g.units), self.ties.runs, len(self.ties.reps))
+            if self.ties.replayed:
+                _log.debug("replay: %d of %d units in the interior of %d repeated runs, decided as %d",
+                          self.ties.replayed, len(self.g.units), self.ties.runs, len(self.ties.reps))
         base: list[Assignment] = [{} for _ in self.g.units]
         for n, group in enumerate(self.levels):
             weighing = f", memory weight {lam:.3g} s/byte (run {self.runs})" if lam else ""
