@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         tables = _report.sections(args.only, QUICK if args.quick else FULL, echo=print)
         note = (f"Regenerated alone by `{_report.command_line(argv)}` at jshard commit {_report.commit()} in "
-                f"{(time.perf_counter() - start) / 60:.1f} min; the rest of this file comes from the run named at the top.")
+                f"{(time.perf_counter() - start) / 60:.1f} min, load average {load:.1f} at the start and "
+                f"{os.getloadavg()[0]:.1f} at the end; the rest of this file comes from the run named at the top.")
         old = args.out.read_text() if args.out.exists() else ""
         args.out.write_text(_report.replace_sections(old, tables, note))
         print(f"replaced {len(tables)} table(s) in {args.out}")

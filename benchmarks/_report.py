@@ -22,6 +22,7 @@ from benchmarks import (
     _hetero,
     _memory,
     _planning,
+    _replay,
     _search,
     _zoo,
 )
@@ -62,7 +63,7 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     return tables
 
 
-SECTIONS = ("memory", "accumulation", "hetero", "zoo")
+SECTIONS = ("memory", "accumulation", "hetero", "zoo", "replay")
 """The sections `python -m benchmarks --only NAME` regenerates alone (the others need the whole run's
 shared measurements)."""
 
@@ -80,6 +81,8 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
             made = [_hetero.hetero_table(DEVICES, settings.step_rounds, settings.step_budget)]
         elif name == "zoo":
             made = [_zoo.zoo_table()]
+        elif name == "replay":
+            made = [_replay.replay_table()]
         else:
             raise ValueError(f"no section {name!r}; the sections are {SECTIONS}")
         for table in made:

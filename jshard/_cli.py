@@ -124,6 +124,10 @@ def _plan_parser(sub) -> None:
     plan.add_argument("--enable-alltoall", action=argparse.BooleanOptionalAction, default=None,
                       help="let redistributions be all-to-alls (parallelize's enable_alltoall; default on); "
                            "--no-enable-alltoall prices and emits them as all-gathers and slices")
+    plan.add_argument("--replay", action=argparse.BooleanOptionalAction, default=None,
+                      help="with the recursive search: decide an unrolled loop's interior layers as one and "
+                           "replay the decision on each (parallelize's search_replay; default on); --no-replay "
+                           "weighs every operator on its own")
     plan.add_argument("--time-limit", metavar="S", type=float, default=None,
                       help="seconds the ILP search may take (default 60)")
     plan.add_argument("--quiet", action="store_true",
@@ -311,6 +315,8 @@ def _plan(args: argparse.Namespace) -> int:
         options["search_time_limit"] = args.time_limit
     if args.enable_alltoall is not None:
         options["enable_alltoall"] = args.enable_alltoall
+    if args.replay is not None:
+        options["search_replay"] = args.replay
     if args.device is not None:
         from jshard.cost import DEVICE_KINDS, CostModel
 

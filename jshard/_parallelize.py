@@ -55,6 +55,7 @@ def parallelize(
     search: str = "recursive",
     memory_budget: int | float | str | None = None,
     search_time_limit: float = 60.0,
+    search_replay: bool = True,
     pipeline_stages: int | None = None,
     micro_batches: int | None = None,
     schedule: str = "1f1b",
@@ -126,6 +127,11 @@ def parallelize(
         `jshard.MemoryBudgetError`.
       search_time_limit: seconds the ILP may take; past it, the best plan found is used and the
         plan says so.
+      search_replay: with `search="recursive"`: plan the interior layers of a repeated run of
+        identical layers (an unrolled Python loop over layers: the same operators, shapes and
+        wiring, layer after layer) once and replay the decision on each, the way a scanned body is
+        planned once, then improve the replayed plan operator by operator; the search's work is
+        then flat in the depth. False: every operator weighed on its own (slower at depth).
       pipeline_stages: S, to pipeline `fn`, a `jshard.Pipeline`: the devices form S stages of
         `devices / S` each, and the result is a `jshard.pipeline.Pipelined` step (`jshard.pipeline`).
         Only `devices`, `in_strategy` (strategies over one stage's devices) and `dataset_strategy`
@@ -228,7 +234,7 @@ def parallelize(
         donate_argnums=donate_argnums, static_argnums=static_argnums, static_argnames=static_argnames,
         donate_argnames=donate_argnames, dataset_strategy=dataset_strategy, batch_argnums=batch_argnums,
         propagation=propagation, cost_model=cost_model, enable_alltoall=enable_alltoall, plan=plan, search=search, memory_budget=memory_budget,
-        search_time_limit=search_time_limit, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
+        search_time_limit=search_time_limit, search_replay=search_replay, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
         schedule=schedule, virtual_stages=virtual_stages, pipeline_result_broadcast=pipeline_result_broadcast,
         optimizer_parallel=optimizer_parallel, optimizer_parallel_threshold=optimizer_parallel_threshold,
         optimizer_state_argnums=optimizer_state_argnums, optimizer_comm_recompute=optimizer_comm_recompute,

@@ -70,6 +70,17 @@ def test_plan_gpt_with_the_recursive_search(capsys, tmp_path):
     assert "searching" not in capsys.readouterr().err  # stderr is not a terminal: no progress line
 
 
+def test_plan_with_and_without_the_replay_of_repeated_layers(capsys, tmp_path):
+    """`--no-replay` (search_replay=False) weighs every operator of the 6 unrolled layers on its own;
+    the default replays the interior ones and plans the same here."""
+    six = [*SMALL_GPT[2:], "--layers", "6", "--devices", "8", "--quiet"]
+    assert main(["plan", "gpt", *six, "--no-replay", "--save", str(tmp_path / "full.json")]) == 0
+    assert main(["plan", "gpt", *six, "--save", str(tmp_path / "replayed.json")]) == 0
+    full, replayed = (js.Plan.load(str(tmp_path / name)) for name in ("full.json", "replayed.json"))
+    assert replayed.ops == full.ops and replayed.in_specs == full.in_specs
+    assert "search=recursive" in capsys.readouterr().out
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

@@ -13,13 +13,13 @@ import jshard.search._recursive as recursive
 from jshard import models
 
 
-def _plan(n_layers: int) -> js.Plan:
+def _plan(n_layers: int, **options) -> js.Plan:
     cfg = models.GPTConfig(vocab=64, seq_len=16, d_model=64, n_heads=8, n_layers=n_layers, d_ff=256, scan=False)
     optimizer = optax.adam(1e-3)
     step = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), optimizer)
     params = jax.eval_shape(lambda: models.init_gpt(cfg, jax.random.key(0)))
     batch = tuple(jax.ShapeDtypeStruct((64, 16), t) for t in (np.int32, np.int32, np.float32))
-    return js.parallelize(step, devices=64, mode="auto").plan(params, jax.eval_shape(optimizer.init, params), batch)
+    return js.parallelize(step, devices=64, mode="auto", **options).plan(params, jax.eval_shape(optimizer.init, params), batch)
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +49,55 @@ def test_identical_layers_reuse_the_search_work(layouts_computed):
 
 
 
-def test_identical_layers_are_weighed_once(layouts_computed):
-    """The core heuristic weighs a class of identical units once: its distinct units and cost
-    evaluations stay flat while the decisions double (deterministic figures, not wall time)."""
-    plan2, plan4 = layouts_computed[2][1].search, layouts_computed[4][1].search
-    assert plan4.units > 1.7 * plan2.units
-    assert plan4.unit_classes == plan2.unit_classes > 0
-    assert 0 < plan4.evaluations <= plan2.evaluations
-    assert f"({plan4.unit_classes} unit classes, {plan4.evaluations} cost evaluations)" in plan4.line()
+@pytest.fixture(scope="module")
+def replayed():
+    """Per layer count (6, 12): the plan, and the size of each replayed level (its classes)."""
+    found = {}
+    with pytest.MonkeyPatch.context() as mp:
+        sizes = []
+        original = recursive._Ties.__init__
+
+        def counting(ties, search, replay=True):
+            original(ties, search, replay)
+            if replay:
+                sizes.append((len(ties.reps), ties.replayed, ties.runs))
+
+        mp.setattr(recursive._Ties, "__init__", counting)
+        for n in (6, 12):
+            sizes.clear()
+            found[n] = (_plan(n), list(sizes))
+    return found
+
+
+def test_identical_layers_are_weighed_once(replayed):
+    """The core heuristic weighs a class of identical units once, and the interior layers of the
+    unrolled loop are one class each: the level's units, its distinct units and its runs stay flat
+    while the decisions double (deterministic figures, not wall time)."""
+    (plan6, sizes6), (plan12, sizes12) = replayed[6], replayed[12]
+    assert plan12.search.units > 1.9 * plan6.search.units
+    assert sizes6 == [(sizes6[0][0], sizes6[0][1], sizes6[0][2])] and sizes6[0][2] > 0  # one run of the search
+    (level6, replayed6, runs6), (level12, replayed12, runs12) = sizes6[0], sizes12[0]
+    assert level12 == level6 and runs12 == runs6  # the same units searched per level at twice the depth
+    assert replayed12 > replayed6 > 0
+    assert plan12.search.unit_classes == plan6.search.unit_classes > 0
+    assert f"({plan12.search.unit_classes} unit classes, {plan12.search.evaluations} cost evaluations)" in plan12.search.line()
+
+
+def test_replaying_the_interior_layers_plans_what_the_full_search_plans(replayed):
+    """The 12-layer plan with no replay (`search_replay=False`: every unit decided on its own at
+    every level) is the replayed one: the same strategies, layouts and predicted cost."""
+    full = _plan(12, search_replay=False)
+    plan = replayed[12][0]
+    assert full.search.seconds == plan.search.seconds
+    assert full.ops == plan.ops and full.in_specs == plan.in_specs and full.out_specs == plan.out_specs
+
+
+def test_runs_are_found_as_periods_of_the_units_colours():
+    """A run: a stretch where every unit's colour equals the one a period later, at least
+    `2 * _WINDOW + 2` periods; what does not repeat (the ends) stays out."""
+    colour = np.array([9, 8] + [1, 2, 3, 2] * 5 + [7, 1, 2])
+    assert recursive._runs(colour) == [(2, 4, 5)]
+    assert recursive._runs(np.array([9] + [1, 2, 3] * (2 * recursive._WINDOW + 1) + [7])) == []
 
 
 def test_weighing_a_class_once_picks_what_weighing_each_unit_picks(layouts_computed, monkeypatch):

@@ -114,6 +114,7 @@ class Options:
     search: str = "recursive"
     memory_budget: float | None = None
     search_time_limit: float = 60.0
+    search_replay: bool = True
     pipeline: PipelineOptions | None = None
     optimizer: OptimizerParallel | None = None
     accumulation: Accumulation | None = None

@@ -18,6 +18,11 @@ candidates, costs and tables, an eliminated unit's fold, and the core's cost eva
 cost against its neighbours' picks, a pair's joint move), keyed by the arrays' bytes, so the choice
 is the one weighing each unit alone gives.
 
+Replay (`_Ties`): the interior layers of a repeated run (an unrolled loop's layers, found as a
+period in the units' structure and wiring) are decided as one at each level, the way a scanned
+body is planned once; the first and last `_WINDOW` layers of the run are decided on their own, and
+the replayed choice is then improved unit by unit by single and pairwise moves.
+
 A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
 plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
 plan fits, else the least λ found by growing and bisection whose plan fits, which moves the plan from replicated parameters to cut ones
@@ -43,10 +48,13 @@ _BISECTIONS = 6
 _PASSES = 4
 _ROOTS = 4  # the heaviest units tried with each candidate, one after another, per level
 _HEAVY = 0.1  # ... among those with at least this share of the heaviest one's compute
+_WINDOW = 1  # replay: layers of a repeated run decided on their own at each end; the interior ones as one
+_ROUNDS = 2  # ... runs found on the units' structure refined by their neighbours' to this many hops
+_PERIODS = 16  # ... among the commonest periods
 
 
-def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solved:
-    search = _Recursive(g, levels)
+def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True) -> Solved:
+    search = _Recursive(g, levels, replay)
     choice, seconds = search.run(0.0)
     peak, t = g.peak(choice)
     if budget is None or peak <= budget:
@@ -77,8 +85,8 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solv
 
 
 class _Recursive:
-    def __init__(self, g: SearchGraph, levels: Sequence[Group]):
-        self.g, self.levels = g, list(levels)
+    def __init__(self, g: SearchGraph, levels: Sequence[Group], replay: bool = True):
+        self.g, self.levels, self.replay = g, list(levels), replay
         degree = collections.Counter(k for e in g.edges for k in (e.src[0], e.dst[0]))
         self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
@@ -88,6 +96,8 @@ class _Recursive:
         self._kept_values: set = set()
         self.keep(int(replicated.argmax()))
         self.runs = 0
+        self.ties: _Ties | None = None  # the classes of units decided as one, for the values kept now
+        self.alone: _Ties | None = None  # ... and every unit its own class (the boundary check)
         self.unit_classes = self.evaluations = 0  # summed over levels and runs (`SearchReport`)
 
     def solved(self, choice: list[Assignment], seconds: float, peak: float, status: str) -> Solved:
@@ -101,10 +111,17 @@ class _Recursive:
             self.kept[k].append((pos, v))
             self.kept_bytes[k] = tuple((p, value_bytes(x)) for p, x in self.kept[k])
             self._kept_values.add(v)
+        if new:
+            self.ties = None
         return bool(new)
 
     def run(self, lam: float) -> tuple[list[Assignment], float]:
         self.runs += 1
+        if self.ties is None:
+            self.ties, self.alone = _Ties(self, self.replay), None
+            if self.ties.replayed:
+                _log.debug("replay: %d of %d units in the interior of %d repeated runs, decided as %d",
+                          self.ties.replayed, len(self.g.units), self.ties.runs, len(self.ties.reps))
         base: list[Assignment] = [{} for _ in self.g.units]
         for n, group in enumerate(self.levels):
             weighing = f", memory weight {lam:.3g} s/byte (run {self.runs})" if lam else ""
@@ -114,11 +131,17 @@ class _Recursive:
         return base, self._total(dict(enumerate(base)), 0.0)
 
     def _level(self, group: Group, base: list[Assignment], lam: float) -> list[Assignment]:
-        level = _Level(self, group, base, lam)
+        level = _Level(self, group, base, lam, self.ties)
         picks = level.solve()
         self.unit_classes += level.classes
         self.evaluations += level.evaluations
-        return [level.cands[k][picks[k]] for k in range(len(self.g.units))]
+        if self.ties.replayed:  # the boundary check: every unit on its own, from the replayed choice
+            if self.alone is None:
+                self.alone = _Ties(self, replay=False)
+            level = _Level(self, group, base, lam, self.alone)
+            picks = level.solve(seed=[picks[c] for c in self.ties.of])
+            self.evaluations += level.evaluations
+        return [level.cands[c][picks[c]] for c in level.ties.of]
 
     def _kept(self, k, a) -> float:
         g = self.g
@@ -143,6 +166,120 @@ class _Recursive:
         return total
 
 
+class _Ties:
+    """Replay: units decided as one at every level, as a scanned body's one decision stands for every
+    iteration (MindSpore's extraction and reuse of repeated subgraphs, here over the search's units).
+
+    An unrolled loop leaves runs of units that repeat with a period in program order: layer `i`'s
+    units, then layer `i + 1`'s, the same operators on the same shapes wired the same way (the
+    forward blocks, the backward blocks in reverse, the optimizer's update of each layer's
+    parameters). Each unit gets a colour (its structure and the bytes it keeps at the peak, refined
+    `_ROUNDS` times by its neighbours' colours and the values between them); a run is a stretch where
+    every unit's colour equals the one a period later, `2 * _WINDOW + 2` periods or more. Its first
+    and last `_WINDOW` periods (the boundary layers, beside what does not repeat: the embedding, the
+    loss) are decided freely; the same position of every interior period is one class, a unit of the
+    level whose costs and tables are its members' summed (an edge inside a class on the diagonal:
+    both ends take the one pick). So a level's energy under a choice is exactly the program's with
+    every interior layer taking the class's pick: the level's search (its eliminations, the core's
+    pinned roots and moves) is flat in the number of layers, and the interior layers replay one
+    layer's decisions. The replayed choice is then checked unit by unit (`_Recursive._level`): every
+    unit its own class again, single and pairwise moves from it until none helps, so a boundary layer
+    or an interior one that gains by differing from its neighbours does.
+
+    Attributes:
+      runs: the repeated runs found.
+      replayed: the units in their interior layers (0: every unit is its own class).
+      of: per unit its class; classes are numbered in the order of their first units.
+      reps: per class its first unit.
+      count: per class its number of units.
+      edges: per (class, operand, class, operand, value) of the edges between them, one edge's index
+        and how many there are.
+    """
+
+    def __init__(self, search: _Recursive, replay: bool = True):
+        g = search.g
+        n = len(g.units)
+        kinds: dict[tuple, int] = {}
+        colour = np.array([kinds.setdefault((g.shape_of_unit[k], search.kept_bytes.get(k)), len(kinds))
+                           for k in range(n)], np.int64)
+        ties = np.arange(n)
+        runs = _runs(self._refined(search, colour)) if replay and g.edges else []
+        for start, period, repeats in runs:
+            block = start + period * np.arange(_WINDOW, repeats - _WINDOW)[:, None] + np.arange(period)
+            ties[block] = block[0]  # an interior layer's unit -> the first interior layer's
+        self.runs = len(runs)
+        self.replayed = int((ties != np.arange(n)).sum() + sum(period for _, period, _ in runs))
+        _, first, inverse = np.unique(ties, return_index=True, return_inverse=True)
+        order = np.argsort(first, kind="stable")
+        rank = np.empty(len(order), np.int64)
+        rank[order] = np.arange(len(order))
+        self.of: list[int] = rank[inverse.ravel()].tolist()
+        self.reps: list[int] = first[order].tolist()
+        self.count: list[int] = np.bincount(rank[inverse.ravel()], minlength=len(order)).tolist()
+        self.edges: dict[tuple, tuple[int, int]] = {}
+        for i, (e, value) in enumerate(zip(g.edges, search.edge_values)):
+            key = (self.of[e.src[0]], e.src[1], self.of[e.dst[0]], e.dst[1], value)
+            found = self.edges.get(key)
+            self.edges[key] = (i, 1) if found is None else (found[0], found[1] + 1)
+
+    @staticmethod
+    def _refined(search: _Recursive, colour: np.ndarray) -> np.ndarray:
+        """`colour` refined `_ROUNDS` times (Weisfeiler-Lehman, hashed in numpy): each unit takes in the
+        multiset of its neighbours' colours with the values and operand positions between them."""
+        g, n = search.g, len(colour)
+        types: dict[tuple, int] = {}
+        kind = np.array([types.setdefault((value, e.src[1], e.dst[1]), len(types))
+                         for e, value in zip(g.edges, search.edge_values)], np.uint64)
+        src = np.array([e.src[0] for e in g.edges], np.int64)
+        dst = np.array([e.dst[0] for e in g.edges], np.int64)
+        out_kind, in_kind = _mix(kind * np.uint64(2)), _mix(kind * np.uint64(2) + np.uint64(1))
+        for _ in range(_ROUNDS):
+            heard = np.zeros(n, np.uint64)  # a multiset's hash: the sum of its members' hashes
+            np.add.at(heard, src, _mix(out_kind ^ colour[dst].astype(np.uint64)))
+            np.add.at(heard, dst, _mix(in_kind ^ colour[src].astype(np.uint64)))
+            _, heard = np.unique(heard, return_inverse=True)
+            _, colour = np.unique(colour * n + heard.ravel(), return_inverse=True)  # refines: never merges
+            colour = colour.ravel()
+        return colour
+
+
+def _runs(colour: np.ndarray) -> list[tuple[int, int, int]]:
+    """The periodic runs of `colour` (program order): `(start, period, repeats)`, each stretch where
+    every entry equals the one `period` later for at least `2 * _WINDOW + 2` periods, without overlap;
+    the periods tried are the commonest gaps between a colour's consecutive units, the run covering
+    the most units first."""
+    n = len(colour)
+    order = np.lexsort((np.arange(n), colour))
+    gaps = np.diff(order)[colour[order][1:] == colour[order][:-1]]
+    periods, counts = np.unique(gaps, return_counts=True)
+    least = 2 * _WINDOW + 2
+    tried = periods[np.argsort(-counts, kind="stable")][:_PERIODS]
+    free = np.ones(n, bool)
+    found = []
+    while True:
+        best = None
+        for period in tried.tolist():
+            same = np.zeros(n + 1, bool)
+            same[:n - period] = (colour[:-period] == colour[period:]) & free[:-period] & free[period:]
+            edges = np.flatnonzero(np.diff(np.concatenate([[False], same])))  # starts and ends of True stretches
+            for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
+                repeats = (b - a + period) // period
+                if repeats >= least and (best is None or repeats * period > best[1] * best[2]):
+                    best = (a, period, repeats)
+        if best is None:
+            return found
+        start, period, repeats = best
+        free[start:start + period * repeats] = False
+        found.append(best)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer on an array of uint64 (wrapping arithmetic): a hash of each entry."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
 class _Level:
     """One level as a pairwise energy: `unary[k][c]`, unit `k`'s own seconds and λ·bytes kept under
     its candidate `c`, plus one table `[c_a, c_b]` of redistribution seconds per pair of
@@ -157,37 +294,45 @@ class _Level:
     then each of the heaviest units pinned to each of its candidates and the rest decided in program
     order, each improved by single and pairwise moves until none helps; the eliminated units then
     take their best answers to the core's choice.
+
+    The level's units are the classes of `ties` (`_Ties`): a class of replayed layers is one unit
+    with its members' costs and tables summed; where nothing repeats, each unit is its own class.
     """
 
-    def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float):
+    def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float, ties: _Ties):
         g = self.g = search.g
         self.search = search
+        self.ties = ties  # the level's units are its classes (one unit each where nothing repeats)
+        self.reps, count = ties.reps, ties.count
         # Units of one structure on one base (identical layers) share their candidates, costs and tables.
-        kinds = [(g.shape_of_unit[k], tuple(sorted(base[k].items()))) for k in range(len(g.units))]
+        kinds = [(g.shape_of_unit[k], tuple(sorted(base[k].items()))) for k in self.reps]
         cands: dict[tuple, list[Assignment]] = {}
         self.cands = [cands[kind] if kind in cands else cands.setdefault(kind, g.candidates(k, [group], base[k]))
-                      for k, kind in enumerate(kinds)]
+                      for k, kind in zip(self.reps, kinds)]
         self._own: dict[tuple, np.ndarray] = {}  # unit kind (and the bytes it keeps) -> its unary
-        self.unary = [self._unary(k, kinds[k], lam) for k in range(len(g.units))]
+        self.unary = [self._unary(c, kinds[c], lam) * count[c] if count[c] > 1 else self._unary(c, kinds[c], lam)
+                      for c in range(len(self.reps))]
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
         specs: dict[tuple, list] = {}  # (unit kind, operand) -> its layout under each candidate
         moves: dict[tuple, np.ndarray] = {}  # ((value, weight), both ends' kinds) -> the edge's table
 
-        def laid(end: tuple[int, int]) -> tuple:
-            key = (kinds[end[0]], end[1])
+        def laid(c: int, pos: int) -> tuple:
+            key = (kinds[c], pos)
             if key not in specs:
-                specs[key] = [g.spec(end[0], end[1], a) for a in self.cands[end[0]]]
+                specs[key] = [g.spec(self.reps[c], pos, a) for a in self.cands[c]]
             return key
 
-        for e, value in zip(g.edges, search.edge_values):
-            u, v = e.src[0], e.dst[0]
-            key = (value, laid(e.src), laid(e.dst))
+        for (u, pu, v, pv, value), (i, times) in ties.edges.items():
+            key = (value, laid(u, pu), laid(v, pv))
             table = moves.get(key)
             if table is None:
                 mine, theirs = specs[key[1]], specs[key[2]]
+                e = g.edges[i]
                 table = moves[key] = np.array([[g.edge_seconds(e, x, y) for y in theirs] for x in mine])
-            if u == v:
+            if times > 1:
+                table = table * times
+            if u == v:  # both ends take the class's one pick
                 self.unary[u] = self.unary[u] + np.diag(table)
             else:
                 self._add(u, v, table)
@@ -195,9 +340,14 @@ class _Level:
         self.records: list[tuple] = []
         self.classes = self.evaluations = 0  # the core's distinct units and their cost evaluations
 
-    def _unary(self, k: int, kind: tuple, lam: float) -> np.ndarray:
-        """Unit `k`'s own seconds and λ·bytes it keeps at the peak, under each candidate."""
-        search, cands = self.search, self.cands[k]
+    def weight(self, c: int) -> tuple[float, int]:
+        """The order the core tries its heaviest units in: a class's first unit's compute and degree,
+        as if it were alone (the program's heaviest operator first, whether or not it repeats)."""
+        return self.search.weight(self.reps[c])
+
+    def _unary(self, c: int, kind: tuple, lam: float) -> np.ndarray:
+        """Class `c`'s first unit's own seconds and λ·bytes it keeps at the peak, under each candidate."""
+        search, cands, k = self.search, self.cands[c], self.reps[c]
         kept = search.kept_bytes.get(k)
         found = self._own.get((kind, kept))
         if found is None:
@@ -226,9 +376,18 @@ class _Level:
         self.nbrs[k].discard(j)
         self.nbrs[j].discard(k)
 
-    def solve(self) -> list[int]:
+    def solve(self, seed: list[int] | None = None) -> list[int]:
+        """Each unit's pick: the eliminations, then the core searched, or with `seed` (a pick per
+        unit) the seed's core improved by single and pairwise moves; the eliminated units answer."""
         core = self._eliminate()
-        self.picks.update(self._search_core(core))
+        if seed is None:
+            self.picks.update(self._search_core(core))
+        elif core:
+            self._prepare_core(core)
+            choice = {k: seed[k] for k in core}
+            self._improve(core, choice, set(), pairs=True)
+            self.evaluations = len(self._locals) + len(self._pairs)
+            self.picks.update(choice)
         for record in reversed(self.records):
             k, how, *rest = record
             if how == "one":
@@ -343,7 +502,7 @@ class _Level:
             return {}
         self._prepare_core(core)
         self.classes = len(set(self._class.values()))
-        weight = self.search.weight
+        weight = self.weight
         heaviest = max(weight(k)[0] for k in core)
         roots = [k for k in sorted(core, key=weight, reverse=True) if weight(k)[0] >= _HEAVY * heaviest][:_ROOTS]
         unused = dict.fromkeys(core, 0)

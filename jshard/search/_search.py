@@ -156,6 +156,7 @@ def search(
     names: Mapping | None = None,
     call: str = "jshard.parallelize",
     time_limit: float = 60.0,
+    replay: bool = True,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -171,6 +172,8 @@ def search(
       host: arguments and results kept in host memory between steps (on the device only while the
         step uses them).
       names: var -> a name for errors (an argument's pytree path).
+      replay: the recursive search decides the interior layers of a repeated run as one, then
+        improves that unit by unit (`parallelize`'s `search_replay`).
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget`.
@@ -182,7 +185,7 @@ def search(
         raise _too_big(g, budget, names or {}, call, how)
     if how == "recursive":
         try:
-            solved = _recursive.solve(g, axes, budget)
+            solved = _recursive.solve(g, axes, budget, replay)
         except Infeasible:
             raise _too_big(g, budget, names or {}, call, how) from None
         choice, mesh_text = solved.choice, "·".join(str(axis_size[a]) for (a,) in axes) or "1"

@@ -1,0 +1,69 @@
+"""7b. Planning an unrolled GPT-3-shaped step at depth: the recursive search with and without the
+replay of repeated layers (`parallelize(search_replay=...)`), on an abstract mesh of 1024 devices."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax
+
+import jshard as js
+from benchmarks._search import Shape
+from benchmarks._table import Table
+from jshard import models
+
+DEPTHS = (12, 48, 96)
+DEVICES = 1024
+TARGET = 5.0  # seconds for the 96-layer step (issue 15 item 4), and at most 2x the 12-layer time
+
+
+def _shape(layers: int) -> Shape:
+    return Shape("GPT-3-shaped, unrolled", models.GPTConfig(vocab=50257, seq_len=2048, d_model=12288, n_heads=96,
+                                                             n_layers=layers, d_ff=49152, scan=False), 1536)
+
+
+def _measure(layers: int, replay: bool) -> tuple[float, float, float, float, js.Plan]:
+    """(plan wall seconds, plan CPU seconds, JAX's own trace, the search alone, the plan)."""
+    shape = _shape(layers)
+    step = js.parallelize(shape.step(), devices=DEVICES, mode="auto", search_replay=replay)
+    args = shape.args()
+    start, cpu = time.perf_counter(), time.process_time()
+    plan = step.plan(*args)
+    took, cpu = time.perf_counter() - start, time.process_time() - cpu
+    start = time.perf_counter()
+    jax.make_jaxpr(step.fn)(*args)
+    return took, cpu, time.perf_counter() - start, plan.search.planning_seconds, plan
+
+
+def replay_table(depths: Sequence[int] = DEPTHS) -> Table:
+    measured = {(layers, replay): _measure(layers, replay) for layers in depths for replay in (False, True)}
+    rows = []
+    for (layers, replay), (took, cpu, trace, search, plan) in measured.items():
+        first = measured[(depths[0], replay)]
+        full = measured[(layers, False)][4].search.seconds
+        s = plan.search
+        rows.append((str(layers), "on" if replay else "off", f"{took:.2f} s", f"{cpu:.2f} s", f"{trace:.2f} s",
+                     f"{took - trace:.2f} s", f"{search:.2f} s", f"{cpu / first[1]:.2f}", f"{s.units:,}",
+                     f"{s.seconds:.5g} s", f"{s.seconds / full:.4f}"))
+    return Table(
+        "7b. Planning an unrolled GPT-3-shaped step at depth: replay of repeated layers",
+        f"the {depths[-1]}-layer step on {DEVICES} devices planned in at most {TARGET:g} s, at most 2x the "
+        f"{depths[0]}-layer time (issue 15 item 4; a 2-core machine shared with other work).",
+        ("layers", "replay", "plan", "plan CPU", "JAX trace", "plan less JAX trace", "search alone",
+         f"CPU vs {depths[0]} layers", "decisions", "predicted per step", "predicted vs replay off"),
+        tuple(rows),
+        (
+            "`Parallelized.plan(...)` of the Adam train step of the GPT-3-shaped model (d_model 12288, 96 heads, "
+            "d_ff 49152, seq 2048, vocab 50257, batch 1536), its layers an unrolled Python loop, no annotations "
+            f"(`mode='auto'`, recursive search, no memory budget), on shapes only, an abstract mesh of {DEVICES} "
+            "devices; `search_replay=True` (the default) or False. plan: trace + search + plan records, wall clock; "
+            "plan CPU: this process's CPU time over the same call; JAX trace: `jax.make_jaxpr` of the same step, "
+            "timed after (paid by plain `jax.jit` too); search alone: the search's own wall time.",
+            "replay: the interior layers of each repeated run of units (the forward blocks, the backward blocks, "
+            "the optimizer's update of each layer's parameters) are decided as one at each level of the search, the "
+            "first and last layer of each run on their own, then the replayed choice is improved unit by unit "
+            "(single and pairwise moves). predicted vs replay off: the plan's predicted seconds per step over those "
+            "of the plan made without replay (below 1: the replayed plan is cheaper).",
+        ),
+    )
