@@ -405,10 +405,6 @@ def _check_staged(call: str, options: Options) -> None:
         raise ShardingError(f"{call}: schedule='interleaved' runs several chunks of a layer stack per stage; a "
                             f"step cut by jshard.pipeline_stage tags has one region per stage. Use schedule='gpipe' "
                             f"or '1f1b', or a jshard.Pipeline.")
-    if c.schedule == "zb-h1":
-        raise ShardingError(f"{call}: schedule='zb-h1' splits each stage's backward into its input and weight "
-                            f"gradients, which a step cut by jshard.pipeline_stage tags does not do yet. Use "
-                            f"schedule='gpipe' or '1f1b', or a jshard.Pipeline.")
     if options.in_strategy:
         raise ShardingError(f"{call}: in_strategy= sets strategies inside the stages of a jshard.Pipeline; a step "
                             f"cut by jshard.pipeline_stage tags runs its stages data parallel (strategies inside cut "

@@ -45,7 +45,8 @@ from jax.sharding import PartitionSpec as P
 
 from jshard.pipeline._cut import Cut
 from jshard.pipeline._engine import STAGE, scan_ticks
-from jshard.pipeline._schedule import BACKWARD, FORWARD, IDLE, Schedule
+from jshard.pipeline._schedule import BACKWARD, FORWARD, IDLE, WEIGHTS, Schedule
+from jshard.pipeline._split import SplitBackward
 
 Buffers = dict[str, jax.Array]
 """One 1-D (or `[..., width]`) array per dtype name."""
@@ -178,11 +179,11 @@ class StagedProgram:
         return mapped(packed, micro, self._table())
 
     def _table(self) -> np.ndarray:
-        """`[ticks, stages, 6]` int32: kind (0 idle, 1 forward, 2 backward), micro-batch, and what
-        arrives each way (`valid`, `micro`)."""
+        """`[ticks, stages, 6]` int32: kind (0 idle, 1 forward, 2 backward or zero bubble's `B`, 3
+        zero bubble's `W`), micro-batch, and what arrives each way (`valid`, `micro`)."""
         sch = self.schedule
         codes = sch.codes()
-        kind = np.select([codes == IDLE, codes == FORWARD, codes == BACKWARD], [0, 1, 2], -1)
+        kind = np.select([codes == IDLE, codes == FORWARD, codes == BACKWARD, codes == WEIGHTS], [0, 1, 2, 3], -1)
         (fv, _, fm), (bv, _, bm) = sch.receives("F"), sch.receives("B")
         return np.stack([kind, sch.field("micro"), fv, fm, bv, bm], axis=-1).astype(np.int32)
 
@@ -196,13 +197,21 @@ class StagedProgram:
             "gin": _zeros(sch.slots("gradients"), gw), "g": _zeros(None, self.param_widths),
             "loss": jnp.zeros((), jnp.float32),
         }
+        branches = [ticks.idle, ticks.forward, ticks.backward]
+        if sch.split_backward:  # `B` stores its handoff to the `W` (`_split.py`) in slots of its own
+            carry["hand"] = _zeros(sch.slots("residuals"), ticks.hw)
+            branches = [ticks.idle, ticks.forward, ticks.input_grad, ticks.weights]
 
         def tick(carry, row, permutes):
             kind, i = row[0], row[1]
             view = {"x": _at(carry["xin"], i), "res": _at(carry["res"], i), "g_in": _at(carry["gin"], i), "g": carry["g"]}
-            out = jax.lax.switch(kind, [ticks.idle, ticks.forward, ticks.backward], view, i)
+            if "hand" in carry:
+                view["hand"] = _at(carry["hand"], i)
+            out = jax.lax.switch(kind, branches, view, i)
             carry = dict(carry)
             carry["res"] = _put(carry["res"], i, out["res"])
+            if "hand" in carry:
+                carry["hand"] = _put(carry["hand"], i, out["hand"])
             carry["g"] = out["g"]
             carry["loss"] = carry["loss"] + out["loss"]
             return self._pass(carry, out, row, permutes)
@@ -284,10 +293,16 @@ class _Ticks:
         self.pulls = [self._pullback_shape(k) for k in range(self.cut.stages)]
         self.rf = [Flat.of(stored) for _, _, stored in self.pulls]
         self.rw = widths(self.rf)
+        if program.schedule.split_backward:
+            self.splits = [self._split(k) for k in range(self.cut.stages)]
+            self.hf = [Flat.of(split.handoff) for split in self.splits]
+            self.hw = widths(self.hf)
 
     def _result(self, view, **changes) -> dict:
         base = {"res": view["res"], "send_f": _zeros(None, self.bw), "send_b": _zeros(None, self.gw),
                 "g": view["g"], "loss": jnp.zeros((), jnp.float32)}
+        if "hand" in view:
+            base["hand"] = view["hand"]
         return {**base, **changes}
 
     def idle(self, view, i):
@@ -362,6 +377,50 @@ class _Ticks:
             send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
             g = jax.tree.map(jnp.add, view["g"], self.pf[k].pack(g_params, self.pw))
             return self._result(view, g=g, send_b=send_b)
+
+        return jax.lax.switch(self.stage, [lambda k=k: at(k) for k in range(self.cut.stages)])
+
+    # --- zero bubble: the backward split into `B` and `W` (`_split.py`) ---
+
+    def _pullback_args(self, k, view) -> list:
+        """`[params_k, residuals, cotangent]` of stage `k`'s stored pullback for this tick's micro-batch."""
+        if k == self.cut.stages - 1:
+            loss = self.cut.loss_aval
+            cot = [jnp.full(loss.shape, 1.0 / self.m, loss.dtype)]
+        else:
+            cot = self.gf[k].unpack(view["g_in"])
+        return [self.pf[k].unpack(self.params), self.rf[k].unpack(view["res"]), cot]
+
+    def _split(self, k) -> SplitBackward:
+        tree, param_of, stored = self.pulls[k]
+
+        def bwd(params_k, res, cot):
+            it = iter(res)
+            pull = jax.tree.unflatten(tree, [next(it) if j is None else params_k[j] for j in param_of])
+            return pull(cot)
+
+        params_k = [self.p.param_avals[j] for j in self.cut.params[k]]
+        cot = [self.cut.loss_aval] if k == self.cut.stages - 1 else list(self.gf[k].avals)
+        return SplitBackward.of(bwd, [params_k, list(stored), cot], n_params=len(params_k))
+
+    def input_grad(self, view, i):
+        """Zero bubble's `B`: the input gradient of micro-batch `i`, sent back, and the handoff its
+        `W` reads stored; the parameters' gradient is left to `weights`."""
+
+        def at(k):
+            g_x, hand = self.splits[k].input_grad(self._pullback_args(k, view))
+            send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
+            return self._result(view, send_b=send_b, hand=self.hf[k].pack(hand, self.hw))
+
+        return jax.lax.switch(self.stage, [lambda k=k: at(k) for k in range(self.cut.stages)])
+
+    def weights(self, view, i):
+        """Zero bubble's `W`: the parameters' gradient of micro-batch `i`, from the residuals and the
+        received gradient still in their slots and the handoff its `B` stored, added to the sum."""
+
+        def at(k):
+            g_params = self.splits[k].weight_grad(self._pullback_args(k, view), self.hf[k].unpack(view["hand"]))
+            return self._result(view, g=jax.tree.map(jnp.add, view["g"], self.pf[k].pack(g_params, self.pw)))
 
         return jax.lax.switch(self.stage, [lambda k=k: at(k) for k in range(self.cut.stages)])
 
