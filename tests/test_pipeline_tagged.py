@@ -275,10 +275,28 @@ def test_a_step_returning_more_than_the_loss_is_an_error():
         step(params, batch)
 
 
-def test_interleaved_in_strategy_and_integer_parameters_are_refused_for_a_cut_step():
+def test_interleaved_runs_tagged_stage_k_on_device_group_k_mod_S():
+    """Four tagged stages (the embedding tied to the head: stages 0 and 3) on two device groups with
+    two chunks each: stage k on group k mod 2, as its chunk k // 2. The step equals the unpipelined
+    one, idles less than 1F1B at the same S, M, and each group holds its two stages' parameters."""
+    params, batch, loss, ref = _case(4, True)
+    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="interleaved",
+                          virtual_stages=2)
+    assert_close(step(params, batch), ref, terms=step_terms(params, batch))
+    program = step.program(params, batch)
+    one = js.pipeline.build_schedule("1f1b", stages=2, micro_batches=4)
+    assert program.schedule.bubble_fraction < one.bubble_fraction
+    assert [program.row(k) for k in range(4)] == [0, 2, 1, 3]  # group 0: stages 0, 2; group 1: stages 1, 3
+    packed = step.pack(params, batch)["float32"]
+    rows = {k: program.param_flats[k].pack([jax.tree.leaves(params)[j] for j in program.cut.params[k]],
+                                           program.param_widths)["float32"] for k in range(4)}
+    for shard in packed.addressable_shards:
+        group = shard.index[0].start // 2
+        np.testing.assert_array_equal(np.asarray(shard.data), np.stack([rows[group], rows[group + 2]]))
+
+
+def test_in_strategy_and_integer_parameters_are_refused_for_a_cut_step():
     loss = _case(2, False)[2]
-    with pytest.raises(js.ShardingError, match=r"schedule='interleaved' runs several chunks .* Use schedule='gpipe'"):
-        js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="interleaved", virtual_stages=2)
     with pytest.raises(js.ShardingError, match=r"in_strategy= sets strategies inside the stages of a jshard\.Pipeline"):
         js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, in_strategy=((2, 1),))
     params, batch, _, _ = _case(2, False)

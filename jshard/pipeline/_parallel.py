@@ -323,7 +323,7 @@ class Staged:
         _check_float_params(self.call, params)
         rows = lambda a: jax.ShapeDtypeStruct((a.shape[0] // (c.micro_batches * d), *a.shape[1:]), a.dtype)
         staged = self._cut(abstract(params), jax.tree.map(rows, abstract(batch)))
-        sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches)
+        sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
         program = StagedProgram(staged, sched, self.mesh, tuple(leaves), data_axes)
         packed_sh = {name: NamedSharding(self.mesh, PartitionSpec(STAGE)) for name in program.param_widths}
         batch_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec(data_axes or None)), batch)
@@ -345,7 +345,7 @@ class Staged:
         stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
         ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto", recompute=self.options.recompute)
         with _context.tracing(ctx):
-            staged = cut(self.fn, params, micro, self.pipeline.stages, self.call)
+            staged = cut(self.fn, params, micro, self.pipeline.stages * self.pipeline.virtual_stages, self.call)
         if ctx.annotations:
             raise ShardingError(
                 f"{self.call}: the step calls jshard.shard ({len(ctx.annotations)} call(s)) inside stages cut by "
@@ -398,13 +398,9 @@ def _check_config(call: str, pipe: Pipeline, options: Options) -> None:
 
 
 def _check_staged(call: str, options: Options) -> None:
-    """The options a step cut by `pipeline_stage` tags takes: one chunk per stage, no `in_strategy`."""
+    """The options a step cut by `pipeline_stage` tags takes: no `in_strategy` (interleaved: the
+    tags number `pipeline_stages × virtual_stages` stages, `Staged`)."""
     _check_options(call, options)
-    c = options.pipeline
-    if c.schedule == "interleaved":
-        raise ShardingError(f"{call}: schedule='interleaved' runs several chunks of a layer stack per stage; a "
-                            f"step cut by jshard.pipeline_stage tags has one region per stage. Use schedule='gpipe' "
-                            f"or '1f1b', or a jshard.Pipeline.")
     if options.in_strategy:
         raise ShardingError(f"{call}: in_strategy= sets strategies inside the stages of a jshard.Pipeline; a step "
                             f"cut by jshard.pipeline_stage tags runs its stages data parallel (strategies inside cut "
