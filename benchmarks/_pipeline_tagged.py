@@ -21,19 +21,23 @@ import jshard as js
 from benchmarks._table import Table, size
 from jshard import models
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
-CELLS = tuple((name, s, m) for s in (2, 4) for m in (4, 16) for name in SCHEDULES)
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved")
+CELLS = tuple((name, s, m) for s in (2, 4) for m in (4, 16) for name in SCHEDULES if name != "interleaved" or s == 2)
+"""(schedule, S, M); interleaved at S=2 with v=2 chunks each (4 tagged stages of the 4-block GPT)."""
 
 
-def pipeline_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=4), rows: int = 64) -> Table:
-    """The matrix of `CELLS` on the tagged reference GPT (see the module docstring)."""
+def pipeline_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=4), rows: int = 64,
+                   cells: tuple[tuple[str, int, int], ...] = CELLS) -> Table:
+    """The matrix of `cells` (default `CELLS`) on the tagged reference GPT (see the module docstring)."""
     params = models.init_gpt(cfg, jax.random.key(0))
     batch = models.copy_task_batch(np.random.default_rng(0), cfg, rows)
     out, gpipe_temp = [], {}
-    for name, stages, micro in CELLS:
-        loss = models.gpt_staged_loss(cfg, stages)
+    for name, stages, micro in cells:
+        v = 2 if name == "interleaved" else 1
+        loss = models.gpt_staged_loss(cfg, stages * v)
         ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss))(params, batch)
-        step = js.parallelize(loss, devices=8, pipeline_stages=stages, micro_batches=micro, schedule=name)
+        step = js.parallelize(loss, devices=8, pipeline_stages=stages, micro_batches=micro, schedule=name,
+                              virtual_stages=v)
         got_loss, got_grads = step(params, batch)
         compiled = step.compile(params, batch)
         program = step.program(params, batch)
@@ -44,15 +48,15 @@ def pipeline_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=4), rows: i
         moved = js.audit(compiled).by_kind().get("collective-permute", (0, 0))[1]
         grad_err = max(float(jnp.abs(a - b).max() / jnp.abs(b).max())
                        for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads)))
-        held = max(program.stage_bytes())
+        held = v * max(program.stage_bytes())
         sch = program.schedule
-        out.append((name, str(stages), str(micro), f"{sch.bubble_fraction:.3f} / {sch.theoretical_bubble:.3f}",
+        out.append((name if v == 1 else f"{name} v={v}", str(stages), str(micro), f"{sch.bubble_fraction:.3f} / {sch.theoretical_bubble:.3f}",
                     f"{abs(float(got_loss) - float(ref_loss)):.1e}", f"{grad_err:.1e}", size(temp),
                     f"{temp / gpipe_temp[(stages, micro)]:.2f}", f"{moved / must:.2f}",
                     " / ".join(size(b) for b in program.stage_bytes()),
                     f"{size(held)} of {size(sum(a.nbytes for a in jax.tree.leaves(params)))}"))
     return Table(
-        "15. Pipeline stages cut from a tagged step: GPipe, 1F1B and zero bubble, 8 devices",
+        "15. Pipeline stages cut from a tagged step: GPipe, 1F1B, zero bubble and interleaved, 8 devices",
         "loss and gradients equal one device (within 1e-5); 1F1B temp <= 0.5x GPipe's at S=4, M=16; zero "
         "bubble's bubble below 1F1B's; permute bytes <= 1.1x what must cross; a device holds its stage's "
         "parameters only",
@@ -65,7 +69,8 @@ def pipeline_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=4), rows: i
             "`parallelize(loss, devices=8, pipeline_stages=S, micro_batches=M, schedule=...)`; each stage's "
             "8/S devices cut the micro-batch rows (data parallel, gradients reduced once per step).",
             "Bubble: the idle share of the tick table, every operation one tick (zero bubble's backward is two: "
-            "B, the input gradient, and W, the weight gradient). Theory (S-1)/(M+S-1); zero bubble (S-1)/(3M+S-1).",
+            "B, the input gradient, and W, the weight gradient). Theory (S-1)/(M+S-1); zero bubble (S-1)/(3M+S-1); "
+            "interleaved (S-1)/(vM+S-1), its 4 tagged stages on 2 device groups (stage k on group k mod 2).",
             "Zero bubble splits each stage's backward at its equations (`pipeline/_split.py`): B stores for its W "
             "the values W reads that B made (mostly the gradients of the stage's matmul outputs), so every "
             "equation runs once; that store is the temp memory it adds over 1F1B.",
@@ -73,8 +78,8 @@ def pipeline_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=4), rows: i
             "rows on one device); the collective-permute bytes per device are read from the compiled HLO by "
             "`js.audit`, loops weighted by their trip counts. Loops of one repeating permute pattern "
             "(`Schedule.segments`) permute in some ticks more than they need.",
-            "Stage parameter bytes: each stage's own (`StagedProgram.stage_bytes`); a device holds the largest "
-            "stage's share (the packed `[S, width]` buffer's row), not the model.",
+            "Stage parameter bytes: each (tagged) stage's own (`StagedProgram.stage_bytes`); a device holds the "
+            "largest stage's share (its row of the packed `[S, width]` buffer; interleaved: its v rows), not the model.",
         ),
     )
 
