@@ -44,7 +44,7 @@ def pipeline_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=4), rows: i
         temp = compiled.memory_analysis().temp_size_in_bytes
         gpipe_temp.setdefault((stages, micro), temp)
         act = program.cut.boundary[0]
-        must = 2 * micro * sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in act)
+        must = 2 * micro * v * sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in act)
         moved = js.audit(compiled).by_kind().get("collective-permute", (0, 0))[1]
         grad_err = max(float(jnp.abs(a - b).max() / jnp.abs(b).max())
                        for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads)))
@@ -75,7 +75,7 @@ def pipeline_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=4), rows: i
             "the values W reads that B made (mostly the gradients of the stage's matmul outputs), so every "
             "equation runs once; that store is the temp memory it adds over 1F1B.",
             "Must cross: M activations forward and M gradients back per boundary, per device (one micro-batch's "
-            "rows on one device); the collective-permute bytes per device are read from the compiled HLO by "
+            "rows on one device; interleaved: a device sends from each of its v chunks, so v times that); the collective-permute bytes per device are read from the compiled HLO by "
             "`js.audit`, loops weighted by their trip counts. Loops of one repeating permute pattern "
             "(`Schedule.segments`) permute in some ticks more than they need.",
             "Stage parameter bytes: each (tagged) stage's own (`StagedProgram.stage_bytes`); a device holds the "
