@@ -18,6 +18,12 @@ differing shapes are packed as one flat buffer per dtype:
   the backward rebuilds the pullback from them and sends the input gradient back. A stage holds
   the residuals of the micro-batches in flight, `M` under GPipe and at most `S` under 1F1B.
 
+Zero bubble (`"zb-h1"`) runs each backward as two ticks, `B` and `W`, its pullback split at the
+equations (`_split.py`): `B` stores its handoff to the `W` in slots of its own. Interleaved
+(`virtual_stages=v`) runs `S·v` cut stages, stage `k` on device group `k mod S` as its chunk
+`k // S`: a group's stages are its `v` rows of the packed parameters (`StagedProgram.row`), and
+every slot buffer holds `v` chunks' slots.
+
 The tick table, micro-batch order and slot counts are the `Schedule`'s, as in the stacked form;
 with pure data parallel inside stages (`dataset_strategy="data_parallel"`) every axis is manual:
 each device runs its own rows, and gradients are summed once per step.
