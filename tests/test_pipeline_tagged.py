@@ -292,6 +292,11 @@ def test_interleaved_runs_tagged_stage_k_on_device_group_k_mod_S():
     for shard in packed.addressable_shards:
         group = shard.index[0].start // 2
         np.testing.assert_array_equal(np.asarray(shard.data), np.stack([rows[group], rows[group + 2]]))
+    too_few = js.parallelize(_case(2, False)[2], devices=8, pipeline_stages=2, micro_batches=4,
+                             schedule="interleaved", virtual_stages=2)
+    with pytest.raises(js.ShardingError, match=r"stage\(s\) \[2, 3\] run no operator of the loss.*"
+                                               r"the tags number pipeline_stages × virtual_stages = 2 × 2 = 4 stages"):
+        too_few(*_case(2, False)[:2])
 
 
 def test_in_strategy_and_integer_parameters_are_refused_for_a_cut_step():

@@ -344,8 +344,18 @@ class Staged:
         (strategies inside cut stages are not built yet)."""
         stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
         ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto", recompute=self.options.recompute)
+        c = self.pipeline
         with _context.tracing(ctx):
-            staged = cut(self.fn, params, micro, self.pipeline.stages * self.pipeline.virtual_stages, self.call)
+            try:
+                staged = cut(self.fn, params, micro, c.stages * c.virtual_stages, self.call)
+            except ShardingError as e:
+                if c.virtual_stages == 1:
+                    raise
+                raise ShardingError(  # the cut counts the tagged stages: say where that count comes from
+                    f"{e} (schedule='interleaved': the tags number pipeline_stages × virtual_stages = "
+                    f"{c.stages} × {c.virtual_stages} = {c.stages * c.virtual_stages} stages, stage k running on "
+                    f"device group k mod {c.stages}.)"
+                ) from None
         if ctx.annotations:
             raise ShardingError(
                 f"{self.call}: the step calls jshard.shard ({len(ctx.annotations)} call(s)) inside stages cut by "
