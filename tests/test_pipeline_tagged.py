@@ -384,3 +384,19 @@ def test_a_tag_inside_a_loop_body_is_an_error():
     with pytest.raises(js.ShardingError, match=r"scan at .* holds operators tagged jshard\.pipeline_stage\(fn, k\) for "
                                                r"k in \[1\] inside its body; a scan runs on one stage and cannot be cut"):
         step(jnp.ones((2, 4, 4)), jnp.ones((16, 4)))
+
+
+def test_zero_bubble_splits_a_backward_holding_a_loop_and_runs_full_batch():
+    """A stage whose backward holds a loop (the transposed `scan`: one equation, run in `B`, its
+    weight-gradient outputs handed to the `W`), on full-batch stages (every device all rows)."""
+    def loss(p, x):
+        def layers(w, x):
+            return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=2)[0]
+
+        h = js.pipeline_stage(layers, 0)(p["a"], x)
+        return js.pipeline_stage(lambda w, h: jnp.tanh(h @ w).mean(), 1)(p["b"], h)
+
+    p, x = {"a": jnp.eye(4) / 2 + 0.1, "b": jnp.ones((4, 2))}, jnp.arange(32.0).reshape(8, 4) / 32
+    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=2, schedule="zb-h1",
+                          dataset_strategy="full_batch")
+    assert_close(step(p, x), jax.value_and_grad(loss)(p, x), terms=4 * 2 * 4 + x.size)
