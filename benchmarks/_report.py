@@ -21,6 +21,7 @@ from benchmarks import (
     _gpu,
     _hetero,
     _memory,
+    _pipeline_tagged,
     _planning,
     _replay,
     _search,
@@ -63,7 +64,7 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     return tables
 
 
-SECTIONS = ("memory", "accumulation", "hetero", "zoo", "replay")
+SECTIONS = ("memory", "accumulation", "hetero", "zoo", "replay", "pipeline")
 """The sections `python -m benchmarks --only NAME` regenerates alone (the others need the whole run's
 shared measurements)."""
 
@@ -83,6 +84,9 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
             made = [_zoo.zoo_table()]
         elif name == "replay":
             made = [_replay.replay_table()]
+        elif name == "pipeline":
+            quick = (("gpipe", 2, 4), ("zb-h1", 2, 4))  # GPipe's row first: the temp ratio's reference
+            made = [_pipeline_tagged.pipeline_table(cells=quick if settings.size == "quick" else _pipeline_tagged.CELLS)]
         else:
             raise ValueError(f"no section {name!r}; the sections are {SECTIONS}")
         for table in made:

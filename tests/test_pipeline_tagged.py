@@ -69,7 +69,7 @@ def _case(stages: int, tied: bool):
     return params, batch, loss, jax.jit(jax.value_and_grad(loss))(params, batch)
 
 
-CASES = [("gpipe", 2, 4, False), ("1f1b", 2, 4, False), ("1f1b", 4, 4, True)]
+CASES = [("gpipe", 2, 4, False), ("1f1b", 2, 4, False), ("1f1b", 4, 4, True), ("zb-h1", 2, 4, True)]
 
 
 @functools.cache
@@ -86,8 +86,9 @@ def _step(schedule: str, stages: int, micro: int, tied: bool):
 def test_tagged_gpt_equals_the_unpipelined_step(schedule, stages, micro, tied):
     params, batch, _, (ref_loss, ref_grads) = _case(stages, tied)
     loss, grads = _step(schedule, stages, micro, tied)(params, batch)
-    # S=2: stage 0 = embedding + 2 layers, stage 1 = 2 layers + head; S=4 with the embedding tied
-    # to the head, read by stages 0 and 3, its gradient the sum of both
+    # S=2: stage 0 = embedding + 2 layers, stage 1 = 2 layers + head; tied: the embedding is the
+    # head too, read by the first and the last stage, its gradient the sum of both (under zero
+    # bubble: of the two stages' `W`s)
     assert_close((loss, grads), (ref_loss, ref_grads), terms=step_terms(params, batch))
 
 
@@ -123,13 +124,56 @@ def test_permutes_move_only_what_must_cross(schedule, stages, micro):
 
 def test_1f1b_holds_under_half_the_temporary_memory_of_gpipe():
     """At S=4, M=32 GPipe keeps 32 micro-batches' residuals per stage, 1F1B at most 4 (theory S/M);
-    the programs compiled above."""
+    the programs compiled above. (S=4, M=16: `python -m benchmarks --only pipeline`.)"""
     params = _case(4, False)[0]
     temp = {}
     for name in ("gpipe", "1f1b"):
         batch, step = _wide(name, 4, 32)
         temp[name] = step.compile(params, batch).memory_analysis().temp_size_in_bytes
     assert temp["1f1b"] <= 0.5 * temp["gpipe"], temp
+
+
+BUBBLES = [(s, m) for s in (2, 4) for m in (4, 16)]
+
+
+@pytest.mark.parametrize("stages,micro", BUBBLES, ids=[f"S{s}-M{m}" for s, m in BUBBLES])
+def test_zero_bubble_idles_less_than_1f1b(stages, micro):
+    """ZB-H1's `W`s fill 1F1B's bubble: the idle share of the tick table (every operation one tick,
+    the backward two under zero bubble) is below 1F1B's, and at its theory (S-1)/(3M+S-1)."""
+    zb = js.pipeline.build_schedule("zb-h1", stages=stages, micro_batches=micro)
+    one = js.pipeline.build_schedule("1f1b", stages=stages, micro_batches=micro)
+    assert zb.bubble_fraction < one.bubble_fraction
+    assert zb.bubble_fraction == pytest.approx(zb.theoretical_bubble)
+
+
+def test_the_zero_bubble_step_runs_its_table_and_splits_without_recomputing():
+    """The zb-h1 step compiled above runs the ZB-H1 table; its stage's backward split into `B` and
+    `W` (`SplitBackward`) computes what the whole pullback does, no more (compiled FLOPs): running
+    the whole pullback at both ticks, XLA dropping the unused half, would repeat the chain of input
+    gradients inside the stage (about 1.6x the FLOPs here)."""
+    from jshard.pipeline._split import SplitBackward  # noqa: PLC0415
+
+    params, batch, _, _ = _case(2, True)
+    program = _step("zb-h1", 2, 4, True).program(params, batch)
+    assert program.schedule.name == "zb-h1" and program.schedule.split_backward
+    c, leaves = program.cut, jax.tree.leaves(params)
+    k = 1  # two layers and the head: the input gradient chains through them
+    p_k, mb = [leaves[j] for j in c.params[k]], [a[: c.boundary[0][0].shape[0]] for a in jax.tree.leaves(batch)]  # one device's micro-batch
+    x = [jnp.ones(a.shape, a.dtype) for a in c.boundary[k - 1]]
+    cot = [jnp.ones(c.loss_aval.shape, c.loss_aval.dtype)]
+
+    def bwd(p, x, cot):
+        return jax.vjp(lambda p, x: c.run(k, p, mb, x), p, x)[1](cot)
+
+    split = SplitBackward.of(bwd, [p_k, x, cot], n_params=len(p_k))
+    args = [p_k, x, cot]
+    g_x, handoff = split.input_grad(args)
+    ref_p, ref_x = jax.jit(bwd)(*args)
+    assert_close((split.weight_grad(args, handoff), g_x), (ref_p, ref_x), terms=step_terms(params, batch))
+    flops = lambda f, *a: jax.jit(f).lower(*a).compile().cost_analysis()["flops"]
+    whole = flops(bwd, *args)
+    split_flops = flops(split.input_grad, args) + flops(split.weight_grad, args, handoff)
+    assert split_flops <= whole, (split_flops, whole)
 
 
 def _nbytes(tree) -> int:
@@ -231,12 +275,33 @@ def test_a_step_returning_more_than_the_loss_is_an_error():
         step(params, batch)
 
 
-def test_interleaved_in_strategy_and_integer_parameters_are_refused_for_a_cut_step():
+def test_interleaved_runs_tagged_stage_k_on_device_group_k_mod_S():
+    """Four tagged stages (the embedding tied to the head: stages 0 and 3) on two device groups with
+    two chunks each: stage k on group k mod 2, as its chunk k // 2. The step equals the unpipelined
+    one, idles less than 1F1B at the same S, M, and each group holds its two stages' parameters."""
+    params, batch, loss, ref = _case(4, True)
+    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="interleaved",
+                          virtual_stages=2)
+    assert_close(step(params, batch), ref, terms=step_terms(params, batch))
+    program = step.program(params, batch)
+    one = js.pipeline.build_schedule("1f1b", stages=2, micro_batches=4)
+    assert program.schedule.bubble_fraction < one.bubble_fraction
+    assert [program.row(k) for k in range(4)] == [0, 2, 1, 3]  # group 0: stages 0, 2; group 1: stages 1, 3
+    packed = step.pack(params, batch)["float32"]
+    rows = {k: program.param_flats[k].pack([jax.tree.leaves(params)[j] for j in program.cut.params[k]],
+                                           program.param_widths)["float32"] for k in range(4)}
+    for shard in packed.addressable_shards:
+        group = shard.index[0].start // 2
+        np.testing.assert_array_equal(np.asarray(shard.data), np.stack([rows[group], rows[group + 2]]))
+    too_few = js.parallelize(_case(2, False)[2], devices=8, pipeline_stages=2, micro_batches=4,
+                             schedule="interleaved", virtual_stages=2)
+    with pytest.raises(js.ShardingError, match=r"stage\(s\) \[2, 3\] run no operator of the loss.*"
+                                               r"the tags number pipeline_stages × virtual_stages = 2 × 2 = 4 stages"):
+        too_few(*_case(2, False)[:2])
+
+
+def test_in_strategy_and_integer_parameters_are_refused_for_a_cut_step():
     loss = _case(2, False)[2]
-    with pytest.raises(js.ShardingError, match=r"schedule='interleaved' runs several chunks .* Use schedule='gpipe'"):
-        js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="interleaved", virtual_stages=2)
-    with pytest.raises(js.ShardingError, match=r"schedule='zb-h1' splits each stage's backward .* Use schedule='gpipe'"):
-        js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="zb-h1")
     with pytest.raises(js.ShardingError, match=r"in_strategy= sets strategies inside the stages of a jshard\.Pipeline"):
         js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, in_strategy=((2, 1),))
     params, batch, _, _ = _case(2, False)
@@ -320,3 +385,19 @@ def test_a_tag_inside_a_loop_body_is_an_error():
     with pytest.raises(js.ShardingError, match=r"scan at .* holds operators tagged jshard\.pipeline_stage\(fn, k\) for "
                                                r"k in \[1\] inside its body; a scan runs on one stage and cannot be cut"):
         step(jnp.ones((2, 4, 4)), jnp.ones((16, 4)))
+
+
+def test_zero_bubble_splits_a_backward_holding_a_loop_and_runs_full_batch():
+    """A stage whose backward holds a loop (the transposed `scan`: one equation, run in `B`, its
+    weight-gradient outputs handed to the `W`), on full-batch stages (every device all rows)."""
+    def loss(p, x):
+        def layers(w, x):
+            return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=2)[0]
+
+        h = js.pipeline_stage(layers, 0)(p["a"], x)
+        return js.pipeline_stage(lambda w, h: jnp.tanh(h @ w).mean(), 1)(p["b"], h)
+
+    p, x = {"a": jnp.eye(4) / 2 + 0.1, "b": jnp.ones((4, 2))}, jnp.arange(32.0).reshape(8, 4) / 32
+    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=2, schedule="zb-h1",
+                          dataset_strategy="full_batch")
+    assert_close(step(p, x), jax.value_and_grad(loss)(p, x), terms=4 * 2 * 4 + x.size)

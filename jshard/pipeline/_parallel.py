@@ -340,7 +340,7 @@ class Staged:
         _check_float_params(self.call, params)
         rows = lambda a: jax.ShapeDtypeStruct((a.shape[0] // (c.micro_batches * d), *a.shape[1:]), a.dtype)
         staged = self._cut(abstract(params), jax.tree.map(rows, abstract(batch)))
-        sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches)
+        sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
         program = StagedProgram(staged, sched, self.mesh, tuple(leaves), data_axes)
         packed_sh = {name: NamedSharding(self.mesh, PartitionSpec(STAGE)) for name in program.param_widths}
         batch_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec(data_axes or None)), batch)
@@ -362,8 +362,18 @@ class Staged:
         stage's own axes)."""
         stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
         ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto", recompute=self.options.recompute)
+        c = self.pipeline
         with _context.tracing(ctx):
-            staged = cut(self.fn, params, micro, self.pipeline.stages, self.call, self.options.costs)
+            try:
+                staged = cut(self.fn, params, micro, c.stages * c.virtual_stages, self.call, self.options.costs)
+            except ShardingError as e:
+                if c.virtual_stages == 1:
+                    raise
+                raise ShardingError(  # the cut counts the tagged stages: say where that count comes from
+                    f"{e} (schedule='interleaved': the tags number pipeline_stages × virtual_stages = "
+                    f"{c.stages} × {c.virtual_stages} = {c.stages * c.virtual_stages} stages, stage k running on "
+                    f"device group k mod {c.stages}.)"
+                ) from None
         if self.options.mode != "auto":
             return staged
         if ctx.annotations:
@@ -418,17 +428,9 @@ def _check_config(call: str, pipe: Pipeline, options: Options) -> None:
 
 
 def _check_staged(call: str, options: Options) -> None:
-    """The options a step cut by `pipeline_stage` tags takes: one chunk per stage, no `in_strategy`."""
+    """The options a step cut by `pipeline_stage` tags takes: no `in_strategy` (interleaved: the
+    tags number `pipeline_stages × virtual_stages` stages, `Staged`)."""
     _check_options(call, options)
-    c = options.pipeline
-    if c.schedule == "interleaved":
-        raise ShardingError(f"{call}: schedule='interleaved' runs several chunks of a layer stack per stage; a "
-                            f"step cut by jshard.pipeline_stage tags has one region per stage. Use schedule='gpipe' "
-                            f"or '1f1b', or a jshard.Pipeline.")
-    if c.schedule == "zb-h1":
-        raise ShardingError(f"{call}: schedule='zb-h1' splits each stage's backward into its input and weight "
-                            f"gradients, which a step cut by jshard.pipeline_stage tags does not do yet. Use "
-                            f"schedule='gpipe' or '1f1b', or a jshard.Pipeline.")
     if options.in_strategy:
         raise ShardingError(f"{call}: in_strategy= sets strategies inside the stages of a jshard.Pipeline; a step cut "
                             f"by jshard.pipeline_stage tags packs each stage's parameters into one buffer per dtype, "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import html
 from typing import NamedTuple
 
 import numpy as np
@@ -39,6 +40,10 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # What a device does at a tick, as the program's `lax.switch` index.
 IDLE, FORWARD, BACKWARD, WEIGHTS = range(4)
 _KIND_CODE = {"F": FORWARD, "B": BACKWARD, "W": WEIGHTS}
+
+# `Schedule.svg`'s colours: forward, backward (zero bubble: its `B`), zero bubble's `W`, idle.
+KIND_COLOURS = {"F": "#80b1d3", "B": "#fdb462", "W": "#b3de69", ".": "#e5e5e5"}
+_KIND_NAMES = {"F": "forward", "B": "backward (B: input gradient)", "W": "W: weight gradient", ".": "idle"}
 
 # The collective-permute patterns a tick may use (`Schedule.permutes`): forward (stage s to s + 1),
 # backward (s + 1 to s), or neighbours swapping in pairs starting at an even or an odd stage.
@@ -244,6 +249,50 @@ class Schedule:
             head = [] if per >= ticks else [f"ticks {start}-{end - 1}"]
             blocks += head + [f"stage {s} |{m[start:end]}|" for s, m in enumerate(marks)]
         return "\n".join(blocks)
+
+    def svg(self, cell: int = 22) -> str:
+        """The table as an SVG picture, ticks across and stages down, `cell` pixels a tick: each
+        operation a box coloured by its kind (`KIND_COLOURS`: forward, backward or zero bubble's `B`,
+        `W`, idle) and labelled as in `table`; a legend of the kinds present under it. A notebook
+        shows a `Schedule` as this picture (`_repr_svg_`); no plotting library is needed.
+
+        Examples:
+          >>> zb = build_schedule("zb-h1", stages=2, micro_batches=2)
+          >>> picture = zb.svg()  # a box per tick and stage, and the legend's four kinds
+          >>> picture.count("<rect") == zb.ticks * zb.stages + 4, "W: weight gradient" in picture
+          (True, True)
+        """
+        label, top, h = 58, 34, cell * 0.8
+        title = (f"{self.name}: S={self.stages}, M={self.micro_batches}"
+                 f"{f', v={self.virtual}' if self.virtual > 1 else ''}, bubble {self.bubble_fraction:.3f}")
+        parts = [_svg_text(0, 14, title, "start")]
+        parts += [_svg_text(label + (t + 0.5) * cell, top - 6, str(t)) for t in range(0, self.ticks, 5)]
+        for s in range(self.stages):
+            y = top + s * h
+            parts.append(_svg_text(label - 6, y + h / 2 + 4, f"stage {s}", "end"))
+            for t, row in enumerate(self.ops):
+                op, x = row[s], label + t * cell
+                parts.append(f'<rect x="{x}" y="{y:.1f}" width="{cell}" height="{h:.1f}" '
+                             f'fill="{KIND_COLOURS[op.kind if op else "."]}" stroke="white"/>')
+                if op is not None:
+                    parts.append(_svg_text(x + cell / 2, y + h / 2 + 3, _cell(op, self.stages, self.virtual), size=7))
+        kinds = [k for k in KIND_COLOURS if any((op.kind if op else ".") == k for row in self.ops for op in row)]
+        y, x = top + self.stages * h + 10, label
+        for k in kinds:
+            parts.append(f'<rect x="{x}" y="{y:.1f}" width="10" height="10" fill="{KIND_COLOURS[k]}"/>')
+            parts.append(_svg_text(x + 14, y + 9, _KIND_NAMES[k], "start"))
+            x += 24 + 6.6 * len(_KIND_NAMES[k])
+        width = max(label + self.ticks * cell, x, 7 * len(title)) + 4
+        return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{y + 16:.0f}" '
+                f'font-family="sans-serif" font-size="11">' + "".join(parts) + "</svg>")
+
+    def _repr_svg_(self) -> str:
+        return self.svg()
+
+
+def _svg_text(x: float, y: float, text: str, anchor: str = "middle", size: int | None = None) -> str:
+    font = f' font-size="{size}"' if size else ""
+    return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}"{font}>{html.escape(text)}</text>'
 
 
 def _cheapest_loops(needed: list[frozenset], cover) -> tuple:

@@ -18,6 +18,12 @@ differing shapes are packed as one flat buffer per dtype:
   the backward rebuilds the pullback from them and sends the input gradient back. A stage holds
   the residuals of the micro-batches in flight, `M` under GPipe and at most `S` under 1F1B.
 
+Zero bubble (`"zb-h1"`) runs each backward as two ticks, `B` and `W`, its pullback split at the
+equations (`_split.py`): `B` stores its handoff to the `W` in slots of its own. Interleaved
+(`virtual_stages=v`) runs `S·v` cut stages, stage `k` on device group `k mod S` as its chunk
+`k // S`: a group's stages are its `v` rows of the packed parameters (`StagedProgram.row`), and
+every slot buffer holds `v` chunks' slots.
+
 The tick table, micro-batch order and slot counts are the `Schedule`'s, as in the stacked form;
 with pure data parallel inside stages (`dataset_strategy="data_parallel"`) every axis is manual:
 each device runs its own rows, and gradients are summed once per step.
@@ -45,7 +51,8 @@ from jax.sharding import PartitionSpec as P
 
 from jshard.pipeline._cut import Cut
 from jshard.pipeline._engine import STAGE, scan_ticks
-from jshard.pipeline._schedule import BACKWARD, FORWARD, IDLE, Schedule
+from jshard.pipeline._schedule import BACKWARD, FORWARD, IDLE, WEIGHTS, Schedule
+from jshard.pipeline._split import SplitBackward
 
 Buffers = dict[str, jax.Array]
 """One 1-D (or `[..., width]`) array per dtype name."""
@@ -143,17 +150,24 @@ class StagedProgram:
     def _boundary_flats(self, grads: bool) -> list[Flat]:
         return [Flat.of([a for a in b if _inexact(a) or not grads]) for b in self.cut.boundary]
 
+    def row(self, k: int) -> int:
+        """The packed row of (virtual) stage `k`: device `k % S`'s rows are consecutive, its chunk
+        `k // S` the `k // S`-th of them (`k` itself with one chunk per stage)."""
+        s, v = self.schedule.stages, self.schedule.virtual
+        return (k % s) * v + k // s
+
     def pack(self, leaves: Sequence[jax.Array]) -> Buffers:
-        """The parameter leaves as `[S, width]` buffers, row `k` stage `k`'s."""
+        """The parameter leaves as `[S·v, width]` buffers, row `row(k)` (virtual) stage `k`'s."""
         w = self.param_widths
         rows = [f.pack([leaves[j] for j in idx], w) for f, idx in zip(self.param_flats, self.cut.params)]
-        return {name: jnp.stack([r[name] for r in rows]) for name in w}
+        order = sorted(range(len(rows)), key=self.row)
+        return {name: jnp.stack([rows[k][name] for k in order]) for name in w}
 
     def unpack(self, packed: Buffers) -> list[jax.Array]:
-        """The parameter leaves read from `[S, width]` buffers (a leaf of no stage: zeros)."""
+        """The parameter leaves read from `[S·v, width]` buffers (a leaf of no stage: zeros)."""
         out: list = [None] * len(self.param_avals)
         for k, (f, idx) in enumerate(zip(self.param_flats, self.cut.params)):
-            row = {name: b[k] for name, b in packed.items()}
+            row = {name: b[self.row(k)] for name, b in packed.items()}
             for j, x in zip(idx, f.unpack(row)):
                 out[j] = x if out[j] is None else out[j]
         return [jnp.zeros(a.shape, a.dtype) if x is None else x for x, a in zip(out, self.param_avals)]
@@ -178,31 +192,47 @@ class StagedProgram:
         return mapped(packed, micro, self._table())
 
     def _table(self) -> np.ndarray:
-        """`[ticks, stages, 6]` int32: kind (0 idle, 1 forward, 2 backward), micro-batch, and what
-        arrives each way (`valid`, `micro`)."""
+        """`[ticks, stages, 9]` int32: kind (0 idle, 1 forward, 2 backward or zero bubble's `B`, 3
+        zero bubble's `W`), micro-batch, what arrives each way (`valid`, `micro`), then the chunks
+        of the operation and of what arrives each way (interleaved; 0 otherwise)."""
         sch = self.schedule
         codes = sch.codes()
-        kind = np.select([codes == IDLE, codes == FORWARD, codes == BACKWARD], [0, 1, 2], -1)
-        (fv, _, fm), (bv, _, bm) = sch.receives("F"), sch.receives("B")
-        return np.stack([kind, sch.field("micro"), fv, fm, bv, bm], axis=-1).astype(np.int32)
+        kind = np.select([codes == IDLE, codes == FORWARD, codes == BACKWARD, codes == WEIGHTS], [0, 1, 2, 3], -1)
+        (fv, fc, fm), (bv, bc, bm) = sch.receives("F"), sch.receives("B")
+        return np.stack([kind, sch.field("micro"), fv, fm, bv, bm, sch.field("chunk"), fc, bc], axis=-1).astype(np.int32)
+
+    def _slots(self) -> dict[str, int]:
+        """Slots per chunk of each carried buffer (its rows: `v` times as many, chunk by chunk)."""
+        sch = self.schedule
+        n = {"xin": sch.slots("activations"), "res": sch.slots("residuals"), "gin": sch.slots("gradients")}
+        return {**n, "hand": n["res"]} if sch.split_backward else n
 
     def _body(self, packed, micro, table):
-        sch = self.schedule
-        params = {name: b[0] for name, b in packed.items()}
-        ticks = _Ticks(self, params, micro)
-        bw, gw = ticks.bw, ticks.gw
+        sch, n = self.schedule, self._slots()
+        ticks = _Ticks(self, packed, micro)
+        bw, gw, v = ticks.bw, ticks.gw, sch.virtual
         carry = {
-            "xin": _zeros(sch.slots("activations"), bw), "res": _zeros(sch.slots("residuals"), ticks.rw),
-            "gin": _zeros(sch.slots("gradients"), gw), "g": _zeros(None, self.param_widths),
+            "xin": _zeros(v * n["xin"], bw), "res": _zeros(v * n["res"], ticks.rw),
+            "gin": _zeros(v * n["gin"], gw), "g": _zeros(v, self.param_widths),
             "loss": jnp.zeros((), jnp.float32),
         }
+        branches = [ticks.idle, ticks.forward, ticks.backward]
+        if sch.split_backward:  # `B` stores its handoff to the `W` (`_split.py`) in slots of its own
+            carry["hand"] = _zeros(v * n["hand"], ticks.hw)
+            branches = [ticks.idle, ticks.forward, ticks.input_grad, ticks.weights]
 
         def tick(carry, row, permutes):
-            kind, i = row[0], row[1]
-            view = {"x": _at(carry["xin"], i), "res": _at(carry["res"], i), "g_in": _at(carry["gin"], i), "g": carry["g"]}
-            out = jax.lax.switch(kind, [ticks.idle, ticks.forward, ticks.backward], view, i)
+            kind, i, c = row[0], row[1], row[6]
+            at = {name: _slot(c, i, k) for name, k in n.items()}
+            view = {"x": _at(carry["xin"], at["xin"]), "res": _at(carry["res"], at["res"]),
+                    "g_in": _at(carry["gin"], at["gin"]), "g": carry["g"], "c": c}
+            if "hand" in carry:
+                view["hand"] = _at(carry["hand"], at["hand"])
+            out = jax.lax.switch(kind, branches, view, i)
             carry = dict(carry)
-            carry["res"] = _put(carry["res"], i, out["res"])
+            carry["res"] = _put(carry["res"], at["res"], out["res"])
+            if "hand" in carry:
+                carry["hand"] = _put(carry["hand"], at["hand"], out["hand"])
             carry["g"] = out["g"]
             carry["loss"] = carry["loss"] + out["loss"]
             return self._pass(carry, out, row, permutes)
@@ -213,20 +243,25 @@ class StagedProgram:
         g = carry["g"]
         if self.data_axes:  # each device differentiated the mean over its own rows
             g = jax.tree.map(lambda x: x / d, jax.lax.psum(g, self.data_axes))
-        g = self._sum_tied(g)
-        return loss, {name: x[None] for name, x in g.items()}
+        return loss, self._sum_tied(g)
 
     def _pass(self, carry, out, row, permutes):
         """The tick's permutes (`Schedule.permutes`): forward (`send_f`, all boundary values),
         backward (`send_b`, their float gradients), or one swap carrying each stage's one send: the
         gradients' buffers are the boundary's float buffers (same widths), so the swap sends the
-        boundary's buffers, holding a gradient where the stage ran a backward. What arrives is
-        written where the table says it arrives."""
-        kind, fv, fm, bv, bm = row[0], row[2], row[3], row[4], row[5]
+        boundary's buffers, holding a gradient where the stage ran a backward. On a ring of two
+        stages (interleaved, S=2) the forward and backward pairs are the same, so a lone `F` or `B`
+        carries either direction as a swap does. What arrives is written where the table says it
+        arrives."""
+        kind, n = row[0], self._slots()
+        fv, fm, bv, bm = row[2], _slot(row[7], row[3], n["xin"]), row[4], _slot(row[8], row[5], n["gin"])
         pairs = lambda name: sorted(self.schedule.pairs(name))
         f, b = out["send_f"], out["send_b"]
         carry = dict(carry)
+        both = self.schedule.pairs("F") == self.schedule.pairs("B")
         for name in permutes:
+            if name in ("F", "B") and both and len(permutes) == 1:
+                name = "swap0"
             if name == "F":
                 carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(f, STAGE, pairs(name)), fv, fm)
             elif name == "B":
@@ -239,7 +274,8 @@ class StagedProgram:
         return carry
 
     def _sum_tied(self, g: Buffers) -> Buffers:
-        """Each leaf read by more than one stage gets the sum of its stages' gradients, in every copy."""
+        """Each leaf read by more than one stage gets the sum of its stages' gradients, in every copy
+        (`g`: this device's `[v, width]` rows, chunk by chunk)."""
         holders: dict[int, list[int]] = {}
         for k, idx in enumerate(self.cut.params):
             for j in idx:
@@ -250,20 +286,33 @@ class StagedProgram:
         flats, tied_flat = self.param_flats, Flat.of([self.param_avals[j] for j in tied])
         tw = widths([tied_flat])
 
-        def mine(k):
-            leaves = dict(zip(self.cut.params[k], flats[k].unpack(g)))
-            return tied_flat.pack([leaves.get(j, jnp.zeros(self.param_avals[j].shape, self.param_avals[j].dtype))
-                                   for j in tied], tw)
+        s_, v = self.schedule.stages, self.schedule.virtual
+        chunk = lambda c: {name: x[c] for name, x in g.items()}
+
+        def mine(s):
+            total = _zeros(None, tw)
+            for c in range(v):
+                k = c * s_ + s
+                leaves = dict(zip(self.cut.params[k], flats[k].unpack(chunk(c))))
+                part = tied_flat.pack([leaves.get(j, jnp.zeros(self.param_avals[j].shape, self.param_avals[j].dtype))
+                                       for j in tied], tw)
+                total = jax.tree.map(jnp.add, total, part)
+            return total
 
         stage = jax.lax.axis_index(STAGE)
-        total = jax.lax.psum(jax.lax.switch(stage, [lambda k=k: mine(k) for k in range(self.cut.stages)]), STAGE)
+        total = jax.lax.psum(jax.lax.switch(stage, [lambda s=s: mine(s) for s in range(s_)]), STAGE)
         summed = dict(zip(tied, tied_flat.unpack(total)))
 
-        def put_back(k):
-            leaves = flats[k].unpack(g)
-            return flats[k].pack([summed.get(j, x) for j, x in zip(self.cut.params[k], leaves)], self.param_widths)
+        def put_back(s):
+            rows = []
+            for c in range(v):
+                k = c * s_ + s
+                leaves = flats[k].unpack(chunk(c))
+                rows.append(flats[k].pack([summed.get(j, x) for j, x in zip(self.cut.params[k], leaves)],
+                                          self.param_widths))
+            return {name: jnp.stack([r[name] for r in rows]) for name in self.param_widths}
 
-        return jax.lax.switch(stage, [lambda k=k: put_back(k) for k in range(self.cut.stages)])
+        return jax.lax.switch(stage, [lambda s=s: put_back(s) for s in range(s_)])
 
     def _data_degree(self) -> int:
         return int(np.prod([self.mesh.shape[a] for a in self.data_axes])) if self.data_axes else 1
@@ -276,7 +325,7 @@ class _Ticks:
 
     def __init__(self, program: StagedProgram, params: Buffers, micro: Any):
         self.p, self.params, self.micro = program, _whole(params), micro
-        self.cut, self.m = program.cut, program.schedule.micro_batches
+        self.cut, self.m, self.s = program.cut, program.schedule.micro_batches, program.schedule.stages
         self.pf, self.pw = program.param_flats, program.param_widths
         self.bf, self.gf = program._boundary_flats(False), program._boundary_flats(True)
         self.bw, self.gw = widths(self.bf), widths(self.gf)
@@ -284,14 +333,33 @@ class _Ticks:
         self.pulls = [self._pullback_shape(k) for k in range(self.cut.stages)]
         self.rf = [Flat.of(stored) for _, _, stored in self.pulls]
         self.rw = widths(self.rf)
+        if program.schedule.split_backward:
+            self.splits = [self._split(k) for k in range(self.cut.stages)]
+            self.hf = [Flat.of(split.handoff) for split in self.splits]
+            self.hw = widths(self.hf)
 
     def _result(self, view, **changes) -> dict:
         base = {"res": view["res"], "send_f": _zeros(None, self.bw), "send_b": _zeros(None, self.gw),
                 "g": view["g"], "loss": jnp.zeros((), jnp.float32)}
+        if "hand" in view:
+            base["hand"] = view["hand"]
         return _whole({**base, **changes})
 
     def idle(self, view, i):
         return self._result(view)
+
+    def _vstage(self, view):
+        """The (virtual) stage this device runs at this tick: chunk `c` of stage `s` is `c·S + s`."""
+        return view["c"] * self.s + self.stage
+
+    def _params(self, k) -> list:
+        """Stage `k`'s parameter leaves, from this device's row of chunk `k // S`."""
+        return self.pf[k].unpack({name: b[k // self.s] for name, b in self.params.items()})
+
+    def _add(self, g: Buffers, k, g_params) -> Buffers:
+        """The running gradient sum with stage `k`'s parameter gradients added to its chunk's row."""
+        row = self.pf[k].pack(g_params, self.pw)
+        return {name: x.at[k // self.s].add(row[name]) for name, x in g.items()}
 
     def _mb(self, i) -> list:
         return [jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in jax.tree.leaves(self.micro)]
@@ -309,7 +377,7 @@ class _Ticks:
             outs = self.cut.run(k, params_k, mb, merged)
             return [y for y in outs if _inexact(y)], outs
 
-        params_k = self.pf[k].unpack(self.params)
+        params_k = self._params(k)
         _, pull, outs = jax.vjp(run, params_k, [ins[n] for n in floats], has_aux=True)
         return outs, pull, params_k
 
@@ -344,7 +412,7 @@ class _Ticks:
                 return self._result(view, res=res, loss=outs[0].astype(jnp.float32))
             return self._result(view, res=res, send_f=self.bf[k].pack(outs, self.bw))
 
-        return jax.lax.switch(self.stage, [lambda k=k: at(k) for k in range(self.cut.stages)])
+        return jax.lax.switch(self._vstage(view), [lambda k=k: at(k) for k in range(self.cut.stages)])
 
     def backward(self, view, i):
         """Rebuilds the stored pullback of micro-batch `i`, applies it to the gradient received
@@ -353,7 +421,7 @@ class _Ticks:
 
         def at(k):
             tree, param_of, _ = self.pulls[k]
-            params_k, stored = self.pf[k].unpack(self.params), iter(self.rf[k].unpack(view["res"]))
+            params_k, stored = self._params(k), iter(self.rf[k].unpack(view["res"]))
             pull = jax.tree.unflatten(tree, [next(stored) if j is None else params_k[j] for j in param_of])
             if k == self.cut.stages - 1:
                 loss = self.cut.loss_aval
@@ -362,10 +430,53 @@ class _Ticks:
                 cot = self.gf[k].unpack(view["g_in"])
             g_params, g_x = pull(cot)
             send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
-            g = jax.tree.map(jnp.add, view["g"], self.pf[k].pack(g_params, self.pw))
-            return self._result(view, g=g, send_b=send_b)
+            return self._result(view, g=self._add(view["g"], k, g_params), send_b=send_b)
 
-        return jax.lax.switch(self.stage, [lambda k=k: at(k) for k in range(self.cut.stages)])
+        return jax.lax.switch(self._vstage(view), [lambda k=k: at(k) for k in range(self.cut.stages)])
+
+    # --- zero bubble: the backward split into `B` and `W` (`_split.py`) ---
+
+    def _pullback_args(self, k, view) -> list:
+        """`[params_k, residuals, cotangent]` of stage `k`'s stored pullback for this tick's micro-batch."""
+        if k == self.cut.stages - 1:
+            loss = self.cut.loss_aval
+            cot = [jnp.full(loss.shape, 1.0 / self.m, loss.dtype)]
+        else:
+            cot = self.gf[k].unpack(view["g_in"])
+        return [self._params(k), self.rf[k].unpack(view["res"]), cot]
+
+    def _split(self, k) -> SplitBackward:
+        tree, param_of, stored = self.pulls[k]
+
+        def bwd(params_k, res, cot):
+            it = iter(res)
+            pull = jax.tree.unflatten(tree, [next(it) if j is None else params_k[j] for j in param_of])
+            return pull(cot)
+
+        params_k = [self.p.param_avals[j] for j in self.cut.params[k]]
+        cot = [self.cut.loss_aval] if k == self.cut.stages - 1 else list(self.gf[k].avals)
+        return SplitBackward.of(bwd, [params_k, list(stored), cot], n_params=len(params_k))
+
+    def input_grad(self, view, i):
+        """Zero bubble's `B`: the input gradient of micro-batch `i`, sent back, and the handoff its
+        `W` reads stored; the parameters' gradient is left to `weights`."""
+
+        def at(k):
+            g_x, hand = self.splits[k].input_grad(self._pullback_args(k, view))
+            send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
+            return self._result(view, send_b=send_b, hand=self.hf[k].pack(hand, self.hw))
+
+        return jax.lax.switch(self._vstage(view), [lambda k=k: at(k) for k in range(self.cut.stages)])
+
+    def weights(self, view, i):
+        """Zero bubble's `W`: the parameters' gradient of micro-batch `i`, from the residuals and the
+        received gradient still in their slots and the handoff its `B` stored, added to the sum."""
+
+        def at(k):
+            g_params = self.splits[k].weight_grad(self._pullback_args(k, view), self.hf[k].unpack(view["hand"]))
+            return self._result(view, g=self._add(view["g"], k, g_params))
+
+        return jax.lax.switch(self._vstage(view), [lambda k=k: at(k) for k in range(self.cut.stages)])
 
 
 def _micro(batch, m: int):
@@ -385,6 +496,11 @@ def _whole(tree):
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
 
 
+def _slot(c, i, slots: int):
+    """The row of chunk `c`'s slot of micro-batch `i` in a buffer of `slots` rows per chunk."""
+    return c * slots + i % slots
+
+
 def _zeros(slots: int | None, w: dict[str, int]) -> Buffers:
     lead = () if slots is None else (slots,)
     return {name: jnp.zeros((*lead, width), name) for name, width in w.items()}
@@ -399,6 +515,6 @@ def _put(buffers: Buffers, i, values: Buffers) -> Buffers:
 
 
 def _receive(buffers: Buffers, values: Buffers, valid, i) -> Buffers:
-    """`values` written into slot `i % slots` where this stage received something this tick."""
+    """`values` written into row `i` (`_slot`) where this stage received something this tick."""
     kept = _at(buffers, i)
     return _put(buffers, i, {name: jnp.where(valid > 0, values[name], kept[name]) for name in buffers})
