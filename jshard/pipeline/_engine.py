@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
 from jshard.pipeline._model import Pipeline, stack_length
-from jshard.pipeline._schedule import FORWARD, Schedule
+from jshard.pipeline._schedule import Schedule
 
 STAGE = "stage"
 
@@ -224,12 +224,11 @@ class Program:
         pairs = lambda name: sorted(self.schedule.pairs(name))
         carry = dict(carry)
         if len(permutes) == 1:
-            send = out["send_f"] if "send_b" not in out else jnp.where(mine["code"] == FORWARD, out["send_f"], out["send_b"])
-            got = jax.lax.ppermute(send, STAGE, pairs(permutes[0]))
+            got = jax.lax.ppermute(out["send"], STAGE, pairs(permutes[0]))
             for buf, prefix in directions:
                 carry[buf] = _receive(carry[buf], got, mine, prefix)
         for (buf, prefix), name in zip(directions, permutes if len(permutes) > 1 else ()):
-            got = jax.lax.ppermute(out["send_f" if name == "F" else "send_b"], STAGE, pairs(name))
+            got = jax.lax.ppermute(out["send"], STAGE, pairs(name))
             carry[buf] = _receive(carry[buf], got, mine, prefix)
         return carry
 
@@ -273,10 +272,10 @@ class Program:
         """`branch` with its results constrained to the fixed shardings every branch shares."""
         sp = self.specs
         table = {
-            "x": sp.act, "g": sp.act, "y": sp.act, "send_f": sp.act, "send_b": sp.act, "loss": _P(),
+            "x": sp.act, "g": sp.act, "y": sp.act, "send": sp.act, "loss": _P(),
             "res": [_P(*p) for p in sp.residuals or ()],
             "g_rest": sp.shared,
-            "g_chunk": jax.tree.map(lambda p: _P(None, *p), sp.layer, is_leaf=_is_spec),
+            "g_chunks": jax.tree.map(lambda p: _P(None, None, *p), sp.layer, is_leaf=_is_spec),
         }
 
         def run(view, c, i):
@@ -434,7 +433,8 @@ class _Ops:
             return {"x": self._at(carry["xin"], c, i),
                     "out_i": jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False), carry["out"])}
         return {"x": self._at(carry["xin"], c, i), "g": self._at(carry["gin"], c, i),
-                "y": self._at(carry["yout"], c, i), "res": [self._at(b, c, i) for b in carry["res"]]}
+                "y": self._at(carry["yout"], c, i), "res": [self._at(b, c, i) for b in carry["res"]],
+                "g_rest": carry["g_rest"], "g_chunks": carry["g_chunks"]}
 
     def write(self, carry, c, i, out) -> dict:
         carry = dict(carry)
@@ -445,9 +445,7 @@ class _Ops:
         carry["yout"] = _put(carry["yout"], c, slot, out["y"])
         carry["res"] = [_put(b, c, slot, r) for b, r in zip(carry["res"], out["res"])]
         carry["loss"] = carry["loss"] + out["loss"]
-        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], out["g_rest"])
-        carry["g_chunks"] = jax.tree.map(lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, acc[c] + g, c, 0),
-                                         carry["g_chunks"], out["g_chunk"])
+        carry["g_rest"], carry["g_chunks"] = out["g_rest"], out["g_chunks"]
         return carry
 
     # --- the branches ---
@@ -463,9 +461,20 @@ class _Ops:
 
     def _result(self, view, **changes) -> dict:
         base = {"y": view["y"], "res": view["res"], "loss": jnp.zeros((), jnp.float32),
-                "g_chunk": jax.tree.map(jnp.zeros_like, self.chunk(0)), "g_rest": jax.tree.map(jnp.zeros_like, self.rest),
-                "send_f": self._zero(), "send_b": self._zero()}
+                "g_chunks": view["g_chunks"], "g_rest": view["g_rest"], "send": self._zero()}
         return {**base, **changes}
+
+    @staticmethod
+    def _added(view, c, g_chunk=None, g_rest=None) -> dict:
+        """The running gradient sums of `view` with this tick's increments added (inside the
+        branch, so no gradient-sized increment leaves it: a two-tick loop body keeps none live)."""
+        out = {}
+        if g_chunk is not None:
+            out["g_chunks"] = jax.tree.map(lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, acc[c] + g, c, 0),
+                                           view["g_chunks"], g_chunk)
+        if g_rest is not None:
+            out["g_rest"] = jax.tree.map(jnp.add, view["g_rest"], g_rest)
+        return out
 
     def idle(self, view, c, i):
         return self._result(view)
@@ -482,7 +491,7 @@ class _Ops:
         loss = self._cond(self._vstage(c) == self.last_vstage,
                           lambda: self.pipe.last(self.rest, y, mb).astype(jnp.float32),
                           lambda: jnp.zeros((), jnp.float32), _P())
-        return self._result(view, y=y, res=stored, loss=loss, send_f=y)
+        return self._result(view, y=y, res=stored, loss=loss, send=y)
 
     def _output_gradient(self, view, c, i):
         """`(g_rest, g_y)`: the gradient of the chunk's output, received or (on the last virtual
@@ -505,8 +514,8 @@ class _Ops:
         g_chunk, g_x = self.pullback.rebuild(self.chunk(c), view["res"])(g_y)
         g_first = self._cond(self._vstage(c) == 0, lambda: jax.vjp(lambda r: self.pipe.first(r, mb), self.rest)[1](g_x)[0],
                              lambda: jax.tree.map(jnp.zeros_like, self.rest), self.specs.shared)
-        g_chunk = g_chunk if weights else jax.tree.map(jnp.zeros_like, g_chunk)
-        return self._result(view, g_chunk=g_chunk, g_rest=jax.tree.map(jnp.add, g_rest, g_first), send_b=g_x)
+        added = self._added(view, c, g_chunk if weights else None, jax.tree.map(jnp.add, g_rest, g_first))
+        return self._result(view, **added, send=g_x)
 
     def weights(self, view, c, i):
         """Zero bubble's `W`: the gradient of chunk `c`'s parameters for micro-batch `i`, from the
@@ -514,14 +523,14 @@ class _Ops:
         `last`'s gradient is taken again; its shared-parameter part was counted at the `B`)."""
         _, g_y = self._output_gradient(view, c, i)
         g_chunk, _ = self.pullback.rebuild(self.chunk(c), view["res"])(g_y)
-        return self._result(view, g_chunk=g_chunk)
+        return self._result(view, **self._added(view, c, g_chunk))
 
     def idle_inference(self, view, c, i):
-        return {"out_i": view["out_i"], "send_f": self._zero()}
+        return {"out_i": view["out_i"], "send": self._zero()}
 
     def infer(self, view, c, i):
         y = self.run(self.chunk(c), self._input(view, c, i))
         specs = jax.tree.map(lambda _: self.specs.act, view["out_i"])
         out_i = self._cond(self._vstage(c) == self.last_vstage, lambda: self.pipe.head(self.rest, y),
                            lambda: view["out_i"], specs)
-        return {"out_i": out_i, "send_f": y}
+        return {"out_i": out_i, "send": y}
