@@ -21,6 +21,7 @@ from benchmarks import (
     _gpu,
     _hetero,
     _memory,
+    _pipeline,
     _planning,
     _search,
 )
@@ -61,7 +62,7 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     return tables
 
 
-SECTIONS = ("memory", "accumulation", "hetero")
+SECTIONS = ("memory", "accumulation", "hetero", "pipeline")
 """The sections `python -m benchmarks --only NAME` regenerates alone (the others need the whole run's
 shared measurements)."""
 
@@ -77,6 +78,8 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
                     _comm_recompute.comm_recompute_table()]
         elif name == "hetero":
             made = [_hetero.hetero_table(DEVICES, settings.step_rounds, settings.step_budget)]
+        elif name == "pipeline":
+            made = [_pipeline.pipeline_table(DEVICES)]
         else:
             raise ValueError(f"no section {name!r}; the sections are {SECTIONS}")
         for table in made:
