@@ -150,13 +150,17 @@ def test_gpt_under_pipeline_and_data_parallel_trains_like_one_device():
     assert_close((loss, grads), (ref_loss, ref_grads), terms=step_terms(params, batches[0]))
     plan = step.plan(params, batches[0])
     assert plan.activation_bytes == 1 * 8 * 32 * 4  # one row of [8, 32] per device
-    # gradients are summed once per step, not per micro-batch: one all-reduce of each stage's layers
-    # over its 2 devices, one of the embedding / head gradients and the loss over all 8
-    stage_layers = sum(a.nbytes for a in jax.tree.leaves(params["layers"])) // 4
-    rest = sum(a.nbytes for k, a in jax.tree_util.tree_leaves_with_path(params) if "layers" not in str(k)) + 4
+    # the embedding on stage 0, ln_f and the head on stage 3, each stage's layers on its own
+    nbytes = lambda *keys: sum(a.nbytes for k in keys for a in jax.tree.leaves(params[k]))
+    stage_layers = nbytes("layers") // 4
+    shares = (nbytes("embed", "pos"), 0, 0, nbytes("ln_f", "head"))
+    assert step.stage_bytes(params, batches[0]) == tuple(stage_layers + share for share in shares)
+    # gradients are summed once per step, not per micro-batch: one all-reduce over each stage's 2
+    # devices of its layers and its packed row of the embedding / head (the wider share), and the
+    # loss over all 8
     report = js.audit(step.compile(params, batches[0]))
     assert [c for c in report.collectives if c.kind == "all-reduce"] == [
-        Collective("all-reduce", 1.0, stage_layers, 2), Collective("all-reduce", 1.0, rest, 8)]
+        Collective("all-reduce", 1.0, stage_layers + max(shares), 2), Collective("all-reduce", 1.0, 4, 8)]
     # one activation per permute, only where something crosses (neighbour pairs swap in the steady state)
     permutes = sum(len(p) for p in plan.schedule.permutes())
     assert report.by_kind()["collective-permute"] == (permutes, permutes * plan.activation_bytes) == (

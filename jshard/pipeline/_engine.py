@@ -22,10 +22,15 @@ one per repeating pattern (`Schedule.segments`: warm-up, steady state, cool-down
 whose body holds that pattern's ticks. The loops hand one carry from one to the next (the compiled
 HLO copies no buffer between them), and the compiled program's collective-permutes move per device
 about what must cross: `(M + S - 2) / M` of it per direction under GPipe (the fill and drain of a
-tick-synchronous pipeline), less under 1F1B where the swaps carry both directions at once. Each
-loop's body still has temporaries of its own, and a body of two ticks (1F1B's steady state) keeps
-more live than one tick does: a few percent more temporary memory than a single one-tick loop
-(README, pipeline "Known gaps").
+tick-synchronous pipeline), less under 1F1B where the swaps carry both directions at once. A body
+of two ticks (1F1B's steady state) runs two switches; each branch adds its parameter gradients
+into the running sums itself and sends one value, so no gradient-sized increment stays live
+between them (about 2% more temporary memory than a one-tick loop remains).
+
+The parameters outside the stack are held where they are used (`ends`: `_rest.StageParams`, the
+rows of `first`'s and `last`'s leaves on the end stages, or `Replicated` where strategies cut them
+inside the stages); `first` and `last` read their trees from this stage's row, and their
+gradients are summed into a row of the same packing.
 
 Backward is hand-written per micro-batch: a forward runs its chunk under `jax.vjp` and stores
 the pullback's residuals (the leaves of the `jax.vjp` closure, less the chunk's parameters, which
