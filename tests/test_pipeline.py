@@ -132,6 +132,22 @@ def test_parameters_outside_the_stack_live_on_the_stages_that_use_them():
     assert step.compile(params, batch).memory_analysis().argument_size_in_bytes == layers + max(w_in, w_out) + rows
 
 
+def test_parameters_outside_the_stack_cut_inside_stages_stay_on_every_stage():
+    """Where `in_strategy` cuts a parameter outside the stack inside the stages (w_in's columns
+    over each stage's 4 devices), a packed row would lose the cut: those parameters stay on every
+    stage, cut as asked, and the step still equals the unpipelined one."""
+    pipe, params, batch, (ref_loss, ref_grads) = _mlp()
+    step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, schedule="1f1b",
+                          in_strategy=({"w_in": (1, 4), "w_out": None, "layers": None}, None),
+                          dataset_strategy="full_batch")
+    loss, grads = step(params, batch)
+    assert_close((loss, grads), (ref_loss, ref_grads), terms=step_terms(params, batch))
+    nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
+    ends = nbytes(params["w_in"]) + nbytes(params["w_out"])
+    assert step.stage_bytes(params, batch) == (nbytes(params["layers"]) // 2 + ends,) * 2
+    assert {s.data.shape for s in grads["w_in"].addressable_shards} == {(8, D // 4)}
+
+
 @functools.cache
 def _gpt_1f1b_s4_m16():
     """The GPT under 1F1B, 4 stages × 2-way data parallel, 16 micro-batches of 2 rows (1 per device)."""
