@@ -1,62 +1,82 @@
-"""`python -m benchmarks._pipeline`: the pipeline's figures on the reference GPT (issue 5).
+"""Table: the stacked pipeline (`jshard.Pipeline`) on the reference GPT (issues 5 and 17).
 
-The GPT (8 blocks, d_model 64, 8 heads, d_ff 256, seq 16, vocab 32, `scan=True`) on 8 simulated
-CPU devices as 4 stages × 2-way data parallel, 16 micro-batches of 4 rows, under GPipe, 1F1B,
-interleaved (v = 2) and zero bubble (ZB-H1). Per schedule: bubble fraction against the theory,
-compiled temp memory (`memory_analysis()`), collective-permute bytes per device from the audit
-against the plan's and against what must cross per device (2·M activations: M forward, M gradients
-back), all-reduce bytes, compile and step time; and the one-device `value_and_grad` step for scale. Figures from compiled programs are deterministic; times are not
-(a shared 2-core machine). Not part of `python -m benchmarks` (BENCHMARKS.md).
+The GPT (8 blocks, d_model 64, 8 heads, d_ff 256, seq 16, vocab 32, `scan=True`, batch 64) on 8
+simulated CPU devices as S stages × 8/S-way data parallel, M micro-batches, under GPipe and 1F1B at
+S ∈ {2, 4}, M ∈ {4, 16}, and zero bubble (ZB-H1) and interleaved (v = 2) at S = 4, M = 16. Per
+case: the bubble fraction against the theory, compiled temp and argument memory per
+device (`memory_analysis()`), collective-permute bytes per device from the audit (loops weighted by their
+trip counts) against what must cross per device (M activations forward and M gradients back, per
+boundary) and against the floor of a program that permutes tick by tick (`Schedule.tick_permutes`),
+and the loss against the one-device step. Deterministic figures from compiled programs.
+`python -m benchmarks --only pipeline` writes it into BENCHMARKS.md; `python -m benchmarks._pipeline`
+prints it.
 """
 
 from __future__ import annotations
 
-import time
+import jax
+import numpy as np
 
 import jshard as js
+from benchmarks._compiled import loss_check
+from benchmarks._table import Table, size
+from jshard import models
 
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
+CASES = tuple((name, s, m, 1) for name in ("gpipe", "1f1b") for s in (2, 4) for m in (4, 16)) + (
+    ("zb-h1", 4, 16, 1), ("interleaved", 4, 16, 2))
+ROWS = 64
 
 
-def _timed(fn, reps=3):
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
+def pipeline_table(devices: int) -> Table:
+    """The table, measured on `devices` devices."""
+    cfg = models.GPTConfig(n_layers=8, scan=True)
+    params = models.init_gpt(cfg, jax.random.key(0))
+    batch = models.copy_task_batch(np.random.default_rng(0), cfg, ROWS)
+    pipe = models.gpt_pipeline(cfg)
+    reference = float(jax.jit(lambda p, b: models.gpt_loss(p, b, cfg))(params, batch))
+    rows, temps = [], {}
+    whole = sum(a.nbytes for a in jax.tree.leaves(params))
+    for name, s, m, v in CASES:
+        step = js.parallelize(pipe, devices=devices, pipeline_stages=s, micro_batches=m, schedule=name,
+                              virtual_stages=v)
+        compiled = step.compile(params, batch)
+        plan = step.plan(params, batch)
+        memory = compiled.memory_analysis()
+        temps[name, s, m] = temp = memory.temp_size_in_bytes
+        moved = js.audit(compiled).by_kind()["collective-permute"][1]
+        must = 2 * m * plan.activation_bytes * (v if v > 1 else 1)  # an interleaved device has v boundaries
+        floor = sum(len(p) for p in plan.schedule.tick_permutes()) * plan.activation_bytes
+        loss = float(step(params, batch)[0])
+        if (name, s) == ("gpipe", 4):
+            shares = step.stage_bytes(params, batch)
+        label = name + (f" (v={v})" if v > 1 else "")
+        rows.append((label, f"{s} × {m}", f"{plan.bubble_fraction:.4f} ({plan.schedule.theoretical_bubble:.4f})",
+                     size(temp), size(memory.argument_size_in_bytes), size(moved), size(must), f"{moved / must:.3f}", f"{floor / must:.3f}",
+                     loss_check(loss, reference)))
+    ratio = temps["1f1b", 4, 16] / temps["gpipe", 4, 16]
+    return Table(
+        f"17. Pipeline parallel: the stacked reference GPT (8 blocks, batch {ROWS}), {devices} devices", "",
+        ("schedule", "S × M", "bubble (theory)", "temp / device", "arguments / device", "permute bytes / device (audit)",
+         "must cross / device", "permute / must", "tick-by-tick floor / must", "loss vs one device"),
+        tuple(rows),
+        (f"1F1B / GPipe temp memory at S = 4, M = 16: {ratio:.2f} (1F1B holds S micro-batches' residuals, "
+         f"GPipe M).",
+         f"Parameters outside the stack are held where they are used (the embedding on stage 0, the head on the "
+         f"last stage; tied ones on both): the model's {size(whole)} of parameters, at S = 4 a stage holds "
+         f"{' / '.join(size(b) for b in shares)} (stages 0 to 3); the arguments add the device's rows.",
+         "Must cross: per boundary, M activations forward and M gradients back; per device, a middle stage's "
+         "2·M activations (an interleaved device, v boundaries). The floor: permutes at every tick where "
+         "something crosses and none elsewhere, one per tick where the sends pair up (1F1B's swaps carry "
+         "both directions, hence below 1 at S = 2); GPipe's is (M + S − 2) / M per direction, the fill and "
+         "drain, so 1.1x is reached at S = 2, or at S = 4 from M ≈ 32.",
+         "Audit convention: a collective-permute counts its operand bytes per device, whether or not that "
+         "device sends in its source-target pairs."),
+    )
 
 
 def main() -> None:
     js.simulate_devices(8)
-    import jax
-    import numpy as np
-
-    from jshard import models
-
-    cfg = models.GPTConfig(n_layers=8, scan=True)
-    params = models.init_gpt(cfg, jax.random.key(0))
-    batch = models.copy_task_batch(np.random.default_rng(0), cfg, 64)
-    pipe = models.gpt_pipeline(cfg)
-    print("schedule     bubble  theory  temp KiB  permute KiB (plan)  must cross KiB  permute/must  all-reduce KiB*  "
-          "compile s  step s")
-    temps = {}
-    for name, v in SCHEDULES:
-        step = js.parallelize(pipe, devices=8, pipeline_stages=4, micro_batches=16, schedule=name, virtual_stages=v)
-        start = time.perf_counter()
-        compiled = step.compile(params, batch)
-        took = time.perf_counter() - start
-        plan, report = step.plan(params, batch), js.audit(compiled).by_kind()
-        temps[name] = compiled.memory_analysis().temp_size_in_bytes
-        step_s = _timed(lambda: jax.block_until_ready(step(params, batch)))
-        must = 2 * plan.schedule.micro_batches * plan.activation_bytes  # per device, both directions
-        moved = report["collective-permute"][1]
-        print(f"{name:12} {plan.bubble_fraction:.4f}  {plan.schedule.theoretical_bubble:.4f}  {temps[name] / 2**10:8.0f}  "
-              f"{moved / 2**10:8.0f} ({plan.permute_bytes / 2**10:.0f})      {must / 2**10:8.0f}        "
-              f"{moved / must:5.2f}         {report['all-reduce'][1] / 2**10:8.0f}      {took:6.1f}  {step_s:6.3f}")
-    ref = jax.jit(jax.value_and_grad(lambda p, b: models.gpt_loss(p, b, cfg)))
-    print(f"1F1B / GPipe temp memory: {temps['1f1b'] / temps['gpipe']:.2f}; ZB-H1 / 1F1B: {temps['zb-h1'] / temps['1f1b']:.2f}")
-    print(f"one device value_and_grad step: {_timed(lambda: jax.block_until_ready(ref(params, batch))):.3f} s")
-    print("* the audit counts every branch of a conditional, so all-reduce bytes are an upper bound")
+    print(pipeline_table(8).markdown())
 
 
 if __name__ == "__main__":

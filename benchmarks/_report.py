@@ -21,6 +21,7 @@ from benchmarks import (
     _gpu,
     _hetero,
     _memory,
+    _pipeline,
     _pipeline_tagged,
     _planning,
     _replay,
@@ -86,7 +87,7 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
             made = [_replay.replay_table()]
         elif name == "pipeline":
             quick = (("gpipe", 2, 4), ("zb-h1", 2, 4))  # GPipe's row first: the temp ratio's reference
-            made = [_pipeline_tagged.pipeline_table(cells=quick if settings.size == "quick" else _pipeline_tagged.CELLS)]
+            made = [_pipeline.pipeline_table(DEVICES), _pipeline_tagged.pipeline_table(cells=quick if settings.size == "quick" else _pipeline_tagged.CELLS)]
         else:
             raise ValueError(f"no section {name!r}; the sections are {SECTIONS}")
         for table in made:

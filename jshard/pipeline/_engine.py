@@ -22,10 +22,15 @@ one per repeating pattern (`Schedule.segments`: warm-up, steady state, cool-down
 whose body holds that pattern's ticks. The loops hand one carry from one to the next (the compiled
 HLO copies no buffer between them), and the compiled program's collective-permutes move per device
 about what must cross: `(M + S - 2) / M` of it per direction under GPipe (the fill and drain of a
-tick-synchronous pipeline), less under 1F1B where the swaps carry both directions at once. Each
-loop's body still has temporaries of its own, and a body of two ticks (1F1B's steady state) keeps
-more live than one tick does: a few percent more temporary memory than a single one-tick loop
-(README, pipeline "Known gaps").
+tick-synchronous pipeline), less under 1F1B where the swaps carry both directions at once. A body
+of two ticks (1F1B's steady state) runs two switches; each branch adds its parameter gradients
+into the running sums itself and sends one value, so no gradient-sized increment stays live
+between them (about 2% more temporary memory than a one-tick loop remains).
+
+The parameters outside the stack are held where they are used (`ends`: `_rest.StageParams`, the
+rows of `first`'s and `last`'s leaves on the end stages, or `Replicated` where strategies cut them
+inside the stages); `first` and `last` read their trees from this stage's row, and their
+gradients are summed into a row of the same packing.
 
 Backward is hand-written per micro-batch: a forward runs its chunk under `jax.vjp` and stores
 the pullback's residuals (the leaves of the `jax.vjp` closure, less the chunk's parameters, which
@@ -55,7 +60,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
 from jshard.pipeline._model import Pipeline, stack_length
-from jshard.pipeline._schedule import FORWARD, Schedule
+from jshard.pipeline._schedule import Schedule
 
 STAGE = "stage"
 
@@ -88,6 +93,7 @@ class Program:
     mesh: Mesh
     specs: Specs
     data_axes: tuple[str, ...] = ()
+    ends: Any = None
 
     @property
     def _manual(self) -> set[str]:
@@ -99,18 +105,21 @@ class Program:
     def _micro_spec(self) -> PartitionSpec:
         return _P(self.data_axes) if self.data_axes else _P()
 
-    def train(self) -> Callable[[dict, Any], tuple[jax.Array, dict]]:
-        """`fn(params, batch) -> (loss, grads)`: the loss is the mean over micro-batches."""
+    def train(self) -> Callable[[tuple, Any], tuple[jax.Array, tuple]]:
+        """`fn((ends, stack), batch) -> (loss, (g_ends, g_stack))`: `ends` the parameters outside
+        the stack as `self.ends` holds them (`ends.pack(rest)`: on the stages that use them, or on
+        every stage), `stack` the layer stack; the loss is the mean over micro-batches."""
 
-        def fn(params, batch):
-            rest, chunks, micro = self._inputs(params, batch)
+        def fn(held, batch):
+            ends, stack = held
+            chunks, micro = self._chunks(stack), self._micro(batch)
             mapped = jax.shard_map(
-                self._train_body, mesh=self.mesh, in_specs=(_P(), _P(None, STAGE), self._micro_spec(), _P(None, STAGE)),
-                out_specs=(_P(), _P(), _P(None, STAGE)), axis_names=self._manual, check_vma=False,
+                self._train_body, mesh=self.mesh,
+                in_specs=(self.ends.spec, _P(None, STAGE), self._micro_spec(), _P(None, STAGE)),
+                out_specs=(_P(), self.ends.spec, _P(None, STAGE)), axis_names=self._manual, check_vma=False,
             )
-            loss, g_rest, g_chunks = mapped(rest, chunks, micro, self._table())
-            _, stack = self.pipe.split(params)
-            return loss, self.pipe.join(g_rest, jax.tree.map(lambda g, a: g.reshape(a.shape), g_chunks, stack))
+            loss, g_ends, g_chunks = mapped(ends, chunks, micro, self._table())
+            return loss, (g_ends, jax.tree.map(lambda g, a: g.reshape(a.shape), g_chunks, stack))
 
         return fn
 
@@ -162,13 +171,17 @@ class Program:
 
     def _inputs(self, params, batch):
         rest, stack = self.pipe.split(params)
+        return rest, self._chunks(stack), self._micro(batch)
+
+    def _chunks(self, stack):
         s, v = self.schedule.stages, self.schedule.virtual
         k = stack_length(stack) // (s * v)
-        chunks = jax.tree.map(lambda a: a.reshape(v, s, k, *a.shape[1:]), stack)
+        return jax.tree.map(lambda a: a.reshape(v, s, k, *a.shape[1:]), stack)
+
+    def _micro(self, batch):
         m = self.schedule.micro_batches
         # `[rows / M, M, ...]`: micro-batch i is rows i::M, column i (a reshape, not a transposed copy)
-        micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]), batch)
-        return rest, chunks, micro
+        return jax.tree.map(lambda a: a.reshape(a.shape[0] // m, m, *a.shape[1:]), batch)
 
     def _act(self, rest, micro) -> jax.ShapeDtypeStruct:
         first_mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], *a.shape[2:]), a.dtype), micro)
@@ -189,7 +202,9 @@ class Program:
             columns += list(sch.receives(k))
         return np.stack(columns, axis=-1).astype(np.int32)
 
-    def _ops(self, rest, chunks, micro) -> _Ops:
+    def _ops(self, ends, chunks, micro, held) -> _Ops:
+        """The tick operations on this stage's `ends` (the parameters outside the stack as `held`
+        holds them: `self.ends`, or a tree on every stage for inference)."""
         ctx = _context.current()
         if ctx is not None:  # `jshard.shard` inside the stage constrains over the stage-manual mesh
             ctx.mesh = jax.sharding.get_abstract_mesh()
@@ -197,7 +212,8 @@ class Program:
         run = self.pipe.stage_runner(0)
         if isinstance(run, list):
             run = _runner(run, jax.lax.axis_index(STAGE))
-        return _Ops(self, rest, chunks, micro, self._act(rest, micro), run)
+        first, last = held.tree(ends, "first"), held.tree(ends, "last")
+        return _Ops(self, (first, last, held), chunks, micro, self._act(first, micro), run)
 
     # the tick loop and its bodies
 
@@ -224,17 +240,17 @@ class Program:
         pairs = lambda name: sorted(self.schedule.pairs(name))
         carry = dict(carry)
         if len(permutes) == 1:
-            send = out["send_f"] if "send_b" not in out else jnp.where(mine["code"] == FORWARD, out["send_f"], out["send_b"])
-            got = jax.lax.ppermute(send, STAGE, pairs(permutes[0]))
+            got = jax.lax.ppermute(out["send"], STAGE, pairs(permutes[0]))
             for buf, prefix in directions:
                 carry[buf] = _receive(carry[buf], got, mine, prefix)
         for (buf, prefix), name in zip(directions, permutes if len(permutes) > 1 else ()):
-            got = jax.lax.ppermute(out["send_f" if name == "F" else "send_b"], STAGE, pairs(name))
+            got = jax.lax.ppermute(out["send"], STAGE, pairs(name))
             carry[buf] = _receive(carry[buf], got, mine, prefix)
         return carry
 
-    def _train_body(self, rest, chunks, micro, table):
-        ops = self._ops(rest, chunks, micro)
+    def _train_body(self, ends, chunks, micro, table):
+        ends = self.ends.local(ends)
+        ops = self._ops(ends, chunks, micro, self.ends)
         sch, v = self.schedule, self.schedule.virtual
         r = sch.slots("residuals")
         carry = {
@@ -242,24 +258,24 @@ class Program:
             "gin": _zeros((v, sch.slots("gradients")), ops.act),
             "yout": _zeros((v, r), ops.act),
             "res": [_zeros((v, r), x) for x in ops.residual_shapes],
-            "g_rest": jax.tree.map(jnp.zeros_like, rest),
+            "g_rest": jax.tree.map(jnp.zeros_like, ends),
             "g_chunks": jax.tree.map(jnp.zeros_like, ops.chunks),
             "loss": jnp.zeros((), jnp.float32),
         }
         carry = self._loop(carry, ops, table, [("xin", "rF"), ("gin", "rB")])
         everyone, data = (STAGE, *self.data_axes), self._data_degree()
         loss = jax.lax.psum(carry["loss"], everyone) / (sch.micro_batches * data)
-        g_rest = jax.tree.map(lambda g: g / data, jax.lax.psum(carry["g_rest"], everyone))
-        g_chunks = carry["g_chunks"]
+        g_rest, g_chunks = carry["g_rest"], carry["g_chunks"]
         if self.data_axes:  # each device differentiated the mean over its own rows
-            g_chunks = jax.tree.map(lambda g: g / data, jax.lax.psum(g_chunks, self.data_axes))
-        return loss, g_rest, jax.tree.map(lambda a: a[:, None], g_chunks)
+            g_rest, g_chunks = jax.tree.map(lambda g: g / data, jax.lax.psum((g_rest, g_chunks), self.data_axes))
+        g_rest = self.ends.sum_tied(g_rest, jax.lax.axis_index(STAGE), STAGE)
+        return loss, self.ends.out(g_rest), jax.tree.map(lambda a: a[:, None], g_chunks)
 
     def _data_degree(self) -> int:
         return int(np.prod([self.mesh.shape[a] for a in self.data_axes])) if self.data_axes else 1
 
     def _forward_body(self, rest, chunks, micro, table, broadcast):
-        ops = self._ops(rest, chunks, micro)
+        ops = self._ops(rest, chunks, micro, _EVERYWHERE)
         out = jax.eval_shape(self.pipe.head, rest, ops.act)
         m, v = self.schedule.micro_batches, self.schedule.virtual
         carry = {"xin": _zeros((v, self.schedule.slots("activations")), ops.act),
@@ -273,10 +289,10 @@ class Program:
         """`branch` with its results constrained to the fixed shardings every branch shares."""
         sp = self.specs
         table = {
-            "x": sp.act, "g": sp.act, "y": sp.act, "send_f": sp.act, "send_b": sp.act, "loss": _P(),
+            "x": sp.act, "g": sp.act, "y": sp.act, "send": sp.act, "loss": _P(),
             "res": [_P(*p) for p in sp.residuals or ()],
-            "g_rest": sp.shared,
-            "g_chunk": jax.tree.map(lambda p: _P(None, *p), sp.layer, is_leaf=_is_spec),
+            "g_rest": self.ends.grad_specs if self.ends is not None else sp.shared,
+            "g_chunks": jax.tree.map(lambda p: _P(None, None, *p), sp.layer, is_leaf=_is_spec),
         }
 
         def run(view, c, i):
@@ -285,6 +301,44 @@ class Program:
             return _pin(out, specs)
 
         return run
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Replicated:
+    """The parameters outside a `Pipeline`'s stack on every stage, as a tree (where strategies cut
+    them inside the stages; `_rest.StageParams` holds them on the stages that use them otherwise),
+    their gradients summed over all stages once per step; the interface `Program` calls.
+
+    Attributes:
+      grad_specs: per leaf, its spec over a stage's own axes.
+    """
+
+    grad_specs: Any
+    spec = PartitionSpec()
+
+    def pack(self, rest: Any) -> Any:
+        return rest
+
+    def unpack(self, held: Any) -> Any:
+        return held
+
+    def local(self, held: Any) -> Any:
+        return held
+
+    def out(self, grads: Any) -> Any:
+        return grads
+
+    def tree(self, held: Any, which: str) -> Any:
+        return held
+
+    def row(self, grads: Any, which: str) -> Any:
+        return grads
+
+    def sum_tied(self, grads: Any, stage: jax.Array, axis: str) -> Any:
+        return jax.lax.psum(grads, axis)
+
+
+_EVERYWHERE = Replicated(None)
 
 
 def scan_ticks(schedule: Schedule, table: jax.Array, carry: Any, tick: Callable) -> Any:
@@ -394,8 +448,10 @@ class _Ops:
     gradient increments, and what to send each way.
     """
 
-    def __init__(self, program: Program, rest, chunks, micro, act, run):
-        self.pipe, self.rest, self.chunks, self.micro, self.act, self.run = program.pipe, rest, chunks, micro, act, run
+    def __init__(self, program: Program, ends, chunks, micro, act, run):
+        self.pipe, self.chunks, self.micro, self.act, self.run = program.pipe, chunks, micro, act, run
+        self.first_params, self.last_params, self.held = ends  # what `first` and `last` read, and how held
+        self.grad_specs = program.ends.grad_specs if program.ends is not None else program.specs.shared
         self.specs = program.specs
         sch = program.schedule
         self.m, self.s, self.last_vstage = sch.micro_batches, sch.stages, sch.stages * sch.virtual - 1
@@ -434,7 +490,8 @@ class _Ops:
             return {"x": self._at(carry["xin"], c, i),
                     "out_i": jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False), carry["out"])}
         return {"x": self._at(carry["xin"], c, i), "g": self._at(carry["gin"], c, i),
-                "y": self._at(carry["yout"], c, i), "res": [self._at(b, c, i) for b in carry["res"]]}
+                "y": self._at(carry["yout"], c, i), "res": [self._at(b, c, i) for b in carry["res"]],
+                "g_rest": carry["g_rest"], "g_chunks": carry["g_chunks"]}
 
     def write(self, carry, c, i, out) -> dict:
         carry = dict(carry)
@@ -445,9 +502,7 @@ class _Ops:
         carry["yout"] = _put(carry["yout"], c, slot, out["y"])
         carry["res"] = [_put(b, c, slot, r) for b, r in zip(carry["res"], out["res"])]
         carry["loss"] = carry["loss"] + out["loss"]
-        carry["g_rest"] = jax.tree.map(jnp.add, carry["g_rest"], out["g_rest"])
-        carry["g_chunks"] = jax.tree.map(lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, acc[c] + g, c, 0),
-                                         carry["g_chunks"], out["g_chunk"])
+        carry["g_rest"], carry["g_chunks"] = out["g_rest"], out["g_chunks"]
         return carry
 
     # --- the branches ---
@@ -463,16 +518,27 @@ class _Ops:
 
     def _result(self, view, **changes) -> dict:
         base = {"y": view["y"], "res": view["res"], "loss": jnp.zeros((), jnp.float32),
-                "g_chunk": jax.tree.map(jnp.zeros_like, self.chunk(0)), "g_rest": jax.tree.map(jnp.zeros_like, self.rest),
-                "send_f": self._zero(), "send_b": self._zero()}
+                "g_chunks": view["g_chunks"], "g_rest": view["g_rest"], "send": self._zero()}
         return {**base, **changes}
+
+    @staticmethod
+    def _added(view, c, g_chunk=None, g_rest=None) -> dict:
+        """The running gradient sums of `view` with this tick's increments added (inside the
+        branch, so no gradient-sized increment leaves it: a two-tick loop body keeps none live)."""
+        out = {}
+        if g_chunk is not None:
+            out["g_chunks"] = jax.tree.map(lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, acc[c] + g, c, 0),
+                                           view["g_chunks"], g_chunk)
+        if g_rest is not None:
+            out["g_rest"] = jax.tree.map(jnp.add, view["g_rest"], g_rest)
+        return out
 
     def idle(self, view, c, i):
         return self._result(view)
 
     def _input(self, view, c, i):
         mb = self._mb(i)
-        return self._cond(self._vstage(c) == 0, lambda: self.pipe.first(self.rest, mb), lambda: view["x"], self.specs.act)
+        return self._cond(self._vstage(c) == 0, lambda: self.pipe.first(self.first_params, mb), lambda: view["x"], self.specs.act)
 
     def forward(self, view, c, i):
         """Runs chunk `c` on micro-batch `i` under `jax.vjp`, keeping its residuals and output; on
@@ -480,21 +546,22 @@ class _Ops:
         stored, y, _ = _residuals(self.run, self.chunk(c), self._input(view, c, i))
         mb = self._mb(i)
         loss = self._cond(self._vstage(c) == self.last_vstage,
-                          lambda: self.pipe.last(self.rest, y, mb).astype(jnp.float32),
+                          lambda: self.pipe.last(self.last_params, y, mb).astype(jnp.float32),
                           lambda: jnp.zeros((), jnp.float32), _P())
-        return self._result(view, y=y, res=stored, loss=loss, send_f=y)
+        return self._result(view, y=y, res=stored, loss=loss, send=y)
 
     def _output_gradient(self, view, c, i):
         """`(g_rest, g_y)`: the gradient of the chunk's output, received or (on the last virtual
         stage) `last`'s, and `last`'s gradient of the shared parameters (zero elsewhere)."""
-        mb, zero_rest = self._mb(i), lambda: jax.tree.map(jnp.zeros_like, self.rest)
+        mb, zero_rest = self._mb(i), lambda: jax.tree.map(jnp.zeros_like, view["g_rest"])
 
         def from_last():
-            loss, pull = jax.vjp(lambda r, y: self.pipe.last(r, y, mb), self.rest, view["y"])
-            return pull(jnp.full(loss.shape, 1.0 / self.m, loss.dtype))
+            loss, pull = jax.vjp(lambda r, y: self.pipe.last(r, y, mb), self.last_params, view["y"])
+            g_rest, g_y = pull(jnp.full(loss.shape, 1.0 / self.m, loss.dtype))
+            return self.held.row(g_rest, "last"), g_y
 
         return self._cond(self._vstage(c) == self.last_vstage, from_last, lambda: (zero_rest(), view["g"]),
-                          (self.specs.shared, self.specs.act))
+                          (self.grad_specs, self.specs.act))
 
     def backward(self, view, c, i, weights=True):
         """Applies the stored pullback of (chunk `c`, micro-batch `i`) to its output's gradient; on
@@ -503,10 +570,12 @@ class _Ops:
         mb = self._mb(i)
         g_rest, g_y = self._output_gradient(view, c, i)
         g_chunk, g_x = self.pullback.rebuild(self.chunk(c), view["res"])(g_y)
-        g_first = self._cond(self._vstage(c) == 0, lambda: jax.vjp(lambda r: self.pipe.first(r, mb), self.rest)[1](g_x)[0],
-                             lambda: jax.tree.map(jnp.zeros_like, self.rest), self.specs.shared)
-        g_chunk = g_chunk if weights else jax.tree.map(jnp.zeros_like, g_chunk)
-        return self._result(view, g_chunk=g_chunk, g_rest=jax.tree.map(jnp.add, g_rest, g_first), send_b=g_x)
+        g_first = self._cond(
+            self._vstage(c) == 0,
+            lambda: self.held.row(jax.vjp(lambda r: self.pipe.first(r, mb), self.first_params)[1](g_x)[0], "first"),
+            lambda: jax.tree.map(jnp.zeros_like, view["g_rest"]), self.grad_specs)
+        added = self._added(view, c, g_chunk if weights else None, jax.tree.map(jnp.add, g_rest, g_first))
+        return self._result(view, **added, send=g_x)
 
     def weights(self, view, c, i):
         """Zero bubble's `W`: the gradient of chunk `c`'s parameters for micro-batch `i`, from the
@@ -514,14 +583,14 @@ class _Ops:
         `last`'s gradient is taken again; its shared-parameter part was counted at the `B`)."""
         _, g_y = self._output_gradient(view, c, i)
         g_chunk, _ = self.pullback.rebuild(self.chunk(c), view["res"])(g_y)
-        return self._result(view, g_chunk=g_chunk)
+        return self._result(view, **self._added(view, c, g_chunk))
 
     def idle_inference(self, view, c, i):
-        return {"out_i": view["out_i"], "send_f": self._zero()}
+        return {"out_i": view["out_i"], "send": self._zero()}
 
     def infer(self, view, c, i):
         y = self.run(self.chunk(c), self._input(view, c, i))
         specs = jax.tree.map(lambda _: self.specs.act, view["out_i"])
-        out_i = self._cond(self._vstage(c) == self.last_vstage, lambda: self.pipe.head(self.rest, y),
+        out_i = self._cond(self._vstage(c) == self.last_vstage, lambda: self.pipe.head(self.last_params, y),
                            lambda: view["out_i"], specs)
-        return {"out_i": out_i, "send_f": y}
+        return {"out_i": out_i, "send": y}

@@ -38,9 +38,10 @@ from jshard.layouts import (
     layout_of,
 )
 from jshard.pipeline._cut import cut
-from jshard.pipeline._engine import STAGE, Program, Specs
+from jshard.pipeline._engine import STAGE, Program, Replicated, Specs
 from jshard.pipeline._model import Pipeline, check_stage_ids, stack_length
 from jshard.pipeline._plan import PipelinePlan, plan_of
+from jshard.pipeline._rest import StageParams
 from jshard.pipeline._schedule import SCHEDULES, build_schedule
 from jshard.pipeline._staged import StagedProgram
 from jshard.pipeline._stagesearch import searched
@@ -54,6 +55,8 @@ class _Entry:
     train: Any
     stack_layers: int
     mode: str
+    pack: Any
+    unpack: Any
     compiled: jax.stages.Compiled | None = None
 
 
@@ -75,12 +78,32 @@ class Pipelined:
     def __call__(self, params: dict, batch: Any) -> tuple[jax.Array, dict]:
         """`(loss, grads)`: the loss is the mean over micro-batches, the grads are those of that loss."""
         e = self._entry(params, batch)
-        return self.compile(params, batch)(*placed((params, batch), (e.param_sh, e.batch_sh)))
+        params, batch = placed((params, batch), (e.param_sh, e.batch_sh))
+        rest, stack = self.pipe.split(params)
+        loss, (g_ends, g_stack) = self.compile(params, batch)((e.pack(rest), stack), batch)
+        return loss, self.pipe.join(e.unpack(g_ends), g_stack)
 
     @api_boundary
     def lower(self, params: dict, batch: Any) -> jax.stages.Lowered:
-        """The pipelined train program, lowered (as `jax.jit(...).lower`)."""
-        return self._entry(params, batch).train.lower(*abstract((params, batch)))
+        """The pipelined train program `((ends, stack), batch) -> (loss, (g_ends, g_stack))`,
+        lowered (as `jax.jit(...).lower`): `ends` the parameters outside the stack, packed on the
+        stages that use them (`stage_bytes`)."""
+        e = self._entry(params, batch)
+        rest, stack = self.pipe.split(abstract(params))
+        return e.train.lower((jax.eval_shape(e.program.ends.pack, rest), stack), abstract(batch))
+
+    @api_boundary
+    def stage_bytes(self, params: dict, batch: Any) -> tuple[int, ...]:
+        """Bytes of the parameters each stage holds: its layers, and the parameters outside the
+        stack that its `first` (stage 0) or `last` / `head` (the last stage) read; every stage holds
+        all of those where strategies cut them inside the stages."""
+        e = self._entry(params, batch)
+        rest, stack = self.pipe.split(params)
+        layers = sum(np.size(a) * dtype_of(a).itemsize for a in jax.tree.leaves(stack)) // self.pipeline.stages
+        ends = e.program.ends
+        shares = ends.stage_bytes() if isinstance(ends, StageParams) else \
+            (sum(np.size(a) * dtype_of(a).itemsize for a in jax.tree.leaves(rest)),) * self.pipeline.stages
+        return tuple(int(layers + share) for share in shares)
 
     @api_boundary
     def compile(self, params: dict, batch: Any) -> jax.stages.Compiled:
@@ -148,13 +171,36 @@ class Pipelined:
             residuals = tuple(PartitionSpec() for _ in program.residual_shapes(params, batch))
         else:
             residuals = self._traced(program.residual_specs, mode, stage_mesh)(params, batch, stage_mesh)
-        program = dataclasses.replace(program, specs=dataclasses.replace(program.specs, residuals=residuals))
+        ends = self._ends(params, batch, r_specs, mode)
+        program = dataclasses.replace(program, specs=dataclasses.replace(program.specs, residuals=residuals), ends=ends)
         stack_sh = jax.tree.map(lambda p: NamedSharding(self.mesh, PartitionSpec(STAGE, *p)), layer_specs, is_leaf=_is_spec)
-        param_sh = self.pipe.join(_named(self.mesh, r_specs), stack_sh)
+        rest_sh = _named(self.mesh, r_specs)
+        param_sh = self.pipe.join(rest_sh, stack_sh)
+        ends_sh = rest_sh if isinstance(ends, Replicated) else \
+            {name: NamedSharding(self.mesh, PartitionSpec(STAGE)) for name in ends.widths}
         batch_sh = _named(self.mesh, batch_specs)
-        train = jax.jit(self._traced(program.train(), mode), in_shardings=(param_sh, batch_sh),
-                        out_shardings=(NamedSharding(self.mesh, PartitionSpec()), param_sh))
-        return _Entry(program, param_sh, batch_sh, train, layers, mode)
+        held_sh = (ends_sh, stack_sh)
+        train = jax.jit(self._traced(program.train(), mode), in_shardings=(held_sh, batch_sh),
+                        out_shardings=(NamedSharding(self.mesh, PartitionSpec()), held_sh))
+        pack = jax.jit(ends.pack, out_shardings=ends_sh)
+        unpack = jax.jit(ends.unpack, out_shardings=rest_sh)
+        return _Entry(program, param_sh, batch_sh, train, layers, mode, pack, unpack)
+
+    def _ends(self, params, batch, r_specs, mode) -> StageParams | Replicated:
+        """How the parameters outside the stack are held: on the stages that read them, packed
+        (`StageParams`), unless strategies cut one of them inside the stages (then on every stage)."""
+        if any(spec != PartitionSpec() for spec in jax.tree.leaves(r_specs, is_leaf=_is_spec)):
+            return Replicated(r_specs)
+        rest, _ = self.pipe.split(abstract(params))
+        rows = self.pipeline.micro_batches
+        micro_batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // rows, *a.shape[1:]), a.dtype),
+                                   abstract(batch))
+
+        def of():
+            act = jax.eval_shape(self.pipe.first, rest, micro_batch)
+            return StageParams.of(self.pipe, rest, micro_batch, act, self.pipeline.stages)
+
+        return self._traced(of, mode, Mesh(self.mesh.devices[0], self.inner.names))()
 
     def _traced(self, fn, mode: str, mesh: Mesh | None = None):
         """`fn` traced with `jshard.shard` calls resolving against one stage's devices (over `mesh`,
