@@ -1,0 +1,143 @@
+"""Global propagation: the anchors kept, the free arguments' layouts chosen for the whole program.
+
+The engine (`Engine`) decides greedily: each operator takes the least-cost layout given its
+neighbours' known ones, and a free argument (a parameter no `shard` call takes directly) is laid out
+by its first user. That cannot see a choice whose price falls elsewhere: an embedding table looked
+up whole at the start is summed whole in the backward pass, where the table cut by vocabulary, as
+the output head could take it, sums a quarter; a batch cut eight ways by the default dataset policy
+drags every activation into that cut, where one redistribution of the small token array at the
+start would put it in the layout the `shard` calls want.
+
+`propagate_globally` weighs those choices over the whole program's predicted cost: its collectives'
+bytes at each axis' bandwidth and its compute per device. The per-collective latency the engine's
+local choices count does not separate whole plans: XLA's combiner merges independent collectives of
+one kind over one group (the backward pass's gradient all-reduces), so an alternative that sums in
+more, smaller collectives is not slower by their count (the expert Megatron plan of a GPT compiles
+to 13 all-reduces where its operators' sums number over 40). First each batch argument laid out by the default dataset policy,
+left free (its layout the one the anchors propagate to it, moved there once at the start) or kept;
+then each free argument in every layout the anchors' mesh-axis groups give one of its dims (and
+whole), one argument after another, the biggest first, each keeping the layout of least cost. Each
+alternative is one propagation from the anchors (operators already met in the same layouts are not
+chosen again). The alternatives weighed, with their predicted seconds, are `Result.weighed`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Mapping, Sequence
+
+from jshard.cost import CostModel, value_bytes
+from jshard.graph import CONSTRAINT, Node
+from jshard.layouts import Spec, constraint_spec, replicated
+from jshard.propagate._engine import Engine, Result, Weighed, share_moves
+from jshard.propagate._priced import priced
+from jshard.rules import OpTable, shape_of
+
+_BETTER = 1.0 - 1e-9
+"""An alternative is taken where its predicted seconds are below this share of the best so far (not
+on rounding)."""
+
+
+class _Runs:
+    """Propagations of one program from varying anchors, sharing its `OpTable` and the engine's
+    choices of operators met in the same layouts."""
+
+    def __init__(self, nodes: Sequence[Node], axis_size: Mapping[str, int], cost: CostModel, outputs: Collection):
+        self.nodes, self.axis_size, self.cost, self.outputs = nodes, axis_size, cost, outputs
+        self.table = OpTable(nodes)
+        self.streamed = dataclasses.replace(cost, latency=0.0, axes={a: (bw, 0.0) for a, (bw, _) in cost.axes.items()})
+        self.memo: dict = {}
+        self.wanted: dict = {}  # a moved argument -> the layout the program takes it in
+
+    def run(self, anchors: Mapping, moved: Mapping = ()) -> tuple[Result, float]:
+        """The result from `anchors`, with each of `moved` (argument -> the layout it arrives in,
+        left out of `anchors`) laid out where it arrives and moved once at the start into the layout
+        the propagation gave it; and its predicted seconds."""
+        engine = Engine(self.nodes, self.axis_size, self.cost, self.table, memo=self.memo)
+        result = engine.run(anchors, self.outputs)
+        if moved:
+            for v, spec in dict(moved).items():
+                self.wanted[v] = result.values.get(v, spec)
+                if v in result.values and result.values[v] != spec:
+                    engine.move_at_start(v, spec)
+                else:
+                    result.values[v] = spec
+            share_moves(self.nodes, result, self.axis_size, self.cost)
+        return result, self.seconds(result)
+
+    def seconds(self, result: Result) -> float:
+        """`result`'s predicted seconds per call: its collectives' bytes at each axis' bandwidth
+        (no latency per collective), and its compute per device."""
+        moved = sum(self.nodes[i].weight * sum(self.streamed.time(c, self.axis_size) for c in d.comms)
+                    for i, d in result.decisions.items())
+        return moved + priced(self.nodes, result, self.axis_size, self.cost, self.table).compute_seconds
+
+
+def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, axis_size: Mapping[str, int],
+                       cost: CostModel | None = None, outputs: Collection = (), movable: Collection = ()) -> Result:
+    """Propagation from `anchors` (var -> `Spec`), with the layouts of the `free` arguments (vars no
+    anchor fixes) and of the `movable` ones (anchored vars a program may move once at the start:
+    the batch on the default dataset cut) chosen for the least predicted cost of the whole program;
+    see the module docstring. `outputs`: the program's results."""
+    runs = _Runs(nodes, axis_size, cost or CostModel(), outputs)
+    fixed = dict(anchors)
+    best, seconds = runs.run(fixed)
+    weighed: dict = {}
+    movable = [v for v in movable if v in fixed]
+    if movable:
+        arrive = {v: fixed[v] for v in movable}
+        loose = {v: s for v, s in fixed.items() if v not in arrive}
+        trial, trial_seconds = runs.run(loose, arrive)
+        wanted = {v: runs.wanted[v] for v in movable}
+        chosen = trial_seconds < seconds * _BETTER
+        for v in movable:
+            weighed[v] = (Weighed(arrive[v], seconds, "as it arrives", not chosen),
+                          Weighed(wanted[v], trial_seconds, "moved once at the start", chosen))
+        if chosen:
+            best, seconds = trial, trial_seconds
+            fixed, moved = loose, arrive
+        else:
+            moved = {}
+    else:
+        moved = {}
+    groups = _groups(nodes, fixed.values())
+    for v in sorted((v for v in free if shape_of(v)), key=value_bytes, reverse=True):
+        have = best.values.get(v)
+        tried = [Weighed(have, seconds, "propagated", True)] if have is not None else []
+        for spec in _layouts(shape_of(v), groups, axis_size):
+            if spec == have:
+                continue
+            result, s = runs.run({**fixed, v: spec}, moved)
+            tried.append(Weighed(spec, s, "weighed", False))
+            if s < seconds * _BETTER:
+                best, seconds, have = result, s, spec
+                fixed = {**fixed, v: spec}
+        if len(tried) > 1:
+            weighed[v] = tuple(w._replace(chosen=w.spec == have) for w in tried)
+    best.weighed = weighed
+    return best
+
+
+def _groups(nodes: Sequence[Node], specs: Collection[Spec]) -> list[tuple[str, ...]]:
+    """The mesh-axis groups the anchors cut one dim over (`("d1", "d2")` for a tuple's 4 on a mesh
+    of three axes of 2), each once, in the order met."""
+    found: dict = {}
+    constrained = [constraint_spec(n.eqn.params["sharding"], len(shape_of(n.outputs[0])))
+                   for n in nodes if n.primitive == CONSTRAINT]
+    for spec in [*specs, *constrained]:
+        for axes in spec:
+            if axes:
+                found.setdefault(tuple(axes), None)
+    return list(found)
+
+
+def _layouts(shape: tuple[int, ...], groups: Sequence[tuple[str, ...]], axis_size: Mapping[str, int]) -> list[Spec]:
+    """Whole, then each dim of `shape` cut over each of `groups` that divides it."""
+    out = [replicated(len(shape))]
+    for d, n in enumerate(shape):
+        for axes in groups:
+            ways = math.prod(axis_size[a] for a in axes)
+            if n > 1 and n % ways == 0:
+                out.append(tuple(tuple(axes) if k == d else () for k in range(len(shape))))
+    return out
