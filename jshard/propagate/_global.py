@@ -48,17 +48,15 @@ class _Runs:
         self.table = OpTable(nodes)
         self.streamed = dataclasses.replace(cost, latency=0.0, axes={a: (bw, 0.0) for a, (bw, _) in cost.axes.items()})
         self.memo: dict = {}
-        self.wanted: dict = {}  # a moved argument -> the layout the program takes it in
 
     def run(self, anchors: Mapping, moved: Mapping = ()) -> tuple[Result, float]:
-        """The result from `anchors`, with each of `moved` (argument -> the layout it arrives in,
-        left out of `anchors`) laid out where it arrives and moved once at the start into the layout
-        the propagation gave it; and its predicted seconds."""
+        """The result from `anchors`, with each of `moved` (argument -> the layout it arrives in)
+        laid out where it arrives and moved once at the start into the layout `anchors` give it;
+        and its predicted seconds."""
         engine = Engine(self.nodes, self.axis_size, self.cost, self.table, memo=self.memo)
         result = engine.run(anchors, self.outputs)
         if moved:
             for v, spec in dict(moved).items():
-                self.wanted[v] = result.values.get(v, spec)
                 if v in result.values and result.values[v] != spec:
                     engine.move_at_start(v, spec)
                 else:
@@ -88,15 +86,16 @@ def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, 
     if movable:
         arrive = {v: fixed[v] for v in movable}
         loose = {v: s for v, s in fixed.items() if v not in arrive}
-        trial, trial_seconds = runs.run(loose, arrive)
-        wanted = {v: runs.wanted[v] for v in movable}
+        free_run, _ = runs.run(loose)
+        wanted = {v: free_run.values.get(v, arrive[v]) for v in movable}
+        trial, trial_seconds = runs.run({**loose, **wanted}, arrive)  # as if it arrived so, then moved
         chosen = trial_seconds < seconds * _BETTER
         for v in movable:
             weighed[v] = (Weighed(arrive[v], seconds, "as it arrives", not chosen),
                           Weighed(wanted[v], trial_seconds, "moved once at the start", chosen))
         if chosen:
             best, seconds = trial, trial_seconds
-            fixed, moved = loose, arrive
+            fixed, moved = {**loose, **wanted}, arrive
         else:
             moved = {}
     else:
