@@ -29,14 +29,14 @@ from collections.abc import Collection, Mapping, Sequence
 
 from jshard.cost import CostModel, value_bytes
 from jshard.graph import CONSTRAINT, Node
-from jshard.layouts import Spec, constraint_spec, replicated
+from jshard.layouts import Spec, constraint_spec
 from jshard.propagate._engine import Engine, Result, Weighed, share_moves
 from jshard.propagate._priced import priced
 from jshard.rules import OpTable, shape_of
 
-_BETTER = 1.0 - 1e-9
-"""An alternative is taken where its predicted seconds are below this share of the best so far (not
-on rounding)."""
+_BETTER = 0.98
+"""An alternative is taken where its predicted seconds are below this share of the best so far: a
+gain within the cost model's error is not worth moving off the layout propagation gives."""
 
 
 class _Runs:
@@ -104,7 +104,7 @@ def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, 
     for v in sorted((v for v in free if shape_of(v)), key=value_bytes, reverse=True):
         have = best.values.get(v)
         tried = [Weighed(have, seconds, "propagated", True)] if have is not None else []
-        for spec in _layouts(shape_of(v), groups, axis_size):
+        for spec in _layouts(v, runs, best, groups):
             if spec == have:
                 continue
             result, s = runs.run({**fixed, v: spec}, moved)
@@ -131,12 +131,43 @@ def _groups(nodes: Sequence[Node], specs: Collection[Spec]) -> list[tuple[str, .
     return list(found)
 
 
-def _layouts(shape: tuple[int, ...], groups: Sequence[tuple[str, ...]], axis_size: Mapping[str, int]) -> list[Spec]:
-    """Whole, then each dim of `shape` cut over each of `groups` that divides it."""
-    out = [replicated(len(shape))]
-    for d, n in enumerate(shape):
+def _layouts(v, runs: _Runs, result: Result, groups: Sequence[tuple[str, ...]]) -> list[Spec]:
+    """The layouts weighed for free argument `v`: where an operator that contracts or looks up
+    over it (a matrix product, a convolution, a gather: reached directly, or through a transpose,
+    reshape or cast) runs whole over some of the anchors' axis groups (`result` left those devices
+    repeating its work), each dim of `v` cut over each such group that divides it. None elsewhere:
+    an argument only elementwise operators take (optimizer state) follows its neighbours."""
+    shape, found = shape_of(v), {}
+    for j in _contracting_users(v, runs):
+        d = result.decisions.get(j)
+        if d is None:
+            continue
+        used = {a for spec in (*d.in_specs, *d.out_specs) for axes in spec for a in axes}
         for axes in groups:
-            ways = math.prod(axis_size[a] for a in axes)
-            if n > 1 and n % ways == 0:
-                out.append(tuple(tuple(axes) if k == d else () for k in range(len(shape))))
+            ways = math.prod(runs.axis_size[a] for a in axes)
+            if set(axes) & used:
+                continue
+            for k, n in enumerate(shape):
+                if n > 1 and n % ways == 0:
+                    found.setdefault(tuple(tuple(axes) if i == k else () for i in range(len(shape))), None)
+    return list(found)
+
+
+def _contracting_users(v, runs: _Runs) -> list[int]:
+    """The operators with partial sums to make (contractions, lookups) that take `v`, directly or
+    through operators that only move or cast it."""
+    out, todo, seen = [], [v], set()
+    while todo:
+        for j, _ in runs.table.consumers.get(todo.pop(), ()):
+            if j in seen:
+                continue
+            seen.add(j)
+            node, f = runs.nodes[j], runs.table.factors.get(j)
+            if node.primitive in _MOVES and len(node.outputs) == 1:
+                todo.append(node.outputs[0])
+            elif f is not None and f.reduced:
+                out.append(j)
     return out
+
+
+_MOVES = ("transpose", "reshape", "convert_element_type", "copy")
