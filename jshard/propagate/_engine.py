@@ -11,6 +11,8 @@ first; the others redistribute. Operators no walk reaches, and primitives withou
 replicated and are counted (`Plan.coverage`). After the walk, an operator that leaves partial sums
 and whose users all took its result in one finer layout sums into that layout where it is cheaper
 (an embedding gradient's scatter-add all-reduces its vocabulary slice, not the whole table).
+The greedy walk's choices for free arguments and a default-cut batch are weighed again over the
+whole program by `propagate_globally` (`_global.py`).
 """
 
 from __future__ import annotations
