@@ -82,24 +82,20 @@ def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, 
     fixed = dict(anchors)
     best, seconds = runs.run(fixed)
     weighed: dict = {}
-    movable = [v for v in movable if v in fixed]
-    if movable:
-        arrive = {v: fixed[v] for v in movable}
+    moved: dict = {}
+    arrive = {v: fixed[v] for v in movable if v in fixed}
+    if arrive:
         loose = {v: s for v, s in fixed.items() if v not in arrive}
         free_run, _ = runs.run(loose)
-        wanted = {v: free_run.values.get(v, arrive[v]) for v in movable}
-        trial, trial_seconds = runs.run({**loose, **wanted}, arrive)  # as if it arrived so, then moved
-        chosen = trial_seconds < seconds * _BETTER
-        for v in movable:
-            weighed[v] = (Weighed(arrive[v], seconds, "as it arrives", not chosen),
-                          Weighed(wanted[v], trial_seconds, "moved once at the start", chosen))
-        if chosen:
-            best, seconds = trial, trial_seconds
-            fixed, moved = {**loose, **wanted}, arrive
-        else:
-            moved = {}
-    else:
-        moved = {}
+        wanted = {v: free_run.values.get(v, spec) for v, spec in arrive.items()}
+        if wanted != arrive:
+            trial, trial_seconds = runs.run({**loose, **wanted}, arrive)  # as if it arrived so, then moved
+            chosen = trial_seconds < seconds * _BETTER
+            weighed = {v: (Weighed(arrive[v], seconds, "as it arrives", not chosen),
+                           Weighed(wanted[v], trial_seconds, "moved once at the start", chosen))
+                       for v in arrive if wanted[v] != arrive[v]}
+            if chosen:
+                best, seconds, fixed, moved = trial, trial_seconds, {**loose, **wanted}, arrive
     groups = _groups(nodes, fixed.values())
     for v in sorted((v for v in free if shape_of(v)), key=value_bytes, reverse=True):
         have = best.values.get(v)
