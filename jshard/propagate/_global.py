@@ -48,6 +48,7 @@ class _Runs:
         self.table = OpTable(nodes)
         self.streamed = dataclasses.replace(cost, latency=0.0, axes={a: (bw, 0.0) for a, (bw, _) in cost.axes.items()})
         self.memo: dict = {}
+        self.flops = sum(n.weight * self.table.factors[i].flops for i, n in enumerate(nodes) if i in self.table.factors)
 
     def run(self, anchors: Mapping, moved: Mapping = ()) -> tuple[Result, float]:
         """The result from `anchors`, with each of `moved` (argument -> the layout it arrives in)
@@ -130,13 +131,15 @@ def _groups(nodes: Sequence[Node], specs: Collection[Spec]) -> list[tuple[str, .
 def _layouts(v, runs: _Runs, result: Result, groups: Sequence[tuple[str, ...]]) -> list[Spec]:
     """The layouts weighed for free argument `v`: where an operator that contracts or looks up
     over it (a matrix product, a convolution, a gather: reached directly, or through a transpose,
-    reshape or cast) runs whole over some of the anchors' axis groups (`result` left those devices
-    repeating its work), each dim of `v` cut over each such group that divides it. None elsewhere:
-    an argument only elementwise operators take (optimizer state) follows its neighbours."""
+    reshape or cast), holding at least `_WORK` of the program's work, runs whole over some of the
+    anchors' axis groups (`result` left those devices repeating it), each dim of `v` cut over each
+    such group that divides it. None elsewhere: an argument only elementwise operators take
+    (optimizer state) follows its neighbours, and so does one whose operators' work is negligible
+    (one propagation per alternative is not worth it)."""
     shape, found = shape_of(v), {}
     for j in _contracting_users(v, runs):
         d = result.decisions.get(j)
-        if d is None:
+        if d is None or runs.nodes[j].weight * runs.table.factors[j].flops < _WORK * runs.flops:
             continue
         used = {a for spec in (*d.in_specs, *d.out_specs) for axes in spec for a in axes}
         for axes in groups:
@@ -165,5 +168,9 @@ def _contracting_users(v, runs: _Runs) -> list[int]:
                 out.append(j)
     return out
 
+
+_WORK = 0.01
+"""The share of the program's floating-point work an operator repeating over idle devices must hold
+for its free arguments to be weighed in other layouts."""
 
 _MOVES = ("transpose", "reshape", "convert_element_type", "copy")
