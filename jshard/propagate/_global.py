@@ -48,12 +48,20 @@ class _Runs:
         self.table = OpTable(nodes)
         self.streamed = dataclasses.replace(cost, latency=0.0, axes={a: (bw, 0.0) for a, (bw, _) in cost.axes.items()})
         self.memo: dict = {}
-        self.flops = sum(n.weight * self.table.factors[i].flops for i, n in enumerate(nodes) if i in self.table.factors)
+        self._seconds: dict = {}
+        self._flops: float | None = None
 
-    def run(self, anchors: Mapping, moved: Mapping = ()) -> tuple[Result, float]:
+    @property
+    def flops(self) -> float:
+        """The program's floating-point work on one device holding everything."""
+        if self._flops is None:
+            t = self.table
+            self._flops = sum(n.weight * t.factors[i].flops for i, n in enumerate(self.nodes) if i in t.factors)
+        return self._flops
+
+    def run(self, anchors: Mapping, moved: Mapping = ()) -> Result:
         """The result from `anchors`, with each of `moved` (argument -> the layout it arrives in)
-        laid out where it arrives and moved once at the start into the layout `anchors` give it;
-        and its predicted seconds."""
+        laid out where it arrives and moved once at the start into the layout `anchors` give it."""
         engine = Engine(self.nodes, self.axis_size, self.cost, self.table, memo=self.memo)
         result = engine.run(anchors, self.outputs)
         if moved:
@@ -63,14 +71,17 @@ class _Runs:
                 else:
                     result.values[v] = spec
             share_moves(self.nodes, result, self.axis_size, self.cost)
-        return result, self.seconds(result)
+        return result
 
     def seconds(self, result: Result) -> float:
         """`result`'s predicted seconds per call: its collectives' bytes at each axis' bandwidth
-        (no latency per collective), and its compute per device."""
-        moved = sum(self.nodes[i].weight * sum(self.streamed.time(c, self.axis_size) for c in d.comms)
-                    for i, d in result.decisions.items())
-        return moved + priced(self.nodes, result, self.axis_size, self.cost, self.table).compute_seconds
+        (no latency per collective), and its compute per device (computed once per result)."""
+        if id(result) not in self._seconds:
+            moved = sum(self.nodes[i].weight * sum(self.streamed.time(c, self.axis_size) for c in d.comms)
+                        for i, d in result.decisions.items())
+            compute = priced(self.nodes, result, self.axis_size, self.cost, self.table).compute_seconds
+            self._seconds[id(result)] = (result, moved + compute)  # the result kept: its id stays its own
+        return self._seconds[id(result)][1]
 
 
 def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, axis_size: Mapping[str, int],
@@ -81,36 +92,36 @@ def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, 
     see the module docstring. `outputs`: the program's results."""
     runs = _Runs(nodes, axis_size, cost or CostModel(), outputs)
     fixed = dict(anchors)
-    best, seconds = runs.run(fixed)
+    best = runs.run(fixed)
     weighed: dict = {}
     moved: dict = {}
     arrive = {v: fixed[v] for v in movable if v in fixed}
     if arrive:
         loose = {v: s for v, s in fixed.items() if v not in arrive}
-        free_run, _ = runs.run(loose)
-        wanted = {v: free_run.values.get(v, spec) for v, spec in arrive.items()}
+        left = runs.run(loose).values  # the layouts the anchors propagate to them
+        wanted = {v: left.get(v, spec) for v, spec in arrive.items()}
         if wanted != arrive:
-            trial, trial_seconds = runs.run({**loose, **wanted}, arrive)  # as if it arrived so, then moved
-            chosen = trial_seconds < seconds * _BETTER
-            weighed = {v: (Weighed(arrive[v], seconds, "as it arrives", not chosen),
-                           Weighed(wanted[v], trial_seconds, "moved once at the start", chosen))
+            trial = runs.run({**loose, **wanted}, arrive)  # as if it arrived so, then moved
+            before, after = runs.seconds(best), runs.seconds(trial)
+            chosen = after < before * _BETTER
+            weighed = {v: (Weighed(arrive[v], before, "as it arrives", not chosen),
+                           Weighed(wanted[v], after, "moved once at the start", chosen))
                        for v in arrive if wanted[v] != arrive[v]}
             if chosen:
-                best, seconds, fixed, moved = trial, trial_seconds, {**loose, **wanted}, arrive
+                best, fixed, moved = trial, {**loose, **wanted}, arrive
     groups = _groups(nodes, fixed.values())
     for v in sorted((v for v in free if shape_of(v)), key=value_bytes, reverse=True):
         have = best.values.get(v)
-        tried = [Weighed(have, seconds, "propagated", True)] if have is not None else []
-        for spec in _layouts(v, runs, best, groups):
-            if spec == have:
-                continue
-            result, s = runs.run({**fixed, v: spec}, moved)
-            tried.append(Weighed(spec, s, "weighed", False))
-            if s < seconds * _BETTER:
-                best, seconds, have = result, s, spec
-                fixed = {**fixed, v: spec}
-        if len(tried) > 1:
-            weighed[v] = tuple(w._replace(chosen=w.spec == have) for w in tried)
+        layouts = [spec for spec in _layouts(v, runs, best, groups) if spec != have]
+        if not layouts:
+            continue
+        tried = [Weighed(have, runs.seconds(best), "propagated", True)] if have is not None else []
+        for spec in layouts:
+            result = runs.run({**fixed, v: spec}, moved)
+            tried.append(Weighed(spec, runs.seconds(result), "weighed", False))
+            if runs.seconds(result) < runs.seconds(best) * _BETTER:
+                best, have, fixed = result, spec, {**fixed, v: spec}
+        weighed[v] = tuple(w._replace(chosen=w.spec == have) for w in tried)
     best.weighed = weighed
     return best
 
