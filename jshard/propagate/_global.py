@@ -13,12 +13,18 @@ bytes at each axis' bandwidth and its compute per device. The per-collective lat
 local choices count does not separate whole plans: XLA's combiner merges independent collectives of
 one kind over one group (the backward pass's gradient all-reduces), so an alternative that sums in
 more, smaller collectives is not slower by their count (the expert Megatron plan of a GPT compiles
-to 13 all-reduces where its operators' sums number over 40). First each batch argument laid out by the default dataset policy,
-left free (its layout the one the anchors propagate to it, moved there once at the start) or kept;
-then each free argument in every layout the anchors' mesh-axis groups give one of its dims (and
-whole), one argument after another, the biggest first, each keeping the layout of least cost. Each
-alternative is one propagation from the anchors (operators already met in the same layouts are not
-chosen again). The alternatives weighed, with their predicted seconds, are `Result.weighed`.
+to 13 all-reduces where its operators' sums number over 40).
+
+First each batch argument laid out by the default dataset policy is weighed left where it arrives
+against moved there once at the start into the layout the anchors propagate to it. Then each free
+argument that a contraction or lookup takes (directly or through a transpose, reshape or cast)
+while that operator, holding at least 1% of the program's work, repeats over some of the anchors'
+mesh-axis groups, is weighed cut over each such group on each dim; arguments one after another,
+the biggest first, each keeping the layout of least cost, an alternative taken only where it is at
+least 2% cheaper. Each alternative is one propagation from the anchors sharing the `OpTable` and
+the engine's choices of operators met in the same layouts; a program with nothing to weigh costs
+one propagation. The alternatives weighed, with their predicted seconds, are `Result.weighed`
+(`OpRecord.weighed` in the `Plan`, shown by `Plan.explain`).
 """
 
 from __future__ import annotations
