@@ -41,7 +41,7 @@ class Rejected(NamedTuple):
     seconds: float
 
 
-class Weighed(NamedTuple):
+class WeighedLayout(NamedTuple):
     """One layout global propagation weighed for an argument (`propagate_globally`): the layout, the
     whole program's predicted seconds with it, how it came (`"propagated"`, `"weighed"`, `"as it
     arrives"`, `"moved once at the start"`) and whether the plan took it."""
@@ -78,7 +78,7 @@ class Decision:
 @dataclasses.dataclass
 class Result:
     """Every decision, the layout of every value, which nodes had no rule, and the layouts global
-    propagation weighed for the arguments (argument -> `Weighed` alternatives)."""
+    propagation weighed for the arguments (argument -> `WeighedLayout` alternatives)."""
 
     decisions: dict[int, Decision]
     values: dict

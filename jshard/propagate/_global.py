@@ -36,7 +36,7 @@ from collections.abc import Collection, Mapping, Sequence
 from jshard.cost import CostModel, value_bytes
 from jshard.graph import CONSTRAINT, Node
 from jshard.layouts import Spec, constraint_spec
-from jshard.propagate._engine import Engine, Result, Weighed, share_moves
+from jshard.propagate._engine import Engine, Result, WeighedLayout, share_moves
 from jshard.propagate._priced import priced
 from jshard.rules import OpTable, shape_of
 
@@ -110,8 +110,8 @@ def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, 
             trial = runs.run({**loose, **wanted}, arrive)  # as if it arrived so, then moved
             before, after = runs.seconds(best), runs.seconds(trial)
             chosen = after < before * _BETTER
-            weighed = {v: (Weighed(arrive[v], before, "as it arrives", not chosen),
-                           Weighed(wanted[v], after, "moved once at the start", chosen))
+            weighed = {v: (WeighedLayout(arrive[v], before, "as it arrives", not chosen),
+                           WeighedLayout(wanted[v], after, "moved once at the start", chosen))
                        for v in arrive if wanted[v] != arrive[v]}
             if chosen:
                 best, fixed, moved = trial, {**loose, **wanted}, arrive
@@ -121,10 +121,10 @@ def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, 
         layouts = [spec for spec in _layouts(v, runs, best, groups) if spec != have]
         if not layouts:
             continue
-        tried = [Weighed(have, runs.seconds(best), "propagated", True)] if have is not None else []
+        tried = [WeighedLayout(have, runs.seconds(best), "propagated", True)] if have is not None else []
         for spec in layouts:
             result = runs.run({**fixed, v: spec}, moved)
-            tried.append(Weighed(spec, runs.seconds(result), "weighed", False))
+            tried.append(WeighedLayout(spec, runs.seconds(result), "weighed", False))
             if runs.seconds(result) < runs.seconds(best) * _BETTER:
                 best, have, fixed = result, spec, {**fixed, v: spec}
         weighed[v] = tuple(w._replace(chosen=w.spec == have) for w in tried)
