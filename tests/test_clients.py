@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import pytest
 from _tolerance import assert_close, step_terms
-from clients import linen_lm, linen_resnet, nnx_gqa, one_device
+from clients import linen_lm, linen_resnet, loop_gpt, nnx_gqa, one_device
 
 import jshard as js
 from jshard.layouts import spec_from_pspec
@@ -135,3 +135,54 @@ def test_nnx_gqa_bytes_at_most_its_own_jax_jit():
     with jax.set_mesh(mesh):
         plan = js.parallelize(step, mode="semi_auto").plan(state, batch)
     assert plan.audit().bytes() <= expert_bytes
+
+
+@functools.cache
+def _loop_gpt():
+    """Issue 15's plain-JAX GPT (Python loop over layers, tied embedding head): its parameters and
+    tokens, the one-device results, and the expert Megatron `jax.jit`'s compiled bytes (one compile).
+    Its author adds the position table to the (batch, length, d) embeddings by rank promotion."""
+    params, tokens = loop_gpt.create()
+    mesh = loop_gpt.make_mesh()
+    param_sh, token_sh = loop_gpt.expert_shardings(mesh, params)
+    expert = jax.jit(loop_gpt.train_step, in_shardings=(param_sh, token_sh), out_shardings=(param_sh, None))
+    with jax.numpy_rank_promotion("allow"):
+        expert_bytes = js.audit(expert.lower(params, tokens).compile()).bytes()
+        want = one_device(loop_gpt.train_step, params, tokens)
+    return params, tokens, want, expert_bytes, step_terms(params, tokens)
+
+
+@functools.cache
+def _loop_gpt_plan(tokens_given: bool, propagation: str = "jshard"):
+    """The step in `semi_auto` from the Megatron tuples alone, the tokens given the expert's `(2, 1)`
+    or left to the default dataset cut: its plan and the compiled program's bytes."""
+    params, tokens, *_ = _loop_gpt()
+    given = {"in_strategy": (None, (loop_gpt.DP, 1))} if tokens_given else {}
+    step = js.parallelize(loop_gpt.train_step, devices=8, mode="semi_auto", propagation=propagation, **given)
+    with jax.numpy_rank_promotion("allow"):
+        plan = step.plan(params, tokens)
+        return step, plan, plan.audit().bytes()
+
+
+@pytest.mark.parametrize("tokens_given", [True, False], ids=["tokens-given", "tokens-default"])
+def test_loop_gpt_global_propagation_moves_at_most_the_expert_and_shardy(tokens_given):
+    *_, expert_bytes, _ = _loop_gpt()
+    _, _, got = _loop_gpt_plan(tokens_given)
+    _, _, shardy = _loop_gpt_plan(tokens_given, "xla")
+    assert got <= expert_bytes * 1.05, (got, expert_bytes)
+    assert got <= shardy, (got, shardy)
+
+
+def test_loop_gpt_global_propagation_equals_one_device_and_says_what_it_weighed():
+    params, tokens, want, _, terms = _loop_gpt()
+    step, plan, _ = _loop_gpt_plan(False)
+    with jax.numpy_rank_promotion("allow"):
+        got = step(params, tokens)
+    assert_close(got, want, terms=terms)
+    # the tied embedding is cut by vocabulary, as the head's logits take the tensor-parallel axes
+    embed = spec_from_pspec(plan.in_specs[0], 2)
+    assert embed[0] and not embed[1], embed
+    lookup = next(op for op in plan.ops if op.primitive == "gather" and op.weighed)  # the embedding's
+    assert "f32[512,64]" in plan.explain(lookup) and "(chosen)" in plan.explain(lookup)
+    sliced = [plan.explain(op) for op in plan.ops if "i32[8,17]" in op.weighed]  # the tokens'
+    assert sliced and all("moved once at the start" in text and "as it arrives" in text for text in sliced)

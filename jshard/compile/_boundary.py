@@ -134,6 +134,18 @@ def in_shardings(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot]
             for i, (path, x, slot, v) in enumerate(zip(traced.paths, traced.leaves, slots, traced.invars))]
 
 
+def dataset_defaulted(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options) -> frozenset[int]:
+    """The batch leaves laid out by the default dataset policy alone (`"data_parallel"`, in
+    `semi_auto` with jshard's propagation): no `in_strategy`, model sharding or `shard` call fixes
+    them, so the planner may move them once at the start into the layout the anchors want."""
+    if options.mode != "semi_auto" or options.propagation != "jshard" or options.dataset_strategy != "data_parallel":
+        return frozenset()
+    anchors = boundary_anchors(traced, "")
+    return frozenset(i for i, (x, slot, v) in enumerate(zip(traced.leaves, slots, traced.invars))
+                     if i in dataset and slot is None and v not in anchors
+                     and model_anchor(traced, v, x, options) is None)
+
+
 def out_shardings(traced: Traced, options: Options, call: str) -> list:
     """Each result leaf's `NamedSharding` from `out_strategy`, or None where the planner decides it."""
     slots = canonicalize_strategy_tree(options.out_strategy, jax.tree_util.tree_unflatten(traced.out_tree, traced.out_leaves),

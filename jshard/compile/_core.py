@@ -29,6 +29,7 @@ from jshard.compile._boundary import (
     argument_types,
     check_micro_batches,
     dataset_anchors,
+    dataset_defaulted,
     in_shardings,
     out_shardings,
 )
@@ -397,7 +398,7 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
     _check_comm_kept(traced, c, call)
     offload = offloaded(traced, args, c, call)
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
-    problem = Problem(traced, in_sh, donated, budget, offload)
+    problem = Problem(traced, in_sh, donated, budget, offload, movable=dataset_defaulted(traced, slots, dataset, c))
     checked = check and c.searching and c.memory_budget is not None and devices is not None
     held = 0.0
     for attempt in range(BUDGET_ROUNDS):

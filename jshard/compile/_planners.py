@@ -25,7 +25,7 @@ from jshard.graph import CONSTRAINT, Node, operand_vars
 from jshard.hetero import Offload
 from jshard.layouts import FineMesh, constraint_spec, replicated, spec_from_pspec
 from jshard.plan import Plan
-from jshard.propagate import Decision, Result, propagate
+from jshard.propagate import Decision, Result, propagate_globally
 from jshard.rules import shape_of
 from jshard.search import SearchReport, search
 
@@ -34,8 +34,10 @@ from jshard.search import SearchReport, search
 class Problem:
     """What a planner plans: the traced program, the argument shardings fixed before planning
     (None: the planner decides), which argument leaves are donated, the memory budget, the state
-    kept in host memory between steps (`Offload`, or None), and values made in the program whose
-    layout is fixed too (value -> `Spec`: a gradient jshard reduce-scatters itself)."""
+    kept in host memory between steps (`Offload`, or None), values made in the program whose
+    layout is fixed too (value -> `Spec`: a gradient jshard reduce-scatters itself), and the argument
+    leaves whose fixed layout is the default dataset cut, which the program may move once at the
+    start (`dataset_defaulted`)."""
 
     traced: Traced
     in_shardings: Sequence[NamedSharding | None]
@@ -43,6 +45,7 @@ class Problem:
     budget: float | None
     offload: Offload | None = None
     made: Mapping = dataclasses.field(default_factory=dict)
+    movable: frozenset[int] = frozenset()
 
     @property
     def host(self) -> frozenset:
@@ -87,14 +90,18 @@ class XlaPlanner:
 
 @dataclasses.dataclass(frozen=True)
 class PropagationPlanner:
-    """jshard's propagation engine (MindSpore's `sharding_propagation`)."""
+    """jshard's propagation engine (MindSpore's `sharding_propagation`), its free arguments' and
+    default-cut batch's layouts chosen for the whole program (`propagate_globally`)."""
 
     options: Options
 
     def plan(self, problem: Problem) -> Planned:
         t = problem.traced
-        return Planned(propagate(t.nodes, {**t.typed(), **problem.fixed}, t.axis_size, self.options.costs,
-                                 outputs=t.outvars))
+        anchors = {**t.typed(), **problem.fixed}
+        free = [v for v in t.invars if v not in anchors]
+        movable = [t.invars[i] for i in problem.movable]
+        return Planned(propagate_globally(t.nodes, anchors, free, t.axis_size, self.options.costs,
+                                          outputs=t.outvars, movable=movable))
 
 
 @dataclasses.dataclass(frozen=True)

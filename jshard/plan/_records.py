@@ -64,6 +64,9 @@ class OpRecord:
       seconds: their predicted α–β time.
       via: the index of the operator (or `"arg"`, `"user"`) whose layout this one took.
       rejected: the best alternative it did not take, described, or `""`.
+      weighed: for an operator taking a free argument or a default-cut batch array directly, the
+        layouts global propagation weighed for it, with the whole program's predicted seconds
+        under each (`jshard.propagate.propagate_globally`), described; else `""`.
       ruled: False where jshard has no sharding rule for the primitive (left replicated).
       recompute: the recompute region it belongs to, `jshard.recompute(policy='selective')` or
         `jax.checkpoint(policy=full)` (a bare `jax.checkpoint`, `flax.linen.remat`, ...), or `""`;
@@ -95,6 +98,7 @@ class OpRecord:
     seconds: float = 0.0
     via: str = ""
     rejected: str = ""
+    weighed: str = ""
     ruled: bool = True
     recompute: str = ""
     recomputed: bool = False
@@ -183,6 +187,7 @@ def build_ops(
                 seconds=decision.seconds,
                 via=_via(decision.via, stands_for, models),
                 rejected=_rejected(decision.rejected, n_in, n_out, cuts),
+                weighed=_weighed(node, result.weighed, cuts),
                 layout=OpLayout(decision.in_specs, decision.out_specs, decision.implied),
             )
         pinned = [model.get(v) for v in node.outputs]
@@ -277,6 +282,16 @@ def _rejected(rejected, n_in: int, n_out: int, cuts) -> str:
     ins, outs, seconds = rejected.in_specs, rejected.out_specs, rejected.seconds
     strategy = f"{strategies_str(tuple(map(cuts, ins[:n_in])))} -> {strategies_str(tuple(map(cuts, outs[:n_out])))}"
     return f"{strategy} at {seconds * 1e6:.8g} us"
+
+
+def _weighed(node: Node, weighed: dict, cuts) -> str:
+    """The layouts weighed for the arguments `node` takes directly, each with its predicted seconds."""
+    found = []
+    for v in dict.fromkeys(v for v in node.inputs if isinstance(v, jcore.Var) and v in weighed):
+        tried = ", ".join(f"{cuts(w.spec)} {w.how} {w.seconds * 1e6:.6g} us" + (" (chosen)" if w.chosen else "")
+                          for w in sorted(weighed[v], key=lambda w: w.seconds))
+        found.append(f"{var_str(v)}: {tried}")
+    return "; ".join(found)
 
 
 def _innermost(scope: str) -> str:

@@ -8,8 +8,10 @@ from jshard.propagate._engine import Decision as Decision
 from jshard.propagate._engine import Engine as Engine
 from jshard.propagate._engine import Rejected as Rejected
 from jshard.propagate._engine import Result as Result
+from jshard.propagate._engine import WeighedLayout as WeighedLayout
 from jshard.propagate._engine import charge_constraints as charge_constraints
 from jshard.propagate._engine import emission_of as emission_of
 from jshard.propagate._engine import propagate as propagate
+from jshard.propagate._global import propagate_globally as propagate_globally
 from jshard.propagate._priced import Priced as Priced
 from jshard.propagate._priced import priced as priced

@@ -11,6 +11,8 @@ first; the others redistribute. Operators no walk reaches, and primitives withou
 replicated and are counted (`Plan.coverage`). After the walk, an operator that leaves partial sums
 and whose users all took its result in one finer layout sums into that layout where it is cheaper
 (an embedding gradient's scatter-add all-reduces its vocabulary slice, not the whole table).
+The greedy walk's choices for free arguments and a default-cut batch are weighed again over the
+whole program by `propagate_globally` (`_global.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ class Rejected(NamedTuple):
     seconds: float
 
 
+class WeighedLayout(NamedTuple):
+    """One layout global propagation weighed for an argument (`propagate_globally`): the layout, the
+    whole program's predicted seconds with it, how it came (`"propagated"`, `"weighed"`, `"as it
+    arrives"`, `"moved once at the start"`) and whether the plan took it."""
+
+    spec: Spec
+    seconds: float
+    how: str
+    chosen: bool
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Decision:
     """What the engine chose for one operator.
@@ -64,18 +77,22 @@ class Decision:
 
 @dataclasses.dataclass
 class Result:
-    """Every decision, the layout of every value, and which nodes had no rule."""
+    """Every decision, the layout of every value, which nodes had no rule, and the layouts global
+    propagation weighed for the arguments (argument -> `WeighedLayout` alternatives)."""
 
     decisions: dict[int, Decision]
     values: dict
     unruled: set[int]
+    weighed: dict = dataclasses.field(default_factory=dict)
 
 
 class Engine:
     """One propagation over `nodes` on a mesh with axes `axis_size`."""
 
     def __init__(self, nodes: Sequence[Node], axis_size: Mapping[str, int], cost: CostModel | None = None,
-                 table: OpTable | None = None):
+                 table: OpTable | None = None, memo: dict | None = None):
+        """`table`: the nodes' `OpTable`, where one is at hand; `memo`: the choices of earlier runs
+        over the same `table` (an operator met in the same layouts is not chosen again)."""
         self.nodes, self.axis_size, self.cost = nodes, dict(axis_size), cost or CostModel()
         self.table = table or OpTable(nodes)
         t = self.table
@@ -85,7 +102,7 @@ class Engine:
         self.why: dict = {}
         self.decisions: dict[int, Decision] = {}
         self.entered: set[int] = set()
-        self._memo: dict = {}
+        self._memo: dict = {} if memo is None else memo
         self.invariant = _invariants(nodes)
 
     def run(self, anchors: Mapping, outputs: Collection = ()) -> Result:
@@ -188,6 +205,12 @@ class Engine:
             if self._provisional(i, v) and self.values[v] != spec:
                 self._relayout(v, spec)
 
+    def move_at_start(self, v, spec: Spec) -> None:
+        """Argument `v` arrives laid out as `spec`: its users, who took it as the run laid it out,
+        are charged its move from `spec` (once per layout: `share_moves`, after)."""
+        self._relayout(v, spec)
+        self.why[v] = "arg"
+
     def _relayout(self, v, spec: Spec) -> None:
         """Lays out `v` as `spec` after its users decided: each user's charge for moving `v` into
         the layout it takes is restated from the new layout."""
@@ -198,7 +221,8 @@ class Engine:
                 continue
             comms = list(d.comms)
             for c in redistribution(*array_of(v), old, d.in_specs[pos], self.axis_size, self.cost.alltoall):
-                comms.remove(c)
+                if c in comms:  # a later user's charge for a move an earlier one paid was dropped
+                    comms.remove(c)
             comms += redistribution(*array_of(v), spec, d.in_specs[pos], self.axis_size, self.cost.alltoall)
             seconds = self.nodes[j].weight * sum(self.cost.time(c, self.axis_size) for c in comms)
             self.decisions[j] = dataclasses.replace(d, comms=tuple(comms), seconds=seconds)
@@ -480,10 +504,10 @@ def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping
         comms = d.comms + tuple(redistribution(*array_of(v), src, dst, axis_size, cost.alltoall))
         seconds = nodes[j].weight * sum(cost.time(c, axis_size) for c in comms)
         result.decisions[j] = dataclasses.replace(d, comms=comms, seconds=seconds)
-    _share_moves(nodes, result, axis_size, cost)
+    share_moves(nodes, result, axis_size, cost)
 
 
-def _share_moves(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], cost: CostModel) -> None:
+def share_moves(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], cost: CostModel) -> None:
     """XLA moves one value into one layout once (it eliminates the common subexpression), however
     many operators of one computation take it so (`jnp.take`'s index normalization: three of them):
     the first user pays, the later ones' charge for it is dropped."""

@@ -1,0 +1,193 @@
+"""Global propagation: the anchors kept, the free arguments' layouts chosen for the whole program.
+
+The engine (`Engine`) decides greedily: each operator takes the least-cost layout given its
+neighbours' known ones, and a free argument (a parameter no `shard` call takes directly) is laid out
+by its first user. That cannot see a choice whose price falls elsewhere: an embedding table looked
+up whole at the start is summed whole in the backward pass, where the table cut by vocabulary, as
+the output head could take it, sums a quarter; a batch cut eight ways by the default dataset policy
+drags every activation into that cut, where one redistribution of the small token array at the
+start would put it in the layout the `shard` calls want.
+
+`propagate_globally` weighs those choices over the whole program's predicted cost: its collectives'
+bytes at each axis' bandwidth and its compute per device. The per-collective latency the engine's
+local choices count does not separate whole plans: XLA's combiner merges independent collectives of
+one kind over one group (the backward pass's gradient all-reduces), so an alternative that sums in
+more, smaller collectives is not slower by their count (the expert Megatron plan of a GPT compiles
+to 13 all-reduces where its operators' sums number over 40).
+
+First each batch argument laid out by the default dataset policy is weighed left where it arrives
+against moved there once at the start into the layout the anchors propagate to it. Then each free
+argument that a contraction or lookup takes (directly or through a transpose, reshape or cast)
+while that operator, holding at least 1% of the program's work, repeats over some of the anchors'
+mesh-axis groups, is weighed cut over each such group on each dim; arguments one after another,
+the biggest first, each keeping the layout of least cost, an alternative taken only where it is at
+least 2% cheaper. Each alternative is one propagation from the anchors sharing the `OpTable` and
+the engine's choices of operators met in the same layouts; a program with nothing to weigh costs
+one propagation. The alternatives weighed, with their predicted seconds, are `Result.weighed`
+(`OpRecord.weighed` in the `Plan`, shown by `Plan.explain`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Mapping, Sequence
+
+from jshard.cost import CostModel, value_bytes
+from jshard.graph import CONSTRAINT, Node
+from jshard.layouts import Spec, constraint_spec
+from jshard.propagate._engine import Engine, Result, WeighedLayout, share_moves
+from jshard.propagate._priced import priced
+from jshard.rules import OpTable, shape_of
+
+_BETTER = 0.98
+"""An alternative is taken where its predicted seconds are below this share of the best so far: a
+gain within the cost model's error is not worth moving off the layout propagation gives."""
+
+
+class _Runs:
+    """Propagations of one program from varying anchors, sharing its `OpTable` and the engine's
+    choices of operators met in the same layouts."""
+
+    def __init__(self, nodes: Sequence[Node], axis_size: Mapping[str, int], cost: CostModel, outputs: Collection):
+        self.nodes, self.axis_size, self.cost, self.outputs = nodes, axis_size, cost, outputs
+        self.table = OpTable(nodes)
+        self.streamed = dataclasses.replace(cost, latency=0.0, axes={a: (bw, 0.0) for a, (bw, _) in cost.axes.items()})
+        self.memo: dict = {}
+        self._seconds: dict = {}
+        self._flops: float | None = None
+
+    @property
+    def flops(self) -> float:
+        """The program's floating-point work on one device holding everything."""
+        if self._flops is None:
+            t = self.table
+            self._flops = sum(n.weight * t.factors[i].flops for i, n in enumerate(self.nodes) if i in t.factors)
+        return self._flops
+
+    def run(self, anchors: Mapping, moved: Mapping = ()) -> Result:
+        """The result from `anchors`, with each of `moved` (argument -> the layout it arrives in)
+        laid out where it arrives and moved once at the start into the layout `anchors` give it."""
+        engine = Engine(self.nodes, self.axis_size, self.cost, self.table, memo=self.memo)
+        result = engine.run(anchors, self.outputs)
+        if moved:
+            for v, spec in dict(moved).items():
+                if v in result.values and result.values[v] != spec:
+                    engine.move_at_start(v, spec)
+                else:
+                    result.values[v] = spec
+            share_moves(self.nodes, result, self.axis_size, self.cost)
+        return result
+
+    def seconds(self, result: Result) -> float:
+        """`result`'s predicted seconds per call: its collectives' bytes at each axis' bandwidth
+        (no latency per collective), and its compute per device (computed once per result)."""
+        if id(result) not in self._seconds:
+            moved = sum(self.nodes[i].weight * sum(self.streamed.time(c, self.axis_size) for c in d.comms)
+                        for i, d in result.decisions.items())
+            compute = priced(self.nodes, result, self.axis_size, self.cost, self.table).compute_seconds
+            self._seconds[id(result)] = (result, moved + compute)  # the result kept: its id stays its own
+        return self._seconds[id(result)][1]
+
+
+def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, axis_size: Mapping[str, int],
+                       cost: CostModel | None = None, outputs: Collection = (), movable: Collection = ()) -> Result:
+    """Propagation from `anchors` (var -> `Spec`), with the layouts of the `free` arguments (vars no
+    anchor fixes) and of the `movable` ones (anchored vars a program may move once at the start:
+    the batch on the default dataset cut) chosen for the least predicted cost of the whole program;
+    see the module docstring. `outputs`: the program's results."""
+    runs = _Runs(nodes, axis_size, cost or CostModel(), outputs)
+    fixed = dict(anchors)
+    best = runs.run(fixed)
+    weighed: dict = {}
+    moved: dict = {}
+    arrive = {v: fixed[v] for v in movable if v in fixed}
+    if arrive:
+        loose = {v: s for v, s in fixed.items() if v not in arrive}
+        left = runs.run(loose).values  # the layouts the anchors propagate to them
+        wanted = {v: left.get(v, spec) for v, spec in arrive.items()}
+        if wanted != arrive:
+            trial = runs.run({**loose, **wanted}, arrive)  # as if it arrived so, then moved
+            before, after = runs.seconds(best), runs.seconds(trial)
+            chosen = after < before * _BETTER
+            weighed = {v: (WeighedLayout(arrive[v], before, "as it arrives", not chosen),
+                           WeighedLayout(wanted[v], after, "moved once at the start", chosen))
+                       for v in arrive if wanted[v] != arrive[v]}
+            if chosen:
+                best, fixed, moved = trial, {**loose, **wanted}, arrive
+    groups = _groups(nodes, fixed.values())
+    for v in sorted((v for v in free if shape_of(v)), key=value_bytes, reverse=True):
+        have = best.values.get(v)
+        layouts = [spec for spec in _layouts(v, runs, best, groups) if spec != have]
+        if not layouts:
+            continue
+        tried = [WeighedLayout(have, runs.seconds(best), "propagated", True)] if have is not None else []
+        for spec in layouts:
+            result = runs.run({**fixed, v: spec}, moved)
+            tried.append(WeighedLayout(spec, runs.seconds(result), "weighed", False))
+            if runs.seconds(result) < runs.seconds(best) * _BETTER:
+                best, have, fixed = result, spec, {**fixed, v: spec}
+        weighed[v] = tuple(w._replace(chosen=w.spec == have) for w in tried)
+    best.weighed = weighed
+    return best
+
+
+def _groups(nodes: Sequence[Node], specs: Collection[Spec]) -> list[tuple[str, ...]]:
+    """The mesh-axis groups the anchors cut one dim over (`("d1", "d2")` for a tuple's 4 on a mesh
+    of three axes of 2), each once, in the order met."""
+    found: dict = {}
+    constrained = [constraint_spec(n.eqn.params["sharding"], len(shape_of(n.outputs[0])))
+                   for n in nodes if n.primitive == CONSTRAINT]
+    for spec in [*specs, *constrained]:
+        for axes in spec:
+            if axes:
+                found.setdefault(tuple(axes), None)
+    return list(found)
+
+
+def _layouts(v, runs: _Runs, result: Result, groups: Sequence[tuple[str, ...]]) -> list[Spec]:
+    """The layouts weighed for free argument `v`: where an operator that contracts or looks up
+    over it (a matrix product, a convolution, a gather: reached directly, or through a transpose,
+    reshape or cast), holding at least `_WORK` of the program's work, runs whole over some of the
+    anchors' axis groups (`result` left those devices repeating it), each dim of `v` cut over each
+    such group that divides it. None elsewhere: an argument only elementwise operators take
+    (optimizer state) follows its neighbours, and so does one whose operators' work is negligible
+    (one propagation per alternative is not worth it)."""
+    shape, found = shape_of(v), {}
+    for j in _contracting_users(v, runs):
+        d = result.decisions.get(j)
+        if d is None or runs.nodes[j].weight * runs.table.factors[j].flops < _WORK * runs.flops:
+            continue
+        used = {a for spec in (*d.in_specs, *d.out_specs) for axes in spec for a in axes}
+        for axes in groups:
+            ways = math.prod(runs.axis_size[a] for a in axes)
+            if set(axes) & used:
+                continue
+            for k, n in enumerate(shape):
+                if n > 1 and n % ways == 0:
+                    found.setdefault(tuple(tuple(axes) if i == k else () for i in range(len(shape))), None)
+    return list(found)
+
+
+def _contracting_users(v, runs: _Runs) -> list[int]:
+    """The operators with partial sums to make (contractions, lookups) that take `v`, directly or
+    through operators that only move or cast it."""
+    out, todo, seen = [], [v], set()
+    while todo:
+        for j, _ in runs.table.consumers.get(todo.pop(), ()):
+            if j in seen:
+                continue
+            seen.add(j)
+            node, f = runs.nodes[j], runs.table.factors.get(j)
+            if node.primitive in _MOVES and len(node.outputs) == 1:
+                todo.append(node.outputs[0])
+            elif f is not None and f.reduced:
+                out.append(j)
+    return out
+
+
+_WORK = 0.01
+"""The share of the program's floating-point work an operator repeating over idle devices must hold
+for its free arguments to be weighed in other layouts."""
+
+_MOVES = ("transpose", "reshape", "convert_element_type", "copy")
