@@ -516,12 +516,22 @@ class _Level:
         the flat arrays `_energy` reads."""
         self.around = {k: [(j, self._table(k, j)) for j in sorted(self.nbrs[k])] for k in core}
         self._ids = {k: tuple(j for j, _ in around) for k, around in self.around.items()}
-        classes: dict[tuple, int] = {}
+        contents: dict[tuple, int] = {}  # an array's shape and bytes -> its id
+        seen: dict[tuple[int, bool], int] = {}  # (a held array's id(), transposed) -> the above, read once per array
+
+        def content(t: np.ndarray, transposed: bool = False) -> int:
+            found = seen.get((id(t), transposed))
+            if found is None:
+                x = t.T if transposed else t
+                found = seen[(id(t), transposed)] = contents.setdefault((x.shape, x.tobytes()), len(contents))
+            return found
+
+        self._table_class = [content(t) for t in self.tables.values()]
+        tables, classes = self.tables, {}
         self._class = {k: classes.setdefault(
-            (self.unary[k].tobytes(), tuple((t.shape, t.tobytes()) for _, t in self.around[k])), len(classes))
+            (content(self.unary[k]), tuple(content(tables[(k, j)]) if k < j else content(tables[(j, k)], True)
+                                           for j in self._ids[k])), len(classes))
             for k in core}
-        kinds: dict[tuple, int] = {}
-        self._table_class = [kinds.setdefault((t.shape, t.tobytes()), len(kinds)) for t in self.tables.values()]
         self._locals: dict[tuple, tuple[np.ndarray, int, tuple]] = {}
         self._pairs: dict[tuple, tuple[int, int] | None] = {}
         n = len(self.cands)
