@@ -349,8 +349,12 @@ class _Level:
         shared = self._shared = _Shared(g, group, base) if like is None else like._shared
         kinds = [shared.kind(k) for k in self.reps]
         self.cands = [shared.candidates(k, kind) for k, kind in zip(self.reps, kinds)]
-        self.unary = [self._unary(c, kinds[c], lam) * count[c] if count[c] > 1 else self._unary(c, kinds[c], lam)
-                      for c in range(len(self.reps))]
+        own, kept = shared.own, search.kept_bytes
+        self.unary = [own.get((kinds[c], kept.get(k))) for c, k in enumerate(self.reps)]  # `_unary`, where known
+        for c, found in enumerate(self.unary):
+            if found is None:
+                found = self._unary(c, kinds[c], lam)
+            self.unary[c] = found * count[c] if count[c] > 1 else found
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
         tables, nbrs, unary, moves = self.tables, self.nbrs, self.unary, shared.moves
@@ -475,7 +479,9 @@ class _Level:
         """Unit `k` eliminated between one or two neighbours (`tables`, `[c_k, c_neighbour]`): its
         least cost and best candidate per neighbour pick (a table between two neighbours); once per
         class of inputs (the same operator of identical layers folds the same arrays)."""
-        key = (self.unary[k].tobytes(), *((t.shape, t.tobytes()) for t in tables))
+        t = tables[0]
+        key = ((self.unary[k].tobytes(), t.shape, t.tobytes()) if len(tables) == 1 else
+               (self.unary[k].tobytes(), t.shape, t.tobytes(), tables[1].shape, tables[1].tobytes()))
         found = self._folds.get(key)
         if found is None:
             if len(tables) == 1:
