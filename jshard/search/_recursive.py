@@ -520,8 +520,10 @@ class _Level:
     def _prepare_core(self, core: list[int]) -> None:
         """The core's neighbourhoods, each unit's class (its own costs and tables, as bytes) and
         the flat arrays `_energy` reads."""
-        self.around = {k: [(j, self._table(k, j)) for j in sorted(self.nbrs[k])] for k in core}
-        self._ids = {k: tuple(j for j, _ in around) for k, around in self.around.items()}
+        tables, nbrs = self.tables, self.nbrs
+        self._ids = {k: tuple(sorted(nbrs[k])) for k in core}
+        self.around = {k: [(j, tables[(k, j)] if k < j else tables[(j, k)].T) for j in ids]  # `_table`, inlined
+                       for k, ids in self._ids.items()}
         contents: dict[tuple, int] = {}  # an array's shape and bytes -> its id
         seen: dict[tuple[int, bool], int] = {}  # (a held array's id(), transposed) -> the above, read once per array
 
@@ -532,8 +534,8 @@ class _Level:
                 found = seen[(id(t), transposed)] = contents.setdefault((x.shape, x.tobytes()), len(contents))
             return found
 
-        self._table_class = [content(t) for t in self.tables.values()]
-        tables, classes = self.tables, {}
+        self._table_class = [content(t) for t in tables.values()]
+        classes: dict[tuple, int] = {}
         self._class = {k: classes.setdefault(
             (content(self.unary[k]), tuple(content(tables[(k, j)]) if k < j else content(tables[(j, k)], True)
                                            for j in self._ids[k])), len(classes))
