@@ -21,7 +21,9 @@ is the one weighing each unit alone gives.
 Replay (`_Ties`): the interior layers of a repeated run (an unrolled loop's layers, found as a
 period in the units' structure and wiring) are decided as one at each level, the way a scanned
 body is planned once; the first and last `_WINDOW` layers of the run are decided on their own, and
-the replayed choice is then improved unit by unit by single and pairwise moves.
+the replayed choice is then improved unit by unit by single and pairwise moves. That boundary check
+weighs the same units on the same base, so it reads what the replayed level computed (`_Shared`:
+candidates, layouts, edge tables, own costs, folds) rather than pricing the program again.
 
 A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
 plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
