@@ -9,6 +9,7 @@ it in tracebacks (`In[7]`).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -22,7 +23,14 @@ _JSHARD = os.path.dirname(os.path.abspath(__file__)) + os.sep
 def user_source(info, *, strict: bool = False) -> str:
     """`file:line:column (function)` of the user's innermost frame in a jaxpr equation's `source_info`;
     where every frame is a library's, the first one JAX itself would name (`strict`: `""`); `""` with none."""
-    frames = list(source_info_util.user_frames(info.traceback))
+    return _frames_source(info.traceback, strict)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _frames_source(traceback, strict: bool) -> str:
+    """`user_source` of one traceback; JAX's tracebacks compare (and hash) by their frames, so the
+    equations an unrolled loop's layers made at one line are read once."""
+    frames = list(source_info_util.user_frames(traceback))
     frame = next((f for f in frames if is_user_file(f.file_name)), None if strict or not frames else frames[0])
     if frame is None:
         return ""

@@ -114,3 +114,29 @@ def test_weighing_a_class_once_picks_what_weighing_each_unit_picks(layouts_compu
     shared = layouts_computed[2][1]
     assert alone.search.unit_classes > shared.search.unit_classes
     assert alone.ops == shared.ops and alone.in_specs == shared.in_specs and alone.out_specs == shared.out_specs
+
+
+def test_the_boundary_check_reads_what_the_replayed_level_computed(monkeypatch):
+    """The boundary check (every unit its own class) weighs the replayed level's units on the same
+    base: it reads the tables that level computed (`_Shared`) instead of pricing the edges again, and
+    plans what a boundary check that computes everything afresh plans (deterministic counts)."""
+    priced = [0]
+    edge_seconds = search_graph.SearchGraph.edge_seconds
+
+    def counting(g, *args):
+        priced[0] += 1
+        return edge_seconds(g, *args)
+
+    monkeypatch.setattr(search_graph.SearchGraph, "edge_seconds", counting)
+    shared = _plan(6)
+    shared_priced, priced[0] = priced[0], 0
+    original = recursive._Level.__init__
+
+    def afresh(level, search, group, base, lam, ties, like=None):
+        original(level, search, group, base, lam, ties)
+
+    monkeypatch.setattr(recursive._Level, "__init__", afresh)
+    fresh = _plan(6)
+    assert 0 < shared_priced < priced[0]
+    assert fresh.search.seconds == shared.search.seconds
+    assert fresh.ops == shared.ops and fresh.in_specs == shared.in_specs and fresh.out_specs == shared.out_specs

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -366,7 +367,13 @@ class SearchGraph:
 
 def _components(f: Factors) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The operator's factors split into groups that share operands: `(factors, operand positions)`.
-    Operands with no factor (whole, or scalars) go to the first group."""
+    Operands with no factor (whole, or scalars) go to the first group. Found once per `Factors`
+    (the same operator of identical layers)."""
+    return list(_components_of(f))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _components_of(f: Factors) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     parent = list(range(len(f.sizes)))
 
     def find(x):
@@ -392,8 +399,8 @@ def _components(f: Factors) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         groups[root][1].append(pos)
     out = [(tuple(sorted(g for g in facs if f.sizes[g] > 1)), tuple(pos)) for facs, pos in groups.values()]
     if not out:
-        return []
+        return ()
     first_facs, first_pos = out[0]
     out[0] = (first_facs, tuple(sorted(first_pos + tuple(loose))))
-    return out
+    return tuple(out)
 

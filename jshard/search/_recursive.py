@@ -21,7 +21,9 @@ is the one weighing each unit alone gives.
 Replay (`_Ties`): the interior layers of a repeated run (an unrolled loop's layers, found as a
 period in the units' structure and wiring) are decided as one at each level, the way a scanned
 body is planned once; the first and last `_WINDOW` layers of the run are decided on their own, and
-the replayed choice is then improved unit by unit by single and pairwise moves.
+the replayed choice is then improved unit by unit by single and pairwise moves. That boundary check
+weighs the same units on the same base, so it reads what the replayed level computed (`_Shared`:
+candidates, layouts, edge tables, own costs, folds) rather than pricing the program again.
 
 A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
 plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
@@ -92,7 +94,8 @@ class _Recursive:
         replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at a peak
         self.kept_bytes: dict[int, tuple] = {}  # unit -> (operand position, bytes) of the above: what its unary reads
-        self.edge_values = [(array_of(e.var), e.weight) for e in g.edges]  # what an edge's table reads of it
+        values: dict[tuple, int] = {}  # what an edge's table reads of it: its value's array and weight, as ids
+        self.edge_values = [values.setdefault((array_of(e.var), e.weight), len(values)) for e in g.edges]
         self._kept_values: set = set()
         self.keep(int(replicated.argmax()))
         self.runs = 0
@@ -138,7 +141,7 @@ class _Recursive:
         if self.ties.replayed:  # the boundary check: every unit on its own, from the replayed choice
             if self.alone is None:
                 self.alone = _Ties(self, replay=False)
-            level = _Level(self, group, base, lam, self.alone)
+            level = _Level(self, group, base, lam, self.alone, like=level)
             picks = level.solve(seed=[picks[c] for c in self.ties.of])
             self.evaluations += level.evaluations
         return [level.cands[c][picks[c]] for c in level.ties.of]
@@ -280,6 +283,44 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+class _Shared:
+    """What one level's units of one kind (one structure on one base: the same operator of identical
+    layers) share, whichever classes `_Ties` makes of them: their candidates, the layouts they give
+    an operand, their own costs and the tables of the edges between kinds. The replayed level and its
+    boundary check (every unit its own class) weigh the same units on the same base, so the second
+    reads what the first computed."""
+
+    def __init__(self, g: SearchGraph, group: Group, base: list[Assignment]):
+        self.g, self.group, self.base = g, group, base
+        self._kinds: dict[tuple, int] = {}
+        self._kind: dict[int, int] = {}  # unit -> its kind
+        self._cands: dict[int, list[Assignment]] = {}  # kind -> its candidates
+        self.specs: dict[tuple[int, int], list] = {}  # (kind, operand) -> its layout under each candidate
+        self.moves: dict[tuple, np.ndarray] = {}  # (edge's value, both ends' (kind, operand)) -> the edge's table
+        self.own: dict[tuple, np.ndarray] = {}  # (kind, bytes it keeps) -> its unary
+        self.folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `_Level._fold`'s, by the arrays' bytes
+
+    def kind(self, k: int) -> int:
+        found = self._kind.get(k)
+        if found is None:
+            key = (self.g.shape_of_unit[k], tuple(sorted(self.base[k].items())))
+            found = self._kind[k] = self._kinds.setdefault(key, len(self._kinds))
+        return found
+
+    def candidates(self, k: int, kind: int) -> list[Assignment]:
+        found = self._cands.get(kind)
+        if found is None:
+            found = self._cands[kind] = self.g.candidates(k, [self.group], self.base[k])
+        return found
+
+    def specs_of(self, k: int, key: tuple[int, int]) -> list:
+        """The layouts unit `k` (of kind `key[0]`) gives its operand `key[1]`, per candidate."""
+        found = self.specs.get(key)
+        if found is None:
+            found = self.specs[key] = [self.g.spec(k, key[1], a) for a in self._cands[key[0]]]
+        return found
+
+
 class _Level:
     """One level as a pairwise energy: `unary[k][c]`, unit `k`'s own seconds and λ·bytes kept under
     its candidate `c`, plus one table `[c_a, c_b]` of redistribution seconds per pair of
@@ -299,43 +340,44 @@ class _Level:
     with its members' costs and tables summed; where nothing repeats, each unit is its own class.
     """
 
-    def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float, ties: _Ties):
+    def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float, ties: _Ties,
+                 like: _Level | None = None):
         g = self.g = search.g
         self.search = search
         self.ties = ties  # the level's units are its classes (one unit each where nothing repeats)
         self.reps, count = ties.reps, ties.count
-        # Units of one structure on one base (identical layers) share their candidates, costs and tables.
-        kinds = [(g.shape_of_unit[k], tuple(sorted(base[k].items()))) for k in self.reps]
-        cands: dict[tuple, list[Assignment]] = {}
-        self.cands = [cands[kind] if kind in cands else cands.setdefault(kind, g.candidates(k, [group], base[k]))
-                      for k, kind in zip(self.reps, kinds)]
-        self._own: dict[tuple, np.ndarray] = {}  # unit kind (and the bytes it keeps) -> its unary
-        self.unary = [self._unary(c, kinds[c], lam) * count[c] if count[c] > 1 else self._unary(c, kinds[c], lam)
-                      for c in range(len(self.reps))]
+        # Units of one structure on one base (identical layers) share their candidates, costs and
+        # tables; `like` (a level on the same base, axes and λ) lends what it computed of them.
+        shared = self._shared = _Shared(g, group, base) if like is None else like._shared
+        kinds = [shared.kind(k) for k in self.reps]
+        self.cands = [shared.candidates(k, kind) for k, kind in zip(self.reps, kinds)]
+        own, kept = shared.own, search.kept_bytes
+        self.unary = [own.get((kinds[c], kept.get(k))) for c, k in enumerate(self.reps)]  # `_unary`, where known
+        for c, found in enumerate(self.unary):
+            if found is None:
+                found = self._unary(c, kinds[c], lam)
+            self.unary[c] = found * count[c] if count[c] > 1 else found
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
-        specs: dict[tuple, list] = {}  # (unit kind, operand) -> its layout under each candidate
-        moves: dict[tuple, np.ndarray] = {}  # ((value, weight), both ends' kinds) -> the edge's table
-
-        def laid(c: int, pos: int) -> tuple:
-            key = (kinds[c], pos)
-            if key not in specs:
-                specs[key] = [g.spec(self.reps[c], pos, a) for a in self.cands[c]]
-            return key
-
-        for (u, pu, v, pv, value), (i, times) in ties.edges.items():
-            key = (value, laid(u, pu), laid(v, pv))
+        tables, nbrs, unary, moves = self.tables, self.nbrs, self.unary, shared.moves
+        for (u, pu, v, pv, value), (i, times) in ties.edges.items():  # `_add`, inlined: the loop is per edge
+            key = (value, (kinds[u], pu), (kinds[v], pv))
             table = moves.get(key)
             if table is None:
-                mine, theirs = specs[key[1]], specs[key[2]]
                 e = g.edges[i]
+                mine, theirs = shared.specs_of(self.reps[u], key[1]), shared.specs_of(self.reps[v], key[2])
                 table = moves[key] = np.array([[g.edge_seconds(e, x, y) for y in theirs] for x in mine])
             if times > 1:
                 table = table * times
             if u == v:  # both ends take the class's one pick
-                self.unary[u] = self.unary[u] + np.diag(table)
-            else:
-                self._add(u, v, table)
+                unary[u] = unary[u] + np.diag(table)
+                continue
+            if u > v:
+                u, v, table = v, u, table.T
+            found = tables.get((u, v))
+            tables[(u, v)] = table if found is None else found + table
+            nbrs[u].add(v)
+            nbrs[v].add(u)
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
         self.classes = self.evaluations = 0  # the core's distinct units and their cost evaluations
@@ -345,18 +387,19 @@ class _Level:
         as if it were alone (the program's heaviest operator first, whether or not it repeats)."""
         return self.search.weight(self.reps[c])
 
-    def _unary(self, c: int, kind: tuple, lam: float) -> np.ndarray:
+    def _unary(self, c: int, kind: int, lam: float) -> np.ndarray:
         """Class `c`'s first unit's own seconds and λ·bytes it keeps at the peak, under each candidate."""
         search, cands, k = self.search, self.cands[c], self.reps[c]
         kept = search.kept_bytes.get(k)
-        found = self._own.get((kind, kept))
+        own = self._shared.own
+        found = own.get((kind, kept))
         if found is None:
             if kept is None:
                 found = np.array([self.g.unit_seconds(k, a) + 0.0 for a in cands])
             else:
                 w = max(lam, TIE)
                 found = np.array([self.g.unit_seconds(k, a) + w * search._kept(k, a) for a in cands])
-            self._own[(kind, kept)] = found
+            own[(kind, kept)] = found
         return found
 
     def _add(self, a: int, b: int, table: np.ndarray) -> None:
@@ -370,11 +413,6 @@ class _Level:
     def _table(self, k: int, j: int) -> np.ndarray:
         """The table between `k` and `j`, indexed `[c_k, c_j]`."""
         return self.tables[(k, j)] if k < j else self.tables[(j, k)].T
-
-    def _drop(self, k: int, j: int) -> None:
-        self.tables.pop((min(k, j), max(k, j)))
-        self.nbrs[k].discard(j)
-        self.nbrs[j].discard(k)
 
     def solve(self, seed: list[int] | None = None) -> list[int]:
         """Each unit's pick: the eliminations, then the core searched, or with `seed` (a pick per
@@ -400,44 +438,52 @@ class _Level:
 
     def _eliminate(self) -> list[int]:
         gone: set[int] = set()
-        self._folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._folds = self._shared.folds
+        tables, nbrs, unary, records, fold = self.tables, self.nbrs, self.unary, self.records, self._fold
         for k, cands in enumerate(self.cands):
             if len(cands) == 1:  # nothing to decide: its tables become its neighbours' own costs
-                for j in list(self.nbrs[k]):
-                    self.unary[j] = self.unary[j] + self._table(j, k)[:, 0]
-                    self._drop(k, j)
+                for j in nbrs[k]:
+                    unary[j] = unary[j] + (tables[(j, k)][:, 0] if j < k else tables[(k, j)][0])
+                    del tables[(j, k) if j < k else (k, j)]
+                    nbrs[j].discard(k)
+                nbrs[k].clear()
                 self.picks[k] = 0
                 gone.add(k)
-        queue = collections.deque(k for k in range(len(self.cands)) if k not in gone and len(self.nbrs[k]) <= 2)
-        while queue:
+        queue = collections.deque(k for k in range(len(self.cands)) if k not in gone and len(nbrs[k]) <= 2)
+        while queue:  # `_table` and `_drop`, inlined: the loop is per unit
             k = queue.popleft()
-            if k in gone or len(self.nbrs[k]) > 2:
+            around = nbrs[k]
+            if k in gone or len(around) > 2:
                 continue
-            nbrs = sorted(self.nbrs[k])
-            if not nbrs:
-                self.picks[k] = int(self.unary[k].argmin())
-            elif len(nbrs) == 1:
-                (j,) = nbrs
-                least, best = self._fold(k, self._table(k, j))
-                self.unary[j] = self.unary[j] + least
-                self.records.append((k, "one", j, best))
-                self._drop(k, j)
+            ends = sorted(around)
+            if not ends:
+                self.picks[k] = int(unary[k].argmin())
+            elif len(ends) == 1:
+                (j,) = ends
+                least, best = fold(k, tables.pop((k, j)) if k < j else tables.pop((j, k)).T)
+                unary[j] = unary[j] + least
+                records.append((k, "one", j, best))
+                nbrs[j].discard(k)
             else:
-                a, b = nbrs
-                least, best = self._fold(k, self._table(k, a), self._table(k, b))
-                self.records.append((k, "two", a, b, best))
-                self._drop(k, a)
-                self._drop(k, b)
+                a, b = ends
+                least, best = fold(k, tables.pop((k, a)) if k < a else tables.pop((a, k)).T,
+                                   tables.pop((k, b)) if k < b else tables.pop((b, k)).T)
+                records.append((k, "two", a, b, best))
+                nbrs[a].discard(k)
+                nbrs[b].discard(k)
                 self._add(a, b, least)
+            around.clear()
             gone.add(k)
-            queue.extend(nbrs)
+            queue.extend(ends)
         return [k for k in range(len(self.cands)) if k not in gone]
 
     def _fold(self, k: int, *tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Unit `k` eliminated between one or two neighbours (`tables`, `[c_k, c_neighbour]`): its
         least cost and best candidate per neighbour pick (a table between two neighbours); once per
         class of inputs (the same operator of identical layers folds the same arrays)."""
-        key = (self.unary[k].tobytes(), *((t.shape, t.tobytes()) for t in tables))
+        t = tables[0]
+        key = ((self.unary[k].tobytes(), t.shape, t.tobytes()) if len(tables) == 1 else
+               (self.unary[k].tobytes(), t.shape, t.tobytes(), tables[1].shape, tables[1].tobytes()))
         found = self._folds.get(key)
         if found is None:
             if len(tables) == 1:
@@ -476,14 +522,26 @@ class _Level:
     def _prepare_core(self, core: list[int]) -> None:
         """The core's neighbourhoods, each unit's class (its own costs and tables, as bytes) and
         the flat arrays `_energy` reads."""
-        self.around = {k: [(j, self._table(k, j)) for j in sorted(self.nbrs[k])] for k in core}
-        self._ids = {k: tuple(j for j, _ in around) for k, around in self.around.items()}
+        tables, nbrs = self.tables, self.nbrs
+        self._ids = {k: tuple(sorted(nbrs[k])) for k in core}
+        self.around = {k: [(j, tables[(k, j)] if k < j else tables[(j, k)].T) for j in ids]  # `_table`, inlined
+                       for k, ids in self._ids.items()}
+        contents: dict[tuple, int] = {}  # an array's shape and bytes -> its id
+        seen: dict[tuple[int, bool], int] = {}  # (a held array's id(), transposed) -> the above, read once per array
+
+        def content(t: np.ndarray, transposed: bool = False) -> int:
+            found = seen.get((id(t), transposed))
+            if found is None:
+                x = t.T if transposed else t
+                found = seen[(id(t), transposed)] = contents.setdefault((x.shape, x.tobytes()), len(contents))
+            return found
+
+        self._table_class = [content(t) for t in tables.values()]
         classes: dict[tuple, int] = {}
         self._class = {k: classes.setdefault(
-            (self.unary[k].tobytes(), tuple((t.shape, t.tobytes()) for _, t in self.around[k])), len(classes))
+            (content(self.unary[k]), tuple(content(tables[(k, j)]) if k < j else content(tables[(j, k)], True)
+                                           for j in self._ids[k])), len(classes))
             for k in core}
-        kinds: dict[tuple, int] = {}
-        self._table_class = [kinds.setdefault((t.shape, t.tobytes()), len(kinds)) for t in self.tables.values()]
         self._locals: dict[tuple, tuple[np.ndarray, int, tuple]] = {}
         self._pairs: dict[tuple, tuple[int, int] | None] = {}
         n = len(self.cands)
