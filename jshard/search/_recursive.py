@@ -111,7 +111,7 @@ class _Recursive:
             _log.info("searching: level %d of %d (mesh axes %s), %d units%s", n + 1, len(self.levels),
                       "·".join(group), len(self.g.units), weighing)
             base = self._level(group, base, lam)
-        return base, self._total(dict(enumerate(base)), 0.0)
+        return base, self.g.seconds(base)
 
     def _level(self, group: Group, base: list[Assignment], lam: float) -> list[Assignment]:
         level = _Level(self, group, base, lam)
@@ -130,16 +130,6 @@ class _Recursive:
                 for x in axes:
                     cut *= g.axis_size[x]
             total += value_bytes(v) / cut
-        return total
-
-    def _total(self, chosen, lam) -> float:
-        g = self.g
-        total = sum(g.unit_seconds(k, a) for k, a in chosen.items())
-        for e in g.edges:
-            (u, pu), (w, pw) = e.src, e.dst
-            total += g.edge_seconds(e, g.spec(u, pu, chosen[u]), g.spec(w, pw, chosen[w]))
-        if lam:
-            total += lam * sum(self._kept(k, chosen[k]) for k in self.kept)
         return total
 
 
