@@ -6,6 +6,8 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _tolerance import assert_close, step_terms
+from clients import loop_gpt
 
 import jshard as js
 from jshard import models
@@ -37,3 +39,24 @@ def test_ilp_is_never_worse_than_the_recursive_plan(name):
     assert f"kept {ilp.kept}" in ilp.line()
     if ilp.kept.startswith("the recursive plan"):  # kept whole: the recursive search's own plan and price
         assert ilp.seconds == pytest.approx(recursive.seconds, rel=1e-12)
+
+
+def test_ilp_fits_where_the_expert_fits():
+    """Issue 15's case, smaller (its weights still dominate): the GPT written by someone else, under the
+    Megatron plan's own compiled peak as the budget (read from its memory analysis): the ILP returns a
+    plan (its own, or its warm start where HiGHS finds none in the time limit) that fits in the
+    compiled program, and equals one device."""
+    with jax.numpy_rank_promotion("allow"):  # the client adds the (length, d) position table to (rows, length, d)
+        params, tokens = loop_gpt.create(layers=2, d=256, ff=1024, vocab=2048)
+        mesh = loop_gpt.make_mesh()
+        shardings, batch = loop_gpt.expert_shardings(mesh, params)
+        expert = jax.jit(loop_gpt.train_step, in_shardings=(shardings, batch), out_shardings=(shardings, None))
+        budget = js.audit(expert.lower(params, tokens).compile()).memory.peak_bytes
+        step = js.parallelize(loop_gpt.train_step, devices=8, mode="auto", search="ilp", memory_budget=budget,
+                              search_time_limit=4)
+        report = step.plan(params, tokens).search
+        assert report.compiled_peak_bytes <= budget, report.line()
+        assert report.kept, report.line()
+        _, loss = step(params, tokens)
+        _, ref = jax.jit(loop_gpt.train_step)(params, tokens)
+        assert_close(loss, ref, terms=step_terms(params, tokens, backward=False))
