@@ -13,7 +13,6 @@ from jshard.cost._devices import DeviceKind as DeviceKind
 from jshard.cost._devices import device_memory as device_memory
 from jshard.cost._memory import LiveRanges as LiveRanges
 from jshard.cost._memory import array_of as array_of
-from jshard.cost._memory import fused as fused
 from jshard.cost._memory import itemsize as itemsize
 from jshard.cost._memory import live_ranges as live_ranges
 from jshard.cost._memory import value_bytes as value_bytes

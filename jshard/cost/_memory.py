@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from jax.extend import core as jcore
@@ -101,35 +101,3 @@ def live_ranges(nodes: Sequence[Node], args: Sequence, outvars: Sequence, donate
         if isinstance(v, jcore.Var) and v in last and v not in host:
             last[v] = end
     return LiveRanges(first, last, end)
-
-
-def fused(nodes: Sequence[Node], ranges: LiveRanges, fusible: Collection[str]) -> set:
-    """The values of `ranges` that XLA need not hold: made at top level by an operator it fuses
-    into its consumers (`fusible`: elementwise operators, broadcasts, reshapes), neither an argument
-    nor a result, whose operands are held at least as long (or are such values themselves). XLA
-    computes such a value again inside each consumer's fusion (a softmax's `exp` in the backward
-    pass, from the logits it keeps), so counting it would count its operands' bytes twice."""
-    maker = {}
-    for node in nodes:
-        if not node.inside and node.primitive in fusible:
-            for v in node.outputs:
-                if v in ranges.first:
-                    maker[v] = node
-    memo: dict = {}
-
-    def free(v, until: int, depth: int = 0) -> bool:
-        key = (v, until)
-        if key not in memo:
-            node = maker.get(v)
-            memo[key] = node is not None and depth < _FUSED_DEPTH and ranges.last[v] < ranges.end and all(
-                held(x, until, depth + 1) for x in node.inputs if isinstance(x, jcore.Var) and getattr(x.aval, "shape", ()))
-        return memo[key]
-
-    def held(x, until: int, depth: int) -> bool:
-        return x in ranges.first and (free(x, until, depth) or ranges.last[x] >= until)
-
-    return {v for v in maker if free(v, ranges.last[v])}
-
-
-_FUSED_DEPTH = 8
-"""How many fused operators deep `fused` follows a value's operands."""

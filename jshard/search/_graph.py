@@ -12,9 +12,7 @@ device, weighted by how often it runs; an *edge* (a value from the unit that mak
 uses it) pays the redistribution between the two layouts it is given. Memory is per device: at each
 top-level program point, the arguments, the function's results and every value made before the point
 and used after it (activations kept for the backward pass, gradients awaiting the update), each at
-its local size under the layout chosen for it; a value XLA computes again inside its consumers'
-fusions from operands held anyway (an elementwise result kept for the backward pass) is not held
-(`jshard.cost.fused`), so the estimate is not more pessimistic than the compiled program.
+its local size under the layout chosen for it.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from jshard.cost import (
     Comm,
     CostModel,
     array_of,
-    fused,
     live_ranges,
     local_bytes,
     redistribution,
@@ -40,16 +37,11 @@ from jshard.cost import (
 )
 from jshard.graph import CONSTRAINT, Node
 from jshard.layouts import Spec, constraint_spec
-from jshard.rules import ELEMENTWISE, Factors, OpTable, expressible, shape_of, write_spec
+from jshard.rules import Factors, OpTable, expressible, shape_of, write_spec
 
 Assignment = dict  # factor id -> mesh axes (major to minor)
 Group = tuple[str, ...]  # mesh axes that a search step hands out together
 
-
-FUSIBLE = frozenset(ELEMENTWISE + ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota")) - {
-    "copy", "copy_p", "optimization_barrier", "threefry2x32"}
-"""The operators XLA fuses into their consumers (and computes again in each), so that a value they
-make from operands held anyway is not held itself (`jshard.cost.fused`)."""
 
 TIE = 1e-18
 """Seconds per byte held at the peak, added to every plan's cost: between plans of equal cost, the
@@ -348,8 +340,7 @@ class SearchGraph:
         self.ranges = live_ranges(self.nodes, args, outvars, donated, host)
         self.first, self.last, self.end = self.ranges.first, self.ranges.last, self.ranges.end
         self.makers = self._makers()
-        recomputed = fused(self.nodes, self.ranges, FUSIBLE)
-        self.memory_values = [v for v in self.first if v in self.makers and v not in recomputed]
+        self.memory_values = [v for v in self.first if v in self.makers]
 
     def _makers(self) -> dict:
         """Value -> `(unit, operand position)` that lays it out where it is made."""

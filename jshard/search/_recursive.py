@@ -58,22 +58,22 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None) -> Solv
         choice, seconds = search.run(high)
         peak, t = g.peak(choice)
         if peak <= budget:
-            best = (choice, seconds, peak)
+            best = (seconds, choice, peak, high)
             break
         if not search.keep(t):  # new values held at this plan's peak are weighed at the same λ first
             low, high, growths = high, high * 4, growths + 1
     if best is None:
         raise Infeasible(f"the most memory-bound plan found holds {peak:.0f} bytes per device")
-    for _ in range(_BISECTIONS):
+    for _ in range(_BISECTIONS):  # a plan's seconds need not grow with λ: the fastest that fits is kept
         mid = (low + high) / 2
         choice, seconds = search.run(mid)
         peak, _ = g.peak(choice)
         if peak <= budget:
-            high, best = mid, (choice, seconds, peak)
+            high, best = mid, min(best, (seconds, choice, peak, mid), key=lambda b: b[0])
         else:
             low = mid
-    choice, seconds, peak = best
-    return search.solved(choice, seconds, peak, f"memory weight {high:.3g} s/byte to fit the budget")
+    seconds, choice, peak, lam = best
+    return search.solved(choice, seconds, peak, f"memory weight {lam:.3g} s/byte to fit the budget")
 
 
 class _Recursive:
