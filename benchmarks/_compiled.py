@@ -58,10 +58,11 @@ def loss_check(loss: float, reference: float) -> str:
     return f"{diff:.1e} {'equal' if diff <= LOSS_RTOL else 'DIFFERS'}"
 
 
-def measure(w: Workload, devices: int) -> list[Figures]:
-    """Every plan of `PLANS` for `w` on `devices` devices, compiled, audited and run one step."""
+def measure(w: Workload, devices: int, plans: Sequence[str] = PLANS) -> list[Figures]:
+    """Every plan of `plans` (default `PLANS`) for `w` on `devices` devices, compiled, audited and run
+    one step."""
     reference = float(jax.jit(w.step(None))(*w.args())[2])
-    return [_one(name, w, devices, reference) for name in PLANS]
+    return [_one(name, w, devices, reference) for name in plans]
 
 
 def _one(name: str, w: Workload, devices: int, reference: float) -> Figures:

@@ -65,7 +65,7 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     return tables
 
 
-SECTIONS = ("memory", "accumulation", "hetero", "zoo", "replay", "pipeline")
+SECTIONS = ("memory", "accumulation", "hetero", "search", "zoo", "replay", "pipeline")
 """The sections `python -m benchmarks --only NAME` regenerates alone (the others need the whole run's
 shared measurements)."""
 
@@ -81,6 +81,8 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
                     _comm_recompute.comm_recompute_table()]
         elif name == "hetero":
             made = [_hetero.hetero_table(DEVICES, settings.step_rounds, settings.step_budget)]
+        elif name == "search":  # tables 5 and 6, with the expert plans of table 1 measured again
+            made = _search.quality_tables(settings, DEVICES)
         elif name == "zoo":
             made = [_zoo.zoo_table()]
         elif name == "replay":

@@ -25,8 +25,9 @@ import numpy as np
 import optax
 
 import jshard as js
+from benchmarks import _compiled
 from benchmarks._compiled import EXPERT_SLACK, Figures, error_line, loss_check
-from benchmarks._models import Workload
+from benchmarks._models import Workload, model_table, workload
 from benchmarks._table import Table, size, verdict
 from jshard import models
 from jshard.search import SearchReport
@@ -102,6 +103,18 @@ def measure_quality(w: Workload, rows: Sequence[Figures], devices: int, time_lim
             case = Searched(w.name, name, budget, best, how, reference=reference)
             out.append(_searched(case, w, devices, time_limit))
     return out
+
+
+def quality_tables(settings, devices: int) -> list[Table]:
+    """Tables 5 and 6 alone (`python -m benchmarks --only search`): the expert plans of
+    `settings.search_models` compiled again for their budgets, then both searches."""
+    cases = []
+    for model in model_table():
+        if model.name in settings.search_models:
+            w = workload(model, settings.size)
+            rows = _compiled.measure(w, devices, EXPERTS)
+            cases += measure_quality(w, rows, devices, settings.search_time_limit)
+    return [quality_table(cases, devices), gap_table(cases)]
 
 
 def _searched(case: Searched, w: Workload, devices: int, time_limit: float) -> Searched:

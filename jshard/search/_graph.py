@@ -325,6 +325,15 @@ class SearchGraph:
             found = self._moves[key] = sum(self.cost.time(c, self.axis_size) for c in comms)
         return e.weight * found
 
+    def seconds(self, choice: Sequence[Assignment]) -> float:
+        """The predicted seconds per call of `choice`: every unit's own cost and every edge's
+        redistribution (the measure both searches' plans are compared by)."""
+        total = sum(self.unit_seconds(k, a) for k, a in enumerate(choice))
+        for e in self.edges:
+            (u, pu), (w, pw) = e.src, e.dst
+            total += self.edge_seconds(e, self.spec(u, pu, choice[u]), self.spec(w, pw, choice[w]))
+        return total
+
     # -- memory --------------------------------------------------------------------------------
     def _memory_model(self, args, outvars, donated, host) -> None:
         """The program's live ranges (`jshard.cost.live_ranges`; `host`: the arguments and results

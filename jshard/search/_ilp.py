@@ -112,10 +112,8 @@ def solve(g: SearchGraph, groups: Sequence[Group], budget: float | None, time_li
         result = milp(np.asarray(cost), integrality=integrality, bounds=Bounds(0, 1),
                       constraints=LinearConstraint(a, m_lo, m_hi),
                       options={"time_limit": left, "disp": False, "mip_rel_gap": 1e-6})
-        if result.x is None:
-            if result.status == 2 or budget is not None:
-                raise Infeasible(result.message)
-            raise RuntimeError(f"HiGHS found no solution: {result.message}")
+        if result.x is None:  # infeasible under the budget, or no solution found within the time limit
+            raise Infeasible(f"HiGHS: {result.message}")
         choice = [cs[int(np.argmax(result.x[offset[k]:offset[k + 1]]))] for k, cs in enumerate(cands)]
         peak, t = g.peak(choice)
         if budget is None or peak <= budget * (1 + 1e-9) or t in points:

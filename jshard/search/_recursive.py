@@ -68,22 +68,22 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay:
         choice, seconds = search.run(high)
         peak, t = g.peak(choice)
         if peak <= budget:
-            best = (choice, seconds, peak)
+            best = (seconds, choice, peak, high)
             break
         if not search.keep(t):  # new values held at this plan's peak are weighed at the same λ first
             low, high, growths = high, high * 4, growths + 1
     if best is None:
         raise Infeasible(f"the most memory-bound plan found holds {peak:.0f} bytes per device")
-    for _ in range(_BISECTIONS):
+    for _ in range(_BISECTIONS):  # a plan's seconds need not grow with λ: the fastest that fits is kept
         mid = (low + high) / 2
         choice, seconds = search.run(mid)
         peak, _ = g.peak(choice)
         if peak <= budget:
-            high, best = mid, (choice, seconds, peak)
+            high, best = mid, min(best, (seconds, choice, peak, mid), key=lambda b: b[0])
         else:
             low = mid
-    choice, seconds, peak = best
-    return search.solved(choice, seconds, peak, f"memory weight {high:.3g} s/byte to fit the budget")
+    seconds, choice, peak, lam = best
+    return search.solved(choice, seconds, peak, f"memory weight {lam:.3g} s/byte to fit the budget")
 
 
 class _Recursive:
@@ -131,7 +131,7 @@ class _Recursive:
             _log.info("searching: level %d of %d (mesh axes %s), %d units%s", n + 1, len(self.levels),
                       "·".join(group), len(self.g.units), weighing)
             base = self._level(group, base, lam)
-        return base, self._total(dict(enumerate(base)), 0.0)
+        return base, self.g.seconds(base)
 
     def _level(self, group: Group, base: list[Assignment], lam: float) -> list[Assignment]:
         level = _Level(self, group, base, lam, self.ties)
@@ -156,16 +156,6 @@ class _Recursive:
                 for x in axes:
                     cut *= g.axis_size[x]
             total += value_bytes(v) / cut
-        return total
-
-    def _total(self, chosen, lam) -> float:
-        g = self.g
-        total = sum(g.unit_seconds(k, a) for k, a in chosen.items())
-        for e in g.edges:
-            (u, pu), (w, pw) = e.src, e.dst
-            total += g.edge_seconds(e, g.spec(u, pu, chosen[u]), g.spec(w, pw, chosen[w]))
-        if lam:
-            total += lam * sum(self._kept(k, chosen[k]) for k in self.kept)
         return total
 
 

@@ -27,7 +27,7 @@ from jshard.graph import CONSTRAINT, Node, operand_vars
 from jshard.propagate import Decision, Engine, Rejected, Result, charge_constraints
 from jshard.rules import write_spec
 from jshard.search import _ilp, _recursive
-from jshard.search._graph import Assignment, Infeasible, SearchGraph
+from jshard.search._graph import Assignment, Infeasible, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
 
 SEARCHES = ("recursive", "ilp", "propagation")
@@ -121,6 +121,7 @@ class SearchReport:
     regions: tuple[RegionChoice, ...] = ()
     optimizer: tuple[Weighed, ...] = ()
     offload: tuple[Weighed, ...] = ()
+    kept: str = ""
 
     def line(self) -> str:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
@@ -138,7 +139,8 @@ class SearchReport:
                     "" if not self.regions else "; recompute per region: " + ", ".join(r.text() for r in self.regions)) + (
                     "" if not self.optimizer else "; optimizer parallel weighed: " + ", ".join(
                         w.text() for w in self.optimizer)) + (
-                    "" if not self.offload else "; offload weighed: " + ", ".join(w.text() for w in self.offload)))
+                    "" if not self.offload else "; offload weighed: " + ", ".join(w.text() for w in self.offload)) + (
+                    "" if not self.kept else f"; kept {self.kept}"))
 
 
 def search(
@@ -192,27 +194,59 @@ def search(
         candidates = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units)))
         seconds, peak, status = solved.seconds, solved.peak, solved.status
     elif how == "ilp":
-        best, splits = None, _splits(axes)
-        for groups in splits:
-            try:
-                solved = _ilp.solve(g, groups, budget, time_limit / len(splits))
-            except Infeasible:
-                continue
-            if best is None or solved.seconds < best[0].seconds:
-                best = (solved, groups)
-        if best is None:
+        solved, groups, kept = _ilp_or_warm(g, axes, budget, time_limit)
+        if solved is None:
             raise _too_big(g, budget, names or {}, call, how)
-        solved, groups = best
         choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
-        mesh_text = "×".join(str(math.prod(axis_size[a] for a in grp)) for grp in groups) or "1"
-        candidates = sum(len(g.candidates(k, groups)) for k in range(len(g.units)))
+        mesh_text = ("·".join(str(axis_size[a]) for (a,) in axes) or "1") if groups is None else (
+            "×".join(str(math.prod(axis_size[a] for a in grp)) for grp in groups) or "1")
+        candidates = sum(len(g.candidates(k, groups or axes[:1])) for k in range(len(g.units)))
     else:
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
     result = assemble(g, choice)
     report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
                           candidates, time.perf_counter() - start, unit_classes=solved.unit_classes,
-                          evaluations=solved.evaluations)
+                          evaluations=solved.evaluations, kept="" if how != "ilp" else kept)
     return result, report
+
+
+def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None,
+                 time_limit: float) -> tuple[Solved | None, list | None, str]:
+    """The ILP's plan, never worse than the recursive search's: the recursive plan is found first
+    (the warm start), the ILP solved once per split of the mesh into two groups, and the recursive
+    plan kept where every ILP plan predicts more seconds, or none fits within the time limit. Both
+    are priced by one measure (`SearchGraph.seconds`). Returns the plan kept, the ILP's groups (None:
+    the recursive plan's levels) and why it was kept (`SearchReport.kept`)."""
+    try:
+        warm = _recursive.solve(g, axes, budget)
+        warm = dataclasses.replace(warm, seconds=g.seconds(warm.choice))
+    except Infeasible:
+        warm = None
+    best, splits, failed = None, _splits(axes), []
+    for groups in splits:
+        try:
+            solved = _ilp.solve(g, groups, budget, time_limit / len(splits))
+        except Infeasible as e:
+            failed.append(str(e))
+            continue
+        solved = dataclasses.replace(solved, seconds=g.seconds(solved.choice))
+        if best is None or solved.seconds < best[0].seconds:
+            best = (solved, groups)
+    if best is None:
+        if warm is None:
+            return None, None, ""
+        why = "; ".join(dict.fromkeys(failed)) or "no split"
+        return (dataclasses.replace(warm, status=f"the recursive search's plan ({warm.status})"), None,
+                f"the recursive plan (the warm start): the ILP found none{' under the budget' if budget else ''} ({why})")
+    solved, groups = best
+    if warm is not None and warm.seconds < solved.seconds:
+        return (dataclasses.replace(warm, status=f"the recursive search's plan ({warm.status})"), None,
+                f"the recursive plan (the warm start): it predicts {_time(warm.seconds)} per call, the ILP's "
+                f"best {_time(solved.seconds)} ({solved.status})")
+    if warm is None:
+        return solved, groups, "the ILP's plan: the recursive search found none under the budget"
+    return solved, groups, (f"the ILP's plan: it predicts {_time(solved.seconds)} per call, the recursive "
+                            f"plan (the warm start) {_time(warm.seconds)}")
 
 
 def _splits(axes: list) -> list[list[tuple[str, ...]]]:

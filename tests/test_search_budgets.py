@@ -1,0 +1,62 @@
+"""The searches under budgets (issue 15): the ILP never returns a plan worse than the recursive
+search's (its warm start), and under a budget the expert plan fits in, the ILP finds a plan that
+fits too."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _tolerance import assert_close, step_terms
+from clients import loop_gpt
+
+import jshard as js
+from jshard import models
+
+
+def _step(cfg, init, loss, make_batch, rows):
+    optimizer = optax.adam(1e-3)
+    step = models.make_train_step(lambda p, b: loss(p, b, cfg), optimizer)
+    params = init(cfg, jax.random.key(0))
+    return step, (params, optimizer.init(params), make_batch(np.random.default_rng(0), cfg, rows))
+
+
+MODELS = {
+    "mlp": (models.MLPConfig(64, 256, 64, 2), models.init_mlp, lambda p, b, cfg: models.mlp_loss(p, b),
+            models.mlp_batch, 64),
+    "gpt": (models.GPTConfig(vocab=32, seq_len=8, d_model=32, n_heads=4, n_layers=2, d_ff=64, scan=True),
+            models.init_gpt, models.gpt_loss, models.copy_task_batch, 8),
+    "moe": (models.MoEConfig(), models.init_moe, models.moe_loss, models.moe_batch, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ilp_is_never_worse_than_the_recursive_plan(name):
+    step, args = _step(*MODELS[name])
+    recursive = js.parallelize(step, devices=8, mode="auto", search="recursive").plan(*args).search
+    ilp = js.parallelize(step, devices=8, mode="auto", search="ilp", search_time_limit=4).plan(*args).search
+    assert ilp.seconds <= recursive.seconds * (1 + 1e-9), (ilp.line(), recursive.line())
+    assert ilp.kept.startswith(("the ILP's plan", "the recursive plan (the warm start)"))
+    assert f"kept {ilp.kept}" in ilp.line()
+    if ilp.kept.startswith("the recursive plan"):  # kept whole: the recursive search's own plan and price
+        assert ilp.seconds == pytest.approx(recursive.seconds, rel=1e-12)
+
+
+def test_ilp_fits_where_the_expert_fits():
+    """Issue 15's case, smaller (its weights still dominate): the GPT written by someone else, under the
+    Megatron plan's own compiled peak as the budget (read from its memory analysis): the ILP returns a
+    plan (its own, or its warm start where HiGHS finds none in the time limit) that fits in the
+    compiled program, and equals one device."""
+    with jax.numpy_rank_promotion("allow"):  # the client adds the (length, d) position table to (rows, length, d)
+        params, tokens = loop_gpt.create(layers=2, d=256, ff=1024, vocab=2048)
+        mesh = loop_gpt.make_mesh()
+        shardings, batch = loop_gpt.expert_shardings(mesh, params)
+        expert = jax.jit(loop_gpt.train_step, in_shardings=(shardings, batch), out_shardings=(shardings, None))
+        budget = js.audit(expert.lower(params, tokens).compile()).memory.peak_bytes
+        step = js.parallelize(loop_gpt.train_step, devices=8, mode="auto", search="ilp", memory_budget=budget,
+                              search_time_limit=4)
+        report = step.plan(params, tokens).search
+        assert report.compiled_peak_bytes <= budget, report.line()
+        assert report.kept, report.line()
+        _, loss = step(params, tokens)
+        _, ref = jax.jit(loop_gpt.train_step)(params, tokens)
+        assert_close(loss, ref, terms=step_terms(params, tokens, backward=False))
