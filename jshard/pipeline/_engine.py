@@ -234,18 +234,20 @@ class Program:
         return scan_ticks(self.schedule, table[:, 0], carry, tick)
 
     def _pass(self, carry, out, mine, permutes, directions):
-        """The tick's permutes (`Schedule.permutes`): one pattern carries each stage's one send
-        (its forward's output or its backward's input gradient), and what arrives is an activation
-        or a gradient as the table says; or forward and backward apart."""
+        """The tick's permutes (`Schedule.permutes`), each with only the pairs whose source sends
+        at this tick: one carries each source's one send (its forward's output or its backward's
+        input gradient), and what arrives is an activation or a gradient as the table says; or a
+        forward and a backward one apart."""
         pairs = lambda name: sorted(self.schedule.pairs(name))
         carry = dict(carry)
         if len(permutes) == 1:
             got = jax.lax.ppermute(out["send"], STAGE, pairs(permutes[0]))
             for buf, prefix in directions:
                 carry[buf] = _receive(carry[buf], got, mine, prefix)
-        for (buf, prefix), name in zip(directions, permutes if len(permutes) > 1 else ()):
-            got = jax.lax.ppermute(out["send"], STAGE, pairs(name))
-            carry[buf] = _receive(carry[buf], got, mine, prefix)
+            return carry
+        for buf, prefix in directions:
+            name = next(n for n in permutes if self.schedule.kind(n) == prefix[-1])
+            carry[buf] = _receive(carry[buf], jax.lax.ppermute(out["send"], STAGE, pairs(name)), mine, prefix)
         return carry
 
     def _train_body(self, ends, chunks, micro, table):
