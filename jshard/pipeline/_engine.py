@@ -245,8 +245,8 @@ class Program:
             for buf, prefix in directions:
                 carry[buf] = _receive(carry[buf], got, mine, prefix)
             return carry
-        for buf, prefix in directions:
-            name = next(n for n in permutes if self.schedule.kind(n) == prefix[-1])
+        for name in permutes:  # a forward and a backward one, or none
+            buf, prefix = next(d for d in directions if d[1][-1] == self.schedule.kind(name))
             carry[buf] = _receive(carry[buf], jax.lax.ppermute(out["send"], STAGE, pairs(name)), mine, prefix)
         return carry
 
