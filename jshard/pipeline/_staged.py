@@ -29,9 +29,9 @@ with pure data parallel inside stages (`dataset_strategy="data_parallel"`) every
 each device runs its own rows, and gradients are summed once per step.
 
 Only what crosses moves, as in the stacked form: the ticks run as the schedule's loops of one
-repeating permute pattern (`Schedule.segments`, `scan_ticks`), and a tick permutes only the
-directions live at it (`Schedule.permutes`): forward, backward, or one swap where stage `s` sends
-forward while `s + 1` sends back, in the boundary's buffers. A two-tick loop body
+repeating permute pattern (`Schedule.segments`, `scan_ticks`), and each permute carries only the
+pairs whose source sends at that tick (`Schedule.permutes`): forward, backward, or both at once
+(`FB`) where stage `s` sends forward while `s + 1` sends back, in the boundary's buffers. A two-tick loop body
 (1F1B's steady state) runs two switches; the backward adds its parameter gradient into the running
 sum inside its branch, so neither switch outputs a gradient-sized increment that XLA would keep
 live across both ticks.
