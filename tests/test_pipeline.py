@@ -284,6 +284,28 @@ def test_gpipe_permutes_fill_and_drain_only(stages, micro):
     assert s.sends().tolist() == [micro] + [2 * micro] * (stages - 2) + [micro]
 
 
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 2)])
+def test_each_permute_carries_only_the_stages_that_send(schedule, virtual):
+    """Every permute's sources send at that tick in every repeat of its loop: the loops permute as a
+    program permuting tick by tick would, and a stage sends M values per direction it sends in
+    (an inner stage 2M, an end stage M). Interleaved trades a few sends for fewer loops (its ticks
+    seldom repeat): at most 1.125x what its busiest device must send."""
+    for stages, micro in ((2, 4), (2, 16), (4, 4), (4, 16)):
+        s = build_schedule(schedule, stages=stages, micro_batches=micro, virtual=virtual)
+        sends = s.sends()
+        if virtual == 1:
+            assert s.permutes() == s.tick_permutes()
+            assert sends.tolist() == [micro] + [2 * micro] * (stages - 2) + [micro]
+            assert len(s.segments()) <= 14
+        else:
+            assert sends.max() <= 1.125 * 2 * virtual * micro, sends
+            assert len(s.segments()) <= 16
+        for tick, names in zip(s.ops, s.tick_permutes()):
+            senders = {a for name in names for a, _ in s.pairs(name)}
+            assert senders == {k for k, op in enumerate(tick) if op is not None and op.kind in "FB"
+                               and op.vstage != ((stages * virtual - 1) if op.kind == "F" else 0)}
+
+
 @pytest.mark.parametrize("stages,micro", [(2, 4), (4, 8)], ids=["S2-M4", "S4-M8"])
 def test_zero_bubble_equals_1f1b_with_a_smaller_bubble(stages, micro):
     """ZB-H1 splits each backward into B (input gradient) and W (parameter gradient) and runs the
