@@ -289,7 +289,8 @@ def test_each_permute_carries_only_the_stages_that_send(schedule, virtual):
     """Every permute's sources send at that tick in every repeat of its loop: the loops permute as a
     program permuting tick by tick would, and a stage sends M values per direction it sends in
     (an inner stage 2M, an end stage M). Interleaved trades a few sends for fewer loops (its ticks
-    seldom repeat): its busiest device sends at most 1.1x what it must at M = 16, 1.25x at M = 4."""
+    seldom repeat): its busiest device sends at most 1.125x what it must at M = 16, 1.375x at M = 4,
+    in at most 4 loops (more cost temp memory and compile time)."""
     for stages, micro in ((2, 4), (2, 16), (4, 4), (4, 16)):
         s = build_schedule(schedule, stages=stages, micro_batches=micro, virtual=virtual)
         sends = s.sends()
@@ -298,8 +299,8 @@ def test_each_permute_carries_only_the_stages_that_send(schedule, virtual):
             assert sends.tolist() == [micro] + [2 * micro] * (stages - 2) + [micro]
             assert len(s.segments()) <= 14
         else:
-            assert sends.max() <= (1.1 if micro == 16 else 1.25) * 2 * virtual * micro, sends
-            assert len(s.segments()) <= 8
+            assert sends.max() <= (1.125 if micro == 16 else 1.375) * 2 * virtual * micro, sends
+            assert len(s.segments()) <= 4
         for tick, names in zip(s.ops, s.tick_permutes()):
             senders = {a for name in names for a, _ in s.pairs(name)}
             assert senders == {k for k, op in enumerate(tick) if op is not None and op.kind in "FB"

@@ -25,8 +25,8 @@ a backward's input gradient: 1F1B's steady state, neighbours swapping), else for
 apart. `segments` groups consecutive ticks of one repeating pair pattern into loops, and a loop body
 position permutes what all its repeats need; the cut is the fewest sends first, the fewest loops
 second, so every device sends exactly what it must (`Schedule.sends`); interleaved, whose ticks
-seldom repeat, weighs a send as a quarter of a loop instead (`_BALANCED`: 8 loops at S = 4, M = 16
-where exact pairs take 38, its busiest device sending 1.05x what it must).
+seldom repeat, weighs a send as a tenth of a loop instead (`_BALANCED`: 4 loops at S = 4, M = 16
+where exact pairs take 38, its busiest device's ticks sending 1.125x what it must).
 
 Virtual stage `j` (`0 <= j < S * v`) runs on device `j % S` as its chunk `j // S`; with `v = 1` a
 virtual stage is a stage.
@@ -257,7 +257,7 @@ class Schedule:
         trip, which XLA inlines): at S = 4, M = 16 GPipe and 1F1B are 12 and 14 loops, against 4
         each for a cut that permuted every pair of a pattern at every tick (about twice the compile
         time, +0.3% / +0.6% temp memory on the reference GPT). Interleaved weighs a send as a
-        quarter of a loop (`_BALANCED`), so some of its loops send a little more than they need."""
+        tenth of a loop (`_BALANCED`), so some of its loops send a little more than they need."""
         return self._segments
 
     def table(self) -> str:
@@ -359,7 +359,7 @@ def _cheapest_loops(needed: list[frozenset], cover, weights: tuple[float, float]
     permuting `cover` of what its repeats need, for the least cost: `weights = (send, permute)` per
     send (a pair of a permute, per execution) and per permute execution, plus 1 per loop and 1/2 per
     body tick. `_EXACT`: the fewest sends, then permutes, then loops; `_BALANCED`: a send weighs
-    about a quarter of a loop."""
+    about a tenth of a loop."""
     send_weight, permute_weight = weights
     n = len(needed)
     best: list[tuple[float, tuple]] = [(float("inf"), ())] * n + [(0.0, ())]
@@ -382,11 +382,11 @@ def _cheapest_loops(needed: list[frozenset], cover, weights: tuple[float, float]
 
 # `_cheapest_loops`' weights (send, permute). `_EXACT`: a send outweighs any number of permutes, a
 # permute any loop structure (GPipe, 1F1B, zero bubble). `_BALANCED` (interleaved, whose ticks seldom
-# repeat: exact pairs would take 38 loops at S = 4, M = 16 and 49 at S = 2): 8 and 1 loops, the
-# busiest device sending 1.05x and 1.03x what it must (1.25x at S = 4, M = 4). Each loop body
-# compiles the whole tick: on the stacked reference GPT at S = 4, M = 16, 16 loops cost 4x the
-# compile time of 4 and +5.7% temp memory.
-_EXACT, _BALANCED = (1e6, 1e3), (0.5, 0.05)
+# repeat: exact pairs would take 38 loops at S = 4, M = 16 and 49 at S = 2): 4 and 1 loops, the
+# busiest device's ticks sending 1.125x and 1.03x what it must (1.375x at S = 4, M = 4). Each loop
+# body compiles the whole tick: on the stacked reference GPT at S = 4, M = 16 a cut of 8 loops (send
+# weight 0.5: 1.05x) cost twice the compile time and +4.8% temp memory, 16 loops 4x and +5.7%.
+_EXACT, _BALANCED = (1e6, 1e3), (0.2, 0.02)
 
 
 def _fits(lives: list[tuple[int, int, int]], k: int) -> bool:
