@@ -45,7 +45,7 @@ def pipeline_table(devices: int) -> Table:
         temps[name, s, m] = temp = memory.temp_size_in_bytes
         moved = js.audit(compiled).by_kind()["collective-permute"][1]
         must = 2 * m * plan.activation_bytes * (v if v > 1 else 1)  # an interleaved device has v boundaries
-        floor = sum(len(p) for p in plan.schedule.tick_permutes()) * plan.activation_bytes
+        floor = int(plan.schedule.sends(plan.schedule.tick_permutes()).max()) * plan.activation_bytes
         loss = float(step(params, batch)[0])
         if (name, s) == ("gpipe", 4):
             shares = step.stage_bytes(params, batch)
@@ -66,11 +66,10 @@ def pipeline_table(devices: int) -> Table:
          f"{' / '.join(size(b) for b in shares)} (stages 0 to 3); the arguments add the device's rows.",
          "Must cross: per boundary, M activations forward and M gradients back; per device, a middle stage's "
          "2·M activations (an interleaved device, v boundaries). The floor: permutes at every tick where "
-         "something crosses and none elsewhere, one per tick where the sends pair up (1F1B's swaps carry "
-         "both directions, hence below 1 at S = 2); GPipe's is (M + S − 2) / M per direction, the fill and "
-         "drain, so 1.1x is reached at S = 2, or at S = 4 from M ≈ 32.",
-         "Audit convention: a collective-permute counts its operand bytes per device, whether or not that "
-         "device sends in its source-target pairs."),
+         "something crosses and none elsewhere, each with only the pairs whose source sends at that tick, "
+         "what the busiest device then sends (an end stage sends one way, hence 0.5 at S = 2).",
+         "Audit convention: a collective-permute counts its operand bytes on the devices that are sources in "
+         "its source-target pairs (0 elsewhere); the bytes per device are the busiest device's."),
     )
 
 

@@ -76,8 +76,8 @@ def pipeline_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=4), rows: i
             "equation runs once; that store is the temp memory it adds over 1F1B.",
             "Must cross: M activations forward and M gradients back per boundary, per device (one micro-batch's "
             "rows on one device; interleaved: a device sends from each of its v chunks, so v times that); the collective-permute bytes per device are read from the compiled HLO by "
-            "`js.audit`, loops weighted by their trip counts. Loops of one repeating permute pattern "
-            "(`Schedule.segments`) permute in some ticks more than they need.",
+            "`js.audit`, loops weighted by their trip counts: the busiest device's sends (a permute counts on "
+            "its sources only). Each permute carries only the pairs whose source sends at that tick.",
             "Stage parameter bytes: each (tagged) stage's own (`StagedProgram.stage_bytes`); a device holds the "
             "largest stage's share (its row of the packed `[S, width]` buffer; interleaved: its v rows), not the model.",
         ),

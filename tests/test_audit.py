@@ -78,6 +78,25 @@ def test_shard_map_collectives_move_the_block(kind):
     assert report.collectives == (Collective(kind, 1.0, 8 * 8 * F32, 4),)
 
 
+def test_permute_bytes_are_what_the_busiest_device_sends():
+    """A permute sends from its sources only: over "b" a loop of 3 trips sends the f32[8,8] block
+    from b=0 and b=1 (pairs 0>1, 1>2), then one permute from b=2 (2>3); b=3 sends nothing. The
+    busiest devices (b=0 and b=1 in each "a" row) send 3 blocks, not the 4 permutes' operands."""
+    def f(x):
+        x = jax.lax.fori_loop(0, 3, lambda i, c: jax.lax.ppermute(jnp.tanh(c), "b", [(0, 1), (1, 2)]), x)
+        return jax.lax.ppermute(x, "b", [(2, 3)])
+
+    body = jax.shard_map(f, mesh=MESH, in_specs=P("a", "b"), out_specs=P("a", "b"))
+    report = audit(jax.jit(body).lower(jnp.ones((16, 32))).compile())
+    block = 8 * 8 * F32
+    assert report.collectives == (Collective("collective-permute", 1.0, block, 2),  # 2>3 and 6>7
+                                  Collective("collective-permute", 3.0, 3 * block, 3))  # 0>1>2 and 4>5>6
+    assert [c.sent for c in report.collectives] == [(0, 0, block, 0, 0, 0, block, 0),
+                                                    (3 * block, 3 * block, 0, 0) * 2]
+    assert report.by_kind() == {"collective-permute": (4.0, 3 * block)}
+    assert report.bytes() == 3 * block
+
+
 def test_memory_figures_are_xla_memory_analysis(contracted):
     stats, memory = contracted.memory_analysis(), audit(contracted).memory
     assert memory == MemoryFigures(

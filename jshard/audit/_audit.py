@@ -5,11 +5,16 @@ HLO text of `jax.stages.Compiled.as_text()`, the memory from `Compiled.memory_an
 estimated from the jaxpr, so the audit sees what the partitioner really inserted.
 
 Payload convention, in bytes per device for one execution of the instruction: the operand bytes
-of an `all-reduce`, `reduce-scatter` (the tensor before the scatter), `all-to-all` or
-`collective-permute`; the result bytes of an `all-gather` (the gathered tensor). Combined
+of an `all-reduce`, `reduce-scatter` (the tensor before the scatter) or `all-to-all`; the result bytes of an `all-gather` (the gathered tensor). Combined
 (tuple-shaped) collectives sum their elements. An asynchronous pair counts once, at its `-start`
 (the `-done` carries no payload of its own); an `all-gather-start` result is the tuple (operands,
 gathered), so its payload is its result bytes less its operand bytes.
+
+A `collective-permute` sends only from the sources in its `source_target_pairs`: on a device that is
+a source its payload is its operand bytes, on any other device (idle in that permute) 0. Its bytes
+per device are the busiest device's: the most that one device sends over all the permutes of the
+program (trip-weighted), per `Collective` and per kind in `Audit.bytes` (`Collective.sent` keeps
+each device's sum).
 
 Group size is the number of devices in one replica group, whichever way XLA prints the groups:
 explicit (`{{0,1},{2,3}}`: 2), iota (`[2,4]<=[8]`: 4), mesh axes
@@ -55,14 +60,18 @@ class Collective:
     Attributes:
       kind: `all-reduce`, `all-gather`, `reduce-scatter`, `all-to-all` or `collective-permute`.
       count: executions, weighted by the trip counts of the loops around them.
-      bytes: payload bytes per device over all those executions (see the module docstring).
+      bytes: payload bytes per device over all those executions (see the module docstring); for
+        `collective-permute` the busiest device's, `max(sent)`.
       group_size: devices per replica group.
+      sent: `collective-permute` only: the trip-weighted bytes each device sends (index: device id),
+        0 where a device is no source of the permute; empty for other kinds. Not compared.
     """
 
     kind: str
     count: float
     bytes: float
     group_size: int
+    sent: tuple[float, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
         if self.kind not in _KINDS:
@@ -126,8 +135,18 @@ class Audit:
         return sum((c.count for c in self._of(kind)), 0.0)
 
     def bytes(self, kind: str | None = None) -> float:
-        """Trip-weighted payload bytes per device of `kind` (every kind when None)."""
-        return sum((c.bytes for c in self._of(kind)), 0.0)
+        """Trip-weighted payload bytes per device of `kind` (every kind when None, summed over kinds).
+
+        `collective-permute`: the busiest device's bytes, the most that one device sends over every
+        permute of the program (devices idle in a permute's `source_target_pairs` send nothing), so
+        permutes of different group sizes are added device by device before the maximum."""
+        if kind is None:
+            return sum((self.bytes(k) for k in dict.fromkeys(c.kind for c in self.collectives)), 0.0)
+        found = list(self._of(kind))
+        if kind == "collective-permute" and found and all(c.sent for c in found):
+            width = max(len(c.sent) for c in found)
+            return max(sum(c.sent[d] for c in found if d < len(c.sent)) for d in range(width))
+        return sum((c.bytes for c in found), 0.0)
 
     def by_kind(self) -> dict[str, tuple[float, float]]:
         """`kind -> (count, bytes)` for each kind present, group sizes merged."""
@@ -218,17 +237,31 @@ def read_collectives(text: str) -> tuple[tuple[Collective, ...], int]:
     header = text.split("\n", 1)[0]
     devices = math.prod(int(n) for n in re.findall(r"\b(?:num_partitions|replica_count)=(\d+)", header))
     totals: dict[tuple[str, int], list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    sent: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)  # group -> device -> bytes
     weights = _weights(computations, entry)
     for name, weight in weights.items():
         shapes = {instr.name: instr.shape for instr in computations[name]}
         for instr in computations[name]:
             kind = instr.opcode.removesuffix("-start")
             if kind in _KINDS:
-                total = totals[kind, _group_size(instr.rest, devices)]
+                group = _group_size(instr.rest, devices)
+                total = totals[kind, group]
                 total[0] += weight
-                total[1] += weight * _payload(instr, kind, shapes)
+                payload = weight * _payload(instr, kind, shapes)
+                if kind == "collective-permute":
+                    for source in {int(a) for a, _ in _pairs(instr.rest)}:
+                        sent[group][source] += payload
+                else:
+                    total[1] += payload
     unknown = sum(i.opcode == "while" and _trip(i) is None for n in weights for i in computations[n])
-    found = (Collective(kind, count, size, group) for (kind, group), (count, size) in totals.items())
+    width = max([devices, *(d + 1 for per in sent.values() for d in per)])
+    found = []
+    for (kind, group), (count, size) in totals.items():
+        if kind == "collective-permute":
+            per = tuple(float(sent[group][d]) for d in range(width))
+            found.append(Collective(kind, count, max(per, default=0.0), group, per))
+        else:
+            found.append(Collective(kind, count, size, group))
     return tuple(sorted(found, key=lambda c: (c.kind, c.group_size))), unknown
 
 
@@ -360,8 +393,7 @@ def _group_size(attributes: str, devices: int) -> int:
     """Devices per replica group of a collective, from `replica_groups=` or `source_target_pairs=`."""
     at = attributes.find("replica_groups=")
     if at < 0:
-        pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attributes)
-        return _permute_group(re.findall(r"\{(\d+),(\d+)\}", pairs[1]) if pairs else [])
+        return _permute_group(_pairs(attributes))
     groups = attributes[at + len("replica_groups=") :]
     if groups.startswith("{{"):
         return len(groups[2 : groups.index("}")].split(","))
@@ -384,6 +416,12 @@ def _mesh_group(groups: str) -> int:
         name, _, sub = axis.strip().partition(":")
         size *= int(sub.rpartition(")")[2]) if sub else int(sizes[name.strip("'\"")])
     return size
+
+
+def _pairs(attributes: str) -> list[tuple[str, str]]:
+    """The `(source, target)` device ids of a collective-permute's `source_target_pairs`."""
+    pairs = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", attributes)
+    return re.findall(r"\{(\d+),(\d+)\}", pairs[1]) if pairs else []
 
 
 def _permute_group(pairs: list[tuple[str, str]]) -> int:

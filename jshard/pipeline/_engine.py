@@ -14,15 +14,16 @@ a backward of one micro-batch on one chunk (with zero bubble, a backward's input
 and input gradients to the previous one; what arrives is written into per-chunk slot buffers
 (slot = micro-batch mod slots).
 
-Only what crosses moves. A tick permutes only the directions live at it (`Schedule.permutes`): no
-permute where nothing crosses, one forward or one backward permute where one direction is live,
-and one permute of neighbours swapping where stage `s` sends forward while `s + 1` sends back
-(1F1B's steady state). A permute's pairs are static, so the ticks are cut into consecutive loops,
-one per repeating pattern (`Schedule.segments`: warm-up, steady state, cool-down), each a `scan`
-whose body holds that pattern's ticks. The loops hand one carry from one to the next (the compiled
-HLO copies no buffer between them), and the compiled program's collective-permutes move per device
-about what must cross: `(M + S - 2) / M` of it per direction under GPipe (the fill and drain of a
-tick-synchronous pipeline), less under 1F1B where the swaps carry both directions at once. A body
+Only what crosses moves. Each permute carries only the `(source, target)` pairs whose source
+sends at that tick (`Schedule.permutes`): no permute where nothing crosses, one where every stage
+sends and receives at most one value (a forward's output or a backward's input gradient: 1F1B's
+steady state, neighbours swapping), else a forward and a backward one; a stage idle in the fill or
+drain is no source. A permute's pairs are static, so the ticks are cut into consecutive loops, one
+per repeating pattern (`Schedule.segments`: warm-up, steady state, cool-down, each fill and drain
+tick a loop of its own), each a `scan` whose body holds that pattern's ticks. The loops hand one
+carry from one to the next (the compiled HLO copies no buffer between them), and the busiest
+device's collective-permutes (`jshard.audit`) send exactly what must cross: `2M` activations from
+an inner stage, `M` from an end one (`Schedule.sends`). A body
 of two ticks (1F1B's steady state) runs two switches; each branch adds its parameter gradients
 into the running sums itself and sends one value, so no gradient-sized increment stays live
 between them (about 2% more temporary memory than a one-tick loop remains).
@@ -234,18 +235,20 @@ class Program:
         return scan_ticks(self.schedule, table[:, 0], carry, tick)
 
     def _pass(self, carry, out, mine, permutes, directions):
-        """The tick's permutes (`Schedule.permutes`): one pattern carries each stage's one send
-        (its forward's output or its backward's input gradient), and what arrives is an activation
-        or a gradient as the table says; or forward and backward apart."""
+        """The tick's permutes (`Schedule.permutes`), each with only the pairs whose source sends
+        at this tick: one carries each source's one send (its forward's output or its backward's
+        input gradient), and what arrives is an activation or a gradient as the table says; or a
+        forward and a backward one apart."""
         pairs = lambda name: sorted(self.schedule.pairs(name))
         carry = dict(carry)
         if len(permutes) == 1:
             got = jax.lax.ppermute(out["send"], STAGE, pairs(permutes[0]))
             for buf, prefix in directions:
                 carry[buf] = _receive(carry[buf], got, mine, prefix)
-        for (buf, prefix), name in zip(directions, permutes if len(permutes) > 1 else ()):
-            got = jax.lax.ppermute(out["send"], STAGE, pairs(name))
-            carry[buf] = _receive(carry[buf], got, mine, prefix)
+            return carry
+        for name in permutes:  # a forward and a backward one, or none
+            buf, prefix = next(d for d in directions if d[1][-1] == self.schedule.kind(name))
+            carry[buf] = _receive(carry[buf], jax.lax.ppermute(out["send"], STAGE, pairs(name)), mine, prefix)
         return carry
 
     def _train_body(self, ends, chunks, micro, table):

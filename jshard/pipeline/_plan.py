@@ -50,8 +50,9 @@ class PipelinePlan:
         and gradients, chunk outputs, and the residuals forwards keep for their backwards.
       boundary_bytes: bytes that must cross stage boundaries per step (activations forward and
         gradients backward, all micro-batches, whole tensors).
-      permute_bytes: bytes per device the program's `collective-permute`s move per step: one
-        activation per permute, only at ticks where something crosses (`Schedule.permutes`).
+      permute_bytes: bytes the busiest device sends in the program's `collective-permute`s per
+        step (`jshard.audit`'s convention): one activation per permute it is a source of, only at
+        ticks where it sends (`Schedule.permutes`, `Schedule.sends`).
     """
 
     schedule: Schedule
@@ -121,7 +122,7 @@ def plan_of(program, mesh, layers: int, params, batch, compile_) -> PipelinePlan
         for st in range(s)
     )
     crossings = sched.micro_batches * (s * v - 1) * (1 if sched.forward_only else 2)
-    permutes = sum(len(p) for p in sched.permutes())
+    permutes = int(sched.sends().max())
     return PipelinePlan(sched, stages, dict(mesh.shape), per_device, v * (slots * per_device + residual_bytes),
                         crossings * whole, permutes * per_device, compile_)
 

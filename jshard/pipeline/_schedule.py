@@ -17,10 +17,16 @@ most `S - s` micro-batches (a micro-batch is held from its forward to its `W`), 
 1F1B's; with forward, `B` and `W` one tick each the bubble is `(S - 1) / (3M + S - 1)`, a third of
 1F1B's idle time (`_simulate_zero_bubble`).
 
-`Schedule.permutes` says which `collective-permute`s each tick needs: only the directions live at
-that tick, and one permute where the sends of a tick pair neighbours up (1F1B's steady state: stage
-`s` sends forward to `s + 1` while `s + 1` sends a gradient back), so the program moves about
-what must cross (`segments` groups the ticks into loops of one repeating permute pattern).
+`Schedule.permutes` says which `collective-permute`s each tick needs, each with exactly the
+`(source, target)` pairs whose source sends at that tick (a stage idle at a tick, or running a
+backward of the first stage or a forward of the last, leaves the pairs): none where nothing
+crosses, one permute where every device sends and receives at most one value (a forward's output or
+a backward's input gradient: 1F1B's steady state, neighbours swapping), else forward and backward
+apart. `segments` groups consecutive ticks of one repeating pair pattern into loops, and a loop body
+position permutes what all its repeats need; the cut is the fewest sends first, the fewest loops
+second, so every device sends exactly what it must (`Schedule.sends`); interleaved, whose ticks
+seldom repeat, weighs a send as a tenth of a loop instead (`_BALANCED`: 4 loops at S = 4, M = 16
+where exact pairs take 38, its busiest device's ticks sending 1.125x what it must).
 
 Virtual stage `j` (`0 <= j < S * v`) runs on device `j % S` as its chunk `j // S`; with `v = 1` a
 virtual stage is a stage.
@@ -45,9 +51,9 @@ _KIND_CODE = {"F": FORWARD, "B": BACKWARD, "W": WEIGHTS}
 KIND_COLOURS = {"F": "#80b1d3", "B": "#fdb462", "W": "#b3de69", ".": "#e5e5e5"}
 _KIND_NAMES = {"F": "forward", "B": "backward (B: input gradient)", "W": "W: weight gradient", ".": "idle"}
 
-# The collective-permute patterns a tick may use (`Schedule.permutes`): forward (stage s to s + 1),
-# backward (s + 1 to s), or neighbours swapping in pairs starting at an even or an odd stage.
-PERMUTES = ("F", "B", "swap0", "swap1")
+# The kinds of a permute (`Schedule.permutes`, the word before its pairs): forwards' outputs (stage s
+# to s + 1), backwards' input gradients (s + 1 to s), or each source either, as it ran ("FB").
+PERMUTE_KINDS = ("F", "B", "FB")
 
 
 class Op(NamedTuple):
@@ -166,63 +172,92 @@ class Schedule:
         return self.micro_batches
 
     def permutes(self) -> tuple[tuple[str, ...], ...]:
-        """Per tick, the `collective-permute` patterns (`PERMUTES`) the program runs at it: none
-        where nothing crosses, one where a single pattern carries every send of the tick's loop
-        position (each device sends at most one value a tick), else forward and backward apart."""
+        """Per tick, the `collective-permute`s the program runs at it, each named `"KIND a>b c>d"`:
+        its kind (`PERMUTE_KINDS`) and its `(source, target)` stage pairs (`pairs`). None where
+        nothing crosses; one where each device sends and receives at most one value at that tick
+        in every repeat of its loop, else a forward and a backward one.
+
+        Examples:
+          >>> build_schedule("1f1b", stages=3, micro_batches=3).permutes()[:6]
+          (('F 0>1',), ('F 0>1 1>2',), ('F 0>1 1>2',), ('B 2>1',), ('B 1>0',), ('FB 1>2 2>1',))
+        """
         return tuple(pattern for _, repeats, body in self.segments() for _ in range(repeats) for pattern in body)
 
     def tick_permutes(self) -> tuple[tuple[str, ...], ...]:
-        """Per tick, the fewest permutes that tick needs on its own (`permutes` may add some, where a
-        loop shares one pattern over ticks that need less): the floor of a program that permutes
-        tick by tick, `(M + S - 2) / M` of what must cross per direction under GPipe.
+        """Per tick, the fewest permutes that tick needs on its own, each with only the pairs that
+        send at it: the floor of a program that permutes tick by tick (`permutes` equals it where
+        every loop's repeats send alike, which `segments` keeps to).
 
         Examples:
           >>> s = build_schedule("gpipe", stages=4, micro_batches=4)
-          >>> sum(len(p) for p in s.tick_permutes()), sum(len(p) for p in s.permutes())
-          (12, 12)
+          >>> s.tick_permutes() == s.permutes(), s.sends().tolist()
+          (True, [4, 8, 8, 4])
         """
         return tuple(self._cover(n) for n in self._needed)
 
+    def sends(self, permutes: tuple[tuple[str, ...], ...] | None = None) -> np.ndarray:
+        """`[stages]` int: how many values each stage sends over the ticks of `permutes` (by default
+        `self.permutes()`), one per permute in which it is a source. What must cross is `M` per
+        boundary and direction, so an inner stage of a one-chunk schedule sends `2M` (`v·2M`
+        interleaved), an end stage `M`."""
+        out = np.zeros(self.stages, np.int64)
+        for tick in self.permutes() if permutes is None else permutes:
+            for name in tick:
+                for source, _ in self.pairs(name):
+                    out[source] += 1
+        return out
+
     def pairs(self, name: str) -> set[tuple[int, int]]:
-        """The `(source, target)` stage pairs of permute pattern `name` (one of `PERMUTES`)."""
-        s, cyclic = self.stages, self.virtual > 1
-        pairs = range(s if cyclic else s - 1)
-        if name in ("F", "B"):
-            return {(i, (i + 1) % s) if name == "F" else ((i + 1) % s, i) for i in pairs}
-        if cyclic and s % 2:
-            return set()  # a ring of odd length does not pair up
-        start = int(name[-1])
-        return {e for i in pairs if i % 2 == start for e in ((i, (i + 1) % s), ((i + 1) % s, i))}
+        """The `(source, target)` stage pairs of permute `name` (`"F 0>1 1>2"`; a bare `"F"` or `"B"`
+        is every stage sending forward or backward to its neighbour)."""
+        kind, *given = name.split()
+        if given:
+            return {tuple(int(x) for x in pair.split(">")) for pair in given}
+        s = self.stages
+        ring = range(s if self.virtual > 1 else s - 1)
+        return {(i, (i + 1) % s) if kind == "F" else ((i + 1) % s, i) for i in ring}
+
+    @staticmethod
+    def kind(name: str) -> str:
+        """The kind (`PERMUTE_KINDS`) of permute `name`."""
+        return name.split()[0]
 
     def _cover(self, want: frozenset) -> tuple[str, ...]:
+        """The permutes carrying `want`, `(source, target, kind)` sends: one where sources and
+        targets are each distinct, else forward and backward apart (each direction's pairs are)."""
         if not want:
             return ()
-        one = next((name for name in PERMUTES if want <= self.pairs(name)), None)
-        return (one,) if one else ("F", "B")
+        pairs = {(a, b) for a, b, _ in want}
+        if len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs}):
+            kinds = {k for _, _, k in want}
+            return (_name("FB" if len(kinds) > 1 else kinds.pop(), pairs),)
+        return tuple(_name(k, {(a, b) for a, b, kk in want if kk == k}) for k in ("F", "B"))
 
     @functools.cached_property
     def _needed(self) -> tuple[frozenset, ...]:
-        """Per tick, the `(source, target)` stage pairs that send at it."""
-        needed: list[set[tuple[int, int]]] = [set() for _ in range(self.ticks)]
+        """Per tick, the `(source, target, kind)` sends of that tick (kind "F" or "B")."""
+        needed: list[set[tuple[int, int, str]]] = [set() for _ in range(self.ticks)]
         for kind, step in (("F", 1), ("B", -1)):
             for t, _, s in self._sends(kind):
-                needed[t].add((s, (s + step) % self.stages))
+                needed[t].add((s, (s + step) % self.stages, kind))
         return tuple(frozenset(n) for n in needed)
 
     @functools.cached_property
     def _segments(self):
-        return _cheapest_loops(list(self._needed), self._cover, singles=self.virtual == 1)
+        weights = _EXACT if self.virtual == 1 else _BALANCED
+        return _cheapest_loops(list(self._needed), self._cover, weights)
 
     def segments(self) -> tuple[tuple[int, int, tuple[tuple[str, ...], ...]], ...]:
         """The ticks as loops of one repeating permute pattern: `(start, repeats, pattern)`, where
         the loop runs `repeats` times over `len(pattern)` ticks from tick `start`, and `pattern[k]`
-        is the permutes of its `k`-th tick, one pattern for every repeat (so a tick may permute
-        more than it needs). The fewest permutes, each loop body tick counted as half a permute
-        more (code size). A loop runs at least twice, but for a tick where nothing crosses (GPipe's
-        turn from forwards to backwards, the last tick), which stands alone without a permute
-        unless the schedule is interleaved (whose idle ticks are many): XLA inlines it at the top
-        level, at up to +0.6% temporary memory on the reference GPT, and GPipe and 1F1B then permute at
-        the ticks where something crosses only."""
+        is the permutes of its `k`-th tick, one pattern for every repeat. The cut sends the fewest
+        values (so a loop's repeats send alike, and no device sends at a tick where it has nothing
+        to send), then runs the fewest permutes, then has the fewest loops and body ticks (code
+        size). Fill and drain ticks differ from one another, so each stands alone (a loop of one
+        trip, which XLA inlines): at S = 4, M = 16 GPipe and 1F1B are 12 and 14 loops, against 4
+        each for a cut that permuted every pair of a pattern at every tick (about twice the compile
+        time, +0.3% / +0.6% temp memory on the reference GPT). Interleaved weighs a send as a
+        tenth of a loop (`_BALANCED`), so some of its loops send a little more than they need."""
         return self._segments
 
     def table(self) -> str:
@@ -315,11 +350,17 @@ def _svg_text(x: float, y: float, text: str, anchor: str = "middle", size: int |
     return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}"{font}>{html.escape(text)}</text>'
 
 
-def _cheapest_loops(needed: list[frozenset], cover, singles: bool) -> tuple:
-    """Dynamic programming over the ticks: cut them into loops of period 1 to 3 run at least twice
-    (or, with `singles`, one tick needing no permute, alone), each body position permuting `cover`
-    of what its repeats need, for the fewest permutes plus half the body ticks (a tick alone: a
-    quarter)."""
+def _name(kind: str, pairs) -> str:
+    return " ".join([kind, *(f"{a}>{b}" for a, b in sorted(pairs))])
+
+
+def _cheapest_loops(needed: list[frozenset], cover, weights: tuple[float, float]) -> tuple:
+    """Dynamic programming over the ticks: cut them into loops of period 1 to 3, each body position
+    permuting `cover` of what its repeats need, for the least cost: `weights = (send, permute)` per
+    send (a pair of a permute, per execution) and per permute execution, plus 1 per loop and 1/2 per
+    body tick. `_EXACT`: the fewest sends, then permutes, then loops; `_BALANCED`: a send weighs
+    about a tenth of a loop."""
+    send_weight, permute_weight = weights
     n = len(needed)
     best: list[tuple[float, tuple]] = [(float("inf"), ())] * n + [(0.0, ())]
     for t in range(n - 1, -1, -1):
@@ -328,14 +369,24 @@ def _cheapest_loops(needed: list[frozenset], cover, singles: bool) -> tuple:
             for repeats in range(1, (n - t) // period + 1):
                 base = t + (repeats - 1) * period
                 unions = [u | needed[base + k] for k, u in enumerate(unions)]
-                alone = repeats == 1 and period == 1 and not needed[t]
-                if repeats < 2 and n > 1 and not (alone and singles):
-                    continue
+                if repeats == 1 and period > 1:
+                    continue  # the same ticks as `period` loops of one
                 pattern = tuple(cover(u) for u in unions)
-                cost = repeats * sum(len(p) for p in pattern) + (0.25 if alone else period / 2) + best[t + repeats * period][0]
+                sends = sum(len(name.split()) - 1 for p in pattern for name in p)
+                permutes = sum(len(p) for p in pattern)
+                cost = repeats * (send_weight * sends + permute_weight * permutes) + 1 + period / 2 + best[t + repeats * period][0]
                 if cost < best[t][0]:
                     best[t] = (cost, ((t, repeats, pattern), *best[t + repeats * period][1]))
     return best[0][1]
+
+
+# `_cheapest_loops`' weights (send, permute). `_EXACT`: a send outweighs any number of permutes, a
+# permute any loop structure (GPipe, 1F1B, zero bubble). `_BALANCED` (interleaved, whose ticks seldom
+# repeat: exact pairs would take 38 loops at S = 4, M = 16 and 49 at S = 2): 4 and 1 loops, the
+# busiest device's ticks sending 1.125x and 1.03x what it must (1.375x at S = 4, M = 4). Each loop
+# body compiles the whole tick: on the stacked reference GPT at S = 4, M = 16 a cut of 8 loops (send
+# weight 0.5: 1.05x) cost twice the compile time and +4.8% temp memory, 16 loops 4x and +5.7%.
+_EXACT, _BALANCED = (1e6, 1e3), (0.2, 0.02)
 
 
 def _fits(lives: list[tuple[int, int, int]], k: int) -> bool:

@@ -29,9 +29,9 @@ with pure data parallel inside stages (`dataset_strategy="data_parallel"`) every
 each device runs its own rows, and gradients are summed once per step.
 
 Only what crosses moves, as in the stacked form: the ticks run as the schedule's loops of one
-repeating permute pattern (`Schedule.segments`, `scan_ticks`), and a tick permutes only the
-directions live at it (`Schedule.permutes`): forward, backward, or one swap where stage `s` sends
-forward while `s + 1` sends back, in the boundary's buffers. A two-tick loop body
+repeating permute pattern (`Schedule.segments`, `scan_ticks`), and each permute carries only the
+pairs whose source sends at that tick (`Schedule.permutes`): forward, backward, or both at once
+(`FB`) where stage `s` sends forward while `s + 1` sends back, in the boundary's buffers. A two-tick loop body
 (1F1B's steady state) runs two switches; the backward adds its parameter gradient into the running
 sum inside its branch, so neither switch outputs a gradient-sized increment that XLA would keep
 live across both ticks.
@@ -246,25 +246,22 @@ class StagedProgram:
         return loss, self._sum_tied(g)
 
     def _pass(self, carry, out, row, permutes):
-        """The tick's permutes (`Schedule.permutes`): forward (`send_f`, all boundary values),
-        backward (`send_b`, their float gradients), or one swap carrying each stage's one send: the
-        gradients' buffers are the boundary's float buffers (same widths), so the swap sends the
-        boundary's buffers, holding a gradient where the stage ran a backward. On a ring of two
-        stages (interleaved, S=2) the forward and backward pairs are the same, so a lone `F` or `B`
-        carries either direction as a swap does. What arrives is written where the table says it
+        """The tick's permutes (`Schedule.permutes`), each with only the pairs whose source sends
+        at this tick: forward (`send_f`, all boundary values), backward (`send_b`, their float
+        gradients), or `FB`, carrying each source's one send either way: the gradients' buffers are
+        the boundary's float buffers (same widths), so it sends the boundary's buffers, holding a
+        gradient where the stage ran a backward. What arrives is written where the table says it
         arrives."""
         kind, n = row[0], self._slots()
         fv, fm, bv, bm = row[2], _slot(row[7], row[3], n["xin"]), row[4], _slot(row[8], row[5], n["gin"])
         pairs = lambda name: sorted(self.schedule.pairs(name))
         f, b = out["send_f"], out["send_b"]
         carry = dict(carry)
-        both = self.schedule.pairs("F") == self.schedule.pairs("B")
         for name in permutes:
-            if name in ("F", "B") and both and len(permutes) == 1:
-                name = "swap0"
-            if name == "F":
+            direction = self.schedule.kind(name)
+            if direction == "F":
                 carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(f, STAGE, pairs(name)), fv, fm)
-            elif name == "B":
+            elif direction == "B":
                 carry["gin"] = _receive(carry["gin"], jax.lax.ppermute(b, STAGE, pairs(name)), bv, bm)
             else:
                 send = {d: jnp.where(kind == FORWARD, x, b[d]) if d in b else x for d, x in f.items()}
