@@ -140,15 +140,13 @@ def test_nnx_gqa_bytes_at_most_its_own_jax_jit():
 @functools.cache
 def _loop_gpt():
     """Issue 15's plain-JAX GPT (Python loop over layers, tied embedding head): its parameters and
-    tokens, the one-device results, and the expert Megatron `jax.jit`'s compiled bytes (one compile).
-    Its author adds the position table to the (batch, length, d) embeddings by rank promotion."""
+    tokens, the one-device results, and the expert Megatron `jax.jit`'s compiled bytes (one compile)."""
     params, tokens = loop_gpt.create()
     mesh = loop_gpt.make_mesh()
     param_sh, token_sh = loop_gpt.expert_shardings(mesh, params)
     expert = jax.jit(loop_gpt.train_step, in_shardings=(param_sh, token_sh), out_shardings=(param_sh, None))
-    with jax.numpy_rank_promotion("allow"):
-        expert_bytes = js.audit(expert.lower(params, tokens).compile()).bytes()
-        want = one_device(loop_gpt.train_step, params, tokens)
+    expert_bytes = js.audit(expert.lower(params, tokens).compile()).bytes()
+    want = one_device(loop_gpt.train_step, params, tokens)
     return params, tokens, want, expert_bytes, step_terms(params, tokens)
 
 
@@ -159,9 +157,8 @@ def _loop_gpt_plan(tokens_given: bool, propagation: str = "jshard"):
     params, tokens, *_ = _loop_gpt()
     given = {"in_strategy": (None, (loop_gpt.DP, 1))} if tokens_given else {}
     step = js.parallelize(loop_gpt.train_step, devices=8, mode="semi_auto", propagation=propagation, **given)
-    with jax.numpy_rank_promotion("allow"):
-        plan = step.plan(params, tokens)
-        return step, plan, plan.audit().bytes()
+    plan = step.plan(params, tokens)
+    return step, plan, plan.audit().bytes()
 
 
 @pytest.mark.parametrize("tokens_given", [True, False], ids=["tokens-given", "tokens-default"])
@@ -176,8 +173,7 @@ def test_loop_gpt_global_propagation_moves_at_most_the_expert_and_shardy(tokens_
 def test_loop_gpt_global_propagation_equals_one_device_and_says_what_it_weighed():
     params, tokens, want, _, terms = _loop_gpt()
     step, plan, _ = _loop_gpt_plan(False)
-    with jax.numpy_rank_promotion("allow"):
-        got = step(params, tokens)
+    got = step(params, tokens)
     assert_close(got, want, terms=terms)
     # the tied embedding is cut by vocabulary, as the head's logits take the tensor-parallel axes
     embed = spec_from_pspec(plan.in_specs[0], 2)

@@ -46,17 +46,16 @@ def test_ilp_fits_where_the_expert_fits():
     Megatron plan's own compiled peak as the budget (read from its memory analysis): the ILP returns a
     plan (its own, or its warm start where HiGHS finds none in the time limit) that fits in the
     compiled program, and equals one device."""
-    with jax.numpy_rank_promotion("allow"):  # the client adds the (length, d) position table to (rows, length, d)
-        params, tokens = loop_gpt.create(layers=2, d=256, ff=1024, vocab=2048)
-        mesh = loop_gpt.make_mesh()
-        shardings, batch = loop_gpt.expert_shardings(mesh, params)
-        expert = jax.jit(loop_gpt.train_step, in_shardings=(shardings, batch), out_shardings=(shardings, None))
-        budget = js.audit(expert.lower(params, tokens).compile()).memory.peak_bytes
-        step = js.parallelize(loop_gpt.train_step, devices=8, mode="auto", search="ilp", memory_budget=budget,
-                              search_time_limit=4)
-        report = step.plan(params, tokens).search
-        assert report.compiled_peak_bytes <= budget, report.line()
-        assert report.kept, report.line()
-        _, loss = step(params, tokens)
-        _, ref = jax.jit(loop_gpt.train_step)(params, tokens)
-        assert_close(loss, ref, terms=step_terms(params, tokens, backward=False))
+    params, tokens = loop_gpt.create(layers=2, d=256, ff=1024, vocab=2048)
+    mesh = loop_gpt.make_mesh()
+    shardings, batch = loop_gpt.expert_shardings(mesh, params)
+    expert = jax.jit(loop_gpt.train_step, in_shardings=(shardings, batch), out_shardings=(shardings, None))
+    budget = js.audit(expert.lower(params, tokens).compile()).memory.peak_bytes
+    step = js.parallelize(loop_gpt.train_step, devices=8, mode="auto", search="ilp", memory_budget=budget,
+                          search_time_limit=4)
+    report = step.plan(params, tokens).search
+    assert report.compiled_peak_bytes <= budget, report.line()
+    assert report.kept, report.line()
+    _, loss = step(params, tokens)
+    _, ref = jax.jit(loop_gpt.train_step)(params, tokens)
+    assert_close(loss, ref, terms=step_terms(params, tokens, backward=False))

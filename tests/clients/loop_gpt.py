@@ -65,7 +65,7 @@ def mlp(p, x):
 
 
 def forward(params, tokens):
-    x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+    x = params["embed"][tokens] + params["pos"][None, : tokens.shape[1]]
     for p in params["layers"]:
         x = x + attention(p, layer_norm(x))
         x = x + mlp(p, layer_norm(x))
