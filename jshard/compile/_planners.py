@@ -119,7 +119,8 @@ class SearchPlanner:
         names = {v: f"args{p}" for v, p in zip(t.invars, t.paths)}
         result, report = search(t.nodes, list(t.invars) + consts, t.outvars, fixed, t.axis_size, how=c.search,
                                 cost=c.costs, budget=problem.budget, donated=donated, host=problem.host, names=names,
-                                call=self.call, time_limit=c.search_time_limit, replay=c.search_replay)
+                                call=self.call, time_limit=c.search_time_limit, replay=c.search_replay,
+                                table=t.table)
         return Planned(result, report=report)
 
 

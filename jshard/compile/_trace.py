@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -30,6 +31,7 @@ from jshard.compile._options import Options
 from jshard.compile._signature import context_mesh, dtype_of
 from jshard.graph import Node, distinct_calls, flatten
 from jshard.layouts import FineMesh, typed_spec
+from jshard.rules import OpTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +75,11 @@ class Traced:
     @property
     def axis_size(self) -> dict[str, int]:
         return dict(zip(self.fine.names, self.fine.sizes))
+
+    @functools.cached_property
+    def table(self) -> OpTable:
+        """The nodes' `OpTable` (operands and factors), read once for the search and the work stage."""
+        return OpTable(self.nodes)
 
     def typed(self) -> dict:
         """Value -> `Spec` for every value whose type fixes its layout (`Explicit` mesh axes)."""

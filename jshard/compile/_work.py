@@ -23,7 +23,7 @@ def with_work(program: Program, args: tuple, batch: set[int], slots, c: Options,
     traced, result = program.traced, program.result
     if traced is None or result is None:
         return program
-    table = OpTable(traced.nodes)
+    table = traced.table
     cost = c.costs
     here = priced(traced.nodes, result, traced.axis_size, cost, table)
     if not here.flops:

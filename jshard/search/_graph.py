@@ -111,10 +111,10 @@ class SearchGraph:
 
     def __init__(self, nodes: Sequence[Node], args: Sequence, outvars: Sequence, fixed: Mapping,
                  axis_size: Mapping[str, int], cost: CostModel | None = None, donated: frozenset = frozenset(),
-                 host: frozenset = frozenset()):
+                 host: frozenset = frozenset(), table: OpTable | None = None):
         self.nodes, self.axis_size = nodes, dict(axis_size)
         self.cost = cost or CostModel()
-        self.table = OpTable(nodes)
+        self.table = table or OpTable(nodes)
         self.units: list[Unit] = []
         self.unit_of: dict[tuple[int, int], int] = {}  # (node, operand position) -> unit
         self.arg_unit: dict = {}

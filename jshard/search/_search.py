@@ -25,7 +25,7 @@ from jshard._format import human_bytes, var_str
 from jshard.cost import CostModel, array_of, value_bytes
 from jshard.graph import CONSTRAINT, Node, operand_vars
 from jshard.propagate import Decision, Engine, Rejected, Result, charge_constraints
-from jshard.rules import write_spec
+from jshard.rules import OpTable, write_spec
 from jshard.search import _ilp, _recursive
 from jshard.search._graph import Assignment, Infeasible, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
@@ -159,6 +159,7 @@ def search(
     call: str = "jshard.parallelize",
     time_limit: float = 60.0,
     replay: bool = True,
+    table: OpTable | None = None,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -176,12 +177,13 @@ def search(
       names: var -> a name for errors (an argument's pytree path).
       replay: the recursive search decides the interior layers of a repeated run as one, then
         improves that unit by unit (`parallelize`'s `search_replay`).
+      table: the nodes' `OpTable`, where one is at hand.
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget`.
     """
     start = time.perf_counter()
-    g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated, host)
+    g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated, host, table)
     axes = [(a,) for a, n in axis_size.items() if n > 1]
     if budget is not None and _least_peak(g) > budget:  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
