@@ -23,7 +23,7 @@ from jax.extend import core as jcore
 from jshard._errors import MemoryBudgetError, ShardingError
 from jshard._format import human_bytes, var_str
 from jshard.cost import CostModel, array_of, value_bytes
-from jshard.graph import CONSTRAINT, Node, operand_vars
+from jshard.graph import CONSTRAINT, Node
 from jshard.propagate import Decision, Engine, Rejected, Result, charge_constraints
 from jshard.rules import OpTable, write_spec
 from jshard.search import _ilp, _recursive
@@ -262,51 +262,86 @@ def _splits(axes: list) -> list[list[tuple[str, ...]]]:
 def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
     """The engine's `Result` for a search's choice: every value's layout where it is made, and per
     operator its layouts, the collectives it pays, and, for key operators (at least 1% of the
-    heaviest one's work: the contractions), the best candidate it did not take."""
+    heaviest one's work: the contractions), the best candidate it did not take. Operators alike in
+    factors, operand arrays, weight, assignment and the layouts they meet (the same operator of
+    identical layers) are priced once (`_Priced`)."""
     e, nodes = Engine(g.nodes, g.axis_size, g.cost, g.table), g.nodes
+    priced = _Priced(e, g.axis_size)
     values: dict = {}
     for v, k in g.arg_unit.items():
         values[v] = g.spec(k, 0, choice[k])
-    merged: dict[int, Assignment] = {}
+    merged: dict[int, tuple] = {}
     for i, units in g.node_units.items():
         a: Assignment = {}
         for k in units:
             a.update(choice[k])
-        merged[i] = a
         node = nodes[i]
-        _, outs = e.vars[i]
         if node.primitive == CONSTRAINT:
             values[node.outputs[0]] = g.units[units[0]].fixed[1]
+            merged[i] = (a, None)
             continue
         if i in e.unruled:
             continue
         f = e.factors[i]
-        for v, dims in zip(outs, f.outputs):
-            values.setdefault(v, write_spec(dims, a, f.sizes, g.axis_size))
+        picked = (f, tuple(sorted(a.items())))
+        merged[i] = (a, picked)
+        for v, spec in zip(e.vars[i][1], priced.specs(picked, a)[1]):
+            values.setdefault(v, spec)
     decisions: dict[int, Decision] = {}
     work = [g.units[k].weight * g.units[k].flops for k in range(len(g.units))]
     key = _KEY_SHARE * max(work, default=0.0)
     moves: dict = {}  # `_rejected`'s answers, per unit structure, pick and neighbours
-    for i, a in merged.items():
+    for i, (a, picked) in merged.items():
         node = nodes[i]
-        if node.primitive == CONSTRAINT:
+        if picked is None:
             spec = values[node.outputs[0]]
             decisions[i] = Decision((spec,), (spec,), (), 0.0, "user", None, False)
             continue
-        if i in e.unruled:
-            continue
-        f = e.factors[i]
-        ins, _ = operand_vars(node)
+        ins, _ = e.vars[i]
         known = [(k, values[v], "") for k, v in enumerate(ins) if isinstance(v, jcore.Var) and v in values]
-        seconds, _, comms, _ = e.score(i, f, a, known)
-        in_specs = tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.inputs)
-        out_specs = tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.outputs)
-        implied = not comms and e.implied(i, f, a)
+        seconds, comms, in_specs, out_specs, implied = priced.decided(i, picked, a, known)
         rejected = _rejected(g, i, choice, moves) if work[g.node_units[i][0]] >= key > 0 else None
         decisions[i] = Decision(in_specs, out_specs, comms, seconds, "searched", rejected, implied)
     result = Result(decisions, values, set(e.unruled))
     charge_constraints(nodes, result, g.axis_size, e.cost)  # each operator above priced its inputs only
     return result
+
+
+class _Priced:
+    """`assemble`'s per-operator pricing, shared by operators alike: the layouts a node's factors
+    give its operands under an assignment, and its comms, seconds and whether XLA infers its
+    outputs (`Engine.score`, `Engine.implied`), keyed by everything those read: the factors, the
+    assignment, the operands' arrays, the node's weight, its loop-invariant inputs and the layouts
+    of the inputs it meets."""
+
+    def __init__(self, e: Engine, axis_size: Mapping[str, int]):
+        self.e, self.axis_size = e, axis_size
+        self._specs: dict[tuple, tuple] = {}
+        self._decided: dict[tuple, tuple] = {}
+
+    def specs(self, picked: tuple, a: Assignment) -> tuple[tuple, tuple]:
+        """`(in_specs, out_specs)` of the node whose factors and sorted assignment are `picked`."""
+        found = self._specs.get(picked)
+        if found is None:
+            f, size = picked[0], self.axis_size
+            found = self._specs[picked] = (tuple(write_spec(d, a, f.sizes, size) for d in f.inputs),
+                                           tuple(write_spec(d, a, f.sizes, size) for d in f.outputs))
+        return found
+
+    def decided(self, i: int, picked: tuple, a: Assignment, known: list) -> tuple:
+        """`(seconds, comms, in_specs, out_specs, implied)` of node `i` under `a`, meeting `known`."""
+        e = self.e
+        ins, outs = e.vars[i]
+        key = (picked, e.nodes[i].weight, tuple(array_of(v) for v in ins), tuple(array_of(v) for v in outs),
+               tuple(e.invariant.get(v) for v in ins if isinstance(v, jcore.Var)) if e.invariant else (),
+               tuple((k, spec) for k, spec, _ in known))
+        found = self._decided.get(key)
+        if found is None:
+            f = picked[0]
+            seconds, _, comms, _ = e.score(i, f, a, known)
+            in_specs, out_specs = self.specs(picked, a)
+            found = self._decided[key] = (seconds, comms, in_specs, out_specs, not comms and e.implied(i, f, a))
+        return found
 
 
 def _rejected(g: SearchGraph, i: int, choice: Sequence[Assignment], memo: dict):
