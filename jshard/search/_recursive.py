@@ -284,6 +284,7 @@ class _Shared:
         self.g, self.group, self.base = g, group, base
         self._kinds: dict[tuple, int] = {}
         self._kind: dict[int, int] = {}  # unit -> its kind
+        self._items: dict[int, tuple] = {}  # id() of a base assignment -> its sorted items
         self._cands: dict[int, list[Assignment]] = {}  # kind -> its candidates
         self.specs: dict[tuple[int, int], list] = {}  # (kind, operand) -> its layout under each candidate
         self.moves: dict[tuple, np.ndarray] = {}  # (edge's value, both ends' (kind, operand)) -> the edge's table
@@ -293,8 +294,11 @@ class _Shared:
     def kind(self, k: int) -> int:
         found = self._kind.get(k)
         if found is None:
-            key = (self.g.shape_of_unit[k], tuple(sorted(self.base[k].items())))
-            found = self._kind[k] = self._kinds.setdefault(key, len(self._kinds))
+            assigned = self.base[k]  # one of few dicts (the candidates picked), held by `base`: its id is stable
+            items = self._items.get(id(assigned))
+            if items is None:
+                items = self._items[id(assigned)] = tuple(sorted(assigned.items()))
+            found = self._kind[k] = self._kinds.setdefault((self.g.shape_of_unit[k], items), len(self._kinds))
         return found
 
     def candidates(self, k: int, kind: int) -> list[Assignment]:
