@@ -3,6 +3,7 @@ replay of repeated layers (`parallelize(search_replay=...)`), on an abstract mes
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Sequence
 
@@ -23,8 +24,9 @@ def _shape(layers: int) -> Shape:
                                                              n_layers=layers, d_ff=49152, scan=False), 1536)
 
 
-def _measure(layers: int, replay: bool) -> tuple[float, float, float, float, js.Plan]:
-    """(plan wall seconds, plan CPU seconds, JAX's own trace, the search alone, the plan)."""
+def _measure(layers: int, replay: bool) -> tuple[float, float, float, float, float, js.Plan]:
+    """(plan wall seconds, plan CPU seconds, JAX's own trace (wall, as plain `jax.jit` pays it), its CPU
+    seconds with the garbage collector paused (as `plan` traces), the search alone, the plan)."""
     shape = _shape(layers)
     step = js.parallelize(shape.step(), devices=DEVICES, mode="auto", search_replay=replay)
     args = shape.args()
@@ -33,25 +35,37 @@ def _measure(layers: int, replay: bool) -> tuple[float, float, float, float, js.
     took, cpu = time.perf_counter() - start, time.process_time() - cpu
     start = time.perf_counter()
     jax.make_jaxpr(step.fn)(*args)
-    return took, cpu, time.perf_counter() - start, plan.search.planning_seconds, plan
+    trace = time.perf_counter() - start
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        trace_cpu = time.process_time()
+        jax.make_jaxpr(step.fn)(*args)
+        trace_cpu = time.process_time() - trace_cpu
+    finally:
+        if paused:
+            gc.enable()
+    return took, cpu, trace, trace_cpu, plan.search.planning_seconds, plan
 
 
 def replay_table(depths: Sequence[int] = DEPTHS) -> Table:
     measured = {(layers, replay): _measure(layers, replay) for layers in depths for replay in (False, True)}
     rows = []
-    for (layers, replay), (took, cpu, trace, search, plan) in measured.items():
+    for (layers, replay), (took, cpu, trace, trace_cpu, search, plan) in measured.items():
         first = measured[(depths[0], replay)]
-        full = measured[(layers, False)][4].search.seconds
+        full = measured[(layers, False)][5].search.seconds
         s = plan.search
         rows.append((str(layers), "on" if replay else "off", f"{took:.2f} s", f"{cpu:.2f} s", f"{trace:.2f} s",
-                     f"{took - trace:.2f} s", f"{search:.2f} s", f"{cpu / first[1]:.2f}", f"{s.units:,}",
-                     f"{s.seconds:.5g} s", f"{s.seconds / full:.4f}"))
+                     f"{cpu - trace_cpu:.2f} s", f"{search:.2f} s", f"{cpu / first[1]:.2f}",
+                     f"{(cpu - trace_cpu) / (first[1] - first[3]):.2f}", f"{s.units:,}", f"{s.seconds:.5g} s",
+                     f"{s.seconds / full:.4f}"))
     return Table(
         "7b. Planning an unrolled GPT-3-shaped step at depth: replay of repeated layers",
         f"the {depths[-1]}-layer step on {DEVICES} devices planned in at most {TARGET:g} s, at most 2x the "
         f"{depths[0]}-layer time (issue 15 item 4; a 2-core machine shared with other work).",
-        ("layers", "replay", "plan", "plan CPU", "JAX trace", "plan less JAX trace", "search alone",
-         f"CPU vs {depths[0]} layers", "decisions", "predicted per step", "predicted vs replay off"),
+        ("layers", "replay", "plan", "plan CPU", "JAX trace", "plan CPU less JAX trace", "search alone",
+         f"CPU vs {depths[0]} layers", f"less trace vs {depths[0]} layers", "decisions", "predicted per step",
+         "predicted vs replay off"),
         tuple(rows),
         (
             "`Parallelized.plan(...)` of the Adam train step of the GPT-3-shaped model (d_model 12288, 96 heads, "
@@ -59,7 +73,9 @@ def replay_table(depths: Sequence[int] = DEPTHS) -> Table:
             f"(`mode='auto'`, recursive search, no memory budget), on shapes only, an abstract mesh of {DEVICES} "
             "devices; `search_replay=True` (the default) or False. plan: trace + search + plan records, wall clock; "
             "plan CPU: this process's CPU time over the same call; JAX trace: `jax.make_jaxpr` of the same step, "
-            "timed after (paid by plain `jax.jit` too); search alone: the search's own wall time.",
+            "timed after, wall clock (paid by plain `jax.jit` too); plan CPU less JAX trace: jshard's own CPU time, "
+            "the plan CPU less that trace's CPU time with Python's garbage collector paused, as `plan` traces "
+            "(`compile.build` pauses it); search alone: the search's own wall time.",
             "replay: the interior layers of each repeated run of units (the forward blocks, the backward blocks, "
             "the optimizer's update of each layer's parameters) are decided as one at each level of the search, the "
             "first and last layer of each run on their own, then the replayed choice is improved unit by unit "

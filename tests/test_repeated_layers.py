@@ -2,6 +2,8 @@
 search's per-unit work (candidates, layouts, costs, redistribution tables), as a scanned body is
 planned once."""
 
+import gc
+
 import jax
 import numpy as np
 import optax
@@ -10,6 +12,7 @@ import pytest
 import jshard as js
 import jshard.search._graph as search_graph
 import jshard.search._recursive as recursive
+import jshard.search._search as search_module
 from jshard import models
 
 
@@ -51,21 +54,30 @@ def test_identical_layers_reuse_the_search_work(layouts_computed):
 
 @pytest.fixture(scope="module")
 def replayed():
-    """Per layer count (6, 12): the plan, and the size of each replayed level (its classes)."""
+    """Per layer count (6, 12): the plan, the size of each replayed level (its classes) and the
+    operators `assemble` priced (`_Priced`: one per distinct pricing)."""
     found = {}
     with pytest.MonkeyPatch.context() as mp:
-        sizes = []
+        sizes, pricings = [], []
         original = recursive._Ties.__init__
+        priced = search_module._Priced.__init__
 
         def counting(ties, search, replay=True):
             original(ties, search, replay)
             if replay:
                 sizes.append((len(ties.reps), ties.replayed, ties.runs))
 
+        def kept(p, *args):
+            priced(p, *args)
+            pricings.append(p)
+
         mp.setattr(recursive._Ties, "__init__", counting)
+        mp.setattr(search_module._Priced, "__init__", kept)
         for n in (6, 12):
             sizes.clear()
-            found[n] = (_plan(n), list(sizes))
+            pricings.clear()
+            plan = _plan(n)
+            found[n] = (plan, list(sizes), [len(p._decided) for p in pricings])
     return found
 
 
@@ -73,7 +85,7 @@ def test_identical_layers_are_weighed_once(replayed):
     """The core heuristic weighs a class of identical units once, and the interior layers of the
     unrolled loop are one class each: the level's units, its distinct units and its runs stay flat
     while the decisions double (deterministic figures, not wall time)."""
-    (plan6, sizes6), (plan12, sizes12) = replayed[6], replayed[12]
+    (plan6, sizes6, _), (plan12, sizes12, _) = replayed[6], replayed[12]
     assert plan12.search.units > 1.9 * plan6.search.units
     assert sizes6 == [(sizes6[0][0], sizes6[0][1], sizes6[0][2])] and sizes6[0][2] > 0  # one run of the search
     (level6, replayed6, runs6), (level12, replayed12, runs12) = sizes6[0], sizes12[0]
@@ -81,6 +93,34 @@ def test_identical_layers_are_weighed_once(replayed):
     assert replayed12 > replayed6 > 0
     assert plan12.search.unit_classes == plan6.search.unit_classes > 0
     assert f"({plan12.search.unit_classes} unit classes, {plan12.search.evaluations} cost evaluations)" in plan12.search.line()
+
+
+def test_identical_layers_are_priced_once_for_the_plan(replayed):
+    """`assemble` prices an operator of identical layers (the same factors, arrays, assignment and
+    layouts met) once: at twice the depth, twice the operators and the same pricings."""
+    (plan6, _, priced6), (plan12, _, priced12) = replayed[6], replayed[12]
+    assert len(plan12.ops) > 1.9 * len(plan6.ops)
+    assert priced6 == priced12 and priced6[0] > 0
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it():
+    """`compile.build` pauses Python's cyclic garbage collector while it traces and plans (its passes
+    would walk every equation and unit again), and leaves it as it was."""
+    seen = []
+
+    def step(x):
+        seen.append(gc.isenabled())
+        return x * 2.0
+
+    assert gc.isenabled()
+    js.parallelize(step, devices=8).plan(jax.ShapeDtypeStruct((8, 4), np.float32))
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        js.parallelize(step, devices=8).plan(jax.ShapeDtypeStruct((16, 4), np.float32))
+        assert not gc.isenabled()  # paused by the caller: left paused
+    finally:
+        gc.enable()
 
 
 def test_replaying_the_interior_layers_plans_what_the_full_search_plans(replayed):
