@@ -25,25 +25,23 @@ def _shape(layers: int) -> Shape:
 
 
 def _measure(layers: int, replay: bool) -> tuple[float, float, float, float, float, js.Plan]:
-    """(plan wall seconds, plan CPU seconds, JAX's own trace (wall, as plain `jax.jit` pays it), its CPU
-    seconds with the garbage collector paused (as `plan` traces), the search alone, the plan)."""
+    """(plan wall seconds, plan CPU seconds, JAX's own trace of the same step after it, wall and CPU
+    seconds, with Python's garbage collector paused as `plan` traces (once: JAX caches a trace), the
+    search alone, the plan)."""
     shape = _shape(layers)
     step = js.parallelize(shape.step(), devices=DEVICES, mode="auto", search_replay=replay)
     args = shape.args()
     start, cpu = time.perf_counter(), time.process_time()
     plan = step.plan(*args)
     took, cpu = time.perf_counter() - start, time.process_time() - cpu
-    start = time.perf_counter()
-    jax.make_jaxpr(step.fn)(*args)
-    trace = time.perf_counter() - start
-    paused = gc.isenabled()
+    enabled = gc.isenabled()
     gc.disable()
     try:
-        trace_cpu = time.process_time()
+        start, trace_cpu = time.perf_counter(), time.process_time()
         jax.make_jaxpr(step.fn)(*args)
-        trace_cpu = time.process_time() - trace_cpu
+        trace, trace_cpu = time.perf_counter() - start, time.process_time() - trace_cpu
     finally:
-        if paused:
+        if enabled:
             gc.enable()
     return took, cpu, trace, trace_cpu, plan.search.planning_seconds, plan
 
@@ -73,9 +71,9 @@ def replay_table(depths: Sequence[int] = DEPTHS) -> Table:
             f"(`mode='auto'`, recursive search, no memory budget), on shapes only, an abstract mesh of {DEVICES} "
             "devices; `search_replay=True` (the default) or False. plan: trace + search + plan records, wall clock; "
             "plan CPU: this process's CPU time over the same call; JAX trace: `jax.make_jaxpr` of the same step, "
-            "timed after, wall clock (paid by plain `jax.jit` too); plan CPU less JAX trace: jshard's own CPU time, "
-            "the plan CPU less that trace's CPU time with Python's garbage collector paused, as `plan` traces "
-            "(`compile.build` pauses it); search alone: the search's own wall time.",
+            "timed after, wall clock, with Python's garbage collector paused as `plan` traces (`compile.build` "
+            "pauses it; plain `jax.jit` pays this trace too); plan CPU less JAX trace: jshard's own CPU time, the plan "
+            "CPU less that trace's CPU time; search alone: the search's own wall time.",
             "replay: the interior layers of each repeated run of units (the forward blocks, the backward blocks, "
             "the optimizer's update of each layer's parameters) are decided as one at each level of the search, the "
             "first and last layer of each run on their own, then the replayed choice is improved unit by unit "

@@ -283,23 +283,26 @@ class _Shared:
     def __init__(self, g: SearchGraph, group: Group, base: list[Assignment]):
         self.g, self.group, self.base = g, group, base
         self._kinds: dict[tuple, int] = {}
-        self._kind: dict[int, int] = {}  # unit -> its kind
-        self._items: dict[int, tuple] = {}  # id() of a base assignment -> its sorted items
+        self._by_id: dict[tuple[int, int], int] = {}  # (unit structure, id() of its base assignment) -> kind
         self._cands: dict[int, list[Assignment]] = {}  # kind -> its candidates
         self.specs: dict[tuple[int, int], list] = {}  # (kind, operand) -> its layout under each candidate
         self.moves: dict[tuple, np.ndarray] = {}  # (edge's value, both ends' (kind, operand)) -> the edge's table
         self.own: dict[tuple, np.ndarray] = {}  # (kind, bytes it keeps) -> its unary
         self.folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `_Level._fold`'s, by the arrays' bytes
 
-    def kind(self, k: int) -> int:
-        found = self._kind.get(k)
-        if found is None:
-            assigned = self.base[k]  # one of few dicts (the candidates picked), held by `base`: its id is stable
-            items = self._items.get(id(assigned))
-            if items is None:
-                items = self._items[id(assigned)] = tuple(sorted(assigned.items()))
-            found = self._kind[k] = self._kinds.setdefault((self.g.shape_of_unit[k], items), len(self._kinds))
-        return found
+    def kinds(self, units: Sequence[int]) -> list[int]:
+        """Each unit's kind. A base assignment is one of few dicts (the candidates picked), all held by
+        `base`, so its id() stands for its items while this level lives."""
+        shape, base, by_id = self.g.shape_of_unit, self.base, self._by_id
+        out = []
+        for k in units:
+            key = (shape[k], id(base[k]))
+            found = by_id.get(key)
+            if found is None:
+                items = (shape[k], tuple(sorted(base[k].items())))
+                found = by_id[key] = self._kinds.setdefault(items, len(self._kinds))
+            out.append(found)
+        return out
 
     def candidates(self, k: int, kind: int) -> list[Assignment]:
         found = self._cands.get(kind)
@@ -343,7 +346,7 @@ class _Level:
         # Units of one structure on one base (identical layers) share their candidates, costs and
         # tables; `like` (a level on the same base, axes and λ) lends what it computed of them.
         shared = self._shared = _Shared(g, group, base) if like is None else like._shared
-        kinds = [shared.kind(k) for k in self.reps]
+        kinds = shared.kinds(self.reps)
         self.cands = [shared.candidates(k, kind) for k, kind in zip(self.reps, kinds)]
         own, kept = shared.own, search.kept_bytes
         self.unary = [own.get((kinds[c], kept.get(k))) for c, k in enumerate(self.reps)]  # `_unary`, where known
