@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _tolerance import assert_close, step_terms
+from jax.sharding import PartitionSpec as P
 
 import jshard as js
 
@@ -75,14 +76,52 @@ def _groups(hlo: str, op: str) -> set[frozenset[int]]:
 
 def test_megatron_strategies_hold_inside_tagged_stages():
     """8 devices, S=2 under 1F1B: each stage's 4 devices run its blocks Megatron-style; loss and
-    gradients equal the unpipelined single-device step, and the compiled program all-reduces the
-    row-parallel partial sums over each stage's own 4 devices."""
+    gradients equal the unpipelined single-device step, the compiled program all-reduces the
+    row-parallel partial sums over each stage's own 4 devices, and a device holds a quarter of its
+    stage's cut weights (the embedding and head, which no strategy cuts, whole)."""
     step = js.parallelize(_loss(_megatron, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
                           schedule="1f1b")
     params, batch = _params(), _batch()
     assert_close(step(params, batch), _reference(_megatron), terms=step_terms(params, batch))
-    groups = _groups(step.compile(params, batch).as_text(), "all-reduce")
+    compiled = step.compile(params, batch)
+    groups = _groups(compiled.as_text(), "all-reduce")
     assert {frozenset(range(4)), frozenset(range(4, 8))} <= groups, groups
+    layers, whole = params["layers"], params["embed"].nbytes  # embed and head: one of them per stage
+    program = step.program(params, batch)
+    assert program.stage_bytes() == (whole + _nbytes(layers[:2]), whole + _nbytes(layers[2:]))
+    assert program.device_bytes() == whole + _nbytes(layers[:2]) // 4
+    shardings = compiled.input_shardings[0][0]  # the packed parameters: one whole buffer, one cut over d0·d1
+    packed = jax.eval_shape(step.pack, params, batch)
+    per_device = sum(np.prod(shardings[k].shard_shape(a.shape)) * a.dtype.itemsize for k, a in packed.items())
+    assert {k: s.spec for k, s in shardings.items()} == {"float32": P("stage"), "float32@d0.d1": P("stage", ("d0", "d1"))}
+    assert per_device == program.device_bytes()
+
+
+def _nbytes(tree) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(tree))
+
+
+dp = js.shard(jnp.matmul, in_strategy=((2, 1, 1), (1, 1)))  # the rows over 2 of a stage's 4 devices
+
+
+def _data_parallel(p, x):
+    return x + dp(jax.nn.gelu(dp(x, p["up"])), p["down"])
+
+
+def test_data_parallel_strategies_inside_stages_reduce_gradients_once():
+    """Data parallel written as strategies inside the stages (the rows cut over `d0`, two of a
+    stage's four devices): each device runs its own rows of each micro-batch, and the gradients
+    are all-reduced once per step (one all-reduce of the packed gradients, one of the loss), not
+    once per micro-batch; loss and gradients equal the unpipelined single-device step."""
+    step = js.parallelize(_loss(_data_parallel, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
+                          schedule="1f1b")
+    params, batch = _params(), _batch()
+    assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))
+    program = step.program(params, batch)
+    assert program.data_axes == ("d0",)
+    reduced = js.audit(step.compile(params, batch))
+    assert reduced.count("all-reduce") == 2, reduced.summary()
+    assert reduced.bytes("all-reduce") == program.device_bytes() + 4  # the packed gradients, and the loss
 
 
 def _plain(p, x):

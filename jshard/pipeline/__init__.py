@@ -5,7 +5,8 @@ pipeline_stages=S, micro_batches=M, schedule=...)` returns a `Staged` step, the 
 `cut` into per-stage functions (`Cut`; with no tags, where the cost model balances the stages,
 reported in its `StageBalance`; with `mode="auto"` a `SearchedCut`, each stage's strategy searched
 over its devices) run by a `StagedProgram` with each stage's parameters on its
-own devices. `Pipeline` describes a model as first / layer stack / last (the fast path for identical
+own devices (a leaf a `jshard.shard` strategy cuts inside its stage packed by its layout class,
+`CutClass`, cut as the strategy cuts it). `Pipeline` describes a model as first / layer stack / last (the fast path for identical
 layers); for it `parallelize` returns a `Pipelined` step (one `jax.jit` program per step, see
 `_engine.py` for why); its `plan` is a `PipelinePlan` with the `Schedule` table and picture,
 bubble, memory and boundary bytes.
@@ -25,5 +26,6 @@ from jshard.pipeline._plan import StageInfo as StageInfo
 from jshard.pipeline._schedule import SCHEDULES as SCHEDULES
 from jshard.pipeline._schedule import Schedule as Schedule
 from jshard.pipeline._schedule import build_schedule as build_schedule
+from jshard.pipeline._staged import CutClass as CutClass
 from jshard.pipeline._staged import StagedProgram as StagedProgram
 from jshard.pipeline._stagesearch import SearchedCut as SearchedCut
