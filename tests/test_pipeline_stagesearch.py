@@ -91,7 +91,7 @@ def test_megatron_strategies_hold_inside_tagged_stages():
     assert program.stage_bytes() == (whole + _nbytes(layers[:2]), whole + _nbytes(layers[2:]))
     assert program.device_bytes() == whole + _nbytes(layers[:2]) // 4
     shardings = compiled.input_shardings[0][0]  # the packed parameters: one whole buffer, one cut over d0·d1
-    packed = jax.eval_shape(step.pack, params, batch)
+    packed = jax.eval_shape(program.pack, jax.tree.leaves(params))
     per_device = sum(np.prod(shardings[k].shard_shape(a.shape)) * a.dtype.itemsize for k, a in packed.items())
     assert {k: s.spec for k, s in shardings.items()} == {"float32": P("stage"), "float32@d0.d1": P("stage", ("d0", "d1"))}
     assert per_device == program.device_bytes()
