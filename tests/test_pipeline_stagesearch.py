@@ -179,6 +179,8 @@ def test_auto_searches_each_stage_over_its_devices():
     cut_ops = [op for plan in c.plans for op in plan.ops
                if any(d > 1 for s in (op.in_strategy or ()) if s for d in s)]
     assert cut_ops  # the search cut something inside a stage (the budget binds: 66 KiB of parameters a stage)
+    program = step.program(params, batch)  # the packed parameters cut as the search cut them
+    assert program.classes and program.device_bytes() < max(program.stage_bytes())
 
 
 @pytest.mark.parametrize("make,message", [

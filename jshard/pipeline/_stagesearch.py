@@ -8,7 +8,10 @@ search keeps the stage within it, as it does for a whole program). The answer is
 (its operators' searched strategies, `origin="searched"`) and the emission that places its
 constraints; `SearchedCut.run` replays a stage with those constraints bound over the mesh in
 context (inside the pipeline's `shard_map`, the stage's own automatic axes), so the strategies hold
-on whichever stage's devices run it.
+on whichever stage's devices run it; a parameter the search cuts is packed cut so
+(`SearchedCut.param_specs`, `_staged.CutClass`). The budget a stage's search is given is the
+step's per device: the pipeline's gradient sums, in-flight residuals and boundary slots are not
+taken from it yet.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import jax
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
 
 from jshard._errors import ShardingError
 from jshard.compile import Options, build
@@ -38,6 +42,15 @@ class SearchedCut(Cut):
 
     plans: tuple[Plan, ...] = ()
     _emitted: tuple[tuple[jcore.ClosedJaxpr, Any], ...] = ()  # per stage: its traced program, its emission
+
+    def param_specs(self) -> tuple[PartitionSpec | None, ...]:
+        """Per parameter leaf, the layout the search gave it as an argument of its (first) stage's
+        program (`Plan.in_specs`), so the pipeline packs it cut as the search planned it."""
+        specs: list[PartitionSpec | None] = [None] * len(self._param_vars)
+        for plan, idx in zip(self.plans, self.params):
+            for j, spec in zip(idx, plan.in_specs):
+                specs[j] = spec if specs[j] is None else specs[j]
+        return tuple(specs)
 
     def run(self, k: int, params_k: list, batch: list, inputs: list) -> list:
         """Stage `k` as `Cut.run`, its operators under the searched strategies."""
