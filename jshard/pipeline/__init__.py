@@ -15,6 +15,7 @@ bubble, memory and boundary bytes.
 from jshard.pipeline._balance import StageBalance as StageBalance
 from jshard.pipeline._cut import Cut as Cut
 from jshard.pipeline._cut import cut as cut
+from jshard.pipeline._inner import CutClass as CutClass
 from jshard.pipeline._model import Pipeline as Pipeline
 from jshard.pipeline._model import StageFunction as StageFunction
 from jshard.pipeline._model import pipeline_stage as pipeline_stage
@@ -26,6 +27,5 @@ from jshard.pipeline._plan import StageInfo as StageInfo
 from jshard.pipeline._schedule import SCHEDULES as SCHEDULES
 from jshard.pipeline._schedule import Schedule as Schedule
 from jshard.pipeline._schedule import build_schedule as build_schedule
-from jshard.pipeline._staged import CutClass as CutClass
 from jshard.pipeline._staged import StagedProgram as StagedProgram
 from jshard.pipeline._stagesearch import SearchedCut as SearchedCut
