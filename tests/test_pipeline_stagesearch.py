@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _tolerance import assert_close, step_terms
+from jax.sharding import PartitionSpec as P
 
 import jshard as js
 
@@ -75,14 +76,52 @@ def _groups(hlo: str, op: str) -> set[frozenset[int]]:
 
 def test_megatron_strategies_hold_inside_tagged_stages():
     """8 devices, S=2 under 1F1B: each stage's 4 devices run its blocks Megatron-style; loss and
-    gradients equal the unpipelined single-device step, and the compiled program all-reduces the
-    row-parallel partial sums over each stage's own 4 devices."""
+    gradients equal the unpipelined single-device step, the compiled program all-reduces the
+    row-parallel partial sums over each stage's own 4 devices, and a device holds a quarter of its
+    stage's cut weights (the embedding and head, which no strategy cuts, whole)."""
     step = js.parallelize(_loss(_megatron, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
                           schedule="1f1b")
     params, batch = _params(), _batch()
     assert_close(step(params, batch), _reference(_megatron), terms=step_terms(params, batch))
-    groups = _groups(step.compile(params, batch).as_text(), "all-reduce")
+    compiled = step.compile(params, batch)
+    groups = _groups(compiled.as_text(), "all-reduce")
     assert {frozenset(range(4)), frozenset(range(4, 8))} <= groups, groups
+    layers, whole = params["layers"], params["embed"].nbytes  # embed and head: one of them per stage
+    program = step.program(params, batch)
+    assert program.stage_bytes() == (whole + _nbytes(layers[:2]), whole + _nbytes(layers[2:]))
+    assert program.device_bytes() == whole + _nbytes(layers[:2]) // 4
+    shardings = compiled.input_shardings[0][0]  # the packed parameters: one whole buffer, one cut over d0·d1
+    packed = jax.eval_shape(program.pack, jax.tree.leaves(params))
+    per_device = sum(np.prod(shardings[k].shard_shape(a.shape)) * a.dtype.itemsize for k, a in packed.items())
+    assert {k: s.spec for k, s in shardings.items()} == {"float32": P("stage"), "float32@d0.d1": P("stage", ("d0", "d1"))}
+    assert per_device == program.device_bytes()
+
+
+def _nbytes(tree) -> int:
+    return sum(a.nbytes for a in jax.tree.leaves(tree))
+
+
+dp = js.shard(jnp.matmul, in_strategy=((2, 1, 1), (1, 1)))  # the rows over 2 of a stage's 4 devices
+
+
+def _data_parallel(p, x):
+    return x + dp(jax.nn.gelu(dp(x, p["up"])), p["down"])
+
+
+def test_data_parallel_strategies_inside_stages_reduce_gradients_once():
+    """Data parallel written as strategies inside the stages (the rows cut over `d0`, two of a
+    stage's four devices): each device runs its own rows of each micro-batch, and the gradients
+    are all-reduced once per step (one all-reduce of the packed gradients, one of the loss), not
+    once per micro-batch; loss and gradients equal the unpipelined single-device step."""
+    step = js.parallelize(_loss(_data_parallel, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
+                          schedule="1f1b")
+    params, batch = _params(), _batch()
+    assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))
+    program = step.program(params, batch)
+    assert program.data_axes == ("d0",)
+    reduced = js.audit(step.compile(params, batch))
+    assert reduced.count("all-reduce") == 2, reduced.summary()
+    assert reduced.bytes("all-reduce") == program.device_bytes() + 4  # the packed gradients, and the loss
 
 
 def _plain(p, x):
@@ -123,23 +162,27 @@ def test_unequal_tags_are_kept_and_their_imbalance_reported():
 
 
 def test_auto_searches_each_stage_over_its_devices():
-    """mode="auto", no tags, S=2 on 8 devices under a 60 KiB budget per device: each stage's
-    strategy is searched over its 4 devices (each stage's `Plan`: every operator `searched`, the
-    budget), the step runs those strategies, and it equals the unpipelined step."""
+    """mode="auto", no tags, S=2 on 8 devices under a 480 KiB budget per device, of which the
+    pipeline's in-flight residuals and boundary slots take 420.5 KiB: each stage's strategy is
+    searched over its 4 devices under the 59.5 KiB left (each stage's `Plan`: every operator
+    `searched`, the budget), the step runs those strategies, and it equals the unpipelined step."""
     params, batch = _params(), _batch()
     step = js.parallelize(_loss(_plain), devices=8, pipeline_stages=2, micro_batches=4, mode="auto",
-                          memory_budget="60KiB")
+                          memory_budget="480KiB")
     assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))
     c = step.program(params, batch).cut
     assert not c.balance.tagged and len(c.plans) == 2
     for plan in c.plans:
         assert plan.mode == "auto" and dict(plan.mesh.shape) == {"d0": 2, "d1": 2}
         assert {op.origin for op in plan.ops} == {"searched"}
-        assert plan.search.budget == 60 * 1024 and plan.search.peak_bytes <= plan.search.budget
-        assert re.search(r"search=recursive over mesh 2·2: .*budget\s+60\s+KiB", plan.summary(), re.S), plan.summary()
+        assert c.pipeline_bytes == 2 * 211200 + 2 * 4096  # 1F1B at S=2: 2 residual slots, 1 slot each way
+        assert plan.search.budget == 480 * 1024 - c.pipeline_bytes and plan.search.peak_bytes <= plan.search.budget
+        assert re.search(r"search=recursive over mesh 2·2: .*budget\s+59\.5\s+KiB", plan.summary(), re.S), plan.summary()
     cut_ops = [op for plan in c.plans for op in plan.ops
                if any(d > 1 for s in (op.in_strategy or ()) if s for d in s)]
     assert cut_ops  # the search cut something inside a stage (the budget binds: 66 KiB of parameters a stage)
+    program = step.program(params, batch)  # the packed parameters cut as the search cut them
+    assert program.classes and program.device_bytes() < max(program.stage_bytes())
 
 
 @pytest.mark.parametrize("make,message", [
@@ -154,10 +197,15 @@ def test_auto_searches_each_stage_over_its_devices():
      r"no operator of the loss is tagged with a stage\. Cut by the cost model, its 1 operator\(s\) hold fewer "
      r"narrow places"),
     (lambda: js.parallelize(_loss(_plain), devices=8, pipeline_stages=2, micro_batches=4, mode="auto",
+                            memory_budget="424.5KiB"),
+     r"jshard\.parallelize\(loss\) \(stage 0; memory_budget less the pipeline's 420\.5 KiB in flight\): "
+     r"memory_budget=4 KiB per device cannot be met on 4 devices .* Raise memory_budget"),
+    (lambda: js.parallelize(_loss(_plain), devices=8, pipeline_stages=2, micro_batches=4, mode="auto",
                             memory_budget="4KiB"),
-     r"jshard\.parallelize\(loss\) \(stage 0\): memory_budget=4 KiB per device cannot be met on 4 devices .* "
-     r"Raise memory_budget"),
-], ids=["auto-with-shard-calls", "mode-data", "untagged-too-small", "stage-over-budget"])
+     r"memory_budget=4 KiB per device, but the pipeline alone holds 420\.5 KiB per device outside its stages' "
+     r"programs \(the residuals of the micro-batches in flight and the boundary slots under schedule='1f1b', S=2, "
+     r"M=4\), leaving the search nothing\. Raise memory_budget above 420\.5 KiB"),
+], ids=["auto-with-shard-calls", "mode-data", "untagged-too-small", "stage-over-budget", "pipeline-over-budget"])
 def test_what_a_searched_or_balanced_pipeline_cannot_do_is_an_error(make, message):
     with pytest.raises(js.ShardingError, match=message):
         make()(_params(), _batch())

@@ -5,7 +5,8 @@ pipeline_stages=S, micro_batches=M, schedule=...)` returns a `Staged` step, the 
 `cut` into per-stage functions (`Cut`; with no tags, where the cost model balances the stages,
 reported in its `StageBalance`; with `mode="auto"` a `SearchedCut`, each stage's strategy searched
 over its devices) run by a `StagedProgram` with each stage's parameters on its
-own devices. `Pipeline` describes a model as first / layer stack / last (the fast path for identical
+own devices (a leaf a `jshard.shard` strategy cuts inside its stage packed by its layout class,
+`CutClass`, cut as the strategy cuts it). `Pipeline` describes a model as first / layer stack / last (the fast path for identical
 layers); for it `parallelize` returns a `Pipelined` step (one `jax.jit` program per step, see
 `_engine.py` for why); its `plan` is a `PipelinePlan` with the `Schedule` table and picture,
 bubble, memory and boundary bytes.
@@ -14,6 +15,7 @@ bubble, memory and boundary bytes.
 from jshard.pipeline._balance import StageBalance as StageBalance
 from jshard.pipeline._cut import Cut as Cut
 from jshard.pipeline._cut import cut as cut
+from jshard.pipeline._inner import CutClass as CutClass
 from jshard.pipeline._model import Pipeline as Pipeline
 from jshard.pipeline._model import StageFunction as StageFunction
 from jshard.pipeline._model import pipeline_stage as pipeline_stage

@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 from jax.extend import core as jcore
-from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from jshard._compat import source_info_util
 from jshard._errors import ShardingError
@@ -83,6 +83,36 @@ class Cut:
         """The loss's shape and dtype (a scalar)."""
         return self._loss.aval
 
+    def param_specs(self) -> tuple[PartitionSpec | None, ...]:
+        """Per parameter leaf, the layout over one stage's axes a `jshard.shard` constraint on the
+        leaf itself gives it (its first, in program order), or None where none constrains it."""
+        index = {v: j for j, v in enumerate(self._param_vars)}
+        specs: list[PartitionSpec | None] = [None] * len(self._param_vars)
+        for op, sharding in self._constraints():
+            j = index.get(op.inputs[0])
+            if j is not None and specs[j] is None:
+                specs[j] = sharding.spec
+        return tuple(specs)
+
+    def row_axes(self, rows: int) -> tuple[str, ...]:
+        """The axes `jshard.shard` constraints cut the leading dim of a value of `rows` rows over
+        (the micro-batch's rows: data parallel written as strategies), parameters left out."""
+        params = set(self._param_vars)
+        found: dict[str, None] = {}
+        for op, sharding in self._constraints():
+            aval = op.inputs[0].aval
+            if op.inputs[0] not in params and aval.shape and aval.shape[0] == rows and sharding.spec:
+                found.update(dict.fromkeys(spec_axes(sharding.spec[:1])))
+        return tuple(found)
+
+    def _constraints(self):
+        """`(op, sharding)` of every `sharding_constraint` on a variable, over every stage."""
+        for ops in self.ops:
+            for op in ops:
+                sharding = op.eqn.params.get("sharding") if op.eqn.primitive.name == "sharding_constraint" else None
+                if isinstance(sharding, NamedSharding) and isinstance(op.inputs[0], jcore.Var):
+                    yield op, sharding
+
     def run(self, k: int, params_k: list, batch: list, inputs: list) -> list:
         """Stage `k` on its parameter leaves, the micro-batch's leaves and its boundary inputs: the
         values crossing to stage `k + 1`, or `[loss]` on the last stage."""
@@ -106,11 +136,25 @@ def _bind(eqn, args):
     sharding = params.get("sharding") if eqn.primitive.name == "sharding_constraint" else None
     if isinstance(sharding, NamedSharding) and not isinstance(sharding.mesh, AbstractMesh):
         mesh = jax.sharding.get_abstract_mesh()
-        if mesh.manual_axes:
-            params = {**params, "sharding": NamedSharding(mesh, sharding.spec), "context_mesh": mesh}
+        if mesh.manual_axes:  # a manual axis (the stage's data axes) holds each device's own rows: no cut left
+            spec = without_axes(sharding.spec, set(mesh.manual_axes))
+            params = {**params, "sharding": NamedSharding(mesh, spec), "context_mesh": mesh}
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         return eqn.primitive.bind(*args, **params)
+
+
+def spec_axes(spec) -> list[str]:
+    """The mesh axes a `PartitionSpec` (or a slice of its entries) names, in order."""
+    return [a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))]
+
+
+def without_axes(spec: PartitionSpec, drop: set) -> PartitionSpec:
+    """`spec` with the axes in `drop` left out (a dim cut over none of its axes left whole)."""
+    def keep(entry):
+        axes = tuple(a for a in spec_axes([entry]) if a not in drop)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+    return PartitionSpec(*map(keep, spec))
 
 
 def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline.cut",

@@ -37,7 +37,7 @@ from jshard.layouts import (
     dataset_slots,
     layout_of,
 )
-from jshard.pipeline._cut import cut
+from jshard.pipeline._cut import cut, spec_axes
 from jshard.pipeline._engine import STAGE, Program, Replicated, Specs
 from jshard.pipeline._model import Pipeline, check_stage_ids, stack_length
 from jshard.pipeline._plan import PipelinePlan, plan_of
@@ -380,15 +380,15 @@ class Staged:
 
     def _build(self, params, batch) -> _StagedEntry:
         c, data_axes = self.pipeline, self._data_axes(params, batch)
-        d = self.inner.device_count if data_axes else 1
-        _check_batch(self.call, batch, c.micro_batches, d)
+        _check_batch(self.call, batch, c.micro_batches, self._size(data_axes))
         leaves, treedef = jax.tree_util.tree_flatten(abstract(params))
         _check_float_params(self.call, params)
-        rows = lambda a: jax.ShapeDtypeStruct((a.shape[0] // (c.micro_batches * d), *a.shape[1:]), a.dtype)
-        staged = self._cut(abstract(params), jax.tree.map(rows, abstract(batch)))
+        staged = self._cut(abstract(params), self._micro(batch, data_axes))
+        if not data_axes and self.options.mode != "auto":
+            data_axes, staged = self._rows_cut(params, batch, staged)
         sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
         program = StagedProgram(staged, sched, self.mesh, tuple(leaves), data_axes)
-        packed_sh = {name: NamedSharding(self.mesh, PartitionSpec(STAGE)) for name in program.param_widths}
+        packed_sh = {name: NamedSharding(self.mesh, spec) for name, spec in program.specs().items()}
         batch_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec(data_axes or None)), batch)
         loss_sh = NamedSharding(self.mesh, PartitionSpec())
 
@@ -401,6 +401,31 @@ class Staged:
         packed = jax.eval_shape(program.pack, leaves)
         self._packed.setdefault(_signature((packed, batch)), e)  # what `train` finds it by
         return e
+
+    def _micro(self, batch, data_axes: tuple[str, ...]) -> Any:
+        """One device's micro-batch (shapes): `1 / (M · the data axes' devices)` of the rows."""
+        d = self.pipeline.micro_batches * self._size(data_axes)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // d, *a.shape[1:]), a.dtype), abstract(batch))
+
+    def _size(self, axes: tuple[str, ...]) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+    def _rows_cut(self, params, batch, staged) -> tuple[tuple[str, ...], Any]:
+        """Data parallel written as `jshard.shard` strategies inside the stages: the axes they cut the
+        micro-batch's rows over and no parameter (`Cut.row_axes`), made manual so each device runs
+        its own rows and the gradients are reduced once per step, with the cut traced again on one
+        device's rows. `((), staged)` where none, or where a strategy no longer divides one
+        device's rows (those axes then stay automatic: XLA reduces each micro-batch's gradients)."""
+        rows = jax.tree.leaves(self._micro(batch, ()))[0].shape[0]
+        params_axes = {a for spec in staged.param_specs() if spec is not None for a in spec_axes(spec)}
+        axes = tuple(a for a in self.inner.names if a in set(staged.row_axes(rows)) - params_axes)
+        if not axes or any(np.shape(x)[0] % (self.pipeline.micro_batches * self._size(axes))
+                           for x in jax.tree.leaves(batch)):
+            return (), staged
+        try:
+            return axes, self._cut(abstract(params), self._micro(batch, axes))
+        except ShardingError:
+            return (), staged
 
     def _cut(self, params, micro):
         """The cut of `fn` on one device's micro-batch, its `jshard.shard` calls traced over one

@@ -8,6 +8,10 @@ differing shapes are packed as one flat buffer per dtype:
 - **parameters where they are used**: stage `k`'s parameter leaves (`Cut.params[k]`) packed into
   one row per dtype of a `[S, width]` buffer cut over the `stage` axis, so a device holds its own
   stage's parameters only (the width is the largest stage's share; a smaller stage's row is padded).
+  A leaf a `jshard.shard` strategy cuts inside its stage (Megatron's column or row cut: `Cut.param_specs`)
+  goes into a buffer of its layout class instead (`CutClass`: the leaves of one dtype cut over the same
+  axes), `[S, n, width]` cut over `stage` and those axes, each leaf stored shard by shard (`_inner.py`):
+  a device holds its stage's share of it divided by the `n` devices that cut it.
   A leaf read by two stages (a tied embedding) is in both rows, and its gradient is summed over
   them once per step (a `psum` over the stage axis of those leaves only), so both copies stay equal
   under any optimizer applied to the packed state;
@@ -25,8 +29,10 @@ equations (`_split.py`): `B` stores its handoff to the `W` in slots of its own. 
 every slot buffer holds `v` chunks' slots.
 
 The tick table, micro-batch order and slot counts are the `Schedule`'s, as in the stacked form;
-with pure data parallel inside stages (`dataset_strategy="data_parallel"`) every axis is manual:
-each device runs its own rows, and gradients are summed once per step.
+with data parallel inside stages (`dataset_strategy="data_parallel"`: every axis of the stage; or
+`jshard.shard` strategies cutting the micro-batch's rows: the axes `Cut.row_axes` names, which cut
+no parameter) those axes are manual (`data_axes`): each device runs its own rows, its gradients
+accumulate unreduced over the schedule's loop, and one `psum` after it sums them, once per step.
 
 Only what crosses moves, as in the stacked form: the ticks run as the schedule's loops of one
 repeating permute pattern (`Schedule.segments`, `scan_ticks`), and each permute carries only the
@@ -40,6 +46,7 @@ live across both ticks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,8 +56,9 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jshard.pipeline._cut import Cut
+from jshard.pipeline._cut import Cut, spec_axes
 from jshard.pipeline._engine import STAGE, scan_ticks
+from jshard.pipeline._inner import CutClass
 from jshard.pipeline._schedule import BACKWARD, FORWARD, IDLE, WEIGHTS, Schedule
 from jshard.pipeline._split import SplitBackward
 
@@ -139,9 +147,38 @@ class StagedProgram:
 
     # --- the packed layouts ---
 
+    @functools.cached_property
+    def classes(self) -> tuple[CutClass, ...]:
+        """The layout classes of the leaves a `jshard.shard` strategy cuts inside their one stage
+        (`Cut.param_specs`; a leaf of two stages, a tied one, stays whole: its copies are summed)."""
+        stages_of: dict[int, int] = {}
+        for idx in self.cut.params:
+            for j in idx:
+                stages_of[j] = stages_of.get(j, 0) + 1
+        sizes, order = dict(self.mesh.shape), list(self.mesh.axis_names)
+        found: dict[tuple[str, tuple[str, ...]], dict[int, P]] = {}
+        for j, spec in enumerate(self.cut.param_specs()):
+            axes = tuple(sorted(spec_axes(spec), key=order.index)) if spec is not None else ()
+            if axes and stages_of.get(j) == 1 and not set(axes) & set(self.data_axes):
+                found.setdefault((np.dtype(self.param_avals[j].dtype).name, axes), {})[j] = spec
+        out = []
+        for (dtype, axes), specs in sorted(found.items()):
+            n = int(np.prod([sizes[a] for a in axes]))
+            leaves = tuple(tuple(j for j in idx if j in specs) for idx in self.cut.params)
+            width = max(sum(int(np.prod(self.param_avals[j].shape)) // n for j in ls) for ls in leaves)
+            out.append(CutClass(dtype, axes, n, leaves, specs, width))
+        return tuple(out)
+
+    @property
+    def held(self) -> tuple[tuple[int, ...], ...]:
+        """Per (virtual) stage, its leaves packed whole on each of its devices (in no `CutClass`)."""
+        cut = {j for c in self.classes for j in c.specs}
+        return tuple(tuple(j for j in idx if j not in cut) for idx in self.cut.params)
+
     @property
     def param_flats(self) -> list[Flat]:
-        return [Flat.of([self.param_avals[j] for j in idx]) for idx in self.cut.params]
+        """Per (virtual) stage, the packing of its whole leaves (`held`)."""
+        return [Flat.of([self.param_avals[j] for j in idx]) for idx in self.held]
 
     @property
     def param_widths(self) -> dict[str, int]:
@@ -156,19 +193,53 @@ class StagedProgram:
         s, v = self.schedule.stages, self.schedule.virtual
         return (k % s) * v + k // s
 
+    def write(self, k: int, leaves: Sequence[jax.Array]) -> Buffers:
+        """(Virtual) stage `k`'s row of each packed buffer from its leaves (`Cut.params[k]` order):
+        `[width]` per dtype, `[n, width]` per `CutClass`."""
+        of = dict(zip(self.cut.params[k], leaves))
+        row = self.param_flats[k].pack([of[j] for j in self.held[k]], self.param_widths)
+        sizes = dict(self.mesh.shape)
+        return {**row, **{c.key: c.pack(k, [of[j] for j in c.leaves[k]], sizes) for c in self.classes}}
+
+    def read(self, k: int, row: Buffers) -> list[jax.Array]:
+        """(Virtual) stage `k`'s leaves (`Cut.params[k]` order) from its row of each buffer (`write`)."""
+        got = dict(zip(self.held[k], self.param_flats[k].unpack(row)))
+        sizes = dict(self.mesh.shape)
+        for c in self.classes:
+            got.update(zip(c.leaves[k], c.unpack(k, row[c.key], self.param_avals, sizes)))
+        return [got[j] for j in self.cut.params[k]]
+
+    def zeros(self, lead: int | None) -> Buffers:
+        """Zero buffers of the packed layout (`[lead, ...]` per buffer, or one row with None)."""
+        at = () if lead is None else (lead,)
+        return {**_zeros(lead, self.param_widths),
+                **{c.key: jnp.zeros((*at, c.n, c.width), c.dtype) for c in self.classes}}
+
+    def specs(self) -> dict[str, P]:
+        """Each packed buffer's `PartitionSpec` on the pipeline's mesh: `stage`, then a class's axes."""
+        return {**{name: P(STAGE) for name in self.param_widths}, **{c.key: P(STAGE, c.axes) for c in self.classes}}
+
+    def place(self, buffers: Buffers) -> Buffers:
+        """Packed buffers (any leading dims) inside a stage: a dtype's whole on each of the stage's
+        devices (`_whole`), a `CutClass`'s `n` dim cut over its axes."""
+        axes = {c.key: c.axes for c in self.classes}
+        whole = _whole({name: b for name, b in buffers.items() if name not in axes})
+        if not axes or len(whole) == len(buffers) or not _automatic():
+            return {**buffers, **whole}
+        return {**whole, **{name: jax.lax.with_sharding_constraint(b, P(*[None] * (b.ndim - 2), axes[name], None))
+                            for name, b in buffers.items() if name in axes}}
+
     def pack(self, leaves: Sequence[jax.Array]) -> Buffers:
-        """The parameter leaves as `[S·v, width]` buffers, row `row(k)` (virtual) stage `k`'s."""
-        w = self.param_widths
-        rows = [f.pack([leaves[j] for j in idx], w) for f, idx in zip(self.param_flats, self.cut.params)]
+        """The parameter leaves as `[S·v, ...]` buffers, row `row(k)` (virtual) stage `k`'s."""
+        rows = [self.write(k, [leaves[j] for j in idx]) for k, idx in enumerate(self.cut.params)]
         order = sorted(range(len(rows)), key=self.row)
-        return {name: jnp.stack([rows[k][name] for k in order]) for name in w}
+        return {name: jnp.stack([rows[k][name] for k in order]) for name in rows[0]}
 
     def unpack(self, packed: Buffers) -> list[jax.Array]:
-        """The parameter leaves read from `[S·v, width]` buffers (a leaf of no stage: zeros)."""
+        """The parameter leaves read from `[S·v, ...]` buffers (a leaf of no stage: zeros)."""
         out: list = [None] * len(self.param_avals)
-        for k, (f, idx) in enumerate(zip(self.param_flats, self.cut.params)):
-            row = {name: b[self.row(k)] for name, b in packed.items()}
-            for j, x in zip(idx, f.unpack(row)):
+        for k, idx in enumerate(self.cut.params):
+            for j, x in zip(idx, self.read(k, {name: b[self.row(k)] for name, b in packed.items()})):
                 out[j] = x if out[j] is None else out[j]
         return [jnp.zeros(a.shape, a.dtype) if x is None else x for x, a in zip(out, self.param_avals)]
 
@@ -176,6 +247,13 @@ class StagedProgram:
         """Bytes of each stage's own parameters (its share; a tied leaf counts in each stage)."""
         return tuple(sum(int(np.prod(self.param_avals[j].shape)) * np.dtype(self.param_avals[j].dtype).itemsize
                          for j in idx) for idx in self.cut.params)
+
+    def device_bytes(self) -> int:
+        """Bytes of packed parameters one device holds: its rows of every buffer (the widest stage's
+        share; a `CutClass`'s divided by the devices that cut it)."""
+        v = self.schedule.virtual
+        whole = sum(w * np.dtype(name).itemsize for name, w in self.param_widths.items())
+        return v * (whole + sum(c.width * np.dtype(c.dtype).itemsize for c in self.classes))
 
     # --- the step ---
 
@@ -213,7 +291,7 @@ class StagedProgram:
         bw, gw, v = ticks.bw, ticks.gw, sch.virtual
         carry = {
             "xin": _zeros(v * n["xin"], bw), "res": _zeros(v * n["res"], ticks.rw),
-            "gin": _zeros(v * n["gin"], gw), "g": _zeros(v, self.param_widths),
+            "gin": _zeros(v * n["gin"], gw), "g": self.place(self.zeros(v)),
             "loss": jnp.zeros((), jnp.float32),
         }
         branches = [ticks.idle, ticks.forward, ticks.backward]
@@ -281,7 +359,9 @@ class StagedProgram:
         if not tied:
             return g
         flats, tied_flat = self.param_flats, Flat.of([self.param_avals[j] for j in tied])
-        tw = widths([tied_flat])
+        tw, held = widths([tied_flat]), self.held  # a tied leaf is in no CutClass: the whole buffers hold it
+        g, cut = {name: x for name, x in g.items() if name in self.param_widths}, \
+            {name: x for name, x in g.items() if name not in self.param_widths}
 
         s_, v = self.schedule.stages, self.schedule.virtual
         chunk = lambda c: {name: x[c] for name, x in g.items()}
@@ -290,7 +370,7 @@ class StagedProgram:
             total = _zeros(None, tw)
             for c in range(v):
                 k = c * s_ + s
-                leaves = dict(zip(self.cut.params[k], flats[k].unpack(chunk(c))))
+                leaves = dict(zip(held[k], flats[k].unpack(chunk(c))))
                 part = tied_flat.pack([leaves.get(j, jnp.zeros(self.param_avals[j].shape, self.param_avals[j].dtype))
                                        for j in tied], tw)
                 total = jax.tree.map(jnp.add, total, part)
@@ -305,11 +385,10 @@ class StagedProgram:
             for c in range(v):
                 k = c * s_ + s
                 leaves = flats[k].unpack(chunk(c))
-                rows.append(flats[k].pack([summed.get(j, x) for j, x in zip(self.cut.params[k], leaves)],
-                                          self.param_widths))
+                rows.append(flats[k].pack([summed.get(j, x) for j, x in zip(held[k], leaves)], self.param_widths))
             return {name: jnp.stack([r[name] for r in rows]) for name in self.param_widths}
 
-        return jax.lax.switch(stage, [lambda s=s: put_back(s) for s in range(s_)])
+        return {**jax.lax.switch(stage, [lambda s=s: put_back(s) for s in range(s_)]), **cut}
 
     def _data_degree(self) -> int:
         return int(np.prod([self.mesh.shape[a] for a in self.data_axes])) if self.data_axes else 1
@@ -321,9 +400,8 @@ class _Ticks:
     gradients' running sum (the backward adds its own to `view["g"]`) and the loss increment."""
 
     def __init__(self, program: StagedProgram, params: Buffers, micro: Any):
-        self.p, self.params, self.micro = program, _whole(params), micro
+        self.p, self.params, self.micro = program, program.place(params), micro
         self.cut, self.m, self.s = program.cut, program.schedule.micro_batches, program.schedule.stages
-        self.pf, self.pw = program.param_flats, program.param_widths
         self.bf, self.gf = program._boundary_flats(False), program._boundary_flats(True)
         self.bw, self.gw = widths(self.bf), widths(self.gf)
         self.stage = jax.lax.axis_index(STAGE)
@@ -340,7 +418,12 @@ class _Ticks:
                 "g": view["g"], "loss": jnp.zeros((), jnp.float32)}
         if "hand" in view:
             base["hand"] = view["hand"]
-        return _whole({**base, **changes})
+        return self._hold({**base, **changes})
+
+    def _hold(self, tree: dict) -> dict:
+        """A tick's values in the one layout every branch ends with: whole on the stage's devices
+        (`_whole`), the parameter gradients' sum `g` laid out as the packed parameters (`place`)."""
+        return {**_whole({name: x for name, x in tree.items() if name != "g"}), "g": self.p.place(tree["g"])}
 
     def idle(self, view, i):
         return self._result(view)
@@ -351,11 +434,11 @@ class _Ticks:
 
     def _params(self, k) -> list:
         """Stage `k`'s parameter leaves, from this device's row of chunk `k // S`."""
-        return self.pf[k].unpack({name: b[k // self.s] for name, b in self.params.items()})
+        return self.p.read(k, {name: b[k // self.s] for name, b in self.params.items()})
 
     def _add(self, g: Buffers, k, g_params) -> Buffers:
         """The running gradient sum with stage `k`'s parameter gradients added to its chunk's row."""
-        row = self.pf[k].pack(g_params, self.pw)
+        row = self.p.write(k, g_params)
         return {name: x.at[k // self.s].add(row[name]) for name, x in g.items()}
 
     def _mb(self, i) -> list:
@@ -400,7 +483,7 @@ class _Ticks:
     def forward(self, view, i):
         """Runs the stage on micro-batch `i` under `jax.vjp`, storing its residuals; sends its
         outputs on, or (the last stage) adds its loss."""
-        view = _whole(view)
+        view = self._hold(view)
 
         def at(k):
             outs, pull, params_k = self._vjp(k, i, view["x"])
@@ -414,7 +497,7 @@ class _Ticks:
     def backward(self, view, i):
         """Rebuilds the stored pullback of micro-batch `i`, applies it to the gradient received
         (the last stage: the loss's `1 / M`), and sends the input gradient back."""
-        view = _whole(view)
+        view = self._hold(view)
 
         def at(k):
             tree, param_of, _ = self.pulls[k]
@@ -482,13 +565,18 @@ def _micro(batch, m: int):
     return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1), batch)
 
 
+def _automatic() -> bool:
+    """Whether the mesh in context has automatic axes (a stage's, inside the pipeline's `shard_map`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return bool(set(mesh.axis_names) - set(mesh.manual_axes))
+
+
 def _whole(tree):
     """`tree` whole on each device of a stage whose axes are automatic (`jshard.shard` strategies
     inside the stages): every branch of a tick's switch ends with its buffers in this one layout,
     so the packed buffers are read by local slices, and no collective runs in one stage's branch
     that another stage's devices would have to join."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not set(mesh.axis_names) - set(mesh.manual_axes):
+    if not _automatic():
         return tree
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
 

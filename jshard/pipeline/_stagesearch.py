@@ -8,7 +8,11 @@ search keeps the stage within it, as it does for a whole program). The answer is
 (its operators' searched strategies, `origin="searched"`) and the emission that places its
 constraints; `SearchedCut.run` replays a stage with those constraints bound over the mesh in
 context (inside the pipeline's `shard_map`, the stage's own automatic axes), so the strategies hold
-on whichever stage's devices run it.
+on whichever stage's devices run it; a parameter the search cuts is packed cut so
+(`SearchedCut.param_specs`, `_staged.CutClass`). The budget a stage's search is given is the
+step's per device less what the pipeline holds outside the stage's program (`in_flight`: the
+residuals of the micro-batches in flight and the boundary slots); the gradient sums, as large as
+the stage's parameters as cut, are not taken from it yet.
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec
 
 from jshard._errors import ShardingError
+from jshard._format import human_bytes
 from jshard.compile import Options, build
 from jshard.layouts import FineMesh
 from jshard.pipeline._cut import Cut
+from jshard.pipeline._schedule import Schedule, build_schedule
 from jshard.plan import Plan
 from jshard.propagate import emission_of, emit
 
@@ -34,10 +42,22 @@ class SearchedCut(Cut):
     Attributes:
       plans: per stage, the `Plan` searched over one stage's devices (`plan.summary()` lists each
         operator's strategy; `plan.search` the `SearchReport`).
+      pipeline_bytes: what the pipeline holds per device outside a stage's program (`in_flight`),
+        taken from the `memory_budget` each stage's search is given.
     """
 
     plans: tuple[Plan, ...] = ()
+    pipeline_bytes: int = 0
     _emitted: tuple[tuple[jcore.ClosedJaxpr, Any], ...] = ()  # per stage: its traced program, its emission
+
+    def param_specs(self) -> tuple[PartitionSpec | None, ...]:
+        """Per parameter leaf, the layout the search gave it as an argument of its (first) stage's
+        program (`Plan.in_specs`), so the pipeline packs it cut as the search planned it."""
+        specs: list[PartitionSpec | None] = [None] * len(self._param_vars)
+        for plan, idx in zip(self.plans, self.params):
+            for j, spec in zip(idx, plan.in_specs):
+                specs[j] = spec if specs[j] is None else specs[j]
+        return tuple(specs)
 
     def run(self, k: int, params_k: list, batch: list, inputs: list) -> list:
         """Stage `k` as `Cut.run`, its operators under the searched strategies."""
@@ -49,22 +69,74 @@ def searched(call: str, cut: Cut, options: Options, inner: FineMesh, params_aval
     """`cut` with each stage's strategy searched over `inner`'s devices (see the module docstring);
     `params_avals` are the parameter leaves, `micro` one micro-batch's shapes."""
     batch = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(micro)]
+    inputs = [[]] + [[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in b] for b in cut.boundary]
+    c = options.pipeline
+    schedule = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
+    extra = in_flight(cut, schedule, params_avals, batch, inputs)
+    budget = options.memory_budget
+    if budget is not None and budget <= extra:
+        raise ShardingError(
+            f"{call}: memory_budget={human_bytes(budget)} per device, but the pipeline alone holds "
+            f"{human_bytes(extra)} per device outside its stages' programs (the residuals of the micro-batches in "
+            f"flight and the boundary slots under schedule={c.schedule!r}, S={c.stages}, M={c.micro_batches}), "
+            f"leaving the search nothing. Raise memory_budget above {human_bytes(extra)}, or hold fewer "
+            f"micro-batches in flight ({'smaller micro-batches' if c.schedule == '1f1b' else 'schedule=1f1b'})."
+        )
     # no host offload weighed: the pipeline keeps each stage's packed state on its devices
     stage_options = dataclasses.replace(options, pipeline=None, devices=inner.device_count, batch_argnums=(1,),
-                                        offload=())
+                                        offload=(), memory_budget=None if budget is None else budget - extra)
     plans, emitted = [], []
-    inputs = [[]] + [[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in b] for b in cut.boundary]
     for k in range(cut.stages):
         params_k = [params_avals[j] for j in cut.params[k]]
         run = lambda p, b, x, k=k: cut.run(k, p, b, x)
-        program = build(run, (params_k, batch, inputs[k]), stage_options, f"{call} (stage {k})")
+        where = f"{call} (stage {k}" + (f"; memory_budget less the pipeline's {human_bytes(extra)} in flight)"
+                                         if budget is not None else ")")
+        program = build(run, (params_k, batch, inputs[k]), stage_options, where)
         _check_mesh(call, k, program.traced.mesh, inner)
         mesh = program.traced.mesh
         emission = emission_of(program.traced.nodes, program.result, dict(mesh.shape), options.enable_alltoall)
         plans.append(program.plan)
         emitted.append((program.traced.closed, emission))
     fields = {f.name: getattr(cut, f.name) for f in dataclasses.fields(Cut)}
-    return SearchedCut(**fields, plans=tuple(plans), _emitted=tuple(emitted))
+    return SearchedCut(**fields, plans=tuple(plans), pipeline_bytes=extra, _emitted=tuple(emitted))
+
+
+def in_flight(cut: Cut, schedule: Schedule, params_avals: list, batch: list, inputs: list) -> int:
+    """Bytes per device the pipeline holds outside a stage's program (`_staged.py`): the slots of
+    the residuals of the micro-batches in flight (the pullbacks' leaves less the parameters) and of
+    the boundary values received each way, each slot as wide as the widest stage's (an estimate by
+    bytes: the packed buffers take the widest per dtype), whole on each of the stage's devices."""
+    res = max(_residual_bytes(cut, k, [params_avals[j] for j in cut.params[k]], batch, inputs[k])
+              for k in range(cut.stages))
+    send = max((_nbytes(b) for b in cut.boundary), default=0)
+    back = max((_nbytes([a for a in b if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)]) for b in cut.boundary),
+               default=0)
+    slots = schedule.slots
+    return schedule.virtual * (slots("residuals") * res + slots("activations") * send + slots("gradients") * back)
+
+
+def _residual_bytes(cut: Cut, k: int, params_k: list, batch: list, inputs: list) -> int:
+    """The bytes stage `k` stores per micro-batch for its backward: its pullback's leaves, less its parameters."""
+    floats = [n for n, a in enumerate(inputs) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)]
+
+    def stored(p, xs):
+        merged = list(inputs)
+        for n, x in zip(floats, xs):
+            merged[n] = x
+
+        def run(p, xs):
+            for n, x in zip(floats, xs):
+                merged[n] = x
+            return [y for y in cut.run(k, p, batch, merged) if jax.numpy.issubdtype(y.dtype, jax.numpy.inexact)]
+
+        pull = jax.vjp(run, p, xs)[1]
+        return [leaf for leaf in jax.tree.leaves(pull) if not any(leaf is q for q in p)]
+
+    return _nbytes(jax.eval_shape(stored, params_k, [inputs[n] for n in floats]))
+
+
+def _nbytes(avals) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals)
 
 
 def _check_mesh(call: str, k: int, mesh, inner: FineMesh) -> None:
