@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -415,17 +416,31 @@ class Staged:
         micro-batch's rows over and no parameter (`Cut.row_axes`), made manual so each device runs
         its own rows and the gradients are reduced once per step, with the cut traced again on one
         device's rows. `((), staged)` where none, or where a strategy no longer divides one
-        device's rows (those axes then stay automatic: XLA reduces each micro-batch's gradients)."""
+        device's rows (those axes then stay automatic: XLA reduces each micro-batch's gradients, and
+        a `UserWarning` says so and why)."""
         rows = jax.tree.leaves(self._micro(batch, ()))[0].shape[0]
         params_axes = {a for spec in staged.param_specs() if spec is not None for a in spec_axes(spec)}
         axes = tuple(a for a in self.inner.names if a in set(staged.row_axes(rows)) - params_axes)
-        if not axes or any(np.shape(x)[0] % (self.pipeline.micro_batches * self._size(axes))
-                           for x in jax.tree.leaves(batch)):
+        if not axes:
+            return (), staged
+        d = self.pipeline.micro_batches * self._size(axes)
+        uneven = [x for x in jax.tree.leaves(abstract(batch)) if x.shape[0] % d]
+        if uneven:
+            self._reduced_per_micro_batch(axes, f"a batch array {shape_str(uneven[0].dtype, uneven[0].shape)} does not split "
+                                          f"into micro_batches × {'·'.join(axes)} = {d} equal parts")
             return (), staged
         try:
             return axes, self._cut(abstract(params), self._micro(batch, axes))
-        except ShardingError:
+        except ShardingError as e:
+            self._reduced_per_micro_batch(axes, f"the step does not trace on one device's rows ({e})")
             return (), staged
+
+    def _reduced_per_micro_batch(self, axes: tuple[str, ...], why: str) -> None:
+        warnings.warn(
+            f"{self.call}: the jshard.shard strategies inside the stages cut the micro-batch's rows over "
+            f"{', '.join(axes)}, but {why}; those axes stay automatic, so XLA reduces the gradients at every "
+            f"micro-batch's backward ({self.pipeline.micro_batches} times per step) instead of once. Fix: a batch "
+            f"whose rows split evenly over micro_batches and those axes.", UserWarning, stacklevel=4)
 
     def _cut(self, params, micro):
         """The cut of `fn` on one device's micro-batch, its `jshard.shard` calls traced over one
