@@ -10,7 +10,9 @@ anything else can move. Values used by several operators (a parameter) are laid 
 first; the others redistribute. Operators no walk reaches, and primitives without a rule, stay
 replicated and are counted (`Plan.coverage`). After the walk, an operator that leaves partial sums
 and whose users all took its result in one finer layout sums into that layout where it is cheaper
-(an embedding gradient's scatter-add all-reduces its vocabulary slice, not the whole table).
+(an embedding gradient's scatter-add all-reduces its vocabulary slice, not the whole table); then,
+walking back, an operator that made a value whole where every user slices it one way makes it in
+that layout where nothing moves (a dropout mask's random bits drawn from a scalar key).
 The greedy walk's choices for free arguments and a default-cut batch are weighed again over the
 whole program by `propagate_globally` (`_global.py`).
 """

@@ -15,13 +15,17 @@ one kind over one group (the backward pass's gradient all-reduces), so an altern
 more, smaller collectives is not slower by their count (the expert Megatron plan of a GPT compiles
 to 13 all-reduces where its operators' sums number over 40).
 
-First each batch argument laid out by the default dataset policy is weighed left where it arrives
-against moved there once at the start into the layout the anchors propagate to it. Then each free
+First the batch arguments laid out by the default dataset policy are weighed left where they arrive
+against moved there once at the start into the layouts the anchors propagate to them: all of them,
+and each alone (a ResNet's images best left where they arrive, its labels moved to the layout the
+classifier's loss takes them in). Then each free
 argument that a contraction or lookup takes (directly or through a transpose, reshape or cast)
 while that operator, holding at least 1% of the program's work, repeats over some of the anchors'
 mesh-axis groups, is weighed cut over each such group on each dim; arguments one after another,
-the biggest first, each keeping the layout of least cost, an alternative taken only where it is at
-least 2% cheaper. Each alternative is one propagation from the anchors sharing the `OpTable` and
+the biggest first, each keeping the layout of least cost, an alternative taken only where the
+operators it lays out otherwise cost at least 2% less under it (`_Runs.cheaper`: 2% of what changes,
+not of the whole program, whose gradient all-reduce both alternatives pay would hide a cheaper
+loss). Each alternative is one propagation from the anchors sharing the `OpTable` and
 the engine's choices of operators met in the same layouts; a program with nothing to weigh costs
 one propagation. The alternatives weighed, with their predicted seconds, are `Result.weighed`
 (`OpRecord.weighed` in the `Plan`, shown by `Plan.explain`).
@@ -41,8 +45,9 @@ from jshard.propagate._priced import devices_over
 from jshard.rules import OpTable, shape_of
 
 _BETTER = 0.98
-"""An alternative is taken where its predicted seconds are below this share of the best so far: a
-gain within the cost model's error is not worth moving off the layout propagation gives."""
+"""An alternative is taken where the operators it lays out otherwise cost, under it, below this share
+of what they cost under the best so far: a gain within the cost model's error is not worth moving
+off the layout propagation gives."""
 
 
 class _Runs:
