@@ -149,8 +149,8 @@ def _weigh_moves(runs: _Runs, best: Result, fixed: dict, arrive: dict) -> tuple[
     where they arrive against moved once at the start into the layouts the other anchors propagate
     to them: all of them moved, and each alone (an image batch best left where it arrives while its
     labels move to the layout the loss takes them in); of those `_Runs.cheaper` than leaving them,
-    the least predicted seconds. Returns the best result, its anchors, the
-    arguments it moves (-> where they arrive) and the `WeighedLayout`s per argument."""
+    the least predicted seconds. Returns the best result, its anchors, the arguments it moves (->
+    where they arrive) and the `WeighedLayout`s per argument."""
     loose = {v: s for v, s in fixed.items() if v not in arrive}
     left = runs.run(loose).values
     wanted = {v: left[v] for v, spec in arrive.items() if left.get(v, spec) != spec}
