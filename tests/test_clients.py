@@ -10,6 +10,7 @@ import jax
 import pytest
 from _tolerance import assert_close, step_terms
 from clients import linen_lm, linen_resnet, loop_gpt, nnx_gqa, one_device
+from jax.sharding import PartitionSpec as P
 
 import jshard as js
 from jshard.layouts import spec_from_pspec
@@ -71,6 +72,14 @@ def test_linen_lm_bytes_with_the_models_anchors_at_most_the_expert_jit():
     _, plan = _lm_parallel("semi_auto")
     assert plan.audit().bytes() <= expert_bytes
 
+
+
+def test_linen_lm_dropout_bits_are_drawn_cut_as_the_masks_are_applied():
+    # drawn from a scalar key, the bits would be made whole on every device and sliced by the
+    # `select_n` that applies the mask: the engine makes them in the layout that takes them
+    _, plan = _lm_parallel("semi_auto")
+    bits = [op.out_specs[0] for op in plan.ops if op.primitive == "random_bits"]
+    assert bits == [P("data", "model"), P("data", None, "model")]
 
 @functools.cache
 def _resnet():

@@ -66,6 +66,16 @@ def test_zoo_jshard_moves_at_most_the_experts_bytes(config):
     assert ours <= (1 + EXPERT_SLACK) * expert, f"{ours / expert:.3f}x the expert"
 
 
+
+@pytest.mark.parametrize("layout", _zoo.LAYOUTS["linen_lm"])
+def test_zoo_linen_lm_holds_no_more_temporaries_than_shardy_and_the_expert(layout):
+    # its dropout masks' random bits drawn cut as the masks are applied, not whole on every device
+    # (the expert places the batch as given: its temporaries are held to that layout's)
+    plans = ("shardy", "expert") if layout == "given" else ("shardy",)
+    ours = _row("linen_lm", layout, "jshard").audit.memory.temp_bytes
+    for plan in plans:
+        assert ours <= _row("linen_lm", layout, plan).audit.memory.temp_bytes, plan
+
 def test_zoo_table_marks_every_missed_target():
     table = _zoo.zoo_table(TESTED, search=False)
     jshard_rows = [row for row in table.rows if row[3] == "jshard"]

@@ -10,7 +10,9 @@ anything else can move. Values used by several operators (a parameter) are laid 
 first; the others redistribute. Operators no walk reaches, and primitives without a rule, stay
 replicated and are counted (`Plan.coverage`). After the walk, an operator that leaves partial sums
 and whose users all took its result in one finer layout sums into that layout where it is cheaper
-(an embedding gradient's scatter-add all-reduces its vocabulary slice, not the whole table).
+(an embedding gradient's scatter-add all-reduces its vocabulary slice, not the whole table); then,
+walking back, an operator that made a value whole where every user slices it one way makes it in
+that layout where nothing moves (a dropout mask's random bits drawn from a scalar key).
 The greedy walk's choices for free arguments and a default-cut batch are weighed again over the
 whole program by `propagate_globally` (`_global.py`).
 """
@@ -138,7 +140,9 @@ class Engine:
                         queue.append(i)
             if not queue:
                 break
-        self._sum_into_users({v for v in outputs if isinstance(v, jcore.Var)})
+        kept = {v for v in outputs if isinstance(v, jcore.Var)}
+        self._sum_into_users(kept)
+        self._cut_at_source(kept)
         result = Result(self.decisions, self.values, self.unruled)
         # An operator that decided priced its output's way into a constraint; an argument, or
         # another constraint (one `shard` call's output into the next one's input), did not.
@@ -263,6 +267,47 @@ class Engine:
                 rejected=Rejected(d.in_specs, d.out_specs, d.seconds))
             for v, spec in zip(outs, wanted):
                 self._relayout(v, spec)
+
+    def _cut_at_source(self, outputs: set) -> None:
+        """Values made whole where every user slices them: made in the users' layout instead. An
+        operator decides from its known neighbours; where none is cut (a dropout mask's random bits
+        from a scalar key, a zero table broadcast from a scalar), it makes the value whole and the
+        elementwise operators after it follow, so every device holds and computes all of it while
+        its user (the `select_n` that applies the mask) takes a slice. Walking back from the users,
+        an operator whose users all take its results in one finer layout, and which can work in it
+        without moving anything (its inputs sliced locally, no partial sums), takes that layout; its
+        own producers then see it take their values finer. No collective changes; each device holds
+        and computes its slice. A program result keeps its layout."""
+        for i in sorted(self.decisions, reverse=True):
+            f, d, node = self.factors.get(i), self.decisions[i], self.nodes[i]
+            if f is None or node.bodies or node.primitive == CONSTRAINT or d.comms:
+                continue
+            ins, outs = self.vars[i]
+            wanted = self._users_layout(outs, outputs)
+            a = self._assignment(f, d)
+            if wanted is None or wanted == d.out_specs or a is None or self._bodies_take(outs):
+                continue
+            finer = dict(a)
+            for dims, spec in zip(f.outputs, wanted):
+                finer.update(read_assignment(dims, spec, f.sizes, self.axis_size) or {})
+            if any(finer.get(g) for g in f.reduced) or not self._refines(f, a, finer, d.out_specs, wanted):
+                continue
+            in_specs = tuple(write_spec(dims, finer, f.sizes, self.axis_size) for dims in f.inputs)
+            if any(isinstance(v, jcore.Var) and self.why.get(v) == i and s != t
+                   for v, s, t in zip(ins, d.in_specs, in_specs)):
+                continue  # a parameter this operator laid out: its other users took it so
+            known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
+                     if isinstance(v, jcore.Var) and v in self.values]
+            if self.score(i, f, finer, known)[2]:
+                continue
+            self.decisions[i] = dataclasses.replace(d, in_specs=in_specs, out_specs=wanted,
+                                                    implied=self.implied(i, f, finer))
+            for v, spec in zip(outs, wanted):
+                self._relayout(v, spec)
+
+    def _bodies_take(self, outs) -> bool:
+        """Whether a loop, branch or remat region takes any of `outs` (its body's layouts follow it)."""
+        return any(self.nodes[j].bodies for v in outs for j, _ in self.consumers.get(v, ()))
 
     def _users_layout(self, outs, outputs: set) -> tuple[Spec, ...] | None:
         """The one layout every user of each of `outs` takes it in, or None (no users, users that

@@ -15,13 +15,17 @@ one kind over one group (the backward pass's gradient all-reduces), so an altern
 more, smaller collectives is not slower by their count (the expert Megatron plan of a GPT compiles
 to 13 all-reduces where its operators' sums number over 40).
 
-First each batch argument laid out by the default dataset policy is weighed left where it arrives
-against moved there once at the start into the layout the anchors propagate to it. Then each free
+First the batch arguments laid out by the default dataset policy are weighed left where they arrive
+against moved there once at the start into the layouts the anchors propagate to them: all of them,
+and each alone (a ResNet's images best left where they arrive, its labels moved to the layout the
+classifier's loss takes them in). Then each free
 argument that a contraction or lookup takes (directly or through a transpose, reshape or cast)
 while that operator, holding at least 1% of the program's work, repeats over some of the anchors'
 mesh-axis groups, is weighed cut over each such group on each dim; arguments one after another,
-the biggest first, each keeping the layout of least cost, an alternative taken only where it is at
-least 2% cheaper. Each alternative is one propagation from the anchors sharing the `OpTable` and
+the biggest first, each keeping the layout of least cost, an alternative taken only where the
+operators it lays out otherwise cost at least 2% less under it (`_Runs.cheaper`: 2% of what changes,
+not of the whole program, whose gradient all-reduce both alternatives pay would hide a cheaper
+loss). Each alternative is one propagation from the anchors sharing the `OpTable` and
 the engine's choices of operators met in the same layouts; a program with nothing to weigh costs
 one propagation. The alternatives weighed, with their predicted seconds, are `Result.weighed`
 (`OpRecord.weighed` in the `Plan`, shown by `Plan.explain`).
@@ -37,12 +41,13 @@ from jshard.cost import CostModel, value_bytes
 from jshard.graph import CONSTRAINT, Node
 from jshard.layouts import Spec, constraint_spec
 from jshard.propagate._engine import Engine, Result, WeighedLayout, share_moves
-from jshard.propagate._priced import priced
+from jshard.propagate._priced import devices_over
 from jshard.rules import OpTable, shape_of
 
 _BETTER = 0.98
-"""An alternative is taken where its predicted seconds are below this share of the best so far: a
-gain within the cost model's error is not worth moving off the layout propagation gives."""
+"""An alternative is taken where the operators it lays out otherwise cost, under it, below this share
+of what they cost under the best so far: a gain within the cost model's error is not worth moving
+off the layout propagation gives."""
 
 
 class _Runs:
@@ -54,7 +59,7 @@ class _Runs:
         self.table = OpTable(nodes)
         self.streamed = dataclasses.replace(cost, latency=0.0, axes={a: (bw, 0.0) for a, (bw, _) in cost.axes.items()})
         self.memo: dict = {}
-        self._seconds: dict = {}
+        self._parts: dict = {}
         self._flops: float | None = None
 
     @property
@@ -79,15 +84,33 @@ class _Runs:
             share_moves(self.nodes, result, self.axis_size, self.cost)
         return result
 
+    def parts(self, result: Result) -> dict[int, float]:
+        """`result`'s predicted seconds per call, per operator that costs any: its collectives' bytes
+        at each axis' bandwidth (no latency per collective) and its compute per device (computed
+        once per result)."""
+        if id(result) not in self._parts:
+            parts = {}
+            for i, node in enumerate(self.nodes):
+                d, f = result.decisions.get(i), self.table.factors.get(i)
+                moved = node.weight * sum(self.streamed.time(c, self.axis_size) for c in d.comms) if d else 0.0
+                work = node.weight * f.flops if f is not None and f.flops and i not in result.unruled else 0.0
+                if moved or work:
+                    parts[i] = moved + work / devices_over(d, self.axis_size) / self.cost.flops
+            self._parts[id(result)] = (result, parts)  # the result kept: its id stays its own
+        return self._parts[id(result)][1]
+
     def seconds(self, result: Result) -> float:
-        """`result`'s predicted seconds per call: its collectives' bytes at each axis' bandwidth
-        (no latency per collective), and its compute per device (computed once per result)."""
-        if id(result) not in self._seconds:
-            moved = sum(self.nodes[i].weight * sum(self.streamed.time(c, self.axis_size) for c in d.comms)
-                        for i, d in result.decisions.items())
-            compute = priced(self.nodes, result, self.axis_size, self.cost, self.table).compute_seconds
-            self._seconds[id(result)] = (result, moved + compute)  # the result kept: its id stays its own
-        return self._seconds[id(result)][1]
+        """`result`'s predicted seconds per call (`parts`, summed)."""
+        return sum(self.parts(result).values())
+
+    def cheaper(self, trial: Result, best: Result) -> bool:
+        """Whether `trial` is cheaper than `best` by more than the cost model's error: the operators
+        the two price otherwise cost, under `trial`, less than `_BETTER` of what they cost under
+        `best`. The share is of what changes, not of the whole program: a gradient all-reduce both
+        pay alike does not hide a cheaper loss."""
+        a, b = self.parts(trial), self.parts(best)
+        changed = [i for i in a.keys() | b.keys() if a.get(i, 0.0) != b.get(i, 0.0)]
+        return sum(a.get(i, 0.0) for i in changed) < _BETTER * sum(b.get(i, 0.0) for i in changed)
 
 
 def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, axis_size: Mapping[str, int],
@@ -103,18 +126,7 @@ def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, 
     moved: dict = {}
     arrive = {v: fixed[v] for v in movable if v in fixed}
     if arrive:
-        loose = {v: s for v, s in fixed.items() if v not in arrive}
-        left = runs.run(loose).values  # the layouts the anchors propagate to them
-        wanted = {v: left.get(v, spec) for v, spec in arrive.items()}
-        if wanted != arrive:
-            trial = runs.run({**loose, **wanted}, arrive)  # as if it arrived so, then moved
-            before, after = runs.seconds(best), runs.seconds(trial)
-            chosen = after < before * _BETTER
-            weighed = {v: (WeighedLayout(arrive[v], before, "as it arrives", not chosen),
-                           WeighedLayout(wanted[v], after, "moved once at the start", chosen))
-                       for v in arrive if wanted[v] != arrive[v]}
-            if chosen:
-                best, fixed, moved = trial, {**loose, **wanted}, arrive
+        best, fixed, moved, weighed = _weigh_moves(runs, best, fixed, arrive)
     groups = _groups(nodes, fixed.values())
     for v in sorted((v for v in free if shape_of(v)), key=value_bytes, reverse=True):
         have = best.values.get(v)
@@ -125,11 +137,37 @@ def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, 
         for spec in layouts:
             result = runs.run({**fixed, v: spec}, moved)
             tried.append(WeighedLayout(spec, runs.seconds(result), "weighed", False))
-            if runs.seconds(result) < runs.seconds(best) * _BETTER:
+            if runs.cheaper(result, best):
                 best, have, fixed = result, spec, {**fixed, v: spec}
         weighed[v] = tuple(w._replace(chosen=w.spec == have) for w in tried)
     best.weighed = weighed
     return best
+
+
+def _weigh_moves(runs: _Runs, best: Result, fixed: dict, arrive: dict) -> tuple[Result, dict, dict, dict]:
+    """The default-cut batch arrays (`arrive`: argument -> the layout it arrives in) weighed left
+    where they arrive against moved once at the start into the layouts the other anchors propagate
+    to them: all of them moved, and each alone (an image batch best left where it arrives while its
+    labels move to the layout the loss takes them in); of those `_Runs.cheaper` than leaving them,
+    the least predicted seconds. Returns the best result, its anchors, the arguments it moves (->
+    where they arrive) and the `WeighedLayout`s per argument."""
+    loose = {v: s for v, s in fixed.items() if v not in arrive}
+    left = runs.run(loose).values
+    wanted = {v: left[v] for v, spec in arrive.items() if left.get(v, spec) != spec}
+    if not wanted:
+        return best, fixed, {}, {}
+    subsets = [wanted, *([{v: s} for v, s in wanted.items()] if len(wanted) > 1 else [])]
+    trials = [(sub, runs.run({**fixed, **sub}, {v: arrive[v] for v in sub})) for sub in subsets]
+    gains = [(sub, trial) for sub, trial in trials if runs.cheaper(trial, best)]
+    sub, trial = min(gains or trials, key=lambda t: runs.seconds(t[1]))
+    take = bool(gains)
+    weighed = {v: (WeighedLayout(arrive[v], runs.seconds(best), "as it arrives", not (take and v in sub)),
+                   WeighedLayout(wanted[v], min(runs.seconds(t) for s, t in trials if v in s),
+                                 "moved once at the start", take and v in sub))
+               for v in wanted}
+    if not take:
+        return best, fixed, {}, weighed
+    return trial, {**fixed, **sub}, {v: arrive[v] for v in sub}, weighed
 
 
 def _groups(nodes: Sequence[Node], specs: Collection[Spec]) -> list[tuple[str, ...]]:

@@ -51,11 +51,11 @@ def priced(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], 
             continue
         work = node.weight * f.flops
         flops += work
-        device += work / _cut(decision, axis_size)
+        device += work / devices_over(decision, axis_size)
     return Priced(flops, device, comm, device / cost.flops)
 
 
-def _cut(decision: Decision | None, axis_size: Mapping[str, int]) -> int:
+def devices_over(decision: Decision | None, axis_size: Mapping[str, int]) -> int:
     """How many devices an operator's work is divided over: the mesh axes its operands use."""
     if decision is None:
         return 1
