@@ -28,6 +28,12 @@ of two ticks (1F1B's steady state) runs two switches; each branch adds its param
 into the running sums itself and sends one value, so no gradient-sized increment stays live
 between them (about 2% more temporary memory than a one-tick loop remains).
 
+The stack is held in stage order (`Program.hold`): interleaved, stage `s` runs chunks `s, S + s,
+...`, so the train program takes the stack with those chunks side by side and the stage axis cuts
+dim 0 into each stage's own layers; in layer order the step would re-lay the stack between stages
+on the way in and its gradients on the way out, every step (2.6x what must cross at S = 4, M = 16
+on the reference GPT). `Pipelined.pack` / `unpack` convert once; inference takes the layer order.
+
 The parameters outside the stack are held where they are used (`ends`: `_rest.StageParams`, the
 rows of `first`'s and `last`'s leaves on the end stages, or `Replicated` where strategies cut them
 inside the stages); `first` and `last` read their trees from this stage's row, and their
