@@ -73,9 +73,12 @@ def test_interleaved_holds_its_stack_in_stage_order():
     assert moved == plan.permute_bytes <= 1.1 * 2 * 2 * 16 * plan.activation_bytes, plan.schedule.segments()
     ends, stack = step.pack(params, batch)
     w = params["layers"]["w"]  # 8 layers: stage s holds layers s and 4 + s (one layer a chunk)
-    assert [int(np.argmin(np.abs(w - x).sum(axis=(1, 2)))) for x in stack["w"]] == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert [int(np.argmin(np.abs(w - x[None]).sum(axis=(1, 2)))) for x in stack["w"]] == [0, 4, 1, 5, 2, 6, 3, 7]
     loss, grads = step.train((ends, stack), batch)
     assert_close((loss, step.unpack(grads, params, batch)), (ref_loss, ref_grads), terms=step_terms(params, batch))
+    with pytest.raises(js.ShardingError, match=r"\.train: no pipeline was built for held parameters .* and a batch "
+                                               r"of shapes \['f32\[64,8\]'.*\.pack\(params, batch\)"):
+        step.train((ends, stack), tuple(b[:64] for b in batch))
 
 
 GPT = models.GPTConfig(vocab=16, seq_len=8, d_model=32, n_heads=4, n_layers=4, d_ff=64, scan=True)

@@ -118,7 +118,8 @@ class Pipelined:
         if e is None:
             raise ShardingError(
                 f"{self.call}.train: no pipeline was built for held parameters of shapes "
-                f"{[shape_str(dtype_of(x), np.shape(x)) for x in jax.tree.leaves(held)]} and this batch's shapes. "
+                f"{[shape_str(dtype_of(x), np.shape(x)) for x in jax.tree.leaves(held)]} and a batch of shapes "
+                f"{[shape_str(dtype_of(x), np.shape(x)) for x in jax.tree.leaves(batch)]}. "
                 f"Hold them with {self.call}.pack(params, batch) for a batch of these shapes first."
             )
         if e.compiled is None:
