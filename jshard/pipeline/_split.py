@@ -12,7 +12,8 @@ need; `W` runs the rest of what the parameter gradients need, reading the pullba
 (the residuals and the received gradient stay in their slots until the `W`) and the values `B`
 made that it reads (`handoff`: mostly the gradients of the outputs of the stage's matmuls, which
 `B` stores for the `W`). Every equation runs once: the split costs the handoff's memory, from the
-`B` to the `W`, and no compute.
+`B` to the `W`, and no compute; `weight_reads` says which of the pullback's arguments the `W` reads,
+so the staged program stores the handoff where the residuals only `B` read were (`_staged.py`).
 """
 
 from __future__ import annotations

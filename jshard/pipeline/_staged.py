@@ -19,7 +19,9 @@ differing shapes are packed as one flat buffer per dtype:
   the residuals of the micro-batches in flight, `M` under GPipe and at most `S` under 1F1B.
 
 Zero bubble (`"zb-h1"`) runs each backward as two ticks, `B` and `W`, its pullback split at the
-equations (`_split.py`): `B` stores its handoff to the `W` in slots of its own. Interleaved
+equations (`_split.py`): `B` stores its handoff to the `W` in the micro-batch's residual slot,
+re-packed with the residuals the `W` reads (the others are dead once `B` ran; the slot lives until
+the `W` anyway), or in slots of its own where some stage's does not fit. Interleaved
 (`virtual_stages=v`) runs `S·v` cut stages, stage `k` on device group `k mod S` as its chunk
 `k // S`: a group's stages are its `v` rows of the packed parameters (`StagedProgram.row`), and
 every slot buffer holds `v` chunks' slots.
