@@ -65,7 +65,7 @@ def test_interleaved_holds_its_stack_in_stage_order():
     (`pack`), so the step moves no parameter between stages (a stack in layer order was re-laid every
     step: 2.6x what must cross). Its permutes carry activations only, at most 1.1x what must cross
     (2vM per device). `train` on held parameters gives the gradients held alike, `unpack` the
-    call's, in layer order."""
+    call's, in layer order; inference still takes the layer order."""
     _, params, batch, (ref_loss, ref_grads) = _mlp()
     step = _mlp_step("interleaved", 4, 16)  # compiled by the grid above
     plan = step.plan(params, batch)
@@ -76,6 +76,8 @@ def test_interleaved_holds_its_stack_in_stage_order():
     assert [int(np.argmin(np.abs(w - x[None]).sum(axis=(1, 2)))) for x in stack["w"]] == [0, 4, 1, 5, 2, 6, 3, 7]
     loss, grads = step.train((ends, stack), batch)
     assert_close((loss, step.unpack(grads, params, batch)), (ref_loss, ref_grads), terms=step_terms(params, batch))
+    pipe = _mlp()[0]  # inference takes the layer order: its stack moves into stage order inside the program
+    assert_close(step.forward(params, batch)[-1], pipe.apply(params, batch), terms=fan_in(params))
     with pytest.raises(js.ShardingError, match=r"\.train: no pipeline was built for held parameters .* and a batch "
                                                r"of shapes \['f32\[64,8\]'.*\.pack\(params, batch\)"):
         step.train((ends, stack), tuple(b[:64] for b in batch))
