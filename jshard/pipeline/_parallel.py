@@ -59,6 +59,7 @@ class _Entry:
     unpack: Any
     hold: Any
     release: Any
+    held_sh: Any = None
     compiled: jax.stages.Compiled | None = None
 
 
@@ -124,7 +125,7 @@ class Pipelined:
             )
         if e.compiled is None:
             e.compiled = e.train.lower(*abstract((held, batch))).compile()
-        return e.compiled(held, placed((batch,), (e.batch_sh,))[0])
+        return e.compiled(*placed((held, batch), (e.held_sh, e.batch_sh)))
 
     @api_boundary
     def lower(self, params: dict, batch: Any) -> jax.stages.Lowered:
@@ -229,7 +230,7 @@ class Pipelined:
         unpack = jax.jit(ends.unpack, out_shardings=rest_sh)
         hold, release = (program.hold, program.release) if c.virtual_stages == 1 else \
             (jax.jit(program.hold, out_shardings=stack_sh), jax.jit(program.release, out_shardings=stack_sh))
-        e = _Entry(program, param_sh, batch_sh, train, layers, mode, pack, unpack, hold, release)
+        e = _Entry(program, param_sh, batch_sh, train, layers, mode, pack, unpack, hold, release, held_sh)
         held = (jax.eval_shape(ends.pack, abstract(rest)), abstract(stack))
         self._held.setdefault(_signature((held, batch)), e)  # what `train` finds it by
         return e
