@@ -69,7 +69,9 @@ def pipeline_table(devices: int) -> Table:
          "something crosses and none elsewhere, each with only the pairs whose source sends at that tick, "
          "what the busiest device then sends (an end stage sends one way, hence 0.5 at S = 2).",
          "Audit convention: a collective-permute counts its operand bytes on the devices that are sources in "
-         "its source-target pairs (0 elsewhere); the bytes per device are the busiest device's."),
+         "its source-target pairs (0 elsewhere); the bytes per device are the busiest device's.",
+         "Interleaved: the compiled program takes its stack in stage order (each stage's chunks side by side, "
+         "`step.pack`), so no parameter moves in the step; `step(params, batch)` converts on the way in and out."),
     )
 
 

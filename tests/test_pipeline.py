@@ -60,6 +60,29 @@ def test_loss_and_grads_equal_the_unpipelined_step(schedule, stages, micro):
     assert grads["layers"]["w"].sharding.spec == P("stage")
 
 
+def test_interleaved_holds_its_stack_in_stage_order():
+    """Interleaved stage s runs chunks s, S + s, ...: its train program takes the stack in that order
+    (`pack`), so the step moves no parameter between stages (a stack in layer order was re-laid every
+    step: 2.6x what must cross). Its permutes carry activations only, at most 1.1x what must cross
+    (2vM per device). `train` on held parameters gives the gradients held alike, `unpack` the
+    call's, in layer order; inference still takes the layer order."""
+    _, params, batch, (ref_loss, ref_grads) = _mlp()
+    step = _mlp_step("interleaved", 4, 16)  # compiled by the grid above
+    plan = step.plan(params, batch)
+    moved = plan.audit().by_kind()["collective-permute"][1]
+    assert moved == plan.permute_bytes <= 1.1 * 2 * 2 * 16 * plan.activation_bytes, plan.schedule.segments()
+    ends, stack = step.pack(params, batch)
+    w = params["layers"]["w"]  # 8 layers: stage s holds layers s and 4 + s (one layer a chunk)
+    assert [int(np.argmin(np.abs(w - x[None]).sum(axis=(1, 2)))) for x in stack["w"]] == [0, 4, 1, 5, 2, 6, 3, 7]
+    loss, grads = step.train((ends, stack), batch)
+    assert_close((loss, step.unpack(grads, params, batch)), (ref_loss, ref_grads), terms=step_terms(params, batch))
+    pipe = _mlp()[0]  # inference takes the layer order: its stack moves into stage order inside the program
+    assert_close(step.forward(params, batch)[-1], pipe.apply(params, batch), terms=fan_in(params))
+    with pytest.raises(js.ShardingError, match=r"\.train: no pipeline was built for held parameters .* and a batch "
+                                               r"of shapes \['f32\[64,8\]'.*\.pack\(params, batch\)"):
+        step.train((ends, stack), tuple(b[:64] for b in batch))
+
+
 GPT = models.GPTConfig(vocab=16, seq_len=8, d_model=32, n_heads=4, n_layers=4, d_ff=64, scan=True)
 
 
@@ -289,8 +312,8 @@ def test_each_permute_carries_only_the_stages_that_send(schedule, virtual):
     """Every permute's sources send at that tick in every repeat of its loop: the loops permute as a
     program permuting tick by tick would, and a stage sends M values per direction it sends in
     (an inner stage 2M, an end stage M). Interleaved trades a few sends for fewer loops (its ticks
-    seldom repeat): its busiest device sends at most 1.125x what it must at M = 16, 1.375x at M = 4,
-    in at most 4 loops (more cost temp memory and compile time)."""
+    seldom repeat): no device sends more than 1.1x what must cross (2vM), in the fewest loops that
+    allows (exact pairs take up to 49)."""
     for stages, micro in ((2, 4), (2, 16), (4, 4), (4, 16)):
         s = build_schedule(schedule, stages=stages, micro_batches=micro, virtual=virtual)
         sends = s.sends()
@@ -299,8 +322,8 @@ def test_each_permute_carries_only_the_stages_that_send(schedule, virtual):
             assert sends.tolist() == [micro] + [2 * micro] * (stages - 2) + [micro]
             assert len(s.segments()) <= 14
         else:
-            assert sends.max() <= (1.125 if micro == 16 else 1.375) * 2 * virtual * micro, sends
-            assert len(s.segments()) <= 4
+            assert sends.max() <= 1.1 * 2 * virtual * micro, sends
+            assert len(s.segments()) <= (3 if stages == 2 else 11), s.segments()
         for tick, names in zip(s.ops, s.tick_permutes()):
             senders = {a for name in names for a, _ in s.pairs(name)}
             assert senders == {k for k, op in enumerate(tick) if op is not None and op.kind in "FB"

@@ -290,7 +290,8 @@ def test_a_step_returning_more_than_the_loss_is_an_error():
 def test_interleaved_runs_tagged_stage_k_on_device_group_k_mod_S():
     """Four tagged stages (the embedding tied to the head: stages 0 and 3) on two device groups with
     two chunks each: stage k on group k mod 2, as its chunk k // 2. The step equals the unpipelined
-    one, idles less than 1F1B at the same S, M, and each group holds its two stages' parameters."""
+    one, idles less than 1F1B at the same S, M, sends at most 1.1x what must cross, and each group
+    holds its two stages' parameters."""
     params, batch, loss, ref = _case(4, True)
     step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="interleaved",
                           virtual_stages=2)
@@ -299,6 +300,8 @@ def test_interleaved_runs_tagged_stage_k_on_device_group_k_mod_S():
     one = js.pipeline.build_schedule("1f1b", stages=2, micro_batches=4)
     assert program.schedule.bubble_fraction < one.bubble_fraction
     assert [program.row(k) for k in range(4)] == [0, 2, 1, 3]  # group 0: stages 0, 2; group 1: stages 1, 3
+    moved, must = _permuted(step, params, batch)  # a group sends from its v = 2 chunks: 2vM activations
+    assert moved <= 1.1 * 2 * must, (moved, must, program.schedule.segments())
     packed = step.pack(params, batch)["float32"]
     rows = {k: program.param_flats[k].pack([jax.tree.leaves(params)[j] for j in program.cut.params[k]],
                                            program.param_widths)["float32"] for k in range(4)}

@@ -28,6 +28,12 @@ of two ticks (1F1B's steady state) runs two switches; each branch adds its param
 into the running sums itself and sends one value, so no gradient-sized increment stays live
 between them (about 2% more temporary memory than a one-tick loop remains).
 
+The stack is held in stage order (`Program.hold`): interleaved, stage `s` runs chunks `s, S + s,
+...`, so the train program takes the stack with those chunks side by side and the stage axis cuts
+dim 0 into each stage's own layers; in layer order the step would re-lay the stack between stages
+on the way in and its gradients on the way out, every step (2.6x what must cross at S = 4, M = 16
+on the reference GPT). `Pipelined.pack` / `unpack` convert once; inference takes the layer order.
+
 The parameters outside the stack are held where they are used (`ends`: `_rest.StageParams`, the
 rows of `first`'s and `last`'s leaves on the end stages, or `Replicated` where strategies cut them
 inside the stages); `first` and `last` read their trees from this stage's row, and their
@@ -109,20 +115,41 @@ class Program:
     def train(self) -> Callable[[tuple, Any], tuple[jax.Array, tuple]]:
         """`fn((ends, stack), batch) -> (loss, (g_ends, g_stack))`: `ends` the parameters outside
         the stack as `self.ends` holds them (`ends.pack(rest)`: on the stages that use them, or on
-        every stage), `stack` the layer stack; the loss is the mean over micro-batches."""
+        every stage), `stack` the layer stack in stage order (`hold`: interleaved, each stage's
+        chunks together; the gradients come back in that order too); the loss is the mean over
+        micro-batches."""
 
         def fn(held, batch):
             ends, stack = held
-            chunks, micro = self._chunks(stack), self._micro(batch)
+            chunks, micro = self._chunks(stack, held=True), self._micro(batch)
             mapped = jax.shard_map(
                 self._train_body, mesh=self.mesh,
-                in_specs=(self.ends.spec, _P(None, STAGE), self._micro_spec(), _P(None, STAGE)),
-                out_specs=(_P(), self.ends.spec, _P(None, STAGE)), axis_names=self._manual, check_vma=False,
+                in_specs=(self.ends.spec, _P(STAGE), self._micro_spec(), _P(None, STAGE)),
+                out_specs=(_P(), self.ends.spec, _P(STAGE)), axis_names=self._manual, check_vma=False,
             )
             loss, g_ends, g_chunks = mapped(ends, chunks, micro, self._table())
             return loss, (g_ends, jax.tree.map(lambda g, a: g.reshape(a.shape), g_chunks, stack))
 
         return fn
+
+    def hold(self, stack):
+        """The layer stack `[L, ...]` in stage order: stage `s`'s chunks `s, S + s, ...` (layers of
+        virtual stages `c·S + s`) side by side, so that the stage axis cuts dim 0 into each stage's
+        own layers and the step moves no parameter (interleaved; the layer order itself with one
+        chunk per stage). `release` is its inverse."""
+        s, v = self.schedule.stages, self.schedule.virtual
+        if v == 1:
+            return stack
+        k = stack_length(stack) // (s * v)
+        return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(v, s, k, *a.shape[1:]), 0, 1).reshape(a.shape), stack)
+
+    def release(self, held):
+        """A stack (or its gradients) in stage order (`hold`) back in layer order."""
+        s, v = self.schedule.stages, self.schedule.virtual
+        if v == 1:
+            return held
+        k = stack_length(held) // (s * v)
+        return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(s, v, k, *a.shape[1:]), 0, 1).reshape(a.shape), held)
 
     def forward(self, broadcast: bool) -> Callable[[dict, Any], Any]:
         """`fn(params, batch) -> outputs` of `head`, rows in batch order; with `broadcast` on every
@@ -132,7 +159,7 @@ class Program:
             rest, chunks, micro = self._inputs(params, batch)
             mapped = jax.shard_map(
                 lambda r, c, m, t: self._forward_body(r, c, m, t, broadcast), mesh=self.mesh,
-                in_specs=(_P(), _P(None, STAGE), self._micro_spec(), _P(None, STAGE)),
+                in_specs=(_P(), _P(STAGE), self._micro_spec(), _P(None, STAGE)),
                 out_specs=_P(None, self.data_axes or None) if broadcast else _P(STAGE, None, self.data_axes or None),
                 axis_names=self._manual, check_vma=False,
             )
@@ -174,10 +201,15 @@ class Program:
         rest, stack = self.pipe.split(params)
         return rest, self._chunks(stack), self._micro(batch)
 
-    def _chunks(self, stack):
+    def _chunks(self, stack, held: bool = False):
+        """`[S, v, k, ...]`: stage `s`'s `v` chunks of `k` layers, from a stack in layer order (a
+        transpose where interleaved: the layers move between stages) or in stage order (`held`:
+        a reshape)."""
         s, v = self.schedule.stages, self.schedule.virtual
         k = stack_length(stack) // (s * v)
-        return jax.tree.map(lambda a: a.reshape(v, s, k, *a.shape[1:]), stack)
+        if held or v == 1:
+            return jax.tree.map(lambda a: a.reshape(s, v, k, *a.shape[1:]), stack)
+        return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(v, s, k, *a.shape[1:]), 0, 1), stack)
 
     def _micro(self, batch):
         m = self.schedule.micro_batches
@@ -209,7 +241,7 @@ class Program:
         ctx = _context.current()
         if ctx is not None:  # `jshard.shard` inside the stage constrains over the stage-manual mesh
             ctx.mesh = jax.sharding.get_abstract_mesh()
-        chunks = jax.tree.map(lambda a: a[:, 0], chunks)  # [v, 1, k, ...] -> [v, k, ...]
+        chunks = jax.tree.map(lambda a: a[0], chunks)  # [1, v, k, ...] -> [v, k, ...]
         run = self.pipe.stage_runner(0)
         if isinstance(run, list):
             run = _runner(run, jax.lax.axis_index(STAGE))
@@ -272,7 +304,7 @@ class Program:
         if self.data_axes:  # each device differentiated the mean over its own rows
             g_rest, g_chunks = jax.tree.map(lambda g: g / data, jax.lax.psum((g_rest, g_chunks), self.data_axes))
         g_rest = self.ends.sum_tied(g_rest, jax.lax.axis_index(STAGE), STAGE)
-        return loss, self.ends.out(g_rest), jax.tree.map(lambda a: a[:, None], g_chunks)
+        return loss, self.ends.out(g_rest), jax.tree.map(lambda a: a[None], g_chunks)
 
     def _data_degree(self) -> int:
         return int(np.prod([self.mesh.shape[a] for a in self.data_axes])) if self.data_axes else 1

@@ -58,6 +58,9 @@ class _Entry:
     mode: str
     pack: Any
     unpack: Any
+    hold: Any
+    release: Any
+    held_sh: Any = None
     compiled: jax.stages.Compiled | None = None
 
 
@@ -65,6 +68,14 @@ class Pipelined:
     """A pipelined step: call it for `(loss, grads)`, `forward` it for inference, or read its `plan`.
 
     Made by `jshard.parallelize(pipe, pipeline_stages=..., micro_batches=...)` for a `jshard.Pipeline`.
+
+    A training loop may hold its parameters as the program does and skip the conversions of each
+    call: `pack(params, batch)` gives `(ends, stack)`, the parameters outside the stack on the
+    stages that use them and the stack in stage order (interleaved: each stage's chunks side by
+    side, `Program.hold`; the layer order with one chunk per stage), `train(held, batch)` returns
+    `(loss, grads)` in that same form (an optimizer applied to them keeps every value where it is),
+    and `unpack(held, params, batch)` gives a tree in the user's layer order back (for a checkpoint
+    or an evaluation). Calling the step does all three each time.
     """
 
     def __init__(self, pipe: Pipeline, options: Options):
@@ -74,21 +85,54 @@ class Pipelined:
         self.n, self.inner, self.mesh = _pipeline_mesh(self.call, options)
         self._cache: SignatureCache[_Entry] = SignatureCache()
         self._forwards: SignatureCache[Any] = SignatureCache()
+        self._held: dict[tuple, _Entry] = {}
 
     @api_boundary
     def __call__(self, params: dict, batch: Any) -> tuple[jax.Array, dict]:
-        """`(loss, grads)`: the loss is the mean over micro-batches, the grads are those of that loss."""
+        """`(loss, grads)`: the loss is the mean over micro-batches, the grads are those of that loss
+        (`pack`, the compiled `train`, then the gradients unpacked into `params`' tree)."""
         e = self._entry(params, batch)
         params, batch = placed((params, batch), (e.param_sh, e.batch_sh))
         rest, stack = self.pipe.split(params)
-        loss, (g_ends, g_stack) = self.compile(params, batch)((e.pack(rest), stack), batch)
-        return loss, self.pipe.join(e.unpack(g_ends), g_stack)
+        loss, (g_ends, g_stack) = self.compile(params, batch)((e.pack(rest), e.hold(stack)), batch)
+        return loss, self.pipe.join(e.unpack(g_ends), e.release(g_stack))
+
+    @api_boundary
+    def pack(self, params: dict, batch: Any) -> tuple[Any, Any]:
+        """`params` as the train program holds them: `(ends, stack)`, the parameters outside the
+        stack packed on the stages that use them, the stack in stage order (`Program.hold`)."""
+        e = self._entry(params, batch)
+        rest, stack = self.pipe.split(placed((params,), (e.param_sh,))[0])
+        return e.pack(rest), e.hold(stack)
+
+    @api_boundary
+    def unpack(self, held: tuple[Any, Any], params: dict, batch: Any) -> dict:
+        """Held parameters or gradients (`pack`, `train`) back as a tree like `params`, the stack in
+        layer order."""
+        e = self._entry(params, batch)
+        ends, stack = held
+        return self.pipe.join(e.unpack(ends), e.release(stack))
+
+    @api_boundary
+    def train(self, held: tuple[Any, Any], batch: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+        """`(loss, grads)` on held parameters (`pack`), the gradients held alike."""
+        e = self._held.get(_signature((held, batch)))
+        if e is None:
+            raise ShardingError(
+                f"{self.call}.train: no pipeline was built for held parameters of shapes "
+                f"{[shape_str(dtype_of(x), np.shape(x)) for x in jax.tree.leaves(held)]} and a batch of shapes "
+                f"{[shape_str(dtype_of(x), np.shape(x)) for x in jax.tree.leaves(batch)]}. "
+                f"Hold them with {self.call}.pack(params, batch) for a batch of these shapes first."
+            )
+        if e.compiled is None:
+            e.compiled = e.train.lower(*abstract((held, batch))).compile()
+        return e.compiled(*placed((held, batch), (e.held_sh, e.batch_sh)))
 
     @api_boundary
     def lower(self, params: dict, batch: Any) -> jax.stages.Lowered:
         """The pipelined train program `((ends, stack), batch) -> (loss, (g_ends, g_stack))`,
         lowered (as `jax.jit(...).lower`): `ends` the parameters outside the stack, packed on the
-        stages that use them (`stage_bytes`)."""
+        stages that use them (`stage_bytes`), `stack` in stage order (`pack`)."""
         e = self._entry(params, batch)
         rest, stack = self.pipe.split(abstract(params))
         return e.train.lower((jax.eval_shape(e.program.ends.pack, rest), stack), abstract(batch))
@@ -185,7 +229,12 @@ class Pipelined:
                         out_shardings=(NamedSharding(self.mesh, PartitionSpec()), held_sh))
         pack = jax.jit(ends.pack, out_shardings=ends_sh)
         unpack = jax.jit(ends.unpack, out_shardings=rest_sh)
-        return _Entry(program, param_sh, batch_sh, train, layers, mode, pack, unpack)
+        hold, release = (program.hold, program.release) if c.virtual_stages == 1 else \
+            (jax.jit(program.hold, out_shardings=stack_sh), jax.jit(program.release, out_shardings=stack_sh))
+        e = _Entry(program, param_sh, batch_sh, train, layers, mode, pack, unpack, hold, release, held_sh)
+        held = (jax.eval_shape(ends.pack, abstract(rest)), abstract(stack))
+        self._held.setdefault(_signature((held, batch)), e)  # what `train` finds it by
+        return e
 
     def _ends(self, params, batch, r_specs, mode) -> StageParams | Replicated:
         """How the parameters outside the stack are held: on the stages that read them, packed

@@ -25,8 +25,8 @@ a backward's input gradient: 1F1B's steady state, neighbours swapping), else for
 apart. `segments` groups consecutive ticks of one repeating pair pattern into loops, and a loop body
 position permutes what all its repeats need; the cut is the fewest sends first, the fewest loops
 second, so every device sends exactly what it must (`Schedule.sends`); interleaved, whose ticks
-seldom repeat, weighs a send as a tenth of a loop instead (`_BALANCED`: 4 loops at S = 4, M = 16
-where exact pairs take 38, its busiest device's ticks sending 1.125x what it must).
+seldom repeat, takes the fewest loops in which no device sends more than 1.1x what must cross
+(`_bounded_loops`: 5 loops at S = 4, M = 16 where exact pairs take 38).
 
 Virtual stage `j` (`0 <= j < S * v`) runs on device `j % S` as its chunk `j // S`; with `v = 1` a
 virtual stage is a stage.
@@ -37,7 +37,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import html
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -244,8 +245,9 @@ class Schedule:
 
     @functools.cached_property
     def _segments(self):
-        weights = _EXACT if self.virtual == 1 else _BALANCED
-        return _cheapest_loops(list(self._needed), self._cover, weights)
+        if self.virtual == 1:
+            return _cheapest_loops(list(self._needed), self._cover, _EXACT)
+        return _bounded_loops(list(self._needed), self._cover, self.stages, _SLACK * 2 * self.micro_batches * self.virtual)
 
     def segments(self) -> tuple[tuple[int, int, tuple[tuple[str, ...], ...]], ...]:
         """The ticks as loops of one repeating permute pattern: `(start, repeats, pattern)`, where
@@ -256,8 +258,10 @@ class Schedule:
         size). Fill and drain ticks differ from one another, so each stands alone (a loop of one
         trip, which XLA inlines): at S = 4, M = 16 GPipe and 1F1B are 12 and 14 loops, against 4
         each for a cut that permuted every pair of a pattern at every tick (about twice the compile
-        time, +0.3% / +0.6% temp memory on the reference GPT). Interleaved weighs a send as a
-        tenth of a loop (`_BALANCED`), so some of its loops send a little more than they need."""
+        time, +0.3% / +0.6% temp memory on the reference GPT). Interleaved, whose ticks seldom
+        repeat (exact pairs take 38 loops at S = 4, M = 16), takes the fewest loops in which no
+        device sends more than `_SLACK` (1.1) times what must cross, `2·M·v` (`_bounded_loops`):
+        5 loops at S = 4, M = 16, 11 at M = 4, 3 and 1 at S = 2."""
         return self._segments
 
     def table(self) -> str:
@@ -354,13 +358,26 @@ def _name(kind: str, pairs) -> str:
     return " ".join([kind, *(f"{a}>{b}" for a, b in sorted(pairs))])
 
 
-def _cheapest_loops(needed: list[frozenset], cover, weights: tuple[float, float]) -> tuple:
+def _cheapest_loops(needed: list[frozenset], cover, weights: tuple[Any, float], body: float = 0.5,
+                    covers: dict | None = None) -> tuple:
     """Dynamic programming over the ticks: cut them into loops of period 1 to 3, each body position
     permuting `cover` of what its repeats need, for the least cost: `weights = (send, permute)` per
-    send (a pair of a permute, per execution) and per permute execution, plus 1 per loop and 1/2 per
-    body tick. `_EXACT`: the fewest sends, then permutes, then loops; `_BALANCED`: a send weighs
-    about a tenth of a loop."""
+    send (a pair of a permute, per execution; a float, or a sequence of one weight per source
+    stage) and per permute execution, plus 3/2 per loop and `body` per body tick after its first.
+    `_EXACT`: the fewest sends, then permutes, then loops. `covers` keeps each union's permutes and
+    their sources between calls."""
     send_weight, permute_weight = weights
+    by_source = send_weight if isinstance(send_weight, Sequence) else None
+    covers = {} if covers is None else covers
+
+    def priced(u):
+        if u not in covers:
+            names = cover(u)
+            covers[u] = (names, [int(pair.split(">")[0]) for name in names for pair in name.split()[1:]])
+        names, sources = covers[u]
+        sends = send_weight * len(sources) if by_source is None else sum(by_source[k] for k in sources)
+        return names, sends + permute_weight * len(names)
+
     n = len(needed)
     best: list[tuple[float, tuple]] = [(float("inf"), ())] * n + [(0.0, ())]
     for t in range(n - 1, -1, -1):
@@ -371,22 +388,43 @@ def _cheapest_loops(needed: list[frozenset], cover, weights: tuple[float, float]
                 unions = [u | needed[base + k] for k, u in enumerate(unions)]
                 if repeats == 1 and period > 1:
                     continue  # the same ticks as `period` loops of one
-                pattern = tuple(cover(u) for u in unions)
-                sends = sum(len(name.split()) - 1 for p in pattern for name in p)
-                permutes = sum(len(p) for p in pattern)
-                cost = repeats * (send_weight * sends + permute_weight * permutes) + 1 + period / 2 + best[t + repeats * period][0]
+                positions = [priced(u) for u in unions]
+                pattern = tuple(names for names, _ in positions)
+                cost = repeats * sum(c for _, c in positions) + 1.5 + (period - 1) * body + best[t + repeats * period][0]
                 if cost < best[t][0]:
                     best[t] = (cost, ((t, repeats, pattern), *best[t + repeats * period][1]))
     return best[0][1]
 
 
-# `_cheapest_loops`' weights (send, permute). `_EXACT`: a send outweighs any number of permutes, a
-# permute any loop structure (GPipe, 1F1B, zero bubble). `_BALANCED` (interleaved, whose ticks seldom
-# repeat: exact pairs would take 38 loops at S = 4, M = 16 and 49 at S = 2): 4 and 1 loops, the
-# busiest device's ticks sending 1.125x and 1.03x what it must (1.375x at S = 4, M = 4). Each loop
-# body compiles the whole tick: on the stacked reference GPT at S = 4, M = 16 a cut of 8 loops (send
-# weight 0.5: 1.05x) cost twice the compile time and +4.8% temp memory, 16 loops 4x and +5.7%.
-_EXACT, _BALANCED = (1e6, 1e3), (0.2, 0.02)
+def _bounded_loops(needed: list[frozenset], cover, stages: int, bound: float) -> tuple:
+    """The cheapest loops (`_cheapest_loops`) in which no stage sends more than `bound` values: a
+    send starts at a fifth of a loop, and the weight of each stage that sends too much grows by a
+    quarter until none does (exact pairs, the floor, always fit: a stage never needs to send more
+    than what must cross). Stages with room to spare keep their cheap sends, so the end stages of
+    an interleaved fill and drain share loops with the inner ones. A body of several ticks weighs
+    2 loops a tick after its first: such a body keeps more temporary memory live (about 2% on the
+    stacked reference GPT at S = 2, M = 4), so it is taken only where it saves several loops."""
+    weights, covers = [0.2] * stages, {}
+    for _ in range(64):
+        segments = _cheapest_loops(needed, cover, (weights, 0.02), body=2.0, covers=covers)
+        sends = np.zeros(stages, np.int64)
+        for _, repeats, pattern in segments:
+            for names in pattern:
+                for name in names:
+                    for pair in name.split()[1:]:
+                        sends[int(pair.split(">")[0])] += repeats
+        over = sends > bound
+        if not over.any():
+            return segments
+        weights = [w * 1.25 if o else w for w, o in zip(weights, over)]
+    return _cheapest_loops(needed, cover, _EXACT)
+
+
+# `_cheapest_loops`' weights (send, permute) for one-chunk schedules: a send outweighs any number of
+# permutes, a permute any loop structure (GPipe, 1F1B, zero bubble). Interleaved (`_bounded_loops`)
+# lets a stage send up to `_SLACK` times what must cross: its ticks seldom repeat, so exact pairs
+# would take 38 loops at S = 4, M = 16 and 49 at S = 2, and each loop body compiles the whole tick.
+_EXACT, _SLACK = (1e6, 1e3), 1.1
 
 
 def _fits(lives: list[tuple[int, int, int]], k: int) -> bool:

@@ -12,7 +12,8 @@ need; `W` runs the rest of what the parameter gradients need, reading the pullba
 (the residuals and the received gradient stay in their slots until the `W`) and the values `B`
 made that it reads (`handoff`: mostly the gradients of the outputs of the stage's matmuls, which
 `B` stores for the `W`). Every equation runs once: the split costs the handoff's memory, from the
-`B` to the `W`, and no compute.
+`B` to the `W`, and no compute; `weight_reads` says which of the pullback's arguments the `W` reads,
+so the staged program stores the handoff where the residuals only `B` read were (`_staged.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class SplitBackward:
 
     Attributes:
       handoff: the shapes and dtypes of the values `B` makes and `W` reads, in order.
+      weight_reads: per leaf of the pullback's arguments (flat, in order), whether `W` reads it
+        (`weight_grad` may be given anything of its shape for the others).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -63,6 +66,7 @@ class SplitBackward:
     _w_outs: tuple
     _handoff: tuple
     handoff: tuple[jax.ShapeDtypeStruct, ...]
+    weight_reads: tuple[bool, ...]
 
     @classmethod
     def of(cls, bwd: Callable, args: Sequence[Any], n_params: int) -> SplitBackward:
@@ -79,9 +83,11 @@ class SplitBackward:
         w = _needed(eqns, w_outs, {id(e) for e in b})
         read_by_w = [v for e in w for v in e.inputs] + list(w_outs)
         handoff = tuple(dict.fromkeys(v for v in read_by_w if isinstance(v, jcore.Var) and v in made_in_b))
+        read = {v for v in read_by_w if isinstance(v, jcore.Var)}
         return cls(tuple(jaxpr.invars), dict(zip(jaxpr.constvars, closed.consts)), tuple(b), tuple(w),
                    b_outs, w_outs, handoff,
-                   tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in handoff))
+                   tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in handoff),
+                   tuple(v in read for v in jaxpr.invars))
 
     def input_grad(self, args: Sequence[Any]) -> tuple[list, list]:
         """`B`: `(g_inputs, handoff values)` from the pullback's arguments."""

@@ -23,7 +23,9 @@ differing shapes are packed as one flat buffer per dtype:
   the residuals of the micro-batches in flight, `M` under GPipe and at most `S` under 1F1B.
 
 Zero bubble (`"zb-h1"`) runs each backward as two ticks, `B` and `W`, its pullback split at the
-equations (`_split.py`): `B` stores its handoff to the `W` in slots of its own. Interleaved
+equations (`_split.py`): `B` stores its handoff to the `W` in the micro-batch's residual slot,
+re-packed with the residuals the `W` reads (the others are dead once `B` ran; the slot lives until
+the `W` anyway), or in slots of its own where some stage's does not fit. Interleaved
 (`virtual_stages=v`) runs `S·v` cut stages, stage `k` on device group `k mod S` as its chunk
 `k // S`: a group's stages are its `v` rows of the packed parameters (`StagedProgram.row`), and
 every slot buffer holds `v` chunks' slots.
@@ -295,8 +297,9 @@ class StagedProgram:
             "loss": jnp.zeros((), jnp.float32),
         }
         branches = [ticks.idle, ticks.forward, ticks.backward]
-        if sch.split_backward:  # `B` stores its handoff to the `W` (`_split.py`) in slots of its own
-            carry["hand"] = _zeros(v * n["hand"], ticks.hw)
+        if sch.split_backward:  # `B` stores its handoff to the `W` (`_split.py`): in the residuals' slot
+            if not ticks.hand_in_res:  # where it fits in what the `W` leaves unread, else in slots of its own
+                carry["hand"] = _zeros(v * n["hand"], ticks.hw)
             branches = [ticks.idle, ticks.forward, ticks.input_grad, ticks.weights]
 
         def tick(carry, row, permutes):
@@ -412,6 +415,12 @@ class _Ticks:
             self.splits = [self._split(k) for k in range(self.cut.stages)]
             self.hf = [Flat.of(split.handoff) for split in self.splits]
             self.hw = widths(self.hf)
+            # what the `W` reads of each stage's residuals, and that with `B`'s handoff (`after_b`)
+            self.kept = [[n for n in range(len(self.rf[k].avals)) if split.weight_reads[len(self.cut.params[k]) + n]]
+                         for k, split in enumerate(self.splits)]
+            self.af = [Flat.of([self.rf[k].avals[n] for n in kept] + list(split.handoff))
+                       for k, (kept, split) in enumerate(zip(self.kept, self.splits))]
+            self.hand_in_res = all(size <= self.rw.get(name, 0) for f in self.af for name, size in f.sizes.items())
 
     def _result(self, view, **changes) -> dict:
         base = {"res": view["res"], "send_f": _zeros(None, self.bw), "send_b": _zeros(None, self.gw),
@@ -539,11 +548,18 @@ class _Ticks:
 
     def input_grad(self, view, i):
         """Zero bubble's `B`: the input gradient of micro-batch `i`, sent back, and the handoff its
-        `W` reads stored; the parameters' gradient is left to `weights`."""
+        `W` reads stored; the parameters' gradient is left to `weights`. The handoff goes into the
+        micro-batch's residual slot, re-packed with the residuals the `W` reads (`after_b`: the
+        rest are dead once `B` ran, and the slot lives until the `W` anyway), where every stage's
+        fits; else into slots of its own."""
 
         def at(k):
-            g_x, hand = self.splits[k].input_grad(self._pullback_args(k, view))
+            args = self._pullback_args(k, view)
+            g_x, hand = self.splits[k].input_grad(args)
             send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
+            if self.hand_in_res:
+                res = self.af[k].pack([args[1][n] for n in self.kept[k]] + list(hand), self.rw)
+                return self._result(view, send_b=send_b, res=res)
             return self._result(view, send_b=send_b, hand=self.hf[k].pack(hand, self.hw))
 
         return jax.lax.switch(self._vstage(view), [lambda k=k: at(k) for k in range(self.cut.stages)])
@@ -553,7 +569,15 @@ class _Ticks:
         received gradient still in their slots and the handoff its `B` stored, added to the sum."""
 
         def at(k):
-            g_params = self.splits[k].weight_grad(self._pullback_args(k, view), self.hf[k].unpack(view["hand"]))
+            if not self.hand_in_res:
+                g_params = self.splits[k].weight_grad(self._pullback_args(k, view), self.hf[k].unpack(view["hand"]))
+                return self._result(view, g=self._add(view["g"], k, g_params))
+            params_k, _, cot = self._pullback_args(k, view)
+            after = self.af[k].unpack(view["res"])
+            res = [jnp.zeros(a.shape, a.dtype) for a in self.rf[k].avals]  # the ones the `W` does not read
+            for n, x in zip(self.kept[k], after):
+                res[n] = x
+            g_params = self.splits[k].weight_grad([params_k, res, cot], after[len(self.kept[k]):])
             return self._result(view, g=self._add(view["g"], k, g_params))
 
         return jax.lax.switch(self._vstage(view), [lambda k=k: at(k) for k in range(self.cut.stages)])
