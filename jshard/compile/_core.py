@@ -54,7 +54,7 @@ from jshard.layouts import (
     spec_from_pspec,
     to_pspec,
 )
-from jshard.search import Weighed, assignment, choices, region_costs, upgrades
+from jshard.search import PROPAGATED, Weighed, assignment, choices, region_costs, upgrades
 
 OPTIMIZER_LEVELS = (1, 2, 3)
 """The optimizer-parallel levels the search weighs where none is given and no plan fits without one."""
@@ -400,12 +400,12 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
     problem = Problem(traced, in_sh, donated, budget, offload, movable=dataset_defaulted(traced, slots, dataset, c))
     checked = check and c.searching and c.memory_budget is not None and devices is not None
-    held = 0.0
-    for attempt in range(BUDGET_ROUNDS):
+    held, searched = 0.0, 0
+    while searched < BUDGET_ROUNDS:
         try:
             planned = planner.plan(problem)
         except ShardingError as e:
-            if attempt == 0:
+            if not held:
                 raise
             raise MemoryBudgetError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e), held) from None
         scattered, made = reduce_scattered(traced, planned.result, grads)  # level 2 and 3: the gradients' reduce-scatter
@@ -425,8 +425,12 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
         report = dataclasses.replace(report, compiled_peak_bytes=held)
         if held <= c.memory_budget:
             return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
+        if problem.propagated and PROPAGATED in report.status:  # the search's own plans at this estimate first
+            problem = dataclasses.replace(problem, propagated=False)
+            continue
         # XLA holds more than the search's estimate: ask for less.
         problem = dataclasses.replace(problem, budget=problem.budget * c.memory_budget / held * 0.97)
+        searched += 1
     raise MemoryBudgetError(
         f"{call}: memory_budget={human_bytes(c.memory_budget)} per device: the searched plan's "
         f"compiled program still holds {human_bytes(held)} per device after {BUDGET_ROUNDS} searches with "
