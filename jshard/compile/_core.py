@@ -423,7 +423,8 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
             return program
         held = compiled_peak(program.jitted, args, program.in_shardings)
         report = dataclasses.replace(report, compiled_peak_bytes=held)
-        if held <= c.memory_budget:
+        if held <= c.memory_budget:  # the report names the budget asked for, not the tighter estimate searched under
+            report = dataclasses.replace(report, budget=budget)
             return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
         if problem.propagated and PROPAGATED in report.status:  # the search's own plans at this estimate first
             problem = dataclasses.replace(problem, propagated=False)
