@@ -33,9 +33,11 @@ PROPAGATED = "the plan propagated from the anchors"
 def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping,
                budget: float | None) -> Solved | None:
     """The plan propagated from the anchors (`fixed` arguments and the program's sharding
-    constraints) as a choice per unit, its seconds and peak; None where the program has no anchor
-    or the plan's estimated peak exceeds `budget`."""
-    if not fixed and not any(node.primitive == CONSTRAINT for node in g.nodes):
+    constraints) as a choice per unit, its seconds and peak, moved to fit `budget` where it does not
+    (`fitted`, then `polished`); None where the program has no anchor that cuts an array, or no
+    move fits it."""
+    cut = any(axes for spec in fixed.values() for axes in spec)  # a whole array anchors nothing
+    if not cut and not any(node.primitive == CONSTRAINT for node in g.nodes):
         return None
     free = [v for v in args if v not in fixed and shape_of(v)]
     result = propagate_globally(g.nodes, fixed, free, g.axis_size, g.cost, outputs=outvars)
