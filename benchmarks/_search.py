@@ -192,10 +192,14 @@ def quality_table(cases: Sequence[Searched], devices: int) -> Table:
         tuple(cells),
         (
             "`jshard.parallelize(step, devices=8, mode='auto', search=..., memory_budget=B)` on the unannotated "
-            "train step (no `shard` calls, no `in_strategy`); bytes and peak read by `jshard.audit` from the "
-            "compiled program, as in table 1 (peak = arguments + outputs + temp - aliased).",
+            "train step (no `shard` calls, no `in_strategy`; loop_gpt keeps its own Megatron `shard` tuples); bytes "
+            "and peak read by `jshard.audit` from the compiled program, as in table 1 (peak = arguments + outputs "
+            "+ temp - aliased).",
             "Budgets from table 1's expert rows: fits = the data-parallel plan's compiled peak; tight = midway "
             "between the smallest expert peak and data parallel's, so data parallel does not fit.",
+            "loop_gpt: the zoo's GPT written by someone else (tests/clients/loop_gpt.py at 2 layers, d 256, ff 1024, "
+            "vocab 2048) against its own experts under a plain `jax.jit`: data (parameters whole, tokens cut 8 ways) "
+            "and megatron (`loop_gpt.expert_shardings`); fits = data's compiled peak, least = Megatron's own.",
             "planning: `plan()`, including the trace and, with a budget, compiling the plan to check its memory "
             "(and searching again with a tighter estimate if XLA holds more). predicted: the search's own cost "
             "(alpha-beta collectives and compute, default GPU cost model).",
