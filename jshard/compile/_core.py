@@ -462,7 +462,10 @@ def _layouts(traced, in_sh: list, planner, donated: frozenset[int], c: Options) 
     the planner gives it without the cut (else replicated, as the program would lay it out)."""
     if all(sh is not None for sh in in_sh):
         return list(in_sh)
-    planned = planner.plan(Problem(traced, in_sh, donated, c.memory_budget))
+    try:
+        planned = planner.plan(Problem(traced, in_sh, donated, c.memory_budget))
+    except MemoryBudgetError:  # the cut these layouts are for is what makes the budget fit
+        planned = planner.plan(Problem(traced, in_sh, donated, None))
     given = planned.in_shardings or [None] * len(in_sh)
     values = {} if planned.result is None else planned.result.values
     return [sh or g or NamedSharding(traced.mesh, to_pspec(values[v]) if v in values else PartitionSpec())
