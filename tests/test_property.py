@@ -189,6 +189,11 @@ RESHARDS = [
     ((8, 8, 8), ((), ("d2", "d0", "d1"), ()), (("d0", "d1"), ("d2",), ()), {"all-to-all": 256}),
     # two dims' cuts swapped over three dims: two all-to-alls, then the permute
     ((4, 4, 16), ((), ("d1", "d2"), ("d0",)), (("d0", "d1"), ("d2",), ()), {"all-to-all": 256, "collective-permute": 128}),
+    # mixed axis orders across dims (issue 15: "which XLA reshards by full rematerialization"): the
+    # two dims' axes swapped is one permute of the local slice, no gather to whole
+    ((16, 16), (("d0",), ("d1",)), (("d1",), ("d0",)), {"collective-permute": 256}),
+    # ... a major axis and a minor pair swapped: one all-to-all, then the permute
+    ((16, 16), (("d0",), ("d1", "d2")), (("d1", "d2"), ("d0",)), {"all-to-all": 128, "collective-permute": 128}),
 ]
 
 

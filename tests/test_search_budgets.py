@@ -11,6 +11,7 @@ from clients import loop_gpt
 
 import jshard as js
 from jshard import models
+from jshard.search import PROPAGATED
 
 
 def _step(cfg, init, loss, make_batch, rows):
@@ -41,21 +42,46 @@ def test_ilp_is_never_worse_than_the_recursive_plan(name):
         assert ilp.seconds == pytest.approx(recursive.seconds, rel=1e-12)
 
 
-def test_ilp_fits_where_the_expert_fits():
-    """Issue 15's case, smaller (its weights still dominate): the GPT written by someone else, under the
-    Megatron plan's own compiled peak as the budget (read from its memory analysis): the ILP returns a
-    plan (its own, or its warm start where HiGHS finds none in the time limit) that fits in the
-    compiled program, and equals one device."""
+@pytest.fixture(scope="module")
+def loop_case():
+    """Issue 15's case, smaller (its weights still dominate): the GPT written by someone else, and the
+    audit of its Megatron expert plan under a plain `jax.jit`."""
     params, tokens = loop_gpt.create(layers=2, d=256, ff=1024, vocab=2048)
     mesh = loop_gpt.make_mesh()
     shardings, batch = loop_gpt.expert_shardings(mesh, params)
     expert = jax.jit(loop_gpt.train_step, in_shardings=(shardings, batch), out_shardings=(shardings, None))
-    budget = js.audit(expert.lower(params, tokens).compile()).memory.peak_bytes
+    return params, tokens, js.audit(expert.lower(params, tokens).compile())
+
+
+def test_ilp_fits_where_the_expert_fits(loop_case):
+    """Under the Megatron plan's own compiled peak as the budget (read from its memory analysis): the
+    ILP returns a plan (its own, or its warm start where HiGHS finds none in the time limit) that
+    fits in the compiled program, and equals one device."""
+    params, tokens, expert = loop_case
+    budget = expert.memory.peak_bytes
     step = js.parallelize(loop_gpt.train_step, devices=8, mode="auto", search="ilp", memory_budget=budget,
                           search_time_limit=4)
     report = step.plan(params, tokens).search
     assert report.compiled_peak_bytes <= budget, report.line()
     assert report.kept, report.line()
+    _, loss = step(params, tokens)
+    _, ref = jax.jit(loop_gpt.train_step)(params, tokens)
+    assert_close(loss, ref, terms=step_terms(params, tokens, backward=False))
+
+
+def test_search_keeps_the_plan_propagated_from_the_anchors(loop_case):
+    """Under a budget the Megatron plan fits in with room (twice its compiled peak; data parallel does
+    not fit), the recursive search weighs the plan propagated from the model's own `shard` tuples
+    and keeps it: the compiled step moves at most 1.05x the expert's bytes (the recursive search
+    alone: 1.40x), fits, and equals one device."""
+    params, tokens, expert = loop_case
+    budget = 2 * expert.memory.peak_bytes
+    step = js.parallelize(loop_gpt.train_step, devices=8, mode="auto", memory_budget=budget)
+    report = step.plan(params, tokens).search
+    assert report.status.startswith(PROPAGATED), report.line()
+    compiled = js.audit(step.lower(params, tokens).compile())
+    assert compiled.bytes() <= 1.05 * expert.bytes(), (compiled.bytes(), expert.bytes())
+    assert compiled.memory.peak_bytes <= budget
     _, loss = step(params, tokens)
     _, ref = jax.jit(loop_gpt.train_step)(params, tokens)
     assert_close(loss, ref, terms=step_terms(params, tokens, backward=False))

@@ -56,7 +56,7 @@ from jshard.layouts import (
     spec_from_pspec,
     to_pspec,
 )
-from jshard.search import Weighed, assignment, choices, region_costs, upgrades
+from jshard.search import PROPAGATED, Weighed, assignment, choices, region_costs, upgrades
 
 OPTIMIZER_LEVELS = (1, 2, 3)
 """The optimizer-parallel levels the search weighs where none is given and no plan fits without one."""
@@ -424,12 +424,12 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
     problem = Problem(traced, in_sh, donated, budget, offload, movable=dataset_defaulted(traced, slots, dataset, c))
     checked = check and c.searching and c.memory_budget is not None and devices is not None
-    held = 0.0
-    for attempt in range(BUDGET_ROUNDS):
+    held, searched = 0.0, 0
+    while searched < BUDGET_ROUNDS:
         try:
             planned = planner.plan(problem)
         except ShardingError as e:
-            if attempt == 0:
+            if not held:
                 raise
             raise MemoryBudgetError(_budget_retry_error(call, c.memory_budget, held, problem.budget, e), held) from None
         scattered, made = reduce_scattered(traced, planned.result, grads)  # level 2 and 3: the gradients' reduce-scatter
@@ -447,10 +447,15 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
             return program
         held = compiled_peak(program.jitted, args, program.in_shardings)
         report = dataclasses.replace(report, compiled_peak_bytes=held)
-        if held <= c.memory_budget:
+        if held <= c.memory_budget:  # the report names the budget asked for, not the tighter estimate searched under
+            report = dataclasses.replace(report, budget=budget)
             return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
+        if problem.propagated and PROPAGATED in report.status:  # the search's own plans at this estimate first
+            problem = dataclasses.replace(problem, propagated=False)
+            continue
         # XLA holds more than the search's estimate: ask for less.
         problem = dataclasses.replace(problem, budget=problem.budget * c.memory_budget / held * 0.97)
+        searched += 1
     raise MemoryBudgetError(
         f"{call}: memory_budget={human_bytes(c.memory_budget)} per device: the searched plan's "
         f"compiled program still holds {human_bytes(held)} per device after {BUDGET_ROUNDS} searches with "
@@ -481,7 +486,10 @@ def _layouts(traced, in_sh: list, planner, donated: frozenset[int], c: Options) 
     the planner gives it without the cut (else replicated, as the program would lay it out)."""
     if all(sh is not None for sh in in_sh):
         return list(in_sh)
-    planned = planner.plan(Problem(traced, in_sh, donated, c.memory_budget))
+    try:
+        planned = planner.plan(Problem(traced, in_sh, donated, c.memory_budget))
+    except MemoryBudgetError:  # the cut these layouts are for is what makes the budget fit
+        planned = planner.plan(Problem(traced, in_sh, donated, None))
     given = planned.in_shardings or [None] * len(in_sh)
     values = {} if planned.result is None else planned.result.values
     return [sh or g or NamedSharding(traced.mesh, to_pspec(values[v]) if v in values else PartitionSpec())

@@ -35,9 +35,10 @@ class Problem:
     """What a planner plans: the traced program, the argument shardings fixed before planning
     (None: the planner decides), which argument leaves are donated, the memory budget, the state
     kept in host memory between steps (`Offload`, or None), values made in the program whose
-    layout is fixed too (value -> `Spec`: a gradient jshard reduce-scatters itself), and the argument
+    layout is fixed too (value -> `Spec`: a gradient jshard reduce-scatters itself), the argument
     leaves whose fixed layout is the default dataset cut, which the program may move once at the
-    start (`dataset_defaulted`)."""
+    start (`dataset_defaulted`), and whether the search weighs the plan propagated from the anchors
+    (`propagated`: off once that plan's compiled program has not fit the budget)."""
 
     traced: Traced
     in_shardings: Sequence[NamedSharding | None]
@@ -46,6 +47,7 @@ class Problem:
     offload: Offload | None = None
     made: Mapping = dataclasses.field(default_factory=dict)
     movable: frozenset[int] = frozenset()
+    propagated: bool = True
 
     @property
     def host(self) -> frozenset:
@@ -120,7 +122,7 @@ class SearchPlanner:
         result, report = search(t.nodes, list(t.invars) + consts, t.outvars, fixed, t.axis_size, how=c.search,
                                 cost=c.costs, budget=problem.budget, donated=donated, host=problem.host, names=names,
                                 call=self.call, time_limit=c.search_time_limit, replay=c.search_replay,
-                                table=t.table)
+                                table=t.table, propagated=problem.propagated)
         return Planned(result, report=report)
 
 

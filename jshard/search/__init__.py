@@ -13,3 +13,4 @@ from jshard.search._search import SEARCHES as SEARCHES
 from jshard.search._search import SearchReport as SearchReport
 from jshard.search._search import Weighed as Weighed
 from jshard.search._search import search as search
+from jshard.search._seeded import PROPAGATED as PROPAGATED

@@ -268,11 +268,11 @@ class SearchGraph:
                     break
                 a[fac] = have + axes
             else:
-                if self._expressible(k, a):
+                if self.expressible(k, a):
                     out.append(a)
         return out
 
-    def _expressible(self, k: int, a: Assignment) -> bool:
+    def expressible(self, k: int, a: Assignment) -> bool:
         """`rules.expressible` over unit `k`'s operands' merged dims (found once per unit)."""
         merged = self._merged.get(k)
         if merged is None:
@@ -324,6 +324,17 @@ class SearchGraph:
             comms = redistribution(*key[0], src, dst, self.axis_size, self.cost.alltoall)
             found = self._moves[key] = sum(self.cost.time(c, self.axis_size) for c in comms)
         return e.weight * found
+
+    def local_seconds(self, k: int, a: Assignment, choice: Sequence[Assignment]) -> float:
+        """Unit `k`'s own cost under `a` and its edges' redistributions, its neighbours as in `choice`."""
+        total = self.unit_seconds(k, a)
+        for n in self.out_edges.get(k, ()):
+            e = self.edges[n]
+            total += self.edge_seconds(e, self.spec(k, e.src[1], a), self.spec(e.dst[0], e.dst[1], choice[e.dst[0]]))
+        for n in self.in_edges.get(k, ()):
+            e = self.edges[n]
+            total += self.edge_seconds(e, self.spec(e.src[0], e.src[1], choice[e.src[0]]), self.spec(k, e.dst[1], a))
+        return total
 
     def seconds(self, choice: Sequence[Assignment]) -> float:
         """The predicted seconds per call of `choice`: every unit's own cost and every edge's

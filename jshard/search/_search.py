@@ -26,7 +26,7 @@ from jshard.cost import CostModel, array_of, value_bytes
 from jshard.graph import CONSTRAINT, Node
 from jshard.propagate import Decision, Engine, Rejected, Result, charge_constraints
 from jshard.rules import OpTable, write_spec
-from jshard.search import _ilp, _recursive
+from jshard.search import _ilp, _recursive, _seeded
 from jshard.search._graph import Assignment, Infeasible, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
 
@@ -160,6 +160,7 @@ def search(
     time_limit: float = 60.0,
     replay: bool = True,
     table: OpTable | None = None,
+    propagated: bool = True,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -178,6 +179,8 @@ def search(
       replay: the recursive search decides the interior layers of a repeated run as one, then
         improves that unit by unit (`parallelize`'s `search_replay`).
       table: the nodes' `OpTable`, where one is at hand.
+      propagated: weigh the plan propagated from the anchors too (`_seeded.propagated`), kept where
+        it predicts less than the search's and fits the budget.
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget`.
@@ -187,16 +190,19 @@ def search(
     axes = [(a,) for a, n in axis_size.items() if n > 1]
     if budget is not None and _least_peak(g) > budget:  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
+    seed = _seeded.propagated(g, args, outvars, fixed, budget) if propagated and how in SEARCHES[:2] else None
     if how == "recursive":
         try:
-            solved = _recursive.solve(g, axes, budget, replay)
+            solved = _better(_recursive.solve(g, axes, budget, replay), seed)
         except Infeasible:
-            raise _too_big(g, budget, names or {}, call, how) from None
+            if seed is None:
+                raise _too_big(g, budget, names or {}, call, how) from None
+            solved = dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget")
         choice, mesh_text = solved.choice, "·".join(str(axis_size[a]) for (a,) in axes) or "1"
         candidates = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units)))
         seconds, peak, status = solved.seconds, solved.peak, solved.status
     elif how == "ilp":
-        solved, groups, kept = _ilp_or_warm(g, axes, budget, time_limit)
+        solved, groups, kept = _ilp_or_warm(g, axes, budget, time_limit, seed)
         if solved is None:
             raise _too_big(g, budget, names or {}, call, how)
         choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
@@ -212,18 +218,29 @@ def search(
     return result, report
 
 
-def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None,
-                 time_limit: float) -> tuple[Solved | None, list | None, str]:
+def _better(solved: Solved, seed: Solved | None) -> Solved:
+    """The recursive search's plan, or the plan propagated from the anchors (`seed`, which fits the
+    budget) where that predicts fewer seconds; both priced by `SearchGraph.seconds`."""
+    if seed is None or seed.seconds >= solved.seconds:
+        return solved
+    return dataclasses.replace(seed, status=f"{seed.status}: it predicts {_time(seed.seconds)} per call, the recursive "
+                               f"search's plan {_time(solved.seconds)} ({solved.status})",
+                               unit_classes=solved.unit_classes, evaluations=solved.evaluations)
+
+
+def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: float,
+                 seed: Solved | None = None) -> tuple[Solved | None, list | None, str]:
     """The ILP's plan, never worse than the recursive search's: the recursive plan is found first
-    (the warm start), the ILP solved once per split of the mesh into two groups, and the recursive
-    plan kept where every ILP plan predicts more seconds, or none fits within the time limit. Both
-    are priced by one measure (`SearchGraph.seconds`). Returns the plan kept, the ILP's groups (None:
-    the recursive plan's levels) and why it was kept (`SearchReport.kept`)."""
+    (the warm start; the plan propagated from the anchors, `seed`, where that predicts less), the
+    ILP solved once per split of the mesh into two groups, and the warm start kept where every ILP
+    plan predicts more seconds, or none fits within the time limit. All are priced by one measure
+    (`SearchGraph.seconds`). Returns the plan kept, the ILP's groups (None: the recursive plan's
+    levels) and why it was kept (`SearchReport.kept`)."""
     try:
         warm = _recursive.solve(g, axes, budget)
-        warm = dataclasses.replace(warm, seconds=g.seconds(warm.choice))
+        warm = _better(dataclasses.replace(warm, seconds=g.seconds(warm.choice)), seed)
     except Infeasible:
-        warm = None
+        warm = seed
     best, splits, failed = None, _splits(axes), []
     for groups in splits:
         try:
@@ -358,7 +375,7 @@ def _rejected(g: SearchGraph, i: int, choice: Sequence[Assignment], memo: dict):
 
 
 def _neighbours(g: SearchGraph, k: int, choice: Sequence[Assignment]) -> tuple:
-    """What `_local` reads of unit `k`'s neighbours, in its order: per edge out of and into `k`,
+    """What `SearchGraph.local_seconds` reads of unit `k`'s neighbours, in its order: per edge out of and into `k`,
     the value's shape, the edge's weight, `k`'s operand and the layout at the other end."""
     out = []
     for n in g.out_edges.get(k, ()):
@@ -372,44 +389,13 @@ def _neighbours(g: SearchGraph, k: int, choice: Sequence[Assignment]) -> tuple:
 
 def _best_move(g: SearchGraph, k: int, choice: Sequence[Assignment]) -> Rejected | None:
     u = g.units[k]
-    scored = [(_local(g, k, a, choice), a) for a in _moves(g, k, choice[k])]
+    scored = [(g.local_seconds(k, a, choice), a) for a in _seeded.moves(g, k, choice[k])]
     if not scored:
         return None
     seconds, a = min(scored, key=lambda s: s[0])
     f = u.factors
     return Rejected(tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.inputs),
             tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.outputs), seconds)
-
-
-def _moves(g: SearchGraph, k: int, mine: Assignment) -> list[Assignment]:
-    u = g.units[k]
-    out = []
-    for x, n in g.axis_size.items():
-        if n <= 1:
-            continue
-        rest = {fac: tuple(a for a in axes if a != x) for fac, axes in mine.items()}
-        rest = {fac: axes for fac, axes in rest.items() if axes}
-        for target in (None,) + u.own:
-            a = dict(rest)
-            if target is not None:
-                axes = a.get(target, ()) + (x,)
-                if u.factors.sizes[target] % math.prod(g.axis_size[y] for y in axes):
-                    continue
-                a[target] = axes
-            if a != mine and a not in out:
-                out.append(a)
-    return out
-
-
-def _local(g: SearchGraph, k: int, a: Assignment, choice) -> float:
-    total = g.unit_seconds(k, a)
-    for n in g.out_edges.get(k, ()):
-        e = g.edges[n]
-        total += g.edge_seconds(e, g.spec(k, e.src[1], a), g.spec(e.dst[0], e.dst[1], choice[e.dst[0]]))
-    for n in g.in_edges.get(k, ()):
-        e = g.edges[n]
-        total += g.edge_seconds(e, g.spec(e.src[0], e.src[1], choice[e.src[0]]), g.spec(k, e.dst[1], a))
-    return total
 
 
 def _least(g: SearchGraph) -> dict:

@@ -1,0 +1,192 @@
+"""The plan jshard's propagation makes from the user's anchors, as one more candidate of the searches.
+
+Where a program has anchors (`shard` calls, fixed arguments), propagating from them (the engine's
+`propagate_globally`, as `semi_auto` plans) gives a whole plan in one pass. The recursive search
+hands out one mesh axis per level and prices each level on the axes handed out so far, so it can
+miss a plan that only pays off once every axis is given (a weight gradient's partial sum over the
+data-parallel axis is cheap only once the tensor-parallel axes cut it too). `propagated` reads the
+propagation's decisions back as a choice per unit of the `SearchGraph`, priced by the same measure
+(`SearchGraph.seconds`, `SearchGraph.peak`), so a search keeps it wherever it predicts less and fits
+the budget: never worse than propagating from the same anchors.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Mapping, Sequence
+
+from jshard.cost import value_bytes
+from jshard.graph import CONSTRAINT
+from jshard.layouts import Spec
+from jshard.propagate import Result, propagate_globally
+from jshard.rules import shape_of
+from jshard.search._graph import Assignment, SearchGraph, Solved
+
+_MOVES = 256  # `fitted`: moves at most
+_SWEEPS = 4  # `polished`: sweeps over the units at most
+
+PROPAGATED = "the plan propagated from the anchors"
+"""`SearchReport.status`'s start where a search kept the propagated plan."""
+
+
+def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping,
+               budget: float | None) -> Solved | None:
+    """The plan propagated from the anchors (`fixed` arguments and the program's sharding
+    constraints) as a choice per unit, its seconds and peak, moved to fit `budget` where it does not
+    (`fitted`, then `polished`); None where the program has no anchor that cuts an array, or no
+    move fits it."""
+    cut = any(axes for spec in fixed.values() for axes in spec)  # a whole array anchors nothing
+    if not cut and not any(node.primitive == CONSTRAINT for node in g.nodes):
+        return None
+    free = [v for v in args if v not in fixed and shape_of(v)]
+    result = propagate_globally(g.nodes, fixed, free, g.axis_size, g.cost, outputs=outvars)
+    choice = choice_of(g, result)
+    peak, _ = g.peak(choice)
+    status = PROPAGATED
+    if budget is not None and peak > budget:
+        choice = fitted(g, choice, budget)
+        if choice is None:
+            return None
+        choice = polished(g, choice, budget)
+        peak, _ = g.peak(choice)
+        status = f"{PROPAGATED}, moved to fit the budget"
+    return Solved(choice, g.seconds(choice), peak, status)
+
+
+def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[Assignment] | None:
+    """`choice` moved one unit at a time until its estimated peak fits `budget`, or None where no
+    move lowers it: each time, of the units laying out the values held at the peak, the move
+    (`moves`: one mesh axis to another factor, off the unit, or onto it) that adds the fewest
+    seconds (`SearchGraph.local_seconds`) per byte it saves there."""
+    choice = list(choice)
+    for _ in range(_MOVES):
+        peak, t = g.peak(choice)
+        if peak <= budget:
+            return choice
+        held = collections.defaultdict(list)  # unit -> (operand position, value) held at `t`
+        for v in g.live_at(t):
+            k, pos = g.makers[v]
+            if g.units[k].free:
+                held[k].append((pos, v))
+        best = None
+        for k, values in held.items():
+            now, before = g.local_seconds(k, choice[k], choice), _held(g, k, values, choice[k])
+            for a in moves(g, k, choice[k]):
+                saved = before - _held(g, k, values, a)
+                if saved <= 0 or not g.expressible(k, a):
+                    continue
+                added = max(g.local_seconds(k, a, choice) - now, 0.0)
+                key = (added / saved, -saved)
+                if best is None or key < best[0]:
+                    best = (key, k, a)
+        if best is None:
+            return None
+        choice[best[1]] = best[2]
+    return None
+
+
+def polished(g: SearchGraph, choice: list[Assignment], budget: float) -> list[Assignment]:
+    """`choice` improved by single moves (`moves`), unit after unit in program order, while one
+    lowers the predicted seconds and keeps the estimated peak within `budget`; `_SWEEPS` sweeps at
+    most."""
+    for _ in range(_SWEEPS):
+        better = False
+        for k, u in enumerate(g.units):
+            if not u.free:
+                continue
+            now = g.local_seconds(k, choice[k], choice)
+            tried = sorted((g.local_seconds(k, a, choice), n, a) for n, a in enumerate(moves(g, k, choice[k])))
+            for seconds, _, a in tried:
+                if seconds >= now * (1 - 1e-9) or not g.expressible(k, a):
+                    break
+                kept, choice[k] = choice[k], a
+                if g.peak(choice)[0] <= budget:
+                    better = True
+                    break
+                choice[k] = kept
+        if not better:
+            break
+    return choice
+
+
+def moves(g: SearchGraph, k: int, mine: Assignment) -> list[Assignment]:
+    """Unit `k`'s assignments one mesh axis away from `mine`: the axis taken off its factor (if
+    any) and given to another factor of the unit, or to none."""
+    u = g.units[k]
+    out = []
+    for x, n in g.axis_size.items():
+        if n <= 1:
+            continue
+        rest = {fac: tuple(a for a in axes if a != x) for fac, axes in mine.items()}
+        rest = {fac: axes for fac, axes in rest.items() if axes}
+        for target in (None,) + u.own:
+            a = dict(rest)
+            if target is not None:
+                axes = a.get(target, ()) + (x,)
+                if u.factors.sizes[target] % _cut(g, axes):
+                    continue
+                a[target] = axes
+            if a != mine and a not in out:
+                out.append(a)
+    return out
+
+
+def _held(g: SearchGraph, k: int, values: Sequence, a: Assignment) -> float:
+    """Bytes per device of `values` (operand position, value) unit `k` lays out under `a`."""
+    return sum(value_bytes(v) / _cut(g, [x for axes in g.spec(k, pos, a) for x in axes]) for pos, v in values)
+
+
+def choice_of(g: SearchGraph, result: Result) -> list[Assignment]:
+    """Each unit's assignment read from `result`'s layouts (an argument's value, an operator's
+    operands); a unit whose layouts no assignment of its factors writes takes none (whole)."""
+    choice: list[Assignment] = []
+    for k, u in enumerate(g.units):
+        if not u.free:
+            choice.append({})
+            continue
+        if u.node < 0:
+            specs = {0: result.values.get(u.var)}
+        else:
+            d = result.decisions.get(u.node)
+            specs = {} if d is None else dict(enumerate(d.in_specs + d.out_specs))
+        a = _read(g, k, specs)
+        choice.append(a if a and _valid(g, k, a) else {})
+    return choice
+
+
+def _read(g: SearchGraph, k: int, specs: Mapping[int, Spec | None]) -> Assignment:
+    """The axes each of unit `k`'s factors takes in `specs` (operand position -> layout): a dim of one
+    factor gives it its axes; a dim of several gives each, major first, the axes that make up its
+    size (the rest dropped, as `write_spec` drops a minor factor's axes)."""
+    u = g.units[k]
+    a: Assignment = {}
+    for pos in u.operands:
+        spec = specs.get(pos)
+        dims = u.factors.operands[pos]
+        if spec is None or len(spec) != len(dims):
+            continue
+        for factors, axes in zip(dims, spec):
+            rest = list(axes)
+            for fac in factors:
+                taken: list[str] = []
+                while rest and u.factors.sizes[fac] % (_cut(g, taken) * g.axis_size[rest[0]]) == 0:
+                    taken.append(rest.pop(0))
+                if taken and fac in u.own:
+                    a.setdefault(fac, tuple(taken))
+                if _cut(g, taken) != u.factors.sizes[fac]:
+                    break
+    return a
+
+
+def _valid(g: SearchGraph, k: int, a: Assignment) -> bool:
+    """Whether `a` gives no mesh axis twice, every cut divides its factor, and the unit's operands
+    can be written with it."""
+    axes = [x for fac in a.values() for x in fac]
+    sizes = g.units[k].factors.sizes
+    return (len(axes) == len(set(axes)) and all(sizes[fac] % _cut(g, t) == 0 for fac, t in a.items())
+            and g.expressible(k, a))
+
+
+def _cut(g: SearchGraph, axes: Sequence[str]) -> int:
+    return math.prod(g.axis_size[x] for x in axes)
