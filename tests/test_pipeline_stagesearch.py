@@ -230,3 +230,13 @@ def test_recompute_regions_hold_inside_stages():
         temp[name] = step.compile(params, batch).memory_analysis().temp_size_in_bytes
     assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))  # the recomputed one
     assert temp["recompute"] < 0.5 * temp["plain"], temp
+
+
+def test_train_on_buffers_pack_never_made_names_their_shapes_and_the_fix():
+    """`Staged.train` before `pack` built a pipeline for these shapes: an error naming the packed
+    buffers' shapes, the batch's and `pack` (nothing is traced or compiled)."""
+    step = js.parallelize(_loss(_plain, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=r"\.train: no pipeline was built for packed parameters "
+                                               r"\{'float32': 'f32\[2,16\]'\} and a batch of shapes \[.*\]\. Pack them "
+                                               r"with .*\.pack\(params, batch\)"):
+        step.train({"float32": jnp.zeros((2, 16))}, _batch())

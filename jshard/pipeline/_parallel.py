@@ -118,12 +118,7 @@ class Pipelined:
         """`(loss, grads)` on held parameters (`pack`), the gradients held alike."""
         e = self._held.get(_signature((held, batch)))
         if e is None:
-            raise ShardingError(
-                f"{self.call}.train: no pipeline was built for held parameters of shapes "
-                f"{[shape_str(dtype_of(x), np.shape(x)) for x in jax.tree.leaves(held)]} and a batch of shapes "
-                f"{[shape_str(dtype_of(x), np.shape(x)) for x in jax.tree.leaves(batch)]}. "
-                f"Hold them with {self.call}.pack(params, batch) for a batch of these shapes first."
-            )
+            raise _not_built(self.call, "held parameters of shapes", _shapes(jax.tree.leaves(held)), batch, "Hold")
         if e.compiled is None:
             e.compiled = e.train.lower(*abstract((held, batch))).compile()
         return e.compiled(*placed((held, batch), (e.held_sh, e.batch_sh)))
@@ -381,11 +376,7 @@ class Staged:
         its stages, is in every copy."""
         e = self._packed.get(_signature((packed, batch)))
         if e is None:
-            raise ShardingError(
-                f"{self.call}.train: no pipeline was built for packed parameters "
-                f"{ {k: shape_str(dtype_of(v), np.shape(v)) for k, v in packed.items()} } and this batch's shapes. "
-                f"Pack them with {self.call}.pack(params, batch) for a batch of these shapes first."
-            )
+            raise _not_built(self.call, "packed parameters", _shapes(packed), batch, "Pack")
         return self._run(e, packed, batch)
 
     def _run(self, e: _StagedEntry, packed, batch):
@@ -726,3 +717,19 @@ def _pipelined_step(fn: Any, options: Options) -> Pipelined | Staged:
             f"are tagged with jshard.pipeline_stage(fn, k), got {type(fn).__name__}."
         )
     return Staged(fn, options)
+
+
+def _shapes(arrays) -> list[str] | dict[str, str]:
+    """`arrays` (a list, or a dict by name) as shape strings, for errors."""
+    if isinstance(arrays, dict):
+        return {k: shape_str(dtype_of(v), np.shape(v)) for k, v in arrays.items()}
+    return [shape_str(dtype_of(x), np.shape(x)) for x in arrays]
+
+
+def _not_built(call: str, what: str, shapes, batch, verb: str) -> ShardingError:
+    """`train` called on parameters `pack` never made for these shapes."""
+    return ShardingError(
+        f"{call}.train: no pipeline was built for {what} {shapes} and a batch of shapes "
+        f"{_shapes(jax.tree.leaves(batch))}. {verb} them with {call}.pack(params, batch) for a batch of these "
+        f"shapes first."
+    )
