@@ -12,7 +12,8 @@ replicated and are counted (`Plan.coverage`). After the walk, an operator that l
 and whose users all took its result in one finer layout sums into that layout where it is cheaper
 (an embedding gradient's scatter-add all-reduces its vocabulary slice, not the whole table); then,
 walking back, an operator that made a value whole where every user slices it one way makes it in
-that layout where nothing moves (a dropout mask's random bits drawn from a scalar key).
+that layout where nothing more moves (a dropout mask's random bits drawn from a scalar key, an
+embedding gradient scattered from updates gathered over the batch).
 The greedy walk's choices for free arguments and a default-cut batch are weighed again over the
 whole program by `propagate_globally` (`_global.py`).
 """
@@ -275,12 +276,15 @@ class Engine:
         elementwise operators after it follow, so every device holds and computes all of it while
         its user (the `select_n` that applies the mask) takes a slice. Walking back from the users,
         an operator whose users all take its results in one finer layout, and which can work in it
-        without moving anything (its inputs sliced locally, no partial sums), takes that layout; its
-        own producers then see it take their values finer. No collective changes; each device holds
-        and computes its slice. A program result keeps its layout."""
+        without moving anything more (its inputs sliced locally, no partial sums), takes that layout; its
+        own producers then see it take their values finer. An operator that moves its inputs (the
+        embedding gradient's scatter-add, its updates gathered whole over the batch) takes the finer
+        layout where it moves exactly the same: it then writes its own rows of the table, not the
+        whole table it used to slice. No collective changes; each device holds and computes its
+        slice. A program result keeps its layout."""
         for i in sorted(self.decisions, reverse=True):
             f, d, node = self.factors.get(i), self.decisions[i], self.nodes[i]
-            if f is None or node.bodies or node.primitive == CONSTRAINT or d.comms:
+            if f is None or node.bodies or node.primitive == CONSTRAINT:
                 continue
             ins, outs = self.vars[i]
             wanted = self._users_layout(outs, outputs)
@@ -298,10 +302,18 @@ class Engine:
                 continue  # a parameter this operator laid out: its other users took it so
             known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
                      if isinstance(v, jcore.Var) and v in self.values]
-            if self.score(i, f, finer, known)[2]:
-                continue
-            self.decisions[i] = dataclasses.replace(d, in_specs=in_specs, out_specs=wanted,
-                                                    implied=self.implied(i, f, finer))
+            comms = self.score(i, f, finer, known)[2]
+            if sorted(comms) != sorted(self.score(i, f, a, known)[2]):
+                continue  # it would move its inputs otherwise
+            kept = list(d.comms)
+            for v, old, spec in zip(outs, d.out_specs, wanted):  # the moves into its users' layout it paid
+                for c in redistribution(*array_of(v), old, spec, self.axis_size, self.cost.alltoall):
+                    if c in kept:
+                        kept.remove(c)
+            self.decisions[i] = dataclasses.replace(
+                d, in_specs=in_specs, out_specs=wanted, comms=tuple(kept),
+                seconds=node.weight * sum(self.cost.time(c, self.axis_size) for c in kept),
+                implied=not comms and self.implied(i, f, finer))
             for v, spec in zip(outs, wanted):
                 self._relayout(v, spec)
 

@@ -114,11 +114,15 @@ class _Runs:
 
 
 def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, axis_size: Mapping[str, int],
-                       cost: CostModel | None = None, outputs: Collection = (), movable: Collection = ()) -> Result:
+                       cost: CostModel | None = None, outputs: Collection = (), movable: Collection = (),
+                       lean: bool = False) -> Result:
     """Propagation from `anchors` (var -> `Spec`), with the layouts of the `free` arguments (vars no
     anchor fixes) and of the `movable` ones (anchored vars a program may move once at the start:
     the batch on the default dataset cut) chosen for the least predicted cost of the whole program;
-    see the module docstring. `outputs`: the program's results."""
+    see the module docstring. `outputs`: the program's results. With `lean` (a search under a memory
+    budget), a free argument's layout that costs within the cost model's error of the best (neither
+    `_Runs.cheaper` than the other) and holds the argument in fewer bytes per device is taken too:
+    the tied embedding cut by vocabulary, as the head takes it, rather than whole on every device."""
     runs = _Runs(nodes, axis_size, cost or CostModel(), outputs)
     fixed = dict(anchors)
     best = runs.run(fixed)
@@ -137,11 +141,18 @@ def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, 
         for spec in layouts:
             result = runs.run({**fixed, v: spec}, moved)
             tried.append(WeighedLayout(spec, runs.seconds(result), "weighed", False))
-            if runs.cheaper(result, best):
+            if runs.cheaper(result, best) or (lean and _fewer_bytes(v, spec, have, axis_size)
+                                              and not runs.cheaper(best, result)):
                 best, have, fixed = result, spec, {**fixed, v: spec}
         weighed[v] = tuple(w._replace(chosen=w.spec == have) for w in tried)
     best.weighed = weighed
     return best
+
+
+def _fewer_bytes(v, spec: Spec, have: Spec | None, axis_size: Mapping[str, int]) -> bool:
+    """Whether `v` laid out as `spec` holds fewer bytes per device than as `have` (None: whole)."""
+    ways = lambda s: math.prod(axis_size[a] for axes in (s or ()) for a in axes)  # noqa: E731
+    return ways(spec) > ways(have)
 
 
 def _weigh_moves(runs: _Runs, best: Result, fixed: dict, arrive: dict) -> tuple[Result, dict, dict, dict]:

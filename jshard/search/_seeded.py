@@ -40,7 +40,8 @@ def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping
     if not cut and not any(node.primitive == CONSTRAINT for node in g.nodes):
         return None
     free = [v for v in args if v not in fixed and shape_of(v)]
-    result = propagate_globally(g.nodes, fixed, free, g.axis_size, g.cost, outputs=outvars)
+    # under a budget, of the free arguments' layouts whose seconds tie, the one of fewest bytes
+    result = propagate_globally(g.nodes, fixed, free, g.axis_size, g.cost, outputs=outvars, lean=budget is not None)
     choice = choice_of(g, result)
     peak, _ = g.peak(choice)
     status = PROPAGATED
