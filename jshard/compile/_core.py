@@ -74,7 +74,7 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused while one signature is built, as it was before after.
+    """Python's cyclic garbage collector paused while one signature is built, left as the caller had it after.
     Tracing and planning make objects by the hundred thousand (a jaxpr's equations, the search's
     units, edges and tables) that all live until the plan is made; each of the collector's passes
     over the oldest generation walks every one of them again, a third of an unrolled 96-layer GPT's
