@@ -83,6 +83,11 @@ class Cut:
         """The loss's shape and dtype (a scalar)."""
         return self._loss.aval
 
+    @property
+    def batch_avals(self) -> tuple[jax.core.ShapedArray, ...]:
+        """The micro-batch's leaves' shapes and dtypes (one micro-batch, as traced)."""
+        return tuple(v.aval for v in self._batch_vars)
+
     def param_specs(self) -> tuple[PartitionSpec | None, ...]:
         """Per parameter leaf, the layout over one stage's axes a `jshard.shard` constraint on the
         leaf itself gives it (its first, in program order), or None where none constrains it."""

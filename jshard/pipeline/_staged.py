@@ -60,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 from jshard.pipeline._cut import Cut, spec_axes
 from jshard.pipeline._engine import STAGE, scan_ticks
-from jshard.pipeline._inner import CutClass
+from jshard.pipeline._inner import CutClass, StageLayouts, from_rows, stage_layouts, stage_vjp, stored, to_rows
 from jshard.pipeline._schedule import BACKWARD, FORWARD, IDLE, WEIGHTS, Schedule
 from jshard.pipeline._split import SplitBackward
 
@@ -70,50 +70,108 @@ Buffers = dict[str, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class Flat:
-    """Arrays of given shapes packed into one 1-D buffer per dtype, in order.
+    """Arrays of given shapes packed into one 1-D buffer per layout class, in order.
+
+    An array whole on the stage's devices goes into its dtype's buffer (named by the dtype) as its
+    elements. One a stage's strategies cut (`specs`, over the stage's automatic axes) goes into the
+    buffer of its dtype and axes (named as a `CutClass`: `float32@d0`), of `n` blocks, `n` the
+    devices those axes hold: block `i` holds shard `i` of each of its arrays (`to_rows`), and the
+    buffer is laid out cut over those axes (`_laid`), so each device stores and sends its shards only.
 
     Attributes:
       avals: the arrays' shapes and dtypes.
-      offsets: each array's start in its dtype's buffer.
-      sizes: per dtype name, the elements its arrays take.
+      offsets: each array's start in its buffer's block.
+      sizes: per buffer name, the elements its arrays take (all blocks).
+      specs: per array, its `PartitionSpec` inside the stage (None: whole).
+      axis_sizes: the mesh's axes and their sizes, in mesh order.
 
     Examples:
       >>> f = Flat.of([jnp.ones((2, 2)), jnp.zeros(3, jnp.int32)])
       >>> packed = f.pack([jnp.ones((2, 2)), jnp.arange(3)], {"float32": 6, "int32": 3})
       >>> packed["float32"].tolist(), [a.tolist() for a in f.unpack(packed)][1]
       ([1.0, 1.0, 1.0, 1.0, 0.0, 0.0], [0, 1, 2])
+      >>> cut = Flat.of([jnp.zeros((2, 4))], [P(None, "a")], {"a": 2})  # columns cut in two
+      >>> cut.pack([jnp.arange(8.0).reshape(2, 4)], cut.sizes)["float32@a"].tolist()
+      [0.0, 1.0, 4.0, 5.0, 2.0, 3.0, 6.0, 7.0]
     """
 
     avals: tuple[jax.ShapeDtypeStruct, ...]
     offsets: tuple[int, ...]
     sizes: dict[str, int]
+    specs: tuple[P | None, ...] = ()
+    axis_sizes: tuple[tuple[str, int], ...] = ()
 
     @classmethod
-    def of(cls, avals: Sequence[Any]) -> Flat:
-        sizes: dict[str, int] = {}
+    def of(cls, avals: Sequence[Any], specs: Sequence[P | None] | None = None,
+           axis_sizes: dict[str, int] | None = None) -> Flat:
+        specs = tuple(specs) if specs is not None else (None,) * len(avals)
+        order = list(axis_sizes or {})
+        blocks: dict[str, int] = {}
         offsets = []
-        for a in avals:
-            name = np.dtype(a.dtype).name
-            offsets.append(sizes.get(name, 0))
-            sizes[name] = offsets[-1] + int(np.prod(a.shape))
-        return cls(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals), tuple(offsets), sizes)
+        for a, spec in zip(avals, specs):
+            name = _name(a.dtype, spec, order)
+            offsets.append(blocks.get(name, 0))
+            blocks[name] = offsets[-1] + int(np.prod(a.shape)) // _blocks(name, axis_sizes)
+        sizes = {name: used * _blocks(name, axis_sizes) for name, used in blocks.items()}
+        return cls(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals), tuple(offsets), sizes, specs,
+                   tuple((axis_sizes or {}).items()))
+
+    def _where(self, a, spec) -> tuple[str, tuple[str, ...], int]:
+        """An array's buffer name, the axes cutting it, and the buffer's blocks."""
+        name = _name(a.dtype, spec, [axis for axis, _ in self.axis_sizes])
+        return name, _axes(name), _blocks(name, dict(self.axis_sizes))
 
     def pack(self, arrays: Sequence[jax.Array], widths: dict[str, int]) -> Buffers:
-        """The arrays as one buffer per dtype of `widths`, zero-padded to its width."""
+        """The arrays as one buffer per name of `widths`, each block zero-padded to its width."""
         parts: dict[str, list] = {name: [] for name in widths}
-        for a, x in zip(self.avals, arrays):
-            parts[np.dtype(a.dtype).name].append(jnp.ravel(x).astype(a.dtype))
+        sizes = dict(self.axis_sizes)
+        for a, spec, x in zip(self.avals, self.specs, arrays):
+            name, axes, n = self._where(a, spec)
+            x = jnp.asarray(x).astype(a.dtype)
+            parts[name].append(to_rows(x, spec, axes, sizes) if axes else jnp.ravel(x))
         out = {}
         for name, width in widths.items():
-            used = self.sizes.get(name, 0)
-            pad = [jnp.zeros((width - used,), name)] if width > used else []
-            out[name] = jnp.concatenate(parts[name] + pad) if parts[name] or pad else jnp.zeros((0,), name)
+            n, used = _blocks(name, sizes), self.sizes.get(name, 0)
+            lead = (n,) if _axes(name) else ()
+            pad = [jnp.zeros((*lead, (width - used) // n), _dtype(name))] if width > used else []
+            out[name] = jnp.concatenate(parts[name] + pad, axis=-1).reshape(-1) if parts[name] or pad \
+                else jnp.zeros((0,), _dtype(name))
         return out
 
     def unpack(self, buffers: Buffers) -> list[jax.Array]:
-        """The arrays read back from `buffers` (each whole on the stage's devices: `_whole`)."""
-        return _whole([jax.lax.dynamic_slice_in_dim(buffers[np.dtype(a.dtype).name], o, int(np.prod(a.shape))).reshape(a.shape)
-                       for a, o in zip(self.avals, self.offsets)])
+        """The arrays read back from `buffers`, each laid out as its spec says (whole on the
+        stage's devices where it has none: `_whole`)."""
+        out, sizes = [], dict(self.axis_sizes)
+        for a, spec, o in zip(self.avals, self.specs, self.offsets):
+            name, axes, n = self._where(a, spec)
+            local = int(np.prod(a.shape)) // n
+            if not axes:
+                out.append(_whole(jax.lax.dynamic_slice_in_dim(buffers[name], o, local).reshape(a.shape)))
+                continue
+            block = buffers[name].reshape(n, -1)[:, o:o + local]
+            out.append(_cut(from_rows(block, spec, axes, sizes, a.shape), spec))
+        return out
+
+
+def _name(dtype, spec: P | None, order: Sequence[str]) -> str:
+    """The buffer of an array of `dtype` laid out as `spec`: its dtype's name, with the axes that
+    cut it in mesh `order` (`CutClass.key`)."""
+    axes = sorted(spec_axes(spec), key=order.index) if spec is not None else []
+    return np.dtype(dtype).name + (f"@{'.'.join(axes)}" if axes else "")
+
+
+def _axes(name: str) -> tuple[str, ...]:
+    """The axes buffer `name` is cut over (`_name`)."""
+    return tuple(name.split("@")[1].split(".")) if "@" in name else ()
+
+
+def _dtype(name: str) -> str:
+    return name.split("@")[0]
+
+
+def _blocks(name: str, axis_sizes: dict[str, int] | None) -> int:
+    """The blocks of buffer `name`: how many devices its axes hold."""
+    return int(np.prod([(axis_sizes or {})[a] for a in _axes(name)]))
 
 
 def widths(flats: Sequence[Flat]) -> dict[str, int]:
@@ -186,8 +244,23 @@ class StagedProgram:
     def param_widths(self) -> dict[str, int]:
         return widths(self.param_flats)
 
+    @functools.cached_property
+    def layouts(self) -> StageLayouts | None:
+        """The layouts the stages' strategies leave their boundary values and residuals in, over
+        the stage's automatic axes (`stage_layouts`); None where the stage has none (one device,
+        or every axis a data axis): all whole."""
+        auto = {a: n for a, n in self.mesh.shape.items() if a != STAGE and a not in self.data_axes and n > 1}
+        return stage_layouts(self.cut, self.param_avals, auto) if auto else None
+
     def _boundary_flats(self, grads: bool) -> list[Flat]:
-        return [Flat.of([a for a in b if _inexact(a) or not grads]) for b in self.cut.boundary]
+        """Per boundary, the packing of its values (`grads`: of their gradients, the float ones),
+        each laid out as the stage sending it makes it (a gradient as its value)."""
+        out = []
+        for k, b in enumerate(self.cut.boundary):
+            specs = self.layouts.boundary[k] if self.layouts else (None,) * len(b)
+            kept = [n for n, a in enumerate(b) if _inexact(a) or not grads]
+            out.append(Flat.of([b[n] for n in kept], [specs[n] for n in kept], dict(self.mesh.shape)))
+        return out
 
     def row(self, k: int) -> int:
         """The packed row of (virtual) stage `k`: device `k % S`'s rows are consecutive, its chunk
@@ -407,18 +480,19 @@ class _Ticks:
         self.cut, self.m, self.s = program.cut, program.schedule.micro_batches, program.schedule.stages
         self.bf, self.gf = program._boundary_flats(False), program._boundary_flats(True)
         self.bw, self.gw = widths(self.bf), widths(self.gf)
-        self.stage = jax.lax.axis_index(STAGE)
+        self.stage, sizes = jax.lax.axis_index(STAGE), dict(program.mesh.shape)
         self.pulls = [self._pullback_shape(k) for k in range(self.cut.stages)]
-        self.rf = [Flat.of(stored) for _, _, stored in self.pulls]
+        self.rf = [Flat.of(res, self._residual_specs(k, res), sizes) for k, (_, _, res) in enumerate(self.pulls)]
         self.rw = widths(self.rf)
         if program.schedule.split_backward:
             self.splits = [self._split(k) for k in range(self.cut.stages)]
-            self.hf = [Flat.of(split.handoff) for split in self.splits]
+            self.hf = [Flat.of(split.handoff, None, sizes) for split in self.splits]
             self.hw = widths(self.hf)
             # what the `W` reads of each stage's residuals, and that with `B`'s handoff (`after_b`)
             self.kept = [[n for n in range(len(self.rf[k].avals)) if split.weight_reads[len(self.cut.params[k]) + n]]
                          for k, split in enumerate(self.splits)]
-            self.af = [Flat.of([self.rf[k].avals[n] for n in kept] + list(split.handoff))
+            self.af = [Flat.of([self.rf[k].avals[n] for n in kept] + list(split.handoff),
+                               [self.rf[k].specs[n] for n in kept] + [None] * len(split.handoff), sizes)
                        for k, (kept, split) in enumerate(zip(self.kept, self.splits))]
             self.hand_in_res = all(size <= self.rw.get(name, 0) for f in self.af for name, size in f.sizes.items())
 
@@ -430,9 +504,9 @@ class _Ticks:
         return self._hold({**base, **changes})
 
     def _hold(self, tree: dict) -> dict:
-        """A tick's values in the one layout every branch ends with: whole on the stage's devices
-        (`_whole`), the parameter gradients' sum `g` laid out as the packed parameters (`place`)."""
-        return {**_whole({name: x for name, x in tree.items() if name != "g"}), "g": self.p.place(tree["g"])}
+        """A tick's values in the one layout every branch ends with: each buffer as its name says
+        (`_laid`), the parameter gradients' sum `g` laid out as the packed parameters (`place`)."""
+        return {**_laid({name: x for name, x in tree.items() if name != "g"}), "g": self.p.place(tree["g"])}
 
     def idle(self, view, i):
         return self._result(view)
@@ -454,40 +528,30 @@ class _Ticks:
         return [jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False) for a in jax.tree.leaves(self.micro)]
 
     def _vjp(self, k, i, x_buffers):
-        """Stage `k` on micro-batch `i` under `jax.vjp` (over its parameters and float inputs):
+        """Stage `k` on micro-batch `i` under `jax.vjp` (`stage_vjp`):
         `(outputs, pullback of the float outputs, parameters)`."""
-        ins, mb = self.bf[k - 1].unpack(x_buffers) if k else [], self._mb(i)
-        floats = [n for n, x in enumerate(ins) if _inexact(x)]
-
-        def run(params_k, xs):
-            merged = list(ins)
-            for n, x in zip(floats, xs):
-                merged[n] = x
-            outs = self.cut.run(k, params_k, mb, merged)
-            return [y for y in outs if _inexact(y)], outs
-
+        ins = self.bf[k - 1].unpack(x_buffers) if k else []
         params_k = self._params(k)
-        _, pull, outs = jax.vjp(run, params_k, [ins[n] for n in floats], has_aux=True)
-        return outs, pull, params_k
+        return (*stage_vjp(self.cut, k, params_k, ins, self._mb(i)), params_k)
 
-    def _stored(self, pull, params_k) -> tuple[Any, tuple[int | None, ...], list]:
-        """`(structure, param_of, stored)`: the pullback's leaves, each either one of the stage's
-        parameters (`param_of`: its index; read again at the backward) or a residual to store."""
-        leaves, tree = jax.tree.flatten(pull)
-        param_of = tuple(next((j for j, p in enumerate(params_k) if leaf is p), None) for leaf in leaves)
-        return tree, param_of, [jnp.asarray(leaf) for leaf, j in zip(leaves, param_of) if j is None]
+    def _residual_specs(self, k, res) -> tuple[P | None, ...]:
+        """Stage `k`'s residuals' layouts (`StagedProgram.layouts`; all whole where there are none)."""
+        layouts = self.p.layouts
+        if layouts is None or layouts.residual_shapes[k] != tuple(tuple(a.shape) for a in res):
+            return (None,) * len(res)  # traced apart from the program, its residuals did not line up: whole
+        return layouts.residuals[k]
 
     def _pullback_shape(self, k):
         """Stage `k`'s `_stored` structure, its residuals as shapes (traced once, not run)."""
         found = {}
 
         def probe(x_buffers):
-            tree, param_of, stored = self._stored(*self._vjp(k, 0, x_buffers)[1:])
+            tree, param_of, res = stored(*self._vjp(k, 0, x_buffers)[1:])
             found["tree"], found["param_of"] = tree, param_of
-            return stored
+            return res
 
-        stored = jax.eval_shape(probe, _zeros(None, self.bw))
-        return found["tree"], found["param_of"], stored
+        res = jax.eval_shape(probe, _zeros(None, self.bw))
+        return found["tree"], found["param_of"], res
 
     def forward(self, view, i):
         """Runs the stage on micro-batch `i` under `jax.vjp`, storing its residuals; sends its
@@ -496,7 +560,7 @@ class _Ticks:
 
         def at(k):
             outs, pull, params_k = self._vjp(k, i, view["x"])
-            res = self.rf[k].pack(self._stored(pull, params_k)[2], self.rw)
+            res = self.rf[k].pack(stored(pull, params_k)[2], self.rw)
             if k == self.cut.stages - 1:
                 return self._result(view, res=res, loss=outs[0].astype(jnp.float32))
             return self._result(view, res=res, send_f=self.bf[k].pack(outs, self.bw))
@@ -605,6 +669,27 @@ def _whole(tree):
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
 
 
+def _cut(x: jax.Array, spec: P) -> jax.Array:
+    """`x` laid out as `spec` over the stage's automatic axes (as is, with none)."""
+    return jax.lax.with_sharding_constraint(x, spec) if _automatic() else x
+
+
+def _laid(tree: dict) -> dict:
+    """A tick's values (buffers by name, the loss) in the one layout every branch of its switch ends
+    with: a dtype's buffer whole on each of the stage's devices (`_whole`), a cut class's
+    (`float32@d0`, `Flat`) cut over its axes along its last dim, so the packed buffers are read
+    and written by local slices, and no collective runs in one stage's branch that another
+    stage's devices would have to join."""
+    if not _automatic():
+        return tree
+
+    def one(path, x):
+        axes = _axes(str(getattr(path[-1], "key", ""))) if path else ()
+        return jax.lax.with_sharding_constraint(x, P(*[None] * (x.ndim - 1), axes) if axes else P())
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
 def _slot(c, i, slots: int):
     """The row of chunk `c`'s slot of micro-batch `i` in a buffer of `slots` rows per chunk."""
     return c * slots + i % slots
@@ -612,7 +697,7 @@ def _slot(c, i, slots: int):
 
 def _zeros(slots: int | None, w: dict[str, int]) -> Buffers:
     lead = () if slots is None else (slots,)
-    return {name: jnp.zeros((*lead, width), name) for name, width in w.items()}
+    return {name: jnp.zeros((*lead, width), _dtype(name)) for name, width in w.items()}
 
 
 def _at(buffers: Buffers, i) -> Buffers:
