@@ -152,13 +152,14 @@ class StageLayouts:
     residual_shapes: tuple[tuple[tuple[int, ...], ...], ...]
 
 
-def stage_layouts(cut: Cut, param_avals: Sequence[Any], axis_sizes: dict[str, int]) -> StageLayouts:
+def stage_layouts(cut: Cut, param_avals: Sequence[Any], param_specs: Sequence[P | None],
+                  axis_sizes: dict[str, int]) -> StageLayouts:
     """Each stage's forward under `jax.vjp`, traced on shapes, with its parameters laid out as
-    `cut.param_specs()` says and its inputs as the previous stage made them; the layouts of its
+    `param_specs` says (per leaf, as the pipeline holds it; None: whole) and its inputs as the
+    previous stage made them; the layouts of its
     boundary outputs and residuals are what `jshard.propagate` gives them from those and the
     strategies' constraints inside the stage, over the stage's automatic axes (`axis_sizes`; others
     are left out). A value whose layout no rule settles, or that a spec does not divide, is whole."""
-    specs = cut.param_specs()
     batch = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in cut.batch_avals]
     incoming: tuple[P | None, ...] = ()
     boundary, residuals, shapes = [], [], []
@@ -170,14 +171,8 @@ def stage_layouts(cut: Cut, param_avals: Sequence[Any], axis_sizes: dict[str, in
             outs, pull = stage_vjp(cut, k, params_k, ins, batch)
             return outs, stored(pull, params_k)[2]
 
-        closed = jax.make_jaxpr(probe)(params_k, ins, batch)
-        jaxpr = closed.jaxpr
-        given = [specs[j] for j in cut.params[k]] + list(incoming) + [None] * (len(jaxpr.invars) - len(params_k) - len(ins))
-        anchors = {v: spec_from_pspec(_kept(spec, axis_sizes), v.aval.ndim) if spec is not None else replicated(v.aval.ndim)
-                   for v, spec in zip(jaxpr.invars, given)}
-        values = propagate(flatten(jaxpr), anchors, axis_sizes, outputs=jaxpr.outvars).values
-        found = [_divides(values.get(v, anchors.get(v)), v.aval.shape, axis_sizes)
-                 if isinstance(v, jcore.Var) else None for v in jaxpr.outvars]
+        jaxpr = jax.make_jaxpr(probe)(params_k, ins, batch).jaxpr
+        found = propagated(jaxpr, [param_specs[j] for j in cut.params[k]] + list(incoming), jaxpr.outvars, axis_sizes)
         n_out = len(cut.boundary[k]) if k < cut.stages - 1 else 1
         if k < cut.stages - 1:
             boundary.append(tuple(found[:n_out]))
@@ -185,6 +180,20 @@ def stage_layouts(cut: Cut, param_avals: Sequence[Any], axis_sizes: dict[str, in
         residuals.append(tuple(found[n_out:]))
         shapes.append(tuple(tuple(v.aval.shape) for v in jaxpr.outvars[n_out:]))
     return StageLayouts(tuple(boundary), tuple(residuals), tuple(shapes))
+
+
+def propagated(jaxpr: jcore.Jaxpr, in_specs: Sequence[P | None], values: Sequence[Any],
+               axis_sizes: dict[str, int]) -> list[P | None]:
+    """The layouts of `values` (variables of `jaxpr`) that `jshard.propagate` gives them over
+    `axis_sizes` from `in_specs`, the layouts of `jaxpr`'s first arguments (None, or any argument
+    past them: whole), and the constraints inside it; None where a value is whole, where no rule
+    settles it, or where its layout does not divide it."""
+    given = list(in_specs) + [None] * (len(jaxpr.invars) - len(in_specs))
+    anchors = {v: spec_from_pspec(_kept(spec, axis_sizes), v.aval.ndim) if spec is not None else replicated(v.aval.ndim)
+               for v, spec in zip(jaxpr.invars, given)}
+    found = propagate(flatten(jaxpr), anchors, axis_sizes, outputs=jaxpr.outvars).values
+    return [_divides(found.get(v, anchors.get(v)), v.aval.shape, axis_sizes) if isinstance(v, jcore.Var) else None
+            for v in values]
 
 
 def _kept(spec: P, axis_sizes: dict[str, int]) -> P:

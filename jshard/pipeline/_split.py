@@ -24,8 +24,10 @@ from typing import Any
 
 import jax
 from jax.extend import core as jcore
+from jax.sharding import PartitionSpec as P
 
 from jshard.graph import inline_equations, resolve
+from jshard.pipeline._inner import propagated
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -58,7 +60,7 @@ class SplitBackward:
       (True, True)
     """
 
-    _invars: tuple
+    _jaxpr: Any
     _consts: dict
     _b: tuple[_Eqn, ...]
     _w: tuple[_Eqn, ...]
@@ -84,10 +86,16 @@ class SplitBackward:
         read_by_w = [v for e in w for v in e.inputs] + list(w_outs)
         handoff = tuple(dict.fromkeys(v for v in read_by_w if isinstance(v, jcore.Var) and v in made_in_b))
         read = {v for v in read_by_w if isinstance(v, jcore.Var)}
-        return cls(tuple(jaxpr.invars), dict(zip(jaxpr.constvars, closed.consts)), tuple(b), tuple(w),
+        return cls(jaxpr, dict(zip(jaxpr.constvars, closed.consts)), tuple(b), tuple(w),
                    b_outs, w_outs, handoff,
                    tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in handoff),
                    tuple(v in read for v in jaxpr.invars))
+
+    def handoff_specs(self, arg_specs: Sequence[P | None], axis_sizes: dict[str, int]) -> list[P | None]:
+        """The layouts of the handoff's values over the stage's automatic axes (`axis_sizes`), from
+        those of the pullback's arguments (`arg_specs`, flat; None: whole), propagated over its
+        equations (`propagated`)."""
+        return propagated(self._jaxpr, arg_specs, self._handoff, axis_sizes)
 
     def input_grad(self, args: Sequence[Any]) -> tuple[list, list]:
         """`B`: `(g_inputs, handoff values)` from the pullback's arguments."""
@@ -102,7 +110,7 @@ class SplitBackward:
 
     def _start(self, args) -> dict:
         env = dict(self._consts)
-        env.update(zip(self._invars, jax.tree.leaves(list(args))))
+        env.update(zip(self._jaxpr.invars, jax.tree.leaves(list(args))))
         return env
 
 

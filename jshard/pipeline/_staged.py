@@ -249,8 +249,20 @@ class StagedProgram:
         """The layouts the stages' strategies leave their boundary values and residuals in, over
         the stage's automatic axes (`stage_layouts`); None where the stage has none (one device,
         or every axis a data axis): all whole."""
-        auto = {a: n for a, n in self.mesh.shape.items() if a != STAGE and a not in self.data_axes and n > 1}
-        return stage_layouts(self.cut, self.param_avals, auto) if auto else None
+        auto = self.automatic_axes
+        return stage_layouts(self.cut, self.param_avals, self.param_specs, auto) if auto else None
+
+    @property
+    def automatic_axes(self) -> dict[str, int]:
+        """The stage's axes its strategies lay values out over (not `stage`, no data axis), with their sizes."""
+        return {a: n for a, n in self.mesh.shape.items() if a != STAGE and a not in self.data_axes and n > 1}
+
+    @property
+    def param_specs(self) -> tuple[P | None, ...]:
+        """Per parameter leaf, its layout inside its stage as the packed buffers hold it: its
+        `CutClass`'s spec, or None (whole)."""
+        cut = {j: spec for c in self.classes for j, spec in c.specs.items()}
+        return tuple(cut.get(j) for j in range(len(self.param_avals)))
 
     def _boundary_flats(self, grads: bool) -> list[Flat]:
         """Per boundary, the packing of its values (`grads`: of their gradients, the float ones),
@@ -486,15 +498,25 @@ class _Ticks:
         self.rw = widths(self.rf)
         if program.schedule.split_backward:
             self.splits = [self._split(k) for k in range(self.cut.stages)]
-            self.hf = [Flat.of(split.handoff, None, sizes) for split in self.splits]
+            hands = [self._handoff_specs(k, split) for k, split in enumerate(self.splits)]
+            self.hf = [Flat.of(split.handoff, specs, sizes) for split, specs in zip(self.splits, hands)]
             self.hw = widths(self.hf)
             # what the `W` reads of each stage's residuals, and that with `B`'s handoff (`after_b`)
             self.kept = [[n for n in range(len(self.rf[k].avals)) if split.weight_reads[len(self.cut.params[k]) + n]]
                          for k, split in enumerate(self.splits)]
             self.af = [Flat.of([self.rf[k].avals[n] for n in kept] + list(split.handoff),
-                               [self.rf[k].specs[n] for n in kept] + [None] * len(split.handoff), sizes)
+                               [self.rf[k].specs[n] for n in kept] + hands[k], sizes)
                        for k, (kept, split) in enumerate(zip(self.kept, self.splits))]
             self.hand_in_res = all(size <= self.rw.get(name, 0) for f in self.af for name, size in f.sizes.items())
+
+    def _handoff_specs(self, k, split: SplitBackward) -> list[P | None]:
+        """The layouts of stage `k`'s handoff from its `B` to its `W` (`SplitBackward.handoff_specs`),
+        from its parameters', residuals' and received gradient's; all whole with no layouts."""
+        if self.p.layouts is None:
+            return [None] * len(split.handoff)
+        cot = [None] if k == self.cut.stages - 1 else list(self.gf[k].specs)
+        params = [self.p.param_specs[j] for j in self.cut.params[k]]
+        return split.handoff_specs(params + list(self.rf[k].specs) + cot, self.p.automatic_axes)
 
     def _result(self, view, **changes) -> dict:
         base = {"res": view["res"], "send_f": _zeros(None, self.bw), "send_b": _zeros(None, self.gw),
