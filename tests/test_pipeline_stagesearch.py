@@ -78,7 +78,10 @@ def test_megatron_strategies_hold_inside_tagged_stages():
     """8 devices, S=2 under 1F1B: each stage's 4 devices run its blocks Megatron-style; loss and
     gradients equal the unpipelined single-device step, the compiled program all-reduces the
     row-parallel partial sums over each stage's own 4 devices, and a device holds a quarter of its
-    stage's cut weights (the embedding and head, which no strategy cuts, whole)."""
+    stage's cut weights (the embedding and head, which no strategy cuts, whole). The residuals
+    stay in the layout the strategies give them (the ff hidden values cut over the stage's 4
+    devices, the residual stream whole, as it crosses), so no forward gathers what it stores: the
+    step all-gathers less than one micro-batch's ff hidden value."""
     step = js.parallelize(_loss(_megatron, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
                           schedule="1f1b")
     params, batch = _params(), _batch()
@@ -86,6 +89,12 @@ def test_megatron_strategies_hold_inside_tagged_stages():
     compiled = step.compile(params, batch)
     groups = _groups(compiled.as_text(), "all-reduce")
     assert {frozenset(range(4)), frozenset(range(4, 8))} <= groups, groups
+    layouts = step.program(params, batch).layouts
+    assert layouts.boundary == ((None,),)  # the residual stream: whole after the row cut's all-reduce
+    hidden = (ROWS // 4, SEQ, 4 * D)  # one micro-batch's ff hidden value, cut over the stage's 4 devices
+    assert P(None, None, ("d0", "d1")) in [spec for spec, shape in zip(layouts.residuals[0], layouts.residual_shapes[0])
+                                           if shape == hidden]
+    assert js.audit(compiled).bytes("all-gather") < np.prod(hidden) * 4
     layers, whole = params["layers"], params["embed"].nbytes  # embed and head: one of them per stage
     program = step.program(params, batch)
     assert program.stage_bytes() == (whole + _nbytes(layers[:2]), whole + _nbytes(layers[2:]))
