@@ -77,8 +77,9 @@ def inner_table() -> Table:
         tuple(out),
         (f"{LAYERS} blocks (d_model {D}, up {4 * D}), vocab {VOCAB}, {ROWS} rows of {SEQ}; S = 2, M = 4, 1F1B, 4 devices.",
          "mp: the embedding and head, which no strategy cuts, stay whole; the blocks' weights are packed by layout "
-         "class (`jshard.pipeline.CutClass`). The all-gathers are the residuals and boundary values, stored whole "
-         "on each of a stage's devices (a known gap).",
+         "class (`jshard.pipeline.CutClass`), and so are the residuals and boundary values, in the layouts the "
+         "strategies give them (`jshard.pipeline.stage_layouts`): the ff hidden values cut, the residual stream whole; "
+         "nothing is gathered to be stored.",
          "dp: the rows' axis runs manual; the two all-reduces are the packed gradients and the loss."),
     )
 

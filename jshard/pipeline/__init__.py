@@ -6,7 +6,8 @@ pipeline_stages=S, micro_batches=M, schedule=...)` returns a `Staged` step, the 
 reported in its `StageBalance`; with `mode="auto"` a `SearchedCut`, each stage's strategy searched
 over its devices) run by a `StagedProgram` with each stage's parameters on its
 own devices (a leaf a `jshard.shard` strategy cuts inside its stage packed by its layout class,
-`CutClass`, cut as the strategy cuts it). `Pipeline` describes a model as first / layer stack / last (the fast path for identical
+`CutClass`, cut as the strategy cuts it; its residuals and boundary values packed in the
+layouts its strategies give them, `stage_layouts`: `StageLayouts`). `Pipeline` describes a model as first / layer stack / last (the fast path for identical
 layers); for it `parallelize` returns a `Pipelined` step (one `jax.jit` program per step, see
 `_engine.py` for why); its `plan` is a `PipelinePlan` with the `Schedule` table and picture,
 bubble, memory and boundary bytes.
@@ -16,6 +17,8 @@ from jshard.pipeline._balance import StageBalance as StageBalance
 from jshard.pipeline._cut import Cut as Cut
 from jshard.pipeline._cut import cut as cut
 from jshard.pipeline._inner import CutClass as CutClass
+from jshard.pipeline._inner import StageLayouts as StageLayouts
+from jshard.pipeline._inner import stage_layouts as stage_layouts
 from jshard.pipeline._model import Pipeline as Pipeline
 from jshard.pipeline._model import StageFunction as StageFunction
 from jshard.pipeline._model import pipeline_stage as pipeline_stage
