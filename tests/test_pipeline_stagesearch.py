@@ -172,25 +172,28 @@ def test_unequal_tags_are_kept_and_their_imbalance_reported():
 
 def test_auto_searches_each_stage_over_its_devices():
     """mode="auto", no tags, S=2 on 8 devices under a 480 KiB budget per device, of which the
-    pipeline's in-flight residuals and boundary slots take 420.5 KiB: each stage's strategy is
-    searched over its 4 devices under the 59.5 KiB left (each stage's `Plan`: every operator
-    `searched`, the budget), the step runs those strategies, and it equals the unpipelined step."""
+    pipeline's in-flight residuals and boundary slots take 420.5 KiB and the gradient sums, laid
+    out as the search cuts the parameters, as many bytes as the packed parameters a device holds
+    (18 KiB): each stage's strategy is searched over its 4 devices under the 41.5 KiB left (each
+    stage's `Plan`: every operator `searched`, the budget), the step runs those strategies, and it
+    equals the unpipelined step."""
     params, batch = _params(), _batch()
     step = js.parallelize(_loss(_plain), devices=8, pipeline_stages=2, micro_batches=4, mode="auto",
                           memory_budget="480KiB")
     assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))
-    c = step.program(params, batch).cut
+    c, program = step.program(params, batch).cut, step.program(params, batch)
     assert not c.balance.tagged and len(c.plans) == 2
     for plan in c.plans:
         assert plan.mode == "auto" and dict(plan.mesh.shape) == {"d0": 2, "d1": 2}
         assert {op.origin for op in plan.ops} == {"searched"}
-        assert c.pipeline_bytes == 2 * 211200 + 2 * 4096  # 1F1B at S=2: 2 residual slots, 1 slot each way
+        # 1F1B at S=2: 2 residual slots, 1 slot each way; the gradient sums as the packed parameters
+        assert c.pipeline_bytes == 2 * 211200 + 2 * 4096 + program.device_bytes()
         assert plan.search.budget == 480 * 1024 - c.pipeline_bytes and plan.search.peak_bytes <= plan.search.budget
-        assert re.search(r"search=recursive over mesh 2·2: .*budget\s+59\.5\s+KiB", plan.summary(), re.S), plan.summary()
+        assert re.search(r"search=recursive over mesh 2·2: .*budget\s+41\.5\s+KiB", plan.summary(), re.S), plan.summary()
     cut_ops = [op for plan in c.plans for op in plan.ops
                if any(d > 1 for s in (op.in_strategy or ()) if s for d in s)]
     assert cut_ops  # the search cut something inside a stage (the budget binds: 66 KiB of parameters a stage)
-    program = step.program(params, batch)  # the packed parameters cut as the search cut them
+    # the packed parameters cut as the search cut them
     assert program.classes and program.device_bytes() < max(program.stage_bytes())
 
 
@@ -206,14 +209,15 @@ def test_auto_searches_each_stage_over_its_devices():
      r"no operator of the loss is tagged with a stage\. Cut by the cost model, its 1 operator\(s\) hold fewer "
      r"narrow places"),
     (lambda: js.parallelize(_loss(_plain), devices=8, pipeline_stages=2, micro_batches=4, mode="auto",
-                            memory_budget="424.5KiB"),
-     r"jshard\.parallelize\(loss\) \(stage 0; memory_budget less the pipeline's 420\.5 KiB in flight\): "
+                            memory_budget="441KiB"),
+     r"jshard\.parallelize\(loss\) \(stage 0; memory_budget less the pipeline's 437 KiB outside it\): "
      r"memory_budget=4 KiB per device cannot be met on 4 devices .* Raise memory_budget"),
     (lambda: js.parallelize(_loss(_plain), devices=8, pipeline_stages=2, micro_batches=4, mode="auto",
                             memory_budget="4KiB"),
      r"memory_budget=4 KiB per device, but the pipeline alone holds 420\.5 KiB per device outside its stages' "
      r"programs \(the residuals of the micro-batches in flight and the boundary slots under schedule='1f1b', S=2, "
-     r"M=4\), leaving the search nothing\. Raise memory_budget above 420\.5 KiB"),
+     r"M=4\) and at least 16\.5 KiB of gradient sums \(the largest stage's parameters cut over its 4 devices\), "
+     r"leaving the search nothing\. Raise memory_budget above 437 KiB"),
 ], ids=["auto-with-shard-calls", "mode-data", "untagged-too-small", "stage-over-budget", "pipeline-over-budget"])
 def test_what_a_searched_or_balanced_pipeline_cannot_do_is_an_error(make, message):
     with pytest.raises(js.ShardingError, match=message):

@@ -10,9 +10,11 @@ constraints; `SearchedCut.run` replays a stage with those constraints bound over
 context (inside the pipeline's `shard_map`, the stage's own automatic axes), so the strategies hold
 on whichever stage's devices run it; a parameter the search cuts is packed cut so
 (`SearchedCut.param_specs`, `_staged.CutClass`). The budget a stage's search is given is the
-step's per device less what the pipeline holds outside the stage's program (`in_flight`: the
-residuals of the micro-batches in flight and the boundary slots); the gradient sums, as large as
-the stage's parameters as cut, are not taken from it yet.
+step's per device less what the pipeline holds outside the stage's program: `in_flight`, the
+residuals of the micro-batches in flight and the boundary slots, and the parameter gradients'
+running sums, as large as the stage's parameters as its plan cuts them (`gradient_bytes`): reserved
+first as the parameters cut over all of a stage's devices, and where a plan cuts them coarser, the
+stages are searched again under what that plan's need, until a search's plans fit what it reserved.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from jshard._errors import ShardingError
 from jshard._format import human_bytes
 from jshard.compile import Options, build
 from jshard.layouts import FineMesh
-from jshard.pipeline._cut import Cut
+from jshard.pipeline._cut import Cut, spec_axes
 from jshard.pipeline._schedule import Schedule, build_schedule
 from jshard.plan import Plan
 from jshard.propagate import emission_of, emit
@@ -42,8 +44,9 @@ class SearchedCut(Cut):
     Attributes:
       plans: per stage, the `Plan` searched over one stage's devices (`plan.summary()` lists each
         operator's strategy; `plan.search` the `SearchReport`).
-      pipeline_bytes: what the pipeline holds per device outside a stage's program (`in_flight`),
-        taken from the `memory_budget` each stage's search is given.
+      pipeline_bytes: what the pipeline holds per device outside a stage's program (`in_flight` and
+        the gradient sums reserved, `gradient_bytes`), taken from the `memory_budget` each stage's
+        search is given.
     """
 
     plans: tuple[Plan, ...] = ()
@@ -73,23 +76,53 @@ def searched(call: str, cut: Cut, options: Options, inner: FineMesh, params_aval
     c = options.pipeline
     schedule = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
     extra = in_flight(cut, schedule, params_avals, batch, inputs)
+    # the gradient sums at the least they can take: every stage's parameters cut over all its devices
+    grads = schedule.virtual * max(_nbytes([params_avals[j] for j in idx]) for idx in cut.params) // inner.device_count
     budget = options.memory_budget
-    if budget is not None and budget <= extra:
+    if budget is not None and budget <= extra + grads:
         raise ShardingError(
             f"{call}: memory_budget={human_bytes(budget)} per device, but the pipeline alone holds "
             f"{human_bytes(extra)} per device outside its stages' programs (the residuals of the micro-batches in "
-            f"flight and the boundary slots under schedule={c.schedule!r}, S={c.stages}, M={c.micro_batches}), "
-            f"leaving the search nothing. Raise memory_budget above {human_bytes(extra)}, or hold fewer "
-            f"micro-batches in flight ({'smaller micro-batches' if c.schedule == '1f1b' else 'schedule=1f1b'})."
+            f"flight and the boundary slots under schedule={c.schedule!r}, S={c.stages}, M={c.micro_batches}) and "
+            f"at least {human_bytes(grads)} of gradient sums (the largest stage's parameters cut over its "
+            f"{inner.device_count} devices), leaving the search nothing. Raise memory_budget above "
+            f"{human_bytes(extra + grads)}, or hold fewer micro-batches in flight "
+            f"({'smaller micro-batches' if c.schedule == '1f1b' else 'schedule=1f1b'})."
         )
+    search = lambda held: _search_stages(call, cut, options, inner, params_avals, batch, inputs, held)
+    if budget is None:
+        plans, emitted = search(extra)
+        grads = gradient_bytes(cut, plans, params_avals, schedule.virtual)
+    else:  # the gradient sums, laid out as the plans cut the parameters, are reserved before the search
+        for _ in range(_RESERVES):  # from the finest cut; where a plan cuts coarser, again under its own
+            plans, emitted = search(extra + grads)
+            needed = gradient_bytes(cut, plans, params_avals, schedule.virtual)
+            if needed <= grads:
+                break
+            grads = needed
+        else:
+            raise ShardingError(_no_room_error(call, budget, extra, needed))
+    fields = {f.name: getattr(cut, f.name) for f in dataclasses.fields(Cut)}
+    return SearchedCut(**fields, plans=tuple(plans), pipeline_bytes=extra + grads, _emitted=tuple(emitted))
+
+
+_RESERVES = 3
+"""How many times the stages are searched at most, each under the gradient sums the last one's plans need."""
+
+
+def _search_stages(call: str, cut: Cut, options: Options, inner: FineMesh, params_avals: list, batch: list,
+                   inputs: list, held: int) -> tuple[list[Plan], list]:
+    """Each stage's plan and emission, searched over `inner`'s devices under the step's
+    `memory_budget` less the `held` bytes the pipeline holds per device outside the stage's program."""
+    budget = options.memory_budget
     # no host offload weighed: the pipeline keeps each stage's packed state on its devices
     stage_options = dataclasses.replace(options, pipeline=None, devices=inner.device_count, batch_argnums=(1,),
-                                        offload=(), memory_budget=None if budget is None else budget - extra)
+                                        offload=(), memory_budget=None if budget is None else budget - held)
     plans, emitted = [], []
     for k in range(cut.stages):
         params_k = [params_avals[j] for j in cut.params[k]]
         run = lambda p, b, x, k=k: cut.run(k, p, b, x)
-        where = f"{call} (stage {k}" + (f"; memory_budget less the pipeline's {human_bytes(extra)} in flight)"
+        where = f"{call} (stage {k}" + (f"; memory_budget less the pipeline's {human_bytes(held)} outside it)"
                                          if budget is not None else ")")
         program = build(run, (params_k, batch, inputs[k]), stage_options, where)
         _check_mesh(call, k, program.traced.mesh, inner)
@@ -97,8 +130,26 @@ def searched(call: str, cut: Cut, options: Options, inner: FineMesh, params_aval
         emission = emission_of(program.traced.nodes, program.result, dict(mesh.shape), options.enable_alltoall)
         plans.append(program.plan)
         emitted.append((program.traced.closed, emission))
-    fields = {f.name: getattr(cut, f.name) for f in dataclasses.fields(Cut)}
-    return SearchedCut(**fields, plans=tuple(plans), pipeline_bytes=extra, _emitted=tuple(emitted))
+    return plans, emitted
+
+
+def gradient_bytes(cut: Cut, plans: list[Plan], params_avals: list, virtual: int = 1) -> int:
+    """Bytes per device of the parameter gradients' running sums the pipeline carries through its
+    loop (`_staged.py`: laid out as the packed parameters): per stage, its leaves divided by the
+    devices its plan cuts each over (`Plan.in_specs`), the largest stage's, `virtual` chunks of it."""
+    def stage(k: int) -> int:
+        sizes = dict(plans[k].mesh.shape)
+        return sum(_nbytes([params_avals[j]]) // int(np.prod([sizes[a] for a in spec_axes(spec)]))
+                   for j, spec in zip(cut.params[k], plans[k].in_specs))
+    return virtual * max((stage(k) for k in range(cut.stages)), default=0)
+
+
+def _no_room_error(call: str, budget: int, extra: int, grads: int) -> str:
+    return (f"{call}: memory_budget={human_bytes(budget)} per device: the pipeline holds {human_bytes(extra)} per "
+            f"device in flight (residual and boundary slots), and each of {_RESERVES} searches of its stages, "
+            f"under what the gradient sums of the one before need (the parameters as it cut them, last "
+            f"{human_bytes(grads)}), cut them coarser than it reserved. Raise memory_budget, or use more "
+            f"pipeline stages.")
 
 
 def in_flight(cut: Cut, schedule: Schedule, params_avals: list, batch: list, inputs: list) -> int:
