@@ -156,7 +156,8 @@ def in_flight(cut: Cut, schedule: Schedule, params_avals: list, batch: list, inp
     """Bytes per device the pipeline holds outside a stage's program (`_staged.py`): the slots of
     the residuals of the micro-batches in flight (the pullbacks' leaves less the parameters) and of
     the boundary values received each way, each slot as wide as the widest stage's (an estimate by
-    bytes: the packed buffers take the widest per dtype), whole on each of the stage's devices."""
+    bytes: the packed buffers take the widest per dtype), whole on each of the stage's devices (an
+    upper bound: where the plans cut them, they are stored cut, `_inner.stage_layouts`)."""
     res = max(_residual_bytes(cut, k, [params_avals[j] for j in cut.params[k]], batch, inputs[k])
               for k in range(cut.stages))
     send = max((_nbytes(b) for b in cut.boundary), default=0)
