@@ -66,6 +66,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
+from jshard.pipeline._cut import without_axes
 from jshard.pipeline._model import Pipeline, stack_length
 from jshard.pipeline._schedule import Schedule
 
@@ -394,12 +395,14 @@ def scan_ticks(schedule: Schedule, table: jax.Array, carry: Any, tick: Callable)
 
 
 def _pin(tree, specs):
-    """Constrains each leaf of `tree` to its spec over the current (stage-manual) mesh; with no
-    automatic axes left (data axes manual too) there is nothing to constrain."""
+    """Constrains each leaf of `tree` to its spec over the current (stage-manual) mesh, less its
+    manual axes (data axes manual too: each device's rows are its own); with no automatic axes
+    left there is nothing to constrain."""
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.auto_axes:
         return tree
-    return jax.tree.map(lambda x, p: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, p)),
+    manual = set(mesh.manual_axes)
+    return jax.tree.map(lambda x, p: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, without_axes(p, manual))),
                         tree, specs, is_leaf=_is_spec)
 
 
