@@ -177,7 +177,8 @@ class Program:
         tagged = isinstance(run, list)
         probe = lambda ch, x, stage: _residuals(_runner(run, stage) if tagged else run, ch, x)[0]
         chunk_sh = jax.tree.map(lambda p: NamedSharding(stage_mesh, _P(None, *p)), self.specs.layer, is_leaf=_is_spec)
-        shardings = (chunk_sh, NamedSharding(stage_mesh, self.specs.act), NamedSharding(stage_mesh, _P()))
+        act_sh = NamedSharding(stage_mesh, without_axes(self.specs.act, set(self.data_axes)))  # one device's rows
+        shardings = (chunk_sh, act_sh, NamedSharding(stage_mesh, _P()))
         compiled = jax.jit(probe, in_shardings=shardings).lower(chunk, act, jax.ShapeDtypeStruct((), jnp.int32)).compile()
         return tuple(sh.spec for sh in jax.tree.leaves(compiled.output_shardings))
 

@@ -38,7 +38,7 @@ from jshard.layouts import (
     dataset_slots,
     layout_of,
 )
-from jshard.pipeline._cut import Cut, cut, spec_axes, without_axes
+from jshard.pipeline._cut import Cut, cut, spec_axes
 from jshard.pipeline._engine import STAGE, Program, Replicated, Specs
 from jshard.pipeline._model import Pipeline, check_stage_ids, pipeline_stage, stack_length
 from jshard.pipeline._plan import PipelinePlan, plan_of
@@ -208,7 +208,6 @@ class Pipelined:
         mode = "data" if pure else "semi_auto"
         data_axes = self.inner.names if pure else \
             self._rows_manual(params, batch, (r_specs, layer_specs)) if calls else ()
-        act = without_axes(act, set(data_axes))
         program = Program(self.pipe, sched, self.mesh, Specs(act, r_specs, layer_specs, batch_specs), data_axes)
         if pure:
             residuals = tuple(PartitionSpec() for _ in program.residual_shapes(params, batch))
