@@ -6,7 +6,10 @@ makes that axis manual. Inside a stage the other axes stay automatic (`axis_name
 the stage's data / tensor strategies (`jshard.shard` calls, `in_strategy`) still apply; or, for
 pure data parallel inside stages (no `shard` calls, no `in_strategy`, `dataset_strategy=
 "data_parallel"`), they are manual too (`data_axes`): every device runs its own rows, accumulates its own gradients, and the
-gradients are all-reduced once per step rather than once per micro-batch. The schedule is a static
+gradients are all-reduced once per step rather than once per micro-batch. So are the axes that
+`jshard.shard` tuples cut the micro-batch's rows over and no parameter over (data parallel written
+as strategies, found as for a step cut by tags: `_parallel._manual_rows`); the strategies drop
+those axes inside (`_pin` too), and the tensor-parallel axes stay automatic. The schedule is a static
 tick table (`_schedule.py`); each stage gets its own column of it from `shard_map`, `lax.scan`s
 walk the ticks, and at each tick a `lax.switch` runs the stage's operation: idle, a forward, or
 a backward of one micro-batch on one chunk (with zero bubble, a backward's input-gradient part
