@@ -55,17 +55,12 @@ def stacked_inner_table() -> Table:
         tuple(out),
         (f"GPT of 8 blocks (d_model {cfg.d_model}, d_ff {cfg.d_ff}), batch {ROWS}; S = 2, M = 4, 8 devices (4 a stage).",
          "dp: the rows' axes run manual (found as for a step cut by tags); each device sums its own rows' "
-         "gradients over the schedule's loop, one all-reduce per step sums them, and the loss's is the other.",
-         "mp: the stage's axes cut parameters, so they stay automatic: XLA's partial sums and the gradients of "
-         "the parameters no tuple cuts (layer norms) are reduced per micro-batch, as before; 2 × 2: the dp axis "
-         "runs manual, the mp axis as mp."),
+         "gradients over the schedule's loop, and one all-reduce per step sums them (the other is the loss's). "
+         "mp: the stage's axes cut parameters and stay automatic, so XLA reduces what they leave partial per "
+         "micro-batch, as before; 2 × 2: the dp axis runs manual, the mp axis stays automatic."),
     )
-
-
-def main() -> None:
-    print(stacked_inner_table().markdown())
 
 
 if __name__ == "__main__":
     js.simulate_devices(8)
-    main()
+    print(stacked_inner_table().markdown())
