@@ -180,7 +180,11 @@ class Program:
         tagged = isinstance(run, list)
         probe = lambda ch, x, stage: _residuals(_runner(run, stage) if tagged else run, ch, x)[0]
         chunk_sh = jax.tree.map(lambda p: NamedSharding(stage_mesh, _P(None, *p)), self.specs.layer, is_leaf=_is_spec)
-        act_sh = NamedSharding(stage_mesh, without_axes(self.specs.act, set(self.data_axes)))  # one device's rows
+        act_sh = NamedSharding(stage_mesh, self.specs.act)
+        if self.data_axes:  # as the step runs it: manual over the data axes, one device's rows each
+            act = jax.ShapeDtypeStruct((act.shape[0] * self._data_degree(), *act.shape[1:]), act.dtype)
+            probe = jax.shard_map(probe, mesh=stage_mesh, in_specs=(_P(), _P(self.data_axes), _P()), out_specs=_P(),
+                                  axis_names=set(self.data_axes), check_vma=False)
         shardings = (chunk_sh, act_sh, NamedSharding(stage_mesh, _P()))
         compiled = jax.jit(probe, in_shardings=shardings).lower(chunk, act, jax.ShapeDtypeStruct((), jnp.int32)).compile()
         return tuple(sh.spec for sh in jax.tree.leaves(compiled.output_shardings))
