@@ -222,6 +222,30 @@ def test_gpt_under_pipeline_and_data_parallel_trains_like_one_device():
     assert want[-1] < want[0]
 
 
+def test_data_parallel_tuples_inside_stacked_stages_reduce_gradients_once_per_step():
+    """`jshard.shard` tuples cutting the rows 4 ways inside each stage's layer run those axes manual,
+    as the tagged form does: each device accumulates its own rows' gradients over the schedule's
+    loop, and one all-reduce per step sums them (before, XLA reduced them at every micro-batch's
+    backward). The figure is the parameters': each stage's 4 devices sum its layers and its packed
+    row of w_in / w_out (the wider share) in one all-reduce, the loss over all 8. Equal to one
+    device. Where the tuple no longer divides one device's rows, a warning says the gradients stay
+    reduced per micro-batch."""
+    base, params, batch, _ = _mlp()
+    rows = js.shard(jnp.matmul, ((4, 1), (1, 1)))  # data parallel over a stage's 4 devices, as a tuple
+    pipe = Pipeline(first=base.first, layer=lambda lp, x: jnp.tanh(rows(x, lp["w"]) + lp["b"][None, :]) + x,
+                    last=base.last)
+    step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, schedule="1f1b")
+    ref = jax.jit(jax.value_and_grad(pipe.loss))(params, batch)
+    assert_close(step(params, batch), ref, terms=step_terms(params, batch))
+    nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
+    once = nbytes(params["layers"]) // 2 + max(nbytes(params["w_in"]), nbytes(params["w_out"]))
+    assert [c for c in js.audit(step.compile(params, batch)).collectives if c.kind == "all-reduce"] == [
+        Collective("all-reduce", 1.0, once, 4), Collective("all-reduce", 1.0, 4, 8)]
+    with pytest.warns(UserWarning, match=r"cut the micro-batch's rows over d0, d1, but the step does not trace on "
+                                         r"one device's rows .* reduces the gradients at every micro-batch's backward"):
+        step.stage_bytes(params, tuple(b[:32] for b in batch))  # a device's 2 rows of a micro-batch: not 4 ways
+
+
 def test_tagged_stage_functions_run_on_their_stages():
     pipe0, params, batch, _ = _mlp()
     scan = pipe0.stage_runner(0)

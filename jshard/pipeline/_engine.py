@@ -6,7 +6,10 @@ makes that axis manual. Inside a stage the other axes stay automatic (`axis_name
 the stage's data / tensor strategies (`jshard.shard` calls, `in_strategy`) still apply; or, for
 pure data parallel inside stages (no `shard` calls, no `in_strategy`, `dataset_strategy=
 "data_parallel"`), they are manual too (`data_axes`): every device runs its own rows, accumulates its own gradients, and the
-gradients are all-reduced once per step rather than once per micro-batch. The schedule is a static
+gradients are all-reduced once per step rather than once per micro-batch. So are the axes that
+`jshard.shard` tuples cut the micro-batch's rows over and no parameter over (data parallel written
+as strategies, found as for a step cut by tags: `_parallel._manual_rows`); the strategies drop
+those axes inside (`_pin` too), and the tensor-parallel axes stay automatic. The schedule is a static
 tick table (`_schedule.py`); each stage gets its own column of it from `shard_map`, `lax.scan`s
 walk the ticks, and at each tick a `lax.switch` runs the stage's operation: idle, a forward, or
 a backward of one micro-batch on one chunk (with zero bubble, a backward's input-gradient part
@@ -66,6 +69,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
+from jshard.pipeline._cut import without_axes
 from jshard.pipeline._model import Pipeline, stack_length
 from jshard.pipeline._schedule import Schedule
 
@@ -176,7 +180,12 @@ class Program:
         tagged = isinstance(run, list)
         probe = lambda ch, x, stage: _residuals(_runner(run, stage) if tagged else run, ch, x)[0]
         chunk_sh = jax.tree.map(lambda p: NamedSharding(stage_mesh, _P(None, *p)), self.specs.layer, is_leaf=_is_spec)
-        shardings = (chunk_sh, NamedSharding(stage_mesh, self.specs.act), NamedSharding(stage_mesh, _P()))
+        act_sh = NamedSharding(stage_mesh, self.specs.act)
+        if self.data_axes:  # as the step runs it: manual over the data axes, one device's rows each
+            act = jax.ShapeDtypeStruct((act.shape[0] * self._data_degree(), *act.shape[1:]), act.dtype)
+            probe = jax.shard_map(probe, mesh=stage_mesh, in_specs=(_P(), _P(self.data_axes), _P()), out_specs=_P(),
+                                  axis_names=set(self.data_axes), check_vma=False)
+        shardings = (chunk_sh, act_sh, NamedSharding(stage_mesh, _P()))
         compiled = jax.jit(probe, in_shardings=shardings).lower(chunk, act, jax.ShapeDtypeStruct((), jnp.int32)).compile()
         return tuple(sh.spec for sh in jax.tree.leaves(compiled.output_shardings))
 
@@ -394,12 +403,14 @@ def scan_ticks(schedule: Schedule, table: jax.Array, carry: Any, tick: Callable)
 
 
 def _pin(tree, specs):
-    """Constrains each leaf of `tree` to its spec over the current (stage-manual) mesh; with no
-    automatic axes left (data axes manual too) there is nothing to constrain."""
+    """Constrains each leaf of `tree` to its spec over the current (stage-manual) mesh, less its
+    manual axes (data axes manual too: each device's rows are its own); with no automatic axes
+    left there is nothing to constrain."""
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.auto_axes:
         return tree
-    return jax.tree.map(lambda x, p: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, p)),
+    manual = set(mesh.manual_axes)
+    return jax.tree.map(lambda x, p: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, without_axes(p, manual))),
                         tree, specs, is_leaf=_is_spec)
 
 

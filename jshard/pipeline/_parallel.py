@@ -38,9 +38,9 @@ from jshard.layouts import (
     dataset_slots,
     layout_of,
 )
-from jshard.pipeline._cut import cut, spec_axes
+from jshard.pipeline._cut import Cut, cut, spec_axes
 from jshard.pipeline._engine import STAGE, Program, Replicated, Specs
-from jshard.pipeline._model import Pipeline, check_stage_ids, stack_length
+from jshard.pipeline._model import Pipeline, check_stage_ids, pipeline_stage, stack_length
 from jshard.pipeline._plan import PipelinePlan, plan_of
 from jshard.pipeline._rest import StageParams
 from jshard.pipeline._schedule import SCHEDULES, build_schedule
@@ -203,10 +203,12 @@ class Pipelined:
         act = PartitionSpec(first_batch[0][0] if first_batch and len(first_batch[0]) else None)
         sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
         stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
-        pure = self._pure_data() and not self._has_shard_calls(params, batch, stage_mesh)
+        calls = self._has_shard_calls(params, batch, stage_mesh)
+        pure = self._pure_data() and not calls
         mode = "data" if pure else "semi_auto"
-        program = Program(self.pipe, sched, self.mesh, Specs(act, r_specs, layer_specs, batch_specs),
-                          self.inner.names if pure else ())
+        data_axes = self.inner.names if pure else \
+            self._rows_manual(params, batch, (r_specs, layer_specs)) if calls else ()
+        program = Program(self.pipe, sched, self.mesh, Specs(act, r_specs, layer_specs, batch_specs), data_axes)
         if pure:
             residuals = tuple(PartitionSpec() for _ in program.residual_shapes(params, batch))
         else:
@@ -230,6 +232,32 @@ class Pipelined:
         held = (jax.eval_shape(ends.pack, abstract(rest)), abstract(stack))
         self._held.setdefault(_signature((held, batch)), e)  # what `train` finds it by
         return e
+
+    def _rows_manual(self, params, batch, param_specs) -> tuple[str, ...]:
+        """Data parallel written as `jshard.shard` strategies inside the stages (`_manual_rows`): the
+        axes to run manual, found on `first`, one layer (one chunk per stage where `layer` is per
+        stage) and `last` traced as one stage (`cut`), and traced again on one device's rows;
+        `param_specs`: the `in_strategy` specs, whose axes stay automatic."""
+        c, stage_mesh = self.pipeline, Mesh(self.mesh.devices[0], self.inner.names)
+        rest, stack = self.pipe.split(abstract(params))
+        k = stack_length(stack) // c.stages
+        one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:] if not self.pipe.tagged else (k, *a.shape[1:]),
+                                                          a.dtype), stack)
+        step = pipeline_stage(functools.partial(_through_one_layer, self.pipe), 0)
+
+        def trace(d: int) -> Cut:
+            micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // d, *a.shape[1:]), a.dtype),
+                                 abstract(batch))
+            ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto", recompute=self.options.recompute)
+            with _context.tracing(ctx):
+                return cut(step, (rest, one), micro, 1, self.call)
+
+        taken = {a for spec in jax.tree.leaves(param_specs, is_leaf=_is_spec) for a in spec_axes(spec)}
+        return _manual_rows(self.call, self.mesh, self.inner.names, c.micro_batches, trace(c.micro_batches), batch,
+                            taken, lambda axes: trace(c.micro_batches * self._size(axes)))[0]
+
+    def _size(self, axes: tuple[str, ...]) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in axes]))
 
     def _ends(self, params, batch, r_specs, mode) -> StageParams | Replicated:
         """How the parameters outside the stack are held: on the stages that read them, packed
@@ -452,35 +480,11 @@ class Staged:
         return int(np.prod([self.mesh.shape[a] for a in axes]))
 
     def _rows_cut(self, params, batch, staged) -> tuple[tuple[str, ...], Any]:
-        """Data parallel written as `jshard.shard` strategies inside the stages: the axes they cut the
-        micro-batch's rows over and no parameter (`Cut.row_axes`), made manual so each device runs
-        its own rows and the gradients are reduced once per step, with the cut traced again on one
-        device's rows. `((), staged)` where none, or where a strategy no longer divides one
-        device's rows (those axes then stay automatic: XLA reduces each micro-batch's gradients, and
-        a `UserWarning` says so and why)."""
-        rows = jax.tree.leaves(self._micro(batch, ()))[0].shape[0]
-        params_axes = {a for spec in staged.param_specs() if spec is not None for a in spec_axes(spec)}
-        axes = tuple(a for a in self.inner.names if a in set(staged.row_axes(rows)) - params_axes)
-        if not axes:
-            return (), staged
-        d = self.pipeline.micro_batches * self._size(axes)
-        uneven = [x for x in jax.tree.leaves(abstract(batch)) if x.shape[0] % d]
-        if uneven:
-            self._reduced_per_micro_batch(axes, f"a batch array {shape_str(uneven[0].dtype, uneven[0].shape)} does not split "
-                                          f"into micro_batches × {'·'.join(axes)} = {d} equal parts")
-            return (), staged
-        try:
-            return axes, self._cut(abstract(params), self._micro(batch, axes))
-        except ShardingError as e:
-            self._reduced_per_micro_batch(axes, f"the step does not trace on one device's rows ({e})")
-            return (), staged
-
-    def _reduced_per_micro_batch(self, axes: tuple[str, ...], why: str) -> None:
-        warnings.warn(
-            f"{self.call}: the jshard.shard strategies inside the stages cut the micro-batch's rows over "
-            f"{', '.join(axes)}, but {why}; those axes stay automatic, so XLA reduces the gradients at every "
-            f"micro-batch's backward ({self.pipeline.micro_batches} times per step) instead of once. Fix: a batch "
-            f"whose rows split evenly over micro_batches and those axes.", UserWarning, stacklevel=4)
+        """Data parallel written as `jshard.shard` strategies inside the stages (`_manual_rows`),
+        with the cut traced again on one device's rows; `((), staged)` where none."""
+        axes, again = _manual_rows(self.call, self.mesh, self.inner.names, self.pipeline.micro_batches, staged, batch,
+                                   set(), lambda axes: self._cut(abstract(params), self._micro(batch, axes)))
+        return (axes, again) if axes else ((), staged)
 
     def _cut(self, params, micro):
         """The cut of `fn` on one device's micro-batch, its `jshard.shard` calls traced over one
@@ -510,6 +514,52 @@ class Staged:
                 f"drop the shard calls to have them searched."
             )
         return searched(self.call, staged, self.options, self.inner, jax.tree.leaves(params), micro)
+
+
+def _manual_rows(call: str, mesh: Mesh, names, micro_batches: int, found: Cut, batch, taken: set,
+                 retrace) -> tuple[tuple[str, ...], Any]:
+    """Data parallel written as `jshard.shard` strategies inside the stages, in either form: the
+    stage's axes (of `names`) the strategies `found` traced cut the micro-batch's rows over and no
+    parameter cuts (`Cut.row_axes`; `taken`: axes `in_strategy` cuts parameters over), to run manual,
+    so each device runs its own rows and the gradients are reduced once per step. Returns those
+    axes and `retrace(axes)` (the step traced on one device's rows, which checks that every
+    strategy still divides them), or `((), None)`: none, or rows that do not split evenly, or a
+    strategy that no longer divides one device's rows. Those axes then stay automatic (XLA
+    reduces each micro-batch's gradients), and a `UserWarning` says so and why."""
+    rows = jax.tree.leaves(abstract(batch))[0].shape[0] // micro_batches
+    taken = taken | {a for spec in found.param_specs() if spec is not None for a in spec_axes(spec)}
+    axes = tuple(a for a in names if a in set(found.row_axes(rows)) - taken)
+    if not axes:
+        return (), None
+    d = micro_batches * int(np.prod([mesh.shape[a] for a in axes]))
+    uneven = [x for x in jax.tree.leaves(abstract(batch)) if x.shape[0] % d]
+    if uneven:
+        why = (f"a batch array {shape_str(uneven[0].dtype, uneven[0].shape)} does not split into micro_batches × "
+               f"{'·'.join(axes)} = {d} equal parts")
+    else:
+        try:
+            return axes, retrace(axes)
+        except ShardingError as e:
+            why = f"the step does not trace on one device's rows ({e})"
+    warnings.warn(
+        f"{call}: the jshard.shard strategies inside the stages cut the micro-batch's rows over "
+        f"{', '.join(axes)}, but {why}; those axes stay automatic, so XLA reduces the gradients at every "
+        f"micro-batch's backward ({micro_batches} times per step) instead of once. Fix: a batch "
+        f"whose rows split evenly over micro_batches and those axes.", UserWarning, stacklevel=4)
+    return (), None
+
+
+def _through_one_layer(pipe: Pipeline, params, micro_batch) -> jax.Array:
+    """`pipe`'s loss through `first`, one layer (or, where `layer` is per stage, each stage's
+    function on one chunk) and `last`: every strategy the stages run, traced without a loop."""
+    rest, layer = params
+    x = pipe.first(rest, micro_batch)
+    if pipe.tagged:
+        for fn in pipe.stage_runner(0):
+            x = fn(layer, x)
+    else:
+        x = pipe.layer(layer, x)
+    return pipe.last(rest, x, micro_batch)
 
 
 def _pipeline_mesh(call: str, options: Options) -> tuple[int, FineMesh, Mesh]:
