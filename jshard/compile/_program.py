@@ -57,7 +57,8 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                  for v, sh, x in zip(traced.invars, in_sh, traced.leaves)]
         out_sh = [sh if sh is not None or v not in result.values else NamedSharding(mesh, to_pspec(result.values[v]))
                   for v, sh in zip(traced.outvars, out_sh)]
-        if set(mesh.explicit_axes) != set(mesh.axis_names):  # on Explicit axes only, the types say it all
+        # on Explicit axes only, the types say it all; on an abstract mesh (no devices) nothing runs it
+        if devices is not None and set(mesh.explicit_axes) != set(mesh.axis_names):
             emission = emission_of(traced.nodes, result, dict(mesh.shape), options.enable_alltoall)
     if replaced:
         emission = dataclasses.replace(emission, replaced=replaced)

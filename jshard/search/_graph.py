@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from jax.extend import core as jcore
@@ -339,11 +339,34 @@ class SearchGraph:
     def seconds(self, choice: Sequence[Assignment]) -> float:
         """The predicted seconds per call of `choice`: every unit's own cost and every edge's
         redistribution (the measure both searches' plans are compared by)."""
-        total = sum(self.unit_seconds(k, a) for k, a in enumerate(choice))
+        shape, own = self.shape_of_unit, {}
+        total = 0.0
+        for k, a in enumerate(choice):  # `unit_seconds` once per structure and assignment (identical layers)
+            key = (shape[k], id(a))
+            found = own.get(key)
+            if found is None:
+                found = own[key] = self.unit_seconds(k, a)
+            total += found
+        spec = self._reader(choice)
         for e in self.edges:
-            (u, pu), (w, pw) = e.src, e.dst
-            total += self.edge_seconds(e, self.spec(u, pu, choice[u]), self.spec(w, pw, choice[w]))
+            total += self.edge_seconds(e, spec(*e.src), spec(*e.dst))
         return total
+
+    def _reader(self, choice: Sequence[Assignment]) -> Callable[[int, int], Spec]:
+        """`spec(k, pos, choice[k])`, looked up once per unit structure, operand and assignment
+        object while `choice` lives (a search's choice shares its assignments between the units
+        of one structure)."""
+        shape, found, spec = self.shape_of_unit, {}, self.spec
+
+        def read(k: int, pos: int) -> Spec:
+            a = choice[k]
+            key = (shape[k], pos, id(a))
+            out = found.get(key)
+            if out is None:
+                out = found[key] = spec(k, pos, a)
+            return out
+
+        return read
 
     # -- memory --------------------------------------------------------------------------------
     def _memory_model(self, args, outvars, donated, host) -> None:
@@ -372,14 +395,11 @@ class SearchGraph:
 
     def peak(self, choice: Sequence[Assignment]) -> tuple[float, int]:
         """The most bytes one device holds at any program point under `choice`, and that point."""
-        live = self.live_bytes({v: self.local(v, choice) for v in self.memory_values})
+        spec, makers, size = self._reader(choice), self.makers, self.axis_size
+        live = self.live_bytes({v: value_bytes(v) / math.prod(size[x] for axes in spec(*makers[v]) for x in axes)
+                                for v in self.memory_values})
         t = int(np.argmax(live))
         return float(live[t]), t
-
-    def local(self, v, choice: Sequence[Assignment]) -> float:
-        k, pos = self.makers[v]
-        spec = self.spec(k, pos, choice[k])
-        return value_bytes(v) / math.prod(self.axis_size[x] for axes in spec for x in axes)
 
     def live_at(self, t: int) -> list:
         return self.ranges.live_at(t, self.memory_values)
