@@ -307,7 +307,7 @@ def _runs(colour: np.ndarray) -> list[tuple[int, int, int]]:
             edges = np.flatnonzero(np.diff(np.concatenate([[False], same])))  # starts and ends of True stretches
             for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
                 repeats = (b - a + period) // period
-                if repeats >= least and (best is None or (repeats * period, -period) > (best[1] * best[2], -best[1])):
+                if repeats >= least and (best is None or repeats * period > best[1] * best[2]):
                     best = (a, period, repeats)
         if best is None:
             return found
