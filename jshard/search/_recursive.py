@@ -98,6 +98,9 @@ class _Recursive:
         self.kept_bytes: dict[int, tuple] = {}  # unit -> (operand position, bytes) of the above: what its unary reads
         values: dict[tuple, int] = {}  # what an edge's table reads of it: its value's array and weight, as ids
         self.edge_values = [values.setdefault((array_of(e.var), e.weight), len(values)) for e in g.edges]
+        self.edge_ends = tuple(np.array(x, np.int64).reshape(-1) for x in (  # per edge: its ends and value, as arrays
+            [e.src[0] for e in g.edges], [e.src[1] for e in g.edges], [e.dst[0] for e in g.edges],
+            [e.dst[1] for e in g.edges], self.edge_values))
         self._kept_values: set = set()
         self.keep(int(replicated.argmax()))
         self.runs = 0
@@ -155,11 +158,20 @@ class _Recursive:
         boundary carried layer to layer into the interior), the middle takes each one's choice and
         is checked again (`_WAVES` rounds at most); the lowest energy is kept."""
         ties, best, seeds = self.checks, None, [chosen]
+        seated: dict[tuple[int, int], int] = {}  # `_seat`'s answers by the ids of a choice and a candidate list
+
+        def seat(a: Assignment, cands: list[Assignment]) -> int:
+            key = (id(a), id(cands))
+            found = seated.get(key)
+            if found is None:
+                found = seated[key] = _seat(a, group, cands)
+            return found
+
         for _ in range(_WAVES):
             better = False
             for seed in seeds:
                 level = _Level(self, group, base, lam, ties, like=like)
-                picks = level.solve(seed=[_seat(seed[k], group, cands) for k, cands in zip(ties.reps, level.cands)])
+                picks = level.solve(seed=[seat(seed[k], cands) for k, cands in zip(ties.reps, level.cands)])
                 self.evaluations += level.evaluations
                 energy = level.energy(picks)
                 if best is None or energy < best[0]:
@@ -249,11 +261,14 @@ class _Ties:
         self.of: list[int] = rank[inverse.ravel()].tolist()
         self.reps: list[int] = first[order].tolist()
         self.count: list[int] = np.bincount(rank[inverse.ravel()], minlength=len(order)).tolist()
-        self.edges: dict[tuple, tuple[int, int]] = {}
-        for i, (e, value) in enumerate(zip(g.edges, search.edge_values)):
-            key = (self.of[e.src[0]], e.src[1], self.of[e.dst[0]], e.dst[1], value)
-            found = self.edges.get(key)
-            self.edges[key] = (i, 1) if found is None else (found[0], found[1] + 1)
+        self.edges: dict[tuple, tuple[int, int]] = {}  # in the order of their first edges
+        src, src_pos, dst, dst_pos, value = search.edge_ends
+        if len(value):
+            of = rank[inverse.ravel()]
+            keys, first, times = np.unique(np.stack([of[src], src_pos, of[dst], dst_pos, value], 1), axis=0,
+                                           return_index=True, return_counts=True)
+            order = np.argsort(first, kind="stable")
+            self.edges = dict(zip(map(tuple, keys[order].tolist()), zip(first[order].tolist(), times[order].tolist())))
 
     def waved(self, chosen: list[Assignment], layer: int) -> list[Assignment]:
         """`chosen` (per unit) with the interior layers of each tied run taking, unit by unit, the
