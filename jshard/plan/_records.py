@@ -138,9 +138,9 @@ def build_ops(
     type on `Explicit` mesh axes) has `origin="model"`, its result's layout the model's.
     """
     by_scope = {a.scope: a for a in annotations}
+    scopes = [_innermost(n.scope) for n in nodes]
     main: dict[str, Node] = {}
-    for node in nodes:
-        scope = _innermost(node.scope)
+    for node, scope in zip(nodes, scopes):
         if scope and not node.backward and node.primitive != "sharding_constraint":
             if scope not in main or (node.primitive == "dot_general" and main[scope].primitive != "dot_general"):
                 main[scope] = node
@@ -151,7 +151,7 @@ def build_ops(
     node_index = {id(n): i for i, n in enumerate(nodes)}
     stands_for = dict(number)  # a shard call's constraints stand for its main operator
     for i, node in enumerate(nodes):
-        main_node = main.get(_innermost(node.scope))
+        main_node = main.get(scopes[i])
         if i not in number and main_node is not None:
             stands_for[i] = number[node_index[id(main_node)]]
     records = []
@@ -171,7 +171,7 @@ def build_ops(
     for i, node in enumerate(nodes):
         if i not in number:
             continue
-        scope = _innermost(node.scope)
+        scope = scopes[i]
         ann = by_scope.get(scope)
         user = ann is not None and not node.backward
         fields = dict(origin="user" if user else "default", in_strategy=None, out_strategy=None, in_specs=None, out_specs=None)
@@ -303,6 +303,7 @@ def _weighed(node: Node, weighed: dict, cuts) -> str:
     return "; ".join(found)
 
 
+@functools.lru_cache(maxsize=4096)
 def _innermost(scope: str) -> str:
     found = _SCOPE.findall(scope)
     return found[-1] if found else ""

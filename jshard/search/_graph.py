@@ -23,6 +23,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from jax.extend import core as jcore
@@ -96,9 +97,9 @@ class Unit:
         return self.fixed is None and bool(self.own)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Edge:
-    """A value from `(producer unit, operand position)` to `(consumer unit, operand position)`."""
+class Edge(NamedTuple):
+    """A value from `(producer unit, operand position)` to `(consumer unit, operand position)` (a
+    tuple: a program has one per use of a value, made by the hundred thousand)."""
 
     var: object
     src: tuple[int, int]
@@ -200,8 +201,8 @@ class SearchGraph:
                 if not (isinstance(v, jcore.Var) and shape_of(v) and v in producers):
                     continue
                 makers = producers[v]
-                before = [m for m in makers if m[0] < u.node]
-                _, src_unit, src_pos = before[-1] if before else makers[0]
+                _, src_unit, src_pos = makers[0] if len(makers) == 1 else next(
+                    (m for m in reversed(makers) if m[0] < u.node), makers[0])
                 weight = max(self.units[src_unit].weight, u.weight)
                 edges.append(Edge(v, (src_unit, src_pos), (k, pos), weight))
         return edges
