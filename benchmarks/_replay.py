@@ -76,8 +76,10 @@ def replay_table(depths: Sequence[int] = DEPTHS) -> Table:
             "CPU less that trace's CPU time; search alone: the search's own wall time.",
             "replay: the interior layers of each repeated run of units (the forward blocks, the backward blocks, "
             "the optimizer's update of each layer's parameters) are decided as one at each level of the search, the "
-            "first and last layer of each run on their own, then the replayed choice is improved unit by unit "
-            "(single and pairwise moves). predicted vs replay off: the plan's predicted seconds per step over those "
-            "of the plan made without replay (below 1: the replayed plan is cheaper).",
+            "first and last layer of each run on their own, then the replayed choice is checked by single and "
+            "pairwise moves with every unit on its own but the middle layers of long runs (those move as one; where "
+            "the layers beside them change, the middle takes their choice and is checked again). predicted vs replay "
+            "off: the plan's predicted seconds per step over those of the plan made without replay (below 1: the "
+            "replayed plan is cheaper).",
         ),
     )

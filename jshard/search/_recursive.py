@@ -21,9 +21,14 @@ is the one weighing each unit alone gives.
 Replay (`_Ties`): the interior layers of a repeated run (an unrolled loop's layers, found as a
 period in the units' structure and wiring) are decided as one at each level, the way a scanned
 body is planned once; the first and last `_WINDOW` layers of the run are decided on their own, and
-the replayed choice is then improved unit by unit by single and pairwise moves. That boundary check
-weighs the same units on the same base, so it reads what the replayed level computed (`_Shared`:
-candidates, layouts, edge tables, own costs, folds) rather than pricing the program again.
+the replayed choice is then checked by single and pairwise moves (`_Recursive._checked`) with every
+unit its own class but the middle layers of long runs: the first and last `_WINDOW + _MARGIN`
+layers move alone, the middle ones as one class. A change made at a boundary that reaches the
+layers beside the middle is carried into it (the middle takes their choice and is checked again,
+`_WAVES` rounds at most, the lowest energy kept), as weighing every unit alone carries it layer by
+layer; so the check too is flat in the number of layers. It weighs the same units on the same
+base, so it reads what the replayed level computed (`_Shared`: candidates, layouts, edge tables,
+own costs, folds) rather than pricing the program again.
 
 A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
 plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
@@ -211,12 +216,15 @@ class _Ties:
     both ends take the one pick). So a level's energy under a choice is exactly the program's with
     every interior layer taking the class's pick: the level's search (its eliminations, the core's
     pinned roots and moves) is flat in the number of layers, and the interior layers replay one
-    layer's decisions. The replayed choice is then checked unit by unit (`_Recursive._level`): every
-    unit its own class again, single and pairwise moves from it until none helps, so a boundary layer
-    or an interior one that gains by differing from its neighbours does.
+    layer's decisions. The replayed choice is then checked (`_Recursive._checked`, on the classes
+    `checking` makes): every unit its own class again but the middle layers of long runs, single and
+    pairwise moves from it until none helps, so a boundary layer, or the middle ones, that gain by
+    differing from the replayed choice do.
 
     Attributes:
-      runs: the repeated runs found.
+      found: the repeated runs found, `(first unit, period, repeats)` (`_runs`).
+      tied: those long enough to tie two layers or more, `window` layers from each end left alone.
+      runs: how many they are.
       replayed: the units in their interior layers (0: every unit is its own class).
       of: per unit its class; classes are numbered in the order of their first units.
       reps: per class its first unit.
