@@ -213,10 +213,13 @@ def test_a_seed_is_read_by_where_the_level_gives_its_axis():
 
 
 def test_the_middle_layers_take_the_choice_beside_them():
-    """`_Ties.waved`: each tied run's middle layers take, unit by unit, the choice of the layer
-    named (from the start, or from the end where negative); the rest stays."""
+    """`_Ties.waved`: the middle layers' class of each position of a tied run takes the pick of the
+    same position in the layer named (from the start, or from the end where negative); the rest
+    stays."""
     ties = recursive._Ties.__new__(recursive._Ties)
     ties.tied, ties.window = [(1, 2, 6)], 2  # a run of 6 layers of 2 units from unit 1: layers 2, 3 tied
-    chosen = list(range(14))
-    assert ties.waved(chosen, 1) == [0, 1, 2, 3, 4, 3, 4, 3, 4, 9, 10, 11, 12, 13]
-    assert ties.waved(chosen, -2) == [0, 1, 2, 3, 4, 9, 10, 9, 10, 9, 10, 11, 12, 13]
+    ties.of = [0, 1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10, 11]  # units 5, 7 one class, 6, 8 another
+    picks = [10 * c for c in range(12)]
+    moved = lambda source, middle: picks[source] + 1  # noqa: E731
+    assert ties.waved(picks, 1, moved) == [0, 10, 20, 30, 40, 31, 41, 70, 80, 90, 100, 110]
+    assert ties.waved(picks, -2, moved) == [0, 10, 20, 30, 40, 71, 81, 70, 80, 90, 100, 110]

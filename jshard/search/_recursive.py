@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -162,7 +162,7 @@ class _Recursive:
         until none helps. Where the layers beside the middle then differ from it (a change at a
         boundary carried layer to layer into the interior), the middle takes each one's choice and
         is checked again (`_WAVES` rounds at most); the lowest energy is kept."""
-        ties, best, seeds = self.checks, None, [chosen]
+        ties, best, seeds = self.checks, None, [None]  # None: `chosen`, seated on the level's candidates
         seated: dict[tuple[int, int], int] = {}  # `_seat`'s answers by the ids of a choice and a candidate list
 
         def seat(a: Assignment, cands: list[Assignment]) -> int:
@@ -176,16 +176,25 @@ class _Recursive:
             better = False
             for seed in seeds:
                 level = _Level(self, group, base, lam, ties, like=like)
-                picks = level.solve(seed=[seat(seed[k], cands) for k, cands in zip(ties.reps, level.cands)])
+                if seed is None:
+                    seed = [seat(chosen[k], cands) for k, cands in zip(ties.reps, level.cands)]
+                picks = level.solve(seed=seed)
                 self.evaluations += level.evaluations
                 energy = level.energy(picks)
                 if best is None or energy < best[0]:
-                    best, better = (energy, [level.cands[c][picks[c]] for c in ties.of]), True
+                    best, better = (energy, level, picks), True
             if not better:
                 break
+            _, level, picks = best
+            cands = level.cands
+
+            def moved(src: int, mid: int) -> int:
+                return seat(cands[src][picks[src]], cands[mid])
+
             beside = (ties.window - 1, -ties.window)  # the layers beside the middle ones
-            seeds = [seed for seed in (ties.waved(best[1], layer) for layer in beside) if seed != best[1]]
-        return best[1]
+            seeds = [seed for seed in (ties.waved(picks, layer, moved) for layer in beside) if seed != picks]
+        _, level, picks = best
+        return [level.cands[c][picks[c]] for c in ties.of]
 
     def _kept(self, k, a) -> float:
         g = self.g
@@ -278,14 +287,15 @@ class _Ties:
             order = np.argsort(first, kind="stable")
             self.edges = dict(zip(map(tuple, keys[order].tolist()), zip(first[order].tolist(), times[order].tolist())))
 
-    def waved(self, chosen: list[Assignment], layer: int) -> list[Assignment]:
-        """`chosen` (per unit) with the interior layers of each tied run taking, unit by unit, the
-        choice of its `layer`-th layer (counted from the run's end where negative)."""
-        out = list(chosen)
+    def waved(self, picks: list[int], layer: int, moved: Callable[[int, int], int]) -> list[int]:
+        """`picks` (one per class) with the middle layers' class of each position of each tied run
+        taking `moved(source, middle)`: the pick that gives the level's axes where the class of
+        the same position in the run's `layer`-th layer (from its end where negative) gives them."""
+        out, of = list(picks), self.of
         for start, period, repeats in self.tied:
-            source = start + (layer % repeats) * period
-            for i in range(self.window, repeats - self.window):
-                out[start + i * period:start + (i + 1) * period] = chosen[source:source + period]
+            source, middle = start + (layer % repeats) * period, start + self.window * period
+            for j in range(period):
+                out[of[middle + j]] = moved(of[source + j], of[middle + j])
         return out
 
     @staticmethod
