@@ -160,7 +160,9 @@ def build_ops(
     cuts = _cutter(dict(zip(fine.names, fine.sizes)))
     model = _model_pinned(nodes)
     models = {i for i, n in enumerate(nodes) if _is_model_constraint(n)}
-    memo: dict = {}  # what operators alike show (the same operator of identical layers): computed once
+    # What operators alike show (the same operator of identical layers), computed once: keyed by the
+    # ids of the decision's parts, which a search's operators alike share and `result` keeps alive.
+    memo: dict = {}
 
     def shown(key, make):
         found = memo.get(key)
@@ -185,16 +187,16 @@ def build_ops(
             n_in, n_out = len(node.inputs), len(node.outputs)
             ins, outs = decision.in_specs[:n_in], decision.out_specs[:n_out]
             if fields["in_strategy"] is None:
-                fields.update(shown(("specs", ins, outs), lambda: dict(
+                fields.update(shown(("specs", id(decision.in_specs), id(decision.out_specs), n_in, n_out), lambda: dict(
                     in_strategy=tuple(map(cuts, ins)), out_strategy=tuple(map(cuts, outs)),
                     in_specs=tuple(map(to_pspec, ins)), out_specs=tuple(map(to_pspec, outs)))))
             fields.update(
                 origin="user" if user else "searched" if decision.via == "searched" else "propagated",
-                comms=shown(("comms", decision.comms, node.weight), lambda: tuple(
+                comms=shown(("comms", id(decision.comms), node.weight), lambda: tuple(
                     Comm(c.kind, c.bytes * node.weight, c.axes) for c in decision.comms)),
                 seconds=decision.seconds,
                 via=_via(decision.via, stands_for, models),
-                rejected=shown(("rejected", decision.rejected, n_in, n_out),
+                rejected=shown(("rejected", id(decision.rejected), n_in, n_out),
                                lambda: _rejected(decision.rejected, n_in, n_out, cuts)),
                 weighed=_weighed(node, result.weighed, cuts) if result.weighed else "",
                 layout=OpLayout(decision.in_specs, decision.out_specs, decision.implied),
