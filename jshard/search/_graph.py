@@ -191,20 +191,27 @@ class SearchGraph:
                 if pos >= len(ins):
                     producers[outs[pos - len(ins)]].append((u.node, k, pos))
         self.producers = producers
-        edges = []
-        for k, u in enumerate(self.units):
-            if u.node < 0:
+        made = {v: m for v, m in producers.items() if shape_of(v)}  # the values an edge can carry
+        edges: list[Edge] = []
+        append, units, var, table = edges.append, self.units, jcore.Var, e.vars
+        for k, u in enumerate(units):
+            node = u.node
+            if node < 0:
                 continue
-            ins, _ = e.vars[u.node]
+            ins = table[node][0]
+            n_in = len(ins)
             for pos in u.operands:
-                v = ins[pos] if pos < len(ins) else None
-                if not (isinstance(v, jcore.Var) and shape_of(v) and v in producers):
+                if pos >= n_in:
                     continue
-                makers = producers[v]
+                v = ins[pos]
+                if not isinstance(v, var):
+                    continue
+                makers = made.get(v)
+                if makers is None:
+                    continue
                 _, src_unit, src_pos = makers[0] if len(makers) == 1 else next(
-                    (m for m in reversed(makers) if m[0] < u.node), makers[0])
-                weight = max(self.units[src_unit].weight, u.weight)
-                edges.append(Edge(v, (src_unit, src_pos), (k, pos), weight))
+                    (m for m in reversed(makers) if m[0] < node), makers[0])
+                append(Edge(v, (src_unit, src_pos), (k, pos), max(units[src_unit].weight, u.weight)))
         return edges
 
     def _state_edges(self, args, outvars) -> list[Edge]:
