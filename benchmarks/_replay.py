@@ -69,15 +69,18 @@ def replay_table(depths: Sequence[int] = DEPTHS) -> Table:
             "`Parallelized.plan(...)` of the Adam train step of the GPT-3-shaped model (d_model 12288, 96 heads, "
             "d_ff 49152, seq 2048, vocab 50257, batch 1536), its layers an unrolled Python loop, no annotations "
             f"(`mode='auto'`, recursive search, no memory budget), on shapes only, an abstract mesh of {DEVICES} "
-            "devices; `search_replay=True` (the default) or False. plan: trace + search + plan records, wall clock; "
+            "devices; `search_replay=True` (the default) or False. plan: trace + search, wall clock (the plan's "
+            "operator records, `Plan.ops`, are made when first read, not here); "
             "plan CPU: this process's CPU time over the same call; JAX trace: `jax.make_jaxpr` of the same step, "
             "timed after, wall clock, with Python's garbage collector paused as `plan` traces (`compile.build` "
             "pauses it; plain `jax.jit` pays this trace too); plan CPU less JAX trace: jshard's own CPU time, the plan "
             "CPU less that trace's CPU time; search alone: the search's own wall time.",
             "replay: the interior layers of each repeated run of units (the forward blocks, the backward blocks, "
             "the optimizer's update of each layer's parameters) are decided as one at each level of the search, the "
-            "first and last layer of each run on their own, then the replayed choice is improved unit by unit "
-            "(single and pairwise moves). predicted vs replay off: the plan's predicted seconds per step over those "
-            "of the plan made without replay (below 1: the replayed plan is cheaper).",
+            "first and last layer of each run on their own, then the replayed choice is checked by single and "
+            "pairwise moves with every unit on its own but the middle layers of long runs (those move as one; where "
+            "the layers beside them change, the middle takes their choice and is checked again). predicted vs replay "
+            "off: the plan's predicted seconds per step over those of the plan made without replay (below 1: the "
+            "replayed plan is cheaper).",
         ),
     )

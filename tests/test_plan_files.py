@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jshard as js
-from jshard.plan import _io
+from jshard.plan import Later, _io
 
 V1 = pathlib.Path(__file__).with_name("data") / "plan_v1_ffn.json"
 
@@ -44,6 +44,15 @@ def test_round_trip_is_exact(saved):
     assert (loaded.in_specs, loaded.out_specs) == (plan.in_specs, plan.out_specs)
     assert (loaded.fine.sizes, loaded.fine.names, loaded.mode, loaded.propagation) == (
         plan.fine.sizes, plan.fine.names, plan.mode, plan.propagation)
+
+
+def test_the_operator_records_are_made_on_their_first_read(saved):
+    plan = js.parallelize(_grad, devices=8).plan(*ARGS)
+    assert isinstance(plan.__dict__["ops"], Later)  # planning alone made none
+    again = plan.replace(work=None)
+    assert isinstance(again.__dict__["ops"], Later)
+    assert again.ops == plan.ops == saved[0].ops  # the same records as a plan that made them at once
+    assert plan.__dict__["ops"] is plan.ops  # made once, then kept
 
 
 def test_the_file_is_one_operator_per_line_with_sources_once(saved):

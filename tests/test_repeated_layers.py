@@ -55,12 +55,19 @@ def test_identical_layers_reuse_the_search_work(layouts_computed):
 @pytest.fixture(scope="module")
 def replayed():
     """Per layer count (6, 12): the plan, the size of each replayed level (its classes) and the
-    operators `assemble` priced (`_Priced`: one per distinct pricing)."""
+    operators `assemble` priced (`_Priced`: one per distinct pricing); under `("checks", n)`, per
+    boundary check its classes and the search's units."""
     found = {}
     with pytest.MonkeyPatch.context() as mp:
-        sizes, pricings = [], []
+        sizes, pricings, checks = [], [], []
         original = recursive._Ties.__init__
         priced = search_module._Priced.__init__
+        checking = recursive._Ties.checking.__func__
+
+        def counting_checks(cls, search, runs):
+            ties = checking(cls, search, runs)
+            checks.append((len(ties.reps), len(search.g.units)))
+            return ties
 
         def counting(ties, search, replay=True):
             original(ties, search, replay)
@@ -73,11 +80,14 @@ def replayed():
 
         mp.setattr(recursive._Ties, "__init__", counting)
         mp.setattr(search_module._Priced, "__init__", kept)
+        mp.setattr(recursive._Ties, "checking", classmethod(counting_checks))
         for n in (6, 12):
             sizes.clear()
             pricings.clear()
+            checks.clear()
             plan = _plan(n)
             found[n] = (plan, list(sizes), [len(p._decided) for p in pricings])
+            found[("checks", n)] = list(checks)
     return found
 
 
@@ -180,3 +190,36 @@ def test_the_boundary_check_reads_what_the_replayed_level_computed(monkeypatch):
     assert 0 < shared_priced < priced[0]
     assert fresh.search.seconds == shared.search.seconds
     assert fresh.ops == shared.ops and fresh.in_specs == shared.in_specs and fresh.out_specs == shared.out_specs
+
+
+def test_the_boundary_check_is_flat_in_depth(replayed):
+    """The boundary check after replay weighs each unit on its own except the middle layers of the
+    long runs, one class per position as in the replay: at twice the depth, twice the units and
+    about the same classes (deterministic counts, not wall time)."""
+    (checks6,), (checks12,) = replayed[("checks", 6)], replayed[("checks", 12)]
+    (classes6, units6), (classes12, units12) = checks6, checks12
+    assert units12 > 1.9 * units6
+    assert classes6 < units6 and classes12 < 1.1 * classes6
+
+
+def test_a_seed_is_read_by_where_the_level_gives_its_axis():
+    """The boundary check seeds a unit with the choice of another of its kind (its class in the
+    replay, or the layer beside the middle ones): a unit's candidates hold its own base, so the
+    choice is read as the factor the level's axis went to, not as an index."""
+    mine = [{0: ("a",)}, {0: ("a",), 1: ("b",)}, {0: ("a", "b")}]  # base {0: ("a",)}, axis "b": none, 1, 0
+    theirs = [{}, {0: ("b",)}, {1: ("b",)}]  # base {}: none, 0, 1
+    assert [recursive._seat(a, ("b",), mine) for a in theirs] == [0, 2, 1]
+    assert recursive._seat({2: ("b",)}, ("b",), mine) == 0  # given where this unit cannot: none
+
+
+def test_the_middle_layers_take_the_choice_beside_them():
+    """`_Ties.waved`: the middle layers' class of each position of a tied run takes the pick of the
+    same position in the layer named (from the start, or from the end where negative); the rest
+    stays."""
+    ties = recursive._Ties.__new__(recursive._Ties)
+    ties.tied, ties.window = [(1, 2, 6)], 2  # a run of 6 layers of 2 units from unit 1: layers 2, 3 tied
+    ties.of = [0, 1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10, 11]  # units 5, 7 one class, 6, 8 another
+    picks = [10 * c for c in range(12)]
+    moved = lambda source, middle: picks[source] + 1  # noqa: E731
+    assert ties.waved(picks, 1, moved) == [0, 10, 20, 30, 40, 31, 41, 70, 80, 90, 100, 110]
+    assert ties.waved(picks, -2, moved) == [0, 10, 20, 30, 40, 71, 81, 70, 80, 90, 100, 110]

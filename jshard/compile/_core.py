@@ -238,7 +238,7 @@ def _offload_chosen(program: Program, what: tuple[str, ...], weighed: dict, budg
                 f"{chosen.seconds * 1e3:.4g} ms")
         offload = dataclasses.replace(offload, why=f"chosen by the search under {given}{human_bytes(budget)} per "
                                                    f"device: {stay}")
-    return dataclasses.replace(program, plan=dataclasses.replace(plan, search=search, offload=offload))
+    return dataclasses.replace(program, plan=plan.replace(search=search, offload=offload))
 
 
 def _offload_error(device: MemoryBudgetError, weighed: dict) -> str:
@@ -306,7 +306,7 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
             policies = (key,) * len(regions) if isinstance(key, str) else key
             report = dataclasses.replace(program.plan.search, regions=choices(costs, policies, moves, rate),
                                          recompute=tuple(dataclasses.replace(w, chosen=key == w.policy) for w in weighed))
-            return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
+            return dataclasses.replace(program, plan=program.plan.replace(search=report))
     bound = all(isinstance(u[2], MemoryBudgetError) and u[2].bound for u in uniform.values())
     raise MemoryBudgetError(_recompute_error(call, budget, budget_from, weighed, traced.fine.device_count),
                             min((w.peak_bytes for w in weighed if w.peak_bytes is not None), default=None),
@@ -325,7 +325,7 @@ def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str
 
     fastest = plan(None) if fastest_first or budget is None else None
     if fastest is not None and (budget is None or fastest.plan.search.peak_bytes <= budget):
-        return fastest, dataclasses.replace(fastest, plan=dataclasses.replace(fastest.plan, search=dataclasses.replace(
+        return fastest, dataclasses.replace(fastest, plan=fastest.plan.replace(search=dataclasses.replace(
             fastest.plan.search, budget=budget)))
     try:
         fits = plan(budget)
@@ -370,8 +370,8 @@ def _weigh_optimizer(fn, traced: Traced, args, devices, slots, dataset, c: Optio
                f"least it found: {human_bytes(without.least_bytes or 0)}); of the levels weighed ("
                f"{', '.join(w.text() for w in weighed)}), level {level} is the fastest that fits")
         plan = program.plan
-        return dataclasses.replace(program, plan=dataclasses.replace(
-            plan, optimizer=dataclasses.replace(plan.optimizer, why=why),
+        return dataclasses.replace(program, plan=plan.replace(
+            optimizer=dataclasses.replace(plan.optimizer, why=why),
             search=dataclasses.replace(plan.search, optimizer=tuple(weighed))))
     raise MemoryBudgetError(f"{without} Optimizer parallel was weighed too, and fits at no level: "
                             f"{', '.join(w.text() for w in weighed)}.", without.least_bytes) from failed
@@ -442,14 +442,14 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
                                 rewrite, offload, scattered)
         report = planned.report and dataclasses.replace(planned.report, budget_from=budget_from)
         shown = optimizer and dataclasses.replace(optimizer, reduce_scattered=len(scattered))
-        program = dataclasses.replace(program, plan=dataclasses.replace(program.plan, optimizer=shown, search=report))
+        program = dataclasses.replace(program, plan=program.plan.replace(optimizer=shown, search=report))
         if not checked:
             return program
         held = compiled_peak(program.jitted, args, program.in_shardings)
         report = dataclasses.replace(report, compiled_peak_bytes=held)
         if held <= c.memory_budget:  # the report names the budget asked for, not the tighter estimate searched under
             report = dataclasses.replace(report, budget=budget)
-            return dataclasses.replace(program, plan=dataclasses.replace(program.plan, search=report))
+            return dataclasses.replace(program, plan=program.plan.replace(search=report))
         if problem.propagated and PROPAGATED in report.status:  # the search's own plans at this estimate first
             problem = dataclasses.replace(problem, propagated=False)
             continue

@@ -22,7 +22,7 @@ from jshard.compile._trace import Traced
 from jshard.cost import CostModel, itemsize
 from jshard.hetero import Offload, offload_report, on_host_shardings, streamed
 from jshard.layouts import replicated, to_pspec
-from jshard.plan import HOST_MEMORY, Plan, RecomputeReport, build_ops, recompute_report
+from jshard.plan import HOST_MEMORY, Later, Plan, RecomputeReport, build_ops, recompute_report
 from jshard.propagate import EMPTY, Result, Rewrite, emission_of, emit
 
 
@@ -57,7 +57,8 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                  for v, sh, x in zip(traced.invars, in_sh, traced.leaves)]
         out_sh = [sh if sh is not None or v not in result.values else NamedSharding(mesh, to_pspec(result.values[v]))
                   for v, sh in zip(traced.outvars, out_sh)]
-        if set(mesh.explicit_axes) != set(mesh.axis_names):  # on Explicit axes only, the types say it all
+        # on Explicit axes only, the types say it all; on an abstract mesh (no devices) nothing runs it
+        if devices is not None and set(mesh.explicit_axes) != set(mesh.axis_names):
             emission = emission_of(traced.nodes, result, dict(mesh.shape), options.enable_alltoall)
     if replaced:
         emission = dataclasses.replace(emission, replaced=replaced)
@@ -77,13 +78,23 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
     if devices is not None:
         jitted = jax.jit(_unflattened(evaluate, traced.out_tree), in_shardings=in_tree, out_shardings=out_tree,
                          donate_argnums=options.donate_argnums)
-    ops = build_ops(traced.nodes, traced.ctx.annotations, traced.fine, result)
+    ops = _records(traced, result)
     plan = Plan(mesh, traced.fine, options.mode, ops, tuple(sh.spec for sh in in_sh),
                 tuple(None if sh is None else sh.spec for sh in out_sh), traced.treedef, traced.out_tree,
                 tuple(traced.ctx.annotations), "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *abstract(args, in_tree)),
                 search=planned.report, recompute=_recompute(traced, result, argument_leaves(args, options.donate_argnums)),
                 offload=report)
     return Program(plan, jitted, in_tree, {} if result is None else result.values, traced, result)
+
+
+def _records(traced: Traced, result) -> Later:
+    """The plan's operator records, made when `Plan.ops` is first read, from the decisions as they
+    are now (a copy of `result`'s tables: nothing later changes what the plan shows)."""
+    if result is not None:
+        result = dataclasses.replace(result, decisions=dict(result.decisions), unruled=set(result.unruled),
+                                     weighed=dict(result.weighed))
+    nodes, annotations, fine = traced.nodes, tuple(traced.ctx.annotations), traced.fine
+    return Later(lambda: build_ops(nodes, annotations, fine, result))
 
 
 def _recompute(traced: Traced, result, donated_leaves: set[int]) -> RecomputeReport | None:

@@ -32,7 +32,7 @@ def with_work(program: Program, args: tuple, batch: set[int], slots, c: Options,
                         here.compute_seconds, c.mode)
     if report.replicated and c.mode != "data":
         report = _data_parallel(report, traced, table, args, batch, slots, c, call)
-    return dataclasses.replace(program, plan=dataclasses.replace(program.plan, work=report))
+    return dataclasses.replace(program, plan=program.plan.replace(work=report))
 
 
 def _data_parallel(report: WorkReport, traced, table: OpTable, args: tuple, batch: set[int], slots, c: Options,

@@ -28,6 +28,35 @@ from jshard.plan._work import WorkReport
 from jshard.search import SearchReport
 
 
+class Later:
+    """A `Plan` field given as the function that makes it: made on the first read of the field, so
+    a caller that needs only the shardings never pays for it (`Plan.ops` at depth)."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make: Callable[[], Any]):
+        self.make = make
+
+
+class _Lazy:
+    """A frozen dataclass field that may hold a `Later`, made (once) when the field is first read.
+    Raises AttributeError on the class: the field has no default."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            raise AttributeError(self.name)
+        value = obj.__dict__[self.name]
+        if isinstance(value, Later):
+            value = obj.__dict__[self.name] = value.make()
+        return value
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.name] = value
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The parallel plan of one function for one input signature.
@@ -36,7 +65,8 @@ class Plan:
       mesh: the one `jax.sharding.Mesh` the program runs on.
       fine: its axis sizes, as a `FineMesh`.
       mode: the `parallelize` mode.
-      ops: one `OpRecord` per operator, in program order.
+      ops: one `OpRecord` per operator, in program order (a planned program's are made on the
+        first read of `ops`: `Parallelized.plan` callers that read only shardings never pay for them).
       in_specs / out_specs: the `PartitionSpec` of every argument and result leaf, flat in leaf
         order (a result XLA lays out: None); the pytree forms are `in_shardings` / `out_shardings`.
       in_tree / out_tree: the arguments' and results' tree structures; None for a loaded plan.
@@ -58,7 +88,7 @@ class Plan:
     mesh: Mesh | None
     fine: FineMesh
     mode: str
-    ops: tuple[OpRecord, ...]
+    ops: tuple[OpRecord, ...] = _Lazy()  # type: ignore[assignment]
     in_specs: tuple[PartitionSpec, ...]
     out_specs: tuple[PartitionSpec | None, ...]
     in_tree: jax.tree_util.PyTreeDef | None = None
@@ -71,6 +101,10 @@ class Plan:
     recompute: RecomputeReport | None = dataclasses.field(default=None, compare=False)
     offload: OffloadReport | None = dataclasses.field(default=None, compare=False)
     work: WorkReport | None = dataclasses.field(default=None, compare=False)
+
+    def replace(self, **changes) -> "Plan":
+        """`dataclasses.replace(self, **changes)` that leaves `ops` not yet made unmade."""
+        return dataclasses.replace(self, **{"ops": self.__dict__["ops"], **changes})
 
     @property
     def device_count(self) -> int:

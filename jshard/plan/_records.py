@@ -138,9 +138,9 @@ def build_ops(
     type on `Explicit` mesh axes) has `origin="model"`, its result's layout the model's.
     """
     by_scope = {a.scope: a for a in annotations}
+    scopes = [_innermost(n.scope) for n in nodes]
     main: dict[str, Node] = {}
-    for node in nodes:
-        scope = _innermost(node.scope)
+    for node, scope in zip(nodes, scopes):
         if scope and not node.backward and node.primitive != "sharding_constraint":
             if scope not in main or (node.primitive == "dot_general" and main[scope].primitive != "dot_general"):
                 main[scope] = node
@@ -151,7 +151,7 @@ def build_ops(
     node_index = {id(n): i for i, n in enumerate(nodes)}
     stands_for = dict(number)  # a shard call's constraints stand for its main operator
     for i, node in enumerate(nodes):
-        main_node = main.get(_innermost(node.scope))
+        main_node = main.get(scopes[i])
         if i not in number and main_node is not None:
             stands_for[i] = number[node_index[id(main_node)]]
     records = []
@@ -160,7 +160,9 @@ def build_ops(
     cuts = _cutter(dict(zip(fine.names, fine.sizes)))
     model = _model_pinned(nodes)
     models = {i for i, n in enumerate(nodes) if _is_model_constraint(n)}
-    memo: dict = {}  # what operators alike show (the same operator of identical layers): computed once
+    # What operators alike show (the same operator of identical layers), computed once: keyed by the
+    # ids of the decision's parts, which a search's operators alike share and `result` keeps alive.
+    memo: dict = {}
 
     def shown(key, make):
         found = memo.get(key)
@@ -171,7 +173,7 @@ def build_ops(
     for i, node in enumerate(nodes):
         if i not in number:
             continue
-        scope = _innermost(node.scope)
+        scope = scopes[i]
         ann = by_scope.get(scope)
         user = ann is not None and not node.backward
         fields = dict(origin="user" if user else "default", in_strategy=None, out_strategy=None, in_specs=None, out_specs=None)
@@ -185,16 +187,16 @@ def build_ops(
             n_in, n_out = len(node.inputs), len(node.outputs)
             ins, outs = decision.in_specs[:n_in], decision.out_specs[:n_out]
             if fields["in_strategy"] is None:
-                fields.update(shown(("specs", ins, outs), lambda: dict(
+                fields.update(shown(("specs", id(decision.in_specs), id(decision.out_specs), n_in, n_out), lambda: dict(
                     in_strategy=tuple(map(cuts, ins)), out_strategy=tuple(map(cuts, outs)),
                     in_specs=tuple(map(to_pspec, ins)), out_specs=tuple(map(to_pspec, outs)))))
             fields.update(
                 origin="user" if user else "searched" if decision.via == "searched" else "propagated",
-                comms=shown(("comms", decision.comms, node.weight), lambda: tuple(
+                comms=shown(("comms", id(decision.comms), node.weight), lambda: tuple(
                     Comm(c.kind, c.bytes * node.weight, c.axes) for c in decision.comms)),
                 seconds=decision.seconds,
                 via=_via(decision.via, stands_for, models),
-                rejected=shown(("rejected", decision.rejected, n_in, n_out),
+                rejected=shown(("rejected", id(decision.rejected), n_in, n_out),
                                lambda: _rejected(decision.rejected, n_in, n_out, cuts)),
                 weighed=_weighed(node, result.weighed, cuts) if result.weighed else "",
                 layout=OpLayout(decision.in_specs, decision.out_specs, decision.implied),
@@ -303,6 +305,7 @@ def _weighed(node: Node, weighed: dict, cuts) -> str:
     return "; ".join(found)
 
 
+@functools.lru_cache(maxsize=4096)
 def _innermost(scope: str) -> str:
     found = _SCOPE.findall(scope)
     return found[-1] if found else ""

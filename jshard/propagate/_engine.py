@@ -530,6 +530,10 @@ def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping
     constraint's result (else the one that made its input), unless `priced(input)` says its maker
     already paid it. Constraints are no operators of the `Plan`, and XLA moves the value all the
     same."""
+    constraints = [i for i, node in enumerate(nodes) if node.primitive == CONSTRAINT]
+    if not constraints:  # nothing to charge (a search's program without `shard` calls)
+        share_moves(nodes, result, axis_size, cost)
+        return
     users: dict = collections.defaultdict(list)
     makers = {}
     for j in sorted(result.decisions):
@@ -547,8 +551,9 @@ def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping
             return direct
         return next((j for c in users.get(v, ()) if (j := first_user(nodes[c].outputs[0])) is not None), None)
 
-    for i, node in enumerate(nodes):
-        v = node.inputs[0] if node.primitive == CONSTRAINT else None
+    for i in constraints:
+        node = nodes[i]
+        v = node.inputs[0]
         if not isinstance(v, jcore.Var) or v not in result.values or priced(v):
             continue
         out = node.outputs[0]

@@ -22,7 +22,8 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 from jax.extend import core as jcore
@@ -96,9 +97,9 @@ class Unit:
         return self.fixed is None and bool(self.own)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Edge:
-    """A value from `(producer unit, operand position)` to `(consumer unit, operand position)`."""
+class Edge(NamedTuple):
+    """A value from `(producer unit, operand position)` to `(consumer unit, operand position)` (a
+    tuple: a program has one per use of a value, made by the hundred thousand)."""
 
     var: object
     src: tuple[int, int]
@@ -190,20 +191,27 @@ class SearchGraph:
                 if pos >= len(ins):
                     producers[outs[pos - len(ins)]].append((u.node, k, pos))
         self.producers = producers
-        edges = []
-        for k, u in enumerate(self.units):
-            if u.node < 0:
+        made = {v: m for v, m in producers.items() if shape_of(v)}  # the values an edge can carry
+        edges: list[Edge] = []
+        append, units, var, table = edges.append, self.units, jcore.Var, e.vars
+        for k, u in enumerate(units):
+            node = u.node
+            if node < 0:
                 continue
-            ins, _ = e.vars[u.node]
+            ins = table[node][0]
+            n_in = len(ins)
             for pos in u.operands:
-                v = ins[pos] if pos < len(ins) else None
-                if not (isinstance(v, jcore.Var) and shape_of(v) and v in producers):
+                if pos >= n_in:
                     continue
-                makers = producers[v]
-                before = [m for m in makers if m[0] < u.node]
-                _, src_unit, src_pos = before[-1] if before else makers[0]
-                weight = max(self.units[src_unit].weight, u.weight)
-                edges.append(Edge(v, (src_unit, src_pos), (k, pos), weight))
+                v = ins[pos]
+                if not isinstance(v, var):
+                    continue
+                makers = made.get(v)
+                if makers is None:
+                    continue
+                _, src_unit, src_pos = makers[0] if len(makers) == 1 else next(
+                    (m for m in reversed(makers) if m[0] < node), makers[0])
+                append(Edge(v, (src_unit, src_pos), (k, pos), max(units[src_unit].weight, u.weight)))
         return edges
 
     def _state_edges(self, args, outvars) -> list[Edge]:
@@ -339,11 +347,34 @@ class SearchGraph:
     def seconds(self, choice: Sequence[Assignment]) -> float:
         """The predicted seconds per call of `choice`: every unit's own cost and every edge's
         redistribution (the measure both searches' plans are compared by)."""
-        total = sum(self.unit_seconds(k, a) for k, a in enumerate(choice))
+        shape, own = self.shape_of_unit, {}
+        total = 0.0
+        for k, a in enumerate(choice):  # `unit_seconds` once per structure and assignment (identical layers)
+            key = (shape[k], id(a))
+            found = own.get(key)
+            if found is None:
+                found = own[key] = self.unit_seconds(k, a)
+            total += found
+        spec = self._reader(choice)
         for e in self.edges:
-            (u, pu), (w, pw) = e.src, e.dst
-            total += self.edge_seconds(e, self.spec(u, pu, choice[u]), self.spec(w, pw, choice[w]))
+            total += self.edge_seconds(e, spec(*e.src), spec(*e.dst))
         return total
+
+    def _reader(self, choice: Sequence[Assignment]) -> Callable[[int, int], Spec]:
+        """`spec(k, pos, choice[k])`, looked up once per unit structure, operand and assignment
+        object while `choice` lives (a search's choice shares its assignments between the units
+        of one structure)."""
+        shape, found, spec = self.shape_of_unit, {}, self.spec
+
+        def read(k: int, pos: int) -> Spec:
+            a = choice[k]
+            key = (shape[k], pos, id(a))
+            out = found.get(key)
+            if out is None:
+                out = found[key] = spec(k, pos, a)
+            return out
+
+        return read
 
     # -- memory --------------------------------------------------------------------------------
     def _memory_model(self, args, outvars, donated, host) -> None:
@@ -372,14 +403,11 @@ class SearchGraph:
 
     def peak(self, choice: Sequence[Assignment]) -> tuple[float, int]:
         """The most bytes one device holds at any program point under `choice`, and that point."""
-        live = self.live_bytes({v: self.local(v, choice) for v in self.memory_values})
+        spec, makers, size = self._reader(choice), self.makers, self.axis_size
+        live = self.live_bytes({v: value_bytes(v) / math.prod(size[x] for axes in spec(*makers[v]) for x in axes)
+                                for v in self.memory_values})
         t = int(np.argmax(live))
         return float(live[t]), t
-
-    def local(self, v, choice: Sequence[Assignment]) -> float:
-        k, pos = self.makers[v]
-        spec = self.spec(k, pos, choice[k])
-        return value_bytes(v) / math.prod(self.axis_size[x] for axes in spec for x in axes)
 
     def live_at(self, t: int) -> list:
         return self.ranges.live_at(t, self.memory_values)

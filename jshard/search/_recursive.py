@@ -21,9 +21,14 @@ is the one weighing each unit alone gives.
 Replay (`_Ties`): the interior layers of a repeated run (an unrolled loop's layers, found as a
 period in the units' structure and wiring) are decided as one at each level, the way a scanned
 body is planned once; the first and last `_WINDOW` layers of the run are decided on their own, and
-the replayed choice is then improved unit by unit by single and pairwise moves. That boundary check
-weighs the same units on the same base, so it reads what the replayed level computed (`_Shared`:
-candidates, layouts, edge tables, own costs, folds) rather than pricing the program again.
+the replayed choice is then checked by single and pairwise moves (`_Recursive._checked`) with every
+unit its own class but the middle layers of long runs: the first and last `_WINDOW + _MARGIN`
+layers move alone, the middle ones as one class. A change made at a boundary that reaches the
+layers beside the middle is carried into it (the middle takes their choice and is checked again,
+`_WAVES` rounds at most, the lowest energy kept), as weighing every unit alone carries it layer by
+layer; so the check too is flat in the number of layers. It weighs the same units on the same
+base, so it reads what the replayed level computed (`_Shared`: candidates, layouts, edge tables,
+own costs, folds) rather than pricing the program again.
 
 A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
 plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -53,6 +58,8 @@ _HEAVY = 0.1  # ... among those with at least this share of the heaviest one's c
 _WINDOW = 1  # replay: layers of a repeated run decided on their own at each end; the interior ones as one
 _ROUNDS = 2  # ... runs found on the units' structure refined by their neighbours' to this many hops
 _PERIODS = 16  # ... among the commonest periods
+_MARGIN = 1  # ... the boundary check: layers beside those decided on their own at each end, each on its own too
+_WAVES = 3  # ... and its rounds at most: the middle layers take the choice of the layers beside them
 
 
 def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True) -> Solved:
@@ -96,11 +103,14 @@ class _Recursive:
         self.kept_bytes: dict[int, tuple] = {}  # unit -> (operand position, bytes) of the above: what its unary reads
         values: dict[tuple, int] = {}  # what an edge's table reads of it: its value's array and weight, as ids
         self.edge_values = [values.setdefault((array_of(e.var), e.weight), len(values)) for e in g.edges]
+        self.edge_ends = tuple(np.array(x, np.int64).reshape(-1) for x in (  # per edge: its ends and value, as arrays
+            [e.src[0] for e in g.edges], [e.src[1] for e in g.edges], [e.dst[0] for e in g.edges],
+            [e.dst[1] for e in g.edges], self.edge_values))
         self._kept_values: set = set()
         self.keep(int(replicated.argmax()))
         self.runs = 0
         self.ties: _Ties | None = None  # the classes of units decided as one, for the values kept now
-        self.alone: _Ties | None = None  # ... and every unit its own class (the boundary check)
+        self.checks: _Ties | None = None  # ... and those of the boundary check: each unit its own but long runs' middles
         self.unit_classes = self.evaluations = 0  # summed over levels and runs (`SearchReport`)
 
     def solved(self, choice: list[Assignment], seconds: float, peak: float, status: str) -> Solved:
@@ -121,7 +131,7 @@ class _Recursive:
     def run(self, lam: float) -> tuple[list[Assignment], float]:
         self.runs += 1
         if self.ties is None:
-            self.ties, self.alone = _Ties(self, self.replay), None
+            self.ties, self.checks = _Ties(self, self.replay), None
             if self.ties.replayed:
                 _log.debug("replay: %d of %d units in the interior of %d repeated runs, decided as %d",
                           self.ties.replayed, len(self.g.units), self.ties.runs, len(self.ties.reps))
@@ -138,13 +148,53 @@ class _Recursive:
         picks = level.solve()
         self.unit_classes += level.classes
         self.evaluations += level.evaluations
-        if self.ties.replayed:  # the boundary check: every unit on its own, from the replayed choice
-            if self.alone is None:
-                self.alone = _Ties(self, replay=False)
-            level = _Level(self, group, base, lam, self.alone, like=level)
-            picks = level.solve(seed=[picks[c] for c in self.ties.of])
-            self.evaluations += level.evaluations
-        return [level.cands[c][picks[c]] for c in level.ties.of]
+        chosen = [level.cands[c][picks[c]] for c in self.ties.of]
+        if not self.ties.replayed:
+            return chosen
+        if self.checks is None:
+            self.checks = _Ties.checking(self, self.ties.found)
+        return self._checked(group, base, lam, chosen, level)
+
+    def _checked(self, group: Group, base: list[Assignment], lam: float, chosen: list[Assignment],
+                 like: _Level) -> list[Assignment]:
+        """The boundary check of a replayed level's choice `chosen` (per unit): on `checks`' classes
+        (each unit its own but the middle layers of long runs), single and pairwise moves from it
+        until none helps. Where the layers beside the middle then differ from it (a change at a
+        boundary carried layer to layer into the interior), the middle takes each one's choice and
+        is checked again (`_WAVES` rounds at most); the lowest energy is kept."""
+        ties, best, seeds = self.checks, None, [None]  # None: `chosen`, seated on the level's candidates
+        seated: dict[tuple[int, int], int] = {}  # `_seat`'s answers by the ids of a choice and a candidate list
+
+        def seat(a: Assignment, cands: list[Assignment]) -> int:
+            key = (id(a), id(cands))
+            found = seated.get(key)
+            if found is None:
+                found = seated[key] = _seat(a, group, cands)
+            return found
+
+        for _ in range(_WAVES):
+            better = False
+            for seed in seeds:
+                level = _Level(self, group, base, lam, ties, like=like)
+                if seed is None:
+                    seed = [seat(chosen[k], cands) for k, cands in zip(ties.reps, level.cands)]
+                picks = level.solve(seed=seed)
+                self.evaluations += level.evaluations
+                energy = level.energy(picks)
+                if best is None or energy < best[0]:
+                    best, better = (energy, level, picks), True
+            if not better:
+                break
+            _, level, picks = best
+            cands = level.cands
+
+            def moved(src: int, mid: int) -> int:
+                return seat(cands[src][picks[src]], cands[mid])
+
+            beside = (ties.window - 1, -ties.window)  # the layers beside the middle ones
+            seeds = [seed for seed in (ties.waved(picks, layer, moved) for layer in beside) if seed != picks]
+        _, level, picks = best
+        return [level.cands[c][picks[c]] for c in ties.of]
 
     def _kept(self, k, a) -> float:
         g = self.g
@@ -175,12 +225,15 @@ class _Ties:
     both ends take the one pick). So a level's energy under a choice is exactly the program's with
     every interior layer taking the class's pick: the level's search (its eliminations, the core's
     pinned roots and moves) is flat in the number of layers, and the interior layers replay one
-    layer's decisions. The replayed choice is then checked unit by unit (`_Recursive._level`): every
-    unit its own class again, single and pairwise moves from it until none helps, so a boundary layer
-    or an interior one that gains by differing from its neighbours does.
+    layer's decisions. The replayed choice is then checked (`_Recursive._checked`, on the classes
+    `checking` makes): every unit its own class again but the middle layers of long runs, single and
+    pairwise moves from it until none helps, so a boundary layer, or the middle ones, that gain by
+    differing from the replayed choice do.
 
     Attributes:
-      runs: the repeated runs found.
+      found: the repeated runs found, `(first unit, period, repeats)` (`_runs`).
+      tied: those long enough to tie two layers or more, `window` layers from each end left alone.
+      runs: how many they are.
       replayed: the units in their interior layers (0: every unit is its own class).
       of: per unit its class; classes are numbered in the order of their first units.
       reps: per class its first unit.
@@ -191,14 +244,30 @@ class _Ties:
 
     def __init__(self, search: _Recursive, replay: bool = True):
         g = search.g
+        found = []
+        if replay and g.edges:
+            kinds: dict[tuple, int] = {}
+            colour = np.array([kinds.setdefault((g.shape_of_unit[k], search.kept_bytes.get(k)), len(kinds))
+                               for k in range(len(g.units))], np.int64)
+            found = _runs(self._refined(search, colour))
+        self._tie(search, found, _WINDOW)
+
+    @classmethod
+    def checking(cls, search: _Recursive, found: list[tuple[int, int, int]]) -> _Ties:
+        """The boundary check's classes: the runs `found` for the replay, each unit its own class but
+        the middle layers of runs long enough to leave two, `_WINDOW + _MARGIN` layers from each end."""
+        ties = cls.__new__(cls)
+        ties._tie(search, found, _WINDOW + _MARGIN)
+        return ties
+
+    def _tie(self, search: _Recursive, found: list[tuple[int, int, int]], window: int) -> None:
+        g = search.g
         n = len(g.units)
-        kinds: dict[tuple, int] = {}
-        colour = np.array([kinds.setdefault((g.shape_of_unit[k], search.kept_bytes.get(k)), len(kinds))
-                           for k in range(n)], np.int64)
+        self.found, self.window = found, window
+        runs = self.tied = [r for r in found if r[2] - 2 * window >= 2]  # two interior layers at least
         ties = np.arange(n)
-        runs = _runs(self._refined(search, colour)) if replay and g.edges else []
         for start, period, repeats in runs:
-            block = start + period * np.arange(_WINDOW, repeats - _WINDOW)[:, None] + np.arange(period)
+            block = start + period * np.arange(window, repeats - window)[:, None] + np.arange(period)
             ties[block] = block[0]  # an interior layer's unit -> the first interior layer's
         self.runs = len(runs)
         self.replayed = int((ties != np.arange(n)).sum() + sum(period for _, period, _ in runs))
@@ -209,11 +278,25 @@ class _Ties:
         self.of: list[int] = rank[inverse.ravel()].tolist()
         self.reps: list[int] = first[order].tolist()
         self.count: list[int] = np.bincount(rank[inverse.ravel()], minlength=len(order)).tolist()
-        self.edges: dict[tuple, tuple[int, int]] = {}
-        for i, (e, value) in enumerate(zip(g.edges, search.edge_values)):
-            key = (self.of[e.src[0]], e.src[1], self.of[e.dst[0]], e.dst[1], value)
-            found = self.edges.get(key)
-            self.edges[key] = (i, 1) if found is None else (found[0], found[1] + 1)
+        self.edges: dict[tuple, tuple[int, int]] = {}  # in the order of their first edges
+        src, src_pos, dst, dst_pos, value = search.edge_ends
+        if len(value):
+            of = rank[inverse.ravel()]
+            keys, first, times = np.unique(np.stack([of[src], src_pos, of[dst], dst_pos, value], 1), axis=0,
+                                           return_index=True, return_counts=True)
+            order = np.argsort(first, kind="stable")
+            self.edges = dict(zip(map(tuple, keys[order].tolist()), zip(first[order].tolist(), times[order].tolist())))
+
+    def waved(self, picks: list[int], layer: int, moved: Callable[[int, int], int]) -> list[int]:
+        """`picks` (one per class) with the middle layers' class of each position of each tied run
+        taking `moved(source, middle)`: the pick that gives the level's axes where the class of
+        the same position in the run's `layer`-th layer (from its end where negative) gives them."""
+        out, of = list(picks), self.of
+        for start, period, repeats in self.tied:
+            source, middle = start + (layer % repeats) * period, start + self.window * period
+            for j in range(period):
+                out[of[middle + j]] = moved(of[source + j], of[middle + j])
+        return out
 
     @staticmethod
     def _refined(search: _Recursive, colour: np.ndarray) -> np.ndarray:
@@ -264,6 +347,15 @@ def _runs(colour: np.ndarray) -> list[tuple[int, int, int]]:
         start, period, repeats = best
         free[start:start + period * repeats] = False
         found.append(best)
+
+
+def _seat(a: Assignment, group: Group, cands: Sequence[Assignment]) -> int:
+    """The candidate among `cands` that gives the level's axes (`group`) where `a` gives them: to
+    the same factor, or to none (the first candidate where none does). A unit's candidates differ
+    with its base, so a choice made for another unit of its kind is read as where the axes went."""
+    given = next((fac for fac, axes in a.items() if group[0] in axes), None)
+    return next((n for n, c in enumerate(cands) if next((fac for fac, axes in c.items() if group[0] in axes), None)
+                 == given), 0)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -375,6 +467,7 @@ class _Level:
             tables[(u, v)] = table if found is None else found + table
             nbrs[u].add(v)
             nbrs[v].add(u)
+        self._whole = (list(unary), list(tables.items()))  # what `energy` reads: eliminating consumes them
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
         self.classes = self.evaluations = 0  # the core's distinct units and their cost evaluations
@@ -383,6 +476,11 @@ class _Level:
         """The order the core tries its heaviest units in: a class's first unit's compute and degree,
         as if it were alone (the program's heaviest operator first, whether or not it repeats)."""
         return self.search.weight(self.reps[c])
+
+    def energy(self, picks: Sequence[int]) -> float:
+        """The level's energy under `picks` (one per class): own costs and tables, as built."""
+        unary, tables = self._whole
+        return sum(u[p] for u, p in zip(unary, picks)) + sum(t[picks[a], picks[b]] for (a, b), t in tables)
 
     def _unary(self, c: int, kind: int, lam: float) -> np.ndarray:
         """Class `c`'s first unit's own seconds and λ·bytes it keeps at the peak, under each candidate."""
