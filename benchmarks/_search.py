@@ -27,13 +27,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jshard as js
-from benchmarks import _compiled
+from benchmarks import _compiled, _zoo
 from benchmarks._compiled import EXPERT_SLACK, Figures, error_line, loss_check
 from benchmarks._models import Workload, model_table, workload
 from benchmarks._table import Table, size, verdict
 from jshard import models
 from jshard.search import SearchReport
 from tests.clients import loop_gpt, one_device
+
+ZOO = ("linen_lm", "nnx_gqa", "eqx_vit", "linen_resnet")
+"""The zoo's models (`benchmarks/_zoo.py`) searched under budgets besides loop_gpt (table 5)."""
+ZOO_BATCH = {"linen_lm": (1,), "nnx_gqa": (1,), "eqx_vit": (2, 3), "linen_resnet": (1,)}
+"""Which of each zoo step's arguments are the batch (the rest: its state, and linen_lm's dropout key)."""
 
 SEARCHES = ("recursive", "ilp")
 EXPERTS = ("data", "fsdp", "megatron", "2d")
@@ -119,6 +124,9 @@ def quality_tables(settings, devices: int) -> list[Table]:
             cases += measure_quality(w, rows, devices, settings.search_time_limit)
     if "loop_gpt" in settings.search_models:
         cases += loop_gpt_quality(devices, settings.search_time_limit)
+    for name in ZOO:
+        if name in settings.search_models:
+            cases += zoo_quality(name, settings.search_time_limit)
     return [quality_table(cases, devices), gap_table(cases)]
 
 
@@ -126,11 +134,13 @@ def _searched(case: Searched, w: Workload, devices: int, time_limit: float) -> S
     return _searched_step(case, w.step(None), w.args(), 2, devices, time_limit)
 
 
-def _searched_step(case: Searched, fn, args: tuple, loss_at: int, devices: int, time_limit: float) -> Searched:
-    """`case` planned, compiled and run one step: `fn(*args)` returns its loss at `loss_at`."""
+def _searched_step(case: Searched, fn, args: tuple, loss_at: int, devices: int | None, time_limit: float,
+                   **options) -> Searched:
+    """`case` planned, compiled and run one step: `fn(*args)` returns its loss at `loss_at`; `options`:
+    more `jshard.parallelize` options (the zoo's batch arguments)."""
     try:
         step = js.parallelize(fn, devices=devices, mode="auto", search=case.search,
-                              memory_budget=case.budget, search_time_limit=time_limit)
+                              memory_budget=case.budget, search_time_limit=time_limit, **options)
         start = time.perf_counter()
         plan = step.plan(*args)
         planning = time.perf_counter() - start
@@ -165,6 +175,34 @@ def loop_gpt_quality(devices: int, time_limit: float, searches: Sequence[str] = 
         for how in searches:
             case = Searched("loop_gpt", name, budget, best, how, reference=reference)
             out.append(_searched_step(case, loop_gpt.train_step, (params, tokens), 1, devices, time_limit))
+    return out
+
+
+def zoo_quality(name: str, time_limit: float, searches: Sequence[str] = SEARCHES) -> list[Searched]:
+    """Both searches on the zoo model `name` (one of `ZOO`, at the zoo's size), its own anchors kept
+    and its batch placed as its author places it, against its own experts under a plain `jax.jit`:
+    the author's plan (`_zoo`'s expert) and `data` (the state whole, the batch as the author places
+    it; the model's own constraints still hold inside the step). Budgets: `fits` = the larger expert
+    peak (data parallel's), `least` = the smaller one."""
+    c = _zoo.case(name)
+    args, options = c.args["given"], dict(c.options["given"])
+    reference = float(c.reference[-1])
+    batch = ZOO_BATCH[name]
+    mesh = next(leaf.sharding.mesh for leaf in jax.tree.leaves(args[batch[0]]))
+    experts = []
+    with c.context():
+        placed = tuple(a if i in batch else jax.device_put(a, NamedSharding(mesh, P())) for i, a in enumerate(args))
+        for plan, compiled in (("author", c.expert), ("data", lambda: jax.jit(c.step).lower(*placed).compile())):
+            found = js.audit(compiled())
+            experts.append((plan, found.bytes(), found.memory.peak_bytes))
+    peaks = sorted({e[2] for e in experts})
+    out = []
+    for label, budget in {"fits": float(peaks[-1]), "least": float(peaks[0])}.items():
+        best = min((e for e in experts if e[2] <= budget), key=lambda e: e[1])
+        for how in searches:
+            case = Searched(name, label, budget, best, how, reference=reference)
+            with c.context():
+                out.append(_searched_step(case, c.step, args, -1, None, time_limit, **options))
     return out
 
 
