@@ -247,7 +247,7 @@ def quality_table(cases: Sequence[Searched], devices: int) -> Table:
         tuple(cells),
         (
             "`jshard.parallelize(step, devices=8, mode='auto', search=..., memory_budget=B)` on the unannotated "
-            "train step (no `shard` calls, no `in_strategy`; loop_gpt keeps its own Megatron `shard` tuples); bytes "
+            "train step (no `shard` calls, no `in_strategy`; the zoo's models keep their own anchors); bytes "
             "and peak read by `jshard.audit` from the compiled program, as in table 1 (peak = arguments + outputs "
             "+ temp - aliased).",
             "Budgets from table 1's expert rows: fits = the data-parallel plan's compiled peak; tight = midway "
@@ -255,6 +255,11 @@ def quality_table(cases: Sequence[Searched], devices: int) -> Table:
             "loop_gpt: the zoo's GPT written by someone else (tests/clients/loop_gpt.py at 2 layers, d 256, ff 1024, "
             "vocab 2048) against its own experts under a plain `jax.jit`: data (parameters whole, tokens cut 8 ways) "
             "and megatron (`loop_gpt.expert_shardings`); fits = data's compiled peak, least = Megatron's own.",
+            "linen_lm, nnx_gqa, eqx_vit, linen_resnet: the zoo's other models (table 15, at its sizes), their own "
+            "anchors kept and the batch placed as their authors place it, against their own experts under a plain "
+            "`jax.jit`: author (the author's plan), data (the state whole) and fsdp (each state array cut over the "
+            "batch's mesh axes on its largest dim they divide; nnx_gqa's Explicit axes reject it); fits = data's "
+            "compiled peak, least = the smallest expert peak. Their constraints hold inside every expert's step.",
             "planning: `plan()`, including the trace and, with a budget, compiling the plan to check its memory "
             "(and searching again with a tighter estimate if XLA holds more). predicted: the search's own cost "
             "(alpha-beta collectives and compute, default GPU cost model).",
