@@ -58,6 +58,8 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
                                               settings.search_time_limit)]
     if "loop_gpt" in settings.search_models:
         cases += _search.loop_gpt_quality(DEVICES, settings.search_time_limit)
+    cases += [c for name in _search.ZOO if name in settings.search_models
+              for c in _search.zoo_quality(name, settings.search_time_limit)]
     add(_search.quality_table(cases, DEVICES))
     add(_search.gap_table(cases))
     add(_search.planning_table(_search.planning_rows(settings.search_depths, settings.search_counts,

@@ -17,7 +17,8 @@ class Settings:
       compile_pairs / compile_budget: jshard-vs-jit compile pairs per model, and their seconds.
       step_rounds / step_budget: rounds of jshard-vs-jit steps per model, and their seconds.
       search_models: the models the strategy search is compared with the experts on (table 5):
-        reference models, and `loop_gpt` (the zoo's GPT written by someone else, its own experts).
+        reference models, and the zoo's (`loop_gpt`, `linen_lm`, `nnx_gqa`, `eqx_vit`, `linen_resnet`:
+        models written by others, each against its own experts).
       search_time_limit: the ILP's time limit per search, seconds.
       search_depths / search_counts: the unrolled GPT's layers and the device counts of the search's
         planning-time curve (table 7).
@@ -41,7 +42,7 @@ class Settings:
     memory_step_budget: float = 60.0
 
 
-FULL = Settings("full", (12, 48, 96), 3, 30.0, 3, 30.0, 300, 12.0, search_models=("MLP", "GPT", "ResNet", "MoE", "loop_gpt"),
+FULL = Settings("full", (12, 48, 96), 3, 30.0, 3, 30.0, 300, 12.0, search_models=("MLP", "GPT", "GPT scan", "ResNet", "MoE", "loop_gpt", "linen_lm", "nnx_gqa", "eqx_vit", "linen_resnet"),
                 search_time_limit=30.0, search_depths=(2, 4, 8), search_counts=(8, 64, 1024), search_big=True)
 QUICK = Settings("quick", (2, 4), 1, 5.0, 1, 5.0, 10, 2.0, search_models=("MLP",), search_time_limit=5.0,
                  search_depths=(2,), search_counts=(8, 64), memory_step_budget=5.0)

@@ -353,7 +353,7 @@ def _plan(args: argparse.Namespace) -> int:
         against = "no memory budget" if report.budget is None else f"budget {human_bytes(report.budget)}"
         if report.budget is not None and report.budget_from != "memory_budget":
             against += f" ({report.budget_from})"
-        over = report.budget is not None and max(report.peak_bytes, report.compiled_peak_bytes or 0) > report.budget
+        over = report.budget is not None and report.held_bytes > report.budget
         fits = "" if report.budget is None else (" (over: the plan does not fit)" if over else " (fits)")
         line = f"estimated peak memory per device: {human_bytes(report.peak_bytes)}, {against}{fits}"
         if report.compiled_peak_bytes is not None:

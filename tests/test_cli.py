@@ -238,7 +238,8 @@ def test_plan_over_its_budget_is_no_success(capsys, monkeypatch, tmp_path):
 
         def plan(self, *args):
             plan = self.inner.plan(*args)
-            search = dataclasses.replace(plan.search, peak_bytes=2 * plan.search.budget)
+            search = dataclasses.replace(plan.search, peak_bytes=2 * plan.search.budget,
+                                         compiled_peak_bytes=2 * plan.search.budget)
             return dataclasses.replace(plan, search=search)
 
     monkeypatch.setattr(js, "parallelize", Over)

@@ -10,6 +10,7 @@ from _tolerance import assert_close, step_terms
 from clients import loop_gpt
 
 import jshard as js
+from benchmarks import _zoo
 from jshard import models
 from jshard.search import PROPAGATED
 
@@ -87,3 +88,26 @@ def test_search_keeps_the_plan_propagated_from_the_anchors(loop_case):
     _, loss = step(params, tokens)
     _, ref = jax.jit(loop_gpt.train_step)(params, tokens)
     assert_close(loss, ref, terms=step_terms(params, tokens, backward=False))
+
+
+def test_search_holds_the_propagated_plan_to_its_compiled_peak():
+    """linen_lm (the zoo's Flax Linen LM, its logical constraints the anchors) under its author's
+    plan's own compiled peak: the search estimates the plan propagated from those anchors over the
+    budget (it counts activations XLA fuses away), so it is compiled as propagated and kept, its
+    compiled program fitting: the expert's bytes, equal to one device (before, no plan: the
+    search's own plans compiled over the budget, 36 KiB of 27.4, and the tighter estimates found none)."""
+    case = _zoo.case("linen_lm")
+    expert = _zoo.measure("linen_lm", "given", "expert").audit  # shared with test_zoo
+    budget = expert.memory.peak_bytes
+    args = case.args["given"]
+    with case.context():
+        step = js.parallelize(case.step, mode="auto", memory_budget=budget, **case.options["given"])
+        report = step.plan(*args).search
+        compiled = step.lower(*args).compile()
+        outputs = jax.device_get(compiled(*jax.device_put(args, compiled.input_shardings[0])))
+    assert report.status.startswith(f"{PROPAGATED}, as propagated"), report.line()
+    assert report.compiled_peak_bytes <= budget and "does not fit" not in report.line(), report.line()
+    found = js.audit(compiled)
+    assert found.bytes() <= 1.05 * expert.bytes(), (found.bytes(), expert.bytes())
+    assert found.memory.peak_bytes <= budget
+    assert_close(outputs, case.reference, terms=step_terms(case.params, case.batch))

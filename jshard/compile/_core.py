@@ -424,8 +424,11 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
     problem = Problem(traced, in_sh, donated, budget, offload, movable=dataset_defaulted(traced, slots, dataset, c))
     checked = check and c.searching and c.memory_budget is not None and devices is not None
-    held, searched = 0.0, 0
-    while searched < BUDGET_ROUNDS:
+    held, searched, tried = 0.0, 0, False
+
+    def attempt(problem: Problem) -> tuple[Program, Problem]:
+        """`problem` planned and built (planned again with the gradients jshard reduce-scatters cut
+        where they are made, where there are any): the program and the problem it was planned for."""
         try:
             planned = planner.plan(problem)
         except ShardingError as e:
@@ -442,14 +445,33 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
                                 rewrite, offload, scattered)
         report = planned.report and dataclasses.replace(planned.report, budget_from=budget_from)
         shown = optimizer and dataclasses.replace(optimizer, reduce_scattered=len(scattered))
-        program = dataclasses.replace(program, plan=program.plan.replace(optimizer=shown, search=report))
+        return dataclasses.replace(program, plan=program.plan.replace(optimizer=shown, search=report)), problem
+
+    def checked_peak(program: Program) -> tuple[Program, float]:
+        """`program` with its compiled peak in its report (and, where it fits, the budget asked for,
+        not the tighter estimate searched under), and that peak."""
+        found = compiled_peak(program.jitted, args, program.in_shardings)
+        report = dataclasses.replace(program.plan.search, compiled_peak_bytes=found)
+        if found <= c.memory_budget:
+            report = dataclasses.replace(report, budget=budget)
+        return dataclasses.replace(program, plan=program.plan.replace(search=report)), found
+
+    while searched < BUDGET_ROUNDS:
+        program, problem = attempt(problem)
         if not checked:
             return program
-        held = compiled_peak(program.jitted, args, program.in_shardings)
-        report = dataclasses.replace(report, compiled_peak_bytes=held)
-        if held <= c.memory_budget:  # the report names the budget asked for, not the tighter estimate searched under
-            report = dataclasses.replace(report, budget=budget)
-            return dataclasses.replace(program, plan=program.plan.replace(search=report))
+        program, held = checked_peak(program)
+        report = program.plan.search
+        if report.unfitted_propagated is not None and not tried:
+            # the plan propagated from the anchors predicts less, but the search estimated it over the
+            # budget: its compiled program decides (the estimate keeps activations XLA may fuse away)
+            tried = True
+            as_is, _ = attempt(dataclasses.replace(problem, as_propagated=True))
+            as_is, found = checked_peak(as_is)
+            if found <= c.memory_budget:
+                return as_is
+        if held <= c.memory_budget:
+            return program
         if problem.propagated and PROPAGATED in report.status:  # the search's own plans at this estimate first
             problem = dataclasses.replace(problem, propagated=False)
             continue

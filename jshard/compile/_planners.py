@@ -37,8 +37,10 @@ class Problem:
     kept in host memory between steps (`Offload`, or None), values made in the program whose
     layout is fixed too (value -> `Spec`: a gradient jshard reduce-scatters itself), the argument
     leaves whose fixed layout is the default dataset cut, which the program may move once at the
-    start (`dataset_defaulted`), and whether the search weighs the plan propagated from the anchors
-    (`propagated`: off once that plan's compiled program has not fit the budget)."""
+    start (`dataset_defaulted`), whether the search weighs the plan propagated from the anchors
+    (`propagated`: off once that plan's compiled program has not fit the budget), and whether it
+    returns that plan as propagated, its estimated peak over the budget (`as_propagated`: for its
+    compiled program to be held to the budget instead)."""
 
     traced: Traced
     in_shardings: Sequence[NamedSharding | None]
@@ -48,6 +50,7 @@ class Problem:
     made: Mapping = dataclasses.field(default_factory=dict)
     movable: frozenset[int] = frozenset()
     propagated: bool = True
+    as_propagated: bool = False
 
     @property
     def host(self) -> frozenset:
@@ -122,7 +125,8 @@ class SearchPlanner:
         result, report = search(t.nodes, list(t.invars) + consts, t.outvars, fixed, t.axis_size, how=c.search,
                                 cost=c.costs, budget=problem.budget, donated=donated, host=problem.host, names=names,
                                 call=self.call, time_limit=c.search_time_limit, replay=c.search_replay,
-                                table=t.table, propagated=problem.propagated)
+                                table=t.table, propagated=problem.propagated,
+                                as_propagated=problem.as_propagated)
         return Planned(result, report=report)
 
 

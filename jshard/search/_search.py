@@ -29,6 +29,7 @@ from jshard.rules import OpTable, write_spec
 from jshard.search import _ilp, _recursive, _seeded
 from jshard.search._graph import Assignment, Infeasible, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
+from jshard.search._seeded import PROPAGATED
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
@@ -102,6 +103,11 @@ class SearchReport:
       offload: where the budget binds and the user gave no `offload=`, each placement of the state
         weighed (`Weighed`: on the device, the optimizer state in host memory, and the parameters
         too), its seconds with the streaming priced on the host link.
+      kept: the ILP's: which plan it kept (its own, or its warm start) and why.
+      unfitted_propagated: under a budget, the predicted seconds per call of the plan propagated
+        from the anchors as propagated, where it predicts less than the plan returned but its
+        estimated peak is over the budget (`parallelize` then compiles it and keeps it where its
+        compiled program fits: the estimate keeps activations XLA may fuse away); else None.
     """
 
     search: str
@@ -122,12 +128,19 @@ class SearchReport:
     optimizer: tuple[Weighed, ...] = ()
     offload: tuple[Weighed, ...] = ()
     kept: str = ""
+    unfitted_propagated: float | None = None
+
+    @property
+    def held_bytes(self) -> float:
+        """What the plan holds per device, as far as known: the compiled program's peak where it was
+        compiled (`compiled_peak_bytes`), else the search's estimate (`peak_bytes`)."""
+        return self.peak_bytes if self.compiled_peak_bytes is None else self.compiled_peak_bytes
 
     def line(self) -> str:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
         if self.budget is not None and self.budget_from != "memory_budget":
             budget += f" ({self.budget_from})"
-        if self.budget is not None and max(self.peak_bytes, self.compiled_peak_bytes or 0) > self.budget:
+        if self.budget is not None and self.held_bytes > self.budget:
             budget += " (over: the plan does not fit)"
         weighed = "" if self.unit_classes is None else (
             f" ({self.unit_classes} unit classes, {self.evaluations} cost evaluations)")
@@ -161,6 +174,7 @@ def search(
     replay: bool = True,
     table: OpTable | None = None,
     propagated: bool = True,
+    as_propagated: bool = False,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -181,6 +195,8 @@ def search(
       table: the nodes' `OpTable`, where one is at hand.
       propagated: weigh the plan propagated from the anchors too (`_seeded.propagated`), kept where
         it predicts less than the search's and fits the budget.
+      as_propagated: return the plan propagated from the anchors as propagated, its estimated peak
+        over the budget, without searching (for its compiled program to be held to the budget).
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget`.
@@ -190,8 +206,16 @@ def search(
     axes = [(a,) for a, n in axis_size.items() if n > 1]
     if budget is not None and _least_peak(g) > budget:  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
-    seed = _seeded.propagated(g, args, outvars, fixed, budget) if propagated and how in SEARCHES[:2] else None
-    if how == "recursive":
+    raw = (_seeded.propagated(g, args, outvars, fixed, budget, fit=False)
+           if (propagated or as_propagated) and how in SEARCHES[:2] else None)
+    seed = None if raw is None else _seeded.fit_budget(g, raw, budget)
+    if as_propagated and raw is not None:
+        solved = dataclasses.replace(raw, status=f"{PROPAGATED}, as propagated: its estimated peak "
+                                     f"{human_bytes(raw.peak)} is over the budget, its compiled program is not")
+        choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
+        mesh_text = "·".join(str(axis_size[a]) for (a,) in axes) or "1"
+        candidates, kept = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units))), ""
+    elif how == "recursive":
         try:
             solved = _better(_recursive.solve(g, axes, budget, replay), seed)
         except Infeasible:
@@ -200,7 +224,7 @@ def search(
             solved = dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget")
         choice, mesh_text = solved.choice, "·".join(str(axis_size[a]) for (a,) in axes) or "1"
         candidates = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units)))
-        seconds, peak, status = solved.seconds, solved.peak, solved.status
+        seconds, peak, status, kept = solved.seconds, solved.peak, solved.status, ""
     elif how == "ilp":
         solved, groups, kept = _ilp_or_warm(g, axes, budget, time_limit, seed)
         if solved is None:
@@ -212,9 +236,11 @@ def search(
     else:
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
     result = assemble(g, choice)
+    unfitted = (raw.seconds if raw is not None and not as_propagated and budget is not None and raw.peak > budget
+                and raw.seconds < seconds * (1 - 1e-9) else None)
     report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
                           candidates, time.perf_counter() - start, unit_classes=solved.unit_classes,
-                          evaluations=solved.evaluations, kept="" if how != "ilp" else kept)
+                          evaluations=solved.evaluations, kept=kept, unfitted_propagated=unfitted)
     return result, report
 
 

@@ -31,11 +31,11 @@ PROPAGATED = "the plan propagated from the anchors"
 
 
 def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping,
-               budget: float | None) -> Solved | None:
+               budget: float | None, fit: bool = True) -> Solved | None:
     """The plan propagated from the anchors (`fixed` arguments and the program's sharding
     constraints) as a choice per unit, its seconds and peak, moved to fit `budget` where it does not
-    (`fitted`, then `polished`); None where the program has no anchor that cuts an array, or no
-    move fits it."""
+    (`fit_budget`; with `fit` False, as propagated whatever its estimated peak); None where the
+    program has no anchor that cuts an array, or no move fits it."""
     cut = any(axes for spec in fixed.values() for axes in spec)  # a whole array anchors nothing
     if not cut and not any(node.primitive == CONSTRAINT for node in g.nodes):
         return None
@@ -44,15 +44,21 @@ def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping
     result = propagate_globally(g.nodes, fixed, free, g.axis_size, g.cost, outputs=outvars, lean=budget is not None)
     choice = choice_of(g, result)
     peak, _ = g.peak(choice)
-    status = PROPAGATED
-    if budget is not None and peak > budget:
-        choice = fitted(g, choice, budget)
-        if choice is None:
-            return None
-        choice = polished(g, choice, budget)
-        peak, _ = g.peak(choice)
-        status = f"{PROPAGATED}, moved to fit the budget"
-    return Solved(choice, g.seconds(choice), peak, status)
+    solved = Solved(choice, g.seconds(choice), peak, PROPAGATED)
+    return fit_budget(g, solved, budget) if fit else solved
+
+
+def fit_budget(g: SearchGraph, solved: Solved, budget: float | None) -> Solved | None:
+    """`solved` (the propagated plan) where its estimated peak fits `budget`, else moved to fit it
+    (`fitted`, then `polished`), or None where no move fits it."""
+    if budget is None or solved.peak <= budget:
+        return solved
+    choice = fitted(g, solved.choice, budget)
+    if choice is None:
+        return None
+    choice = polished(g, choice, budget)
+    peak, _ = g.peak(choice)
+    return Solved(choice, g.seconds(choice), peak, f"{PROPAGATED}, moved to fit the budget")
 
 
 def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[Assignment] | None:
