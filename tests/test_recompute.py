@@ -20,8 +20,8 @@ import jshard as js
 from jshard import models
 from jshard.compile import build
 
-CFG = models.GPTConfig(vocab=64, seq_len=32, d_model=64, n_heads=4, n_layers=4, d_ff=256)
-BATCH = 64
+CFG = models.GPTConfig(vocab=64, seq_len=16, d_model=64, n_heads=4, n_layers=2, d_ff=256)
+BATCH = 32
 
 
 def _gpt_step(preset, wrap):
