@@ -70,6 +70,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
 from jshard.pipeline._cut import without_axes
+from jshard.pipeline._inner import propagated
 from jshard.pipeline._model import Pipeline, stack_length
 from jshard.pipeline._schedule import Schedule
 
@@ -173,12 +174,22 @@ class Program:
         return fn
 
     def residual_specs(self, params, batch, stage_mesh: Mesh) -> tuple[PartitionSpec, ...]:
-        """The shardings XLA gives one chunk forward's stored residuals on one stage's devices
-        (`stage_mesh`, a probe compile), so that every tick's branches agree on them."""
+        """The layouts of one chunk forward's stored residuals on one stage's devices, so that every
+        tick's branches agree on them: where the stage's strategies cut its parameters (Megatron's
+        column / row cuts), as the stage's plan gives them (`_inner.propagated`: the chunk's
+        parameter and activation layouts and its `jshard.shard` constraints propagated over its
+        forward; the ff hidden and the heads stay cut, the residual stream whole); otherwise the
+        shardings XLA gives them (`stage_mesh`, a probe compile)."""
         chunk, act = self._chunk_and_act(params, batch)
         run = self.pipe.stage_runner(0)
         tagged = isinstance(run, list)
         probe = lambda ch, x, stage: _residuals(_runner(run, stage) if tagged else run, ch, x)[0]
+        layer = jax.tree.leaves(self.specs.layer, is_leaf=_is_spec)
+        if any(spec != _P() for spec in layer):
+            sizes = {a: stage_mesh.shape[a] for a in stage_mesh.axis_names if a not in self.data_axes}
+            jaxpr = jax.make_jaxpr(probe)(chunk, act, jax.ShapeDtypeStruct((), jnp.int32)).jaxpr
+            found = propagated(jaxpr, [_P(None, *p) for p in layer] + [self.specs.act], jaxpr.outvars, sizes)
+            return tuple(_P() if spec is None else spec for spec in found)
         chunk_sh = jax.tree.map(lambda p: NamedSharding(stage_mesh, _P(None, *p)), self.specs.layer, is_leaf=_is_spec)
         act_sh = NamedSharding(stage_mesh, self.specs.act)
         if self.data_axes:  # as the step runs it: manual over the data axes, one device's rows each
@@ -301,7 +312,9 @@ class Program:
             "xin": _zeros((v, sch.slots("activations")), ops.act),
             "gin": _zeros((v, sch.slots("gradients")), ops.act),
             "yout": _zeros((v, r), ops.act),
-            "res": [_zeros((v, r), x) for x in ops.residual_shapes],
+            "res": _pin([_zeros((v, r), x) for x in ops.residual_shapes],
+                        [_P(None, None, *p) for p in self.specs.residuals or ()]) if self.specs.residuals else
+                   [_zeros((v, r), x) for x in ops.residual_shapes],
             "g_rest": jax.tree.map(jnp.zeros_like, ends),
             "g_chunks": jax.tree.map(jnp.zeros_like, ops.chunks),
             "loss": jnp.zeros((), jnp.float32),
