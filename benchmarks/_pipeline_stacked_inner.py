@@ -57,7 +57,9 @@ def stacked_inner_table() -> Table:
          "dp: the rows' axes run manual (found as for a step cut by tags); each device sums its own rows' "
          "gradients over the schedule's loop, and one all-reduce per step sums them (the other is the loss's). "
          "mp: the stage's axes cut parameters and stay automatic, so XLA reduces what they leave partial per "
-         "micro-batch, as before; 2 × 2: the dp axis runs manual, the mp axis stays automatic."),
+         "micro-batch (Megatron's row-cut sums); the rows are whole over the mp axes, the stack held as the tuples "
+         "cut it, so no activation is gathered; 2 × 2: the dp axis runs manual, the mp axis stays automatic. "
+         "The audit counts every branch of a tick's switch (forward and backward) at every tick."),
     )
 
 

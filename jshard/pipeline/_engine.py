@@ -52,8 +52,13 @@ grows with S and not with M. `first` and `last` are differentiated at their own 
 from the micro-batch and the stored chunk output), so every stage stores residuals of one shape.
 
 Every switch branch ends by constraining its results to fixed shardings over the stage's own
-axes (XLA requires a conditional's branches to agree). The residuals' shardings are read from a
-small probe compile of one chunk's forward on one stage's devices (`residual_specs`).
+axes (XLA requires a conditional's branches to agree). Where strategies cut the stack inside the
+stages (Megatron's column / row tuples), the activations between stages and chunks are whole over
+the axes that cut the model (the rows are cut only over the others, as in Megatron), the stack is
+held as its `jshard.shard` calls cut it where `in_strategy` does not say, and the residuals' layouts
+are the stage's plan's (`_inner.propagated`, as the tagged form lays its slots out: the ff hidden
+and the heads cut, the residual stream whole); otherwise they are read from a small probe compile
+of one chunk's forward on one stage's devices (`residual_specs`).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
 from jshard.pipeline._cut import without_axes
+from jshard.pipeline._inner import propagated
 from jshard.pipeline._model import Pipeline, stack_length
 from jshard.pipeline._schedule import Schedule
 
@@ -173,12 +179,22 @@ class Program:
         return fn
 
     def residual_specs(self, params, batch, stage_mesh: Mesh) -> tuple[PartitionSpec, ...]:
-        """The shardings XLA gives one chunk forward's stored residuals on one stage's devices
-        (`stage_mesh`, a probe compile), so that every tick's branches agree on them."""
+        """The layouts of one chunk forward's stored residuals on one stage's devices, so that every
+        tick's branches agree on them: where the stage's strategies cut its parameters (Megatron's
+        column / row cuts), as the stage's plan gives them (`_inner.propagated`: the chunk's
+        parameter and activation layouts and its `jshard.shard` constraints propagated over its
+        forward; the ff hidden and the heads stay cut, the residual stream whole); otherwise the
+        shardings XLA gives them (`stage_mesh`, a probe compile; so also where axes run manual)."""
         chunk, act = self._chunk_and_act(params, batch)
         run = self.pipe.stage_runner(0)
         tagged = isinstance(run, list)
         probe = lambda ch, x, stage: _residuals(_runner(run, stage) if tagged else run, ch, x)[0]
+        layer = jax.tree.leaves(self.specs.layer, is_leaf=_is_spec)
+        if any(spec != _P() for spec in layer) and not self.data_axes:  # manual rows: their constraints name
+            sizes = dict(stage_mesh.shape)                                  # the manual axes; probed below
+            jaxpr = jax.make_jaxpr(probe)(chunk, act, jax.ShapeDtypeStruct((), jnp.int32)).jaxpr
+            found = propagated(jaxpr, [_P(None, *p) for p in layer] + [self.specs.act], jaxpr.outvars, sizes)
+            return tuple(_P() if spec is None else spec for spec in found)
         chunk_sh = jax.tree.map(lambda p: NamedSharding(stage_mesh, _P(None, *p)), self.specs.layer, is_leaf=_is_spec)
         act_sh = NamedSharding(stage_mesh, self.specs.act)
         if self.data_axes:  # as the step runs it: manual over the data axes, one device's rows each
@@ -301,7 +317,9 @@ class Program:
             "xin": _zeros((v, sch.slots("activations")), ops.act),
             "gin": _zeros((v, sch.slots("gradients")), ops.act),
             "yout": _zeros((v, r), ops.act),
-            "res": [_zeros((v, r), x) for x in ops.residual_shapes],
+            "res": _pin([_zeros((v, r), x) for x in ops.residual_shapes],
+                        [_P(None, None, *p) for p in self.specs.residuals or ()]) if self.specs.residuals else
+                   [_zeros((v, r), x) for x in ops.residual_shapes],
             "g_rest": jax.tree.map(jnp.zeros_like, ends),
             "g_chunks": jax.tree.map(jnp.zeros_like, ops.chunks),
             "loss": jnp.zeros((), jnp.float32),

@@ -38,7 +38,7 @@ from jshard.layouts import (
     dataset_slots,
     layout_of,
 )
-from jshard.pipeline._cut import Cut, cut, spec_axes
+from jshard.pipeline._cut import Cut, cut, spec_axes, without_axes
 from jshard.pipeline._engine import STAGE, Program, Replicated, Specs
 from jshard.pipeline._model import Pipeline, check_stage_ids, pipeline_stage, stack_length
 from jshard.pipeline._plan import PipelinePlan, plan_of
@@ -206,8 +206,17 @@ class Pipelined:
         calls = self._has_shard_calls(params, batch, stage_mesh)
         pure = self._pure_data() and not calls
         mode = "data" if pure else "semi_auto"
-        data_axes = self.inner.names if pure else \
-            self._rows_manual(params, batch, (r_specs, layer_specs)) if calls else ()
+        data_axes, model_axes, cut_specs = (self.inner.names, (), None) if pure else \
+            self._rows_manual(params, batch, (r_specs, layer_specs)) if calls else ((), (), None)
+        if cut_specs is not None:  # a layer leaf no in_strategy lays out: held as its shard calls cut it
+            leaves, treedef = jax.tree_util.tree_flatten(layer_specs, is_leaf=_is_spec)
+            found = cut_specs[len(jax.tree.leaves(r_specs, is_leaf=_is_spec)):]
+            layer_specs = jax.tree_util.tree_unflatten(treedef, [
+                f if p == PartitionSpec() and f is not None else p for p, f in zip(leaves, found)])
+        if model_axes:  # Megatron: the residual stream is whole over the axes that cut the model
+            act = without_axes(act, set(model_axes))
+            if not self._batch_given():
+                batch_specs = jax.tree.map(lambda p: without_axes(p, set(model_axes)), batch_specs, is_leaf=_is_spec)
         program = Program(self.pipe, sched, self.mesh, Specs(act, r_specs, layer_specs, batch_specs), data_axes)
         if pure:
             residuals = tuple(PartitionSpec() for _ in program.residual_shapes(params, batch))
@@ -233,11 +242,15 @@ class Pipelined:
         self._held.setdefault(_signature((held, batch)), e)  # what `train` finds it by
         return e
 
-    def _rows_manual(self, params, batch, param_specs) -> tuple[str, ...]:
+    def _rows_manual(self, params, batch, param_specs) -> tuple[tuple[str, ...], tuple[str, ...], tuple]:
         """Data parallel written as `jshard.shard` strategies inside the stages (`_manual_rows`): the
         axes to run manual, found on `first`, one layer (one chunk per stage where `layer` is per
         stage) and `last` traced as one stage (`cut`), and traced again on one device's rows;
-        `param_specs`: the `in_strategy` specs, whose axes stay automatic."""
+        `param_specs`: the `in_strategy` specs, whose axes stay automatic. Returns those axes and
+        the stage's axes that cut parameters (`in_strategy` or `jshard.shard` on a parameter: the
+        model's axes, over which the activations between layers stay whole, as in Megatron), and
+        per leaf of `(rest, one layer)` the spec its `jshard.shard` calls give it (`Cut.param_specs`),
+        which the stack is held as where `in_strategy` gives none."""
         c, stage_mesh = self.pipeline, Mesh(self.mesh.devices[0], self.inner.names)
         rest, stack = self.pipe.split(abstract(params))
         k = stack_length(stack) // c.stages
@@ -253,8 +266,11 @@ class Pipelined:
                 return cut(step, (rest, one), micro, 1, self.call)
 
         taken = {a for spec in jax.tree.leaves(param_specs, is_leaf=_is_spec) for a in spec_axes(spec)}
-        return _manual_rows(self.call, self.mesh, self.inner.names, c.micro_batches, trace(c.micro_batches), batch,
+        found = trace(c.micro_batches)
+        model = taken | {a for spec in found.param_specs() if spec is not None for a in spec_axes(spec)}
+        axes = _manual_rows(self.call, self.mesh, self.inner.names, c.micro_batches, found, batch,
                             taken, lambda axes: trace(c.micro_batches * self._size(axes)))[0]
+        return axes, tuple(a for a in self.inner.names if a in model), found.param_specs()
 
     def _size(self, axes: tuple[str, ...]) -> int:
         return int(np.prod([self.mesh.shape[a] for a in axes]))
@@ -325,9 +341,14 @@ class Pipelined:
             )
         return PartitionSpec(*spec[1:])
 
+    def _batch_given(self) -> bool:
+        """Whether `in_strategy[1]` lays the batch out (else the dataset policy does)."""
+        c = self.options
+        return bool(c.in_strategy and len(c.in_strategy) > 1 and c.in_strategy[1] is not None)
+
     def _batch_specs(self, batch):
         c = self.options
-        if c.in_strategy and len(c.in_strategy) > 1 and c.in_strategy[1] is not None:
+        if self._batch_given():
             return self._specs(c.in_strategy[1], batch, "in_strategy[1]")
         leaves, treedef = jax.tree_util.tree_flatten(batch)
         slots = dataset_slots([np.ndim(x) for x in leaves], c.dataset_strategy, self.inner.device_count, call=self.call)
