@@ -169,13 +169,19 @@ def loop_gpt_quality(devices: int, time_limit: float, searches: Sequence[str] = 
         expert = jax.jit(loop_gpt.train_step, in_shardings=(shardings, rows), out_shardings=(shardings, None))
         found = js.audit(expert.lower(params, tokens).compile())
         experts.append((name, found.bytes(), found.memory.peak_bytes))
+    return _at_budgets("loop_gpt", experts, searches, reference,
+                       lambda case: _searched_step(case, loop_gpt.train_step, (params, tokens), 1, devices, time_limit))
+
+
+def _at_budgets(model: str, experts: list, searches: Sequence[str], reference: float, run) -> list[Searched]:
+    """`run(case)` for each search at two budgets: `fits` = the `data` expert's compiled peak,
+    `least` = the smallest expert peak; each against the expert moving the fewest bytes within it
+    (`experts`: `(name, bytes, peak)`)."""
     peaks = {name: peak for name, _, peak in experts}
     out = []
-    for name, budget in {"fits": float(peaks["data"]), "least": float(min(peaks.values()))}.items():
+    for label, budget in {"fits": float(peaks["data"]), "least": float(min(peaks.values()))}.items():
         best = min((e for e in experts if e[2] <= budget), key=lambda e: e[1])
-        for how in searches:
-            case = Searched("loop_gpt", name, budget, best, how, reference=reference)
-            out.append(_searched_step(case, loop_gpt.train_step, (params, tokens), 1, devices, time_limit))
+        out += [run(Searched(model, label, budget, best, how, reference=reference)) for how in searches]
     return out
 
 
@@ -205,15 +211,12 @@ def zoo_quality(name: str, time_limit: float, searches: Sequence[str] = SEARCHES
             except Exception:  # noqa: BLE001 -- a layout the model's own typing rejects is no expert of it
                 continue
             experts.append((plan, found.bytes(), found.memory.peak_bytes))
-    peaks = {plan: peak for plan, _, peak in experts}
-    out = []
-    for label, budget in {"fits": float(peaks["data"]), "least": float(min(peaks.values()))}.items():
-        best = min((e for e in experts if e[2] <= budget), key=lambda e: e[1])
-        for how in searches:
-            case = Searched(name, label, budget, best, how, reference=float(c.reference[-1]))
-            with c.context():
-                out.append(_searched_step(case, c.step, args, -1, None, time_limit, **options))
-    return out
+
+    def run(case: Searched) -> Searched:
+        with c.context():
+            return _searched_step(case, c.step, args, -1, None, time_limit, **options)
+
+    return _at_budgets(name, experts, searches, float(c.reference[-1]), run)
 
 
 def _fsdp(x, mesh, axes) -> P:
