@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import platform
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -30,7 +31,7 @@ from benchmarks import (
 )
 from benchmarks._models import model_table, workload
 from benchmarks._settings import DEVICES, Settings
-from benchmarks._table import Table
+from benchmarks._table import Table, markdown_row
 
 
 def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
@@ -116,6 +117,21 @@ def replace_sections(text: str, tables: list[Table], note: str) -> str:
         else:
             parts[found] = (table.title, made)
     return "\n".join(body.rstrip("\n") + "\n" for _, body in parts)
+
+
+def keep_other_rows(text: str, table: Table, models: Sequence[str], order: Sequence[str]) -> Table:
+    """`table` (rows of `models` only, each row's first cell its model) with the rows of the other
+    models kept from the section of the same title in `text`, models in `order`, and that section's
+    notes on which run made which rows kept under the new ones."""
+    lines = next((body for title, body in _split(text) if title == table.title), "").splitlines()
+    header = markdown_row(table.columns)
+    body = lines[lines.index(header) + 2:] if header in lines else []  # past the header and its --- line
+    rows = [tuple(cell.strip() for cell in line[2:-2].split(" | ")) for line in body if line.startswith("| ")]
+    kept = [r for r in rows if len(r) == len(table.columns) and r[0] not in models]
+    rank = {m: i for i, m in enumerate(order)}
+    merged = sorted([*kept, *table.rows], key=lambda r: rank.get(r[0], len(rank)))  # stable: each model's rows in order
+    runs = tuple(line[2:] for line in lines if line.startswith(("- Regenerated", "- Rows of")))
+    return dataclasses.replace(table, rows=tuple(merged), notes=table.notes + runs)
 
 
 def _split(text: str) -> list[tuple[str, str]]:

@@ -334,12 +334,14 @@ ALPA_39B = Shape("GPT-39B (Alpa)", models.GPTConfig(vocab=51200, seq_len=1024, d
 
 
 def _plan(shape: Shape, devices: int, how: str, time_limit: float) -> tuple[float, float, js.Plan | None, str]:
-    """(wall seconds, this process's CPU seconds, the plan or None, why not) of one `plan()`."""
+    """(wall seconds, this process's CPU seconds, the plan or None, why not) of one `plan()` and the
+    reading of its operator records (`Plan.ops`, made when first read: what `summary()` shows)."""
     step = js.parallelize(shape.step(), devices=devices, mode="auto", search=how, search_time_limit=time_limit)
     args = shape.args()
     start, cpu = time.perf_counter(), time.process_time()
     try:
         plan = step.plan(*args)
+        len(plan.ops)
     except Exception as e:  # a failed plan is a row, not the end of the run
         return time.perf_counter() - start, time.process_time() - cpu, None, error_line(e)
     return time.perf_counter() - start, time.process_time() - cpu, plan, ""
@@ -384,8 +386,8 @@ def planning_table(rows: Sequence[tuple]) -> Table:
         (
             "`Parallelized.plan(...)` of the Adam train step with no annotations (`mode='auto'`, no memory budget) on "
             "shapes only (`jax.eval_shape` parameters and optimizer state): an abstract mesh where there are more "
-            "devices than the 8 simulated ones; nothing is compiled. plan: trace + search + plan records, wall "
-            "clock; plan CPU: this process's CPU time over the same call (the machine is shared: on a loaded one "
+            "devices than the 8 simulated ones; nothing is compiled. plan: trace + search + the plan's operator "
+            "records (`Plan.ops`, made when first read: read here, as `summary()` does), wall clock; plan CPU: this process's CPU time over the same call (the machine is shared: on a loaded one "
             "the wall clock is the CPU time plus waiting); search alone: the search's own wall time. The target "
             "is judged on both.",
             "decisions: the search's units (an operator's independent factor groups, and the free arguments); a "

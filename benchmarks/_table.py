@@ -36,15 +36,15 @@ class Table:
         lines = [f"## {self.title}", ""]
         if self.target:
             lines += [f"Target: {self.target}", ""]
-        lines.append(_row(self.columns))
-        lines.append(_row(["---"] * len(self.columns)))
-        lines += [_row(row) for row in self.rows]
+        lines.append(markdown_row(self.columns))
+        lines.append(markdown_row(["---"] * len(self.columns)))
+        lines += [markdown_row(row) for row in self.rows]
         if self.notes:
             lines += [""] + [f"- {note}" for note in self.notes]
         return "\n".join(lines) + "\n"
 
 
-def _row(cells: Sequence[str]) -> str:
+def markdown_row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |"
 
 

@@ -129,3 +129,18 @@ def test_only_sections_replace_their_tables_in_place_and_add_new_ones_before_the
     assert titles == ["## 8. Old", "## 9. Kept", "## 11. New", "## GPU: H100"]
     assert "| 2 |" in text and "| 1 |" not in text and "head" in text and "gpu" in text
     assert text.count("- Regenerated alone by `python -m benchmarks --only memory`") == 2
+
+
+def test_search_rows_of_some_models_replace_theirs_and_keep_the_others():
+    """`python -m benchmarks --only search --model NAME`: NAME's rows are new, the other models' stay,
+    in table 5's model order, with the notes of the runs that made them."""
+    columns = ("model", "budget", "bytes")
+    old = Table("5. Search", "", columns, (("MLP", "fits", "1 KiB"), ("GPT scan", "fits", "9 KiB"),
+                                           ("linen_lm", "fits", "3 KiB")), ("how",))
+    text = _report.replace_sections("# jshard benchmarks\n", [old], "Regenerated alone by `first`")
+    new = Table("5. Search", "", columns, (("GPT scan", "fits", "2 KiB"), ("GPT scan", "tight", "2 KiB")), ("how",))
+    merged = _report.keep_other_rows(text, new, ("GPT scan",), ("MLP", "GPT scan", "linen_lm"))
+    assert merged.rows == (("MLP", "fits", "1 KiB"), ("GPT scan", "fits", "2 KiB"), ("GPT scan", "tight", "2 KiB"),
+                           ("linen_lm", "fits", "3 KiB"))
+    assert merged.notes == ("how", "Regenerated alone by `first`")
+    assert _report.keep_other_rows("", new, ("GPT scan",), ("GPT scan",)).rows == new.rows

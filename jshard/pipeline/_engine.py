@@ -313,13 +313,14 @@ class Program:
         ops = self._ops(ends, chunks, micro, self.ends)
         sch, v = self.schedule, self.schedule.virtual
         r = sch.slots("residuals")
+        res = [_zeros((v, r), x) for x in ops.residual_shapes]
+        if self.specs.residuals:  # the residual slots in the layouts propagation gave them
+            res = _pin(res, [_P(None, None, *p) for p in self.specs.residuals])
         carry = {
             "xin": _zeros((v, sch.slots("activations")), ops.act),
             "gin": _zeros((v, sch.slots("gradients")), ops.act),
             "yout": _zeros((v, r), ops.act),
-            "res": _pin([_zeros((v, r), x) for x in ops.residual_shapes],
-                        [_P(None, None, *p) for p in self.specs.residuals or ()]) if self.specs.residuals else
-                   [_zeros((v, r), x) for x in ops.residual_shapes],
+            "res": res,
             "g_rest": jax.tree.map(jnp.zeros_like, ends),
             "g_chunks": jax.tree.map(jnp.zeros_like, ops.chunks),
             "loss": jnp.zeros((), jnp.float32),
