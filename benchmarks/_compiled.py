@@ -67,8 +67,9 @@ def measure(w: Workload, devices: int, plans: Sequence[str] = PLANS) -> list[Fig
 
 def _one(name: str, w: Workload, devices: int, reference: float) -> Figures:
     try:
-        if name in ("jshard", "shardy"):
-            step = parallelized(w, devices, "jshard" if name == "jshard" else "xla")
+        if name.startswith(("jshard", "shardy")):  # "jshard", "shardy", or either with " default" (the batch)
+            step = parallelized(w, devices, "jshard" if name.startswith("jshard") else "xla",
+                                "default" if name.endswith(" default") else "given")
             compiled, plan = step.lower(*w.args()).compile(), step.plan(*w.args())
         else:
             compiled, plan = expert(name, w, devices).lower(*w.args()).compile(), None
@@ -133,6 +134,35 @@ def targets_table(rows: Sequence[Figures]) -> Table:
             f"{1 + EXPERT_SLACK:g} x expert); compare memory in table 1 before reading fewer bytes as better.",
             "predicted bytes: jshard's cost model, summed over the plan's operators (`op.comms`, trip-weighted); "
             "coverage: `Plan.coverage`.",
+        ),
+    )
+
+
+def default_batch_table(workloads: Sequence[Workload], devices: int) -> Table:
+    """Table 1b's targets with the batch left to jshard's dataset strategy (no `in_strategy`): jshard's
+    and Shardy's propagation from the same `shard` calls, against the matching expert plan."""
+    cells = []
+    for w in workloads:
+        rows = {f.plan: f for f in measure(w, devices, ("jshard default", "shardy default", MATCHING_EXPERT))}
+        ours, shardy, hand = rows["jshard default"], rows["shardy default"], rows[MATCHING_EXPERT]
+        if ours.audit is None:
+            cells.append((w.name, f"failed: {ours.error}", *["-"] * 7))
+            continue
+        got = ours.audit.bytes()
+        cells.append((w.name, size(got), *_against_shardy(got, shardy), *_against_expert(got, hand),
+                      size(ours.audit.memory.peak_bytes), loss_check(ours.loss, ours.reference)))
+    return Table(
+        f"15b. The reference models with the batch left default, {devices} devices",
+        f"as table 1b's: compiled collective bytes <= Shardy's from the same anchors and within {EXPERT_SLACK:.0%} of "
+        f"the matching expert plan ({MATCHING_EXPERT}), the batch's layout left to jshard's dataset strategy.",
+        ("model", "jshard bytes", "Shardy bytes", "<= Shardy", f"{MATCHING_EXPERT} expert bytes", "jshard vs expert",
+         f"within {EXPERT_SLACK:.0%}", "jshard peak", "loss vs 1 device"),
+        tuple(cells),
+        (
+            "The train step with the model's `shard` calls under `preset('2d', n)` and no `in_strategy`: the batch "
+            "takes jshard's dataset strategy (cut over every device it divides) and the propagation, jshard's or "
+            "Shardy's (`propagation='xla'`), lays out the rest; the expert is table 1's, its batch cut `dp` ways.",
+            "Issue 15's target holds \"with the batch's layout given (table 1b) or left default (here)\".",
         ),
     )
 

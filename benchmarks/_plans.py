@@ -31,11 +31,14 @@ MATCHING_EXPERT = "2d"
 """The expert plan written to match the anchors' preset."""
 
 
-def parallelized(w: Workload, devices: int, propagation: str = "jshard") -> js.Parallelized:
-    """The train step from the 2-D preset's anchors, as a fresh `Parallelized` (an empty cache)."""
+def parallelized(w: Workload, devices: int, propagation: str = "jshard", batch: str = "given") -> js.Parallelized:
+    """The train step from the 2-D preset's anchors, as a fresh `Parallelized` (an empty cache);
+    `batch`: `given` (cut `dp` ways by an `in_strategy`) or `default` (left to the dataset strategy)."""
     preset = models.preset("2d", devices)
-    batch = tuple(preset.batch(len(np.shape(x))) for x in w.batch)
-    return js.parallelize(w.step(preset), devices=devices, in_strategy=(None, None, batch), propagation=propagation)
+    if batch == "default":
+        return js.parallelize(w.step(preset), devices=devices, propagation=propagation)
+    rows = tuple(preset.batch(len(np.shape(x))) for x in w.batch)
+    return js.parallelize(w.step(preset), devices=devices, in_strategy=(None, None, rows), propagation=propagation)
 
 
 def same_shardings(w: Workload, plan: js.Plan, devices: int) -> Any:

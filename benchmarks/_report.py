@@ -89,7 +89,8 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
         elif name == "search":  # tables 5 and 6, with the expert plans of table 1 measured again
             made = _search.quality_tables(settings, DEVICES)
         elif name == "zoo":
-            made = [_zoo.zoo_table()]
+            made = [_zoo.zoo_table(), _compiled.default_batch_table([workload(m, settings.size) for m in model_table()],
+                                                                   DEVICES)]
         elif name == "replay":
             made = [_replay.replay_table()]
         elif name == "pipeline":

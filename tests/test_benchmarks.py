@@ -51,6 +51,16 @@ def test_mlp_quick_rows_equal_one_device_and_render(tmp_path, mlp_rows):
     assert text.count("| MLP | ") == len(PLANS) + 2
 
 
+def test_default_batch_table_holds_jshard_to_shardy_and_the_expert_with_the_batch_left_default():
+    """Table 15b on the quick MLP: the step with no `in_strategy` compiles under both propagations and
+    equals one device; its verdicts are computed, not written."""
+    table = _compiled.default_batch_table([workload(_mlp(), "quick")], 8)
+    (row,) = table.rows
+    assert row[0] == "MLP" and not row[1].startswith("failed")
+    assert row[3] in ("meets", "misses") and row[6] in ("meets", "misses")
+    assert row[-1].endswith(" equal"), row[-1]
+
+
 def test_gpu_section_renders_from_results_json(tmp_path):
     import json
 
