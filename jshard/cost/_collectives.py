@@ -98,12 +98,21 @@ class CostModel:
         """
         return max(read, written) / self.host_bandwidth
 
+    def group_latency(self, axes: Sequence[str]) -> float:
+        """Seconds one collective over the mesh `axes` waits whatever it moves: its slowest axis's latency.
+
+        Examples:
+          >>> CostModel(axes={"d0": (12.5e9, 2e-5)}).group_latency(("d0", "d1"))
+          2e-05
+        """
+        return max(self.axes.get(a, (self.bandwidth, self.latency))[1] for a in axes)
+
     def time(self, comm: Comm, axis_size: Mapping[str, int]) -> float:
         n = math.prod(axis_size[a] for a in comm.axes)
         if n <= 1:
             return 0.0
         bw = min(self.axes.get(a, (self.bandwidth, self.latency))[0] for a in comm.axes)
-        lat = max(self.axes.get(a, (self.bandwidth, self.latency))[1] for a in comm.axes)
+        lat = self.group_latency(comm.axes)
         moved = {
             "all-gather": (n - 1) / n * comm.bytes,
             "reduce-scatter": (n - 1) / n * comm.bytes,

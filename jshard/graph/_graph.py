@@ -73,6 +73,8 @@ class Node:
       remat: inside a `remat` body (`jax.checkpoint`, `jshard.recompute`): its policy's name
         (`remat_policy_name`); `""` outside one. A remat body's scope is prefixed with the remat
         equation's, so that the recomputation in the backward pass counts as backward.
+      loop: the index of the enclosing loop or branch node (the computation XLA compiles it in),
+        -1 at top level.
     """
 
     eqn: jcore.JaxprEqn
@@ -84,6 +86,7 @@ class Node:
     weight: int = 1
     bodies: list = dataclasses.field(default_factory=list)
     remat: str = ""
+    loop: int = -1
 
     @property
     def primitive(self) -> str:
@@ -237,7 +240,7 @@ def _source(eqn, callers) -> str:
     return user_source(eqn.source_info)
 
 
-def _collect(jaxpr, env, inside, weight, nodes, outer=None):
+def _collect(jaxpr, env, inside, weight, nodes, outer=None, loop=-1):
     for eqn, env_now, callers, remat, prefix in _inlined(jaxpr, env, (), outer,
                                                          outer and outer.source_info.name_stack):
         info = eqn.source_info
@@ -251,11 +254,12 @@ def _collect(jaxpr, env, inside, weight, nodes, outer=None):
             _source(eqn, callers),
             weight,
             remat="" if remat is None else remat_policy_name(remat.params.get("policy")),
+            loop=loop,
         )
         nodes.append(node)
         if eqn.primitive.name in NESTED:
-            inner = weight * eqn.params.get("length", 1)
+            inner, here = weight * eqn.params.get("length", 1), len(nodes) - 1
             for body in nested_jaxprs(eqn):
                 body_env: dict = {}
-                _collect(body, body_env, eqn.primitive.name, inner, nodes, remat)
+                _collect(body, body_env, eqn.primitive.name, inner, nodes, remat, here)
                 node.bodies.append((list(body.invars), [resolve(body_env, v) for v in body.outvars]))

@@ -9,7 +9,13 @@ and every operand's `Spec` follows from it as in propagation.
 
 Costs are the engine's (`CostModel`, α–β seconds): a unit pays its partial sums and its compute per
 device, weighted by how often it runs; an *edge* (a value from the unit that makes it to one that
-uses it) pays the redistribution between the two layouts it is given. Memory is per device: at each
+uses it) pays the redistribution between the two layouts it is given. XLA's all-reduce combiner
+merges independent all-reduces of one computation (the top level, or one loop body per iteration)
+over the same mesh axes with the same reduction into one: a unit whose partial sums no later
+reduction of its computation depends on (a weight gradient's, ahead of the optimizer's elementwise
+update) is *combinable*, pays its all-reduces' bandwidth alone, and the plan pays one latency per
+set of them (`SearchGraph.combined_latency`); the others pay each all-reduce's latency, as a chain
+of dependent all-reduces (a Megatron layer's) runs one after another. Memory is per device: at each
 top-level program point, the arguments, the function's results and every value made before the point
 and used after it (activations kept for the backward pass, gradients awaiting the update), each at
 its local size under the layout chosen for it.
@@ -37,13 +43,17 @@ from jshard.cost import (
     redistribution,
     value_bytes,
 )
-from jshard.graph import CONSTRAINT, Node
+from jshard.graph import CONSTRAINT, NESTED, Node
 from jshard.layouts import Spec, constraint_spec
 from jshard.rules import Factors, OpTable, expressible, shape_of, write_spec
 
 Assignment = dict  # factor id -> mesh axes (major to minor)
 Group = tuple[str, ...]  # mesh axes that a search step hands out together
 
+
+_NOT_SUMS = frozenset({"reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin"})
+"""The reductions whose partial results an all-reduce other than a sum combines (XLA combines all-reduces
+of one reduction only)."""
 
 TIE = 1e-18
 """Seconds per byte held at the peak, added to every plan's cost: between plans of equal cost, the
@@ -124,6 +134,7 @@ class SearchGraph:
             self._add_arg(v, fixed.get(v))
         for i, node in enumerate(nodes):
             self._add_node(i, node)
+        self.combinable = self._combinable()
         self.edges = self._edges() + self._state_edges(args, outvars)
         self.out_edges: dict[int, list[int]] = collections.defaultdict(list)
         self.in_edges: dict[int, list[int]] = collections.defaultdict(list)
@@ -233,18 +244,37 @@ class SearchGraph:
                 edges.append(Edge(v, (src_unit, src_pos), (self.arg_unit[arg], 0), 1))
         return edges
 
+    def _combinable(self) -> frozenset[int]:
+        """The units whose all-reduces XLA combines with the others of their set: those of an
+        operator from whose results no operator of the same computation that may reduce (one with
+        reduced factors, or a loop or branch) can be reached. No such all-reduce depends on another,
+        so each set of them is one all-reduce; one with a reduction after it may feed the next."""
+        nodes, factors = self.nodes, self.table.factors
+        readers = collections.defaultdict(list)  # var -> the nodes reading it
+        for i, node in enumerate(nodes):
+            for v in node.inputs:
+                if isinstance(v, jcore.Var):
+                    readers[v].append(i)
+        reduces = [node.primitive in NESTED or (i in factors and _cuts_reduced(factors[i])) for i, node in enumerate(nodes)]
+        feeds = [False] * len(nodes)  # a node that may reduce can be reached from its results
+        for i in reversed(range(len(nodes))):
+            feeds[i] = any(reduces[j] or feeds[j] for v in nodes[i].outputs for j in readers.get(v, ()))
+        return frozenset(k for k, u in enumerate(self.units)
+                         if u.node >= 0 and u.free and u.factors.reduced & set(u.own) and not feeds[u.node])
+
     def _signatures(self) -> list[int]:
         """Per unit, the id of its structure: its factors, the operands it lays out, how often it
-        runs, its work, its fixed layouts and its results' shapes. Units of one id (the same
+        runs, its work, its fixed layouts, its results' shapes and whether its all-reduces are
+        combinable. Units of one id (the same
         operator in identical layers of an unrolled loop) have the same candidates, layouts and
         costs, so the searches compute those once per id (`candidates`, `spec`, `_recursive`'s
         tables), as a scanned body is planned once."""
         ids: dict = {}
         out = []
-        for u in self.units:
+        for k, u in enumerate(self.units):
             results = () if u.node < 0 else tuple(array_of(v) for v in self.table.vars[u.node][1])
             fixed = None if u.fixed is None else tuple(sorted(u.fixed.items()))
-            key = (u.factors, u.own, u.operands, u.weight, u.flops, fixed, results)
+            key = (u.factors, u.own, u.operands, u.weight, u.flops, fixed, results, k in self.combinable)
             out.append(ids.setdefault(key, len(ids)))
         return out
 
@@ -301,23 +331,32 @@ class SearchGraph:
             found = self._specs[key] = write_spec(dims, a, u.factors.sizes, self.axis_size)
         return found
 
+    def partial_sums(self, k: int, a: Assignment) -> list[Group]:
+        """The mesh axes of each all-reduce unit `k` runs under `a`: one per reduced factor it cuts."""
+        u = self.units[k]
+        if not u.free:
+            return []
+        return [tuple(a[fac]) for fac in sorted(u.factors.reduced) if fac in u.own and a.get(fac)]
+
     def unit_seconds(self, k: int, a: Assignment) -> float:
-        """Unit `k`'s own cost under `a`: its partial sums, then its compute per device."""
+        """Unit `k`'s own cost under `a`: its partial sums (a combinable unit's without their
+        latency, which `combined_latency` charges once per set), then its compute per device."""
         u = self.units[k]
         if not u.free:
             return 0.0
         f = u.factors
         seconds = 0.0
-        partial = [tuple(a[fac]) for fac in sorted(f.reduced) if fac in u.own and a.get(fac)]  # one all-reduce each
+        partial = self.partial_sums(k, a)
         if partial:
-            n_in = len(f.inputs)
+            n_in, combined = len(f.inputs), k in self.combinable
             outs = self.table.vars[u.node][1]
             for pos in u.operands:
                 if pos >= n_in:
                     v = outs[pos - n_in]
                     shape, itemsize = array_of(v)
                     payload = local_bytes(shape, itemsize, self.spec(k, pos, a), self.axis_size)
-                    seconds += sum(self.cost.time(Comm("all-reduce", payload, axes), self.axis_size) for axes in partial)
+                    seconds += sum(self.cost.time(Comm("all-reduce", payload, axes), self.axis_size)
+                                   - combined * self.cost.group_latency(axes) for axes in partial)
         if u.flops:
             cut = math.prod(self.axis_size[x] for fac in u.own for x in a.get(fac, ()))
             seconds += u.flops / cut / self.cost.flops
@@ -344,11 +383,36 @@ class SearchGraph:
             total += self.edge_seconds(e, self.spec(e.src[0], e.src[1], choice[e.src[0]]), self.spec(k, e.dst[1], a))
         return total
 
+    def combined_sets(self, choice: Sequence[Assignment]) -> dict[tuple, int]:
+        """The all-reduces XLA's combiner merges under `choice`: per set (the enclosing loop's node
+        or -1, the mesh axes, the reduction) of the combinable units' all-reduces, how often it runs."""
+        sets = {}
+        for k in self.combinable:
+            u = self.units[k]
+            node = self.nodes[u.node]
+            reduction = node.primitive if node.primitive in _NOT_SUMS else "add"
+            for axes in self.partial_sums(k, choice[k]):
+                sets[(node.loop, axes, reduction)] = u.weight
+        return sets
+
+    def combined_latency(self, choice: Sequence[Assignment]) -> float:
+        """The latency `choice`'s combinable all-reduces pay: one per combined set and run."""
+        return sum(w * self.cost.group_latency(axes) for (_, axes, _), w in self.combined_sets(choice).items())
+
+    def all_reduces(self, choice: Sequence[Assignment]) -> int:
+        """All-reduces per call the compiled program of `choice` is predicted to run, weighted by
+        their loops' trip counts (`jshard.audit`'s count): one per set of combinable ones, and one
+        per partial sum of each other unit."""
+        alone = sum(u.weight * len(self.partial_sums(k, choice[k]))
+                    for k, u in enumerate(self.units) if k not in self.combinable)
+        return alone + sum(self.combined_sets(choice).values())
+
     def seconds(self, choice: Sequence[Assignment]) -> float:
-        """The predicted seconds per call of `choice`: every unit's own cost and every edge's
-        redistribution (the measure both searches' plans are compared by)."""
+        """The predicted seconds per call of `choice`: every unit's own cost, every edge's
+        redistribution and the combined all-reduces' latency (the measure both searches' plans are
+        compared by)."""
         shape, own = self.shape_of_unit, {}
-        total = 0.0
+        total = self.combined_latency(choice)
         for k, a in enumerate(choice):  # `unit_seconds` once per structure and assignment (identical layers)
             key = (shape[k], id(a))
             found = own.get(key)
@@ -411,6 +475,11 @@ class SearchGraph:
 
     def live_at(self, t: int) -> list:
         return self.ranges.live_at(t, self.memory_values)
+
+
+def _cuts_reduced(f: Factors) -> bool:
+    """Whether the operator may leave partial sums: a reduced factor of more than one element."""
+    return any(f.sizes[fac] > 1 for fac in f.reduced)
 
 
 def _components(f: Factors) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
