@@ -386,14 +386,14 @@ class SearchGraph:
     def combined_sets(self, choice: Sequence[Assignment]) -> dict[tuple, int]:
         """The all-reduces XLA's combiner merges under `choice`: per set (the enclosing loop's node
         or -1, the mesh axes, the reduction) of the combinable units' all-reduces, how often it runs."""
-        sets = {}
-        for k in self.combinable:
-            u = self.units[k]
-            node = self.nodes[u.node]
-            reduction = node.primitive if node.primitive in _NOT_SUMS else "add"
-            for axes in self.partial_sums(k, choice[k]):
-                sets[(node.loop, axes, reduction)] = u.weight
-        return sets
+        return {self.combined_set(k, axes): self.units[k].weight
+                for k in self.combinable for axes in self.partial_sums(k, choice[k])}
+
+    def combined_set(self, k: int, axes: Group) -> tuple:
+        """The set combinable unit `k`'s all-reduce over `axes` joins: its enclosing loop's node (or
+        -1), the axes and the reduction."""
+        node = self.nodes[self.units[k].node]
+        return node.loop, axes, node.primitive if node.primitive in _NOT_SUMS else "add"
 
     def combined_latency(self, choice: Sequence[Assignment]) -> float:
         """The latency `choice`'s combinable all-reduces pay: one per combined set and run."""

@@ -8,9 +8,11 @@ of an edge is 1, so the edge variables need not be integers (Alpa's formulation 
 binaries per edge). An edge with one layout on either end folds its cost into the other end's `x`.
 
 Objective: the units' own seconds (partial sums, compute) plus the edges' redistribution seconds,
-in microseconds. Memory: per device at a program point, the values live there at their local
-size must fit the budget; the point of the replicated peak is constrained first, and a point the
-solution overflows is added and the problem solved again (a few rounds at most).
+plus one latency per set of all-reduces XLA combines (a continuous `z[s] >= x[u, c]` for each
+candidate whose all-reduce joins set `s`), in microseconds. Memory: per device at a program point,
+the values live there at their local size must fit the budget; the point of the replicated peak is
+constrained first, and a point the solution overflows is added and the problem solved again (a few
+rounds at most).
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def solve(g: SearchGraph, groups: Sequence[Group], budget: float | None, time_li
             for p in set(first) | set(other):
                 row([(int(offset[u]) + j, 1.0) for j in first.get(p, ())]
                     + [(int(offset[w]) + j, -1.0) for j in other.get(p, ())], 0.0, 0.0)
+    _combined(g, cands, offset, cost, row)
     peak_at = int(np.argmax(g.live_bytes({v: value_bytes(v) for v in g.memory_values})))
     for c, b in _memory_row(g, peak_at, cands, offset):  # between plans of equal cost, the one that holds less
         cost[c] += TIE * b * 1e6
@@ -127,6 +130,20 @@ def solve(g: SearchGraph, groups: Sequence[Group], budget: float | None, time_li
             f", within {gap:.1%} of optimal" if gap is not None and math.isfinite(gap) else "")
     seconds = (float(result.fun) + constant) / 1e6
     return Solved(choice, seconds, peak, status)
+
+
+def _combined(g: SearchGraph, cands, offset, cost: list, row) -> None:
+    """One variable per set of combinable all-reduces (`SearchGraph.combined_sets`), at least
+    every candidate's that joins it, priced at the set's latency: the objective pays it once."""
+    sets: dict[tuple, int] = {}
+    for k in sorted(g.combinable):
+        for j, a in enumerate(cands[k]):
+            for axes in g.partial_sums(k, a):
+                key = g.combined_set(k, axes)
+                if key not in sets:
+                    sets[key] = len(cost)
+                    cost.append(g.units[k].weight * g.cost.group_latency(axes) * 1e6)
+                row([(sets[key], 1.0), (int(offset[k]) + j, -1.0)], 0.0, np.inf)
 
 
 def _by_spec(g: SearchGraph, k: int, pos: int, cands: Sequence[Assignment]) -> dict:
