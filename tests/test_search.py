@@ -162,3 +162,47 @@ def test_search_options_are_checked():
         js.parallelize(f, devices=8, mode="semi_auto", memory_budget="1GiB")
     with pytest.raises(js.ShardingError, match=r"search='propagation' cuts the batch and propagates"):
         js.parallelize(f, devices=8, mode="auto", search="propagation", memory_budget="1GiB")
+
+
+def test_combined_pricing_pays_one_latency_per_set_of_independent_gradient_all_reduces():
+    """Data parallel, the loss and three layers' weight gradients are independent all-reduces over
+    the batch's axes: XLA's combiner merges them into one, and the search graph predicts and prices one."""
+    from jshard.cost import CostModel
+    from jshard.graph import flatten
+    from jshard.search._graph import SearchGraph
+    from jshard.search._seeded import propagated
+
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(h @ w)
+            return jnp.sum(h)
+
+        value, grads = jax.value_and_grad(loss)(ws)
+        return [w - 0.1 * g for w, g in zip(ws, grads)], value
+
+    ws = [jnp.asarray(np.random.default_rng(n).normal(size=(16, 16)), jnp.float32) for n in range(3)]
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(64, 16)), jnp.float32)
+    closed = jax.make_jaxpr(step)(ws, x)
+    args, outvars = closed.jaxpr.invars, closed.jaxpr.outvars
+    axes = ("d0", "d1", "d2")
+    fixed = {**{v: ((), ()) for v in args[:3]}, args[3]: (axes, ())}
+    g = SearchGraph(flatten(closed.jaxpr), args, outvars, fixed, dict.fromkeys(axes, 2), CostModel(flops=float("inf")))
+    choice = propagated(g, args, outvars, fixed, None).choice
+    gradients = [k for k in range(len(g.units)) if g.partial_sums(k, choice[k])]
+    assert len(gradients) == 4 and set(gradients) <= g.combinable  # the loss's, then each gradient's
+    assert g.combined_sets(choice) == {(-1, axes, "add"): 1}
+    latency = g.cost.group_latency(axes)
+    bandwidth = [2 * 7 / 8 * n * 4 / g.cost.bandwidth for n in (1, 256, 256, 256)]  # f32[], f32[16,16] over 8
+    assert [g.unit_seconds(k, choice[k]) for k in gradients] == pytest.approx(bandwidth)
+    assert g.combined_latency(choice) == pytest.approx(latency)
+    edges = sum(g.edge_seconds(e, g.spec(*e.src, choice[e.src[0]]), g.spec(*e.dst, choice[e.dst[0]])) for e in g.edges)
+    assert g.seconds(choice) == pytest.approx(edges + sum(bandwidth) + latency)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 2), axes)
+    whole, rows = (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*s)) for s in ((), (axes,)))
+    compiled = jax.jit(step, in_shardings=([whole] * 3, rows), out_shardings=([whole] * 3, whole)).lower(ws, x).compile()
+    assert js.audit(compiled).count("all-reduce") == g.all_reduces(choice) == 1
+    for got, want in zip(jax.tree.leaves(compiled(ws, x)), jax.tree.leaves(jax.jit(step)(ws, x))):
+        assert_close(got, want, terms=64)
