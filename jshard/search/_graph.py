@@ -135,6 +135,10 @@ class SearchGraph:
         for i, node in enumerate(nodes):
             self._add_node(i, node)
         self.combinable = self._combinable()
+        self.peers: dict[tuple, list[int]] = collections.defaultdict(list)  # (loop, reduction) -> its combinable units
+        for k in sorted(self.combinable):
+            loop, _, reduction = self.combined_set(k, ())
+            self.peers[(loop, reduction)].append(k)
         self.edges = self._edges() + self._state_edges(args, outvars)
         self.out_edges: dict[int, list[int]] = collections.defaultdict(list)
         self.in_edges: dict[int, list[int]] = collections.defaultdict(list)
@@ -373,8 +377,10 @@ class SearchGraph:
         return e.weight * found
 
     def local_seconds(self, k: int, a: Assignment, choice: Sequence[Assignment]) -> float:
-        """Unit `k`'s own cost under `a` and its edges' redistributions, its neighbours as in `choice`."""
-        total = self.unit_seconds(k, a)
+        """Unit `k`'s own cost under `a`, its edges' redistributions and the latency of the combined
+        sets it alone joins (`lone_latency`), the other units as in `choice`: a move of `k` changes
+        `seconds` by the change of this."""
+        total = self.unit_seconds(k, a) + self.lone_latency(k, a, choice)
         for n in self.out_edges.get(k, ()):
             e = self.edges[n]
             total += self.edge_seconds(e, self.spec(k, e.src[1], a), self.spec(e.dst[0], e.dst[1], choice[e.dst[0]]))
@@ -398,6 +404,24 @@ class SearchGraph:
     def combined_latency(self, choice: Sequence[Assignment]) -> float:
         """The latency `choice`'s combinable all-reduces pay: one per combined set and run."""
         return sum(w * self.cost.group_latency(axes) for (_, axes, _), w in self.combined_sets(choice).items())
+
+    def joined(self, k: int, choice: Sequence[Assignment]) -> frozenset[Group]:
+        """The mesh axes of the all-reduces that the other combinable units of unit `k`'s loop and
+        reduction run under `choice`: the sets `k` can join at no latency."""
+        if k not in self.combinable:
+            return frozenset()
+        loop, _, reduction = self.combined_set(k, ())
+        partial = self.partial_sums
+        return frozenset(axes for j in self.peers[(loop, reduction)] if j != k for axes in partial(j, choice[j]))
+
+    def lone_latency(self, k: int, a: Assignment, choice: Sequence[Assignment]) -> float:
+        """The latency of the combined sets unit `k` joins under `a` and no other unit joins under
+        `choice`: what `k` adds to `combined_latency`."""
+        mine = set(self.partial_sums(k, a)) if k in self.combinable else set()
+        if not mine:
+            return 0.0
+        others = self.joined(k, choice)
+        return self.units[k].weight * sum(self.cost.group_latency(axes) for axes in mine - others)
 
     def all_reduces(self, choice: Sequence[Assignment]) -> int:
         """All-reduces per call the compiled program of `choice` is predicted to run, weighted by

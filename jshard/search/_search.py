@@ -394,7 +394,7 @@ def _rejected(g: SearchGraph, i: int, choice: Sequence[Assignment], memo: dict):
     k = g.node_units[i][0]
     if not g.units[k].free:
         return None
-    key = (g.shape_of_unit[k], tuple(sorted(choice[k].items())), _neighbours(g, k, choice))
+    key = (g.shape_of_unit[k], tuple(sorted(choice[k].items())), _neighbours(g, k, choice), g.joined(k, choice))
     if key not in memo:
         memo[key] = _best_move(g, k, choice)
     return memo[key]
