@@ -269,10 +269,9 @@ class SearchGraph:
     def _signatures(self) -> list[int]:
         """Per unit, the id of its structure: its factors, the operands it lays out, how often it
         runs, its work, its fixed layouts, its results' shapes and whether its all-reduces are
-        combinable. Units of one id (the same
-        operator in identical layers of an unrolled loop) have the same candidates, layouts and
-        costs, so the searches compute those once per id (`candidates`, `spec`, `_recursive`'s
-        tables), as a scanned body is planned once."""
+        combinable. Units of one id (the same operator in identical layers of an unrolled loop) have
+        the same candidates, layouts and costs, so the searches compute those once per id
+        (`candidates`, `spec`, `_recursive`'s tables), as a scanned body is planned once."""
         ids: dict = {}
         out = []
         for k, u in enumerate(self.units):
