@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jshard as js
+import jshard.plan._records as records
 import jshard.search._graph as search_graph
 import jshard.search._recursive as recursive
 import jshard.search._search as search_module
@@ -50,6 +51,23 @@ def test_identical_layers_reuse_the_search_work(layouts_computed):
     assert plan4.search.units > 1.7 * plan2.search.units  # twice the layers: about twice the decisions
     assert two > 0 and four <= 1.05 * two  # ... but no new layouts to derive: the new layers repeat the old
 
+
+
+@pytest.mark.parametrize("search", ["recursive", "propagation"])
+def test_identical_layers_share_their_records(search, monkeypatch):
+    """The searched operators of identical layers share their records' fields, made once (`Plan.ops`
+    at depth), and every record is the one made for its operator alone; the propagation engine's
+    name the operator each took its layout from, so few are alike there."""
+    made = []
+    fields, alike = records._Records._fields, records._Records._alike
+    monkeypatch.setattr(records._Records, "_fields", lambda self, i, *rest: made.append(i) or fields(self, i, *rest))
+    shared = _plan(4, search=search).ops
+    shared_made = len(made)
+    monkeypatch.setattr(records._Records, "_alike", lambda self, i, node: (i, *alike(self, i, node)))
+    alone = _plan(4, search=search).ops
+    assert len(made) - shared_made == len(alone)  # keyed by position too: no record shares another's
+    assert shared == alone
+    assert shared_made < (len(shared) / 5 if search == "recursive" else len(shared))
 
 
 @pytest.fixture(scope="module")
