@@ -214,7 +214,7 @@ def search(
                                      f"{human_bytes(raw.peak)} is over the budget, its compiled program is not")
         choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
         mesh_text = "·".join(str(axis_size[a]) for (a,) in axes) or "1"
-        candidates, kept = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units))), ""
+        candidates, kept = g.candidate_count(axes[:1]), ""
     elif how == "recursive":
         try:
             solved = _better(_recursive.solve(g, axes, budget, replay), seed)
@@ -223,7 +223,7 @@ def search(
                 raise _too_big(g, budget, names or {}, call, how) from None
             solved = dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget")
         choice, mesh_text = solved.choice, "·".join(str(axis_size[a]) for (a,) in axes) or "1"
-        candidates = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units)))
+        candidates = g.candidate_count(axes[:1])
         seconds, peak, status, kept = solved.seconds, solved.peak, solved.status, ""
     elif how == "ilp":
         solved, groups, kept = _ilp_or_warm(g, axes, budget, time_limit, seed)
@@ -232,7 +232,7 @@ def search(
         choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
         mesh_text = ("·".join(str(axis_size[a]) for (a,) in axes) or "1") if groups is None else (
             "×".join(str(math.prod(axis_size[a] for a in grp)) for grp in groups) or "1")
-        candidates = sum(len(g.candidates(k, groups or axes[:1])) for k in range(len(g.units)))
+        candidates = g.candidate_count(groups or axes[:1])
     else:
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
     result = assemble(g, choice)
@@ -375,7 +375,7 @@ class _Priced:
         """`(seconds, comms, in_specs, out_specs, implied)` of node `i` under `a`, meeting `known`."""
         e = self.e
         ins, outs = e.vars[i]
-        key = (picked, e.nodes[i].weight, tuple(array_of(v) for v in ins), tuple(array_of(v) for v in outs),
+        key = (picked, e.nodes[i].weight, tuple(map(array_of, ins)), tuple(map(array_of, outs)),
                tuple(e.invariant.get(v) for v in ins if isinstance(v, jcore.Var)) if e.invariant else (),
                tuple((k, spec) for k, spec, _ in known))
         found = self._decided.get(key)
