@@ -314,10 +314,11 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
     for v, k in g.arg_unit.items():
         values[v] = g.spec(k, 0, choice[k])
     merged: dict[int, tuple] = {}
+    alike: dict[tuple[int, int], tuple] = {}  # (ids of factors, assignment) -> (picked, out_specs), both held
     for i, units in g.node_units.items():
-        a: Assignment = {}
-        for k in units:
-            a.update(choice[k])
+        a = choice[units[0]]
+        if len(units) > 1:
+            a = {fac: axes for k in units for fac, axes in choice[k].items()}
         node = nodes[i]
         if node.primitive == CONSTRAINT:
             values[node.outputs[0]] = g.units[units[0]].fixed[1]
@@ -326,9 +327,13 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         if i in e.unruled:
             continue
         f = e.factors[i]
-        picked = (f, tuple(sorted(a.items())))
+        found = alike.get((id(f), id(a)))
+        if found is None:
+            picked = (f, tuple(sorted(a.items())))
+            found = alike[(id(f), id(a))] = (picked, priced.specs(picked, a)[1])
+        picked, out_specs = found
         merged[i] = (a, picked)
-        for v, spec in zip(e.vars[i][1], priced.specs(picked, a)[1]):
+        for v, spec in zip(e.vars[i][1], out_specs):
             values.setdefault(v, spec)
     decisions: dict[int, Decision] = {}
     work = [g.units[k].weight * g.units[k].flops for k in range(len(g.units))]
