@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import jshard as js
+import jshard.compile._program as program
 import jshard.plan._records as records
 import jshard.search._graph as search_graph
 import jshard.search._recursive as recursive
@@ -149,6 +150,17 @@ def test_planning_pauses_the_garbage_collector_and_restores_it():
         assert not gc.isenabled()  # paused by the caller: left paused
     finally:
         gc.enable()
+
+
+def test_reading_the_plan_records_pauses_the_garbage_collector(monkeypatch):
+    """`Plan.ops` (made on its first read: tens of thousands of records at depth) is made with the
+    collector paused, and leaves it as it was."""
+    seen = []
+    build = program.build_ops
+    monkeypatch.setattr(program, "build_ops", lambda *args: seen.append(gc.isenabled()) or build(*args))
+    plan = js.parallelize(lambda x: x * 2.0, devices=8).plan(jax.ShapeDtypeStruct((8, 4), np.float32))
+    assert seen == [] and gc.isenabled()  # not made until read
+    assert plan.ops and seen == [False] and gc.isenabled()
 
 
 def test_replaying_the_interior_layers_plans_what_the_full_search_plans(replayed):
