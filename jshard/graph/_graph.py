@@ -73,6 +73,7 @@ class Node:
       remat: inside a `remat` body (`jax.checkpoint`, `jshard.recompute`): its policy's name
         (`remat_policy_name`); `""` outside one. A remat body's scope is prefixed with the remat
         equation's, so that the recomputation in the backward pass counts as backward.
+      primitive: the equation's primitive's name (read once: every stage reads it per node).
     """
 
     eqn: jcore.JaxprEqn
@@ -84,10 +85,10 @@ class Node:
     weight: int = 1
     bodies: list = dataclasses.field(default_factory=list)
     remat: str = ""
+    primitive: str = dataclasses.field(init=False)
 
-    @property
-    def primitive(self) -> str:
-        return self.eqn.primitive.name
+    def __post_init__(self):
+        object.__setattr__(self, "primitive", self.eqn.primitive.name)
 
     @property
     def backward(self) -> bool:
