@@ -307,7 +307,7 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
     operator its layouts, the collectives it pays, and, for key operators (at least 1% of the
     heaviest one's work: the contractions), the best candidate it did not take. Operators alike in
     factors, operand arrays, weight, assignment and the layouts they meet (the same operator of
-    identical layers) are priced once (`_Priced`)."""
+    identical layers) are priced once (`_Priced`) and share one `Decision`."""
     e, nodes = Engine(g.nodes, g.axis_size, g.cost, g.table), g.nodes
     priced = _Priced(e, g.axis_size)
     values: dict = {}
@@ -339,6 +339,7 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
     work = [g.units[k].weight * g.units[k].flops for k in range(len(g.units))]
     key = _KEY_SHARE * max(work, default=0.0)
     moves: dict = {}  # `_rejected`'s answers, per unit structure, pick and neighbours
+    made: dict[tuple[int, int], Decision] = {}  # ids of `decided`'s answer and `_rejected`'s -> one Decision, both held
     for i, (a, picked) in merged.items():
         node = nodes[i]
         if picked is None:
@@ -347,9 +348,14 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
             continue
         ins, _ = e.vars[i]
         known = [(k, values[v], "") for k, v in enumerate(ins) if isinstance(v, jcore.Var) and v in values]
-        seconds, comms, in_specs, out_specs, implied = priced.decided(i, picked, a, known)
+        found = priced.decided(i, picked, a, known)
         rejected = _rejected(g, i, choice, moves) if work[g.node_units[i][0]] >= key > 0 else None
-        decisions[i] = Decision(in_specs, out_specs, comms, seconds, "searched", rejected, implied)
+        decision = made.get((id(found), id(rejected)))
+        if decision is None:
+            seconds, comms, in_specs, out_specs, implied = found
+            decision = made[(id(found), id(rejected))] = Decision(in_specs, out_specs, comms, seconds, "searched",
+                                                                  rejected, implied)
+        decisions[i] = decision
     result = Result(decisions, values, set(e.unruled))
     charge_constraints(nodes, result, g.axis_size, e.cost)  # each operator above priced its inputs only
     return result
