@@ -75,10 +75,12 @@ def test_identical_layers_share_their_records(search, monkeypatch):
 def replayed():
     """Per layer count (6, 12): the plan, the size of each replayed level (its classes) and the
     operators `assemble` priced (`_Priced`: one per distinct pricing); under `("checks", n)`, per
-    boundary check its classes and the search's units."""
+    boundary check its classes and the search's units; under `("decisions", n)`, the decisions
+    `assemble` made and how many distinct `Decision` objects they are."""
     found = {}
     with pytest.MonkeyPatch.context() as mp:
-        sizes, pricings, checks = [], [], []
+        sizes, pricings, checks, assembled = [], [], [], []
+        assemble = search_module.assemble
         original = recursive._Ties.__init__
         priced = search_module._Priced.__init__
         checking = recursive._Ties.checking.__func__
@@ -100,13 +102,17 @@ def replayed():
         mp.setattr(recursive._Ties, "__init__", counting)
         mp.setattr(search_module._Priced, "__init__", kept)
         mp.setattr(recursive._Ties, "checking", classmethod(counting_checks))
+        mp.setattr(search_module, "assemble", lambda g, choice: assembled.append(assemble(g, choice)) or assembled[-1])
         for n in (6, 12):
             sizes.clear()
             pricings.clear()
             checks.clear()
+            assembled.clear()
             plan = _plan(n)
             found[n] = (plan, list(sizes), [len(p._decided) for p in pricings])
             found[("checks", n)] = list(checks)
+            decisions = assembled[-1].decisions
+            found[("decisions", n)] = (len(decisions), len({id(d) for d in decisions.values()}))
     return found
 
 
@@ -130,6 +136,14 @@ def test_identical_layers_are_priced_once_for_the_plan(replayed):
     (plan6, _, priced6), (plan12, _, priced12) = replayed[6], replayed[12]
     assert len(plan12.ops) > 1.9 * len(plan6.ops)
     assert priced6 == priced12 and priced6[0] > 0
+
+
+def test_identical_layers_share_one_decision(replayed):
+    """`assemble` gives the operators of identical layers (the same pricing and rejected move) one
+    `Decision`: at twice the depth, twice the decisions and as many distinct ones."""
+    (made6, distinct6), (made12, distinct12) = replayed[("decisions", 6)], replayed[("decisions", 12)]
+    assert made12 > 1.9 * made6
+    assert distinct12 == distinct6 < made6 / 2
 
 
 def test_planning_pauses_the_garbage_collector_and_restores_it():
