@@ -10,6 +10,8 @@ import optax
 import pytest
 
 import jshard as js
+import jshard.compile._program as program
+import jshard.plan._records as records
 import jshard.search._graph as search_graph
 import jshard.search._recursive as recursive
 import jshard.search._search as search_module
@@ -52,14 +54,33 @@ def test_identical_layers_reuse_the_search_work(layouts_computed):
 
 
 
+@pytest.mark.parametrize("search", ["recursive", "propagation"])
+def test_identical_layers_share_their_records(search, monkeypatch):
+    """The searched operators of identical layers share their records' fields, made once (`Plan.ops`
+    at depth), and every record is the one made for its operator alone; the propagation engine's
+    name the operator each took its layout from, so few are alike there."""
+    made = []
+    fields, alike = records._Records._fields, records._Records._alike
+    monkeypatch.setattr(records._Records, "_fields", lambda self, i, *rest: made.append(i) or fields(self, i, *rest))
+    shared = _plan(4, search=search).ops
+    shared_made = len(made)
+    monkeypatch.setattr(records._Records, "_alike", lambda self, i, node: (i, *alike(self, i, node)))
+    alone = _plan(4, search=search).ops
+    assert len(made) - shared_made == len(alone)  # keyed by position too: no record shares another's
+    assert shared == alone
+    assert shared_made < (len(shared) / 5 if search == "recursive" else len(shared))
+
+
 @pytest.fixture(scope="module")
 def replayed():
     """Per layer count (6, 12): the plan, the size of each replayed level (its classes) and the
     operators `assemble` priced (`_Priced`: one per distinct pricing); under `("checks", n)`, per
-    boundary check its classes and the search's units."""
+    boundary check its classes and the search's units; under `("decisions", n)`, the decisions
+    `assemble` made and how many distinct `Decision` objects they are."""
     found = {}
     with pytest.MonkeyPatch.context() as mp:
-        sizes, pricings, checks = [], [], []
+        sizes, pricings, checks, assembled = [], [], [], []
+        assemble = search_module.assemble
         original = recursive._Ties.__init__
         priced = search_module._Priced.__init__
         checking = recursive._Ties.checking.__func__
@@ -81,13 +102,17 @@ def replayed():
         mp.setattr(recursive._Ties, "__init__", counting)
         mp.setattr(search_module._Priced, "__init__", kept)
         mp.setattr(recursive._Ties, "checking", classmethod(counting_checks))
+        mp.setattr(search_module, "assemble", lambda g, choice: assembled.append(assemble(g, choice)) or assembled[-1])
         for n in (6, 12):
             sizes.clear()
             pricings.clear()
             checks.clear()
+            assembled.clear()
             plan = _plan(n)
             found[n] = (plan, list(sizes), [len(p._decided) for p in pricings])
             found[("checks", n)] = list(checks)
+            decisions = assembled[-1].decisions
+            found[("decisions", n)] = (len(decisions), len({id(d) for d in decisions.values()}))
     return found
 
 
@@ -113,6 +138,14 @@ def test_identical_layers_are_priced_once_for_the_plan(replayed):
     assert priced6 == priced12 and priced6[0] > 0
 
 
+def test_identical_layers_share_one_decision(replayed):
+    """`assemble` gives the operators of identical layers (the same pricing and rejected move) one
+    `Decision`: at twice the depth, twice the decisions and as many distinct ones."""
+    (made6, distinct6), (made12, distinct12) = replayed[("decisions", 6)], replayed[("decisions", 12)]
+    assert made12 > 1.9 * made6
+    assert distinct12 == distinct6 < made6 / 2
+
+
 def test_planning_pauses_the_garbage_collector_and_restores_it():
     """`compile.build` pauses Python's cyclic garbage collector while it traces and plans (its passes
     would walk every equation and unit again), and leaves it as it was."""
@@ -131,6 +164,17 @@ def test_planning_pauses_the_garbage_collector_and_restores_it():
         assert not gc.isenabled()  # paused by the caller: left paused
     finally:
         gc.enable()
+
+
+def test_reading_the_plan_records_pauses_the_garbage_collector(monkeypatch):
+    """`Plan.ops` (made on its first read: tens of thousands of records at depth) is made with the
+    collector paused, and leaves it as it was."""
+    seen = []
+    build = program.build_ops
+    monkeypatch.setattr(program, "build_ops", lambda *args: seen.append(gc.isenabled()) or build(*args))
+    plan = js.parallelize(lambda x: x * 2.0, devices=8).plan(jax.ShapeDtypeStruct((8, 4), np.float32))
+    assert seen == [] and gc.isenabled()  # not made until read
+    assert plan.ops and seen == [False] and gc.isenabled()
 
 
 def test_replaying_the_interior_layers_plans_what_the_full_search_plans(replayed):

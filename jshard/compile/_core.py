@@ -12,16 +12,15 @@ nothing is cut, beside the data-parallel plan's).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jshard._collector import collector_paused
 from jshard._errors import MemoryBudgetError, ShardingError
 from jshard._format import human_bytes
 from jshard._recompute import AUTO_POLICIES
@@ -68,25 +67,8 @@ BUDGET_ROUNDS = 3
 def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:
     """The `Program` of `fn` for the signature of `args` (on the user's mesh where there is one:
     `mesh=`, or the one `jax.set_mesh` made current)."""
-    with _collector_paused():
+    with collector_paused():
         return _build(fn, args, options, call)
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused while one signature is built, left as the caller had it after.
-    Tracing and planning make objects by the hundred thousand (a jaxpr's equations, the search's
-    units, edges and tables) that all live until the plan is made; each of the collector's passes
-    over the oldest generation walks every one of them again, a third of an unrolled 96-layer GPT's
-    planning time. Nothing made here needs the collector before the build ends: it runs as usual
-    after."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:

@@ -75,6 +75,7 @@ class Node:
         equation's, so that the recomputation in the backward pass counts as backward.
       loop: the index of the enclosing loop or branch node (the computation XLA compiles it in),
         -1 at top level.
+      primitive: the equation's primitive's name (read once: every stage reads it per node).
     """
 
     eqn: jcore.JaxprEqn
@@ -87,10 +88,10 @@ class Node:
     bodies: list = dataclasses.field(default_factory=list)
     remat: str = ""
     loop: int = -1
+    primitive: str = dataclasses.field(init=False)
 
-    @property
-    def primitive(self) -> str:
-        return self.eqn.primitive.name
+    def __post_init__(self):
+        object.__setattr__(self, "primitive", self.eqn.primitive.name)
 
     @property
     def backward(self) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jshard._collector import collector_paused
 from jshard._context import Annotation
 from jshard._errors import ShardingError, api_boundary
 from jshard._format import human_bytes
@@ -50,7 +51,8 @@ class _Lazy:
             raise AttributeError(self.name)
         value = obj.__dict__[self.name]
         if isinstance(value, Later):
-            value = obj.__dict__[self.name] = value.make()
+            with collector_paused():  # records by the ten thousand, all kept
+                value = obj.__dict__[self.name] = value.make()
         return value
 
     def __set__(self, obj, value) -> None:

@@ -137,86 +137,122 @@ def build_ops(
     operator whose result the model pins itself (a constraint of its own right after it, or its
     type on `Explicit` mesh axes) has `origin="model"`, its result's layout the model's.
     """
-    by_scope = {a.scope: a for a in annotations}
-    scopes = [_innermost(n.scope) for n in nodes]
+    records = _Records(nodes, annotations, fine, result)
+    return tuple(records.record(i, node) for i, node in enumerate(nodes) if i in records.number)
+
+
+class _Records:
+    """Makes the `OpRecord`s of one program. The record of an operator is a function of what
+    `_alike` keys it by (everything it reads but its position), so operators alike, the same
+    operator of identical layers, share one record's fields, made once."""
+
+    def __init__(self, nodes: Sequence[Node], annotations: Sequence[Annotation], fine: FineMesh, result):
+        self.by_scope = {a.scope: a for a in annotations}
+        self.scopes = [_innermost(n.scope) for n in nodes]
+        self.main = _main_operators(nodes, self.scopes)
+        self.number = {i: k for k, i in enumerate(i for i, n in enumerate(nodes) if n.primitive != CONSTRAINT)}
+        self.stands_for = _standing_for(nodes, self.scopes, self.main, self.number)
+        self.regions, rerun = recompute_regions(nodes)
+        self.rerun = set(rerun)
+        self.cuts = _cutter(dict(zip(fine.names, fine.sizes)))
+        self.model = _model_pinned(nodes)
+        self.models = {i for i, n in enumerate(nodes) if _is_model_constraint(n)}
+        self.fine, self.result = fine, result
+        self.fields: dict = {}
+
+    def record(self, i: int, node: Node) -> OpRecord:
+        """The record of operator `i`, `node`."""
+        key = self._alike(i, node)
+        fields = self.fields.get(key)
+        if fields is None:
+            fields = self.fields[key] = self._fields(i, node, *key[-2:])
+        return OpRecord(index=self.number[i], **fields)
+
+    def _alike(self, i: int, node: Node) -> tuple:
+        """What the record of operator `i` reads: its node's primitive, source, scope, place and
+        operand types, and its decision's parts (by identity: the search gives operators alike the
+        same ones, and `result` keeps them alive); last, the `weighed` and `via` it shows."""
+        result, scope = self.result, self.scopes[i]
+        decision = None if result is None else result.decisions.get(i)
+        parts = () if decision is None else (id(decision.in_specs), id(decision.out_specs), id(decision.comms),
+                                             id(decision.rejected), decision.seconds, decision.implied)
+        weighed = _weighed(node, result.weighed, self.cuts) if result is not None and result.weighed else ""
+        return (node.eqn.primitive, node.source, node.scope, node.inside, node.weight,
+                tuple(v.aval for v in node.inputs), tuple(v.aval for v in node.outputs),
+                scope in self.by_scope and self.main.get(scope) is node, self.regions.get(i, ""), i in self.rerun,
+                result is None or i not in result.unruled, self._pinned(node), parts,
+                weighed, "" if decision is None else _via(decision.via, self.stands_for, self.models))
+
+    def _pinned(self, node: Node) -> tuple:
+        """The layouts the model pins `node`'s results to (None: not pinned)."""
+        return tuple(self.model.get(v) for v in node.outputs) if self.model else ()
+
+    def _fields(self, i: int, node: Node, weighed: str, via: str) -> dict:
+        """Every field of operator `i`'s record but its index."""
+        ann = self.by_scope.get(self.scopes[i])
+        user = ann is not None and not node.backward
+        fields = dict(origin="user" if user else "default", in_strategy=None, out_strategy=None, in_specs=None,
+                      out_specs=None)
+        if ann is not None and self.main.get(self.scopes[i]) is node:
+            fields.update(
+                in_strategy=_strategy_tuple(ann.in_layouts), out_strategy=_strategy_tuple(ann.out_layouts),
+                in_specs=_spec_tuple(ann.in_layouts, self.fine), out_specs=_spec_tuple(ann.out_layouts, self.fine),
+            )
+        decision = None if self.result is None else self.result.decisions.get(i)
+        if decision is not None:
+            fields.update(self._decided(node, decision, user, fields["in_strategy"] is None), via=via)
+        pinned = [self.model.get(v) for v in node.outputs]
+        if not user and pinned and all(p is not None for p in pinned):
+            fields.update(origin="model", out_specs=tuple(map(to_pspec, pinned)),
+                          out_strategy=tuple(map(self.cuts, pinned)))
+            typed = [typed_spec(getattr(v, "aval", None)) for v in node.inputs]
+            if all(t is not None for t in typed):  # on Explicit axes the operands' types say what runs
+                fields.update(in_specs=tuple(map(to_pspec, typed)), in_strategy=tuple(map(self.cuts, typed)))
+        result = self.result
+        return dict(
+            primitive=node.primitive, source=node.source, in_shapes=tuple(var_str(v) for v in node.inputs),
+            out_shapes=tuple(var_str(v) for v in node.outputs), annotation=ann.name if ann is not None else "",
+            backward=node.backward, inside=node.inside, ruled=result is None or i not in result.unruled,
+            recompute=self.regions.get(i, ""), recomputed=i in self.rerun, weighed=weighed, **fields,
+        )
+
+    def _decided(self, node: Node, decision, user: bool, strategies: bool) -> dict:
+        """The fields a decision gives an operator's record (its strategies too, where `strategies`)."""
+        n_in, n_out = len(node.inputs), len(node.outputs)
+        fields = dict(
+            origin="user" if user else "searched" if decision.via == "searched" else "propagated",
+            comms=tuple(Comm(c.kind, c.bytes * node.weight, c.axes) for c in decision.comms),
+            seconds=decision.seconds, rejected=_rejected(decision.rejected, n_in, n_out, self.cuts),
+            layout=OpLayout(decision.in_specs, decision.out_specs, decision.implied),
+        )
+        if strategies:
+            ins, outs = decision.in_specs[:n_in], decision.out_specs[:n_out]
+            fields.update(in_strategy=tuple(map(self.cuts, ins)), out_strategy=tuple(map(self.cuts, outs)),
+                          in_specs=tuple(map(to_pspec, ins)), out_specs=tuple(map(to_pspec, outs)))
+        return fields
+
+
+def _main_operators(nodes: Sequence[Node], scopes: Sequence[str]) -> dict[str, Node]:
+    """Per `shard` region's scope, its main operator: its first forward `dot_general`, else its
+    first forward operator."""
     main: dict[str, Node] = {}
     for node, scope in zip(nodes, scopes):
-        if scope and not node.backward and node.primitive != "sharding_constraint":
+        if scope and not node.backward and node.primitive != CONSTRAINT:
             if scope not in main or (node.primitive == "dot_general" and main[scope].primitive != "dot_general"):
                 main[scope] = node
-    number = {}
-    for i, node in enumerate(nodes):
-        if node.primitive != "sharding_constraint":
-            number[i] = len(number)
+    return main
+
+
+def _standing_for(nodes: Sequence[Node], scopes: Sequence[str], main: dict[str, Node], number: dict[int, int]):
+    """Node index -> the record index it is named by: its own, or for a `shard` call's constraint
+    its main operator's."""
     node_index = {id(n): i for i, n in enumerate(nodes)}
-    stands_for = dict(number)  # a shard call's constraints stand for its main operator
-    for i, node in enumerate(nodes):
+    stands_for = dict(number)
+    for i in range(len(nodes)):
         main_node = main.get(scopes[i])
         if i not in number and main_node is not None:
             stands_for[i] = number[node_index[id(main_node)]]
-    records = []
-    regions, rerun = recompute_regions(nodes)
-    rerun = set(rerun)
-    cuts = _cutter(dict(zip(fine.names, fine.sizes)))
-    model = _model_pinned(nodes)
-    models = {i for i, n in enumerate(nodes) if _is_model_constraint(n)}
-    # What operators alike show (the same operator of identical layers), computed once: keyed by the
-    # ids of the decision's parts, which a search's operators alike share and `result` keeps alive.
-    memo: dict = {}
-
-    def shown(key, make):
-        found = memo.get(key)
-        if found is None:
-            found = memo[key] = make()
-        return found
-
-    for i, node in enumerate(nodes):
-        if i not in number:
-            continue
-        scope = scopes[i]
-        ann = by_scope.get(scope)
-        user = ann is not None and not node.backward
-        fields = dict(origin="user" if user else "default", in_strategy=None, out_strategy=None, in_specs=None, out_specs=None)
-        if ann is not None and main.get(scope) is node:
-            fields.update(
-                in_strategy=_strategy_tuple(ann.in_layouts), out_strategy=_strategy_tuple(ann.out_layouts),
-                in_specs=_spec_tuple(ann.in_layouts, fine), out_specs=_spec_tuple(ann.out_layouts, fine),
-            )
-        decision = None if result is None else result.decisions.get(i)
-        if decision is not None:
-            n_in, n_out = len(node.inputs), len(node.outputs)
-            ins, outs = decision.in_specs[:n_in], decision.out_specs[:n_out]
-            if fields["in_strategy"] is None:
-                fields.update(shown(("specs", id(decision.in_specs), id(decision.out_specs), n_in, n_out), lambda: dict(
-                    in_strategy=tuple(map(cuts, ins)), out_strategy=tuple(map(cuts, outs)),
-                    in_specs=tuple(map(to_pspec, ins)), out_specs=tuple(map(to_pspec, outs)))))
-            fields.update(
-                origin="user" if user else "searched" if decision.via == "searched" else "propagated",
-                comms=shown(("comms", id(decision.comms), node.weight), lambda: tuple(
-                    Comm(c.kind, c.bytes * node.weight, c.axes) for c in decision.comms)),
-                seconds=decision.seconds,
-                via=_via(decision.via, stands_for, models),
-                rejected=shown(("rejected", id(decision.rejected), n_in, n_out),
-                               lambda: _rejected(decision.rejected, n_in, n_out, cuts)),
-                weighed=_weighed(node, result.weighed, cuts) if result.weighed else "",
-                layout=OpLayout(decision.in_specs, decision.out_specs, decision.implied),
-            )
-        pinned = [model.get(v) for v in node.outputs]
-        if not user and pinned and all(p is not None for p in pinned):
-            fields.update(origin="model", out_specs=tuple(map(to_pspec, pinned)), out_strategy=tuple(map(cuts, pinned)))
-            typed = [typed_spec(getattr(v, "aval", None)) for v in node.inputs]
-            if all(t is not None for t in typed):  # on Explicit axes the operands' types say what runs
-                fields.update(in_specs=tuple(map(to_pspec, typed)), in_strategy=tuple(map(cuts, typed)))
-        records.append(
-            OpRecord(
-                index=number[i], primitive=node.primitive, source=node.source,
-                in_shapes=tuple(var_str(v) for v in node.inputs), out_shapes=tuple(var_str(v) for v in node.outputs),
-                annotation=ann.name if ann is not None else "", backward=node.backward, inside=node.inside,
-                ruled=result is None or i not in result.unruled, recompute=regions.get(i, ""),
-                recomputed=i in rerun, **fields,
-            )
-        )
-    return tuple(records)
+    return stands_for
 
 
 def recompute_regions(nodes: Sequence[Node]) -> tuple[dict[int, str], list[int]]:

@@ -42,6 +42,7 @@ def priced(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], 
     at hand."""
     table = table or OpTable(nodes)
     flops = device = comm = 0.0
+    over: dict[int, int] = {}  # `devices_over` by the decision's id (operators alike share one; `result` holds them)
     for i, node in enumerate(nodes):
         decision = result.decisions.get(i)
         if decision is not None:
@@ -51,7 +52,10 @@ def priced(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], 
             continue
         work = node.weight * f.flops
         flops += work
-        device += work / devices_over(decision, axis_size)
+        n = over.get(id(decision))
+        if n is None:
+            n = over[id(decision)] = devices_over(decision, axis_size)
+        device += work / n
     return Priced(flops, device, comm, device / cost.flops)
 
 

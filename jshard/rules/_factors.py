@@ -45,6 +45,16 @@ class Factors:
     sizes: tuple[int, ...]
     reduced: frozenset[int] = frozenset()
     flops: float = 0.0
+    _hash: int | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: the searches key their tables by an operator's factors,
+        shared by the same operator of every identical layer."""
+        found = self._hash
+        if found is None:
+            found = hash((self.inputs, self.outputs, self.sizes, self.reduced, self.flops))
+            object.__setattr__(self, "_hash", found)
+        return found
 
     @property
     def operands(self) -> tuple[tuple[DimFactors, ...], ...]:

@@ -291,6 +291,15 @@ class SearchGraph:
             found = self._cands[key] = self._candidates(k, groups, base)
         return list(found)
 
+    def candidate_count(self, groups: Sequence[Group]) -> int:
+        """The candidates of every unit for `groups`, counted (`SearchReport.candidates`): once per
+        unit structure, as `candidates` computes them."""
+        first: dict[int, int] = {}
+        for k, shape in enumerate(self.shape_of_unit):
+            first.setdefault(shape, k)
+        units = collections.Counter(self.shape_of_unit)
+        return sum(units[shape] * len(self.candidates(k, groups)) for shape, k in first.items())
+
     def _candidates(self, k: int, groups: Sequence[Group], base: Assignment | None) -> list[Assignment]:
         u = self.units[k]
         base = dict(base or {})
@@ -469,20 +478,9 @@ class SearchGraph:
         kept in host memory between steps) and, for each value held, the unit that lays it out."""
         self.ranges = live_ranges(self.nodes, args, outvars, donated, host)
         self.first, self.last, self.end = self.ranges.first, self.ranges.last, self.ranges.end
-        self.makers = self._makers()
+        # value -> `(unit, operand position)` that lays it out where it is made: its first maker
+        self.makers = {v: (k, pos) for v, ((_, k, pos), *_) in self.producers.items()}
         self.memory_values = [v for v in self.first if v in self.makers]
-
-    def _makers(self) -> dict:
-        """Value -> `(unit, operand position)` that lays it out where it is made."""
-        found = {v: (k, 0) for v, k in self.arg_unit.items()}
-        e = self.table
-        for k, u in enumerate(self.units):
-            if u.node >= 0:
-                ins, outs = e.vars[u.node]
-                for pos in u.operands:
-                    if pos >= len(ins):
-                        found.setdefault(outs[pos - len(ins)], (k, pos))
-        return found
 
     def live_bytes(self, value_bytes: Mapping) -> np.ndarray:
         """Bytes live at each top-level program point, given each memory value's bytes."""

@@ -96,8 +96,6 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay:
 class _Recursive:
     def __init__(self, g: SearchGraph, levels: Sequence[Group], replay: bool = True):
         self.g, self.levels, self.replay = g, list(levels), replay
-        degree = collections.Counter(k for e in g.edges for k in (e.src[0], e.dst[0]))
-        self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at a peak
         self.kept_bytes: dict[int, tuple] = {}  # unit -> (operand position, bytes) of the above: what its unary reads
@@ -106,6 +104,8 @@ class _Recursive:
         self.edge_ends = tuple(np.array(x, np.int64).reshape(-1) for x in (  # per edge: its ends and value, as arrays
             [e.src[0] for e in g.edges], [e.src[1] for e in g.edges], [e.dst[0] for e in g.edges],
             [e.dst[1] for e in g.edges], self.edge_values))
+        degree = np.bincount(np.concatenate([self.edge_ends[0], self.edge_ends[2]]), minlength=len(g.units)).tolist()
+        self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         self._kept_values: set = set()
         self.keep(int(replicated.argmax()))
         self.runs = 0
@@ -306,8 +306,7 @@ class _Ties:
         types: dict[tuple, int] = {}
         kind = np.array([types.setdefault((value, e.src[1], e.dst[1]), len(types))
                          for e, value in zip(g.edges, search.edge_values)], np.uint64)
-        src = np.array([e.src[0] for e in g.edges], np.int64)
-        dst = np.array([e.dst[0] for e in g.edges], np.int64)
+        src, _, dst, _, _ = search.edge_ends
         out_kind, in_kind = _mix(kind * np.uint64(2)), _mix(kind * np.uint64(2) + np.uint64(1))
         for _ in range(_ROUNDS):
             heard = np.zeros(n, np.uint64)  # a multiset's hash: the sum of its members' hashes

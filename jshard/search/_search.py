@@ -214,7 +214,7 @@ def search(
                                      f"{human_bytes(raw.peak)} is over the budget, its compiled program is not")
         choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
         mesh_text = "·".join(str(axis_size[a]) for (a,) in axes) or "1"
-        candidates, kept = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units))), ""
+        candidates, kept = g.candidate_count(axes[:1]), ""
     elif how == "recursive":
         try:
             solved = _better(_recursive.solve(g, axes, budget, replay), seed)
@@ -223,7 +223,7 @@ def search(
                 raise _too_big(g, budget, names or {}, call, how) from None
             solved = dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget")
         choice, mesh_text = solved.choice, "·".join(str(axis_size[a]) for (a,) in axes) or "1"
-        candidates = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units)))
+        candidates = g.candidate_count(axes[:1])
         seconds, peak, status, kept = solved.seconds, solved.peak, solved.status, ""
     elif how == "ilp":
         solved, groups, kept = _ilp_or_warm(g, axes, budget, time_limit, seed)
@@ -232,7 +232,7 @@ def search(
         choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
         mesh_text = ("·".join(str(axis_size[a]) for (a,) in axes) or "1") if groups is None else (
             "×".join(str(math.prod(axis_size[a] for a in grp)) for grp in groups) or "1")
-        candidates = sum(len(g.candidates(k, groups or axes[:1])) for k in range(len(g.units)))
+        candidates = g.candidate_count(groups or axes[:1])
     else:
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
     result = assemble(g, choice)
@@ -307,17 +307,18 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
     operator its layouts, the collectives it pays, and, for key operators (at least 1% of the
     heaviest one's work: the contractions), the best candidate it did not take. Operators alike in
     factors, operand arrays, weight, assignment and the layouts they meet (the same operator of
-    identical layers) are priced once (`_Priced`)."""
+    identical layers) are priced once (`_Priced`) and share one `Decision`."""
     e, nodes = Engine(g.nodes, g.axis_size, g.cost, g.table), g.nodes
     priced = _Priced(e, g.axis_size)
     values: dict = {}
     for v, k in g.arg_unit.items():
         values[v] = g.spec(k, 0, choice[k])
     merged: dict[int, tuple] = {}
+    alike: dict[tuple[int, int], tuple] = {}  # (ids of factors, assignment) -> (picked, out_specs), both held
     for i, units in g.node_units.items():
-        a: Assignment = {}
-        for k in units:
-            a.update(choice[k])
+        a = choice[units[0]]
+        if len(units) > 1:
+            a = {fac: axes for k in units for fac, axes in choice[k].items()}
         node = nodes[i]
         if node.primitive == CONSTRAINT:
             values[node.outputs[0]] = g.units[units[0]].fixed[1]
@@ -326,14 +327,19 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         if i in e.unruled:
             continue
         f = e.factors[i]
-        picked = (f, tuple(sorted(a.items())))
+        found = alike.get((id(f), id(a)))
+        if found is None:
+            picked = (f, tuple(sorted(a.items())))
+            found = alike[(id(f), id(a))] = (picked, priced.specs(picked, a)[1])
+        picked, out_specs = found
         merged[i] = (a, picked)
-        for v, spec in zip(e.vars[i][1], priced.specs(picked, a)[1]):
+        for v, spec in zip(e.vars[i][1], out_specs):
             values.setdefault(v, spec)
     decisions: dict[int, Decision] = {}
     work = [g.units[k].weight * g.units[k].flops for k in range(len(g.units))]
     key = _KEY_SHARE * max(work, default=0.0)
     moves: dict = {}  # `_rejected`'s answers, per unit structure, pick and neighbours
+    made: dict[tuple[int, int], Decision] = {}  # ids of `decided`'s answer and `_rejected`'s -> one Decision, both held
     for i, (a, picked) in merged.items():
         node = nodes[i]
         if picked is None:
@@ -342,9 +348,14 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
             continue
         ins, _ = e.vars[i]
         known = [(k, values[v], "") for k, v in enumerate(ins) if isinstance(v, jcore.Var) and v in values]
-        seconds, comms, in_specs, out_specs, implied = priced.decided(i, picked, a, known)
+        found = priced.decided(i, picked, a, known)
         rejected = _rejected(g, i, choice, moves) if work[g.node_units[i][0]] >= key > 0 else None
-        decisions[i] = Decision(in_specs, out_specs, comms, seconds, "searched", rejected, implied)
+        decision = made.get((id(found), id(rejected)))
+        if decision is None:
+            seconds, comms, in_specs, out_specs, implied = found
+            decision = made[(id(found), id(rejected))] = Decision(in_specs, out_specs, comms, seconds, "searched",
+                                                                  rejected, implied)
+        decisions[i] = decision
     result = Result(decisions, values, set(e.unruled))
     charge_constraints(nodes, result, g.axis_size, e.cost)  # each operator above priced its inputs only
     return result
@@ -375,7 +386,7 @@ class _Priced:
         """`(seconds, comms, in_specs, out_specs, implied)` of node `i` under `a`, meeting `known`."""
         e = self.e
         ins, outs = e.vars[i]
-        key = (picked, e.nodes[i].weight, tuple(array_of(v) for v in ins), tuple(array_of(v) for v in outs),
+        key = (picked, e.nodes[i].weight, tuple(map(array_of, ins)), tuple(map(array_of, outs)),
                tuple(e.invariant.get(v) for v in ins if isinstance(v, jcore.Var)) if e.invariant else (),
                tuple((k, spec) for k, spec, _ in known))
         found = self._decided.get(key)
