@@ -37,10 +37,12 @@ class Problem:
     kept in host memory between steps (`Offload`, or None), values made in the program whose
     layout is fixed too (value -> `Spec`: a gradient jshard reduce-scatters itself), the argument
     leaves whose fixed layout is the default dataset cut, which the program may move once at the
-    start (`dataset_defaulted`), whether the search weighs the plan propagated from the anchors
-    (`propagated`: off once that plan's compiled program has not fit the budget), and whether it
-    returns that plan as propagated, its estimated peak over the budget (`as_propagated`: for its
-    compiled program to be held to the budget instead)."""
+    start (`dataset_defaulted`), the batch's argument leaves (`batch`: the search's data-parallel
+    and fully-sharded seeds cut their rows), whether the search weighs its seeds (`seeded`: the plan
+    propagated from the anchors, and those plans around them; off once a kept seed's compiled
+    program has not fit the budget), and which seed it returns as made, its estimated peak over the
+    budget (`as_seeded`: the n-th cheapest such, for its compiled program to be held to the budget
+    instead; None: it searches)."""
 
     traced: Traced
     in_shardings: Sequence[NamedSharding | None]
@@ -49,8 +51,9 @@ class Problem:
     offload: Offload | None = None
     made: Mapping = dataclasses.field(default_factory=dict)
     movable: frozenset[int] = frozenset()
-    propagated: bool = True
-    as_propagated: bool = False
+    batch: frozenset[int] = frozenset()
+    seeded: bool = True
+    as_seeded: int | None = None
 
     @property
     def host(self) -> frozenset:
@@ -125,8 +128,8 @@ class SearchPlanner:
         result, report = search(t.nodes, list(t.invars) + consts, t.outvars, fixed, t.axis_size, how=c.search,
                                 cost=c.costs, budget=problem.budget, donated=donated, host=problem.host, names=names,
                                 call=self.call, time_limit=c.search_time_limit, replay=c.search_replay,
-                                table=t.table, propagated=problem.propagated,
-                                as_propagated=problem.as_propagated)
+                                table=t.table, batch=[t.invars[i] for i in sorted(problem.batch)],
+                                seeded=problem.seeded, as_seeded=problem.as_seeded)
         return Planned(result, report=report)
 
 

@@ -29,7 +29,6 @@ from jshard.rules import OpTable, write_spec
 from jshard.search import _ilp, _recursive, _seeded
 from jshard.search._graph import Assignment, Infeasible, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
-from jshard.search._seeded import PROPAGATED
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
@@ -104,10 +103,11 @@ class SearchReport:
         weighed (`Weighed`: on the device, the optimizer state in host memory, and the parameters
         too), its seconds with the streaming priced on the host link.
       kept: the ILP's: which plan it kept (its own, or its warm start) and why.
-      unfitted_propagated: under a budget, the predicted seconds per call of the plan propagated
-        from the anchors as propagated, where it predicts less than the plan returned but its
-        estimated peak is over the budget (`parallelize` then compiles it and keeps it where its
-        compiled program fits: the estimate keeps activations XLA may fuse away); else None.
+      unfitted_seeds: under a budget, the predicted seconds per call of the seeds (`_seeded.seeds`:
+        the plan propagated from the anchors, the data-parallel and fully-sharded plans around
+        them) as made, cheapest first, that predict less than the plan returned but whose estimated
+        peak is over the budget (`parallelize` then compiles them in this order and keeps the first
+        whose compiled program fits: the estimate keeps activations XLA may fuse away).
     """
 
     search: str
@@ -128,7 +128,7 @@ class SearchReport:
     optimizer: tuple[Weighed, ...] = ()
     offload: tuple[Weighed, ...] = ()
     kept: str = ""
-    unfitted_propagated: float | None = None
+    unfitted_seeds: tuple[float, ...] = ()
 
     @property
     def held_bytes(self) -> float:
@@ -173,8 +173,9 @@ def search(
     time_limit: float = 60.0,
     replay: bool = True,
     table: OpTable | None = None,
-    propagated: bool = True,
-    as_propagated: bool = False,
+    batch: Sequence = (),
+    seeded: bool = True,
+    as_seeded: int | None = None,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -193,10 +194,11 @@ def search(
       replay: the recursive search decides the interior layers of a repeated run as one, then
         improves that unit by unit (`parallelize`'s `search_replay`).
       table: the nodes' `OpTable`, where one is at hand.
-      propagated: weigh the plan propagated from the anchors too (`_seeded.propagated`), kept where
-        it predicts less than the search's and fits the budget.
-      as_propagated: return the plan propagated from the anchors as propagated, its estimated peak
-        over the budget, without searching (for its compiled program to be held to the budget).
+      batch: the batch arguments (the data-parallel and fully-sharded seeds cut their rows).
+      seeded: weigh the seeds too (`_seeded.seeds`), each kept where it predicts less than the
+        search's plan and fits the budget (moved to fit it where it does not: `_seeded.fit_budget`).
+      as_seeded: return the n-th cheapest seed whose estimated peak is over the budget as made,
+        without searching (for its compiled program to be held to the budget), or None.
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget`.
@@ -206,11 +208,14 @@ def search(
     axes = [(a,) for a, n in axis_size.items() if n > 1]
     if budget is not None and _least_peak(g) > budget:  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
-    raw = (_seeded.propagated(g, args, outvars, fixed, budget, fit=False)
-           if (propagated or as_propagated) and how in SEARCHES[:2] else None)
-    seed = None if raw is None else _seeded.fit_budget(g, raw, budget)
-    if as_propagated and raw is not None:
-        solved = dataclasses.replace(raw, status=f"{PROPAGATED}, as propagated: its estimated peak "
+    made = (_seeded.seeds(g, args, outvars, fixed, batch, budget)
+            if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
+    fitted = (_seeded.fit_budget(g, raw, budget) for raw in made)
+    seed = min((s for s in fitted if s is not None), key=lambda s: s.seconds, default=None)
+    over = sorted((s for s in made if budget is not None and s.peak > budget), key=lambda s: s.seconds)
+    if as_seeded is not None:
+        raw = over[as_seeded]
+        solved = dataclasses.replace(raw, status=f"{raw.status}, as propagated: its estimated peak "
                                      f"{human_bytes(raw.peak)} is over the budget, its compiled program is not")
         choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
         mesh_text = "·".join(str(axis_size[a]) for (a,) in axes) or "1"
@@ -236,17 +241,16 @@ def search(
     else:
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
     result = assemble(g, choice)
-    unfitted = (raw.seconds if raw is not None and not as_propagated and budget is not None and raw.peak > budget
-                and raw.seconds < seconds * (1 - 1e-9) else None)
+    unfitted = () if as_seeded is not None else tuple(s.seconds for s in over if s.seconds < seconds * (1 - 1e-9))
     report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
                           candidates, time.perf_counter() - start, unit_classes=solved.unit_classes,
-                          evaluations=solved.evaluations, kept=kept, unfitted_propagated=unfitted)
+                          evaluations=solved.evaluations, kept=kept, unfitted_seeds=unfitted)
     return result, report
 
 
 def _better(solved: Solved, seed: Solved | None) -> Solved:
-    """The recursive search's plan, or the plan propagated from the anchors (`seed`, which fits the
-    budget) where that predicts fewer seconds; both priced by `SearchGraph.seconds`."""
+    """The recursive search's plan, or the cheapest seed that fits the budget (`seed`) where that
+    predicts fewer seconds; both priced by `SearchGraph.seconds`."""
     if seed is None or seed.seconds >= solved.seconds:
         return solved
     return dataclasses.replace(seed, status=f"{seed.status}: it predicts {_time(seed.seconds)} per call, the recursive "
@@ -257,7 +261,7 @@ def _better(solved: Solved, seed: Solved | None) -> Solved:
 def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: float,
                  seed: Solved | None = None) -> tuple[Solved | None, list | None, str]:
     """The ILP's plan, never worse than the recursive search's: the recursive plan is found first
-    (the warm start; the plan propagated from the anchors, `seed`, where that predicts less), the
+    (the warm start; the cheapest seed that fits, `seed`, where that predicts less), the
     ILP solved once per split of the mesh into two groups, and the warm start kept where every ILP
     plan predicts more seconds, or none fits within the time limit. All are priced by one measure
     (`SearchGraph.seconds`). Returns the plan kept, the ILP's groups (None: the recursive plan's
