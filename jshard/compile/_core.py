@@ -423,9 +423,10 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
     _check_comm_kept(traced, c, call)
     offload = offloaded(traced, args, c, call)
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
+    compiled = c.searching and c.memory_budget is not None and devices is not None  # here, or where weighed
+    checked = check and compiled
     problem = Problem(traced, in_sh, donated, budget, offload, movable=dataset_defaulted(traced, slots, dataset, c),
-                      batch=frozenset(batch_leaves(args, c)))
-    checked = check and c.searching and c.memory_budget is not None and devices is not None
+                      batch=frozenset(batch_leaves(args, c)), compiled=compiled)
     held, searched, tried = 0.0, 0, False
 
     def attempt(problem: Problem) -> tuple[Program, Problem]:
@@ -464,12 +465,14 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
             return program
         program, held = checked_peak(program)
         report = program.plan.search
-        if not tried:
-            # seeds that predict less, but the search estimated over the budget: their compiled
-            # programs decide, cheapest first (the estimate keeps activations XLA may fuse away)
+        if report.seeds and not tried:
+            # seeds the compiled program decides, cheapest first: those that predict less but the search
+            # estimated over the budget, and where the plan's compiled program is over it, every one
             tried = True
-            for n in range(len(report.unfitted_seeds)):
-                as_is, found = checked_peak(attempt(dataclasses.replace(problem, as_seeded=n))[0])
+            for status, seconds in report.seeds:
+                if held <= c.memory_budget and seconds >= report.seconds:
+                    break
+                as_is, found = checked_peak(attempt(dataclasses.replace(problem, as_seeded=status))[0])
                 if found <= c.memory_budget:
                     return as_is
         if held <= c.memory_budget:

@@ -40,9 +40,10 @@ class Problem:
     start (`dataset_defaulted`), the batch's argument leaves (`batch`: the search's data-parallel
     and fully-sharded seeds cut their rows), whether the search weighs its seeds (`seeded`: the plan
     propagated from the anchors, and those plans around them; off once a kept seed's compiled
-    program has not fit the budget), and which seed it returns as made, its estimated peak over the
-    budget (`as_seeded`: the n-th cheapest such, for its compiled program to be held to the budget
-    instead; None: it searches)."""
+    program has not fit the budget), which seed it returns as made (`as_seeded`: its status, for
+    its compiled program to be held to the budget instead of the search's estimate; None: it
+    searches), and whether the compiled program is held to the budget (`compiled`: where no plan
+    fits the search's estimate, the cheapest seed is returned as made)."""
 
     traced: Traced
     in_shardings: Sequence[NamedSharding | None]
@@ -53,7 +54,8 @@ class Problem:
     movable: frozenset[int] = frozenset()
     batch: frozenset[int] = frozenset()
     seeded: bool = True
-    as_seeded: int | None = None
+    as_seeded: str | None = None
+    compiled: bool = False
 
     @property
     def host(self) -> frozenset:
@@ -129,7 +131,8 @@ class SearchPlanner:
                                 cost=c.costs, budget=problem.budget, donated=donated, host=problem.host, names=names,
                                 call=self.call, time_limit=c.search_time_limit, replay=c.search_replay,
                                 table=t.table, batch=[t.invars[i] for i in sorted(problem.batch)],
-                                seeded=problem.seeded, as_seeded=problem.as_seeded)
+                                seeded=problem.seeded, as_seeded=problem.as_seeded,
+                                compiled=problem.compiled)
         return Planned(result, report=report)
 
 

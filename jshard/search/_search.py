@@ -103,11 +103,12 @@ class SearchReport:
         weighed (`Weighed`: on the device, the optimizer state in host memory, and the parameters
         too), its seconds with the streaming priced on the host link.
       kept: the ILP's: which plan it kept (its own, or its warm start) and why.
-      unfitted_seeds: under a budget, the predicted seconds per call of the seeds (`_seeded.seeds`:
-        the plan propagated from the anchors, the data-parallel and fully-sharded plans around
-        them) as made, cheapest first, that predict less than the plan returned but whose estimated
-        peak is over the budget (`parallelize` then compiles them in this order and keeps the first
-        whose compiled program fits: the estimate keeps activations XLA may fuse away).
+      seeds: under a budget, the seeds (`_seeded.seeds`: the plan propagated from the anchors, the
+        data-parallel and fully-sharded plans around them) as made but the plan returned, cheapest
+        first: `(status, predicted seconds per call)`. Where one predicts less than the plan but its
+        estimated peak is over the budget, or the plan's compiled program is over it, `parallelize`
+        compiles them in this order and keeps the first whose compiled program fits (the estimate
+        keeps activations XLA may fuse away, and misses buffers XLA adds).
     """
 
     search: str
@@ -128,7 +129,7 @@ class SearchReport:
     optimizer: tuple[Weighed, ...] = ()
     offload: tuple[Weighed, ...] = ()
     kept: str = ""
-    unfitted_seeds: tuple[float, ...] = ()
+    seeds: tuple[tuple[str, float], ...] = ()
 
     @property
     def held_bytes(self) -> float:
@@ -175,7 +176,8 @@ def search(
     table: OpTable | None = None,
     batch: Sequence = (),
     seeded: bool = True,
-    as_seeded: int | None = None,
+    as_seeded: str | None = None,
+    compiled: bool = False,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -197,55 +199,69 @@ def search(
       batch: the batch arguments (the data-parallel and fully-sharded seeds cut their rows).
       seeded: weigh the seeds too (`_seeded.seeds`), each kept where it predicts less than the
         search's plan and fits the budget (moved to fit it where it does not: `_seeded.fit_budget`).
-      as_seeded: return the n-th cheapest seed whose estimated peak is over the budget as made,
-        without searching (for its compiled program to be held to the budget), or None.
+      as_seeded: return the seed of this status (`SearchReport.seeds`) as made, without searching
+        (for its compiled program to be held to the budget), or None.
+      compiled: the caller compiles the plan and holds its compiled program to `budget`: where no
+        plan fits the search's estimate, the cheapest seed is returned as made (its compiled
+        program decides) rather than none.
 
     Raises:
-      MemoryBudgetError: nothing the search can find fits `budget`.
+      MemoryBudgetError: nothing the search can find fits `budget` (and, with `compiled`, there is
+        no seed).
     """
     start = time.perf_counter()
     g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated, host, table)
     axes = [(a,) for a, n in axis_size.items() if n > 1]
-    if budget is not None and _least_peak(g) > budget:  # nothing can fit: say so before searching
+    least = budget is not None and _least_peak(g) > budget
+    if least and not compiled:  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
     made = (_seeded.seeds(g, args, outvars, fixed, batch, budget)
             if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
     fitted = (_seeded.fit_budget(g, raw, budget) for raw in made)
     seed = min((s for s in fitted if s is not None), key=lambda s: s.seconds, default=None)
-    over = sorted((s for s in made if budget is not None and s.peak > budget), key=lambda s: s.seconds)
+    mesh_text, kept = "·".join(str(axis_size[a]) for (a,) in axes) or "1", ""
+    candidates = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units)))
     if as_seeded is not None:
-        raw = over[as_seeded]
-        solved = dataclasses.replace(raw, status=f"{raw.status}, as propagated: its estimated peak "
-                                     f"{human_bytes(raw.peak)} is over the budget, its compiled program is not")
-        choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
-        mesh_text = "·".join(str(axis_size[a]) for (a,) in axes) or "1"
-        candidates, kept = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units))), ""
+        solved = _as_made(next(s for s in made if s.status == as_seeded), "its compiled program decides")
+    elif least:
+        solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
     elif how == "recursive":
         try:
             solved = _better(_recursive.solve(g, axes, budget, replay), seed)
         except Infeasible:
-            if seed is None:
-                raise _too_big(g, budget, names or {}, call, how) from None
-            solved = dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget")
-        choice, mesh_text = solved.choice, "·".join(str(axis_size[a]) for (a,) in axes) or "1"
-        candidates = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units)))
-        seconds, peak, status, kept = solved.seconds, solved.peak, solved.status, ""
+            solved = (_unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how)) if seed is None else
+                      dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget"))
     elif how == "ilp":
         solved, groups, kept = _ilp_or_warm(g, axes, budget, time_limit, seed)
         if solved is None:
-            raise _too_big(g, budget, names or {}, call, how)
-        choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
-        mesh_text = ("·".join(str(axis_size[a]) for (a,) in axes) or "1") if groups is None else (
-            "×".join(str(math.prod(axis_size[a] for a in grp)) for grp in groups) or "1")
-        candidates = sum(len(g.candidates(k, groups or axes[:1])) for k in range(len(g.units)))
+            solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
+        elif groups is not None:
+            mesh_text = "×".join(str(math.prod(axis_size[a] for a in grp)) for grp in groups) or "1"
+            candidates = sum(len(g.candidates(k, groups)) for k in range(len(g.units)))
     else:
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
+    choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
     result = assemble(g, choice)
-    unfitted = () if as_seeded is not None else tuple(s.seconds for s in over if s.seconds < seconds * (1 - 1e-9))
+    others = () if budget is None or as_seeded is not None else tuple(
+        (s.status, s.seconds) for s in sorted(made, key=lambda s: s.seconds) if s.choice != choice)
     report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
                           candidates, time.perf_counter() - start, unit_classes=solved.unit_classes,
-                          evaluations=solved.evaluations, kept=kept, unfitted_seeds=unfitted)
+                          evaluations=solved.evaluations, kept=kept, seeds=others)
     return result, report
+
+
+def _as_made(seed: Solved, why: str) -> Solved:
+    """`seed` (one of `_seeded.seeds`) as made, whatever its estimated peak, and `why`."""
+    return dataclasses.replace(seed, status=f"{seed.status}, as propagated: {why} (estimated peak "
+                               f"{human_bytes(seed.peak)})")
+
+
+def _unfitted(made: Sequence[Solved], error: MemoryBudgetError) -> Solved:
+    """Where no plan fits the search's estimate of the budget: the cheapest seed of `made` as made
+    (with `search(compiled=True)`: its compiled program decides); raises `error` where there is none."""
+    if not made:
+        raise error
+    return _as_made(min(made, key=lambda s: s.seconds), "no plan fits the search's estimate, its compiled program decides")
 
 
 def _better(solved: Solved, seed: Solved | None) -> Solved:
