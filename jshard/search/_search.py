@@ -213,7 +213,7 @@ def search(
     g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated, host, table)
     axes = [(a,) for a, n in axis_size.items() if n > 1]
     least = budget is not None and _least_peak(g) > budget
-    if least and not compiled:  # nothing can fit: say so before searching
+    if least and (not compiled or _boundary_peak(g) > budget):  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
     made = (_seeded.seeds(g, args, outvars, fixed, batch, budget)
             if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
@@ -222,7 +222,7 @@ def search(
     mesh_text, kept = "·".join(str(axis_size[a]) for (a,) in axes) or "1", ""
     candidates = sum(len(g.candidates(k, axes[:1])) for k in range(len(g.units)))
     if as_seeded is not None:
-        solved = _as_made(next(s for s in made if s.status == as_seeded), "its compiled program decides")
+        solved = _as_made({s.status: s for s in made}[as_seeded], "its compiled program decides")
     elif least:
         solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
     elif how == "recursive":
@@ -242,12 +242,22 @@ def search(
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
     choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
     result = assemble(g, choice)
-    others = () if budget is None or as_seeded is not None else tuple(
-        (s.status, s.seconds) for s in sorted(made, key=lambda s: s.seconds) if s.choice != choice)
+    others = () if budget is None or as_seeded is not None else _others(made, choice)
     report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
                           candidates, time.perf_counter() - start, unit_classes=solved.unit_classes,
                           evaluations=solved.evaluations, kept=kept, seeds=others)
     return result, report
+
+
+def _others(made: Sequence[Solved], choice: Sequence[Assignment]) -> tuple[tuple[str, float], ...]:
+    """`SearchReport.seeds`: the seeds of `made` as `(status, seconds)`, cheapest first, but those
+    that choose as `choice` (the plan returned) or as a seed before them."""
+    out, seen = [], [choice]
+    for s in sorted(made, key=lambda s: s.seconds):
+        if s.choice not in seen:
+            out.append((s.status, s.seconds))
+            seen.append(s.choice)
+    return tuple(out)
 
 
 def _as_made(seed: Solved, why: str) -> Solved:
@@ -450,6 +460,17 @@ def _least(g: SearchGraph) -> dict:
             for v in g.memory_values}
 
 
+def _boundary(g: SearchGraph, least: Mapping) -> dict:
+    """Of `least` (memory value -> bytes), the arguments and results."""
+    return {v: b for v, b in least.items() if v in g.arg_unit or g.last[v] == g.end}
+
+
+def _boundary_peak(g: SearchGraph) -> float:
+    """A lower bound on every compiled program's peak: the arguments and results held at once, each
+    cut as finely as its dims allow."""
+    return float(g.live_bytes(_boundary(g, _least(g))).max())
+
+
 def _least_peak(g: SearchGraph) -> float:
     """A lower bound on every plan's estimated peak: each value held cut as finely as its dims allow."""
     return float(g.live_bytes(_least(g)).max())
@@ -460,7 +481,7 @@ def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str)
     finely as its dims allow), the search's own least estimate with the activations kept between
     operators, what is missing and the tensors that dominate."""
     least = _least(g)
-    boundary = {v: b for v, b in least.items() if v in g.arg_unit or g.last[v] == g.end}
+    boundary = _boundary(g, least)
     bound = g.live_bytes(boundary)
     live = g.live_bytes(least)
     n = math.prod(g.axis_size.values())

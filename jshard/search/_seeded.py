@@ -43,13 +43,9 @@ SEEDS = (PROPAGATED, DATA_PARALLEL, FULLY_SHARDED)
 def seeds(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence,
           budget: float | None) -> list[Solved]:
     """The plan propagated from the anchors (`propagated`, as propagated) and the expert plans around
-    them (`experts`), each as made (its estimated peak may be over `budget`: `fit_budget` moves it),
-    the first of those that choose alike."""
-    found: list[Solved] = []
-    for s in (propagated(g, args, outvars, fixed, budget, fit=False), *experts(g, args, outvars, fixed, batch)):
-        if s is not None and all(s.choice != t.choice for t in found):
-            found.append(s)
-    return found
+    them (`experts`), each as made (its estimated peak may be over `budget`: `fit_budget` moves it)."""
+    found = [propagated(g, args, outvars, fixed, budget, fit=False), *experts(g, args, outvars, fixed, batch)]
+    return [s for s in found if s is not None]
 
 
 def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence) -> list[Solved]:
