@@ -423,7 +423,8 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
     _check_comm_kept(traced, c, call)
     offload = offloaded(traced, args, c, call)
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
-    compiled = c.searching and c.memory_budget is not None and devices is not None  # here, or where weighed
+    # the program is compiled and held to the budget: here, or (check False) by the caller weighing it
+    compiled = c.searching and c.memory_budget is not None and devices is not None
     checked = check and compiled
     problem = Problem(traced, in_sh, donated, budget, offload, movable=dataset_defaulted(traced, slots, dataset, c),
                       batch=frozenset(batch_leaves(args, c)), compiled=compiled)
