@@ -192,14 +192,20 @@ def zoo_quality(name: str, time_limit: float, searches: Sequence[str] = SEARCHES
     `data` (the state whole, the batch as the author places it) and `fsdp` (each state array cut
     over the batch's mesh axes on its largest dim they divide, ZeRO-3 style; left out where the
     model's own typing rejects it: nnx_gqa's Explicit axes). Budgets: `fits` = data
-    parallel's compiled peak, `least` = the smallest expert peak."""
+    parallel's compiled peak, `least` = the smallest expert peak.
+
+    Each search is given the arguments placed as the expert it is held to places them (the same
+    anchors): `parallelize` keeps a committed argument's placement as an anchor, as `jax.jit`
+    does, so given the author's placement of the state it cannot lay the state out whole as the
+    data expert does (linen_lm at `fits`: 1.07x), and given the state whole it must find the
+    author's layout alone (linen_lm at `least`: no plan fits)."""
     c = _zoo.case(name)
     args, options = c.args["given"], dict(c.options["given"])
     batch = ZOO_BATCH[name]
     leaf = jax.tree.leaves(args[batch[0]])[0]
     mesh, axes = leaf.sharding.mesh, leaf.sharding.spec[0]
     plans = {"data": lambda a: NamedSharding(mesh, P()), "fsdp": lambda a: NamedSharding(mesh, _fsdp(a, mesh, axes))}
-    experts = []
+    experts, inputs = [], {"author": args}
     with c.context():
         found = js.audit(c.expert())
         experts.append(("author", found.bytes(), found.memory.peak_bytes))
@@ -211,10 +217,11 @@ def zoo_quality(name: str, time_limit: float, searches: Sequence[str] = SEARCHES
             except Exception:  # noqa: BLE001 -- a layout the model's own typing rejects is no expert of it
                 continue
             experts.append((plan, found.bytes(), found.memory.peak_bytes))
+            inputs[plan] = placed
 
     def run(case: Searched) -> Searched:
         with c.context():
-            return _searched_step(case, c.step, args, -1, None, time_limit, **options)
+            return _searched_step(case, c.step, inputs[case.expert[0]], -1, None, time_limit, **options)
 
     return _at_budgets(name, experts, searches, float(c.reference[-1]), run)
 
@@ -262,7 +269,9 @@ def quality_table(cases: Sequence[Searched], devices: int) -> Table:
             "anchors kept and the batch placed as their authors place it, against their own experts under a plain "
             "`jax.jit`: author (the author's plan), data (the state whole) and fsdp (each state array cut over the "
             "batch's mesh axes on its largest dim they divide; nnx_gqa's Explicit axes reject it); fits = data's "
-            "compiled peak, least = the smallest expert peak. Their constraints hold inside every expert's step.",
+            "compiled peak, least = the smallest expert peak. Their constraints hold inside every expert's step, and "
+            "the search is given the arguments placed as the expert it is held to places them (a committed "
+            "placement is an anchor to jshard, as to `jax.jit`): the same anchors.",
             "planning: `plan()`, including the trace and, with a budget, compiling the plan to check its memory "
             "(and searching again with a tighter estimate if XLA holds more). predicted: the search's own cost "
             "(alpha-beta collectives and compute, default GPU cost model).",

@@ -51,6 +51,11 @@ def argument_leaves(args: tuple, argnums: Sequence[int]) -> set[int]:
     return ids
 
 
+def batch_leaves(args: tuple, options: Options) -> set[int]:
+    """Leaf indices of the batch arguments (`batch_argnums`; by default the last argument)."""
+    return argument_leaves(args, (len(args) - 1,) if options.batch_argnums is None else options.batch_argnums)
+
+
 def dataset_anchors(args: tuple, batch: set[int], options: Options, n: int, call: str) -> dict[int, Slot]:
     """The batch leaves the dataset policy lays out, each with its slot (before tracing).
 

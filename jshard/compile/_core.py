@@ -28,6 +28,7 @@ from jshard.compile._boundary import (
     BOUNDARY,
     argument_leaves,
     argument_types,
+    batch_leaves,
     check_micro_batches,
     dataset_anchors,
     dataset_defaulted,
@@ -55,7 +56,7 @@ from jshard.layouts import (
     spec_from_pspec,
     to_pspec,
 )
-from jshard.search import PROPAGATED, Weighed, assignment, choices, region_costs, upgrades
+from jshard.search import SEEDS, Weighed, assignment, choices, region_costs, upgrades
 
 OPTIMIZER_LEVELS = (1, 2, 3)
 """The optimizer-parallel levels the search weighs where none is given and no plan fits without one."""
@@ -76,7 +77,7 @@ def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> 
     devices = devices_for(options)
     n = options.devices if devices is None else len(devices)
     slots = canonicalize_in_strategy(options.in_strategy, args, call=call)
-    batch = argument_leaves(args, (len(args) - 1,) if options.batch_argnums is None else options.batch_argnums)
+    batch = batch_leaves(args, options)
     dataset = dataset_anchors(args, batch, options, n, call)
     if options.accumulation is not None:
         cut = {i: slot for i, slot in dataset.items() if slots[i] is None}  # in_strategy comes first
@@ -404,8 +405,11 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
     _check_comm_kept(traced, c, call)
     offload = offloaded(traced, args, c, call)
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
-    problem = Problem(traced, in_sh, donated, budget, offload, movable=dataset_defaulted(traced, slots, dataset, c))
-    checked = check and c.searching and c.memory_budget is not None and devices is not None
+    # the program is compiled and held to the budget: here, or (check False) by the caller weighing it
+    compiled = c.searching and c.memory_budget is not None and devices is not None
+    checked = check and compiled
+    problem = Problem(traced, in_sh, donated, budget, offload, movable=dataset_defaulted(traced, slots, dataset, c),
+                      batch=frozenset(batch_leaves(args, c)), compiled=compiled)
     held, searched, tried = 0.0, 0, False
 
     def attempt(problem: Problem) -> tuple[Program, Problem]:
@@ -444,18 +448,20 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
             return program
         program, held = checked_peak(program)
         report = program.plan.search
-        if report.unfitted_propagated is not None and not tried:
-            # the plan propagated from the anchors predicts less, but the search estimated it over the
-            # budget: its compiled program decides (the estimate keeps activations XLA may fuse away)
+        if report.seeds and not tried:
+            # seeds the compiled program decides, cheapest first: those that predict less but the search
+            # estimated over the budget, and where the plan's compiled program is over it, every one
             tried = True
-            as_is, _ = attempt(dataclasses.replace(problem, as_propagated=True))
-            as_is, found = checked_peak(as_is)
-            if found <= c.memory_budget:
-                return as_is
+            for status, seconds in report.seeds:
+                if held <= c.memory_budget and seconds >= report.seconds:
+                    break
+                as_is, found = checked_peak(attempt(dataclasses.replace(problem, as_seeded=status))[0])
+                if found <= c.memory_budget:
+                    return as_is
         if held <= c.memory_budget:
             return program
-        if problem.propagated and PROPAGATED in report.status:  # the search's own plans at this estimate first
-            problem = dataclasses.replace(problem, propagated=False)
+        if problem.seeded and any(seed in report.status for seed in SEEDS):  # the search's own plans first
+            problem = dataclasses.replace(problem, seeded=False)
             continue
         # XLA holds more than the search's estimate: ask for less.
         problem = dataclasses.replace(problem, budget=problem.budget * c.memory_budget / held * 0.97)
@@ -475,7 +481,7 @@ def _batch_axes(in_sh: list, args: tuple, c: Options) -> tuple[str, ...] | None:
     which a manual region would hide from it)."""
     if c.mode not in ("data", "semi_auto"):
         return None
-    batch = argument_leaves(args, (len(args) - 1,) if c.batch_argnums is None else c.batch_argnums)
+    batch = batch_leaves(args, c)
     found = set()
     for i in batch:
         if in_sh[i] is None:

@@ -37,10 +37,13 @@ class Problem:
     kept in host memory between steps (`Offload`, or None), values made in the program whose
     layout is fixed too (value -> `Spec`: a gradient jshard reduce-scatters itself), the argument
     leaves whose fixed layout is the default dataset cut, which the program may move once at the
-    start (`dataset_defaulted`), whether the search weighs the plan propagated from the anchors
-    (`propagated`: off once that plan's compiled program has not fit the budget), and whether it
-    returns that plan as propagated, its estimated peak over the budget (`as_propagated`: for its
-    compiled program to be held to the budget instead)."""
+    start (`dataset_defaulted`), the batch's argument leaves (`batch`: the search's data-parallel
+    and fully-sharded seeds cut their rows), whether the search weighs its seeds (`seeded`: the plan
+    propagated from the anchors, and those plans around them; off once a kept seed's compiled
+    program has not fit the budget), which seed it returns as made (`as_seeded`: its status, for
+    its compiled program to be held to the budget instead of the search's estimate; None: it
+    searches), and whether the compiled program is held to the budget (`compiled`: where no plan
+    fits the search's estimate, the cheapest seed is returned as made)."""
 
     traced: Traced
     in_shardings: Sequence[NamedSharding | None]
@@ -49,8 +52,10 @@ class Problem:
     offload: Offload | None = None
     made: Mapping = dataclasses.field(default_factory=dict)
     movable: frozenset[int] = frozenset()
-    propagated: bool = True
-    as_propagated: bool = False
+    batch: frozenset[int] = frozenset()
+    seeded: bool = True
+    as_seeded: str | None = None
+    compiled: bool = False
 
     @property
     def host(self) -> frozenset:
@@ -125,8 +130,9 @@ class SearchPlanner:
         result, report = search(t.nodes, list(t.invars) + consts, t.outvars, fixed, t.axis_size, how=c.search,
                                 cost=c.costs, budget=problem.budget, donated=donated, host=problem.host, names=names,
                                 call=self.call, time_limit=c.search_time_limit, replay=c.search_replay,
-                                table=t.table, propagated=problem.propagated,
-                                as_propagated=problem.as_propagated)
+                                table=t.table, batch=[t.invars[i] for i in sorted(problem.batch)],
+                                seeded=problem.seeded, as_seeded=problem.as_seeded,
+                                compiled=problem.compiled)
         return Planned(result, report=report)
 
 

@@ -13,4 +13,7 @@ from jshard.search._search import SEARCHES as SEARCHES
 from jshard.search._search import SearchReport as SearchReport
 from jshard.search._search import Weighed as Weighed
 from jshard.search._search import search as search
+from jshard.search._seeded import DATA_PARALLEL as DATA_PARALLEL
+from jshard.search._seeded import FULLY_SHARDED as FULLY_SHARDED
 from jshard.search._seeded import PROPAGATED as PROPAGATED
+from jshard.search._seeded import SEEDS as SEEDS

@@ -29,7 +29,6 @@ from jshard.rules import OpTable, write_spec
 from jshard.search import _ilp, _recursive, _seeded
 from jshard.search._graph import Assignment, Infeasible, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
-from jshard.search._seeded import PROPAGATED
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
@@ -104,10 +103,12 @@ class SearchReport:
         weighed (`Weighed`: on the device, the optimizer state in host memory, and the parameters
         too), its seconds with the streaming priced on the host link.
       kept: the ILP's: which plan it kept (its own, or its warm start) and why.
-      unfitted_propagated: under a budget, the predicted seconds per call of the plan propagated
-        from the anchors as propagated, where it predicts less than the plan returned but its
-        estimated peak is over the budget (`parallelize` then compiles it and keeps it where its
-        compiled program fits: the estimate keeps activations XLA may fuse away); else None.
+      seeds: under a budget, the seeds (`_seeded.seeds`: the plan propagated from the anchors, the
+        data-parallel and fully-sharded plans around them) as made but the plan returned, cheapest
+        first: `(status, predicted seconds per call)`. Where one predicts less than the plan but its
+        estimated peak is over the budget, or the plan's compiled program is over it, `parallelize`
+        compiles them in this order and keeps the first whose compiled program fits (the estimate
+        keeps activations XLA may fuse away, and misses buffers XLA adds).
     """
 
     search: str
@@ -128,7 +129,7 @@ class SearchReport:
     optimizer: tuple[Weighed, ...] = ()
     offload: tuple[Weighed, ...] = ()
     kept: str = ""
-    unfitted_propagated: float | None = None
+    seeds: tuple[tuple[str, float], ...] = ()
 
     @property
     def held_bytes(self) -> float:
@@ -173,8 +174,10 @@ def search(
     time_limit: float = 60.0,
     replay: bool = True,
     table: OpTable | None = None,
-    propagated: bool = True,
-    as_propagated: bool = False,
+    batch: Sequence = (),
+    seeded: bool = True,
+    as_seeded: str | None = None,
+    compiled: bool = False,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -193,60 +196,87 @@ def search(
       replay: the recursive search decides the interior layers of a repeated run as one, then
         improves that unit by unit (`parallelize`'s `search_replay`).
       table: the nodes' `OpTable`, where one is at hand.
-      propagated: weigh the plan propagated from the anchors too (`_seeded.propagated`), kept where
-        it predicts less than the search's and fits the budget.
-      as_propagated: return the plan propagated from the anchors as propagated, its estimated peak
-        over the budget, without searching (for its compiled program to be held to the budget).
+      batch: the batch arguments (the data-parallel and fully-sharded seeds cut their rows).
+      seeded: weigh the seeds too (`_seeded.seeds`), each kept where it predicts less than the
+        search's plan and fits the budget (moved to fit it where it does not: `_seeded.fit_budget`).
+      as_seeded: return the seed of this status (`SearchReport.seeds`) as made, without searching
+        (for its compiled program to be held to the budget), or None.
+      compiled: the caller compiles the plan and holds its compiled program to `budget`: where no
+        plan fits the search's estimate, the cheapest seed is returned as made (its compiled
+        program decides) rather than none.
 
     Raises:
-      MemoryBudgetError: nothing the search can find fits `budget`.
+      MemoryBudgetError: nothing the search can find fits `budget` (and, with `compiled`, there is
+        no seed).
     """
     start = time.perf_counter()
     g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated, host, table)
     axes = [(a,) for a, n in axis_size.items() if n > 1]
-    if budget is not None and _least_peak(g) > budget:  # nothing can fit: say so before searching
+    least = budget is not None and _least_peak(g) > budget
+    if least and (not compiled or _boundary_peak(g) > budget):  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
-    raw = (_seeded.propagated(g, args, outvars, fixed, budget, fit=False)
-           if (propagated or as_propagated) and how in SEARCHES[:2] else None)
-    seed = None if raw is None else _seeded.fit_budget(g, raw, budget)
-    if as_propagated and raw is not None:
-        solved = dataclasses.replace(raw, status=f"{PROPAGATED}, as propagated: its estimated peak "
-                                     f"{human_bytes(raw.peak)} is over the budget, its compiled program is not")
-        choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
-        mesh_text = "·".join(str(axis_size[a]) for (a,) in axes) or "1"
-        candidates, kept = g.candidate_count(axes[:1]), ""
+    made = (_seeded.seeds(g, args, outvars, fixed, batch, budget)
+            if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
+    fitted = (_seeded.fit_budget(g, raw, budget) for raw in made)
+    seed = min((s for s in fitted if s is not None), key=lambda s: s.seconds, default=None)
+    mesh_text, kept = "·".join(str(axis_size[a]) for (a,) in axes) or "1", ""
+    candidates = g.candidate_count(axes[:1])
+    if as_seeded is not None:
+        solved = _as_made({s.status: s for s in made}[as_seeded], "its compiled program decides")
+    elif least:
+        solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
     elif how == "recursive":
         try:
             solved = _better(_recursive.solve(g, axes, budget, replay), seed)
         except Infeasible:
-            if seed is None:
-                raise _too_big(g, budget, names or {}, call, how) from None
-            solved = dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget")
-        choice, mesh_text = solved.choice, "·".join(str(axis_size[a]) for (a,) in axes) or "1"
-        candidates = g.candidate_count(axes[:1])
-        seconds, peak, status, kept = solved.seconds, solved.peak, solved.status, ""
+            solved = (_unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how)) if seed is None else
+                      dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget"))
     elif how == "ilp":
         solved, groups, kept = _ilp_or_warm(g, axes, budget, time_limit, seed)
         if solved is None:
-            raise _too_big(g, budget, names or {}, call, how)
-        choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
-        mesh_text = ("·".join(str(axis_size[a]) for (a,) in axes) or "1") if groups is None else (
-            "×".join(str(math.prod(axis_size[a] for a in grp)) for grp in groups) or "1")
-        candidates = g.candidate_count(groups or axes[:1])
+            solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
+        elif groups is not None:
+            mesh_text = "×".join(str(math.prod(axis_size[a] for a in grp)) for grp in groups) or "1"
+            candidates = g.candidate_count(groups)
     else:
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
+    choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
     result = assemble(g, choice)
-    unfitted = (raw.seconds if raw is not None and not as_propagated and budget is not None and raw.peak > budget
-                and raw.seconds < seconds * (1 - 1e-9) else None)
+    others = () if budget is None or as_seeded is not None else _others(made, choice)
     report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
                           candidates, time.perf_counter() - start, unit_classes=solved.unit_classes,
-                          evaluations=solved.evaluations, kept=kept, unfitted_propagated=unfitted)
+                          evaluations=solved.evaluations, kept=kept, seeds=others)
     return result, report
 
 
+def _others(made: Sequence[Solved], choice: Sequence[Assignment]) -> tuple[tuple[str, float], ...]:
+    """`SearchReport.seeds`: the seeds of `made` as `(status, seconds)`, cheapest first, but those
+    that choose as `choice` (the plan returned) or as a seed before them."""
+    out, seen = [], [choice]
+    for s in sorted(made, key=lambda s: s.seconds):
+        if s.choice not in seen:
+            out.append((s.status, s.seconds))
+            seen.append(s.choice)
+    return tuple(out)
+
+
+def _as_made(seed: Solved, why: str) -> Solved:
+    """`seed` (one of `_seeded.seeds`) as made, whatever its estimated peak, and `why`."""
+    return dataclasses.replace(seed, status=f"{seed.status}, as propagated: {why} (estimated peak "
+                               f"{human_bytes(seed.peak)})")
+
+
+def _unfitted(made: Sequence[Solved], error: MemoryBudgetError) -> Solved:
+    """Where no plan fits the search's estimate of the budget: the cheapest seed of `made` as made
+    (with `search(compiled=True)`: its compiled program decides); raises `error` where there is none."""
+    if not made:
+        raise error
+    return _as_made(min(made, key=lambda s: s.seconds), "no plan fits the search's estimate, its compiled program decides")
+
+
 def _better(solved: Solved, seed: Solved | None) -> Solved:
-    """The recursive search's plan, or the plan propagated from the anchors (`seed`, which fits the
-    budget) where that predicts fewer seconds; both priced by `SearchGraph.seconds`."""
+    """The recursive search's plan, or the cheapest seed that fits the budget (`seed`) where that
+    predicts fewer seconds; both priced by `SearchGraph.seconds`."""
     if seed is None or seed.seconds >= solved.seconds:
         return solved
     return dataclasses.replace(seed, status=f"{seed.status}: it predicts {_time(seed.seconds)} per call, the recursive "
@@ -257,7 +287,7 @@ def _better(solved: Solved, seed: Solved | None) -> Solved:
 def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: float,
                  seed: Solved | None = None) -> tuple[Solved | None, list | None, str]:
     """The ILP's plan, never worse than the recursive search's: the recursive plan is found first
-    (the warm start; the plan propagated from the anchors, `seed`, where that predicts less), the
+    (the warm start; the cheapest seed that fits, `seed`, where that predicts less), the
     ILP solved once per split of the mesh into two groups, and the warm start kept where every ILP
     plan predicts more seconds, or none fits within the time limit. All are priced by one measure
     (`SearchGraph.seconds`). Returns the plan kept, the ILP's groups (None: the recursive plan's
@@ -441,6 +471,17 @@ def _least(g: SearchGraph) -> dict:
             for v in g.memory_values}
 
 
+def _boundary(g: SearchGraph, least: Mapping) -> dict:
+    """Of `least` (memory value -> bytes), the arguments and results."""
+    return {v: b for v, b in least.items() if v in g.arg_unit or g.last[v] == g.end}
+
+
+def _boundary_peak(g: SearchGraph) -> float:
+    """A lower bound on every compiled program's peak: the arguments and results held at once, each
+    cut as finely as its dims allow."""
+    return float(g.live_bytes(_boundary(g, _least(g))).max())
+
+
 def _least_peak(g: SearchGraph) -> float:
     """A lower bound on every plan's estimated peak: each value held cut as finely as its dims allow."""
     return float(g.live_bytes(_least(g)).max())
@@ -451,7 +492,7 @@ def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str)
     finely as its dims allow), the search's own least estimate with the activations kept between
     operators, what is missing and the tensors that dominate."""
     least = _least(g)
-    boundary = {v: b for v, b in least.items() if v in g.arg_unit or g.last[v] == g.end}
+    boundary = _boundary(g, least)
     bound = g.live_bytes(boundary)
     live = g.live_bytes(least)
     n = math.prod(g.axis_size.values())

@@ -1,13 +1,17 @@
-"""The plan jshard's propagation makes from the user's anchors, as one more candidate of the searches.
+"""Whole plans made without searching, as more candidates of the searches (their seeds).
 
 Where a program has anchors (`shard` calls, fixed arguments), propagating from them (the engine's
 `propagate_globally`, as `semi_auto` plans) gives a whole plan in one pass. The recursive search
 hands out one mesh axis per level and prices each level on the axes handed out so far, so it can
 miss a plan that only pays off once every axis is given (a weight gradient's partial sum over the
-data-parallel axis is cheap only once the tensor-parallel axes cut it too). `propagated` reads the
-propagation's decisions back as a choice per unit of the `SearchGraph`, priced by the same measure
-(`SearchGraph.seconds`, `SearchGraph.peak`), so a search keeps it wherever it predicts less and fits
-the budget: never worse than propagating from the same anchors.
+data-parallel axis is cheap only once the tensor-parallel axes cut it too; a scanned body's batch
+cut over every axis, the plain data parallelism the level before prices at a loss). So the
+searches also weigh the plans an engineer writes first, around the same anchors (`experts`): data
+parallel (the batch cut on its rows over every mesh axis, the state whole) and fully sharded
+(ZeRO-3: each state array cut over every mesh axis too), each propagated from there. `seeds` reads
+each back as a choice per unit of the `SearchGraph`, priced by the same measure
+(`SearchGraph.seconds`, `SearchGraph.peak`), so a search keeps one wherever it predicts less and
+fits the budget: never worse than propagating from the same anchors, nor than those plans.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from jshard.cost import value_bytes
 from jshard.graph import CONSTRAINT
-from jshard.layouts import Spec
+from jshard.layouts import Spec, replicated
 from jshard.propagate import Result, propagate_globally
 from jshard.rules import shape_of
 from jshard.search._graph import Assignment, SearchGraph, Solved
@@ -28,6 +32,64 @@ _SWEEPS = 4  # `polished`: sweeps over the units at most
 
 PROPAGATED = "the plan propagated from the anchors"
 """`SearchReport.status`'s start where a search kept the propagated plan."""
+DATA_PARALLEL = "the data-parallel plan"
+"""`SearchReport.status`'s start where a search kept the data-parallel plan (`experts`)."""
+FULLY_SHARDED = "the fully-sharded plan"
+"""`SearchReport.status`'s start where a search kept the fully-sharded plan (`experts`)."""
+SEEDS = (PROPAGATED, DATA_PARALLEL, FULLY_SHARDED)
+"""The plans a search weighs beside its own (`seeds`)."""
+
+
+def seeds(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence,
+          budget: float | None) -> list[Solved]:
+    """The plan propagated from the anchors (`propagated`, as propagated) and, under a `budget`, the
+    expert plans around them (`experts`: not without one, where they would add seconds to planning
+    a deep unrolled step: 5.3 s of the 96-layer GPT-3-shaped step on 1024 devices), each as made
+    (its estimated peak may be over `budget`: `fit_budget` moves it)."""
+    found = [propagated(g, args, outvars, fixed, budget, fit=False),
+             *(experts(g, args, outvars, fixed, batch) if budget is not None else ())]
+    return [s for s in found if s is not None]
+
+
+def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence) -> list[Solved]:
+    """The data-parallel and the fully-sharded plan around the anchors (`fixed`, kept): the `batch`
+    arguments' rows cut over every mesh axis (as many, major first, as divide them), the other
+    arguments whole (`DATA_PARALLEL`) or each cut over every mesh axis on its largest dim they
+    divide (`FULLY_SHARDED`, ZeRO-3), and every operator propagated from there; none where no batch
+    array is cut (no batch, or its rows divide by no mesh axis)."""
+    rows = {v: _rows(v, g.axis_size) for v in batch if v not in fixed and shape_of(v)}
+    rows = {v: spec for v, spec in rows.items() if spec[0]}
+    if not any(axes for v in batch if v in fixed for axes in fixed[v]) and not rows:
+        return []
+    state = [v for v in args if v not in fixed and v not in rows and shape_of(v)]
+    found = []
+    for status, lay in ((DATA_PARALLEL, _whole), (FULLY_SHARDED, _largest_dim)):
+        anchors = {**fixed, **rows, **{v: lay(v, g.axis_size) for v in state}}
+        result = propagate_globally(g.nodes, anchors, [], g.axis_size, g.cost, outputs=outvars)
+        choice = choice_of(g, result)
+        found.append(Solved(choice, g.seconds(choice), g.peak(choice)[0], status))
+    return found
+
+
+def _rows(v, axis_size: Mapping[str, int]) -> Spec:
+    """`v` cut on its rows over the mesh axes, major first, as many as divide them."""
+    taken: list[str] = []
+    for x, n in axis_size.items():
+        if n > 1 and shape_of(v)[0] % (math.prod(axis_size[a] for a in taken) * n) == 0:
+            taken.append(x)
+    return (tuple(taken),) + replicated(len(shape_of(v)) - 1)
+
+
+def _whole(v, axis_size: Mapping[str, int]) -> Spec:
+    return replicated(len(shape_of(v)))
+
+
+def _largest_dim(v, axis_size: Mapping[str, int]) -> Spec:
+    """`v` cut over every mesh axis on its largest dim they divide, else whole."""
+    shape, n = shape_of(v), math.prod(axis_size.values())
+    dims = [d for d in range(len(shape)) if shape[d] % n == 0]
+    top = max(dims, key=lambda d: shape[d], default=None)
+    return tuple(tuple(x for x, m in axis_size.items() if m > 1) if d == top else () for d in range(len(shape)))
 
 
 def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping,
@@ -49,7 +111,7 @@ def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping
 
 
 def fit_budget(g: SearchGraph, solved: Solved, budget: float | None) -> Solved | None:
-    """`solved` (the propagated plan) where its estimated peak fits `budget`, else moved to fit it
+    """`solved` (a seed) where its estimated peak fits `budget`, else moved to fit it
     (`fitted`, then `polished`), or None where no move fits it."""
     if budget is None or solved.peak <= budget:
         return solved
@@ -58,7 +120,7 @@ def fit_budget(g: SearchGraph, solved: Solved, budget: float | None) -> Solved |
         return None
     choice = polished(g, choice, budget)
     peak, _ = g.peak(choice)
-    return Solved(choice, g.seconds(choice), peak, f"{PROPAGATED}, moved to fit the budget")
+    return Solved(choice, g.seconds(choice), peak, f"{solved.status}, moved to fit the budget")
 
 
 def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[Assignment] | None:
