@@ -57,15 +57,16 @@ def loop_case():
 
 def test_ilp_fits_where_the_expert_fits(loop_case):
     """Under the Megatron plan's own compiled peak as the budget (read from its memory analysis): the
-    ILP returns a plan (its own, or its warm start where HiGHS finds none in the time limit) that
-    fits in the compiled program, and equals one device."""
+    ILP returns a plan (its own, or its warm start where HiGHS finds none in the time limit, or a
+    seed whose compiled program fits where the search's estimate puts it over) that fits in the
+    compiled program, says which, and equals one device."""
     params, tokens, expert = loop_case
     budget = expert.memory.peak_bytes
     step = js.parallelize(loop_gpt.train_step, devices=8, mode="auto", search="ilp", memory_budget=budget,
                           search_time_limit=4)
     report = step.plan(params, tokens).search
     assert report.compiled_peak_bytes <= budget, report.line()
-    assert report.kept, report.line()
+    assert report.kept or "its compiled program decides" in report.status, report.line()
     _, loss = step(params, tokens)
     _, ref = jax.jit(loop_gpt.train_step)(params, tokens)
     assert_close(loss, ref, terms=step_terms(params, tokens, backward=False))
