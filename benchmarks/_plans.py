@@ -35,10 +35,9 @@ def parallelized(w: Workload, devices: int, propagation: str = "jshard", batch: 
     """The train step from the 2-D preset's anchors, as a fresh `Parallelized` (an empty cache);
     `batch`: `given` (cut `dp` ways by an `in_strategy`) or `default` (left to the dataset strategy)."""
     preset = models.preset("2d", devices)
-    if batch == "default":
-        return js.parallelize(w.step(preset), devices=devices, propagation=propagation)
     rows = tuple(preset.batch(len(np.shape(x))) for x in w.batch)
-    return js.parallelize(w.step(preset), devices=devices, in_strategy=(None, None, rows), propagation=propagation)
+    given = None if batch == "default" else (None, None, rows)
+    return js.parallelize(w.step(preset), devices=devices, in_strategy=given, propagation=propagation)
 
 
 def same_shardings(w: Workload, plan: js.Plan, devices: int) -> Any:
