@@ -271,11 +271,14 @@ class Parallelized:
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """The planned program, lowered (as `jax.jit(...).lower`). Its arguments are the traced ones:
         the positional arguments (a static one as None), then the keyword arguments' values in name order
-        (a Flax NNX object as its state). With `offload`, the arguments are taken as shapes (they need
-        not lie in host memory yet)."""
+        (a Flax NNX object as its state). They are taken on the plan's shardings, as a call places
+        them (an array committed elsewhere, say replicated where the plan cuts it, is moved, not
+        refused as `jax.jit` refuses it); with `offload`, as shapes (they need not lie in host memory
+        yet)."""
         bound, options, _ = self._bind(args, kwargs)
         program = self._runnable(bound, options)
-        return program.jitted.lower(*(abstract(bound.args) if program.plan.offload else bound.args))
+        return program.jitted.lower(*(abstract(bound.args) if program.plan.offload
+                                      else placed(bound.args, program.in_shardings)))
 
     @api_boundary
     def plan(self, *args, **kwargs) -> Plan:

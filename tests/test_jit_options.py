@@ -214,3 +214,20 @@ def test_a_pipeline_takes_no_jit_argument_options():
         "a pipeline step takes (params, batch), both traced; static_argnums= applies to parallelize's own program",
     )):
         js.parallelize(pipe, pipeline_stages=2, micro_batches=2, static_argnums=0)
+
+
+def test_lower_places_an_argument_committed_elsewhere_as_a_call_does():
+    """An argument committed replicated on the devices, where the plan cuts it: `lower` takes it on
+    the plan's sharding as a call does (`jax.jit` would refuse the mismatch), and the compiled
+    program equals one device."""
+
+    def matmul(x, w):
+        return js.shard(lambda a, b: a @ b, in_strategy=((2, 1), (1, 4)))(x, w).sum()
+
+    step = js.parallelize(matmul, devices=8, mode="semi_auto")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("all",))
+    w = jax.device_put(W, jax.sharding.NamedSharding(mesh, P()))
+    assert step.plan(X, w).in_shardings[1].spec != P()  # the plan cuts what was placed whole
+    compiled = step.lower(X, w).compile()
+    got = compiled(*jax.device_put((X, w), compiled.input_shardings[0]))
+    assert_close(got, matmul(X, W), terms=16 * 4)
