@@ -442,36 +442,49 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
             report = dataclasses.replace(report, budget=budget)
         return dataclasses.replace(program, plan=program.plan.replace(search=report)), found
 
-    while searched < BUDGET_ROUNDS:
-        program, problem = attempt(problem)
-        if not checked:
-            return program
-        program, held = checked_peak(program)
-        report = program.plan.search
-        if report.seeds and not tried:
-            # seeds the compiled program decides, cheapest first: those that predict less but the search
-            # estimated over the budget, and where the plan's compiled program is over it, every one
-            tried = True
-            for status, seconds in report.seeds:
-                if held <= c.memory_budget and seconds >= report.seconds:
-                    break
-                as_is, found = checked_peak(attempt(dataclasses.replace(problem, as_seeded=status))[0])
-                if found <= c.memory_budget:
-                    return as_is
-        if held <= c.memory_budget:
-            return program
-        if problem.seeded and any(seed in report.status for seed in SEEDS):  # the search's own plans first
-            problem = dataclasses.replace(problem, seeded=False)
-            continue
-        # XLA holds more than the search's estimate: ask for less.
-        problem = dataclasses.replace(problem, budget=problem.budget * c.memory_budget / held * 0.97)
-        searched += 1
-    raise MemoryBudgetError(
-        f"{call}: memory_budget={human_bytes(c.memory_budget)} per device: the searched plan's "
-        f"compiled program still holds {human_bytes(held)} per device after {BUDGET_ROUNDS} searches with "
-        f"tighter estimates (XLA's temporary buffers exceed what the search models). Raise "
-        f"memory_budget, or use more devices.", held
-    )
+    def first_fitting(statuses: list[str]) -> Program | None:
+        """Of the seeds `statuses`, in order, the first whose compiled program fits the budget."""
+        for status in statuses:
+            as_is, found = checked_peak(attempt(dataclasses.replace(problem, as_seeded=status))[0])
+            if found <= c.memory_budget:
+                return as_is
+        return None
+
+    dearer: list[str] = []  # seeds that predict more than the search's plan: tried once its searches fail
+    try:
+        while searched < BUDGET_ROUNDS:
+            program, problem = attempt(problem)
+            if not checked:
+                return program
+            program, held = checked_peak(program)
+            report = program.plan.search
+            if report.seeds and not tried:
+                # seeds that predict less but the search estimated over the budget: their compiled programs decide
+                tried = True
+                dearer = [status for status, seconds in report.seeds if seconds >= report.seconds]
+                found = first_fitting([status for status, seconds in report.seeds if seconds < report.seconds])
+                if found is not None:
+                    return found
+            if held <= c.memory_budget:
+                return program
+            if problem.seeded and any(seed in report.status for seed in SEEDS):  # the search's own plans first
+                problem = dataclasses.replace(problem, seeded=False)
+                continue
+            # XLA holds more than the search's estimate: ask for less.
+            problem = dataclasses.replace(problem, budget=problem.budget * c.memory_budget / held * 0.97)
+            searched += 1
+        error = MemoryBudgetError(
+            f"{call}: memory_budget={human_bytes(c.memory_budget)} per device: the searched plan's "
+            f"compiled program still holds {human_bytes(held)} per device after {BUDGET_ROUNDS} searches with "
+            f"tighter estimates (XLA's temporary buffers exceed what the search models). Raise "
+            f"memory_budget, or use more devices.", held
+        )
+    except MemoryBudgetError as e:  # the search found nothing under a tighter estimate
+        error = e
+    found = first_fitting(dearer)  # the search's own plans failed: the dearer seeds, cheapest first
+    if found is None:
+        raise error
+    return found
 
 
 def _batch_axes(in_sh: list, args: tuple, c: Options) -> tuple[str, ...] | None:
