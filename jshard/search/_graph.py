@@ -117,6 +117,41 @@ class Edge(NamedTuple):
     weight: int
 
 
+class Joins:
+    """The mesh axes of the combinable units' all-reduces under a choice, counted per (loop,
+    reduction) (`SearchGraph.set_key`), kept as the choice's units move (`moved`): which combined
+    sets another unit already opens is read in the time of one unit's sets, not its peers'.
+
+    Args:
+      g: the search graph.
+      choice: the units' assignments.
+    """
+
+    def __init__(self, g: SearchGraph, choice: Sequence[Assignment]):
+        self._g = g
+        self._mine = {k: g.partial_sums(k, choice[k]) for k in g.combinable}
+        self._counts: dict[tuple, collections.Counter] = {}
+        for key, units in g.peers.items():
+            self._counts[key] = collections.Counter(axes for k in units for axes in self._mine[k])
+
+    def others(self, k: int) -> frozenset[Group]:
+        """The mesh axes of the all-reduces the other combinable units of `k`'s loop and reduction
+        run: the sets `k` can join at no latency."""
+        if k not in self._mine:
+            return frozenset()
+        mine = self._mine[k]
+        return frozenset(axes for axes, n in self._counts[self._g.set_key(k)].items() if n > mine.count(axes))
+
+    def moved(self, k: int, a: Assignment) -> None:
+        """Unit `k` now under `a`."""
+        if k not in self._mine:
+            return
+        counts = self._counts[self._g.set_key(k)]
+        counts.subtract(self._mine[k])
+        self._mine[k] = self._g.partial_sums(k, a)
+        counts.update(self._mine[k])
+
+
 class SearchGraph:
     """Units, edges and the memory model of one traced program on a mesh with `axis_size`."""
 
@@ -137,8 +172,7 @@ class SearchGraph:
         self.combinable = self._combinable()
         self.peers: dict[tuple, list[int]] = collections.defaultdict(list)  # (loop, reduction) -> its combinable units
         for k in sorted(self.combinable):
-            loop, _, reduction = self.combined_set(k, ())
-            self.peers[(loop, reduction)].append(k)
+            self.peers[self.set_key(k)].append(k)
         self.edges = self._edges() + self._state_edges(args, outvars)
         self.out_edges: dict[int, list[int]] = collections.defaultdict(list)
         self.in_edges: dict[int, list[int]] = collections.defaultdict(list)
@@ -384,11 +418,11 @@ class SearchGraph:
             found = self._moves[key] = sum(self.cost.time(c, self.axis_size) for c in comms)
         return e.weight * found
 
-    def local_seconds(self, k: int, a: Assignment, choice: Sequence[Assignment]) -> float:
+    def local_seconds(self, k: int, a: Assignment, choice: Sequence[Assignment], joins: Joins) -> float:
         """Unit `k`'s own cost under `a`, its edges' redistributions and the latency of the combined
-        sets it alone joins (`lone_latency`), the other units as in `choice`: a move of `k` changes
-        `seconds` by the change of this."""
-        total = self.unit_seconds(k, a) + self.lone_latency(k, a, choice)
+        sets it alone joins (`lone_latency`), the other units as in `choice` (`joins`: its combined
+        all-reduces, counted): a move of `k` changes `seconds` by the change of this."""
+        total = self.unit_seconds(k, a) + self.lone_latency(k, a, joins)
         for n in self.out_edges.get(k, ()):
             e = self.edges[n]
             total += self.edge_seconds(e, self.spec(k, e.src[1], a), self.spec(e.dst[0], e.dst[1], choice[e.dst[0]]))
@@ -406,29 +440,30 @@ class SearchGraph:
     def combined_set(self, k: int, axes: Group) -> tuple:
         """The set combinable unit `k`'s all-reduce over `axes` joins: its enclosing loop's node (or
         -1), the axes and the reduction."""
+        loop, reduction = self.set_key(k)
+        return loop, axes, reduction
+
+    def set_key(self, k: int) -> tuple:
+        """Unit `k`'s enclosing loop's node (or -1) and its reduction: the units whose all-reduces
+        over the same mesh axes XLA's combiner may merge with `k`'s (`peers`)."""
         node = self.nodes[self.units[k].node]
-        return node.loop, axes, node.primitive if node.primitive in _NOT_SUMS else "add"
+        return node.loop, node.primitive if node.primitive in _NOT_SUMS else "add"
 
     def combined_latency(self, choice: Sequence[Assignment]) -> float:
         """The latency `choice`'s combinable all-reduces pay: one per combined set and run."""
         return sum(w * self.cost.group_latency(axes) for (_, axes, _), w in self.combined_sets(choice).items())
 
-    def joined(self, k: int, choice: Sequence[Assignment]) -> frozenset[Group]:
-        """The mesh axes of the all-reduces that the other combinable units of unit `k`'s loop and
-        reduction run under `choice`: the sets `k` can join at no latency."""
-        if k not in self.combinable:
-            return frozenset()
-        loop, _, reduction = self.combined_set(k, ())
-        partial = self.partial_sums
-        return frozenset(axes for j in self.peers[(loop, reduction)] if j != k for axes in partial(j, choice[j]))
+    def joins(self, choice: Sequence[Assignment]) -> Joins:
+        """`choice`'s combinable all-reduces, counted per set (`Joins`): what `lone_latency` reads."""
+        return Joins(self, choice)
 
-    def lone_latency(self, k: int, a: Assignment, choice: Sequence[Assignment]) -> float:
-        """The latency of the combined sets unit `k` joins under `a` and no other unit joins under
-        `choice`: what `k` adds to `combined_latency`."""
+    def lone_latency(self, k: int, a: Assignment, joins: Joins) -> float:
+        """The latency of the combined sets unit `k` joins under `a` and no other unit joins in
+        `joins`: what `k` adds to `combined_latency`."""
         mine = set(self.partial_sums(k, a)) if k in self.combinable else set()
         if not mine:
             return 0.0
-        others = self.joined(k, choice)
+        others = joins.others(k)
         return self.units[k].weight * sum(self.cost.group_latency(axes) for axes in mine - others)
 
     def all_reduces(self, choice: Sequence[Assignment]) -> int:

@@ -27,7 +27,7 @@ from jshard.graph import CONSTRAINT, Node
 from jshard.propagate import Decision, Engine, Rejected, Result, charge_constraints
 from jshard.rules import OpTable, write_spec
 from jshard.search import _ilp, _recursive, _seeded
-from jshard.search._graph import Assignment, Infeasible, SearchGraph, Solved
+from jshard.search._graph import Assignment, Infeasible, Joins, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
 
 SEARCHES = ("recursive", "ilp", "propagation")
@@ -369,6 +369,7 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
     work = [g.units[k].weight * g.units[k].flops for k in range(len(g.units))]
     key = _KEY_SHARE * max(work, default=0.0)
     moves: dict = {}  # `_rejected`'s answers, per unit structure, pick and neighbours
+    joins = g.joins(choice)
     made: dict[tuple[int, int], Decision] = {}  # ids of `decided`'s answer and `_rejected`'s -> one Decision, both held
     for i, (a, picked) in merged.items():
         node = nodes[i]
@@ -379,7 +380,7 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         ins, _ = e.vars[i]
         known = [(k, values[v], "") for k, v in enumerate(ins) if isinstance(v, jcore.Var) and v in values]
         found = priced.decided(i, picked, a, known)
-        rejected = _rejected(g, i, choice, moves) if work[g.node_units[i][0]] >= key > 0 else None
+        rejected = _rejected(g, i, choice, joins, moves) if work[g.node_units[i][0]] >= key > 0 else None
         decision = made.get((id(found), id(rejected)))
         if decision is None:
             seconds, comms, in_specs, out_specs, implied = found
@@ -428,16 +429,17 @@ class _Priced:
         return found
 
 
-def _rejected(g: SearchGraph, i: int, choice: Sequence[Assignment], memo: dict):
+def _rejected(g: SearchGraph, i: int, choice: Sequence[Assignment], joins: Joins, memo: dict):
     """The cheapest other candidate of node `i`'s main unit that moves one mesh axis (to another
-    factor, or off the operator), its neighbours kept as chosen; once per unit structure, pick
-    and neighbours' layouts in `memo` (the same operator of identical layers)."""
+    factor, or off the operator), its neighbours kept as chosen (`joins`: `choice`'s combined
+    all-reduces); once per unit structure, pick, neighbours' layouts and the combined sets the
+    others open, in `memo` (the same operator of identical layers)."""
     k = g.node_units[i][0]
     if not g.units[k].free:
         return None
-    key = (g.shape_of_unit[k], tuple(sorted(choice[k].items())), _neighbours(g, k, choice), g.joined(k, choice))
+    key = (g.shape_of_unit[k], tuple(sorted(choice[k].items())), _neighbours(g, k, choice), joins.others(k))
     if key not in memo:
-        memo[key] = _best_move(g, k, choice)
+        memo[key] = _best_move(g, k, choice, joins)
     return memo[key]
 
 
@@ -454,9 +456,9 @@ def _neighbours(g: SearchGraph, k: int, choice: Sequence[Assignment]) -> tuple:
     return tuple(out)
 
 
-def _best_move(g: SearchGraph, k: int, choice: Sequence[Assignment]) -> Rejected | None:
+def _best_move(g: SearchGraph, k: int, choice: Sequence[Assignment], joins: Joins) -> Rejected | None:
     u = g.units[k]
-    scored = [(g.local_seconds(k, a, choice), a) for a in _seeded.moves(g, k, choice[k])]
+    scored = [(g.local_seconds(k, a, choice, joins), a) for a in _seeded.moves(g, k, choice[k])]
     if not scored:
         return None
     seconds, a = min(scored, key=lambda s: s[0])

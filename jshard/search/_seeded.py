@@ -129,6 +129,7 @@ def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[
     (`moves`: one mesh axis to another factor, off the unit, or onto it) that adds the fewest
     seconds (`SearchGraph.local_seconds`) per byte it saves there."""
     choice = list(choice)
+    joins = g.joins(choice)
     for _ in range(_MOVES):
         peak, t = g.peak(choice)
         if peak <= budget:
@@ -140,18 +141,19 @@ def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[
                 held[k].append((pos, v))
         best = None
         for k, values in held.items():
-            now, before = g.local_seconds(k, choice[k], choice), _held(g, k, values, choice[k])
+            now, before = g.local_seconds(k, choice[k], choice, joins), _held(g, k, values, choice[k])
             for a in moves(g, k, choice[k]):
                 saved = before - _held(g, k, values, a)
                 if saved <= 0 or not g.expressible(k, a):
                     continue
-                added = max(g.local_seconds(k, a, choice) - now, 0.0)
+                added = max(g.local_seconds(k, a, choice, joins) - now, 0.0)
                 key = (added / saved, -saved)
                 if best is None or key < best[0]:
                     best = (key, k, a)
         if best is None:
             return None
         choice[best[1]] = best[2]
+        joins.moved(best[1], best[2])
     return None
 
 
@@ -159,18 +161,20 @@ def polished(g: SearchGraph, choice: list[Assignment], budget: float) -> list[As
     """`choice` improved by single moves (`moves`), unit after unit in program order, while one
     lowers the predicted seconds and keeps the estimated peak within `budget`; `_SWEEPS` sweeps at
     most."""
+    joins = g.joins(choice)
     for _ in range(_SWEEPS):
         better = False
         for k, u in enumerate(g.units):
             if not u.free:
                 continue
-            now = g.local_seconds(k, choice[k], choice)
-            tried = sorted((g.local_seconds(k, a, choice), n, a) for n, a in enumerate(moves(g, k, choice[k])))
+            now = g.local_seconds(k, choice[k], choice, joins)
+            tried = sorted((g.local_seconds(k, a, choice, joins), n, a) for n, a in enumerate(moves(g, k, choice[k])))
             for seconds, _, a in tried:
                 if seconds >= now * (1 - 1e-9) or not g.expressible(k, a):
                     break
                 kept, choice[k] = choice[k], a
                 if g.peak(choice)[0] <= budget:
+                    joins.moved(k, a)
                     better = True
                     break
                 choice[k] = kept
