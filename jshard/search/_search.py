@@ -262,7 +262,7 @@ def _others(made: Sequence[Solved], choice: Sequence[Assignment]) -> tuple[tuple
 
 def _as_made(seed: Solved, why: str) -> Solved:
     """`seed` (one of `_seeded.seeds`) as made, whatever its estimated peak, and `why`."""
-    return dataclasses.replace(seed, status=f"{seed.status}, as propagated: {why} (estimated peak "
+    return dataclasses.replace(seed, status=f"{seed.status}, as made: {why} (estimated peak "
                                f"{human_bytes(seed.peak)})")
 
 
