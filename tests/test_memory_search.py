@@ -115,3 +115,31 @@ def test_parallelize_recompute_bad_policy():
     with pytest.raises(js.ShardingError, match=r"jshard.parallelize\(_two_layers\): recompute='dots' is no recompute "
                                                r"policy. Use one of 'full', 'selective', 'none', 'auto'"):
         js.parallelize(_two_layers, devices=8, recompute="dots")(([jnp.eye(2)], jnp.ones((8, 2))))
+
+
+def test_a_result_is_held_from_the_start_unless_it_takes_over_a_donated_argument():
+    """XLA gives each result its own buffer for the whole program (`memory_analysis` counts the
+    results beside the temporaries), so the memory model holds a result from the program's start,
+    even where it is made last; one written into a donated argument's buffer from where it is made.
+    At the outer product's point the model holds both arguments, the undonated result and the
+    product: at least what XLA counts for the arguments and results."""
+    from jshard.cost import live_ranges, value_bytes
+    from jshard.graph import flatten
+
+    def f(x, y):
+        big = jnp.outer(x, x)  # the largest temporary, before either result is made
+        return x + jnp.sum(jnp.tanh(big), axis=0), y * 2.0
+
+    x, y = jnp.ones(256, jnp.float32), jnp.ones(1024, jnp.float32)
+    closed = jax.make_jaxpr(f)(x, y)
+    args, (kept, written) = closed.jaxpr.invars, closed.jaxpr.outvars
+    nodes = flatten(closed.jaxpr)
+    ranges = live_ranges(nodes, args, closed.jaxpr.outvars, donated=frozenset({args[1]}))
+    made = {v: i for i, node in enumerate(nodes) for v in node.outputs}
+    assert ranges.first[kept] == 0 < made[kept] and ranges.last[kept] == ranges.end
+    assert ranges.first[written] == made[written] > 0
+    live = ranges.live_bytes({v: value_bytes(v) for v in ranges.first})
+    outer = next(i for i, node in enumerate(nodes) if node.primitive in ("dot_general", "mul") and len(node.outputs[0].aval.shape) == 2)
+    assert live[outer] >= value_bytes(kept) + sum(value_bytes(v) for v in args) + 256 * 256 * 4
+    m = jax.jit(f, donate_argnums=1).lower(x, y).compile().memory_analysis()
+    assert live.max() >= m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes

@@ -2,7 +2,9 @@
 
 A value is live from the operator that makes it to its last top-level use (a use inside a loop or
 branch counts at the loop); arguments from the start to the end unless donated; the function's
-results to the end. State kept in host memory between steps (`parallelize(..., offload=...)`) is
+results to the end, and from the start where they do not take over a donated argument's buffer (XLA
+allocates each result its own buffer for the whole program: `memory_analysis` counts them beside
+the temporaries). State kept in host memory between steps (`parallelize(..., offload=...)`) is
 on the device only while the step uses it: such an argument from its first use to its last, a
 result that updates it only where it is made (it streams back to the host from there). Bytes per device follow from each value's layout, so the search (and the
 recompute, offload and pipeline planners after it) weigh a layout's memory the same way.
@@ -10,6 +12,7 @@ recompute, offload and pipeline planners after it) weigh a layout's memory the s
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -97,7 +100,26 @@ def live_ranges(nodes: Sequence[Node], args: Sequence, outvars: Sequence, donate
             for v in node.outputs:
                 if getattr(v.aval, "shape", ()):
                     first[v] = last[v] = i
+    aliased = _aliased(args, outvars, donated)
     for v in outvars:
         if isinstance(v, jcore.Var) and v in last and v not in host:
             last[v] = end
+            if v not in aliased:  # XLA gives a result its own buffer for the whole program
+                first[v] = 0
     return LiveRanges(first, last, end)
+
+
+def _aliased(args: Sequence, outvars: Sequence, donated: frozenset) -> set:
+    """The results written into a donated argument's buffer: each paired with the first unpaired
+    donated argument of its shape and dtype, as JAX pairs them."""
+    free = collections.defaultdict(list)
+    for v in args:
+        if v in donated:
+            free[(getattr(v.aval, "shape", ()), str(v.aval.dtype))].append(v)
+    found = set()
+    for v in outvars:
+        queue = free.get((getattr(v.aval, "shape", ()), str(v.aval.dtype))) if isinstance(v, jcore.Var) else None
+        if queue:
+            queue.pop(0)
+            found.add(v)
+    return found
