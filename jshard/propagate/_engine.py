@@ -143,6 +143,7 @@ class Engine:
                 break
         kept = {v for v in outputs if isinstance(v, jcore.Var)}
         self._sum_into_users(kept)
+        self._made_as_used(kept)
         self._cut_at_source(kept)
         result = Result(self.decisions, self.values, self.unruled)
         # An operator that decided priced its output's way into a constraint; an argument, or
@@ -268,6 +269,55 @@ class Engine:
                 rejected=Rejected(d.in_specs, d.out_specs, d.seconds))
             for v, spec in zip(outs, wanted):
                 self._relayout(v, spec)
+
+    def _made_as_used(self, outputs: set) -> None:
+        """Values made in one layout and taken by every user in another: made in the users' layout
+        instead, where moving the operator's inputs there costs less than moving its results. An
+        operator decides from its known neighbours, often its inputs alone: in a batch norm's
+        backward pass, the broadcast of a per-channel vector cut over the channels (as the
+        sharded scale is) makes a whole activation cut so, and the elementwise operators after it
+        follow, while the activations they meet and the users of their results are cut over the
+        batch; each then moves an activation (an all-to-all) where gathering the vector would do.
+        Walking back from the users, such an operator takes its users' layout where its moves
+        there (its inputs', its partial sums') cost less than it and its users paid before; its
+        producers are weighed after it, against their users' new layouts. A program result keeps
+        its layout."""
+        for i in sorted(self.decisions, reverse=True):
+            f, d, node = self.factors.get(i), self.decisions[i], self.nodes[i]
+            if f is None or node.bodies or node.primitive == CONSTRAINT:
+                continue
+            ins, outs = self.vars[i]
+            wanted = self._users_layout(outs, outputs)
+            if wanted is None or wanted == d.out_specs or self._bodies_take(outs):
+                continue
+            a = _read_all(f.outputs, wanted, f.sizes, self.axis_size)
+            if (a is None or not expressible(f, a, self.axis_size)
+                    or any(write_spec(dims, a, f.sizes, self.axis_size) != w for dims, w in zip(f.outputs, wanted))):
+                continue
+            in_specs = tuple(write_spec(dims, a, f.sizes, self.axis_size) for dims in f.inputs)
+            if any(isinstance(v, jcore.Var) and self.why.get(v) == i and s != t
+                   for v, s, t in zip(ins, d.in_specs, in_specs)):
+                continue  # a parameter this operator laid out: its other users took it so
+            known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
+                     if isinstance(v, jcore.Var) and v in self.values]
+            seconds, _, comms, _ = self.score(i, f, a, known)
+            before = d.seconds + sum(self._users_pay(v, old, spec) for v, old, spec in zip(outs, d.out_specs, wanted))
+            if seconds >= before:
+                continue
+            self.decisions[i] = dataclasses.replace(
+                d, in_specs=in_specs, out_specs=wanted, comms=comms, seconds=seconds, via="",
+                rejected=Rejected(d.in_specs, d.out_specs, before), implied=not comms and self.implied(i, f, a))
+            for v, spec in zip(outs, wanted):
+                self._relayout(v, spec)
+
+    def _users_pay(self, v, src: Spec, dst: Spec) -> float:
+        """Seconds `v`'s users are charged for moving it from `src` into `dst`."""
+        moved = redistribution(*array_of(v), src, dst, self.axis_size, self.cost.alltoall)
+        paid = 0.0
+        for j, _ in self.consumers.get(v, ()):
+            comms = self.decisions[j].comms
+            paid += self.nodes[j].weight * sum(self.cost.time(c, self.axis_size) for c in moved if c in comms)
+        return paid
 
     def _cut_at_source(self, outputs: set) -> None:
         """Values made whole where every user slices them: made in the users' layout instead. An
@@ -504,6 +554,18 @@ class Engine:
                 return False
         from_inputs = {fac for d in arrays[0][0] for fac in d}
         return all(fac in from_inputs for fac in a)
+
+
+def _read_all(dims: Sequence, specs: Sequence[Spec], sizes: Sequence[int], axis_size: Mapping[str, int]):
+    """The factor axes operands `dims` laid out as `specs` imply together; None where one cannot be
+    read so, or two read one factor otherwise."""
+    found: dict = {}
+    for d, spec in zip(dims, specs):
+        read = read_assignment(d, spec, sizes, axis_size)
+        if read is None or any(found.get(g, axes) != axes for g, axes in read.items()):
+            return None
+        found.update(read)
+    return found
 
 
 def _invariants(nodes: Sequence[Node]) -> dict:
