@@ -278,10 +278,12 @@ class Engine:
         sharded scale is) makes a whole activation cut so, and the elementwise operators after it
         follow, while the activations they meet and the users of their results are cut over the
         batch; each then moves an activation (an all-to-all) where gathering the vector would do.
+        A convolution's backward pass reverses a sharded kernel where it lies and gathers the
+        reversed copy, where the gather of the kernel its forward pass made would do.
         Walking back from the users, such an operator takes its users' layout where its moves
-        there (its inputs', its partial sums') cost less than it and its users paid before; its
-        producers are weighed after it, against their users' new layouts. A program result keeps
-        its layout."""
+        there (its inputs' less those another operator makes already, its partial sums') cost less
+        than it and its users paid before; its producers are weighed after it, against their users'
+        new layouts. A program result keeps its layout."""
         for i in sorted(self.decisions, reverse=True):
             f, d, node = self.factors.get(i), self.decisions[i], self.nodes[i]
             if f is None or node.bodies or node.primitive == CONSTRAINT:
@@ -301,8 +303,9 @@ class Engine:
             known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
                      if isinstance(v, jcore.Var) and v in self.values]
             seconds, _, comms, _ = self.score(i, f, a, known)
-            before = d.seconds + sum(self._users_pay(v, old, spec) for v, old, spec in zip(outs, d.out_specs, wanted))
-            if seconds >= before:
+            before = d.seconds - self._moved_already(i, d.in_specs) + sum(
+                self._users_pay(v, old, spec) for v, old, spec in zip(outs, d.out_specs, wanted))
+            if seconds - self._moved_already(i, in_specs) >= before * (1 - 1e-9):
                 continue
             self.decisions[i] = dataclasses.replace(
                 d, in_specs=in_specs, out_specs=wanted, comms=comms, seconds=seconds, via="",
@@ -318,6 +321,20 @@ class Engine:
             comms = self.decisions[j].comms
             paid += self.nodes[j].weight * sum(self.cost.time(c, self.axis_size) for c in moved if c in comms)
         return paid
+
+    def _moved_already(self, i: int, in_specs: Sequence[Spec]) -> float:
+        """Seconds of operator `i`'s input moves into `in_specs` that another operator, as often,
+        makes already (XLA moves one value into one layout once: `share_moves`)."""
+        node, saved = self.nodes[i], 0.0
+        for v, dst in zip(self.vars[i][0], in_specs):
+            src = self.values.get(v) if isinstance(v, jcore.Var) else None
+            if src is None or src == dst:
+                continue
+            if any(j != i and j in self.decisions and self.decisions[j].in_specs[pos] == dst
+                   and self.nodes[j].weight == node.weight for j, pos in self.consumers.get(v, ())):
+                moved = redistribution(*array_of(v), src, dst, self.axis_size, self.cost.alltoall)
+                saved += node.weight * sum(self.cost.time(c, self.axis_size) for c in moved)
+        return saved
 
     def _cut_at_source(self, outputs: set) -> None:
         """Values made whole where every user slices them: made in the users' layout instead. An
