@@ -119,6 +119,24 @@ def test_partial_sums_are_summed_in_the_layout_their_users_take():
     assert_close(step(table, tokens), jax.jit(_tied_embedding_step)(table, tokens), terms=16 + 32 + 32 + 32 + 32 + 8)
 
 
+def _scaled(x, scale):
+    return x * (jnp.broadcast_to(scale, x.shape) * 2.0 + 1.0)
+
+
+def test_a_broadcast_vector_is_gathered_where_its_users_take_the_activations_layout():
+    """A per-channel vector cut over the channels (as a sharded batch-norm scale is), broadcast
+    and scaled before it meets an activation cut over the batch: the broadcast decides from the
+    vector alone and the elementwise operators after it follow, so the activation-sized result
+    was moved into the batch cut (an all-to-all of 1 KiB per device). Walking back from the
+    users, each operator is made in the layout its users take it in: the vector (128 B) is
+    gathered, nothing else moves; equal to one device."""
+    x, scale = _rand((64, 32)), _rand((32,), 1)
+    step = js.parallelize(_scaled, devices=8, in_strategy=((8, 1), (8,)))
+    found = js.audit(step.lower(x, scale).compile())
+    assert [(c.kind, c.bytes) for c in found.collectives] == [("all-gather", 32 * 4)], found
+    assert_close(step(x, scale), jax.jit(_scaled)(x, scale), terms=3)
+
+
 @pytest.fixture(scope="module")
 def gpt_2d():
     """The GPT train step with the 2-D preset's matmul strategies and the batch as the only anchors:
