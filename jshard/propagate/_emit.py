@@ -67,7 +67,6 @@ class _Interpreter:
         self._touched: dict[int, bool] = {}
         self._scopes: list[tuple[jcore.Jaxpr, dict]] = []  # the jaxprs being run, innermost last
         self._received: dict = {}  # (id(eqn), k) -> the operand a collective made for it, as run
-        self._moved: dict = {}  # (id(value), its route) -> (the value, the value moved): one move per route
 
     def constrain(self, x, spec: Spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, to_pspec(spec)))
@@ -106,15 +105,8 @@ class _Interpreter:
         return [read(v) for v in jaxpr.outvars]
 
     def _in(self, eqn, k, x):
-        route = self.emission.inputs.get((id(eqn), k), ())
-        if route:
-            key = (id(x), route)
-            if key not in self._moved:
-                moved = x
-                for spec in route:
-                    moved = self.constrain(moved, spec)
-                self._moved[key] = (x, moved)
-            x = self._moved[key][1]
+        for spec in self.emission.inputs.get((id(eqn), k), ()):
+            x = self.constrain(x, spec)
         if (id(eqn), k) in self.emission.communicated:
             self._received[(id(eqn), k)] = x
         return x
