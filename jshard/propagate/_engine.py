@@ -11,9 +11,13 @@ first; the others redistribute. Operators no walk reaches, and primitives withou
 replicated and are counted (`Plan.coverage`). After the walk, an operator that leaves partial sums
 and whose users all took its result in one finer layout sums into that layout where it is cheaper
 (an embedding gradient's scatter-add all-reduces its vocabulary slice, not the whole table); then,
-walking back, an operator that made a value whole where every user slices it one way makes it in
-that layout where nothing more moves (a dropout mask's random bits drawn from a scalar key, an
-embedding gradient scattered from updates gathered over the batch).
+walking back, an operator whose users all take its results in another layout makes them in that
+layout where moving its inputs costs less than moving its results (a batch norm's backward
+broadcast of a vector cut over the channels, where the activations it meets are cut over the
+batch: the vector is gathered, not the activation moved); then an operator that made a value
+whole where every user slices it one way makes it in that layout where nothing more moves (a
+dropout mask's random bits drawn from a scalar key, an embedding gradient scattered from updates
+gathered over the batch).
 The greedy walk's choices for free arguments and a default-cut batch are weighed again over the
 whole program by `propagate_globally` (`_global.py`).
 """
