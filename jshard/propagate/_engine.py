@@ -306,28 +306,16 @@ class Engine:
                 continue  # a parameter this operator laid out: its other users took it so
             known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
                      if isinstance(v, jcore.Var) and v in self.values]
-            seconds, compute, comms, _ = self.score(i, f, a, known)
+            seconds, _, comms, _ = self.score(i, f, a, known)
             before = d.seconds - self._moved_already(i, d.in_specs) + sum(
                 self._users_pay(v, old, spec) for v, old, spec in zip(outs, d.out_specs, wanted))
-            after = seconds - self._moved_already(i, in_specs)
-            if after > before * (1 + 1e-9) or (after >= before * (1 - 1e-9) and not self._no_dearer(
-                    i, f, d, compute, outs, wanted, known)):
+            if seconds - self._moved_already(i, in_specs) >= before * (1 - 1e-9):
                 continue
             self.decisions[i] = dataclasses.replace(
                 d, in_specs=in_specs, out_specs=wanted, comms=comms, seconds=seconds, via="",
                 rejected=Rejected(d.in_specs, d.out_specs, before), implied=not comms and self.implied(i, f, a))
             for v, spec in zip(outs, wanted):
                 self._relayout(v, spec)
-
-    def _no_dearer(self, i: int, f: Factors, d: Decision, compute: float, outs, wanted, known) -> bool:
-        """Whether operator `i` computes (`compute`) and holds (its results laid out as `wanted`) no
-        more per device than under decision `d`: at equal seconds, its move goes to its inputs, where
-        their own producer may make it vanish (a chain of elementwise operators after a broadcast)."""
-        a = self._assignment(f, d)
-        if a is None or compute > self.score(i, f, a, known)[1] * (1 + 1e-9):
-            return False
-        held = lambda specs: sum(local_bytes(*array_of(v), spec, self.axis_size) for v, spec in zip(outs, specs))
-        return held(wanted) <= held(d.out_specs)
 
     def _users_pay(self, v, src: Spec, dst: Spec) -> float:
         """Seconds `v`'s users are charged for moving it from `src` into `dst`."""
