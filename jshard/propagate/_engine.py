@@ -259,11 +259,10 @@ class Engine:
                 finer.update(read_assignment(dims, spec, f.sizes, self.axis_size) or {})
             if not self._refines(f, a, finer, d.out_specs, wanted):
                 continue
-            in_specs = tuple(write_spec(dims, finer, f.sizes, self.axis_size) for dims in f.inputs)
-            if any(self.why.get(v) == i and s != t for v, s, t in zip(ins, d.in_specs, in_specs)):
-                continue  # a parameter this operator laid out: its other users took it so
-            known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
-                     if isinstance(v, jcore.Var) and v in self.values]
+            relaid = self._relaid_inputs(i, f, finer, d)
+            if relaid is None:
+                continue
+            in_specs, known = relaid
             known += [(len(ins) + k, spec, "") for k, spec in enumerate(wanted)]
             old, new = self.score(i, f, a, known), self.score(i, f, finer, known)
             if new[:2] >= old[:2]:
@@ -288,24 +287,15 @@ class Engine:
         there (its inputs' less those another operator makes already, its partial sums') cost less
         than it and its users paid before; its producers are weighed after it, against their users'
         new layouts. A program result keeps its layout."""
-        for i in sorted(self.decisions, reverse=True):
-            f, d, node = self.factors.get(i), self.decisions[i], self.nodes[i]
-            if f is None or node.bodies or node.primitive == CONSTRAINT:
-                continue
-            ins, outs = self.vars[i]
-            wanted = self._users_layout(outs, outputs)
-            if wanted is None or wanted == d.out_specs or self._bodies_take(outs):
-                continue
+        for i, f, d, outs, wanted in self._relaid_outputs(outputs):
             a = _read_all(f.outputs, wanted, f.sizes, self.axis_size)
             if (a is None or not expressible(f, a, self.axis_size)
                     or any(write_spec(dims, a, f.sizes, self.axis_size) != w for dims, w in zip(f.outputs, wanted))):
                 continue
-            in_specs = tuple(write_spec(dims, a, f.sizes, self.axis_size) for dims in f.inputs)
-            if any(isinstance(v, jcore.Var) and self.why.get(v) == i and s != t
-                   for v, s, t in zip(ins, d.in_specs, in_specs)):
-                continue  # a parameter this operator laid out: its other users took it so
-            known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
-                     if isinstance(v, jcore.Var) and v in self.values]
+            relaid = self._relaid_inputs(i, f, a, d)
+            if relaid is None:
+                continue
+            in_specs, known = relaid
             seconds, _, comms, _ = self.score(i, f, a, known)
             before = d.seconds - self._moved_already(i, d.in_specs) + sum(
                 self._users_pay(v, old, spec) for v, old, spec in zip(outs, d.out_specs, wanted))
@@ -353,26 +343,19 @@ class Engine:
         layout where it moves exactly the same: it then writes its own rows of the table, not the
         whole table it used to slice. No collective changes; each device holds and computes its
         slice. A program result keeps its layout."""
-        for i in sorted(self.decisions, reverse=True):
-            f, d, node = self.factors.get(i), self.decisions[i], self.nodes[i]
-            if f is None or node.bodies or node.primitive == CONSTRAINT:
-                continue
-            ins, outs = self.vars[i]
-            wanted = self._users_layout(outs, outputs)
+        for i, f, d, outs, wanted in self._relaid_outputs(outputs):
             a = self._assignment(f, d)
-            if wanted is None or wanted == d.out_specs or a is None or self._bodies_take(outs):
+            if a is None:
                 continue
             finer = dict(a)
             for dims, spec in zip(f.outputs, wanted):
                 finer.update(read_assignment(dims, spec, f.sizes, self.axis_size) or {})
             if any(finer.get(g) for g in f.reduced) or not self._refines(f, a, finer, d.out_specs, wanted):
                 continue
-            in_specs = tuple(write_spec(dims, finer, f.sizes, self.axis_size) for dims in f.inputs)
-            if any(isinstance(v, jcore.Var) and self.why.get(v) == i and s != t
-                   for v, s, t in zip(ins, d.in_specs, in_specs)):
-                continue  # a parameter this operator laid out: its other users took it so
-            known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
-                     if isinstance(v, jcore.Var) and v in self.values]
+            relaid = self._relaid_inputs(i, f, finer, d)
+            if relaid is None:
+                continue
+            in_specs, known = relaid
             comms = self.score(i, f, finer, known)[2]
             if sorted(comms) != sorted(self.score(i, f, a, known)[2]):
                 continue  # it would move its inputs otherwise
@@ -383,10 +366,36 @@ class Engine:
                         kept.remove(c)
             self.decisions[i] = dataclasses.replace(
                 d, in_specs=in_specs, out_specs=wanted, comms=tuple(kept),
-                seconds=node.weight * sum(self.cost.time(c, self.axis_size) for c in kept),
+                seconds=self.nodes[i].weight * sum(self.cost.time(c, self.axis_size) for c in kept),
                 implied=not comms and self.implied(i, f, finer))
             for v, spec in zip(outs, wanted):
                 self._relayout(v, spec)
+
+    def _relaid_outputs(self, outputs: set):
+        """Walking back from the program's end, each operator (no loop, branch or constraint, no
+        results a body takes) whose users all take its results in one layout other than it made
+        them in: `(index, factors, decision, results, that layout)`."""
+        for i in sorted(self.decisions, reverse=True):
+            f, d, node = self.factors.get(i), self.decisions[i], self.nodes[i]
+            if f is None or node.bodies or node.primitive == CONSTRAINT:
+                continue
+            _, outs = self.vars[i]
+            wanted = self._users_layout(outs, outputs)
+            if wanted is not None and wanted != d.out_specs and not self._bodies_take(outs):
+                yield i, f, d, outs, wanted
+
+    def _relaid_inputs(self, i: int, f: Factors, a, d: Decision):
+        """Operator `i`'s input layouts under assignment `a`, and its inputs' known layouts (`score`'s
+        `known`); None where `a` would lay out otherwise a parameter `i` laid out (its other users
+        took it so)."""
+        ins, _ = self.vars[i]
+        in_specs = tuple(write_spec(dims, a, f.sizes, self.axis_size) for dims in f.inputs)
+        if any(isinstance(v, jcore.Var) and self.why.get(v) == i and s != t
+               for v, s, t in zip(ins, d.in_specs, in_specs)):
+            return None
+        known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
+                 if isinstance(v, jcore.Var) and v in self.values]
+        return in_specs, known
 
     def _bodies_take(self, outs) -> bool:
         """Whether a loop, branch or remat region takes any of `outs` (its body's layouts follow it)."""
