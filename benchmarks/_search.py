@@ -204,7 +204,7 @@ def zoo_quality(name: str, time_limit: float, searches: Sequence[str] = SEARCHES
     batch = ZOO_BATCH[name]
     leaf = jax.tree.leaves(args[batch[0]])[0]
     mesh, axes = leaf.sharding.mesh, leaf.sharding.spec[0]
-    plans = {"data": lambda a: NamedSharding(mesh, P()), "fsdp": lambda a: NamedSharding(mesh, _fsdp(a, mesh, axes))}
+    plans = {"data": lambda a: NamedSharding(mesh, P()), "fsdp": lambda a: NamedSharding(mesh, fsdp_spec(a, mesh, axes))}
     experts, inputs = [], {"author": args}
     with c.context():
         found = js.audit(c.expert())
@@ -226,7 +226,7 @@ def zoo_quality(name: str, time_limit: float, searches: Sequence[str] = SEARCHES
     return _at_budgets(name, experts, searches, float(c.reference[-1]), run)
 
 
-def _fsdp(x, mesh, axes) -> P:
+def fsdp_spec(x, mesh, axes) -> P:
     """`x` cut over the mesh `axes` (a name or a tuple of names) on its largest dim they divide, else whole."""
     n = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
     dims = sorted((d for d in range(np.ndim(x)) if np.shape(x)[d] % n == 0), key=lambda d: -np.shape(x)[d])

@@ -119,6 +119,24 @@ def test_partial_sums_are_summed_in_the_layout_their_users_take():
     assert_close(step(table, tokens), jax.jit(_tied_embedding_step)(table, tokens), terms=16 + 32 + 32 + 32 + 32 + 8)
 
 
+def _scaled(x, y, scale):
+    return x + y * jnp.broadcast_to(scale, y.shape)
+
+
+def test_a_broadcast_vector_is_gathered_where_its_users_take_the_activations_layout():
+    """A per-channel vector cut over the channels (as a sharded batch-norm scale is), broadcast
+    to meet activations cut over the batch: the broadcast decides from the vector alone, the
+    product follows it and moves its activation operand in (an all-to-all of 1 KiB per device),
+    and the sum moves the product back (another). Walking back from the users, the product is
+    made in the layout its user takes and the broadcast in the product's: the vector (128 B) is
+    gathered, nothing else moves; equal to one device."""
+    x, y, scale = _rand((64, 32)), _rand((64, 32), 1), _rand((32,), 2)
+    step = js.parallelize(_scaled, devices=8, in_strategy=((8, 1), (8, 1), (8,)))
+    found = js.audit(step.lower(x, y, scale).compile())
+    assert [(c.kind, c.bytes) for c in found.collectives] == [("all-gather", 32 * 4)], found
+    assert_close(step(x, y, scale), jax.jit(_scaled)(x, y, scale), terms=2)
+
+
 @pytest.fixture(scope="module")
 def gpt_2d():
     """The GPT train step with the 2-D preset's matmul strategies and the batch as the only anchors:

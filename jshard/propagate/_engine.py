@@ -11,9 +11,13 @@ first; the others redistribute. Operators no walk reaches, and primitives withou
 replicated and are counted (`Plan.coverage`). After the walk, an operator that leaves partial sums
 and whose users all took its result in one finer layout sums into that layout where it is cheaper
 (an embedding gradient's scatter-add all-reduces its vocabulary slice, not the whole table); then,
-walking back, an operator that made a value whole where every user slices it one way makes it in
-that layout where nothing more moves (a dropout mask's random bits drawn from a scalar key, an
-embedding gradient scattered from updates gathered over the batch).
+walking back, an operator whose users all take its results in another layout makes them in that
+layout where moving its inputs costs less than moving its results (a batch norm's backward
+broadcast of a vector cut over the channels, where the activations it meets are cut over the
+batch: the vector is gathered, not the activation moved); then an operator that made a value
+whole where every user slices it one way makes it in that layout where nothing more moves (a
+dropout mask's random bits drawn from a scalar key, an embedding gradient scattered from updates
+gathered over the batch).
 The greedy walk's choices for free arguments and a default-cut batch are weighed again over the
 whole program by `propagate_globally` (`_global.py`).
 """
@@ -143,6 +147,7 @@ class Engine:
                 break
         kept = {v for v in outputs if isinstance(v, jcore.Var)}
         self._sum_into_users(kept)
+        self._made_as_used(kept)
         self._cut_at_source(kept)
         result = Result(self.decisions, self.values, self.unruled)
         # An operator that decided priced its output's way into a constraint; an argument, or
@@ -254,11 +259,10 @@ class Engine:
                 finer.update(read_assignment(dims, spec, f.sizes, self.axis_size) or {})
             if not self._refines(f, a, finer, d.out_specs, wanted):
                 continue
-            in_specs = tuple(write_spec(dims, finer, f.sizes, self.axis_size) for dims in f.inputs)
-            if any(self.why.get(v) == i and s != t for v, s, t in zip(ins, d.in_specs, in_specs)):
-                continue  # a parameter this operator laid out: its other users took it so
-            known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
-                     if isinstance(v, jcore.Var) and v in self.values]
+            relaid = self._relaid_inputs(i, f, finer, d)
+            if relaid is None:
+                continue
+            in_specs, known = relaid
             known += [(len(ins) + k, spec, "") for k, spec in enumerate(wanted)]
             old, new = self.score(i, f, a, known), self.score(i, f, finer, known)
             if new[:2] >= old[:2]:
@@ -268,6 +272,63 @@ class Engine:
                 rejected=Rejected(d.in_specs, d.out_specs, d.seconds))
             for v, spec in zip(outs, wanted):
                 self._relayout(v, spec)
+
+    def _made_as_used(self, outputs: set) -> None:
+        """Values made in one layout and taken by every user in another: made in the users' layout
+        instead, where moving the operator's inputs there costs less than moving its results. An
+        operator decides from its known neighbours, often its inputs alone: in a batch norm's
+        backward pass, the broadcast of a per-channel vector cut over the channels (as the
+        sharded scale is) makes a whole activation cut so, and the elementwise operators after it
+        follow, while the activations they meet and the users of their results are cut over the
+        batch; each then moves an activation (an all-to-all) where gathering the vector would do.
+        A convolution's backward pass reverses a sharded kernel where it lies and gathers the
+        reversed copy, where the gather of the kernel its forward pass made would do.
+        Walking back from the users, such an operator takes its users' layout where its moves
+        there (its inputs' less those another operator makes already, its partial sums') cost less
+        than it and its users paid before; its producers are weighed after it, against their users'
+        new layouts. A program result keeps its layout."""
+        for i, f, d, outs, wanted in self._relaid_outputs(outputs):
+            a = _read_all(f.outputs, wanted, f.sizes, self.axis_size)
+            if (a is None or not expressible(f, a, self.axis_size)
+                    or any(write_spec(dims, a, f.sizes, self.axis_size) != w for dims, w in zip(f.outputs, wanted))):
+                continue
+            relaid = self._relaid_inputs(i, f, a, d)
+            if relaid is None:
+                continue
+            in_specs, known = relaid
+            seconds, _, comms, _ = self.score(i, f, a, known)
+            before = d.seconds - self._moved_already(i, d.in_specs) + sum(
+                self._users_pay(v, old, spec) for v, old, spec in zip(outs, d.out_specs, wanted))
+            if seconds - self._moved_already(i, in_specs) >= before * (1 - 1e-9):
+                continue
+            self.decisions[i] = dataclasses.replace(
+                d, in_specs=in_specs, out_specs=wanted, comms=comms, seconds=seconds, via="",
+                rejected=Rejected(d.in_specs, d.out_specs, before), implied=not comms and self.implied(i, f, a))
+            for v, spec in zip(outs, wanted):
+                self._relayout(v, spec)
+
+    def _users_pay(self, v, src: Spec, dst: Spec) -> float:
+        """Seconds `v`'s users are charged for moving it from `src` into `dst`."""
+        moved = redistribution(*array_of(v), src, dst, self.axis_size, self.cost.alltoall)
+        paid = 0.0
+        for j, _ in self.consumers.get(v, ()):
+            comms = self.decisions[j].comms
+            paid += self.nodes[j].weight * sum(self.cost.time(c, self.axis_size) for c in moved if c in comms)
+        return paid
+
+    def _moved_already(self, i: int, in_specs: Sequence[Spec]) -> float:
+        """Seconds of operator `i`'s input moves into `in_specs` that another operator, as often,
+        makes already (XLA moves one value into one layout once: `share_moves`)."""
+        node, saved = self.nodes[i], 0.0
+        for v, dst in zip(self.vars[i][0], in_specs):
+            src = self.values.get(v) if isinstance(v, jcore.Var) else None
+            if src is None or src == dst:
+                continue
+            if any(j != i and j in self.decisions and self.decisions[j].in_specs[pos] == dst
+                   and self.nodes[j].weight == node.weight for j, pos in self.consumers.get(v, ())):
+                moved = redistribution(*array_of(v), src, dst, self.axis_size, self.cost.alltoall)
+                saved += node.weight * sum(self.cost.time(c, self.axis_size) for c in moved)
+        return saved
 
     def _cut_at_source(self, outputs: set) -> None:
         """Values made whole where every user slices them: made in the users' layout instead. An
@@ -282,26 +343,19 @@ class Engine:
         layout where it moves exactly the same: it then writes its own rows of the table, not the
         whole table it used to slice. No collective changes; each device holds and computes its
         slice. A program result keeps its layout."""
-        for i in sorted(self.decisions, reverse=True):
-            f, d, node = self.factors.get(i), self.decisions[i], self.nodes[i]
-            if f is None or node.bodies or node.primitive == CONSTRAINT:
-                continue
-            ins, outs = self.vars[i]
-            wanted = self._users_layout(outs, outputs)
+        for i, f, d, outs, wanted in self._relaid_outputs(outputs):
             a = self._assignment(f, d)
-            if wanted is None or wanted == d.out_specs or a is None or self._bodies_take(outs):
+            if a is None:
                 continue
             finer = dict(a)
             for dims, spec in zip(f.outputs, wanted):
                 finer.update(read_assignment(dims, spec, f.sizes, self.axis_size) or {})
             if any(finer.get(g) for g in f.reduced) or not self._refines(f, a, finer, d.out_specs, wanted):
                 continue
-            in_specs = tuple(write_spec(dims, finer, f.sizes, self.axis_size) for dims in f.inputs)
-            if any(isinstance(v, jcore.Var) and self.why.get(v) == i and s != t
-                   for v, s, t in zip(ins, d.in_specs, in_specs)):
-                continue  # a parameter this operator laid out: its other users took it so
-            known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
-                     if isinstance(v, jcore.Var) and v in self.values]
+            relaid = self._relaid_inputs(i, f, finer, d)
+            if relaid is None:
+                continue
+            in_specs, known = relaid
             comms = self.score(i, f, finer, known)[2]
             if sorted(comms) != sorted(self.score(i, f, a, known)[2]):
                 continue  # it would move its inputs otherwise
@@ -312,10 +366,36 @@ class Engine:
                         kept.remove(c)
             self.decisions[i] = dataclasses.replace(
                 d, in_specs=in_specs, out_specs=wanted, comms=tuple(kept),
-                seconds=node.weight * sum(self.cost.time(c, self.axis_size) for c in kept),
+                seconds=self.nodes[i].weight * sum(self.cost.time(c, self.axis_size) for c in kept),
                 implied=not comms and self.implied(i, f, finer))
             for v, spec in zip(outs, wanted):
                 self._relayout(v, spec)
+
+    def _relaid_outputs(self, outputs: set):
+        """Walking back from the program's end, each operator (no loop, branch or constraint, no
+        results a body takes) whose users all take its results in one layout other than it made
+        them in: `(index, factors, decision, results, that layout)`."""
+        for i in sorted(self.decisions, reverse=True):
+            f, d, node = self.factors.get(i), self.decisions[i], self.nodes[i]
+            if f is None or node.bodies or node.primitive == CONSTRAINT:
+                continue
+            _, outs = self.vars[i]
+            wanted = self._users_layout(outs, outputs)
+            if wanted is not None and wanted != d.out_specs and not self._bodies_take(outs):
+                yield i, f, d, outs, wanted
+
+    def _relaid_inputs(self, i: int, f: Factors, a, d: Decision):
+        """Operator `i`'s input layouts under assignment `a`, and its inputs' known layouts (`score`'s
+        `known`); None where `a` would lay out otherwise a parameter `i` laid out (its other users
+        took it so)."""
+        ins, _ = self.vars[i]
+        in_specs = tuple(write_spec(dims, a, f.sizes, self.axis_size) for dims in f.inputs)
+        if any(isinstance(v, jcore.Var) and self.why.get(v) == i and s != t
+               for v, s, t in zip(ins, d.in_specs, in_specs)):
+            return None
+        known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
+                 if isinstance(v, jcore.Var) and v in self.values]
+        return in_specs, known
 
     def _bodies_take(self, outs) -> bool:
         """Whether a loop, branch or remat region takes any of `outs` (its body's layouts follow it)."""
@@ -504,6 +584,18 @@ class Engine:
                 return False
         from_inputs = {fac for d in arrays[0][0] for fac in d}
         return all(fac in from_inputs for fac in a)
+
+
+def _read_all(dims: Sequence, specs: Sequence[Spec], sizes: Sequence[int], axis_size: Mapping[str, int]):
+    """The factor axes operands `dims` laid out as `specs` imply together; None where one cannot be
+    read so, or two read one factor otherwise."""
+    found: dict = {}
+    for d, spec in zip(dims, specs):
+        read = read_assignment(d, spec, sizes, axis_size)
+        if read is None or any(found.get(g, axes) != axes for g, axes in read.items()):
+            return None
+        found.update(read)
+    return found
 
 
 def _invariants(nodes: Sequence[Node]) -> dict:
