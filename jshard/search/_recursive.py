@@ -68,7 +68,7 @@ _WAVES = 3  # ... and its rounds at most: the middle layers take the choice of t
 
 
 def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True) -> Solved:
-    search = _Recursive(g, levels, replay, budget)
+    search = _Recursive(g, levels, replay)
     choice, seconds = search.run(0.0)
     peak, t = g.peak(choice)
     if budget is None or peak <= budget:
@@ -99,9 +99,8 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay:
 
 
 class _Recursive:
-    def __init__(self, g: SearchGraph, levels: Sequence[Group], replay: bool = True, budget: float | None = None):
-        self.g, self.levels, self.replay, self.budget = g, list(levels), replay, budget
-        self.believe = True  # the level's core search starts from message passing too (`_Level._believed`)
+    def __init__(self, g: SearchGraph, levels: Sequence[Group], replay: bool = True):
+        self.g, self.levels, self.replay = g, list(levels), replay
         replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at a peak
         self.kept_bytes: dict[int, tuple] = {}  # unit -> (operand position, bytes) of the above: what its unary reads
@@ -135,21 +134,6 @@ class _Recursive:
         return bool(new)
 
     def run(self, lam: float) -> tuple[list[Assignment], float]:
-        """The plan of memory weight `lam` and its seconds, searched level after level twice: with the
-        core's message-passing start and without it (a level's lower energy need not lead to fewer
-        seconds once the levels after it are searched); of the two, one that fits the budget, then
-        the fewer seconds."""
-        found = []
-        for self.believe in (True, False):
-            found.append(self._run(lam))
-        self.believe = True
-
-        def ranked(plan: tuple[list[Assignment], float]) -> tuple[bool, float]:
-            return self.budget is not None and self.g.peak(plan[0])[0] > self.budget, plan[1]
-
-        return min(found, key=ranked)
-
-    def _run(self, lam: float) -> tuple[list[Assignment], float]:
         self.runs += 1
         if self.ties is None:
             self.ties, self.checks = _Ties(self, self.replay), None
@@ -743,10 +727,9 @@ class _Level:
             total = self._energy(choice)
             if total < best[0]:
                 best = (total, choice)
-        if self.search.believe:
-            choice = self._believed(core)
-            self._improve(core, choice, set(), pairs=True)
-            best = min(best, (self._energy(choice), choice), key=lambda t: t[0])
+        choice = self._believed(core)
+        self._improve(core, choice, set(), pairs=True)
+        best = min(best, (self._energy(choice), choice), key=lambda t: t[0])
         self.evaluations = len(self._locals) + len(self._pairs)
         return best[1]
 
