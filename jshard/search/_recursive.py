@@ -58,7 +58,6 @@ _GROWTHS = 24
 _BISECTIONS = 6
 _PASSES = 4
 _ROOTS = 4  # the heaviest units tried with each candidate, one after another, per level
-_BELIEFS = 32  # the core's min-sum message passing: rounds at most
 _HEAVY = 0.1  # ... among those with at least this share of the heaviest one's compute
 _WINDOW = 1  # replay: layers of a repeated run decided on their own at each end; the interior ones as one
 _ROUNDS = 2  # ... runs found on the units' structure refined by their neighbours' to this many hops
@@ -727,48 +726,8 @@ class _Level:
             total = self._energy(choice)
             if total < best[0]:
                 best = (total, choice)
-        choice = self._believed(core)
-        self._improve(core, choice, set(), pairs=True)
-        best = min(best, (self._energy(choice), choice), key=lambda t: t[0])
         self.evaluations = len(self._locals) + len(self._pairs)
         return best[1]
-
-    def _believed(self, core: list[int]) -> dict[int, int]:
-        """Each core unit's cheapest candidate under min-sum message passing (loopy belief
-        propagation) over the core's tables: every unit tells each neighbour, per candidate of the
-        neighbour, the least it adds given what its other neighbours told it, `_BELIEFS` rounds at
-        most or until no message changes. Exact on a tree; on the core's cycles it weighs a change
-        of many units at once (a block of operators moving from the batch to the experts' dim, which
-        no single or pairwise move finds), so it is one more start of the core search."""
-        if not self.tables:
-            return {k: int(self.unary[k].argmin()) for k in core}
-        at = {k: n for n, k in enumerate(core)}
-        width = max(len(self.unary[k]) for k in core)
-        far = 2.0 ** 100  # a missing candidate (units have fewer than `width`): never the least
-        unary = np.full((len(core), width), far)
-        for n, k in enumerate(core):
-            unary[n, :len(self.unary[k])] = self.unary[k]
-        pairs = list(self.tables.items())
-        src = np.array([at[a] for (a, _), _ in pairs] + [at[b] for (_, b), _ in pairs])
-        dst = np.concatenate([src[len(pairs):], src[:len(pairs)]])
-        tables = np.full((2 * len(pairs), width, width), far)
-        for n, (_, t) in enumerate(pairs):
-            tables[n, :t.shape[0], :t.shape[1]] = t
-            tables[n + len(pairs), :t.shape[1], :t.shape[0]] = t.T
-        back = np.concatenate([np.arange(len(pairs)) + len(pairs), np.arange(len(pairs))])  # the reverse message
-        told = np.zeros((2 * len(pairs), width))  # message n: from unit src[n] to unit dst[n], per dst's candidate
-        for _ in range(_BELIEFS):
-            belief = unary.copy()
-            np.add.at(belief, dst, told)
-            sent = ((belief[src] - told[back])[:, :, None] + tables).min(1)
-            sent -= sent.min(1, keepdims=True)
-            done = np.allclose(sent, told, rtol=1e-12, atol=0.0)
-            told = sent
-            if done:
-                break
-        belief = unary.copy()
-        np.add.at(belief, dst, told)
-        return {k: int(belief[n].argmin()) for n, k in enumerate(core)}
 
     def _spread(self, core: list[int], pinned: dict[int, int]) -> dict[int, int]:
         """The pinned units, then the others in program order, each against those decided before
