@@ -47,10 +47,6 @@ import numpy as np
 from jshard.cost import array_of, value_bytes
 from jshard.search._graph import TIE, Assignment, Group, Infeasible, SearchGraph, Solved
 
-Barred = tuple[frozenset, float]
-"""Combined sets (`SearchGraph.combined_set`) a level's units may not join, and the toll in seconds
-that each candidate joining one pays in the level (`_Recursive._closed`)."""
-
 _log = logging.getLogger("jshard.search")
 """Progress: one INFO record per level of each run (`jshard plan` shows them on a terminal)."""
 
@@ -152,37 +148,15 @@ class _Recursive:
         picks = level.solve()
         self.unit_classes += level.classes
         self.evaluations += level.evaluations
-        picks, barred = self._closed(group, base, lam, level, picks)
         chosen = [level.cands[c][picks[c]] for c in self.ties.of]
         if not self.ties.replayed:
             return chosen
         if self.checks is None:
             self.checks = _Ties.checking(self, self.ties.found)
-        return self._checked(group, base, lam, chosen, level, barred)
-
-    def _closed(self, group: Group, base: list[Assignment], lam: float, level: _Level,
-                picks: list[int]) -> tuple[list[int], Barred]:
-        """`level`'s `picks`, or where closing a combined set they open lowers the level's energy with
-        the latency of the sets opened (`_Level.latency`: the energy leaves it out, as a set pays one
-        latency whichever units join it), the level solved again with its units barred from that set;
-        set after set while one helps. Returns the picks and the sets barred with their toll."""
-        best = level.energy(picks) + level.latency(picks)
-        barred: Barred = (frozenset(), 2 * best + TIE)  # a toll above the whole level's seconds
-        while True:
-            found = None
-            for s in sorted(level.opened(picks) - barred[0]):
-                other = _Level(self, group, base, lam, self.ties, like=level, barred=(barred[0] | {s}, barred[1]))
-                tried = other.solve()
-                self.evaluations += other.evaluations
-                energy = level.energy(tried) + level.latency(tried)
-                if energy < (best if found is None else found[0]):
-                    found = (energy, tried, s)
-            if found is None:
-                return picks, barred
-            best, picks, barred = found[0], found[1], (barred[0] | {found[2]}, barred[1])
+        return self._checked(group, base, lam, chosen, level)
 
     def _checked(self, group: Group, base: list[Assignment], lam: float, chosen: list[Assignment],
-                 like: _Level, barred: Barred) -> list[Assignment]:
+                 like: _Level) -> list[Assignment]:
         """The boundary check of a replayed level's choice `chosen` (per unit): on `checks`' classes
         (each unit its own but the middle layers of long runs), single and pairwise moves from it
         until none helps. Where the layers beside the middle then differ from it (a change at a
@@ -201,7 +175,7 @@ class _Recursive:
         for _ in range(_WAVES):
             better = False
             for seed in seeds:
-                level = _Level(self, group, base, lam, ties, like=like, barred=barred)
+                level = _Level(self, group, base, lam, ties, like=like)
                 if seed is None:
                     seed = [seat(chosen[k], cands) for k, cands in zip(ties.reps, level.cands)]
                 picks = level.solve(seed=seed)
@@ -455,7 +429,7 @@ class _Level:
     """
 
     def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float, ties: _Ties,
-                 like: _Level | None = None, barred: Barred = (frozenset(), 0.0)):
+                 like: _Level | None = None):
         g = self.g = search.g
         self.search = search
         self.ties = ties  # the level's units are its classes (one unit each where nothing repeats)
@@ -471,11 +445,6 @@ class _Level:
             if found is None:
                 found = self._unary(c, kinds[c], lam)
             self.unary[c] = found * count[c] if count[c] > 1 else found
-        self.combinable = [c for c, k in enumerate(self.reps) if k in g.combinable]
-        if barred[0]:
-            for c in self.combinable:
-                toll = np.array([barred[1] if self.joins(c, n) & barred[0] else 0.0 for n in range(len(self.cands[c]))])
-                self.unary[c] = self.unary[c] + toll
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
         tables, nbrs, unary, moves = self.tables, self.nbrs, self.unary, shared.moves
@@ -501,24 +470,6 @@ class _Level:
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
         self.classes = self.evaluations = 0  # the core's distinct units and their cost evaluations
-
-    def joins(self, c: int, pick: int) -> set[tuple]:
-        """The combined sets (`SearchGraph.combined_set`) class `c` joins under its candidate `pick`."""
-        g, k = self.g, self.reps[c]
-        return {g.combined_set(k, axes) for axes in g.partial_sums(k, self.cands[c][pick])}
-
-    def opened(self, picks: Sequence[int]) -> set[tuple]:
-        """The combined sets the combinable classes open under `picks` (one per class)."""
-        return {s for c in self.combinable for s in self.joins(c, picks[c])}
-
-    def latency(self, picks: Sequence[int]) -> float:
-        """The latency the combined sets opened under `picks` pay: one per set and run
-        (`SearchGraph.combined_latency`), which the level's energy leaves out."""
-        g, runs = self.g, {}
-        for c in self.combinable:
-            for s in self.joins(c, picks[c]):
-                runs[s] = g.units[self.reps[c]].weight
-        return sum(w * g.cost.group_latency(axes) for (_, axes, _), w in runs.items())
 
     def weight(self, c: int) -> tuple[float, int]:
         """The order the core tries its heaviest units in: a class's first unit's compute and degree,
