@@ -226,8 +226,8 @@ def test_the_boundary_check_reads_what_the_replayed_level_computed(monkeypatch):
     shared_priced, priced[0] = priced[0], 0
     original = recursive._Level.__init__
 
-    def afresh(level, search, group, base, lam, ties, like=None):
-        original(level, search, group, base, lam, ties)
+    def afresh(level, search, group, base, lam, ties, like=None, barred=(frozenset(), 0.0)):
+        original(level, search, group, base, lam, ties, barred=barred)
 
     monkeypatch.setattr(recursive._Level, "__init__", afresh)
     fresh = _plan(6)

@@ -206,3 +206,36 @@ def test_combined_pricing_pays_one_latency_per_set_of_independent_gradient_all_r
     assert js.audit(compiled).count("all-reduce") == g.all_reduces(choice) == 1
     for got, want in zip(jax.tree.leaves(compiled(ws, x)), jax.tree.leaves(jax.jit(step)(ws, x))):
         assert_close(got, want, terms=64)
+
+
+@pytest.mark.parametrize("flops", [100e12, 1e9], ids=["latency-bound", "compute-bound"])
+def test_recursive_search_weighs_the_latency_of_the_gradient_all_reduces_it_opens(flops):
+    """The loss's and three layers' weight gradients are independent all-reduces: cutting the batch
+    pays one combined latency for them all. On a fast device the compute a cut saves (more than the
+    gradients' bandwidth) is worth less than that latency and the plan replicates; on a slow one the
+    batch is cut and the latency paid once. The
+    recursive search's levels price the pairwise energy without that latency, so it must weigh the
+    sets it opens with it (`_Recursive._closed`) to find the ILP's plan; both run as on one device."""
+    from jshard.cost import CostModel
+
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(h @ w)
+            return jnp.sum(h)
+
+        value, grads = jax.value_and_grad(loss)(ws)
+        return [w - 0.1 * g for w, g in zip(ws, grads)], value
+
+    ws = [jnp.asarray(np.random.default_rng(n).normal(size=(16, 16)) / 4, jnp.float32) for n in range(3)]
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(16384, 16)), jnp.float32)
+    cost = CostModel(flops=flops)
+    plans = {how: js.parallelize(step, devices=8, mode="auto", search=how, cost_model=cost) for how in ("recursive", "ilp")}
+    found = {how: auto.plan(ws, x).search for how, auto in plans.items()}
+    assert found["ilp"].status == "optimal"
+    eps = np.finfo(np.float64).eps  # the searches sum seconds in float64, one term per unit and edge
+    assert found["recursive"].seconds == pytest.approx(found["ilp"].seconds, rel=eps * found["recursive"].units ** 2)
+    want = jax.jit(step)(ws, x)
+    for got, ref in zip(jax.tree.leaves(plans["recursive"](ws, x)), jax.tree.leaves(want)):
+        assert_close(got, ref, terms=x.size)

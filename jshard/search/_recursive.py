@@ -47,6 +47,10 @@ import numpy as np
 from jshard.cost import array_of, value_bytes
 from jshard.search._graph import TIE, Assignment, Group, Infeasible, SearchGraph, Solved
 
+Barred = tuple[frozenset, float]
+"""Combined sets (`SearchGraph.combined_set`) a level's units may not join, and the toll in seconds
+that each candidate joining one pays in the level (`_Recursive._closed`)."""
+
 _log = logging.getLogger("jshard.search")
 """Progress: one INFO record per level of each run (`jshard plan` shows them on a terminal)."""
 
@@ -54,6 +58,7 @@ _GROWTHS = 24
 _BISECTIONS = 6
 _PASSES = 4
 _ROOTS = 4  # the heaviest units tried with each candidate, one after another, per level
+_BELIEFS = 32  # the core's min-sum message passing: rounds at most
 _HEAVY = 0.1  # ... among those with at least this share of the heaviest one's compute
 _WINDOW = 1  # replay: layers of a repeated run decided on their own at each end; the interior ones as one
 _ROUNDS = 2  # ... runs found on the units' structure refined by their neighbours' to this many hops
@@ -148,15 +153,37 @@ class _Recursive:
         picks = level.solve()
         self.unit_classes += level.classes
         self.evaluations += level.evaluations
+        picks, barred = self._closed(group, base, lam, level, picks)
         chosen = [level.cands[c][picks[c]] for c in self.ties.of]
         if not self.ties.replayed:
             return chosen
         if self.checks is None:
             self.checks = _Ties.checking(self, self.ties.found)
-        return self._checked(group, base, lam, chosen, level)
+        return self._checked(group, base, lam, chosen, level, barred)
+
+    def _closed(self, group: Group, base: list[Assignment], lam: float, level: _Level,
+                picks: list[int]) -> tuple[list[int], Barred]:
+        """`level`'s `picks`, or where closing a combined set they open lowers the level's energy with
+        the latency of the sets opened (`_Level.latency`: the energy leaves it out, as a set pays one
+        latency whichever units join it), the level solved again with its units barred from that set;
+        set after set while one helps. Returns the picks and the sets barred with their toll."""
+        best = level.energy(picks) + level.latency(picks)
+        barred: Barred = (frozenset(), 2 * best + TIE)  # a toll above the whole level's seconds
+        while True:
+            found = None
+            for s in sorted(level.opened(picks) - barred[0]):
+                other = _Level(self, group, base, lam, self.ties, like=level, barred=(barred[0] | {s}, barred[1]))
+                tried = other.solve()
+                self.evaluations += other.evaluations
+                energy = level.energy(tried) + level.latency(tried)
+                if energy < (best if found is None else found[0]):
+                    found = (energy, tried, s)
+            if found is None:
+                return picks, barred
+            best, picks, barred = found[0], found[1], (barred[0] | {found[2]}, barred[1])
 
     def _checked(self, group: Group, base: list[Assignment], lam: float, chosen: list[Assignment],
-                 like: _Level) -> list[Assignment]:
+                 like: _Level, barred: Barred) -> list[Assignment]:
         """The boundary check of a replayed level's choice `chosen` (per unit): on `checks`' classes
         (each unit its own but the middle layers of long runs), single and pairwise moves from it
         until none helps. Where the layers beside the middle then differ from it (a change at a
@@ -175,7 +202,7 @@ class _Recursive:
         for _ in range(_WAVES):
             better = False
             for seed in seeds:
-                level = _Level(self, group, base, lam, ties, like=like)
+                level = _Level(self, group, base, lam, ties, like=like, barred=barred)
                 if seed is None:
                     seed = [seat(chosen[k], cands) for k, cands in zip(ties.reps, level.cands)]
                 picks = level.solve(seed=seed)
@@ -429,7 +456,7 @@ class _Level:
     """
 
     def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float, ties: _Ties,
-                 like: _Level | None = None):
+                 like: _Level | None = None, barred: Barred = (frozenset(), 0.0)):
         g = self.g = search.g
         self.search = search
         self.ties = ties  # the level's units are its classes (one unit each where nothing repeats)
@@ -445,6 +472,11 @@ class _Level:
             if found is None:
                 found = self._unary(c, kinds[c], lam)
             self.unary[c] = found * count[c] if count[c] > 1 else found
+        self.combinable = [c for c, k in enumerate(self.reps) if k in g.combinable]
+        if barred[0]:
+            for c in self.combinable:
+                toll = np.array([barred[1] if self.joins(c, n) & barred[0] else 0.0 for n in range(len(self.cands[c]))])
+                self.unary[c] = self.unary[c] + toll
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
         tables, nbrs, unary, moves = self.tables, self.nbrs, self.unary, shared.moves
@@ -470,6 +502,24 @@ class _Level:
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
         self.classes = self.evaluations = 0  # the core's distinct units and their cost evaluations
+
+    def joins(self, c: int, pick: int) -> set[tuple]:
+        """The combined sets (`SearchGraph.combined_set`) class `c` joins under its candidate `pick`."""
+        g, k = self.g, self.reps[c]
+        return {g.combined_set(k, axes) for axes in g.partial_sums(k, self.cands[c][pick])}
+
+    def opened(self, picks: Sequence[int]) -> set[tuple]:
+        """The combined sets the combinable classes open under `picks` (one per class)."""
+        return {s for c in self.combinable for s in self.joins(c, picks[c])}
+
+    def latency(self, picks: Sequence[int]) -> float:
+        """The latency the combined sets opened under `picks` pay: one per set and run
+        (`SearchGraph.combined_latency`), which the level's energy leaves out."""
+        g, runs = self.g, {}
+        for c in self.combinable:
+            for s in self.joins(c, picks[c]):
+                runs[s] = g.units[self.reps[c]].weight
+        return sum(w * g.cost.group_latency(axes) for (_, axes, _), w in runs.items())
 
     def weight(self, c: int) -> tuple[float, int]:
         """The order the core tries its heaviest units in: a class's first unit's compute and degree,
@@ -677,8 +727,48 @@ class _Level:
             total = self._energy(choice)
             if total < best[0]:
                 best = (total, choice)
+        choice = self._believed(core)
+        self._improve(core, choice, set(), pairs=True)
+        best = min(best, (self._energy(choice), choice), key=lambda t: t[0])
         self.evaluations = len(self._locals) + len(self._pairs)
         return best[1]
+
+    def _believed(self, core: list[int]) -> dict[int, int]:
+        """Each core unit's cheapest candidate under min-sum message passing (loopy belief
+        propagation) over the core's tables: every unit tells each neighbour, per candidate of the
+        neighbour, the least it adds given what its other neighbours told it, `_BELIEFS` rounds at
+        most or until no message changes. Exact on a tree; on the core's cycles it weighs a change
+        of many units at once (a block of operators moving from the batch to the experts' dim, which
+        no single or pairwise move finds), so it is one more start of the core search."""
+        if not self.tables:
+            return {k: int(self.unary[k].argmin()) for k in core}
+        at = {k: n for n, k in enumerate(core)}
+        width = max(len(self.unary[k]) for k in core)
+        far = 2.0 ** 100  # a missing candidate (units have fewer than `width`): never the least
+        unary = np.full((len(core), width), far)
+        for n, k in enumerate(core):
+            unary[n, :len(self.unary[k])] = self.unary[k]
+        pairs = list(self.tables.items())
+        src = np.array([at[a] for (a, _), _ in pairs] + [at[b] for (_, b), _ in pairs])
+        dst = np.concatenate([src[len(pairs):], src[:len(pairs)]])
+        tables = np.full((2 * len(pairs), width, width), far)
+        for n, (_, t) in enumerate(pairs):
+            tables[n, :t.shape[0], :t.shape[1]] = t
+            tables[n + len(pairs), :t.shape[1], :t.shape[0]] = t.T
+        back = np.concatenate([np.arange(len(pairs)) + len(pairs), np.arange(len(pairs))])  # the reverse message
+        told = np.zeros((2 * len(pairs), width))  # message n: from unit src[n] to unit dst[n], per dst's candidate
+        for _ in range(_BELIEFS):
+            belief = unary.copy()
+            np.add.at(belief, dst, told)
+            sent = ((belief[src] - told[back])[:, :, None] + tables).min(1)
+            sent -= sent.min(1, keepdims=True)
+            done = np.allclose(sent, told, rtol=1e-12, atol=0.0)
+            told = sent
+            if done:
+                break
+        belief = unary.copy()
+        np.add.at(belief, dst, told)
+        return {k: int(belief[n].argmin()) for n, k in enumerate(core)}
 
     def _spread(self, core: list[int], pinned: dict[int, int]) -> dict[int, int]:
         """The pinned units, then the others in program order, each against those decided before
