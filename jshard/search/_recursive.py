@@ -165,15 +165,17 @@ class _Recursive:
                 picks: list[int]) -> tuple[list[int], Barred]:
         """`level`'s `picks`, or where closing a combined set they open lowers the level's energy with
         the latency of the sets opened (`_Level.latency`: the energy leaves it out, as a set pays one
-        latency whichever units join it), the level solved again with its units barred from that set;
-        set after set while one helps. Returns the picks and the sets barred with their toll."""
+        latency whichever units join it), the level's picks moved off that set (its units barred from
+        it, the core improved from `picks` by single and pairwise moves: solving the level afresh per
+        set doubled the 96-layer step's planning); set after set while one helps. Returns the picks
+        and the sets barred with their toll."""
         best = level.energy(picks) + level.latency(picks)
         barred: Barred = (frozenset(), 2 * best + TIE)  # a toll above the whole level's seconds
         while True:
             found = None
             for s in sorted(level.opened(picks) - barred[0]):
                 other = _Level(self, group, base, lam, self.ties, like=level, barred=(barred[0] | {s}, barred[1]))
-                tried = other.solve()
+                tried = other.solve(seed=picks)
                 self.evaluations += other.evaluations
                 energy = level.energy(tried) + level.latency(tried)
                 if energy < (best if found is None else found[0]):
