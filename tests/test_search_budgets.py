@@ -101,7 +101,7 @@ def test_search_holds_the_propagated_plan_to_its_compiled_peak():
     compiled program fitting: the expert's bytes, equal to one device (before, no plan: the
     search's own plans compiled over the budget, 36 KiB of 27.4, and the tighter estimates found none)."""
     report = _meets_the_authors_plan_at_its_peak("linen_lm")
-    assert report.status.startswith(f"{PROPAGATED}, as propagated"), report.line()
+    assert report.status.startswith(f"{PROPAGATED}, as made"), report.line()
     assert "does not fit" not in report.line(), report.line()
 
 

@@ -166,8 +166,9 @@ class _Recursive:
         """`level`'s `picks`, or where closing a combined set they open lowers the level's energy with
         the latency of the sets opened (`_Level.latency`: the energy leaves it out, as a set pays one
         latency whichever units join it), the level's picks moved off that set (its units barred from
-        it, the core improved from `picks` by single and pairwise moves: solving the level afresh per
-        set doubled the 96-layer step's planning); set after set while one helps. Returns the picks
+        it, the core improved by single and pairwise moves from `picks` and from its min-sum
+        messages' picks, which move a block of units off at once: solving the level afresh per set
+        doubled the 96-layer step's planning); set after set while one helps. Returns the picks
         and the sets barred with their toll."""
         best = level.energy(picks) + level.latency(picks)
         barred: Barred = (frozenset(), 2 * best + TIE)  # a toll above the whole level's seconds
@@ -175,7 +176,7 @@ class _Recursive:
             found = None
             for s in sorted(level.opened(picks) - barred[0]):
                 other = _Level(self, group, base, lam, self.ties, like=level, barred=(barred[0] | {s}, barred[1]))
-                tried = other.solve(seed=picks)
+                tried = other.solve(seed=picks, believed=True)
                 self.evaluations += other.evaluations
                 energy = level.energy(tried) + level.latency(tried)
                 if energy < (best if found is None else found[0]):
@@ -560,9 +561,11 @@ class _Level:
         """The table between `k` and `j`, indexed `[c_k, c_j]`."""
         return self.tables[(k, j)] if k < j else self.tables[(j, k)].T
 
-    def solve(self, seed: list[int] | None = None) -> list[int]:
+    def solve(self, seed: list[int] | None = None, believed: bool = False) -> list[int]:
         """Each unit's pick: the eliminations, then the core searched, or with `seed` (a pick per
-        unit) the seed's core improved by single and pairwise moves; the eliminated units answer."""
+        unit) the seed's core improved by single and pairwise moves, and with `believed` also the
+        core's min-sum messages' picks (`_believed`) improved so, the cheaper kept; the eliminated
+        units answer."""
         core = self._eliminate()
         if seed is None:
             self.picks.update(self._search_core(core))
@@ -570,6 +573,10 @@ class _Level:
             self._prepare_core(core)
             choice = {k: seed[k] for k in core}
             self._improve(core, choice, set(), pairs=True)
+            if believed:
+                other = self._believed(core)
+                self._improve(core, other, set(), pairs=True)
+                choice = min((choice, other), key=self._energy)
             self.evaluations = len(self._locals) + len(self._pairs)
             self.picks.update(choice)
         for record in reversed(self.records):
