@@ -164,6 +164,19 @@ def test_search_options_are_checked():
         js.parallelize(f, devices=8, mode="auto", search="propagation", memory_budget="1GiB")
 
 
+def _tanh_mlp_step(ws, x):
+    """An SGD step of a tanh MLP, summed: the loss's and each layer's weight gradient are
+    independent all-reduces when the batch is cut."""
+    def loss(ws):
+        h = x
+        for w in ws:
+            h = jnp.tanh(h @ w)
+        return jnp.sum(h)
+
+    value, grads = jax.value_and_grad(loss)(ws)
+    return [w - 0.1 * g for w, g in zip(ws, grads)], value
+
+
 def test_combined_pricing_pays_one_latency_per_set_of_independent_gradient_all_reduces():
     """Data parallel, the loss and three layers' weight gradients are independent all-reduces over
     the batch's axes: XLA's combiner merges them into one, and the search graph predicts and prices one."""
@@ -172,15 +185,7 @@ def test_combined_pricing_pays_one_latency_per_set_of_independent_gradient_all_r
     from jshard.search._graph import SearchGraph
     from jshard.search._seeded import propagated
 
-    def step(ws, x):
-        def loss(ws):
-            h = x
-            for w in ws:
-                h = jnp.tanh(h @ w)
-            return jnp.sum(h)
-
-        value, grads = jax.value_and_grad(loss)(ws)
-        return [w - 0.1 * g for w, g in zip(ws, grads)], value
+    step = _tanh_mlp_step
 
     ws = [jnp.asarray(np.random.default_rng(n).normal(size=(16, 16)), jnp.float32) for n in range(3)]
     x = jnp.asarray(np.random.default_rng(3).normal(size=(64, 16)), jnp.float32)
@@ -218,15 +223,7 @@ def test_recursive_search_weighs_the_latency_of_the_gradient_all_reduces_it_open
     sets it opens with it (`_Recursive._closed`) to find the ILP's plan; both run as on one device."""
     from jshard.cost import CostModel
 
-    def step(ws, x):
-        def loss(ws):
-            h = x
-            for w in ws:
-                h = jnp.tanh(h @ w)
-            return jnp.sum(h)
-
-        value, grads = jax.value_and_grad(loss)(ws)
-        return [w - 0.1 * g for w, g in zip(ws, grads)], value
+    step = _tanh_mlp_step
 
     ws = [jnp.asarray(np.random.default_rng(n).normal(size=(16, 16)) / 4, jnp.float32) for n in range(3)]
     x = jnp.asarray(np.random.default_rng(3).normal(size=(16384, 16)), jnp.float32)
