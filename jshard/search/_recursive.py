@@ -168,22 +168,26 @@ class _Recursive:
         latency whichever units join it), the level's picks moved off that set (its units barred from
         it, the core improved by single and pairwise moves from `picks` and from its min-sum
         messages' picks, which move a block of units off at once: solving the level afresh per set
-        doubled the 96-layer step's planning); set after set while one helps. Returns the picks
+        doubled the 96-layer step's planning). The sets are tried in order and the first that helps
+        is closed; then those not yet closed are tried again, until none helps (trying every set
+        and closing the best, each round, tried a third more for the same plans). Returns the picks
         and the sets barred with their toll."""
         best = level.energy(picks) + level.latency(picks)
         barred: Barred = (frozenset(), 2 * best + TIE)  # a toll above the whole level's seconds
+        failed: set[tuple] = set()  # sets tried closed without gain since the last one closed
         while True:
-            found = None
-            for s in sorted(level.opened(picks) - barred[0]):
-                other = _Level(self, group, base, lam, self.ties, like=level, barred=(barred[0] | {s}, barred[1]))
+            todo = sorted(level.opened(picks) - barred[0] - failed)
+            if not todo:
+                return picks, barred
+            for s in todo:
+                other = level.barring((barred[0] | {s}, barred[1]))
                 tried = other.solve(seed=picks, believed=True)
                 self.evaluations += other.evaluations
                 energy = level.energy(tried) + level.latency(tried)
-                if energy < (best if found is None else found[0]):
-                    found = (energy, tried, s)
-            if found is None:
-                return picks, barred
-            best, picks, barred = found[0], found[1], (barred[0] | {found[2]}, barred[1])
+                if energy < best:
+                    best, picks, barred, failed = energy, tried, (barred[0] | {s}, barred[1]), set()
+                    break
+                failed.add(s)
 
     def _checked(self, group: Group, base: list[Assignment], lam: float, chosen: list[Assignment],
                  like: _Level, barred: Barred) -> list[Assignment]:
@@ -476,10 +480,7 @@ class _Level:
                 found = self._unary(c, kinds[c], lam)
             self.unary[c] = found * count[c] if count[c] > 1 else found
         self.combinable = [c for c, k in enumerate(self.reps) if k in g.combinable]
-        if barred[0]:
-            for c in self.combinable:
-                toll = np.array([barred[1] if self.joins(c, n) & barred[0] else 0.0 for n in range(len(self.cands[c]))])
-                self.unary[c] = self.unary[c] + toll
+        self._bar(barred)
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
         tables, nbrs, unary, moves = self.tables, self.nbrs, self.unary, shared.moves
@@ -505,6 +506,31 @@ class _Level:
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
         self.classes = self.evaluations = 0  # the core's distinct units and their cost evaluations
+
+    def barring(self, barred: Barred) -> _Level:
+        """A level on this one's base with the combined sets `barred[0]` barred by the toll
+        `barred[1]` on each candidate of a class that joins one: its own costs and tables as built
+        (`_whole`, before eliminating) copied, not rebuilt, as `_Recursive._closed` tries set after
+        set on one level."""
+        other = object.__new__(_Level)
+        other.__dict__.update(self.__dict__)
+        unary, tables = self._whole
+        other.unary, other.tables = list(unary), dict(tables)
+        other.nbrs = collections.defaultdict(set)
+        for a, b in other.tables:
+            other.nbrs[a].add(b)
+            other.nbrs[b].add(a)
+        other._bar(barred)
+        other._whole = (list(other.unary), list(other.tables.items()))
+        other.picks, other.records, other.classes, other.evaluations = {}, [], 0, 0
+        return other
+
+    def _bar(self, barred: Barred) -> None:
+        """Adds `barred`'s toll to each candidate of a combinable class that joins a barred set."""
+        if barred[0]:
+            for c in self.combinable:
+                toll = np.array([barred[1] if self.joins(c, n) & barred[0] else 0.0 for n in range(len(self.cands[c]))])
+                self.unary[c] = self.unary[c] + toll
 
     def joins(self, c: int, pick: int) -> set[tuple]:
         """The combined sets (`SearchGraph.combined_set`) class `c` joins under its candidate `pick`."""
@@ -758,18 +784,19 @@ class _Level:
         for n, k in enumerate(core):
             unary[n, :len(self.unary[k])] = self.unary[k]
         pairs = list(self.tables.items())
+        n_pairs = len(pairs)
         src = np.array([at[a] for (a, _), _ in pairs] + [at[b] for (_, b), _ in pairs])
-        dst = np.concatenate([src[len(pairs):], src[:len(pairs)]])
-        tables = np.full((2 * len(pairs), width, width), far)
+        dst = np.concatenate([src[n_pairs:], src[:n_pairs]])
+        tables = np.full((width, 2 * n_pairs, width), far)  # [src's candidate, message, dst's candidate]
         for n, (_, t) in enumerate(pairs):
-            tables[n, :t.shape[0], :t.shape[1]] = t
-            tables[n + len(pairs), :t.shape[1], :t.shape[0]] = t.T
-        back = np.concatenate([np.arange(len(pairs)) + len(pairs), np.arange(len(pairs))])  # the reverse message
-        told = np.zeros((2 * len(pairs), width))  # message n: from unit src[n] to unit dst[n], per dst's candidate
+            tables[:t.shape[0], n, :t.shape[1]] = t
+            tables[:t.shape[1], n + n_pairs, :t.shape[0]] = t.T
+        back = np.concatenate([np.arange(n_pairs) + n_pairs, np.arange(n_pairs)])  # the reverse message
+        told = np.zeros((2 * n_pairs, width))  # message n: from unit src[n] to unit dst[n], per dst's candidate
         for _ in range(_BELIEFS):
             belief = unary.copy()
             np.add.at(belief, dst, told)
-            sent = ((belief[src] - told[back])[:, :, None] + tables).min(1)
+            sent = ((belief[src] - told[back]).T[:, :, None] + tables).min(0)  # least over src's candidates
             sent -= sent.min(1, keepdims=True)
             done = np.allclose(sent, told, rtol=1e-12, atol=0.0)
             told = sent
