@@ -15,4 +15,5 @@ from jshard.cost._memory import LiveRanges as LiveRanges
 from jshard.cost._memory import array_of as array_of
 from jshard.cost._memory import itemsize as itemsize
 from jshard.cost._memory import live_ranges as live_ranges
+from jshard.cost._memory import paired as paired
 from jshard.cost._memory import value_bytes as value_bytes

@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from jax.extend import core as jcore
@@ -110,16 +110,21 @@ def live_ranges(nodes: Sequence[Node], args: Sequence, outvars: Sequence, donate
 
 
 def _aliased(args: Sequence, outvars: Sequence, donated: frozenset) -> set:
-    """The results written into a donated argument's buffer: each paired with the first unpaired
-    donated argument of its shape and dtype, as JAX pairs them."""
+    """The results written into a donated argument's buffer (`paired` with the donated arguments)."""
+    return {v for v, _ in paired(args, outvars, lambda v: v in donated, lambda v: isinstance(v, jcore.Var))}
+
+
+def paired(args: Sequence, outvars: Sequence, arg_kept: Callable[[object], bool],
+           out_kept: Callable[[object], bool]) -> list[tuple]:
+    """`(result, argument)`: each result `out_kept` takes, paired with the first unpaired argument
+    `arg_kept` takes of its shape and dtype, in order, as JAX pairs donated buffers with results."""
     free = collections.defaultdict(list)
     for v in args:
-        if v in donated:
+        if arg_kept(v):
             free[(getattr(v.aval, "shape", ()), str(v.aval.dtype))].append(v)
-    found = set()
+    found = []
     for v in outvars:
-        queue = free.get((getattr(v.aval, "shape", ()), str(v.aval.dtype))) if isinstance(v, jcore.Var) else None
+        queue = free.get((getattr(v.aval, "shape", ()), str(v.aval.dtype))) if out_kept(v) else None
         if queue:
-            queue.pop(0)
-            found.add(v)
+            found.append((v, queue.pop(0)))
     return found

@@ -40,6 +40,7 @@ from jshard.cost import (
     array_of,
     live_ranges,
     local_bytes,
+    paired,
     redistribution,
     value_bytes,
 )
@@ -266,20 +267,15 @@ class SearchGraph:
     def _state_edges(self, args, outvars) -> list[Edge]:
         """A result that is the next call's argument (a train step's parameters and optimizer
         state) pays, if laid out otherwise, the redistribution back before the next call. Results
-        are paired with arguments of the same shape and dtype in order, as JAX pairs donated buffers."""
-        free = collections.defaultdict(list)
-        for v in args:
-            if v in self.arg_unit:
-                free[(shape_of(v), str(v.aval.dtype))].append(v)
+        are paired with arguments of the same shape and dtype in order (`jshard.cost.paired`)."""
+
+        def made(v) -> bool:
+            return isinstance(v, jcore.Var) and bool(shape_of(v)) and v in self.producers
+
         edges = []
-        for v in outvars:
-            if not (isinstance(v, jcore.Var) and shape_of(v) and v in self.producers):
-                continue
-            queue = free.get((shape_of(v), str(v.aval.dtype)))
-            if queue:
-                arg = queue.pop(0)
-                _, src_unit, src_pos = self.producers[v][-1]
-                edges.append(Edge(v, (src_unit, src_pos), (self.arg_unit[arg], 0), 1))
+        for v, arg in paired(args, outvars, lambda v: v in self.arg_unit, made):
+            _, src_unit, src_pos = self.producers[v][-1]
+            edges.append(Edge(v, (src_unit, src_pos), (self.arg_unit[arg], 0), 1))
         return edges
 
     def _combinable(self) -> frozenset[int]:
@@ -451,7 +447,12 @@ class SearchGraph:
 
     def combined_latency(self, choice: Sequence[Assignment]) -> float:
         """The latency `choice`'s combinable all-reduces pay: one per combined set and run."""
-        return sum(w * self.cost.group_latency(axes) for (_, axes, _), w in self.combined_sets(choice).items())
+        return self.sets_latency(self.combined_sets(choice))
+
+    def sets_latency(self, sets: Mapping[tuple, int]) -> float:
+        """The latency combined `sets` (`combined_set`, each with how often it runs) pay: one
+        collective's per set and run."""
+        return sum(w * self.cost.group_latency(axes) for (_, axes, _), w in sets.items())
 
     def joins(self, choice: Sequence[Assignment]) -> Joins:
         """`choice`'s combinable all-reduces, counted per set (`Joins`): what `lone_latency` reads."""
