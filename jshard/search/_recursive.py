@@ -170,8 +170,8 @@ class _Recursive:
         messages' picks, which move a block of units off at once: solving the level afresh per set
         doubled the 96-layer step's planning). The sets are tried in order and the first that helps
         is closed; then those not yet closed are tried again, until none helps (trying every set
-        and closing the best, each round, tried a quarter more (38 against 31 at 96 layers) for the same plan). Returns the picks
-        and the sets barred with their toll."""
+        and closing the best, each round, made 38 tries for the 96-layer step's plan where this
+        makes 31). Returns the picks and the sets barred with their toll."""
         best = level.energy(picks) + level.latency(picks)
         barred: Barred = (frozenset(), 2 * best + TIE)  # a toll above the whole level's seconds
         failed: set[tuple] = set()  # sets tried closed without gain since the last one closed
