@@ -2,7 +2,9 @@
 
 The figures come from the program XLA will run, after SPMD partitioning: the collectives from the
 HLO text of `jax.stages.Compiled.as_text()`, the memory from `Compiled.memory_analysis()`. Nothing is
-estimated from the jaxpr, so the audit sees what the partitioner really inserted.
+estimated from the jaxpr, so the audit sees what the partitioner really inserted. Arguments and
+results in host memory (`pinned_host`: offloaded state) are counted apart from the device's (see
+`memory_figures`), so the peak is the device's.
 
 Payload convention, in bytes per device for one execution of the instruction: the operand bytes
 of an `all-reduce`, `reduce-scatter` (the tensor before the scatter) or `all-to-all`; the result bytes of an `all-gather` (the gathered tensor). Combined
