@@ -33,6 +33,7 @@ from benchmarks._compiled import EXPERT_SLACK, Figures, error_line, loss_check
 from benchmarks._models import Workload, model_table, workload
 from benchmarks._table import Table, size, verdict
 from jshard import models
+from jshard.audit import MemoryFigures
 from jshard.search import SearchReport
 from tests.clients import loop_gpt, one_device
 
@@ -244,7 +245,7 @@ def quality_table(cases: Sequence[Searched], devices: int) -> Table:
         ratio = "-" if c.ratio is None else f"{c.ratio:.2f}x"
         cells.append((
             c.model, f"{c.budget_name} {size(c.budget)}", expert, c.search, size(c.audit.bytes()),
-            size(c.audit.memory.peak_bytes), ratio, f"{c.planning:.1f} s", f"{c.report.seconds * 1e6:.4g} us",
+            _peak(c.audit.memory), ratio, f"{c.planning:.1f} s", f"{c.report.seconds * 1e6:.4g} us",
             loss_check(c.loss, c.reference), verdict(c.meets),
         ))
     return Table(
@@ -259,7 +260,8 @@ def quality_table(cases: Sequence[Searched], devices: int) -> Table:
             "`jshard.parallelize(step, devices=8, mode='auto', search=..., memory_budget=B)` on the unannotated "
             "train step (no `shard` calls, no `in_strategy`; the zoo's models keep their own anchors); bytes "
             "and peak read by `jshard.audit` from the compiled program, as in table 1 (peak = arguments + outputs "
-            "+ temp - aliased).",
+            "+ temp - aliased, in device memory; `+ X host`: what the plan keeps in host memory, its offloaded "
+            "state's arguments and results, off the device's peak).",
             "Budgets from table 1's expert rows: fits = the data-parallel plan's compiled peak; tight = midway "
             "between the smallest expert peak and data parallel's, so data parallel does not fit.",
             "loop_gpt: the zoo's GPT written by someone else (tests/clients/loop_gpt.py at 2 layers, d 256, ff 1024, "
@@ -277,6 +279,11 @@ def quality_table(cases: Sequence[Searched], devices: int) -> Table:
             "(alpha-beta collectives and compute, default GPU cost model).",
         ),
     )
+
+
+def _peak(memory: MemoryFigures) -> str:
+    """The device peak, and the host memory's bytes beside it where the plan keeps any there."""
+    return size(memory.peak_bytes) + (f" + {size(memory.host_bytes)} host" if memory.host_bytes else "")
 
 
 def gap_table(cases: Sequence[Searched]) -> Table:

@@ -8,6 +8,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jshard.audit import Audit, Collective, MemoryFigures, audit, read_collectives
+from jshard.compile._program import compiled_peak
 
 F32 = 4
 MESH = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
@@ -111,12 +112,37 @@ def test_memory_figures_are_xla_memory_analysis(contracted):
     assert memory.peak_bytes == memory.argument_bytes + memory.output_bytes + memory.temp_bytes - memory.alias_bytes
 
 
+@pytest.mark.parametrize("donate", [(), (0,)], ids=["kept", "donated"])
+def test_host_memory_arguments_and_results_are_off_the_device_peak(donate):
+    """A `pinned_host` state (an offloaded optimizer's) and the result it becomes: XLA:CPU counts both
+    with the device's buffers and reports no host bytes; the audit and `compiled_peak` take them out
+    alike, donated or not."""
+    host = NamedSharding(MESH, P("a", "b"), memory_kind="pinned_host")
+    step = jax.jit(lambda state, x: (state * 2, x @ x.T), in_shardings=(host, spec(None, "b")),
+                   out_shardings=(host, spec()), donate_argnums=donate)
+    args = (jax.ShapeDtypeStruct((16, 32), jnp.float32, sharding=host), jax.ShapeDtypeStruct((16, 32), jnp.float32))
+    compiled = step.lower(*args).compile()
+    stats, memory = compiled.memory_analysis(), audit(compiled).memory
+    assert (stats.host_argument_size_in_bytes, stats.host_output_size_in_bytes) == (0, 0)  # the case read from HLO
+    state = 8 * 8 * F32  # the state's f32[16,32] cut 2 x 4
+    assert (memory.host_argument_bytes, memory.host_output_bytes) == (state, state)
+    assert memory.host_alias_bytes == (state if donate else 0) == stats.alias_size_in_bytes
+    assert memory.host_bytes == (state if donate else 2 * state)
+    assert memory.argument_bytes == 16 * 8 * F32  # x's shard alone
+    assert memory.output_bytes == stats.output_size_in_bytes - state
+    assert memory.alias_bytes == 0
+    held = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
+    assert memory.peak_bytes == held - memory.host_bytes == compiled_peak(step, args)
+    assert "host memory per device: argument 256 B, output 256 B" in audit(compiled).summary()
+
+
 def test_summary_names_kinds_counts_and_memory(contracted):
     lines = audit(contracted).summary().splitlines()
     assert lines[0].split() == ["kind", "count", "bytes", "groups"]
     assert lines[1].split() == ["all-reduce", "1", "512", "B", "4"]
     assert lines[2].startswith("memory per device: argument 768 B, output 512 B")
     assert lines[3].startswith("peak (upper bound): ")
+    assert len(lines) == 4  # no host memory line: nothing lives there
 
 
 def test_audit_is_hashable(contracted):

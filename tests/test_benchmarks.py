@@ -3,6 +3,8 @@
 No timing is asserted: the figures are measured by `python -m benchmarks`, not here.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from _tolerance import assert_close, step_terms, tolerance
@@ -11,6 +13,7 @@ from benchmarks import _abstract, _compiled, _report, _search
 from benchmarks._models import model_table, workload
 from benchmarks._plans import PLANS
 from benchmarks._table import Table
+from jshard.audit import MemoryFigures
 
 
 def _mlp():
@@ -112,6 +115,14 @@ def test_search_rows_fit_their_budgets_and_render(mlp_rows):
     rows = _search.planning_rows(depths=(2,), counts=(8,), big=False, time_limit=5.0)
     assert len(rows) == 1 and rows[0][2] == "recursive" and not rows[0][-1].startswith("failed")
     assert "7. Strategy search: planning time" in _search.planning_table(rows).markdown()
+
+
+def test_search_peak_cell_is_the_device_peak_with_host_memory_beside_it():
+    """Table 5's peak is the device's; what an offloading plan keeps in host memory shows beside it."""
+    device = MemoryFigures(3 * 2**20, 2**20, 0, 0, 0)
+    assert _search._peak(device) == "4.00 MiB"
+    offloaded = dataclasses.replace(device, host_argument_bytes=2**20, host_output_bytes=2**20)
+    assert _search._peak(offloaded) == "4.00 MiB + 2.00 MiB host"
 
 
 def test_accumulation_rows_equal_the_full_batch_and_render():

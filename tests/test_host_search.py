@@ -56,6 +56,10 @@ def test_a_budget_only_host_state_meets_offloads_the_optimizer_and_equals_one_de
     assert "planned with the optimizer state in host memory, streamed each step" in plan.explain(dot)
 
     compiled = auto.lower(params, state, batches[0]).compile()
+    memory = js.audit(compiled).memory
+    assert memory.peak_bytes == plan.search.compiled_peak_bytes  # the audit's device peak is the search's
+    state_bytes = sum(np.size(x) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state))
+    assert memory.host_argument_bytes == memory.host_output_bytes == state_bytes  # one device: whole leaves
     ins = compiled.input_shardings[0]
     assert {sh.memory_kind for sh in jax.tree.leaves(ins[1])} == {HOST}  # every optimizer leaf
     assert {sh.memory_kind for sh in jax.tree.leaves((ins[0], ins[2]))} == {"device"}

@@ -5,4 +5,5 @@ from jshard.audit._audit import Audit as Audit
 from jshard.audit._audit import Collective as Collective
 from jshard.audit._audit import MemoryFigures as MemoryFigures
 from jshard.audit._audit import audit as audit
+from jshard.audit._audit import memory_figures as memory_figures
 from jshard.audit._audit import read_collectives as read_collectives

@@ -2,7 +2,9 @@
 
 The figures come from the program XLA will run, after SPMD partitioning: the collectives from the
 HLO text of `jax.stages.Compiled.as_text()`, the memory from `Compiled.memory_analysis()`. Nothing is
-estimated from the jaxpr, so the audit sees what the partitioner really inserted.
+estimated from the jaxpr, so the audit sees what the partitioner really inserted. Arguments and
+results in host memory (`pinned_host`: offloaded state) are counted apart from the device's (see
+`memory_figures`), so the peak is the device's.
 
 Payload convention, in bytes per device for one execution of the instruction: the operand bytes
 of an `all-reduce`, `reduce-scatter` (the tensor before the scatter) or `all-to-all`; the result bytes of an `all-gather` (the gathered tensor). Combined
@@ -51,6 +53,13 @@ _CALLEE = re.compile(
 )
 _TRIP = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)')
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_LAID_OUT = re.compile(r"[a-z][a-z0-9]*\[[^\]]*\](?:\{[^}]*\})?")
+_HOST_SPACE = "S(5)"
+"""How an HLO layout marks an array in host memory (XLA's `Layout::kHostMemorySpace`)."""
+_ALIAS = re.compile(r"\{(\d*)[\d,\s]*\}\s*:\s*\(\d+")
+"""One `input_output_alias` entry, `{output index}: (parameter, {index}, kind)`: the output's top index."""
+_DEVICE_FIGURES = ("argument", "output", "temp", "alias", "code")
+_HOST_FIGURES = ("argument", "output", "temp", "alias")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,12 +91,17 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MemoryFigures:
-    """Per-device memory of a compiled program, as XLA's buffer assignment reports it.
+    """Per-device memory of a compiled program, as XLA's buffer assignment reports it, device memory
+    and host memory (`pinned_host` arguments and results) apart.
 
     Attributes:
-      argument_bytes / output_bytes / temp_bytes: the arguments, results and scratch buffers.
-      alias_bytes: bytes shared between arguments and results (donated buffers).
+      argument_bytes / output_bytes / temp_bytes: the arguments, results and scratch buffers in
+        device memory.
+      alias_bytes: device bytes shared between arguments and results (donated buffers).
       code_bytes: generated code.
+      host_argument_bytes / host_output_bytes / host_alias_bytes: the same in host memory.
+      host_temp_bytes: scratch buffers in host memory where the backend reports them (XLA:CPU does
+        not: its temporaries all count as the device's).
     """
 
     argument_bytes: int
@@ -95,14 +109,24 @@ class MemoryFigures:
     temp_bytes: int
     alias_bytes: int
     code_bytes: int
+    host_argument_bytes: int = 0
+    host_output_bytes: int = 0
+    host_temp_bytes: int = 0
+    host_alias_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
-        """`argument + output + temp - alias`: an upper bound on the bytes live at once.
+        """`argument + output + temp - alias` in device memory: an upper bound on the device bytes
+        live at once.
 
         Buffer assignment may free arguments early or reuse them, so the true peak can be lower.
         """
         return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """`argument + output + temp - alias` in host memory (0 where the program keeps nothing there)."""
+        return self.host_argument_bytes + self.host_output_bytes + self.host_temp_bytes - self.host_alias_bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -161,14 +185,22 @@ class Audit:
         if self.unknown_trip_counts:
             lines.append(f"{self.unknown_trip_counts} while loop(s) without a known trip count, counted once")
         m = self.memory
-        pairs = (f"{f.name.removesuffix('_bytes')} {human_bytes(getattr(m, f.name))}" for f in dataclasses.fields(m))
-        lines += [f"memory per device: {', '.join(pairs)}", f"peak (upper bound): {human_bytes(m.peak_bytes)}"]
+        lines += [f"memory per device: {_figures(m, '', _DEVICE_FIGURES)}",
+                  f"peak (upper bound): {human_bytes(m.peak_bytes)}"]
+        if any(getattr(m, f"host_{name}_bytes") for name in _HOST_FIGURES):
+            lines.append(f"host memory per device: {_figures(m, 'host_', _HOST_FIGURES)}; "
+                         f"held {human_bytes(m.host_bytes)}")
         return "\n".join(lines)
 
     def _of(self, kind: str | None) -> Iterator[Collective]:
         if kind is not None and kind not in _KINDS:
             raise ValueError(f"Audit: unknown collective kind {kind!r}; use one of {', '.join(_KINDS)} or None.")
         return (c for c in self.collectives if kind in (None, c.kind))
+
+
+def _figures(memory: MemoryFigures, prefix: str, names: tuple[str, ...]) -> str:
+    """`argument 1.5 KiB, output 512 B, ...`: the figures `names` of `memory` (`prefix` + name + `_bytes`)."""
+    return ", ".join(f"{name} {human_bytes(getattr(memory, f'{prefix}{name}_bytes'))}" for name in names)
 
 
 @api_boundary
@@ -202,23 +234,77 @@ def audit(compiled: jax.stages.Compiled) -> Audit:
             f"jshard.audit expects a jax.stages.Compiled, got {type(compiled).__name__}. "
             "Pass jax.jit(f).lower(*args).compile()."
         )
-    # XLA numbers long operand lists with comments (`/*index=5*/%x`); they are not part of names.
-    text = re.sub(r"/\*.*?\*/", "", compiled.as_text())
+    text = _hlo_text(compiled)
     collectives, unknown = read_collectives(text)
-    return Audit(collectives, _memory(compiled), unknown)
+    return Audit(collectives, _memory(compiled, text), unknown)
 
 
-def _memory(compiled: jax.stages.Compiled) -> MemoryFigures:
+def memory_figures(compiled: jax.stages.Compiled) -> MemoryFigures:
+    """The per-device memory of a compiled program (`audit(compiled).memory` without reading its
+    collectives).
+
+    Host memory apart: where the backend reports host bytes (`memory_analysis()`'s `host_*` sizes),
+    they are XLA's; where it reports none (XLA:CPU, whose device and host memory are one RAM, counts
+    `pinned_host` arguments and results with the device's), the entry computation's layout says which
+    arguments and results live in host memory (memory space `S(5)`), and its `input_output_alias`
+    which of them are donated: their bytes are moved from the device's figures to the host's.
+
+    Raises:
+      ValueError: if the backend reports no memory analysis.
+    """
+    return _memory(compiled, _hlo_text(compiled))
+
+
+def _hlo_text(compiled: jax.stages.Compiled) -> str:
+    # XLA numbers long operand lists with comments (`/*index=5*/%x`); they are not part of names.
+    return re.sub(r"/\*.*?\*/", "", compiled.as_text())
+
+
+def _memory(compiled: jax.stages.Compiled, text: str) -> MemoryFigures:
     stats = compiled.memory_analysis()
     if stats is None:
         raise ValueError("jshard.audit: this backend reports no memory analysis for the compiled program.")
+    device = (stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes)
+    host = (stats.host_argument_size_in_bytes, stats.host_output_size_in_bytes, stats.host_alias_size_in_bytes)
+    if not any(host) and not stats.host_temp_size_in_bytes:
+        host = _host_buffers(text.split("\n", 1)[0])
+        device = tuple(d - h for d, h in zip(device, host))
     return MemoryFigures(
-        argument_bytes=int(stats.argument_size_in_bytes),
-        output_bytes=int(stats.output_size_in_bytes),
+        argument_bytes=int(device[0]),
+        output_bytes=int(device[1]),
         temp_bytes=int(stats.temp_size_in_bytes),
-        alias_bytes=int(stats.alias_size_in_bytes),
+        alias_bytes=int(device[2]),
         code_bytes=int(stats.generated_code_size_in_bytes),
+        host_argument_bytes=int(host[0]),
+        host_output_bytes=int(host[1]),
+        host_temp_bytes=int(stats.host_temp_size_in_bytes),
+        host_alias_bytes=int(host[2]),
     )
+
+
+def _host_buffers(header: str) -> tuple[float, float, float]:
+    """Bytes of the host-memory (`S(5)`) arguments, results and donated results of an HLO module,
+    from its header line's `entry_computation_layout={(params)->result}` and `input_output_alias`."""
+    params, _, result = _attribute(header, "entry_computation_layout").partition("->")
+    results = _operands(result[1:]) if result.startswith("(") else [result]
+    host = [_host_array_bytes(r) for r in results]
+    aliased = {int(index or 0) for index in _ALIAS.findall(_attribute(header, "input_output_alias"))}
+    return (sum(map(_host_array_bytes, _operands(params[1:]) if params else [])), sum(host),
+            sum(host[i] for i in aliased if i < len(host)))
+
+
+def _attribute(header: str, name: str) -> str:
+    """The text inside `name={...}` of an HLO module's header line ("" where it has none)."""
+    start = header.find(f" {name}={{")
+    if start < 0:
+        return ""
+    start += len(name) + 2
+    return header[start + 1 : _close(header, start)].strip()
+
+
+def _host_array_bytes(shape: str) -> float:
+    """Bytes of the arrays of an HLO shape whose layout puts them in host memory (`{1,0:S(5)}`)."""
+    return sum(_shape_bytes(array) for array in _LAID_OUT.findall(shape) if _HOST_SPACE in array)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

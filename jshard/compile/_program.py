@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -14,15 +13,16 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jshard.audit import memory_figures
 from jshard.compile._boundary import argument_leaves
 from jshard.compile._options import Options
 from jshard.compile._planners import Planned
 from jshard.compile._signature import abstract
 from jshard.compile._trace import Traced
-from jshard.cost import CostModel, itemsize
+from jshard.cost import CostModel
 from jshard.hetero import Offload, offload_report, on_host_shardings, streamed
 from jshard.layouts import replicated, to_pspec
-from jshard.plan import HOST_MEMORY, Later, Plan, RecomputeReport, build_ops, recompute_report
+from jshard.plan import Later, Plan, RecomputeReport, build_ops, recompute_report
 from jshard.propagate import EMPTY, Result, Rewrite, emission_of, emit
 
 
@@ -106,26 +106,9 @@ def _recompute(traced: Traced, result, donated_leaves: set[int]) -> RecomputeRep
 
 def compiled_peak(jitted: Any, args: tuple, shardings: Any = None) -> float:
     """Per-device bytes the compiled program holds at once in device memory (arguments + results +
-    temporaries - donated), as XLA's buffer assignment reports them. A backend that counts arguments
-    and results in host memory (`pinned_host`) with the device's (XLA:CPU, where both are one RAM
-    and reports no host bytes) has their bytes, read from the compiled shardings, taken out."""
-    lowered = jitted.lower(*abstract(args, shardings))
-    compiled = lowered.compile()
-    m = compiled.memory_analysis()
-    held = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    if m.host_argument_size_in_bytes or m.host_output_size_in_bytes:
-        return float(held)
-    return float(held - _host_bytes(args, compiled.input_shardings[0])
-                 - _host_bytes(lowered.out_info, compiled.output_shardings))
-
-
-def _host_bytes(values: Any, shardings: Any) -> float:
-    """Bytes per device of the leaves of `values` (shapes) whose sharding is in host memory."""
-    held = 0.0
-    for x, sh in zip(jax.tree_util.tree_leaves(values), jax.tree_util.tree_leaves(shardings)):
-        if sh.memory_kind == HOST_MEMORY:
-            held += math.prod(sh.shard_shape(tuple(x.shape))) * itemsize(x.dtype)
-    return held
+    temporaries - donated, `jshard.audit`'s `MemoryFigures.peak_bytes`), as XLA's buffer assignment
+    reports them; arguments and results in host memory (`pinned_host`) are not the device's."""
+    return float(memory_figures(jitted.lower(*abstract(args, shardings)).compile()).peak_bytes)
 
 
 def _unflattened(evaluate: Callable[..., Any], out_tree) -> Callable[..., Any]:
