@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -168,22 +168,42 @@ class _Recursive:
         latency whichever units join it), the level's picks moved off that set (its units barred from
         it, the core improved by single and pairwise moves from `picks` and from its min-sum
         messages' picks, which move a block of units off at once: solving the level afresh per set
-        doubled the 96-layer step's planning); set after set while one helps. Returns the picks
-        and the sets barred with their toll."""
+        doubled the 96-layer step's planning); set after set while one helps. Closing a set whose
+        units move onto sets `picks` leaves closed goes on to close those too (`_closing`). Returns
+        the picks and the sets barred with their toll."""
         best = level.energy(picks) + level.latency(picks)
-        barred: Barred = (frozenset(), 2 * best + TIE)  # a toll above the whole level's seconds
+        toll = 2 * best + TIE  # above the whole level's seconds
+        barred: Barred = (frozenset(), toll)
         while True:
             found = None
             for s in sorted(level.opened(picks) - barred[0]):
-                other = _Level(self, group, base, lam, self.ties, like=level, barred=(barred[0] | {s}, barred[1]))
-                tried = other.solve(seed=picks, believed=True)
-                self.evaluations += other.evaluations
-                energy = level.energy(tried) + level.latency(tried)
-                if energy < (best if found is None else found[0]):
-                    found = (energy, tried, s)
+                for energy, tried, sets in self._closing(group, base, lam, level, picks, barred[0] | {s}, toll, best):
+                    if energy < (best if found is None else found[0]):
+                        found = (energy, tried, sets)
             if found is None:
                 return picks, barred
-            best, picks, barred = found[0], found[1], (barred[0] | {found[2]}, barred[1])
+            best, picks, barred = found[0], found[1], (found[2], toll)
+
+    def _closing(self, group: Group, base: list[Assignment], lam: float, level: _Level, picks: list[int],
+                 sets: frozenset, toll: float, best: float) -> Iterator[tuple[float, list[int], frozenset]]:
+        """`level`'s picks with the combined `sets` closed, improved from `picks` (`_closed`), then,
+        while the units barred from them move onto sets `picks` leaves closed (which pays the
+        latency again: closing one set of gradients' all-reduces over the data and model axes moved
+        them onto the model axis alone) and closing those too could still get below `best` (the
+        energy with latency to beat, were their latency all it saved), with those closed too,
+        improved from the step before. Yields each step's energy with the latency of the sets
+        opened, its picks and the sets barred."""
+        opened = level.opened(picks)
+        while True:
+            other = _Level(self, group, base, lam, self.ties, like=level, barred=(sets, toll))
+            picks = other.solve(seed=picks, believed=True)
+            self.evaluations += other.evaluations
+            energy = level.energy(picks) + level.latency(picks)
+            yield energy, picks, sets
+            new = frozenset(level.opened(picks) - opened - sets)
+            if not new or energy - level.latency(picks, new) >= best:
+                return
+            sets = sets | new
 
     def _checked(self, group: Group, base: list[Assignment], lam: float, chosen: list[Assignment],
                  like: _Level, barred: Barred) -> list[Assignment]:
@@ -248,11 +268,14 @@ class _Ties:
     forward blocks, the backward blocks in reverse, the optimizer's update of each layer's
     parameters). Each unit gets a colour (its structure and the bytes it keeps at the peak, refined
     `_ROUNDS` times by its neighbours' colours and the values between them); a run is a stretch where
-    every unit's colour equals the one a period later, `2 * _WINDOW + 2` periods or more. Its first
-    and last `_WINDOW` periods (the boundary layers, beside what does not repeat: the embedding, the
-    loss) are decided freely; the same position of every interior period is one class, a unit of the
-    level whose costs and tables are its members' summed (an edge inside a class on the diagonal:
-    both ends take the one pick). So a level's energy under a choice is exactly the program's with
+    every unit's colour equals the one a period later, `2 * (_WINDOW + _MARGIN) + 2` periods or more,
+    so that the boundary check keeps a middle of it tied too (a shorter run it weighs unit by unit
+    anyway: tying it would only seed the check, from units alike on their neighbourhood alone, as
+    four sibling parameters' updates of one shape are, in a choice no single or pairwise move of the
+    check leaves). Its first and last `_WINDOW` periods (the boundary layers, beside what does not
+    repeat: the embedding, the loss) are decided freely; the same position of every interior period
+    is one class, a unit of the level whose costs and tables are its members' summed (an edge inside
+    a class on the diagonal: both ends take the one pick). So a level's energy under a choice is exactly the program's with
     every interior layer taking the class's pick: the level's search (its eliminations, the core's
     pinned roots and moves) is flat in the number of layers, and the interior layers replay one
     layer's decisions. The replayed choice is then checked (`_Recursive._checked`, on the classes
@@ -350,14 +373,15 @@ class _Ties:
 
 def _runs(colour: np.ndarray) -> list[tuple[int, int, int]]:
     """The periodic runs of `colour` (program order): `(start, period, repeats)`, each stretch where
-    every entry equals the one `period` later for at least `2 * _WINDOW + 2` periods, without overlap;
+    every entry equals the one `period` later for at least `2 * (_WINDOW + _MARGIN) + 2` periods (the
+    boundary check's middle is two layers at least), without overlap;
     the periods tried are the commonest gaps between a colour's consecutive units, the run covering
     the most units first."""
     n = len(colour)
     order = np.lexsort((np.arange(n), colour))
     gaps = np.diff(order)[colour[order][1:] == colour[order][:-1]]
     periods, counts = np.unique(gaps, return_counts=True)
-    least = 2 * _WINDOW + 2
+    least = 2 * (_WINDOW + _MARGIN) + 2
     tried = periods[np.argsort(-counts, kind="stable")][:_PERIODS]
     free = np.ones(n, bool)
     found = []
@@ -515,13 +539,14 @@ class _Level:
         """The combined sets the combinable classes open under `picks` (one per class)."""
         return {s for c in self.combinable for s in self.joins(c, picks[c])}
 
-    def latency(self, picks: Sequence[int]) -> float:
-        """The latency the combined sets opened under `picks` pay: one per set and run
-        (`SearchGraph.combined_latency`), which the level's energy leaves out."""
+    def latency(self, picks: Sequence[int], of: frozenset | None = None) -> float:
+        """The latency the combined sets opened under `picks` (those of `of`, where given) pay: one
+        per set and run (`SearchGraph.combined_latency`), which the level's energy leaves out."""
         g, runs = self.g, {}
         for c in self.combinable:
             for s in self.joins(c, picks[c]):
-                runs[s] = g.units[self.reps[c]].weight
+                if of is None or s in of:
+                    runs[s] = g.units[self.reps[c]].weight
         return sum(w * g.cost.group_latency(axes) for (_, axes, _), w in runs.items())
 
     def weight(self, c: int) -> tuple[float, int]:
