@@ -188,11 +188,10 @@ def test_replaying_the_interior_layers_plans_what_the_full_search_plans(replayed
 
 def test_runs_are_found_as_periods_of_the_units_colours():
     """A run: a stretch where every unit's colour equals the one a period later, at least
-    `2 * (_WINDOW + _MARGIN) + 2` periods (a middle of two layers left to the boundary check); what
-    does not repeat (the ends) stays out."""
-    colour = np.array([9, 8] + [1, 2, 3, 2] * 6 + [7, 1, 2])
-    assert recursive._runs(colour) == [(2, 4, 6)]
-    assert recursive._runs(np.array([9] + [1, 2, 3] * (2 * (recursive._WINDOW + recursive._MARGIN) + 1) + [7])) == []
+    `2 * _WINDOW + 2` periods; what does not repeat (the ends) stays out."""
+    colour = np.array([9, 8] + [1, 2, 3, 2] * 5 + [7, 1, 2])
+    assert recursive._runs(colour) == [(2, 4, 5)]
+    assert recursive._runs(np.array([9] + [1, 2, 3] * (2 * recursive._WINDOW + 1) + [7])) == []
 
 
 def test_weighing_a_class_once_picks_what_weighing_each_unit_picks(layouts_computed, monkeypatch):

@@ -209,9 +209,13 @@ class _Recursive:
                  like: _Level, barred: Barred) -> list[Assignment]:
         """The boundary check of a replayed level's choice `chosen` (per unit): on `checks`' classes
         (each unit its own but the middle layers of long runs), single and pairwise moves from it
-        until none helps. Where the layers beside the middle then differ from it (a change at a
-        boundary carried layer to layer into the interior), the middle takes each one's choice and
-        is checked again (`_WAVES` rounds at most); the lowest energy is kept."""
+        until none helps; where no run leaves the check a middle (each unit its own class: the level
+        unit by unit), also from the core's min-sum messages' picks, as the level's own search does,
+        which move a block of units the replay's ties held together (four sibling parameters'
+        updates of one shape, alike to two hops, that no single or pairwise move parts). Where the
+        layers beside the middle then differ from it (a change at a boundary carried layer to layer
+        into the interior), the middle takes each one's choice and is checked again (`_WAVES`
+        rounds at most); the lowest energy is kept."""
         ties, best, seeds = self.checks, None, [None]  # None: `chosen`, seated on the level's candidates
         seated: dict[tuple[int, int], int] = {}  # `_seat`'s answers by the ids of a choice and a candidate list
 
@@ -226,9 +230,10 @@ class _Recursive:
             better = False
             for seed in seeds:
                 level = _Level(self, group, base, lam, ties, like=like, barred=barred)
+                believed = seed is None and not ties.tied  # once: the messages do not read the seed
                 if seed is None:
                     seed = [seat(chosen[k], cands) for k, cands in zip(ties.reps, level.cands)]
-                picks = level.solve(seed=seed)
+                picks = level.solve(seed=seed, believed=believed)
                 self.evaluations += level.evaluations
                 energy = level.energy(picks)
                 if best is None or energy < best[0]:
@@ -268,14 +273,11 @@ class _Ties:
     forward blocks, the backward blocks in reverse, the optimizer's update of each layer's
     parameters). Each unit gets a colour (its structure and the bytes it keeps at the peak, refined
     `_ROUNDS` times by its neighbours' colours and the values between them); a run is a stretch where
-    every unit's colour equals the one a period later, `2 * (_WINDOW + _MARGIN) + 2` periods or more,
-    so that the boundary check keeps a middle of it tied too (a shorter run it weighs unit by unit
-    anyway: tying it would only seed the check, from units alike on their neighbourhood alone, as
-    four sibling parameters' updates of one shape are, in a choice no single or pairwise move of the
-    check leaves). Its first and last `_WINDOW` periods (the boundary layers, beside what does not
-    repeat: the embedding, the loss) are decided freely; the same position of every interior period
-    is one class, a unit of the level whose costs and tables are its members' summed (an edge inside
-    a class on the diagonal: both ends take the one pick). So a level's energy under a choice is exactly the program's with
+    every unit's colour equals the one a period later, `2 * _WINDOW + 2` periods or more. Its first
+    and last `_WINDOW` periods (the boundary layers, beside what does not repeat: the embedding, the
+    loss) are decided freely; the same position of every interior period is one class, a unit of the
+    level whose costs and tables are its members' summed (an edge inside a class on the diagonal:
+    both ends take the one pick). So a level's energy under a choice is exactly the program's with
     every interior layer taking the class's pick: the level's search (its eliminations, the core's
     pinned roots and moves) is flat in the number of layers, and the interior layers replay one
     layer's decisions. The replayed choice is then checked (`_Recursive._checked`, on the classes
@@ -373,15 +375,14 @@ class _Ties:
 
 def _runs(colour: np.ndarray) -> list[tuple[int, int, int]]:
     """The periodic runs of `colour` (program order): `(start, period, repeats)`, each stretch where
-    every entry equals the one `period` later for at least `2 * (_WINDOW + _MARGIN) + 2` periods (the
-    boundary check's middle is two layers at least), without overlap;
+    every entry equals the one `period` later for at least `2 * _WINDOW + 2` periods, without overlap;
     the periods tried are the commonest gaps between a colour's consecutive units, the run covering
     the most units first."""
     n = len(colour)
     order = np.lexsort((np.arange(n), colour))
     gaps = np.diff(order)[colour[order][1:] == colour[order][:-1]]
     periods, counts = np.unique(gaps, return_counts=True)
-    least = 2 * (_WINDOW + _MARGIN) + 2
+    least = 2 * _WINDOW + 2
     tried = periods[np.argsort(-counts, kind="stable")][:_PERIODS]
     free = np.ones(n, bool)
     found = []
