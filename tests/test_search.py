@@ -236,3 +236,35 @@ def test_recursive_search_weighs_the_latency_of_the_gradient_all_reduces_it_open
     want = jax.jit(step)(ws, x)
     for got, ref in zip(jax.tree.leaves(plans["recursive"](ws, x)), jax.tree.leaves(want)):
         assert_close(got, ref, terms=x.size)
+
+
+def test_recursive_search_closes_the_combined_sets_the_gradients_move_onto(monkeypatch):
+    """The tanh MLP on a 4x2 mesh, its batch cut 4 ways (data) and each row a sequence of 8: the
+    weight gradients sum over the batch and the sequence. The model axis's level cuts the batch
+    further, so the gradients open a second set (data·model) beside the loss's (data). Closing it
+    moves the gradients onto the sequence (their all-reduces over model: a new set, the same two
+    latencies), which alone helps nothing; closed too, they keep the model axis off their sums and
+    one set (data) is left: the ILP's plan. Closing one set at a time misses it."""
+    from jshard.cost import CostModel
+    from jshard.graph import flatten
+    from jshard.search import _ilp, _recursive
+    from jshard.search._graph import SearchGraph
+
+    ws = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 2
+    x = jax.ShapeDtypeStruct((64, 8, 64), jnp.float32)
+    closed = jax.make_jaxpr(_tanh_mlp_step)(ws, x)
+    args, outvars = closed.jaxpr.invars, closed.jaxpr.outvars
+    g = SearchGraph(flatten(closed.jaxpr), args, outvars, {args[2]: (("data",), (), ())}, {"data": 4, "model": 2},
+                    CostModel(flops=100e12))
+    axes = [("data",), ("model",)]
+    optimum = _ilp.solve(g, axes, None, 60.0)
+    assert optimum.status == "optimal" and g.combined_sets(optimum.choice) == {(-1, ("data",), "add"): 1}
+    eps = np.finfo(np.float64).eps * len(g.units) ** 2  # float64 sums, one term per unit and edge
+    assert g.seconds(_recursive.solve(g, axes, None).choice) == pytest.approx(g.seconds(optimum.choice), rel=eps)
+
+    def first_step(search, group, base, lam, level, picks, sets, toll, best):
+        yield next(closing(search, group, base, lam, level, picks, sets, toll, best))
+
+    closing = _recursive._Recursive._closing
+    monkeypatch.setattr(_recursive._Recursive, "_closing", first_step)
+    assert g.seconds(_recursive.solve(g, axes, None).choice) > (1 + eps) * g.seconds(optimum.choice)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -168,34 +168,58 @@ class _Recursive:
         latency whichever units join it), the level's picks moved off that set (its units barred from
         it, the core improved by single and pairwise moves from `picks` and from its min-sum
         messages' picks, which move a block of units off at once: solving the level afresh per set
-        doubled the 96-layer step's planning). The sets are tried in order and the first that helps
-        is closed; then those not yet closed are tried again, until none helps (trying every set
-        and closing the best, each round, made 38 tries for the 96-layer step's plan where this
-        makes 31). Returns the picks and the sets barred with their toll."""
+        doubled the 96-layer step's planning). Closing a set whose units move onto sets `picks`
+        leaves closed goes on to close those too (`_closing`). The sets are tried in order and the
+        first whose closing helps is closed; then those not yet closed are tried again, until none
+        helps (trying every set and closing the best, each round, made 38 tries for the 96-layer
+        step's plan where this makes 31). Returns the picks and the sets barred with their toll."""
         best = level.energy(picks) + level.latency(picks)
-        barred: Barred = (frozenset(), 2 * best + TIE)  # a toll above the whole level's seconds
+        toll = 2 * best + TIE  # above the whole level's seconds
+        barred: Barred = (frozenset(), toll)
         failed: set[tuple] = set()  # sets tried closed without gain since the last one closed
         while True:
             todo = sorted(level.opened(picks) - barred[0] - failed)
             if not todo:
                 return picks, barred
             for s in todo:
-                other = level.barring((barred[0] | {s}, barred[1]))
-                tried = other.solve(seed=picks, believed=True)
-                self.evaluations += other.evaluations
-                energy = level.energy(tried) + level.latency(tried)
+                energy, tried, sets = min(self._closing(level, picks, barred[0] | {s}, toll, best), key=lambda t: t[0])
                 if energy < best:
-                    best, picks, barred, failed = energy, tried, (barred[0] | {s}, barred[1]), set()
+                    best, picks, barred, failed = energy, tried, (sets, toll), set()
                     break
                 failed.add(s)
+
+    def _closing(self, level: _Level, picks: list[int], sets: frozenset, toll: float,
+                 best: float) -> Iterator[tuple[float, list[int], frozenset]]:
+        """`level`'s picks with the combined `sets` closed, improved from `picks` (`_closed`), then,
+        while the units barred from them move onto sets `picks` leaves closed (which pays the
+        latency again: closing one set of gradients' all-reduces over the data and model axes moved
+        them onto the model axis alone) and closing those too could still get below `best` (the
+        energy with latency to beat, were their latency all it saved), with those closed too,
+        improved from the step before. Yields each step's energy with the latency of the sets
+        opened, its picks and the sets barred."""
+        opened = level.opened(picks)
+        while True:
+            other = level.barring((sets, toll))
+            picks = other.solve(seed=picks, believed=True)
+            self.evaluations += other.evaluations
+            energy = level.energy(picks) + level.latency(picks)
+            yield energy, picks, sets
+            new = frozenset(level.opened(picks) - opened - sets)
+            if not new or energy - level.latency(picks, new) >= best:
+                return
+            sets = sets | new
 
     def _checked(self, group: Group, base: list[Assignment], lam: float, chosen: list[Assignment],
                  like: _Level, barred: Barred) -> list[Assignment]:
         """The boundary check of a replayed level's choice `chosen` (per unit): on `checks`' classes
         (each unit its own but the middle layers of long runs), single and pairwise moves from it
-        until none helps. Where the layers beside the middle then differ from it (a change at a
-        boundary carried layer to layer into the interior), the middle takes each one's choice and
-        is checked again (`_WAVES` rounds at most); the lowest energy is kept."""
+        until none helps; where no run leaves the check a middle (each unit its own class: the level
+        unit by unit), also from the core's min-sum messages' picks, as the level's own search does,
+        which move a block of units the replay's ties held together (four sibling parameters'
+        updates of one shape, alike to two hops, that no single or pairwise move parts). Where the
+        layers beside the middle then differ from it (a change at a boundary carried layer to layer
+        into the interior), the middle takes each one's choice and is checked again (`_WAVES`
+        rounds at most); the lowest energy is kept."""
         ties, best, seeds = self.checks, None, [None]  # None: `chosen`, seated on the level's candidates
         seated: dict[tuple[int, int], int] = {}  # `_seat`'s answers by the ids of a choice and a candidate list
 
@@ -210,9 +234,10 @@ class _Recursive:
             better = False
             for seed in seeds:
                 level = _Level(self, group, base, lam, ties, like=like, barred=barred)
+                believed = seed is None and not ties.tied  # once: the messages do not read the seed
                 if seed is None:
                     seed = [seat(chosen[k], cands) for k, cands in zip(ties.reps, level.cands)]
-                picks = level.solve(seed=seed)
+                picks = level.solve(seed=seed, believed=believed)
                 self.evaluations += level.evaluations
                 energy = level.energy(picks)
                 if best is None or energy < best[0]:
@@ -541,11 +566,12 @@ class _Level:
         """The combined sets the combinable classes open under `picks` (one per class)."""
         return {s for c in self.combinable for s in self.joins(c, picks[c])}
 
-    def latency(self, picks: Sequence[int]) -> float:
-        """The latency the combined sets opened under `picks` pay: one per set and run
-        (`SearchGraph.combined_latency`), which the level's energy leaves out."""
+    def latency(self, picks: Sequence[int], of: frozenset | None = None) -> float:
+        """The latency the combined sets opened under `picks` (those of `of`, where given) pay: one
+        per set and run (`SearchGraph.sets_latency`), which the level's energy leaves out."""
         g = self.g
-        return g.sets_latency({s: g.units[self.reps[c]].weight for c in self.combinable for s in self.joins(c, picks[c])})
+        return g.sets_latency({s: g.units[self.reps[c]].weight for c in self.combinable
+                               for s in self.joins(c, picks[c]) if of is None or s in of})
 
     def weight(self, c: int) -> tuple[float, int]:
         """The order the core tries its heaviest units in: a class's first unit's compute and degree,
