@@ -803,31 +803,32 @@ class _Level:
         at = {k: n for n, k in enumerate(core)}
         width = max(len(self.unary[k]) for k in core)
         far = 2.0 ** 100  # a missing candidate (units have fewer than `width`): never the least
-        unary = np.full((len(core), width), far)
+        unary = np.full((width, len(core)), far)  # [candidate, unit]: reductions run over the first axis
         for n, k in enumerate(core):
-            unary[n, :len(self.unary[k])] = self.unary[k]
+            unary[:len(self.unary[k]), n] = self.unary[k]
         pairs = list(self.tables.items())
         n_pairs = len(pairs)
         src = np.array([at[a] for (a, _), _ in pairs] + [at[b] for (_, b), _ in pairs])
         dst = np.concatenate([src[n_pairs:], src[:n_pairs]])
-        tables = np.full((width, 2 * n_pairs, width), far)  # [src's candidate, message, dst's candidate]
+        tables = np.full((width, width, 2 * n_pairs), far)  # [src's candidate, dst's candidate, message]
         for n, (_, t) in enumerate(pairs):
-            tables[:t.shape[0], n, :t.shape[1]] = t
-            tables[:t.shape[1], n + n_pairs, :t.shape[0]] = t.T
+            tables[:t.shape[0], :t.shape[1], n] = t
+            tables[:t.shape[1], :t.shape[0], n + n_pairs] = t.T
         back = np.concatenate([np.arange(n_pairs) + n_pairs, np.arange(n_pairs)])  # the reverse message
-        told = np.zeros((2 * n_pairs, width))  # message n: from unit src[n] to unit dst[n], per dst's candidate
+        told = np.zeros((width, 2 * n_pairs))  # message n: from unit src[n] to unit dst[n], per dst's candidate
+
+        def believed(told: np.ndarray) -> np.ndarray:  # each unit's own costs and all it was told
+            return unary + np.stack([np.bincount(dst, weights=row, minlength=len(core)) for row in told])
+
         for _ in range(_BELIEFS):
-            belief = unary.copy()
-            np.add.at(belief, dst, told)
-            sent = ((belief[src] - told[back]).T[:, :, None] + tables).min(0)  # least over src's candidates
-            sent -= sent.min(1, keepdims=True)
+            sent = ((believed(told)[:, src] - told[:, back])[:, None, :] + tables).min(0)  # least over src's
+            sent -= sent.min(0)
             done = np.allclose(sent, told, rtol=1e-12, atol=0.0)
             told = sent
             if done:
                 break
-        belief = unary.copy()
-        np.add.at(belief, dst, told)
-        return {k: int(belief[n].argmin()) for n, k in enumerate(core)}
+        picks = believed(told).argmin(0)
+        return {k: int(picks[n]) for n, k in enumerate(core)}
 
     def _spread(self, core: list[int], pinned: dict[int, int]) -> dict[int, int]:
         """The pinned units, then the others in program order, each against those decided before
