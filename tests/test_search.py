@@ -262,8 +262,8 @@ def test_recursive_search_closes_the_combined_sets_the_gradients_move_onto(monke
     eps = np.finfo(np.float64).eps * len(g.units) ** 2  # float64 sums, one term per unit and edge
     assert g.seconds(_recursive.solve(g, axes, None).choice) == pytest.approx(g.seconds(optimum.choice), rel=eps)
 
-    def first_step(search, group, base, lam, level, picks, sets, toll, best):
-        yield next(closing(search, group, base, lam, level, picks, sets, toll, best))
+    def first_step(search, level, picks, sets, toll, best):
+        yield next(closing(search, level, picks, sets, toll, best))
 
     closing = _recursive._Recursive._closing
     monkeypatch.setattr(_recursive._Recursive, "_closing", first_step)
