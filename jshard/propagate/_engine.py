@@ -234,7 +234,7 @@ class Engine:
                 if c in comms:  # a later user's charge for a move an earlier one paid was dropped
                     comms.remove(c)
             comms += redistribution(*array_of(v), spec, d.in_specs[pos], self.axis_size, self.cost.alltoall)
-            seconds = self.nodes[j].weight * sum(self.cost.time(c, self.axis_size) for c in comms)
+            seconds = self._paid(j, comms)
             self.decisions[j] = dataclasses.replace(d, comms=tuple(comms), seconds=seconds)
 
     def _sum_into_users(self, outputs: set) -> None:
@@ -307,13 +307,17 @@ class Engine:
             for v, spec in zip(outs, wanted):
                 self._relayout(v, spec)
 
+    def _paid(self, i: int, comms: Sequence[Comm]) -> float:
+        """Seconds operator `i` pays for `comms`, as often as it runs."""
+        return self.nodes[i].weight * sum(self.cost.time(c, self.axis_size) for c in comms)
+
     def _users_pay(self, v, src: Spec, dst: Spec) -> float:
         """Seconds `v`'s users are charged for moving it from `src` into `dst`."""
         moved = redistribution(*array_of(v), src, dst, self.axis_size, self.cost.alltoall)
         paid = 0.0
         for j, _ in self.consumers.get(v, ()):
             comms = self.decisions[j].comms
-            paid += self.nodes[j].weight * sum(self.cost.time(c, self.axis_size) for c in moved if c in comms)
+            paid += self._paid(j, [c for c in moved if c in comms])
         return paid
 
     def _moved_already(self, i: int, in_specs: Sequence[Spec]) -> float:
@@ -327,7 +331,7 @@ class Engine:
             if any(j != i and j in self.decisions and self.decisions[j].in_specs[pos] == dst
                    and self.nodes[j].weight == node.weight for j, pos in self.consumers.get(v, ())):
                 moved = redistribution(*array_of(v), src, dst, self.axis_size, self.cost.alltoall)
-                saved += node.weight * sum(self.cost.time(c, self.axis_size) for c in moved)
+                saved += self._paid(i, moved)
         return saved
 
     def _cut_at_source(self, outputs: set) -> None:
@@ -366,7 +370,7 @@ class Engine:
                         kept.remove(c)
             self.decisions[i] = dataclasses.replace(
                 d, in_specs=in_specs, out_specs=wanted, comms=tuple(kept),
-                seconds=self.nodes[i].weight * sum(self.cost.time(c, self.axis_size) for c in kept),
+                seconds=self._paid(i, kept),
                 implied=not comms and self.implied(i, f, finer))
             for v, spec in zip(outs, wanted):
                 self._relayout(v, spec)
@@ -561,7 +565,7 @@ class Engine:
         for d, v in zip(f.outputs, outs) if partial else ():
             spec = write_spec(d, a, f.sizes, self.axis_size)
             comms += [Comm("all-reduce", local_bytes(*array_of(v), spec, self.axis_size), axes) for axes in partial]
-        seconds = node.weight * sum(self.cost.time(c, self.axis_size) for c in comms)
+        seconds = self._paid(i, comms)
         cut = math.prod(self.axis_size[x] for axes in a.values() for x in axes)
         compute = node.weight * f.flops / cut / self.cost.flops
         if best_fit is None and known:
