@@ -51,18 +51,18 @@ def _figures(step, params, state, batches) -> tuple[tuple[str, ...], list[float]
 def accumulation_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=2), ks: Sequence[int] = (1, 2, 4, 8),
                        devices: int = 8) -> Table:
     """k micro-batches per step, data parallel on `devices`: the accumulator laid out as the
-    gradients (without and with `optimizer_parallel=1`), and cut (`accumulation_shard=True`)."""
+    gradients (without and with `optimizer=1`), and cut (`Accumulation(shard=True)`)."""
     params, state, batches = _problem(cfg)
-    cut = dict(optimizer_parallel=1, optimizer_parallel_threshold="16KiB")
-    configs = (("as the gradients", {}, False), ("as the gradients, optimizer_parallel=1", cut, False),
-               ("cut, optimizer_parallel=1", cut, True))
+    cut = dict(optimizer=js.OptimizerParallel(1, threshold="16KiB"))
+    configs = (("as the gradients", {}, False), ("as the gradients, optimizer=1", cut, False),
+               ("cut, optimizer=1", cut, True))
     rows, reference = [], None
     for how, extra, shard in configs:
         for k in ks:
             if k == 1 and shard:  # no accumulator: the row above
                 continue
-            step = js.parallelize(_accumulating_step(cfg), devices=devices, mode="data", accumulation_steps=k,
-                                  accumulation_shard=shard, **extra)
+            step = js.parallelize(_accumulating_step(cfg), devices=devices, mode="data", accumulation=js.Accumulation(k, shard=shard),
+                                  **extra)
             cells, losses = _figures(step, params, state, batches)
             reference = reference or losses
             diff = max(abs(a - b) for a, b in zip(losses, reference))
@@ -77,15 +77,15 @@ def accumulation_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=2), ks:
         (
             f"GPT ({cfg.n_layers} layers, d_model {cfg.d_model}, seq {cfg.seq_len}) with Adam, {ROWS} rows, data "
             f"parallel on {devices} simulated CPU devices, {STEPS} steps; the step calls "
-            f"`js.accumulate(jax.value_and_grad(loss))` under `parallelize(..., accumulation_steps=k)`.",
+            f"`js.accumulate(jax.value_and_grad(loss))` under `parallelize(..., accumulation=k)`.",
             "Collective bytes per step from the compiled HLO (loops weighted by their trip count). Accumulator "
             "as the gradients: each device sums its own micro-batches (the loop in a shard_map manual over the "
             "batch's axes) and one all-reduce after the loop reduces them, so the all-reduce bytes are those of "
             "k = 1. Cut: each micro-batch's gradients above the threshold are reduce-scattered into the cut carry "
             "(k reduce-scatters), the small ones all-reduced once.",
-            "accumulation_shard=True (last rows) cuts the scan's accumulated gradients over the data-parallel "
+            "Accumulation(shard=True) (last rows) cuts the scan's accumulated gradients over the data-parallel "
             "axes, as optimizer_parallel cuts the state they update (MindSpore's gradient_accumulation_shard "
-            "asks for its parallel optimizer too); compare with the rows of the same k and optimizer_parallel=1.",
+            "asks for its parallel optimizer too); compare with the rows of the same k and optimizer=1.",
         ),
     )
 
@@ -96,8 +96,7 @@ def comm_recompute_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=2), d
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), OPT)
     rows, reference = [], None
     for again in (False, True):
-        step = js.parallelize(train, devices=devices, mode="data", optimizer_parallel=3,
-                              optimizer_parallel_threshold="16KiB", optimizer_comm_recompute=again)
+        step = js.parallelize(train, devices=devices, mode="data", optimizer=js.OptimizerParallel(3, threshold="16KiB", comm_recompute=again))
         compiled = step.lower(params, state, batches[0]).compile()
         gathers = js.audit(compiled).by_kind().get("all-gather", (0, 0.0))
         cells, losses = _figures(step, params, state, batches)
@@ -110,7 +109,7 @@ def comm_recompute_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=2), d
         ("optimizer_comm_recompute", "temp", "all-gathers", "all-gather bytes", "collectives", "max |loss - off loss|"),
         tuple(rows),
         (
-            f"GPT ({cfg.n_layers} layers) with Adam, {ROWS} rows, `optimizer_parallel=3` (threshold 16 KiB) on "
+            f"GPT ({cfg.n_layers} layers) with Adam, {ROWS} rows, `optimizer=3` (threshold 16 KiB) on "
             f"{devices} simulated CPU devices, {STEPS} steps; figures from the compiled programs.",
         ),
     )

@@ -55,7 +55,7 @@ def gpt3_table() -> Table:
     args = (params, jax.eval_shape(optimizer.init, params),
             (tokens, tokens, jax.ShapeDtypeStruct((GPT3_BATCH, cfg.seq_len), np.float32)))
     step = js.parallelize(models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), optimizer),
-                          devices=GPT3_DEVICES, mode="auto", memory_budget=GPT3_BUDGET, cost_model=cost,
+                          devices=GPT3_DEVICES, mode="auto", search=js.Search(memory_budget=GPT3_BUDGET), cost_model=cost,
                           donate_argnums=(0, 1))
     took, plan = timed(lambda: step.plan(*args))
     report = plan.search
@@ -120,7 +120,7 @@ def optimizer_recompute_table(devices: int, rounds: int, budget: float) -> Table
     for level in LEVELS:
         for policy in POLICIES:
             step, args = _gpt_step(policy)
-            parallel = js.parallelize(step, devices=devices, mode="data", optimizer_parallel=level)
+            parallel = js.parallelize(step, devices=devices, mode="data", optimizer=level)
             compiled = parallel.lower(*args).compile()
             placed = jax.device_put(args, parallel.plan(*args).in_shardings)
             cases.append(_Case(level, policy, compiled, placed, float(compiled(*placed)[2])))
@@ -146,7 +146,7 @@ def optimizer_recompute_table(devices: int, rounds: int, budget: float) -> Table
         (
             f"GPT (jshard.models) with {cfg.n_layers} layers under `lax.scan`, d_model {cfg.d_model}, d_ff {cfg.d_ff}, "
             f"seq_len {cfg.seq_len}, vocab {cfg.vocab}, batch {SMALL_BATCH}; `jshard.parallelize(step, "
-            f"devices={devices}, mode='data', optimizer_parallel=level)` (0: off), each block "
+            f"devices={devices}, mode='data', optimizer=level)` (0: off), each block "
             "`jshard.recompute(block, policy=...)` (`GPTConfig.recompute`; none: not wrapped). No donation.",
             "Scanned, because XLA:CPU undoes recompute in an unrolled program: it drops the optimization barriers "
             "`jax.checkpoint` leaves and merges the recomputed forward with the first (common-subexpression "

@@ -37,8 +37,7 @@ def pipeline_table(devices: int) -> Table:
     rows, temps = [], {}
     whole = sum(a.nbytes for a in jax.tree.leaves(params))
     for name, s, m, v in CASES:
-        step = js.parallelize(pipe, devices=devices, pipeline_stages=s, micro_batches=m, schedule=name,
-                              virtual_stages=v)
+        step = js.parallelize(pipe, devices=devices, pipeline=js.Pipelining(stages=s, micro_batches=m, schedule=name, virtual_stages=v))
         compiled = step.compile(params, batch)
         plan = step.plan(params, batch)
         memory = compiled.memory_analysis()

@@ -59,7 +59,7 @@ def inner_table() -> Table:
     ref = jax.jit(jax.value_and_grad(_loss(plain, tag=False)))(params, batch)
     out = []
     for name, block in _blocks().items():
-        step = js.parallelize(_loss(block), devices=4, pipeline_stages=2, micro_batches=4, schedule="1f1b")
+        step = js.parallelize(_loss(block), devices=4, pipeline=js.Pipelining(stages=2, micro_batches=4, schedule="1f1b"))
         got = step(params, batch)
         compiled, program = step.compile(params, batch), step.program(params, batch)
         memory, kinds = compiled.memory_analysis(), js.audit(compiled).by_kind()

@@ -37,8 +37,7 @@ def stacked_inner_table() -> Table:
     once = nbytes("layers") // 2 + max(nbytes("embed", "pos"), nbytes("ln_f", "head"))
     out = []
     for name, preset, schedule in CASES:
-        step = js.parallelize(models.gpt_pipeline(cfg, preset), devices=8, pipeline_stages=2, micro_batches=4,
-                              schedule=schedule)
+        step = js.parallelize(models.gpt_pipeline(cfg, preset), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4, schedule=schedule))
         got = step(params, batch)
         compiled = step.compile(params, batch)
         kinds = js.audit(compiled).by_kind()

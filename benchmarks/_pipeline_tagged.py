@@ -36,8 +36,7 @@ def pipeline_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=4), rows: i
         v = 2 if name == "interleaved" else 1
         loss = models.gpt_staged_loss(cfg, stages * v)
         ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss))(params, batch)
-        step = js.parallelize(loss, devices=8, pipeline_stages=stages, micro_batches=micro, schedule=name,
-                              virtual_stages=v)
+        step = js.parallelize(loss, devices=8, pipeline=js.Pipelining(stages=stages, micro_batches=micro, schedule=name, virtual_stages=v))
         got_loss, got_grads = step(params, batch)
         compiled = step.compile(params, batch)
         program = step.program(params, batch)
@@ -66,7 +65,7 @@ def pipeline_table(cfg: models.GPTConfig = models.GPTConfig(n_layers=4), rows: i
         (
             f"GPT ({cfg.n_layers} blocks, d_model {cfg.d_model}, seq {cfg.seq_len}, vocab {cfg.vocab}), {rows} rows, "
             "unrolled and tagged with `js.pipeline_stage` (`models.gpt_staged_loss`), run by "
-            "`parallelize(loss, devices=8, pipeline_stages=S, micro_batches=M, schedule=...)`; each stage's "
+            "`parallelize(loss, devices=8, pipeline=js.Pipelining(S, M, schedule=...))`; each stage's "
             "8/S devices cut the micro-batch rows (data parallel, gradients reduced once per step).",
             "Bubble: the idle share of the tick table, every operation one tick (zero bubble's backward is two: "
             "B, the input gradient, and W, the weight gradient). Theory (S-1)/(M+S-1); zero bubble (S-1)/(3M+S-1); "

@@ -1,5 +1,5 @@
 """7b. Planning an unrolled GPT-3-shaped step at depth: the recursive search with and without the
-replay of repeated layers (`parallelize(search_replay=...)`), on an abstract mesh of 1024 devices."""
+replay of repeated layers (`parallelize(search=js.Search(replay=...))`), on an abstract mesh of 1024 devices."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class _Measured(NamedTuple):
 
 def _measure(layers: int, replay: bool) -> _Measured:
     shape = _shape(layers)
-    step = js.parallelize(shape.step(), devices=DEVICES, mode="auto", search_replay=replay)
+    step = js.parallelize(shape.step(), devices=DEVICES, mode="auto", search=js.Search(replay=replay))
     args = shape.args()
     start, cpu = time.perf_counter(), time.process_time()
     plan = step.plan(*args)
@@ -103,7 +103,7 @@ def replay_table(depths: Sequence[int] = DEPTHS, repeats: int = REPEATS) -> Tabl
             "`Parallelized.plan(...)` of the Adam train step of the GPT-3-shaped model (d_model 12288, 96 heads, "
             "d_ff 49152, seq 2048, vocab 50257, batch 1536), its layers an unrolled Python loop, no annotations "
             f"(`mode='auto'`, recursive search, no memory budget), on shapes only, an abstract mesh of {DEVICES} "
-            "devices; `search_replay=True` (the default) or False. plan: trace + search, wall clock; plan CPU: this "
+            "devices; `Search(replay=True)` (the default) or False. plan: trace + search, wall clock; plan CPU: this "
             "process's CPU time over the same call; read plan (wall and CPU): the same call, then the first read of "
             "`Plan.ops`, the plan's operator records, made when first read (the collector paused, as `plan` "
             "pauses it): what a user reading the plan (`plan.ops`, `plan.summary()`, `jshard plan`) pays, the "

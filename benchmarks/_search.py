@@ -141,8 +141,8 @@ def _searched_step(case: Searched, fn, args: tuple, loss_at: int, devices: int |
     """`case` planned, compiled and run one step: `fn(*args)` returns its loss at `loss_at`; `options`:
     more `jshard.parallelize` options (the zoo's batch arguments)."""
     try:
-        step = js.parallelize(fn, devices=devices, mode="auto", search=case.search,
-                              memory_budget=case.budget, search_time_limit=time_limit, **options)
+        step = js.parallelize(fn, devices=devices, mode="auto", search=js.Search(case.search, memory_budget=case.budget, time_limit=time_limit),
+                              **options)
         start = time.perf_counter()
         plan = step.plan(*args)
         planning = time.perf_counter() - start
@@ -352,7 +352,7 @@ ALPA_39B = Shape("GPT-39B (Alpa)", models.GPTConfig(vocab=51200, seq_len=1024, d
 def _plan(shape: Shape, devices: int, how: str, time_limit: float) -> tuple[float, float, js.Plan | None, str]:
     """(wall seconds, this process's CPU seconds, the plan or None, why not) of one `plan()` and the
     reading of its operator records (`Plan.ops`, made when first read: what `summary()` shows)."""
-    step = js.parallelize(shape.step(), devices=devices, mode="auto", search=how, search_time_limit=time_limit)
+    step = js.parallelize(shape.step(), devices=devices, mode="auto", search=js.Search(how, time_limit=time_limit))
     args = shape.args()
     start, cpu = time.perf_counter(), time.process_time()
     try:

@@ -30,6 +30,11 @@ from jshard._visualize import Visualization as Visualization
 from jshard._visualize import visualize as visualize
 from jshard.audit import Audit as Audit
 from jshard.audit import audit as audit
+from jshard.compile import Accumulation as Accumulation
+from jshard.compile import OptimizerParallel as OptimizerParallel
+from jshard.compile import Pipelining as Pipelining
+from jshard.compile import Search as Search
+from jshard.cost import CostModel as CostModel
 from jshard.hetero import offload_names as offload_names
 from jshard.hetero import on_host as on_host
 from jshard.layouts import Layout as Layout
@@ -60,17 +65,22 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "Accumulation",
     "Audit",
+    "CostModel",
     "DeviceCountError",
     "Layout",
     "LayoutCollisionWarning",
     "LayoutConflictError",
     "MemoryBudgetError",
     "OpRecord",
+    "OptimizerParallel",
     "Parallelized",
     "Pipeline",
+    "Pipelining",
     "Plan",
     "ProcessInfo",
+    "Search",
     "ShardingError",
     "TensorLayout",
     "Visualization",

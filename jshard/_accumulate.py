@@ -12,11 +12,11 @@ redistribution), runs `grad_fn` on each in a `lax.scan`, sums its results in the
 returns their mean (floating leaves; integer ones, counts, summed): one optimizer update follows,
 on the mean gradient, as the full batch's step makes it where the loss is a mean over rows (for a
 masked mean, where every row's mask counts the same tokens). Under `parallelize(...,
-accumulation_steps=k)` k comes from there. Where the core names the mesh axes that cut the batch's
+accumulation=k)` k comes from there. Where the core names the mesh axes that cut the batch's
 rows (`batch_axes` in the trace context: `compile/_core.py`), the loop runs in a `jax.shard_map`
 manual over them, each device summing its own rows of each micro-batch, and one `psum` after the
 loop reduces the sums: the gradients are reduced once per step, as MindSpore and Megatron do, not
-once per micro-batch. With `accumulation_shard=True` the carry's gradients are cut over the
+once per micro-batch. With `Accumulation(shard=True)` the carry's gradients are cut over the
 data-parallel axes (the core puts the cut in the trace context), and in the manual loop each
 micro-batch's gradient is reduce-scattered into that cut (MindSpore's
 `gradient_accumulation_shard`).
@@ -90,14 +90,14 @@ def _steps(steps, ctx, call: str) -> int:
     given = None if ctx is None else ctx.accumulation_steps
     if steps is None and given is None:
         raise ShardingError(f"{call}: no micro-batch count: pass accumulate(grad_fn, steps=k), or call it in a step "
-                            f"parallelized with accumulation_steps=k.")
+                            f"parallelized with accumulation=k.")
     k = given if steps is None else steps
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ShardingError(f"{call}: steps={k!r} is not a number of micro-batches; give a positive int k that "
                             f"divides the batch's rows.")
     if given is not None and k != given:
-        raise ShardingError(f"{call}: steps={k} but the step is parallelized with accumulation_steps={given}; give "
-                            f"one of them (drop steps= to take accumulation_steps).")
+        raise ShardingError(f"{call}: steps={k} but the step is parallelized with accumulation={given}; give "
+                            f"one of them (drop steps= to take parallelize's accumulation=).")
     return k
 
 
@@ -237,10 +237,10 @@ def _cuts(shapes, accumulator, call: str) -> list:
         return [sh for _, sh in cut]
     hits = [i for i, part in enumerate(shapes) if like(part)] if isinstance(shapes, (tuple, list)) else []
     if not hits:
-        raise ShardingError(f"{call}: accumulation_shard=True cuts the accumulated gradients like the parameters "
+        raise ShardingError(f"{call}: Accumulation(shard=True) cuts the accumulated gradients like the parameters "
                             f"(argument 0 of the step), but no result of the gradient function has their tree and "
                             f"shapes. Differentiate with respect to the parameters as the step takes them "
-                            f"(jax.value_and_grad(loss_fn)(params, batch)), or drop accumulation_shard.")
+                            f"(jax.value_and_grad(loss_fn)(params, batch)), or drop Accumulation(shard=True).")
     return [sh for i, part in enumerate(shapes)
             for sh in ([s for _, s in cut] if i == hits[0] else [None] * len(jax.tree_util.tree_leaves(part)))]
 
@@ -252,6 +252,6 @@ def _rows_error(call: str, b: int, path: str, x, k: int) -> str:
                 f"of the batch is cut along its rows into the {k} micro-batches. Pass scalars in another argument.")
     rows = np.shape(x)[0]
     divisors = [d for d in range(1, rows + 1) if rows % d == 0]
-    return (f"{call}: accumulation_steps={k} does not divide the {rows} rows of the batch (argument {b}) leaf "
+    return (f"{call}: accumulation={k} does not divide the {rows} rows of the batch (argument {b}) leaf "
             f"{path or '(the argument)'} {shape}. Give a k that divides {rows} ({', '.join(map(str, divisors))}), "
             f"or a batch of a multiple of {k} rows.")

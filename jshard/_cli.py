@@ -122,11 +122,11 @@ def _plan_parser(sub) -> None:
                            "rates, and its memory as the default --memory-budget (default: the devices present "
                            "if --devices fit them, else no budget)")
     plan.add_argument("--enable-alltoall", action=argparse.BooleanOptionalAction, default=None,
-                      help="let redistributions be all-to-alls (parallelize's enable_alltoall; default on); "
+                      help="let redistributions be all-to-alls (CostModel's alltoall; default on); "
                            "--no-enable-alltoall prices and emits them as all-gathers and slices")
     plan.add_argument("--replay", action=argparse.BooleanOptionalAction, default=None,
                       help="with the recursive search: decide an unrolled loop's interior layers as one and "
-                           "replay the decision on each (parallelize's search_replay; default on); --no-replay "
+                           "replay the decision on each (Search's replay; default on); --no-replay "
                            "weighs every operator on its own")
     plan.add_argument("--time-limit", metavar="S", type=float, default=None,
                       help="seconds the ILP search may take (default 60)")
@@ -307,21 +307,20 @@ def _plan(args: argparse.Namespace) -> int:
 
     options = dict(example.options)
     options.update(devices=args.devices, mode=args.mode)
-    if args.search is not None:
-        options["search"] = args.search
-    if budget is not None:
-        options["memory_budget"] = budget
-    if args.time_limit is not None:
-        options["search_time_limit"] = args.time_limit
-    if args.enable_alltoall is not None:
-        options["enable_alltoall"] = args.enable_alltoall
-    if args.replay is not None:
-        options["search_replay"] = args.replay
-    if args.device is not None:
-        from jshard.cost import DEVICE_KINDS, CostModel
+    import dataclasses
 
+    from jshard.compile import grouped
+    from jshard.cost import DEVICE_KINDS, CostModel
+
+    given = {"method": args.search, "memory_budget": budget, "time_limit": args.time_limit, "replay": args.replay}
+    search = grouped("search", options.get("search", "recursive"), "jshard plan")
+    options["search"] = dataclasses.replace(search, **{k: v for k, v in given.items() if v is not None})
+    costs = options.get("cost_model") or CostModel()
+    if args.enable_alltoall is not None:
+        options["cost_model"] = costs = dataclasses.replace(costs, alltoall=args.enable_alltoall)
+    if args.device is not None:
         try:
-            options["cost_model"] = CostModel.for_device(args.device)
+            options["cost_model"] = CostModel.for_device(args.device, alltoall=costs.alltoall)
         except jshard.ShardingError:
             print(f"jshard plan: error: --device {args.device!r} is no known device kind; the known kinds are "
                   f"{', '.join(DEVICE_KINDS)}.", file=sys.stderr)

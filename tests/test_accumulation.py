@@ -1,4 +1,4 @@
-"""Gradient accumulation (`parallelize(..., accumulation_steps=k, accumulation_shard=...)` with
+"""Gradient accumulation (`parallelize(..., accumulation=js.Accumulation(k, shard=...))` with
 `jshard.accumulate` in the step): the reference GPT with Adam on 8 devices, 4 micro-batches, equals
 the full-batch step on one device over 3 steps, and its compiled program holds less temporary
 memory than the full-batch one's."""
@@ -47,12 +47,11 @@ def _reference():
 @functools.cache
 def _compiled(k: int, shard: bool):
     params, state, batches = _problem()
-    step = js.parallelize(_step, devices=8, mode="data", accumulation_steps=k, accumulation_shard=shard,
-                          optimizer_parallel=1, optimizer_parallel_threshold="16KiB")
+    step = js.parallelize(_step, devices=8, mode="data", accumulation=js.Accumulation(k, shard=shard), optimizer=js.OptimizerParallel(1, threshold="16KiB"))
     return step, step.lower(params, state, batches[0]).compile()
 
 
-def _two_d(**options):
+def _two_d(shard: bool = False):
     """The step under the 2-D preset (dp=2, mp=4) with `jshard.accumulate` over 2 micro-batches: the
     weights laid out over mp by the preset's rules, their optimizer state alike, the batch over dp."""
     params, state, batches = _problem()
@@ -66,7 +65,7 @@ def _two_d(**options):
         return optax.apply_updates(params, updates), state, loss
 
     return js.parallelize(step, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
-                          out_strategy=(p_strats, s_strats, None), accumulation_steps=2, **options)
+                          out_strategy=(p_strats, s_strats, None), accumulation=js.Accumulation(2, shard=shard))
 
 
 def _assert_equals_one_device(par, params, state, batches):
@@ -90,7 +89,7 @@ def test_tensor_parallel_inside_cuts_the_accumulator_over_the_free_axis_and_equa
     """The 2-D preset (dp=2, mp=4) lays the weights out over mp; `accumulation_shard` cuts their
     accumulated gradients over dp too, and 2 micro-batches equal the full batch on one device."""
     params, state, batches = _problem()
-    par = _two_d(accumulation_shard=True)
+    par = _two_d(shard=True)
     # w_up [64, 256]: mp (d1, d2) cuts its columns; the accumulator adds dp (d0) on the rows, and each
     # micro-batch's gradient is reduce-scattered onto them over dp alone (a group of 2 devices)
     report = js.audit(par.lower(params, state, batches[0]).compile())
@@ -150,27 +149,27 @@ def test_integer_results_are_summed_and_floats_averaged():
 
 @pytest.mark.parametrize("k", [0, -2, 2.0, True, "4"])
 def test_a_step_count_that_is_not_a_positive_int_is_named(k):
-    with pytest.raises(js.ShardingError, match=rf"jshard.parallelize\(_step\): accumulation_steps={k!r} is not a "
+    with pytest.raises(js.ShardingError, match=rf"jshard.parallelize\(_step\): accumulation={k!r} is not a "
                                                r"number of micro-batches; give a positive int k that divides"):
-        js.parallelize(_step, accumulation_steps=k)
+        js.parallelize(_step, accumulation=k)
 
 
 @pytest.mark.parametrize("k, match", [
-    (3, r"jshard.parallelize\(_step\): accumulation_steps=3 does not divide the 32 rows of the batch args\[2\]\[0\] "
+    (3, r"jshard.parallelize\(_step\): accumulation=3 does not divide the 32 rows of the batch args\[2\]\[0\] "
         r"i32\[32,16\]. Give a k that divides 32 \(1, 2, 4, 8, 16, 32\), or a batch of a multiple of 3 rows"),
-    (8, r"accumulation_steps=8 cuts the batch args\[2\]\[0\] i32\[32,16\] into micro-batches of 4 rows, which the "
+    (8, r"accumulation=8 cuts the batch args\[2\]\[0\] i32\[32,16\] into micro-batches of 4 rows, which the "
         r"dataset strategy cannot cut into 8 equal parts .* \(1, 2, 4\), or a batch of a multiple of 64 rows"),
 ], ids=["k-does-not-divide-the-rows", "micro-batches-the-devices-cannot-cut"])
 def test_batch_rows_that_do_not_fit_k_are_named(k, match):
     params, state, batches = _problem()
     with pytest.raises(js.ShardingError, match=match):
-        js.parallelize(_step, devices=8, mode="data", accumulation_steps=k).plan(params, state, batches[0])
+        js.parallelize(_step, devices=8, mode="data", accumulation=k).plan(params, state, batches[0])
 
 
 def test_a_step_without_accumulate_is_named():
     params, state, batches = _problem()
-    step = js.parallelize(models.make_train_step(_loss, OPT), devices=8, mode="data", accumulation_steps=2)
-    with pytest.raises(js.ShardingError, match=r"accumulation_steps=2, but the function calls no jshard.accumulate.*"
+    step = js.parallelize(models.make_train_step(_loss, OPT), devices=8, mode="data", accumulation=2)
+    with pytest.raises(js.ShardingError, match=r"accumulation=2, but the function calls no jshard.accumulate.*"
                                                r"jshard.accumulate\(jax.value_and_grad\(loss_fn\)\)\(params, batch\)"):
         step.plan(params, state, batches[0])
 
@@ -181,8 +180,8 @@ def test_shard_without_a_data_parallel_axis_is_named():
         return w - grad, loss
 
     w, x = jnp.ones((8, 8)), jnp.ones((8, 8))
-    par = js.parallelize(step, devices=8, in_strategy=((2, 4), (1, 1)), accumulation_steps=2, accumulation_shard=True)
-    with pytest.raises(js.ShardingError, match=r"accumulation_shard=True cuts the accumulated gradients over the "
+    par = js.parallelize(step, devices=8, in_strategy=((2, 4), (1, 1)), accumulation=js.Accumulation(2, shard=True))
+    with pytest.raises(js.ShardingError, match=r"Accumulation(shard=True) cuts the accumulated gradients over the "
                                                r"data-parallel devices .* e.g. args\[0\] f32\[8,8\] is laid out "
                                                r"P\(.*\) over the mesh \(d0=2, d1=2, d2=2\). Run on more devices"):
         par.plan(w, x)
@@ -198,7 +197,7 @@ def _linear_step(argnums):
 
 def test_a_jax_grad_result_is_the_accumulator_cut_and_equals_one_device():
     w, x = jnp.linspace(-1, 1, 64 * 8).reshape(64, 8), jnp.linspace(-2, 2, 32 * 64).reshape(32, 64)
-    par = js.parallelize(_linear_step(0), devices=8, mode="data", accumulation_steps=2, accumulation_shard=True)
+    par = js.parallelize(_linear_step(0), devices=8, mode="data", accumulation=js.Accumulation(2, shard=True))
     # the loop manual over the batch's axes; the accumulated gradient comes out cut on its rows
     assert 'out_shardings=[<@mesh, [{"d0", "d1", "d2"}, {}]>] manual_axes={"d0", "d1", "d2"}' in par.lower(w, x).as_text()
     want = jax.jit(lambda w, x: w - 0.1 * jax.grad(lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2))(w, x))(w, x)
@@ -207,25 +206,24 @@ def test_a_jax_grad_result_is_the_accumulator_cut_and_equals_one_device():
 
 def test_shard_without_gradients_like_the_parameters_is_named():
     w, x = jnp.ones((64, 8)), jnp.ones((32, 64))
-    par = js.parallelize(_linear_step(1), devices=8, mode="data", accumulation_steps=2, accumulation_shard=True)
-    with pytest.raises(js.ShardingError, match=r"accumulation_shard=True cuts the accumulated gradients like the "
+    par = js.parallelize(_linear_step(1), devices=8, mode="data", accumulation=js.Accumulation(2, shard=True))
+    with pytest.raises(js.ShardingError, match=r"Accumulation(shard=True) cuts the accumulated gradients like the "
                                                r"parameters \(argument 0 of the step\), but no result of the gradient "
                                                r"function has their tree and shapes"):
         par.plan(w, x)
 
 
 def test_accumulation_in_a_pipeline_is_named():
-    with pytest.raises(js.ShardingError, match=r"accumulation_steps cuts a step's batch into micro-batches outside a "
+    with pytest.raises(js.ShardingError, match=r"accumulation= cuts a step's batch into micro-batches outside a "
                                                r"pipeline; a pipeline accumulates its own micro_batches. Use "
-                                               r"micro_batches=, or drop accumulation_steps"):
-        js.parallelize(models.gpt_pipeline(models.GPTConfig(n_layers=2, scan=True)), pipeline_stages=2, micro_batches=2,
-                       accumulation_steps=2)
+                                               r"Pipelining\(micro_batches=...\), or drop accumulation="):
+        js.parallelize(models.gpt_pipeline(models.GPTConfig(n_layers=2, scan=True)), pipeline=js.Pipelining(stages=2, micro_batches=2), accumulation=2)
 
 
 def test_shard_outside_data_and_semi_auto_is_named():
-    with pytest.raises(js.ShardingError, match=r"accumulation_shard=True cuts the accumulated gradients .* this call "
+    with pytest.raises(js.ShardingError, match=r"Accumulation(shard=True) cuts the accumulated gradients .* this call "
                                                r"has mode='auto'. Use mode='data' or 'semi_auto'"):
-        js.parallelize(_step, mode="auto", accumulation_steps=2, accumulation_shard=True)
+        js.parallelize(_step, mode="auto", accumulation=js.Accumulation(2, shard=True))
 
 
 def test_accumulate_outside_parallelize_needs_steps_and_they_must_agree():
@@ -239,5 +237,5 @@ def test_accumulate_outside_parallelize_needs_steps_and_they_must_agree():
         loss, _ = js.accumulate(jax.value_and_grad(_loss), 2)(params, batch)
         return params, state, loss
 
-    with pytest.raises(js.ShardingError, match=r"steps=2 but the step is parallelized with accumulation_steps=4"):
-        js.parallelize(step, devices=8, mode="data", accumulation_steps=4).plan(*_problem()[:2], batches[0])
+    with pytest.raises(js.ShardingError, match=r"steps=2 but the step is parallelized with accumulation=4"):
+        js.parallelize(step, devices=8, mode="data", accumulation=4).plan(*_problem()[:2], batches[0])

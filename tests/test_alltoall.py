@@ -29,7 +29,7 @@ def _transposed(x):
 @pytest.mark.parametrize("enable", [False, True], ids=["off", "on"])
 def test_transpose_redistribution_in_the_compiled_program(enable):
     x = jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) / 100
-    f = js.parallelize(_transposed, devices=8, in_strategy=((8, 1),), enable_alltoall=enable)
+    f = js.parallelize(_transposed, devices=8, in_strategy=((8, 1),), cost_model=js.CostModel(alltoall=enable))
     kinds = js.audit(f.lower(x).compile()).by_kind()
     priced = {c.kind for op in f.plan(x).ops for c in op.comms}
     assert priced == set(kinds), (priced, kinds)
@@ -41,8 +41,8 @@ def test_transpose_redistribution_in_the_compiled_program(enable):
 
 
 def test_enable_alltoall_is_checked():
-    with pytest.raises(TypeError, match=r"jshard.parallelize\(<lambda>\): enable_alltoall= takes True or False, got .yes."):
-        js.parallelize(lambda x: x, devices=8, enable_alltoall="yes")
+    with pytest.raises(TypeError, match=r"jshard.parallelize\(<lambda>\): CostModel\(alltoall=\) takes True or False, got .yes."):
+        js.parallelize(lambda x: x, devices=8, cost_model=js.CostModel(alltoall="yes"))
 
 
 def test_on_by_default_and_in_the_cli(capsys):

@@ -132,8 +132,8 @@ def test_accumulation_rows_equal_the_full_batch_and_render():
     table = _accumulation.accumulation_table(models.GPTConfig(n_layers=1), ks=(1, 2))
     assert [row[:3] for row in table.rows] == [
         ("1", "64", "none (full batch)"), ("2", "32", "as the gradients"),
-        ("1", "64", "none (full batch), optimizer_parallel=1"), ("2", "32", "as the gradients, optimizer_parallel=1"),
-        ("2", "32", "cut, optimizer_parallel=1")]
+        ("1", "64", "none (full batch), optimizer=1"), ("2", "32", "as the gradients, optimizer=1"),
+        ("2", "32", "cut, optimizer=1")]
     cfg = models.GPTConfig(n_layers=1)
     params, _, batches = _accumulation._problem(cfg)
     # the losses are at most log(vocab): cross-entropy from (near) uniform logits at the start

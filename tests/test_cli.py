@@ -71,7 +71,7 @@ def test_plan_gpt_with_the_recursive_search(capsys, tmp_path):
 
 
 def test_plan_with_and_without_the_replay_of_repeated_layers(capsys, tmp_path):
-    """`--no-replay` (search_replay=False) weighs every operator of the 6 unrolled layers on its own;
+    """`--no-replay` (Search(replay=False)) weighs every operator of the 6 unrolled layers on its own;
     the default replays the interior ones and plans the same here."""
     six = [*SMALL_GPT[2:], "--layers", "6", "--devices", "8", "--quiet"]
     assert main(["plan", "gpt", *six, "--no-replay", "--save", str(tmp_path / "full.json")]) == 0

@@ -266,7 +266,7 @@ def test_host_table_rows_the_devices_do_not_divide_are_rejected():
 def test_offload_with_a_pipeline_is_rejected():
     with pytest.raises(js.ShardingError, match=r"offload=\('optimizer',\) keeps state in host memory in the one-program "
                                                r"path; it cannot be used with a pipeline yet"):
-        js.parallelize(lambda p, b: p, devices=8, pipeline_stages=2, micro_batches=2, offload="optimizer")
+        js.parallelize(lambda p, b: p, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=2), offload="optimizer")
 
 
 TABLE_OPTS = {"adam": optax.adam(0.1), "adagrad": optax.adagrad(0.1, initial_accumulator_value=0.1, eps=0.0)}

@@ -40,7 +40,7 @@ def test_a_budget_only_host_state_meets_offloads_the_optimizer_and_equals_one_de
     step, params, state, batches, (ref_params, ref_state, ref_losses), peak = gpt
     assert peak[("optimizer",)] < peak[()]  # the memory model: host state is off the device but while used
     budget = (peak[("optimizer",)] + peak[()]) / 2
-    auto = js.parallelize(step, devices=1, mode="auto", memory_budget=budget)
+    auto = js.parallelize(step, devices=1, mode="auto", search=js.Search(memory_budget=budget))
     plan = auto.plan(params, state, batches[0])
     assert plan.offload.what == ("optimizer",)
     weighed = {w.policy: w for w in plan.search.offload}
@@ -81,7 +81,7 @@ def test_a_budget_the_device_meets_offloads_nothing(gpt):
 
 def test_an_impossible_budget_names_offload_among_what_was_weighed(gpt):
     step, params, state, batches, _, _ = gpt
-    auto = js.parallelize(step, devices=1, mode="auto", memory_budget="64KiB")
+    auto = js.parallelize(step, devices=1, mode="auto", search=js.Search(memory_budget="64KiB"))
     with pytest.raises(js.MemoryBudgetError, match=(
             r"jshard.parallelize\(train_step\): memory_budget=64 KiB per device cannot be met on 1 devices "
             r"\(search='recursive'\): .* Offload weighed too \(the state kept in host memory between steps, streamed "
@@ -94,7 +94,7 @@ def test_an_impossible_budget_names_offload_among_what_was_weighed(gpt):
 def test_the_users_offload_wins(gpt):
     step, params, state, batches, _, peak = gpt
     budget = (peak[("optimizer",)] + peak[()]) / 2
-    kept = js.parallelize(step, devices=1, mode="auto", memory_budget=budget, offload=())
+    kept = js.parallelize(step, devices=1, mode="auto", search=js.Search(memory_budget=budget), offload=())
     with pytest.raises(js.MemoryBudgetError, match=r"cannot be met on 1 devices") as e:
         kept.plan(params, state, batches[0])
     assert "Offload weighed" not in str(e.value)

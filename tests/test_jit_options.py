@@ -213,7 +213,7 @@ def test_a_pipeline_takes_no_jit_argument_options():
     with pytest.raises(js.ShardingError, match=parts(
         "a pipeline step takes (params, batch), both traced; static_argnums= applies to parallelize's own program",
     )):
-        js.parallelize(pipe, pipeline_stages=2, micro_batches=2, static_argnums=0)
+        js.parallelize(pipe, pipeline=js.Pipelining(stages=2, micro_batches=2), static_argnums=0)
 
 
 def test_lower_places_an_argument_committed_elsewhere_as_a_call_does():

@@ -1,4 +1,4 @@
-"""Optimizer parallel (ZeRO; `parallelize(..., optimizer_parallel=1 | 2 | 3)`): the reference GPT
+"""Optimizer parallel (ZeRO; `parallelize(..., optimizer=1 | 2 | 3)`): the reference GPT
 with Adam under data parallel 8 and under the 2-D preset equals one device over 3 steps, with its
 optimizer state (and at level 3 its parameters) cut 8 ways per leaf above the threshold, read from
 the compiled program."""
@@ -69,8 +69,7 @@ def _compare(step, params, state, batches):
 def _data_parallel(level: int):
     params, state, batches = _problem()
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
-    step = js.parallelize(train, devices=8, mode="data", optimizer_parallel=level,
-                          optimizer_parallel_threshold="16KiB")
+    step = js.parallelize(train, devices=8, mode="data", optimizer=js.OptimizerParallel(level, threshold="16KiB"))
     return step, step.lower(params, state, batches[0]).compile()
 
 
@@ -117,7 +116,7 @@ def test_levels_2_and_3_reduce_scatter_the_gradients_on_cpu_with_no_more_bytes_t
 def test_auto_mode_level_3_cuts_state_and_parameters_and_equals_one_device():
     params, state, batches = _problem()
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
-    step = js.parallelize(train, devices=8, mode="auto", optimizer_parallel=3, optimizer_parallel_threshold=THRESHOLD)
+    step = js.parallelize(train, devices=8, mode="auto", optimizer=js.OptimizerParallel(3, threshold=THRESHOLD))
     plan = step.plan(params, state, batches[0])
     assert plan.search is not None and plan.optimizer.state_cut > 0 and plan.optimizer.params_cut > 0
     (p_sh, s_sh, _), _ = step.lower(params, state, batches[0]).compile().input_shardings
@@ -134,7 +133,7 @@ def test_level_2_reduce_scatters_stacked_layers_in_the_scan_body_and_equals_one_
     params = models.init_gpt(cfg, jax.random.key(0))
     state, batches = OPT.init(params), _problem()[2]
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), OPT)
-    step = js.parallelize(train, devices=8, mode="data", optimizer_parallel=2, optimizer_parallel_threshold=THRESHOLD)
+    step = js.parallelize(train, devices=8, mode="data", optimizer=js.OptimizerParallel(2, threshold=THRESHOLD))
     report = js.audit(step.lower(params, state, batches[0]).compile())
     big = [x for x in jax.tree.leaves(params) if _big(x)]
     assert step.plan(params, state, batches[0]).optimizer.reduce_scattered == len(big)
@@ -149,8 +148,7 @@ def test_level_2_reduce_scatters_stacked_layers_in_the_scan_body_and_equals_one_
 def test_the_plan_shows_the_cut():
     params, state, batches = _problem()
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
-    plan = js.parallelize(train, devices=8, mode="data", optimizer_parallel=3,
-                          optimizer_parallel_threshold=THRESHOLD).plan(params, state, batches[0])
+    plan = js.parallelize(train, devices=8, mode="data", optimizer=js.OptimizerParallel(3, threshold=THRESHOLD)).plan(params, state, batches[0])
     specs = plan.in_shardings[0]["layers"][0]["w_up"].spec, plan.in_shardings[0]["pos"].spec
     assert specs == (jax.sharding.PartitionSpec(None, ("d0", "d1", "d2")), jax.sharding.PartitionSpec())
     n_state, n_params = len(jax.tree.leaves(state)), len(jax.tree.leaves(params))
@@ -172,8 +170,7 @@ def test_tensor_parallel_inside_cuts_over_the_free_axis():
     s_strats = models.state_strategies(p_strats, params, state)
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG, preset), OPT)
     step = js.parallelize(train, devices=8, in_strategy=(p_strats, s_strats, tuple(preset.batch(x.ndim) for x in batches[0])),
-                          out_strategy=(p_strats, s_strats, None), optimizer_parallel=2,
-                          optimizer_parallel_threshold=THRESHOLD)
+                          out_strategy=(p_strats, s_strats, None), optimizer=js.OptimizerParallel(2, threshold=THRESHOLD))
     compiled = step.lower(params, state, batches[0]).compile()
     (_, s_sh, _), _ = compiled.input_shardings
     assert js.audit(compiled).count("reduce-scatter") == step.plan(params, state, batches[0]).optimizer.reduce_scattered > 0
@@ -187,7 +184,7 @@ def test_a_leaf_no_axis_divides_stays_whole_and_is_named():
         return w - jnp.sum(m), m * 0.9 + jnp.sum(x), jnp.sum(x @ w)
 
     args = (jnp.ones((8, 8)), jnp.ones((7, 9)), jnp.ones((8, 8)))
-    par = js.parallelize(step, devices=8, mode="data", optimizer_parallel=1, optimizer_parallel_threshold=0)
+    par = js.parallelize(step, devices=8, mode="data", optimizer=js.OptimizerParallel(1, threshold=0))
     plan = par.plan(*args)
     assert plan.in_specs[1] == jax.sharding.PartitionSpec()
     summary = " ".join(plan.summary().split())  # its lines wrap at 120 columns
@@ -199,34 +196,32 @@ def test_state_argnums_choose_the_state():
         return w - jnp.sum(m), jnp.sum(x @ w), m * 0.9
 
     args = (jnp.ones((8, 8)), jnp.ones((8, 8)), jnp.ones((8, 16)))
-    plan = js.parallelize(step, devices=8, mode="data", batch_argnums=1, optimizer_parallel=1,
-                          optimizer_parallel_threshold=0).plan(*args)
+    plan = js.parallelize(step, devices=8, mode="data", batch_argnums=1, optimizer=js.OptimizerParallel(1, threshold=0)).plan(*args)
     assert plan.in_specs[2] == jax.sharding.PartitionSpec(None, ("d0", "d1", "d2"))
-    plan = js.parallelize(step, devices=8, mode="data", batch_argnums=1, optimizer_parallel=1, optimizer_state_argnums=(),
-                          optimizer_parallel_threshold=0).plan(*args)
+    plan = js.parallelize(step, devices=8, mode="data", batch_argnums=1, optimizer=js.OptimizerParallel(1, state_argnums=(), threshold=0)).plan(*args)
     assert plan.in_specs[2] == jax.sharding.PartitionSpec()
 
 
 @pytest.mark.parametrize("level", [0, 4, "2", True])
 def test_a_level_outside_1_to_3_is_named(level):
-    with pytest.raises(js.ShardingError, match=rf"jshard.parallelize\(<lambda>\): optimizer_parallel={level!r} is "
+    with pytest.raises(js.ShardingError, match=rf"jshard.parallelize\(<lambda>\): OptimizerParallel\(level={level!r}\) is "
                                                r"not a level; give 1 \(cut the optimizer state\), 2 .* or 3"):
-        js.parallelize(lambda p, s, x: p, optimizer_parallel=level)
+        js.parallelize(lambda p, s, x: p, optimizer=js.OptimizerParallel(level))
 
 
 @pytest.mark.parametrize("threshold", ["lots", [1], -1, "KiB"])
 def test_a_threshold_that_is_not_a_size_is_named(threshold):
-    with pytest.raises(js.ShardingError, match=r"optimizer_parallel_threshold=.* is not a size; give bytes \(an int\) "
+    with pytest.raises(js.ShardingError, match=r"OptimizerParallel\(threshold=.*\) is not a size; give bytes \(an int\) "
                                                r"or a string such as '64KiB'"):
-        js.parallelize(lambda p, s, x: p, optimizer_parallel=1, optimizer_parallel_threshold=threshold)
+        js.parallelize(lambda p, s, x: p, optimizer=js.OptimizerParallel(1, threshold=threshold))
 
 
-@pytest.mark.parametrize("kw", [{"mode": "manual"}, {"pipeline_stages": 2, "micro_batches": 2}])
+@pytest.mark.parametrize("kw", [{"mode": "manual"}, {"pipeline": js.Pipelining(2, 2)}])
 def test_modes_without_optimizer_parallel_are_named(kw):
-    with pytest.raises(js.ShardingError, match=r"optimizer_parallel cuts the optimizer state over the axes the "
+    with pytest.raises(js.ShardingError, match=r"optimizer= \(optimizer parallel\) cuts the optimizer state over the axes the "
                                                r"strategies leave replicated, in mode='data', 'semi_auto' or 'auto'"
-                                               r".*Use mode='data', 'semi_auto' or 'auto', or drop optimizer_parallel"):
-        js.parallelize(lambda p, s, x: p, optimizer_parallel=1, **kw)
+                                               r".*Use mode='data', 'semi_auto' or 'auto', or drop optimizer="):
+        js.parallelize(lambda p, s, x: p, optimizer=1, **kw)
 
 
 def test_no_data_parallel_axis_is_named():
@@ -234,11 +229,11 @@ def test_no_data_parallel_axis_is_named():
         return w - 0.1 * m, m * 0.9, jnp.sum(x @ w)
 
     args = (jnp.ones((8, 8)), jnp.ones((8, 8)), jnp.ones((8, 8)))
-    with pytest.raises(js.ShardingError, match=r"optimizer_parallel=1 cuts optimizer state over the data-parallel "
+    with pytest.raises(js.ShardingError, match=r"optimizer=1 cuts optimizer state over the data-parallel "
                                                r"devices .* but no leaf of 256 B or more has one: e.g. args\[1\] "
                                                r"f32\[8,8\] is laid out P\(\) over the mesh \(one "
                                                r"device\)\. Run on more devices than the strategies use"):
-        js.parallelize(step, devices=1, mode="data", optimizer_parallel=1, optimizer_parallel_threshold=0).plan(*args)
+        js.parallelize(step, devices=1, mode="data", optimizer=js.OptimizerParallel(1, threshold=0)).plan(*args)
 
 
 def test_comm_recompute_gathers_again_in_the_backward_and_equals_one_device():
@@ -249,8 +244,7 @@ def test_comm_recompute_gathers_again_in_the_backward_and_equals_one_device():
     holds 447 KB against 459 KB with the second gather on this model.)"""
     params, state, batches = _problem()
     train = models.make_train_step(lambda p, b: models.gpt_loss(p, b, CFG), OPT)
-    kept, again = (js.parallelize(train, devices=8, mode="data", optimizer_parallel=3, optimizer_parallel_threshold="16KiB",
-                                  optimizer_comm_recompute=rc) for rc in (False, True))
+    kept, again = (js.parallelize(train, devices=8, mode="data", optimizer=js.OptimizerParallel(3, threshold="16KiB", comm_recompute=rc)) for rc in (False, True))
     kept_c, again_c = (s.lower(params, state, batches[0]).compile() for s in (kept, again))
     big_params = sum(x.nbytes for x in jax.tree.leaves(params) if _big(x))
     assert js.audit(kept_c).bytes("all-gather") == big_params
@@ -261,12 +255,12 @@ def test_comm_recompute_gathers_again_in_the_backward_and_equals_one_device():
     _compare(again, params, state, batches)
 
 
-@pytest.mark.parametrize("level", [None, 1])
+@pytest.mark.parametrize("level", [1, 2])
 def test_comm_recompute_without_level_3_is_named(level):
-    with pytest.raises(js.ShardingError, match=r"optimizer_comm_recompute=True gathers a parameter optimizer parallel "
-                                               r"level 3 keeps cut again in the backward pass; this call has "
-                                               r".*optimizer_parallel.*\. Pass optimizer_parallel=3"):
-        js.parallelize(lambda p, s, x: p, optimizer_parallel=level, optimizer_comm_recompute=True)
+    with pytest.raises(js.ShardingError, match=r"OptimizerParallel\(comm_recompute=True\) gathers a parameter that level 3 "
+                                               r"keeps cut again in the backward pass; this call has "
+                                               rf"level={level}\. Pass level=3"):
+        js.parallelize(lambda p, s, x: p, optimizer=js.OptimizerParallel(level, comm_recompute=True))
 
 
 def test_the_report_lists_each_cut_leaf():
@@ -274,8 +268,7 @@ def test_the_report_lists_each_cut_leaf():
         return w - jnp.sum(m), m * 0.9 + jnp.sum(x), jnp.sum(x @ w)
 
     args = (jnp.ones((8, 8)), jnp.ones((8, 16)), jnp.ones((8, 8)))
-    report = js.parallelize(step, devices=8, mode="data", optimizer_parallel=3,
-                            optimizer_parallel_threshold=0).plan(*args).optimizer
+    report = js.parallelize(step, devices=8, mode="data", optimizer=js.OptimizerParallel(3, threshold=0)).plan(*args).optimizer
     assert report.leaves == (("args[0]", "parameter", "P()", "P(('d0', 'd1', 'd2'), None)"),
                              ("args[1]", "state", "P()", "P(None, ('d0', 'd1', 'd2'))"))
     assert report.table().splitlines()[0].split() == ["argument", "role", "laid", "out", "cut"]

@@ -44,8 +44,7 @@ def _mlp():
 @functools.cache
 def _mlp_step(schedule, stages, micro, broadcast=False):
     virtual = 2 if schedule == "interleaved" else 1
-    return js.parallelize(_mlp()[0], devices=8, pipeline_stages=stages, micro_batches=micro, schedule=schedule,
-                          virtual_stages=virtual, pipeline_result_broadcast=broadcast)
+    return js.parallelize(_mlp()[0], devices=8, pipeline=js.Pipelining(stages=stages, micro_batches=micro, schedule=schedule, virtual_stages=virtual, result_broadcast=broadcast))
 
 
 GRID = [(sched, s, m) for sched in ("gpipe", "1f1b", "interleaved") for s in (2, 4) for m in (s, 2 * s, 4 * s)]
@@ -103,8 +102,7 @@ def test_pipeline_with_tensor_parallel_inside_stages_equals_one_device():
     params = {**params, "layers": {"up": jax.random.normal(k[0], (4, D, 32)) / 4,
                                    "down": jax.random.normal(k[1], (4, 32, D)) / 6}}
     strategies = {"w_in": None, "w_out": None, "layers": {"up": (1, 1, 4), "down": (1, 4, 1)}}
-    step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, schedule="gpipe",
-                          in_strategy=(strategies, None), dataset_strategy="full_batch")
+    step = js.parallelize(pipe, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4, schedule="gpipe"), in_strategy=(strategies, None), dataset_strategy="full_batch")
     loss, grads = step(params, batch)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(pipe.loss))(params, batch)
     assert_close((loss, grads), (ref_loss, ref_grads), terms=step_terms(params, batch))
@@ -114,7 +112,7 @@ def test_pipeline_with_tensor_parallel_inside_stages_equals_one_device():
     assert js.audit(step.compile(params, batch)).count("all-reduce") > 0  # the row matmul's partial sums
 
     # without in_strategy the shard calls still apply (rows cut over the stage, weights left to XLA)
-    plain = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, schedule="gpipe")
+    plain = js.parallelize(pipe, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4, schedule="gpipe"))
     loss, grads = plain(params, batch)
     assert_close((loss, grads), (ref_loss, ref_grads), terms=step_terms(params, batch))
     ticks = plain.plan(params, batch).schedule.ticks
@@ -144,7 +142,7 @@ def test_tied_embedding_gradients_combine_first_and_last_stage():
     tokens = jax.random.randint(k[2], (16, 4), 0, 16)
     batch = (tokens, jnp.roll(tokens, 1, axis=1))
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(pipe.loss))(params, batch)
-    loss, grads = js.parallelize(pipe, devices=8, pipeline_stages=4, micro_batches=4)(params, batch)
+    loss, grads = js.parallelize(pipe, devices=8, pipeline=js.Pipelining(stages=4, micro_batches=4))(params, batch)
     assert_close((loss, grads), (ref_loss, ref_grads), terms=step_terms(params, batch))
 
 
@@ -167,8 +165,7 @@ def test_parameters_outside_the_stack_cut_inside_stages_stay_on_every_stage():
     over each stage's 4 devices), a packed row would lose the cut: those parameters stay on every
     stage, cut as asked, and the step still equals the unpipelined one."""
     pipe, params, batch, (ref_loss, ref_grads) = _mlp()
-    step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, schedule="1f1b",
-                          in_strategy=({"w_in": (1, 4), "w_out": None, "layers": None}, None),
+    step = js.parallelize(pipe, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4, schedule="1f1b"), in_strategy=({"w_in": (1, 4), "w_out": None, "layers": None}, None),
                           dataset_strategy="full_batch")
     loss, grads = step(params, batch)
     assert_close((loss, grads), (ref_loss, ref_grads), terms=step_terms(params, batch))
@@ -182,7 +179,7 @@ def test_parameters_outside_the_stack_cut_inside_stages_stay_on_every_stage():
 def _gpt_1f1b_s4_m16():
     """The GPT under 1F1B, 4 stages × 2-way data parallel, 16 micro-batches of 2 rows (1 per device)."""
     pipe = models.gpt_pipeline(GPT)
-    return js.parallelize(pipe, devices=8, pipeline_stages=4, micro_batches=16, schedule="1f1b")
+    return js.parallelize(pipe, devices=8, pipeline=js.Pipelining(stages=4, micro_batches=16, schedule="1f1b"))
 
 
 def test_gpt_under_pipeline_and_data_parallel_trains_like_one_device():
@@ -241,7 +238,7 @@ def test_data_parallel_tuples_inside_stacked_stages_reduce_gradients_once_per_st
     rows = js.shard(jnp.matmul, ((4, 1), (1, 1)))  # data parallel over a stage's 4 devices, as a tuple
     pipe = Pipeline(first=base.first, layer=lambda lp, x: jnp.tanh(rows(x, lp["w"]) + lp["b"][None, :]) + x,
                     last=base.last)
-    step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, schedule="1f1b")
+    step = js.parallelize(pipe, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4, schedule="1f1b"))
     ref = jax.jit(jax.value_and_grad(pipe.loss))(params, batch)
     assert_close(step(params, batch), ref, terms=step_terms(params, batch))
     nbytes = lambda tree: sum(a.nbytes for a in jax.tree.leaves(tree))
@@ -259,7 +256,7 @@ def test_tagged_stage_functions_run_on_their_stages():
     tagged = [js.pipeline_stage(scan, 0), js.pipeline_stage(lambda ch, x: 0.5 * scan(ch, x), 1)]
     pipe = Pipeline(first=pipe0.first, layer=tagged, last=pipe0.last)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(pipe.loss))(params, batch)
-    loss, grads = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4)(params, batch)
+    loss, grads = js.parallelize(pipe, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4))(params, batch)
     assert_close((loss, grads), (ref_loss, ref_grads), terms=step_terms(params, batch))
 
 
@@ -393,14 +390,14 @@ def test_1f1b_holds_under_half_the_temporary_memory_of_gpipe():
 
 
 def test_fewer_micro_batches_than_stages_is_an_error():
-    with pytest.raises(js.ShardingError, match=r"micro_batches=2 with pipeline_stages=4: .* at least 4\. Pass micro_batches=8"):
-        js.parallelize(_mlp_pipe(), devices=8, pipeline_stages=4, micro_batches=2)
+    with pytest.raises(js.ShardingError, match=r"micro_batches=2 with stages=4: .* at least 4\. Pass micro_batches=8"):
+        js.parallelize(_mlp_pipe(), devices=8, pipeline=js.Pipelining(stages=4, micro_batches=2))
 
 
 def test_batch_not_divisible_by_micro_batches_is_an_error():
     pipe, params, _, _ = _mlp()
     batch = (jnp.ones((30, 8)), jnp.ones((30, 4)))
-    step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4)
+    step = js.parallelize(pipe, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4))
     with pytest.raises(js.ShardingError, match=r"micro_batches=4 must divide the batch's rows, but batch\[0\] "
                                                r"\(shape \[30, 8\]\) has 30 rows\. Use a batch size that is a multiple of 4"):
         step(params, batch)
@@ -408,35 +405,35 @@ def test_batch_not_divisible_by_micro_batches_is_an_error():
 
 def test_a_scalar_in_the_batch_is_an_error():
     pipe, params, batch, _ = _mlp()
-    step = js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4)
+    step = js.parallelize(pipe, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4))
     with pytest.raises(js.ShardingError, match=r"batch\[1\] \(shape \[\]\) is a scalar; every batch array needs a leading row dim"):
         step(params, (batch[0], jnp.float32(1.0)))
 
 
 def test_devices_not_divisible_by_stages_is_an_error():
-    with pytest.raises(js.ShardingError, match=r"devices=6 is not divisible by pipeline_stages=4; .* Use pipeline_stages in \[2, 3, 6\]"):
-        js.parallelize(_mlp_pipe(), devices=6, pipeline_stages=4, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=r"devices=6 is not divisible by stages=4; .* Use stages in \[2, 3, 6\]"):
+        js.parallelize(_mlp_pipe(), devices=6, pipeline=js.Pipelining(stages=4, micro_batches=4))
 
 
 @pytest.mark.parametrize("ids,message", [
-    ((0, 2, 3), r"stage ids \(0, 2, 3\) with pipeline_stages=4: stage\(s\) \[1\] have no function"),
+    ((0, 2, 3), r"stage ids \(0, 2, 3\) with stages=4: stage\(s\) \[1\] have no function"),
     ((1, 0, 2, 3), r"stage ids \(1, 0, 2, 3\) are out of order\. List the per-stage functions in stage order"),
 ], ids=["missing", "out-of-order"])
 def test_stage_ids_missing_or_out_of_order_is_an_error(ids, message):
     fns = [js.pipeline_stage(lambda ch, x: x, i) for i in ids]
     pipe = Pipeline(first=lambda p, b: b, layer=fns, last=lambda p, x, b: x.mean())
     with pytest.raises(js.ShardingError, match=message):
-        js.parallelize(pipe, devices=8, pipeline_stages=4, micro_batches=4)
+        js.parallelize(pipe, devices=8, pipeline=js.Pipelining(stages=4, micro_batches=4))
 
 
 def test_pipeline_options_without_stages_are_an_error():
-    with pytest.raises(js.ShardingError, match=r"micro_batches=, schedule= and virtual_stages= configure a pipeline, but pipeline_stages= is missing"):
-        js.parallelize(lambda x: x, devices=8, micro_batches=4)
+    with pytest.raises(js.ShardingError, match=r"micro_batches=, schedule= and virtual_stages= configure a pipeline, but stages= is missing"):
+        js.parallelize(lambda x: x, devices=8, pipeline=js.Pipelining(micro_batches=4))
 
 
 def test_only_a_pipeline_or_a_function_can_be_pipelined():
-    with pytest.raises(TypeError, match=r"pipeline_stages= needs a jshard.Pipeline or a function whose parts are tagged"):
-        js.parallelize(3, devices=8, pipeline_stages=2, micro_batches=2)
+    with pytest.raises(TypeError, match=r"pipeline= needs a jshard.Pipeline or a function whose parts are tagged"):
+        js.parallelize(3, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=2))
 
 
 def test_a_long_schedule_is_drawn_in_blocks_no_wider_than_asked():

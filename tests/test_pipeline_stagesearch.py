@@ -82,8 +82,7 @@ def test_megatron_strategies_hold_inside_tagged_stages():
     stay in the layout the strategies give them (the ff hidden values cut over the stage's 4
     devices, the residual stream whole, as it crosses), so no forward gathers what it stores: the
     step all-gathers less than one micro-batch's ff hidden value."""
-    step = js.parallelize(_loss(_megatron, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
-                          schedule="1f1b")
+    step = js.parallelize(_loss(_megatron, [0, 0, 1, 1]), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4, schedule="1f1b"))
     params, batch = _params(), _batch()
     assert_close(step(params, batch), _reference(_megatron), terms=step_terms(params, batch))
     compiled = step.compile(params, batch)
@@ -122,8 +121,7 @@ def test_data_parallel_strategies_inside_stages_reduce_gradients_once():
     stage's four devices): each device runs its own rows of each micro-batch, and the gradients
     are all-reduced once per step (one all-reduce of the packed gradients, one of the loss), not
     once per micro-batch; loss and gradients equal the unpipelined single-device step."""
-    step = js.parallelize(_loss(_data_parallel, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
-                          schedule="1f1b")
+    step = js.parallelize(_loss(_data_parallel, [0, 0, 1, 1]), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4, schedule="1f1b"))
     params, batch = _params(), _batch()
     assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))
     program = step.program(params, batch)
@@ -142,7 +140,7 @@ def test_an_untagged_step_is_cut_where_the_stages_balance():
     embedding with the first, the head with the last), the stages' compute within 10% of each
     other, and loss and gradients equal the unpipelined step."""
     params, batch = _params(), _batch()
-    step = js.parallelize(_loss(_plain), devices=8, pipeline_stages=4, micro_batches=4)
+    step = js.parallelize(_loss(_plain), devices=8, pipeline=js.Pipelining(stages=4, micro_batches=4))
     assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))
     c = step.program(params, batch).cut
     leaves = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
@@ -162,7 +160,7 @@ def test_unequal_tags_are_kept_and_their_imbalance_reported():
     """Three blocks on stage 0, one and the head on stage 1: MindSpore's tags are kept as given,
     and the balance report names stage 0 the slowest, with the compute ratio."""
     params, batch = _params(), _batch()
-    step = js.parallelize(_loss(_plain, [0, 0, 0, 1]), devices=8, pipeline_stages=2, micro_batches=4)
+    step = js.parallelize(_loss(_plain, [0, 0, 0, 1]), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4))
     b = step.program(params, batch).cut.balance
     assert b.tagged and b.slowest == 0
     assert b.flops[0] > 2.5 * b.flops[1] and b.imbalance > 1.4, b.summary()
@@ -178,8 +176,7 @@ def test_auto_searches_each_stage_over_its_devices():
     stage's `Plan`: every operator `searched`, the budget), the step runs those strategies, and it
     equals the unpipelined step."""
     params, batch = _params(), _batch()
-    step = js.parallelize(_loss(_plain), devices=8, pipeline_stages=2, micro_batches=4, mode="auto",
-                          memory_budget="480KiB")
+    step = js.parallelize(_loss(_plain), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4), search=js.Search(memory_budget="480KiB"), mode="auto")
     assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))
     c, program = step.program(params, batch).cut, step.program(params, batch)
     assert not c.balance.tagged and len(c.plans) == 2
@@ -198,22 +195,18 @@ def test_auto_searches_each_stage_over_its_devices():
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: js.parallelize(_loss(_megatron, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
-                            mode="auto"),
-     r"mode='auto' with pipeline_stages= searches every stage's strategy, but the step calls jshard\.shard \(\d+ "
+    (lambda: js.parallelize(_loss(_megatron, [0, 0, 1, 1]), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4), mode="auto"),
+     r"mode='auto' with pipeline= searches every stage's strategy, but the step calls jshard\.shard \(\d+ "
      r"call\(s\), the first matmul at .*\) inside its stages\. Use mode='semi_auto'"),
-    (lambda: js.parallelize(_loss(_plain, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
-                            mode="data"),
+    (lambda: js.parallelize(_loss(_plain, [0, 0, 1, 1]), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4), mode="data"),
      r"stage-internal strategies as in semi_auto \(or searched, mode='auto'\); mode='data' cannot be combined"),
-    (lambda: js.parallelize(lambda p, b: p["head"].sum(), devices=8, pipeline_stages=2, micro_batches=4),
+    (lambda: js.parallelize(lambda p, b: p["head"].sum(), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4)),
      r"no operator of the loss is tagged with a stage\. Cut by the cost model, its 1 operator\(s\) hold fewer "
      r"narrow places"),
-    (lambda: js.parallelize(_loss(_plain), devices=8, pipeline_stages=2, micro_batches=4, mode="auto",
-                            memory_budget="441KiB"),
+    (lambda: js.parallelize(_loss(_plain), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4), search=js.Search(memory_budget="441KiB"), mode="auto"),
      r"jshard\.parallelize\(loss\) \(stage 0; memory_budget less the pipeline's 437 KiB outside it\): "
      r"memory_budget=4 KiB per device cannot be met on 4 devices .* Raise memory_budget"),
-    (lambda: js.parallelize(_loss(_plain), devices=8, pipeline_stages=2, micro_batches=4, mode="auto",
-                            memory_budget="4KiB"),
+    (lambda: js.parallelize(_loss(_plain), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4), search=js.Search(memory_budget="4KiB"), mode="auto"),
      r"memory_budget=4 KiB per device, but the pipeline alone holds 420\.5 KiB per device outside its stages' "
      r"programs \(the residuals of the micro-batches in flight and the boundary slots under schedule='1f1b', S=2, "
      r"M=4\) and at least 16\.5 KiB of gradient sums \(the largest stage's parameters cut over its 4 devices\), "
@@ -228,7 +221,7 @@ def test_auto_refuses_a_stacked_pipeline():
     pipe = js.Pipeline(first=lambda p, b: b @ p["w_in"], layer=lambda w, x: jnp.tanh(x @ w), last=lambda p, x, b: (x ** 2).mean())
     with pytest.raises(js.ShardingError, match=r"mode='auto' searches the strategies inside the stages of a step cut "
                                                r"into stages .* Use mode='semi_auto' with the Pipeline"):
-        js.parallelize(pipe, devices=8, pipeline_stages=2, micro_batches=4, mode="auto")
+        js.parallelize(pipe, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4), mode="auto")
 
 
 def test_recompute_regions_hold_inside_stages():
@@ -238,8 +231,7 @@ def test_recompute_regions_hold_inside_stages():
     params, batch = _params(), _batch()
     temp = {}
     for name, block in (("plain", _plain), ("recompute", js.recompute(_plain))):
-        step = js.parallelize(_loss(block, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4,
-                              schedule="gpipe")
+        step = js.parallelize(_loss(block, [0, 0, 1, 1]), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4, schedule="gpipe"))
         temp[name] = step.compile(params, batch).memory_analysis().temp_size_in_bytes
     assert_close(step(params, batch), _reference(_plain), terms=step_terms(params, batch))  # the recomputed one
     assert temp["recompute"] < 0.5 * temp["plain"], temp
@@ -248,7 +240,7 @@ def test_recompute_regions_hold_inside_stages():
 def test_train_on_buffers_pack_never_made_names_their_shapes_and_the_fix():
     """`Staged.train` before `pack` built a pipeline for these shapes: an error naming the packed
     buffers' shapes, the batch's and `pack` (nothing is traced or compiled)."""
-    step = js.parallelize(_loss(_plain, [0, 0, 1, 1]), devices=8, pipeline_stages=2, micro_batches=4)
+    step = js.parallelize(_loss(_plain, [0, 0, 1, 1]), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4))
     with pytest.raises(js.ShardingError, match=r"\.train: no pipeline was built for packed parameters "
                                                r"\{'float32': 'f32\[2,16\]'\} and a batch of shapes \[.*\]\. Pack them "
                                                r"with .*\.pack\(params, batch\)"):

@@ -1,6 +1,6 @@
 """Stages cut from any function: an unrolled GPT whose embedding, layers and head are tagged with
 `js.pipeline_stage(fn, k)` inside a plain train step, pipelined by `parallelize(step,
-pipeline_stages=S, micro_batches=M, schedule=...)`. Loss and gradients equal the unpipelined step
+pipeline=js.Pipelining(S, M, schedule=...))`. Loss and gradients equal the unpipelined step
 (non-uniform stages, a tied embedding read by the first and the last stage), each stage's devices
 hold that stage's parameters only, and bad tags are errors naming the fix."""
 
@@ -76,9 +76,9 @@ CASES = [("gpipe", 2, 4, False), ("1f1b", 2, 4, False), ("1f1b", 4, 4, True), ("
 def _step(schedule: str, stages: int, micro: int, tied: bool):
     _, _, loss, _ = _case(stages, tied)
     if tied:  # a plain loss function: the pipeline returns (loss, grads) for it
-        return js.parallelize(loss, devices=8, pipeline_stages=stages, micro_batches=micro, schedule=schedule)
+        return js.parallelize(loss, devices=8, pipeline=js.Pipelining(stages=stages, micro_batches=micro, schedule=schedule))
     step = lambda params, batch: jax.value_and_grad(loss)(params, batch)  # an ordinary train step
-    return js.parallelize(step, devices=8, pipeline_stages=stages, micro_batches=micro, schedule=schedule)
+    return js.parallelize(step, devices=8, pipeline=js.Pipelining(stages=stages, micro_batches=micro, schedule=schedule))
 
 
 @pytest.mark.parametrize("schedule,stages,micro,tied", CASES,
@@ -113,7 +113,7 @@ def _wide(schedule: str, stages: int, micro: int):
     tokens = np.random.default_rng(2).integers(0, VOCAB, (64, SEQ))
     batch = (tokens, np.roll(tokens, -1, axis=1))
     loss = _case(stages, False)[2]
-    step = js.parallelize(loss, devices=8, pipeline_stages=stages, micro_batches=micro, schedule=schedule)
+    step = js.parallelize(loss, devices=8, pipeline=js.Pipelining(stages=stages, micro_batches=micro, schedule=schedule))
     return batch, step
 
 
@@ -261,28 +261,28 @@ def _tagged_loss(stage_of_layer, last):
 
 @pytest.mark.parametrize("loss,message", [
     (_tagged_loss([0, 0, 1, 1], 2),
-     r"is tagged jshard\.pipeline_stage\(fn, 2\), but pipeline_stages=2 has stages 0\.\.1\. Tag it with a stage "
-     r"below 2, or pass pipeline_stages=3"),
+     r"is tagged jshard\.pipeline_stage\(fn, 2\), but stages=2 has stages 0\.\.1\. Tag it with a stage "
+     r"below 2, or pass stages=3"),
     (_tagged_loss([0, 1, 0, 1], 1),
      r"is tagged jshard\.pipeline_stage\(fn, 0\), but it reads a value made on stage 1: stages must not decrease "
      r"along the data flow"),
     (_tagged_loss([0, 0, 0, 0], 0),
-     r"pipeline_stages=2, but stage\(s\) \[1\] run no operator of the loss"),
+     r"stages=2, but stage\(s\) \[1\] run no operator of the loss"),
     (lambda p, b: p["head"].sum(),  # untagged, and one operator: nothing for the cost model to cut
-     r"pipeline_stages=2, but no operator of the loss is tagged with a stage\. Cut by the cost model, its 1 "
+     r"stages=2, but no operator of the loss is tagged with a stage\. Cut by the cost model, its 1 "
      r"operator\(s\) hold fewer narrow places .* than the 1 cut\(s\) 2 stages need\. Wrap the parts of the "
      r"model in jshard\.pipeline_stage\(fn, k\)"),
 ], ids=["stage-out-of-range", "not-monotone", "empty-stage", "no-tags"])
 def test_bad_tags_are_errors_naming_the_fix(loss, message):
     params, batch, _, _ = _case(2, False)
-    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4)
+    step = js.parallelize(loss, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4))
     with pytest.raises(js.ShardingError, match=message):
         step(params, batch)
 
 
 def test_a_step_returning_more_than_the_loss_is_an_error():
     params, batch, loss, _ = _case(2, False)
-    step = js.parallelize(lambda p, b: (loss(p, b), 2 * loss(p, b)), devices=8, pipeline_stages=2, micro_batches=4)
+    step = js.parallelize(lambda p, b: (loss(p, b), 2 * loss(p, b)), devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4))
     with pytest.raises(js.ShardingError, match=r"returns a scalar loss, or \(loss, grads\) as jax\.value_and_grad"):
         step(params, batch)
 
@@ -293,8 +293,7 @@ def test_interleaved_runs_tagged_stage_k_on_device_group_k_mod_S():
     one, idles less than 1F1B at the same S, M, sends at most 1.1x what must cross, and each group
     holds its two stages' parameters."""
     params, batch, loss, ref = _case(4, True)
-    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, schedule="interleaved",
-                          virtual_stages=2)
+    step = js.parallelize(loss, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4, schedule="interleaved", virtual_stages=2))
     assert_close(step(params, batch), ref, terms=step_terms(params, batch))
     program = step.program(params, batch)
     one = js.pipeline.build_schedule("1f1b", stages=2, micro_batches=4)
@@ -308,19 +307,18 @@ def test_interleaved_runs_tagged_stage_k_on_device_group_k_mod_S():
     for shard in packed.addressable_shards:
         group = shard.index[0].start // 2
         np.testing.assert_array_equal(np.asarray(shard.data), np.stack([rows[group], rows[group + 2]]))
-    too_few = js.parallelize(_case(2, False)[2], devices=8, pipeline_stages=2, micro_batches=4,
-                             schedule="interleaved", virtual_stages=2)
+    too_few = js.parallelize(_case(2, False)[2], devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4, schedule="interleaved", virtual_stages=2))
     with pytest.raises(js.ShardingError, match=r"stage\(s\) \[2, 3\] run no operator of the loss.*"
-                                               r"the tags number pipeline_stages × virtual_stages = 2 × 2 = 4 stages"):
+                                               r"the tags number stages × virtual_stages = 2 × 2 = 4 stages"):
         too_few(*_case(2, False)[:2])
 
 
 def test_in_strategy_and_integer_parameters_are_refused_for_a_cut_step():
     loss = _case(2, False)[2]
     with pytest.raises(js.ShardingError, match=r"in_strategy= sets strategies inside the stages of a jshard\.Pipeline"):
-        js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4, in_strategy=((2, 1),))
+        js.parallelize(loss, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4), in_strategy=((2, 1),))
     params, batch, _, _ = _case(2, False)
-    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=4)
+    step = js.parallelize(loss, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=4))
     with pytest.raises(js.ShardingError, match=r"params\['step'\] \(int32\[\]\) is not a float array; a pipelined step "
                                                r"differentiates every parameter\. Pass integer state in the batch"):
         step({**params, "step": jnp.zeros((), jnp.int32)}, batch)
@@ -396,7 +394,7 @@ def test_a_tag_inside_a_loop_body_is_an_error():
         body = lambda h, w: (js.pipeline_stage(lambda w, h: jnp.tanh(h @ w), 1)(w, h), None)
         return jax.lax.scan(body, x, p)[0].mean()
 
-    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=2)
+    step = js.parallelize(loss, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=2))
     with pytest.raises(js.ShardingError, match=r"scan at .* holds operators tagged jshard\.pipeline_stage\(fn, k\) for "
                                                r"k in \[1\] inside its body; a scan runs on one stage and cannot be cut"):
         step(jnp.ones((2, 4, 4)), jnp.ones((16, 4)))
@@ -413,6 +411,5 @@ def test_zero_bubble_splits_a_backward_holding_a_loop_and_runs_full_batch():
         return js.pipeline_stage(lambda w, h: jnp.tanh(h @ w).mean(), 1)(p["b"], h)
 
     p, x = {"a": jnp.eye(4) / 2 + 0.1, "b": jnp.ones((4, 2))}, jnp.arange(32.0).reshape(8, 4) / 32
-    step = js.parallelize(loss, devices=8, pipeline_stages=2, micro_batches=2, schedule="zb-h1",
-                          dataset_strategy="full_batch")
+    step = js.parallelize(loss, devices=8, pipeline=js.Pipelining(stages=2, micro_batches=2, schedule="zb-h1"), dataset_strategy="full_batch")
     assert_close(step(p, x), jax.value_and_grad(loss)(p, x), terms=4 * 2 * 4 + x.size)

@@ -39,7 +39,7 @@ def _equals_one_device(fn, args, ref):
 def test_a_budget_the_fastest_plan_meets_recomputes_nothing(layered):
     step, args, ref, peaks = layered
     budget = 1.25 * peaks["none"]
-    fn = js.parallelize(step, devices=4, mode="auto", cost_model=H100, memory_budget=budget)
+    fn = js.parallelize(step, devices=4, mode="auto", cost_model=H100, search=js.Search(memory_budget=budget))
     plan = fn.plan(*args)
     assert [r.policy for r in plan.search.regions] == ["none", "none"], plan.search.line()
     assert [w.policy for w in plan.search.recompute if w.chosen] == ["none"]
@@ -51,7 +51,7 @@ def test_a_budget_the_fastest_plan_meets_recomputes_nothing(layered):
 def test_a_budget_between_recomputes_some_regions_not_all(layered):
     step, args, ref, peaks = layered
     budget = peaks["none"] - 0.45 * (peaks["none"] - peaks["selective"])  # one region's savings, not two
-    fn = js.parallelize(step, devices=4, mode="auto", cost_model=H100, memory_budget=budget)
+    fn = js.parallelize(step, devices=4, mode="auto", cost_model=H100, search=js.Search(memory_budget=budget))
     plan = fn.plan(*args)
     report = plan.search
     chosen = [r.policy for r in report.regions]
@@ -83,13 +83,13 @@ def test_only_optimizer_parallel_fits_and_the_search_chooses_its_level():
     adam, *rest = models.state_strategies(replicated, params, state)
     strategies = (replicated, (adam._replace(count=whole.layout()), *rest))
     kw = dict(devices=4, mode="auto", in_strategy=(*strategies, None), out_strategy=(*strategies, None))
-    peaks = {level: js.audit(js.parallelize(step, optimizer_parallel=level, **kw).lower(*args).compile()).memory.peak_bytes
+    peaks = {level: js.audit(js.parallelize(step, optimizer=level, **kw).lower(*args).compile()).memory.peak_bytes
              for level in (1, 3)}  # compiled, as the budget is held: the search's estimates move with its plans
     budget = (peaks[1] + peaks[3]) / 2
-    fn = js.parallelize(step, memory_budget=budget, offload=(), **kw)  # state kept on the device: levels only
+    fn = js.parallelize(step, search=js.Search(memory_budget=budget), offload=(), **kw)  # state kept on the device: levels only
     plan = fn.plan(*args)
     weighed = {w.policy: w for w in plan.search.optimizer}
-    assert list(weighed) == ["optimizer_parallel=1", "optimizer_parallel=2", "optimizer_parallel=3"]
+    assert list(weighed) == ["optimizer=1", "optimizer=2", "optimizer=3"]
     fits = [w for w in weighed.values() if w.seconds is not None]
     fastest = min(fits, key=lambda w: w.seconds)
     assert fastest.chosen and plan.optimizer.level == int(fastest.policy[-1]) >= 1, plan.search.line()

@@ -178,9 +178,9 @@ def test_reading_the_plan_records_pauses_the_garbage_collector(monkeypatch):
 
 
 def test_replaying_the_interior_layers_plans_what_the_full_search_plans(replayed):
-    """The 12-layer plan with no replay (`search_replay=False`: every unit decided on its own at
+    """The 12-layer plan with no replay (`Search(replay=False)`: every unit decided on its own at
     every level) is the replayed one: the same strategies, layouts and predicted cost."""
-    full = _plan(12, search_replay=False)
+    full = _plan(12, search=js.Search(replay=False))
     plan = replayed[12][0]
     assert full.search.seconds == plan.search.seconds
     assert full.ops == plan.ops and full.in_specs == plan.in_specs and full.out_specs == plan.out_specs

@@ -37,7 +37,7 @@ def test_tight_budget_on_weight_heavy_mlp_cuts_weights_and_fits_compiled(wide_ml
     step, args, ref = wide_mlp
     free = js.parallelize(step, devices=8, mode="auto", search=how).plan(*args)
     budget = free.search.peak_bytes / 4
-    auto = js.parallelize(step, devices=8, mode="auto", search=how, memory_budget=budget)
+    auto = js.parallelize(step, devices=8, mode="auto", search=js.Search(how, memory_budget=budget))
     plan = auto.plan(*args)
     weights = _specs(plan.in_shardings[0])
     assert any(spec != jax.sharding.PartitionSpec() for spec in weights), weights  # weights are cut
@@ -75,7 +75,7 @@ def gpt():
 @pytest.mark.parametrize("how", ["recursive"])  # the ILP's numerics: the budget test above (MLP)
 def test_searched_gpt_equals_one_device_and_is_explained(gpt, how):
     step, args, ref = gpt
-    auto = js.parallelize(step, devices=8, mode="auto", search=how, search_time_limit=8)
+    auto = js.parallelize(step, devices=8, mode="auto", search=js.Search(how, time_limit=8))
     _, _, loss = auto(*args)
     assert_close(loss, ref, terms=step_terms(args[0], args[2], backward=False))
     plan = auto.plan(*args)
@@ -115,7 +115,7 @@ def test_save_load_rebuilds_the_same_program(gpt, tmp_path):
 
 def test_impossible_budget_says_what_is_missing_and_which_tensors(wide_mlp):
     step, args, _ = wide_mlp
-    auto = js.parallelize(step, devices=8, mode="auto", memory_budget="64KiB")
+    auto = js.parallelize(step, devices=8, mode="auto", search=js.Search(memory_budget="64KiB"))
     with pytest.raises(js.ShardingError, match=r"memory_budget=64 KiB per device cannot be met on 8 devices") as e:
         auto.plan(*args)
     text = str(e.value)
@@ -159,9 +159,9 @@ def test_search_options_are_checked():
     with pytest.raises(js.ShardingError, match=r"search='bfs' is not one of \('recursive', 'ilp', 'propagation'\)"):
         js.parallelize(f, devices=8, mode="auto", search="bfs")
     with pytest.raises(js.ShardingError, match=r"memory_budget applies to the strategy search, mode='auto'"):
-        js.parallelize(f, devices=8, mode="semi_auto", memory_budget="1GiB")
+        js.parallelize(f, devices=8, mode="semi_auto", search=js.Search(memory_budget="1GiB"))
     with pytest.raises(js.ShardingError, match=r"search='propagation' cuts the batch and propagates"):
-        js.parallelize(f, devices=8, mode="auto", search="propagation", memory_budget="1GiB")
+        js.parallelize(f, devices=8, mode="auto", search=js.Search("propagation", memory_budget="1GiB"))
 
 
 def _tanh_mlp_step(ws, x):

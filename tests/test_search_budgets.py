@@ -38,7 +38,7 @@ MODELS = {
 def test_ilp_is_never_worse_than_the_recursive_plan(name):
     step, args = _step(*MODELS[name])
     recursive = js.parallelize(step, devices=8, mode="auto", search="recursive").plan(*args).search
-    ilp = js.parallelize(step, devices=8, mode="auto", search="ilp", search_time_limit=4).plan(*args).search
+    ilp = js.parallelize(step, devices=8, mode="auto", search=js.Search("ilp", time_limit=4)).plan(*args).search
     assert ilp.seconds <= recursive.seconds * (1 + 1e-9), (ilp.line(), recursive.line())
     assert ilp.kept.startswith(("the ILP's plan", "the recursive plan (the warm start)"))
     assert f"kept {ilp.kept}" in ilp.line()
@@ -64,8 +64,7 @@ def test_ilp_fits_where_the_expert_fits(loop_case):
     compiled program, says which, and equals one device."""
     params, tokens, expert = loop_case
     budget = expert.memory.peak_bytes
-    step = js.parallelize(loop_gpt.train_step, devices=8, mode="auto", search="ilp", memory_budget=budget,
-                          search_time_limit=4)
+    step = js.parallelize(loop_gpt.train_step, devices=8, mode="auto", search=js.Search("ilp", memory_budget=budget, time_limit=4))
     report = step.plan(params, tokens).search
     assert report.compiled_peak_bytes <= budget, report.line()
     assert report.kept or "its compiled program decides" in report.status, report.line()
@@ -81,7 +80,7 @@ def test_search_keeps_the_plan_propagated_from_the_anchors(loop_case):
     alone: 1.40x), fits, and equals one device."""
     params, tokens, expert = loop_case
     budget = 2 * expert.memory.peak_bytes
-    step = js.parallelize(loop_gpt.train_step, devices=8, mode="auto", memory_budget=budget)
+    step = js.parallelize(loop_gpt.train_step, devices=8, mode="auto", search=js.Search(memory_budget=budget))
     report = step.plan(params, tokens).search
     assert report.status.startswith(PROPAGATED), report.line()
     compiled = js.audit(step.lower(params, tokens).compile())
@@ -118,7 +117,7 @@ def _meets_at_its_peak(case, args: tuple, expert: js.Audit):
     moves at most 1.05x the expert's bytes and equals one device. Returns the plan's `SearchReport`."""
     budget = expert.memory.peak_bytes
     with case.context():
-        step = js.parallelize(case.step, mode="auto", memory_budget=budget, **case.options["given"])
+        step = js.parallelize(case.step, mode="auto", search=js.Search(memory_budget=budget), **case.options["given"])
         report = step.plan(*args).search
         compiled = step.lower(*args).compile()
         outputs = jax.device_get(compiled(*jax.device_put(args, compiled.input_shardings[0])))
@@ -158,7 +157,7 @@ def test_search_weighs_the_data_parallel_plan_of_a_scanned_gpt():
     args = w.args()
     expert = js.audit(_plans.expert("data", w, 8).lower(*args).compile())
     budget = expert.memory.peak_bytes
-    step = js.parallelize(w.step(None), devices=8, mode="auto", memory_budget=budget, offload=())
+    step = js.parallelize(w.step(None), devices=8, mode="auto", search=js.Search(memory_budget=budget), offload=())
     report = step.plan(*args).search
     assert report.status.startswith(DATA_PARALLEL), report.line()
     found = js.audit(step.lower(*args).compile())
@@ -189,7 +188,7 @@ def test_search_meets_the_fsdp_plan_where_data_parallel_does_not_fit():
     args = w.args()
     data, fsdp = (js.audit(_plans.expert(name, w, 8).lower(*args).compile()) for name in ("data", "fsdp"))
     budget = (data.memory.peak_bytes + fsdp.memory.peak_bytes) / 2
-    step = js.parallelize(w.step(None), devices=8, mode="auto", memory_budget=budget)
+    step = js.parallelize(w.step(None), devices=8, mode="auto", search=js.Search(memory_budget=budget))
     report = step.plan(*args).search
     assert report.compiled_peak_bytes <= budget, report.line()
     found = js.audit(step.lower(*args).compile())

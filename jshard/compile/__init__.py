@@ -7,11 +7,13 @@ from jshard.compile._arguments import Bound as Bound
 from jshard.compile._arguments import bind as bind
 from jshard.compile._arguments import resolve as resolve
 from jshard.compile._core import build as build
-from jshard.compile._options import Accumulation as Accumulation
-from jshard.compile._options import OptimizerParallel as OptimizerParallel
+from jshard.compile._groups import Accumulation as Accumulation
+from jshard.compile._groups import OptimizerParallel as OptimizerParallel
+from jshard.compile._groups import Pipelining as Pipelining
+from jshard.compile._groups import Search as Search
+from jshard.compile._groups import grouped as grouped
+from jshard.compile._groups import parse_bytes as parse_bytes
 from jshard.compile._options import Options as Options
-from jshard.compile._options import PipelineOptions as PipelineOptions
-from jshard.compile._options import parse_bytes as parse_bytes
 from jshard.compile._planners import Planned as Planned
 from jshard.compile._planners import Planner as Planner
 from jshard.compile._planners import Problem as Problem

@@ -70,7 +70,7 @@ def dataset_anchors(args: tuple, batch: set[int], options: Options, n: int, call
     ndims = [np.ndim(x) for x in jax.tree_util.tree_leaves(args)]
     if strategy != "data_parallel":
         ids = sorted(batch)
-    elif options.mode == "auto" and options.search != "propagation":
+    elif options.mode == "auto" and options.search.method != "propagation":
         return {}
     else:
         ids = [i for i in sorted(batch) if ndims[i] > 0]
@@ -78,7 +78,7 @@ def dataset_anchors(args: tuple, batch: set[int], options: Options, n: int, call
 
 
 def check_micro_batches(args: tuple, batch: set[int], dataset: dict[int, Slot], k: int, n: int, call: str) -> None:
-    """With `accumulation_steps=k`: k divides the rows of every batch leaf, and where the dataset
+    """With `accumulation=k`: k divides the rows of every batch leaf, and where the dataset
     policy cuts the rows, each micro-batch's rows are cut as evenly.
 
     Raises:
@@ -94,12 +94,12 @@ def check_micro_batches(args: tuple, batch: set[int], dataset: dict[int, Slot], 
         ways = 1 if i not in dataset else layout_of(dataset[i], n, call=call, op=BOUNDARY, what="dataset_strategy").strategy[0]
         if rows % k:
             fits = [d for d in range(1, rows + 1) if rows % d == 0]
-            raise ShardingError(f"{call}: accumulation_steps={k} does not divide the {rows} rows of the batch "
+            raise ShardingError(f"{call}: accumulation={k} does not divide the {rows} rows of the batch "
                                 f"args{paths[i]} {shape}. Give a k that divides {rows} ({', '.join(map(str, fits))}), or "
                                 f"a batch of a multiple of {k} rows.")
         if (rows // k) % ways:
             fits = [d for d in range(1, rows + 1) if rows % d == 0 and (rows // d) % ways == 0]
-            raise ShardingError(f"{call}: accumulation_steps={k} cuts the batch args{paths[i]} {shape} into "
+            raise ShardingError(f"{call}: accumulation={k} cuts the batch args{paths[i]} {shape} into "
                                 f"micro-batches of {rows // k} rows, which the dataset strategy cannot cut into "
                                 f"{ways} equal parts as it cuts the batch. Give a k whose micro-batches it divides "
                                 f"({', '.join(map(str, fits)) or 'none'}), or a batch of a multiple of {k * ways} rows.")

@@ -36,9 +36,10 @@ from jshard.compile._boundary import (
     out_shardings,
 )
 from jshard.compile._collisions import warn_collisions
+from jshard.compile._groups import OptimizerParallel
 from jshard.compile._offload import anchored, least_streamed, offloaded, searched
 from jshard.compile._optimizer import accumulator, cuts, gathered, reduce_scattered, regathered, result_shardings
-from jshard.compile._options import OptimizerParallel, Options
+from jshard.compile._options import Options
 from jshard.compile._planners import Problem, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._trace import Traced, adopted, devices_for, trace
@@ -331,10 +332,10 @@ def _weigh_optimizer(fn, traced: Traced, args, devices, slots, dataset, c: Optio
             program = _plan_signature(fn, traced, args, devices, slots, dataset, leveled, call, budget, budget_from,
                                       types, False)
         except ShardingError as e:  # over the budget, or no data-parallel axis to cut over
-            weighed.append(Weighed(f"optimizer_parallel={level}", None, getattr(e, "least_bytes", None)))
+            weighed.append(Weighed(f"optimizer={level}", None, getattr(e, "least_bytes", None)))
             continue
         planned[level] = program
-        weighed.append(Weighed(f"optimizer_parallel={level}", program.plan.search.seconds, program.plan.search.peak_bytes))
+        weighed.append(Weighed(f"optimizer={level}", program.plan.search.seconds, program.plan.search.peak_bytes))
     checked = check and c.memory_budget is not None and devices is not None
     failed = without
     for level in sorted(planned, key=lambda k: planned[k].plan.search.seconds):
@@ -345,9 +346,9 @@ def _weigh_optimizer(fn, traced: Traced, args, devices, slots, dataset, c: Optio
         except MemoryBudgetError as e:
             failed = e
             weighed = [dataclasses.replace(w, seconds=None, peak_bytes=e.least_bytes)
-                       if w.policy == f"optimizer_parallel={level}" else w for w in weighed]
+                       if w.policy == f"optimizer={level}" else w for w in weighed]
             continue
-        name = f"optimizer_parallel={level}"
+        name = f"optimizer={level}"
         weighed = [dataclasses.replace(w, chosen=w.policy == name) for w in weighed]
         why = (f"chosen by the search: no plan without optimizer parallel fits {human_bytes(budget)} per device (the "
                f"least it found: {human_bytes(without.least_bytes or 0)}); of the levels weighed ("
@@ -399,7 +400,7 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
     if gather or kept is not None or axes:  # axes: jshard.accumulate reduces once, after its loop
         traced = trace(gathered(fn, gather) if gather else fn, args, fine, devices, c, call, recompute,
                        accumulator=kept, types=types, batch_axes=axes)
-    rewrite = regathered(traced, gather) if c.optimizer_comm_recompute else None
+    rewrite = regathered(traced, gather) if c.optimizer is not None and c.optimizer.comm_recompute else None
     if optimizer is not None:
         optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
     _check_comm_kept(traced, c, call)

@@ -150,7 +150,7 @@ def gathered(fn: Callable[..., Any], shardings: dict[int, NamedSharding]) -> Cal
 
 
 def regathered(traced: Traced, gather: dict[int, NamedSharding]) -> Rewrite | None:
-    """Communication recompute (`optimizer_comm_recompute`) for `traced`, whose parameter leaves
+    """Communication recompute (`OptimizerParallel(comm_recompute=True)`) for `traced`, whose parameter leaves
     `gather` are all-gathered before use: a `Rewrite` for emission under which the backward pass
     gathers each cut parameter again at its first use there (behind `lax.optimization_barrier`
     with that equation's other inputs, so that XLA neither merges the two gathers nor moves the
@@ -375,11 +375,11 @@ def _no_axis_error(call: str, traced: Traced, big: list[int], layouts, level: in
     i = big[0]
     x = traced.leaves[i]
     mesh = ", ".join(f"{a}={s}" for a, s in traced.axis_size.items() if s > 1) or "one device"
-    return (f"{call}: optimizer_parallel={level} cuts optimizer state over the data-parallel devices (the mesh "
+    return (f"{call}: optimizer={level} cuts optimizer state over the data-parallel devices (the mesh "
             f"axes a leaf's layout leaves replicated), but no leaf of {human_bytes(_bytes(x))} or more has one: "
             f"e.g. args{traced.paths[i]} {shape_str(dtype_of(x), np.shape(x))} is laid out "
             f"{layouts[i].spec} over the mesh ({mesh}). Run on more devices than the "
-            f"strategies use (a data-parallel axis), or drop optimizer_parallel.")
+            f"strategies use (a data-parallel axis), or drop optimizer=.")
 
 
 def _no_accumulation_axis_error(call: str, traced: Traced, params: list[int], layouts) -> str:
@@ -389,7 +389,7 @@ def _no_accumulation_axis_error(call: str, traced: Traced, params: list[int], la
         i = max(params, key=lambda j: _bytes(traced.leaves[j]))
         x = traced.leaves[i]
         example = f": e.g. args{traced.paths[i]} {shape_str(dtype_of(x), np.shape(x))} is laid out {layouts[i].spec}"
-    return (f"{call}: accumulation_shard=True cuts the accumulated gradients over the data-parallel devices (the "
+    return (f"{call}: Accumulation(shard=True) cuts the accumulated gradients over the data-parallel devices (the "
             f"mesh axes a parameter's layout leaves replicated), but no parameter leaf (argument 0) has such an "
             f"axis that divides it{example} over the mesh ({mesh}). Run on more devices than the strategies use "
-            f"(a data-parallel axis), or drop accumulation_shard.")
+            f"(a data-parallel axis), or drop Accumulation(shard=True).")

@@ -127,9 +127,9 @@ class SearchPlanner:
         fixed = {**problem.fixed, **{v: replicated(len(v.aval.shape)) for v in consts}}
         donated = frozenset(t.invars[i] for i in problem.donated)
         names = {v: f"args{p}" for v, p in zip(t.invars, t.paths)}
-        result, report = search(t.nodes, list(t.invars) + consts, t.outvars, fixed, t.axis_size, how=c.search,
+        result, report = search(t.nodes, list(t.invars) + consts, t.outvars, fixed, t.axis_size, how=c.search.method,
                                 cost=c.costs, budget=problem.budget, donated=donated, host=problem.host, names=names,
-                                call=self.call, time_limit=c.search_time_limit, replay=c.search_replay,
+                                call=self.call, time_limit=c.search.time_limit, replay=c.search.replay,
                                 table=t.table, batch=[t.invars[i] for i in sorted(problem.batch)],
                                 seeded=problem.seeded, as_seeded=problem.as_seeded,
                                 compiled=problem.compiled)

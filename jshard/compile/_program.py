@@ -59,7 +59,7 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                   for v, sh in zip(traced.outvars, out_sh)]
         # on Explicit axes only, the types say it all; on an abstract mesh (no devices) nothing runs it
         if devices is not None and set(mesh.explicit_axes) != set(mesh.axis_names):
-            emission = emission_of(traced.nodes, result, dict(mesh.shape), options.enable_alltoall)
+            emission = emission_of(traced.nodes, result, dict(mesh.shape), options.costs.alltoall)
     if replaced:
         emission = dataclasses.replace(emission, replaced=replaced)
     if emission is not EMPTY or rewrite is not None:

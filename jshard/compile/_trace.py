@@ -188,9 +188,9 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
             raise ShardingError(_collective_error(call, unbound["axis"], unbound["op"], _user_line(e))) from None
     if steps is not None and not ctx.accumulated:
         raise ShardingError(
-            f"{call}: accumulation_steps={steps}, but the function calls no jshard.accumulate, so jshard cannot tell "
+            f"{call}: accumulation={steps}, but the function calls no jshard.accumulate, so jshard cannot tell "
             f"which part of it makes the gradients. Wrap the gradient function in the step: loss, grads = "
-            f"jshard.accumulate(jax.value_and_grad(loss_fn))(params, batch); or drop accumulation_steps.")
+            f"jshard.accumulate(jax.value_and_grad(loss_fn))(params, batch); or drop accumulation=.")
     closed = distinct_calls(closed)
     out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     return Traced(closed, flatten(closed.jaxpr), ctx, leaves, treedef, paths,

@@ -43,8 +43,9 @@ class CostModel:
         present devices' (`device_memory`), else no budget.
       alltoall: whether a redistribution may move a mesh axis from one tensor dim to another by
         all-to-all (MindSpore's `enable_alltoall`); if not, the axes that move are all-gathered
-        first and the result sliced locally (`redistribution`). `parallelize` sets it from its
-        `enable_alltoall` keyword.
+        first and the result sliced locally (`redistribution`). Default on, unlike MindSpore's:
+        XLA's partitioner emits all-to-alls natively, and a move by all-to-all sends 1/n of the
+        all-gather's bytes.
       host_bandwidth: bytes/s one way on the link between a device's memory and its host's (PCIe,
         NVLink-C2C), which state kept in host memory crosses every step (`host_seconds`).
 

@@ -172,7 +172,7 @@ def gpt_pipeline(cfg: GPTConfig, preset: Preset | None = None) -> Pipeline:
     """The GPT as a `jshard.Pipeline`: embedding first, the stacked blocks, then head and loss.
 
     Needs `cfg.scan` (blocks stacked under `params["layers"]`). `pipe.loss(params, batch)` is
-    `gpt_loss`; under `parallelize(pipe, pipeline_stages=S, micro_batches=M)` the loss is the mean
+    `gpt_loss`; under `parallelize(pipe, pipeline=js.Pipelining(S, M))` the loss is the mean
     of the micro-batches' masked means, equal to it when every row's mask counts the same tokens
     (as in `copy_task_batch`). `preset`'s strategies apply inside each stage (its `dp * mp` is the
     stage's device count).
@@ -202,7 +202,7 @@ def gpt_pipeline(cfg: GPTConfig, preset: Preset | None = None) -> Pipeline:
 
 def gpt_staged_loss(cfg: GPTConfig, stages: int, preset: Preset | None = None):
     """`loss(params, batch)`, the GPT of unrolled blocks (`scan=False`) as a MindSpore user tags
-    it for `parallelize(loss, pipeline_stages=stages, ...)`: the embedding on stage 0, the blocks
+    it for `parallelize(loss, pipeline=js.Pipelining(stages, ...))`: the embedding on stage 0, the blocks
     in contiguous runs (stage `s` takes blocks `s·L/S ..`, the first stages one more where `S`
     does not divide `L`), the head on the last stage, the loss untagged (it joins the head's).
 

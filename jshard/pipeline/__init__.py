@@ -1,7 +1,7 @@
 """Pipeline parallel: stages, micro-batches, GPipe / 1F1B / interleaved / zero-bubble (ZB-H1) schedules.
 
 `pipeline_stage(fn, k)` tags the parts of any step with their stage: `jshard.parallelize(step,
-pipeline_stages=S, micro_batches=M, schedule=...)` returns a `Staged` step, the step's forward loss
+pipeline=js.Pipelining(S, M, schedule=...))` returns a `Staged` step, the step's forward loss
 `cut` into per-stage functions (`Cut`; with no tags, where the cost model balances the stages,
 reported in its `StageBalance`; with `mode="auto"` a `SearchedCut`, each stage's strategy searched
 over its devices) run by a `StagedProgram` with each stage's parameters on its

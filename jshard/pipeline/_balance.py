@@ -1,6 +1,6 @@
 """Stages balanced by the cost model: where an untagged step is cut, and what each stage costs.
 
-A step passed with `pipeline_stages=S` and no `pipeline_stage` tags is cut into S runs of its
+A step passed with `stages=S` and no `pipeline_stage` tags is cut into S runs of its
 forward loss's operators in program order (a value then only flows to later stages). `balance`
 picks the S - 1 cuts:
 

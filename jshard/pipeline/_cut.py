@@ -349,9 +349,9 @@ def _check_every_stage_runs(call: str, per_stage, stages: int) -> None:
     empty = [k for k, ops in enumerate(per_stage) if not ops]
     if empty:
         raise ShardingError(
-            f"{call}: pipeline_stages={stages}, but stage(s) {empty} run no operator of the loss: every "
+            f"{call}: stages={stages}, but stage(s) {empty} run no operator of the loss: every "
             f"stage 0..{stages - 1} needs a jshard.pipeline_stage(fn, k) region the loss depends on. Tag "
-            f"the layers of those stages, or use pipeline_stages={stages - len(empty)}."
+            f"the layers of those stages, or use stages={stages - len(empty)}."
         )
 
 
@@ -364,8 +364,8 @@ def _where_eqn(eqn) -> str:
 
 
 def _range_error(call: str, op: Op, stages: int) -> str:
-    return (f"{call}: {_where(op)} is tagged jshard.pipeline_stage(fn, {op.tag}), but pipeline_stages={stages} "
-            f"has stages 0..{stages - 1}. Tag it with a stage below {stages}, or pass pipeline_stages="
+    return (f"{call}: {_where(op)} is tagged jshard.pipeline_stage(fn, {op.tag}), but stages={stages} "
+            f"has stages 0..{stages - 1}. Tag it with a stage below {stages}, or pass stages="
             f"{op.tag + 1}.")
 
 
@@ -379,6 +379,6 @@ def _no_tags_error(call: str, stages: int, priced: bool = False, ops: int = 0) -
     why = (f" Cut by the cost model, its {ops} operator(s) hold fewer narrow places to end a stage at (where no "
            f"more crosses than between two of its layers) than the {stages - 1} cut(s) {stages} stages need."
            if priced else "")
-    return (f"{call}: pipeline_stages={stages}, but no operator of the loss is tagged with a stage.{why} Wrap the "
+    return (f"{call}: stages={stages}, but no operator of the loss is tagged with a stage.{why} Wrap the "
             f"parts of the model in jshard.pipeline_stage(fn, k) (the embedding and first layers k=0, ..., the "
             f"head k={stages - 1}), or pass a jshard.Pipeline(first=..., layer=..., last=...).")

@@ -48,7 +48,7 @@ class StageFunction:
 
     def __call__(self, *args, **kwargs):
         """`fn(*args, **kwargs)` in the name scope that tags its operators with the stage (how a
-        step passed to `parallelize(..., pipeline_stages=S)` is cut)."""
+        step passed to `parallelize(..., pipeline=js.Pipelining(S, ...))` is cut)."""
         with jax.named_scope(STAGE_SCOPE + str(self.stage)):
             return self.fn(*args, **kwargs)
 
@@ -57,7 +57,7 @@ class StageFunction:
 def pipeline_stage(fn: Callable[..., Any], stage: int) -> StageFunction:
     """Tags `fn` to run on pipeline stage `stage` (MindSpore `Cell.pipeline_stage`).
 
-    Two uses. Inside any step passed to `parallelize(step, pipeline_stages=S, micro_batches=M)`
+    Two uses. Inside any step passed to `parallelize(step, pipeline=js.Pipelining(S, M))`
     (the embedding, each layer of a Python loop, the head, each wrapped and called as usual): the
     operators `fn` runs are tagged with `stage`, and the step is cut there (operators outside every
     tag join the stage of their latest tagged producer). Or, in a `Pipeline`, as `layer=[...]`: one
@@ -197,7 +197,7 @@ def check_stage_ids(call: str, layer: Sequence[Any], stages: int) -> None:
             ("; " if missing and extra else "") + (f"stage id(s) {extra} are out of range" if extra else "")
         what = what or f"{len(ids)} functions for {stages} stages"
         raise ShardingError(
-            f"{call}: stage ids {ids} with pipeline_stages={stages}: {what}. Tag exactly one function per "
+            f"{call}: stage ids {ids} with stages={stages}: {what}. Tag exactly one function per "
             f"stage 0..{stages - 1} with jshard.pipeline_stage(fn, stage)."
         )
     raise ShardingError(

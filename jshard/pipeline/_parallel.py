@@ -1,7 +1,7 @@
-"""`parallelize(pipe, pipeline_stages=S, micro_batches=M, schedule=...)`: a pipelined step.
+"""`parallelize(pipe, pipeline=js.Pipelining(S, M, schedule=...))`: a pipelined step.
 
 The front end of the pipeline package, on the compile core's pieces: the same validated `Options`
-(with its `PipelineOptions`), the same per-signature cache, strategy canonicalizer and dataset
+(with its `Pipelining`), the same per-signature cache, strategy canonicalizer and dataset
 policy as `parallelize`. It checks the pipeline's own rules (raising `ShardingError`s that name the
 call, the value and the fix), builds the mesh (a leading `stage` axis of size S, then the stage's
 own fine mesh over `devices / S` devices), turns the stage-internal strategies into
@@ -67,7 +67,7 @@ class _Entry:
 class Pipelined:
     """A pipelined step: call it for `(loss, grads)`, `forward` it for inference, or read its `plan`.
 
-    Made by `jshard.parallelize(pipe, pipeline_stages=..., micro_batches=...)` for a `jshard.Pipeline`.
+    Made by `jshard.parallelize(pipe, pipeline=js.Pipelining(...))` for a `jshard.Pipeline`.
 
     A training loop may hold its parameters as the program does and skip the conversions of each
     call: `pack(params, batch)` gives `(ends, stack)`, the parameters outside the stack on the
@@ -370,7 +370,7 @@ class Staged:
     """A train step cut into pipeline stages where `jshard.pipeline_stage` tags it (MindSpore's
     `Cell.pipeline_stage` on an ordinary network): call it for `(loss, grads)`.
 
-    Made by `jshard.parallelize(fn, pipeline_stages=S, micro_batches=M, schedule=...)` for a plain
+    Made by `jshard.parallelize(fn, pipeline=js.Pipelining(S, M, schedule=...))` for a plain
     function `fn(params, batch)` returning a scalar loss (a mean over the batch's rows), or
     `jax.value_and_grad(loss)(params, batch)`; its forward loss is traced on one micro-batch, cut
     into stages (`_cut.py`) and run under the schedule (`_staged.py`). The gradients are the
@@ -521,7 +521,7 @@ class Staged:
                 if c.virtual_stages == 1:
                     raise
                 raise ShardingError(  # the cut counts the tagged stages: say where that count comes from
-                    f"{e} (schedule='interleaved': the tags number pipeline_stages × virtual_stages = "
+                    f"{e} (schedule='interleaved': the tags number stages × virtual_stages = "
                     f"{c.stages} × {c.virtual_stages} = {c.stages * c.virtual_stages} stages, stage k running on "
                     f"device group k mod {c.stages}.)"
                 ) from None
@@ -529,7 +529,7 @@ class Staged:
             return staged
         if ctx.annotations:
             raise ShardingError(
-                f"{self.call}: mode='auto' with pipeline_stages= searches every stage's strategy, but the step calls "
+                f"{self.call}: mode='auto' with pipeline= searches every stage's strategy, but the step calls "
                 f"jshard.shard ({len(ctx.annotations)} call(s), the first {ctx.annotations[0].name} at "
                 f"{ctx.annotations[0].source}) inside its stages. Use mode='semi_auto' to keep those strategies, or "
                 f"drop the shard calls to have them searched."
@@ -626,7 +626,7 @@ def _check_config(call: str, pipe: Pipeline, options: Options) -> None:
 
 def _check_staged(call: str, options: Options) -> None:
     """The options a step cut by `pipeline_stage` tags takes: no `in_strategy` (interleaved: the
-    tags number `pipeline_stages × virtual_stages` stages, `Staged`)."""
+    tags number `stages × virtual_stages` stages, `Staged`)."""
     _check_options(call, options)
     if options.in_strategy:
         raise ShardingError(f"{call}: in_strategy= sets strategies inside the stages of a jshard.Pipeline; a step cut "
@@ -659,13 +659,13 @@ def _check_options(call: str, options: Options) -> None:
     """The pipeline options every pipelined step checks (stages, schedule, micro-batches, dataset)."""
     c = options.pipeline
     if not isinstance(c.stages, int) or c.stages < 2:
-        raise ShardingError(f"{call}: pipeline_stages={c.stages!r}; a pipeline needs at least 2 stages "
-                            f"(drop pipeline_stages= to run without one).")
+        raise ShardingError(f"{call}: stages={c.stages!r}; a pipeline needs at least 2 stages "
+                            f"(drop pipeline= to run without one).")
     if c.schedule not in SCHEDULES:
         raise ShardingError(f"{call}: schedule={c.schedule!r} is not one of {SCHEDULES}.")
     if c.micro_batches is None or c.micro_batches < c.stages:
         raise ShardingError(
-            f"{call}: micro_batches={c.micro_batches} with pipeline_stages={c.stages}: every stage needs a "
+            f"{call}: micro_batches={c.micro_batches} with stages={c.stages}: every stage needs a "
             f"micro-batch in flight, so micro_batches must be at least {c.stages}. Pass micro_batches="
             f"{2 * c.stages} or more (the bubble is (S-1)/(M+S-1))."
         )
@@ -676,7 +676,7 @@ def _check_options(call: str, options: Options) -> None:
         raise ShardingError(f"{call}: virtual_stages={c.virtual_stages!r} must be a positive int.")
     if c.schedule == "interleaved" and c.micro_batches % c.stages:
         raise ShardingError(
-            f"{call}: schedule='interleaved' runs micro-batches in groups of pipeline_stages={c.stages}, but "
+            f"{call}: schedule='interleaved' runs micro-batches in groups of stages={c.stages}, but "
             f"micro_batches={c.micro_batches} is not a multiple of {c.stages}. Use micro_batches="
             f"{math.ceil(c.micro_batches / c.stages) * c.stages}."
         )
@@ -686,8 +686,8 @@ def _check_options(call: str, options: Options) -> None:
 def _check_divides_devices(call: str, n: int, stages: int) -> None:
     if n % stages:
         raise ShardingError(
-            f"{call}: devices={n} is not divisible by pipeline_stages={stages}; each stage runs on "
-            f"devices / pipeline_stages devices. Use pipeline_stages in {_divisors(n)[1:]}, or a device "
+            f"{call}: devices={n} is not divisible by stages={stages}; each stage runs on "
+            f"devices / stages devices. Use stages in {_divisors(n)[1:]}, or a device "
             f"count that is a multiple of {stages}."
         )
 
@@ -696,9 +696,9 @@ def _check_layers(call: str, layers: int, stages: int, virtual: int) -> None:
     chunks = stages * virtual
     if layers % chunks:
         raise ShardingError(
-            f"{call}: the layer stack has {layers} layers, which pipeline_stages={stages} × virtual_stages="
+            f"{call}: the layer stack has {layers} layers, which stages={stages} × virtual_stages="
             f"{virtual} = {chunks} chunks cannot share equally. Use a layer count that is a multiple of "
-            f"{chunks}, or pipeline_stages × virtual_stages in {_divisors(layers)}."
+            f"{chunks}, or stages × virtual_stages in {_divisors(layers)}."
         )
 
 
@@ -724,7 +724,7 @@ def _check_batch(call: str, batch: Any, micro: int, data: int) -> None:
 
 
 def pipelined(fn: Any, options: Options) -> Pipelined | Any:
-    """What `parallelize(..., pipeline_stages=S)` returns: a `Pipelined` (or a decorator making one).
+    """What `parallelize(..., pipeline=js.Pipelining(S, ...))` returns: a `Pipelined` (or a decorator making one).
 
     Of the `Options`, only `devices`, `in_strategy` (strategies over one stage's devices),
     `dataset_strategy` and `pipeline` apply; for a step cut into stages also `cost_model` (the
@@ -734,13 +734,13 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
     call = f"jshard.parallelize({_name(fn) if fn is not None else 'fn'})"
     if options.pipeline.stages is None:
         raise ShardingError(
-            f"{call}: micro_batches=, schedule= and virtual_stages= configure a pipeline, but pipeline_stages= "
-            f"is missing. Pass pipeline_stages=S (and a jshard.Pipeline), or drop them."
+            f"{call}: micro_batches=, schedule= and virtual_stages= configure a pipeline, but stages= "
+            f"is missing. Pass js.Pipelining(stages=S, ...) (and a jshard.Pipeline), or drop them."
         )
     if options.mesh is not None or options.mode not in ("semi_auto", "auto"):
         what = "mesh=" if options.mesh is not None else f"mode={options.mode!r}"
         raise ShardingError(
-            f"{call}: pipeline_stages= builds its own mesh (a stage axis, then each stage's devices) with "
+            f"{call}: pipeline= builds its own mesh (a stage axis, then each stage's devices) with "
             f"stage-internal strategies as in semi_auto (or searched, mode='auto'); {what} cannot be combined with "
             f"it. Drop {what.split('=')[0]}=."
         )
@@ -749,18 +749,18 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
         raise ShardingError(
             f"{call}: a pipeline step takes (params, batch), both traced; {jit_options[0]}= applies to "
             f"parallelize's own program, not to a pipeline. Bind static values into the stage functions "
-            f"(functools.partial), or drop pipeline_stages=."
+            f"(functools.partial), or drop pipeline=."
         )
     if options.optimizer is not None:
         raise ShardingError(
-            f"{call}: optimizer_parallel cuts the optimizer state over the axes the strategies leave replicated, "
+            f"{call}: optimizer= (optimizer parallel) cuts the optimizer state over the axes the strategies leave replicated, "
             f"in mode='data', 'semi_auto' or 'auto'; it cannot be used with a pipeline yet. Use mode='data', "
-            f"'semi_auto' or 'auto', or drop optimizer_parallel."
+            f"'semi_auto' or 'auto', or drop optimizer=."
         )
     if options.accumulation is not None:
         raise ShardingError(
-            f"{call}: accumulation_steps cuts a step's batch into micro-batches outside a pipeline; a pipeline "
-            f"accumulates its own micro_batches. Use micro_batches=, or drop accumulation_steps."
+            f"{call}: accumulation= cuts a step's batch into micro-batches outside a pipeline; a pipeline "
+            f"accumulates its own micro_batches. Use Pipelining(micro_batches=...), or drop accumulation=."
         )
     if options.offload:
         raise ShardingError(f"{call}: offload={options.offload} keeps state in host memory in the one-program "
@@ -784,7 +784,7 @@ def _pipelined_step(fn: Any, options: Options) -> Pipelined | Staged:
         return Pipelined(fn, options)
     if not callable(fn):
         raise TypeError(
-            f"jshard.parallelize({_name(fn)}): pipeline_stages= needs a jshard.Pipeline or a function whose parts "
+            f"jshard.parallelize({_name(fn)}): pipeline= needs a jshard.Pipeline or a function whose parts "
             f"are tagged with jshard.pipeline_stage(fn, k), got {type(fn).__name__}."
         )
     return Staged(fn, options)

@@ -127,7 +127,7 @@ def _search_stages(call: str, cut: Cut, options: Options, inner: FineMesh, param
         program = build(run, (params_k, batch, inputs[k]), stage_options, where)
         _check_mesh(call, k, program.traced.mesh, inner)
         mesh = program.traced.mesh
-        emission = emission_of(program.traced.nodes, program.result, dict(mesh.shape), options.enable_alltoall)
+        emission = emission_of(program.traced.nodes, program.result, dict(mesh.shape), options.costs.alltoall)
         plans.append(program.plan)
         emitted.append((program.traced.closed, emission))
     return plans, emitted

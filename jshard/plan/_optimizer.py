@@ -9,7 +9,7 @@ from jshard._format import human_bytes
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OptimizerReport:
-    """The leaves `parallelize(..., optimizer_parallel=level)` cut over the data-parallel devices.
+    """The leaves `parallelize(..., optimizer=level)` cut over the data-parallel devices.
 
     Attributes:
       level: 1 (optimizer state cut), 2 (and gradients reduce-scattered), 3 (and parameters cut).
@@ -19,7 +19,7 @@ class OptimizerReport:
       saved_bytes: bytes per device the cuts save in the arguments.
       whole: paths of the leaves at or above the threshold that no free mesh axis divides (kept
         whole).
-      regathered: parameter leaves the backward pass all-gathers again (`optimizer_comm_recompute`).
+      regathered: parameter leaves the backward pass all-gathers again (`OptimizerParallel(comm_recompute=True)`).
       reduce_scattered: gradients jshard reduce-scatters to their cut itself (level 2 and 3: a
         `shard_map` ending in `lax.psum_scatter`, on every backend).
       leaves: per cut leaf, `(path, role, layout before, layout after)`: its argument path, `"state"`

@@ -42,7 +42,7 @@ class Weighed:
     the state kept in host memory (`SearchReport.offload`).
 
     Attributes:
-      policy: the recompute policy (`"none"`, `"selective"`, `"full"`), `"optimizer_parallel=<level>"`,
+      policy: the recompute policy (`"none"`, `"selective"`, `"full"`), `"optimizer=<level>"`,
         or the offloaded roles (`"none"`, `"optimizer"`, `"optimizer+parameters"`).
       seconds: its plan's predicted seconds per call, or None where no plan fits the budget.
       peak_bytes: its plan's estimated peak per device, or (no plan) the least the search estimated.
@@ -98,7 +98,7 @@ class SearchReport:
       regions: with such regions, the policy each got (`RegionChoice`): the least recompute whose
         estimated peak fits the budget, moves chosen by bytes saved per second of recompute.
       optimizer: where `optimizer_parallel` was not given and no plan without it fit the budget,
-        each level weighed (`Weighed`, policy `"optimizer_parallel=<level>"`).
+        each level weighed (`Weighed`, policy `"optimizer=<level>"`).
       offload: where the budget binds and the user gave no `offload=`, each placement of the state
         weighed (`Weighed`: on the device, the optimizer state in host memory, and the parameters
         too), its seconds with the streaming priced on the host link.
@@ -194,7 +194,7 @@ def search(
         step uses them).
       names: var -> a name for errors (an argument's pytree path).
       replay: the recursive search decides the interior layers of a repeated run as one, then
-        improves that unit by unit (`parallelize`'s `search_replay`).
+        improves that unit by unit (`Search(replay=...)`).
       table: the nodes' `OpTable`, where one is at hand.
       batch: the batch arguments (the data-parallel and fully-sharded seeds cut their rows).
       seeded: weigh the seeds too (`_seeded.seeds`), each kept where it predicts less than the
