@@ -1,14 +1,12 @@
-"""mkdocs hooks: the guide pages take their text from README.md, the notebooks ride along.
+"""mkdocs hooks: the reference follows the packages, repository files render as pages, the notebooks ride along.
 
-A line `<!-- readme: SECTION -->` in a page becomes the body of README.md's `## SECTION`;
-`<!-- readme: SECTION > ITEM -->` only that section's bullet that starts `- **ITEM**`;
-`<!-- file: PATH -->` the whole repository file PATH less its title; `<!-- api: MODULE -->` one
-mkdocstrings entry (`::: MODULE.NAME`) per public name of the package MODULE (its `__all__`, else the
-names its `__init__.py` re-exports as `from ... import NAME as NAME`), so the reference follows the
-packages as names are added. README.md stays the one
-source (its Python blocks run in tests/test_readme.py); a section or item that is not there stops
-the build. Links to README.md and ARCHITECTURE.md become links to their pages, and
-`notebooks/*.ipynb` are copied into the site so that the notebooks page can link to them.
+`<!-- file: PATH -->` in a page becomes the whole repository file PATH less its title (ARCHITECTURE.md,
+BENCHMARKS.md, CHANGELOG.md each have a page so); `<!-- api: MODULE -->` one mkdocstrings entry
+(`::: MODULE.NAME`) per public name of the package MODULE (its `__all__`, else the names its
+`__init__.py` re-exports as `from ... import NAME as NAME`), so the reference follows the packages as
+names are added. Links to those repository files become links to their pages, and
+`notebooks/*.ipynb` are copied into the site so that the notebooks page can link to them. The other
+pages are written for the site (their Python blocks run in tests/test_readme.py).
 """
 
 from __future__ import annotations
@@ -22,8 +20,9 @@ from mkdocs.exceptions import PluginError
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[1]
-DIRECTIVE = re.compile(r"^<!-- (readme|file|api): (.+?) -->$", re.M)
-PAGES = {"README.md": "index.md", "ARCHITECTURE.md": "architecture.md"}
+DIRECTIVE = re.compile(r"^<!-- (file|api): (.+?) -->$", re.M)
+PAGES = {"README.md": "index.md", "ARCHITECTURE.md": "architecture.md", "BENCHMARKS.md": "benchmarks.md",
+         "CHANGELOG.md": "changelog.md"}
 """Repository files with a page of their own: a link to the file becomes a link to the page."""
 
 
@@ -42,12 +41,11 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 def _expand(kind: str, what: str, where: str) -> str:
     if kind == "api":
         return "\n".join(f"::: {what}.{name}\n" for name in public_names(what))
-    if kind == "file":
-        body = (ROOT / what).read_text()
-        return body.split("\n", 1)[1] if body.startswith("# ") else body
-    section, _, item = (part.strip() for part in what.partition(" > "))
-    body = _section((ROOT / "README.md").read_text(), section, where)
-    return _item(body, section, item, where) if item else body
+    path = ROOT / what
+    if not path.is_file():
+        raise PluginError(f"{where}: <!-- file: {what} --> names no file of the repository")
+    body = path.read_text()
+    return body.split("\n", 1)[1] if body.startswith("# ") else body
 
 
 def public_names(module: str) -> list[str]:
@@ -58,20 +56,6 @@ def public_names(module: str) -> list[str]:
             return list(ast.literal_eval(node.value))
     return [a.name for node in tree.body if isinstance(node, ast.ImportFrom)
             for a in node.names if a.asname == a.name and not a.name.startswith("_")]
-
-
-def _section(readme: str, name: str, where: str) -> str:
-    match = re.search(rf"^## {re.escape(name)}\n(.*?)(?=^## |\Z)", readme, re.M | re.S)
-    if match is None:
-        raise PluginError(f"{where}: README.md has no section '## {name}'")
-    return match.group(1).strip("\n") + "\n"
-
-
-def _item(body: str, section: str, item: str, where: str) -> str:
-    match = re.search(rf"^- \*\*{re.escape(item)}\*\*.*?(?=^- |^\S|\Z)", body, re.M | re.S)
-    if match is None:
-        raise PluginError(f"{where}: README.md's section '## {section}' has no item '- **{item}**'")
-    return match.group(0).rstrip("\n") + "\n"
 
 
 def _relink(text: str, where: str) -> str:

@@ -1,6 +1,6 @@
-"""The documentation site builds with `mkdocs build --strict` (no broken link, no README section a
-guide page names that is gone, no docstring the reference cannot render), and its reference holds
-every public name. Skipped only where the `docs` extra is not installed; .ci/run installs it."""
+"""The documentation site builds with `mkdocs build --strict` (no broken link, no repository file a
+page renders that is gone, no docstring the reference cannot render), its reference holds every
+public name, and the pages users look for are there. Skipped only where the `docs` extra is not installed; .ci/run installs it."""
 
 import importlib.util
 import pathlib
@@ -53,32 +53,38 @@ def test_the_reference_holds_every_public_name(site, hooks, package):
 
 
 @needs_mkdocs
-def test_guide_pages_carry_the_readme_sections_and_the_notebooks_ride_along(site):
-    search = (site / "guide" / "search" / "index.html").read_text()
-    assert "search_time_limit" in search  # README's "Strategy search" section, not a copy of it
-    assert "failure_&lt;rank&gt;.json" in (site / "guide" / "launching" / "index.html").read_text()
+def test_the_big_model_page_answers_does_not_fit_and_the_notebooks_ride_along(site):
+    big = (site / "howto" / "big-model" / "index.html").read_text()
+    table = big[big.index('id="which-tool"'):big.index('id="a-memory-budget"')]
+    for tool in ("OptimizerParallel(1)", "optimizer=3", "js.recompute", "accumulation=4", "offload=",
+                 "js.Pipelining", "memory_budget"):
+        assert tool in table, tool
+    for page in ("getting-started", "howto/nnx", "howto/linen", "howto/mesh", "howto/pipelines", "howto/multi-host",
+                 "howto/checkpoints", "concepts/mindspore", "concepts/planning", "concepts/cost-model",
+                 "reference/cli", "reference/plan-format", "troubleshooting"):
+        assert (site / page / "index.html").is_file(), page
+    assert "failure_&lt;rank&gt;.json" in (site / "howto" / "multi-host" / "index.html").read_text()
     for notebook in (REPO / "notebooks").glob("*.ipynb"):
         assert (site / "notebooks" / notebook.name).read_bytes() == notebook.read_bytes()
-    assert "Troubleshooting" in (site / "troubleshooting" / "index.html").read_text()
 
 
 @needs_mkdocs
-@pytest.mark.parametrize(
-    "directive, message",
-    [
-        ("<!-- readme: No Such Section -->", "README.md has no section '## No Such Section'"),
-        ("<!-- readme: Modes > `nothing` -->", "README.md's section '## Modes' has no item '- **`nothing`**'"),
-    ],
-    ids=["section", "item"],
-)
-def test_a_readme_section_that_is_gone_stops_the_build(hooks, directive, message):
+def test_the_repository_files_render_as_pages(site):
+    assert "Where a new feature goes" in (site / "architecture" / "index.html").read_text()
+    assert "DeprecationWarning" in (site / "changelog" / "index.html").read_text()
+    assert "Strategy search against the expert plans" in (site / "benchmarks" / "index.html").read_text()
+
+
+@needs_mkdocs
+def test_a_repository_file_that_is_gone_stops_the_build(hooks):
     from mkdocs.exceptions import PluginError
 
-    page = type("Page", (), {"file": type("File", (), {"src_uri": "guide/x.md"})()})()
-    with pytest.raises(PluginError, match=re.escape(f"guide/x.md: {message}")):
-        hooks.on_page_markdown(f"# X\n\n{directive}\n", page, None, None)
+    page = type("Page", (), {"file": type("File", (), {"src_uri": "x.md"})()})()
+    with pytest.raises(PluginError, match=re.escape("x.md: <!-- file: NO_SUCH.md --> names no file of the repository")):
+        hooks.on_page_markdown("# X\n\n<!-- file: NO_SUCH.md -->\n", page, None, None)
 
 
 def test_links_to_the_readme_and_architecture_become_links_to_their_pages(hooks):
     assert hooks._relink("see [ARCHITECTURE.md](ARCHITECTURE.md)", "guide/x.md") == "see [ARCHITECTURE.md](../architecture.md)"
     assert hooks._relink("[README](README.md)", "troubleshooting.md") == "[README](index.md)"
+    assert hooks._relink("[figures](BENCHMARKS.md)", "changelog.md") == "[figures](benchmarks.md)"
