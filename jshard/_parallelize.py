@@ -80,7 +80,10 @@ def parallelize(
         `"full_batch"` or one strategy per batch leaf, where `in_strategy` is silent.
       batch_argnums: which positional arguments are the batch; default the last one not static that
         holds an array (`step(state, batch, key)`: `batch`).
-      static_argnums, static_argnames, donate_argnums, donate_argnames: as `jax.jit`.
+      static_argnums: as `jax.jit`'s.
+      static_argnames: as `jax.jit`'s.
+      donate_argnums: as `jax.jit`'s.
+      donate_argnames: as `jax.jit`'s.
       plan: a `Plan` (`Plan.load`) to rebuild instead of planning.
       propagation: who lays out the operators no strategy fixes: `"jshard"` or `"xla"` (Shardy).
       cost_model: the `CostModel` the planners price with (default one GPU node; its `alltoall` is
