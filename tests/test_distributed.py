@@ -175,6 +175,24 @@ def test_a_failing_worker_is_reported_at_once_not_after_jax_s_shutdown_barrier(t
     assert seen < 5 and stopped < 5 + STOP_GRACE, "the launcher took too long to notice or to stop the job"
 
 
+def test_a_hung_rank_is_found_while_the_others_wait_in_a_collective(tmp_path):
+    """Rank 1 sleeps in its own code after step 2 while rank 0 waits in step 3's collective: the
+    watchdog ends the job soon after --hang-timeout, naming rank 1 and where rank 0 waits, with both
+    ranks' Python stacks in their logs (without it the job sat there for good)."""
+    env, logs = worker_env(tmp_path), tmp_path / "logs"
+    start = time.monotonic()
+    done = launch_here(["--worker-num", 2, "--devices-per-worker", 2, "--cluster-time-out", 60, "--hang-timeout", 3,
+                        "--log-dir", logs, WORKER, "fail", tmp_path / "out", "--steps", 50, "--fail-at", 2,
+                        "--how", "hang"], env)
+    assert done.returncode == 124, done.stderr
+    assert time.monotonic() - start < TIMEOUT / 2
+    err = done.stderr
+    assert "the job is hung: rank 1 did not arrive" in err and "_dist_worker.py:" in err
+    assert "not in a JAX call" in err and "rank 0 for " in err and "waiting inside a JAX call" in err
+    for rank in (0, 1):
+        assert "most recent call first" in (logs / f"worker_{rank}.log").read_text()
+
+
 def _stamp(launcher_log: str, text: str) -> float:
     """When launcher.log says `text`, in seconds since the epoch."""
     stamp = re.search(rf"^([\d-]+ [\d:.]+) jshard launch: {text}", launcher_log, re.M).group(1)
