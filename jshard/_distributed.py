@@ -294,19 +294,28 @@ def _join_error(address, count, rank, seconds, e) -> str:
 
 def _bind_address(address: str) -> str:
     """Where process 0's coordination service listens: the coordinator's own address (a host name
-    resolved to its IP), never JAX's default of every interface."""
+    resolved to its IP), never JAX's default of every interface. A name whose first label is this
+    host's name (a Kubernetes pod's `<job>-0.<service>`, whose DNS record may appear only once the pod
+    is ready) resolves as this host's name does."""
     host, port = address.rsplit(":", 1)
     host = host.strip("[]")
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
-        try:
-            ip = ipaddress.ip_address(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
-        except (OSError, ValueError) as e:
-            raise ShardingError(f"jshard.init(): process 0 cannot resolve the coordinator host {host!r} ({e}) to "
-                                "listen on it. Give an address (--master-addr 10.0.0.1) or a name this host "
-                                "resolves.") from None
+        names = [host] + ([socket.gethostname()] if host.split(".")[0] == socket.gethostname().split(".")[0] else [])
+        ip = next(filter(None, map(_resolve, names)), None)
+        if ip is None:
+            raise ShardingError(f"jshard.init(): process 0 cannot resolve the coordinator host {host!r} to listen on "
+                                "it (only there: the coordination service has no authentication). Give an address "
+                                "(--master-addr 10.0.0.1) or a name this host resolves.") from None
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def _resolve(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    except (OSError, ValueError):
+        return None
 
 
 def _is_loopback(host: str) -> bool:

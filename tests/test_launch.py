@@ -16,6 +16,7 @@ import time
 import pytest
 import yaml
 
+import jshard as js
 from jshard._cli import main
 from jshard._launch import worker_command
 from jshard._worker import WRAPPER
@@ -408,3 +409,12 @@ def test_the_coordinator_listens_on_the_address_given_only(address, bound, monke
     monkeypatch.setattr(_distributed, "_gloo_on_loopback", lambda host: None)
     _distributed._join(address, 2, 0, 5)
     assert seen["coordinator_bind_address"] == bound
+
+
+def test_a_pod_s_own_name_binds_its_own_address_before_its_dns_record_exists(monkeypatch):
+    from jshard import _distributed
+
+    monkeypatch.setattr(_distributed.socket, "gethostname", lambda: "localhost")
+    assert _distributed._bind_address("localhost.no-such-service.invalid:8118") == "127.0.0.1:8118"
+    with pytest.raises(js.ShardingError, match=r"cannot resolve the coordinator host 'node-7\.invalid' to listen"):
+        _distributed._bind_address("node-7.invalid:8118")
