@@ -105,6 +105,7 @@ def _resumed(logs: Path) -> int:
 
 def run(args) -> dict:
     import jshard.checkpoint  # the verified steps, read as a user would (CPU only, no devices needed)
+    from benchmarks._report import commit  # here: _report imports this module
 
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="jshard-faults-"))
@@ -137,7 +138,7 @@ def run(args) -> dict:
         "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": f"python -m benchmarks._faults --kills {args.kills} --steps {args.steps} --every {args.every} "
                    f"--seed {args.seed}" + (" --write" if args.write else ""),
-        "commit": _commit(), "minutes": round((time.monotonic() - began) / 60, 1), "steps": args.steps,
+        "commit": commit(), "minutes": round((time.monotonic() - began) / 60, 1), "steps": args.steps,
         "every": args.every, "kills": len(kills), "named": sum(r["named"] for r in kills),
         "resumes": len(rounds) - 1, "resumed_from": [r["start"] for r in rounds[1:]],
         "unverified": sum(not r["verified"] for r in rounds), "lost_steps": sum(r["lost"] for r in rounds),
@@ -146,16 +147,6 @@ def run(args) -> dict:
         "finished": final["status"] == 0 and sorted(final["losses"]) == list(range(final["start"] + 1, args.steps + 1)),
         "kill_points": [[r["killed"], r["after_step"], r["delay"]] for r in kills],
     }
-
-
-def _commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "jshard", "benchmarks", "tests"], cwd=REPO,
-                               capture_output=True, text=True).stdout
-    except OSError:
-        return "unknown"
-    return sha.strip() + (" with uncommitted changes" if dirty.strip() else "")
 
 
 def faults_section() -> str:
