@@ -76,7 +76,8 @@ def _saved(logs: Path) -> list[int]:
 def _one_kill(tmp: Path, k: int, rng: random.Random, args, ckpt: Path, start: int) -> dict:
     """One run from `start`, with one worker SIGKILLed at a random point; what it showed."""
     proc, out, logs = _launch(tmp, f"kill{k}", args.steps, args.every, ckpt)
-    target = rng.randint(start, args.steps - 1)  # kill once this step's loss is out (start: before the first)
+    target = rng.randint(start, min(start + args.span, args.steps) - 1)  # kill once this step's loss is out
+    # (start: before the first, in the restore or the compile)
     delay, rank = rng.uniform(0.0, args.max_delay), rng.randint(0, 1)
     deadline = time.monotonic() + args.timeout
     while proc.poll() is None and time.monotonic() < deadline:
@@ -97,10 +98,11 @@ def _one_kill(tmp: Path, k: int, rng: random.Random, args, ckpt: Path, start: in
             "losses": _losses(out), "resumed": _resumed(logs)}
 
 
-def _resumed(logs: Path) -> int:
+def _resumed(logs: Path) -> int | None:
+    """The step a run said it resumed from (None: it said nothing, killed first or started afresh)."""
     text = (logs / "worker_0.log").read_text() if (logs / "worker_0.log").exists() else ""
     found = re.search(r"^resumed from step (\d+)$", text, re.M)
-    return int(found.group(1)) if found else 0
+    return int(found.group(1)) if found else None
 
 
 def run(args) -> dict:
@@ -124,7 +126,8 @@ def run(args) -> dict:
                  "resumed": _resumed(logs), "named": False, "after_step": args.steps}
         else:
             r = _one_kill(tmp, k, rng, args, ckpt, start)
-        r["start"], r["verified"] = start, start == 0 or (ckpt / str(start) / "jshard_files.json").exists()
+        on_record = start == 0 or (ckpt / str(start) / "jshard_files.json").exists()
+        r["start"], r["verified"] = start, on_record and r["resumed"] in (None, start)  # it resumed from that step
         r["lost"] = max(0, confirmed - start)  # steps up to a save that had returned, not resumed from
         r["wrong"] = [s for s, v in r["losses"].items() if v != reference[s]]
         confirmed = max([confirmed, *r["saved"]])
@@ -137,7 +140,7 @@ def run(args) -> dict:
     return {
         "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": f"python -m benchmarks._faults --kills {args.kills} --steps {args.steps} --every {args.every} "
-                   f"--seed {args.seed}" + (" --write" if args.write else ""),
+                   f"--span {args.span} --seed {args.seed}" + (" --write" if args.write else ""),
         "commit": commit(), "minutes": round((time.monotonic() - began) / 60, 1), "steps": args.steps,
         "every": args.every, "kills": len(kills), "named": sum(r["named"] for r in kills),
         "resumes": len(rounds) - 1, "resumed_from": [r["start"] for r in rounds[1:]],
@@ -188,9 +191,10 @@ def write_section(text: str, path: Path = REPO / "BENCHMARKS.md") -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks._faults", description=__doc__.split("\n")[0])
     p.add_argument("--kills", type=int, default=10)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--span", type=int, default=4, help="a kill comes within this many steps of the run's start")
     p.add_argument("--max-delay", type=float, default=1.5, help="seconds added at random to each kill point")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     p.add_argument("--write", action="store_true", help="store the figures and update BENCHMARKS.md")

@@ -50,7 +50,7 @@ from jshard._compat import xla_bridge
 from jshard._compat import xla_client as _jax
 from jshard._devices import simulate_devices
 from jshard._errors import ShardingError, api_boundary
-from jshard._worker import install_excepthook, watch_progress
+from jshard._worker import install_excepthook, share_progress, watch_progress
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JSHARD_COORDINATOR", "JSHARD_NUM_PROCESSES", "JSHARD_PROCESS_ID"
 LOCAL_DEVICES, INIT_TIMEOUT = "JSHARD_LOCAL_DEVICES", "JSHARD_INIT_TIMEOUT"
@@ -124,7 +124,7 @@ def init(
     if setting is None:
         if _cluster_detected():
             info = _join_detected()
-            watch_progress(hang_timeout, enforce=True)
+            watch_progress(hang_timeout, enforce=True, rank=info.process_id)
             return info
         if local_devices is not None or os.environ.get(LOCAL_DEVICES):
             simulate_devices(_int_env(LOCAL_DEVICES, local_devices))
@@ -134,7 +134,7 @@ def init(
     address, count, rank, devices, seconds = setting
     _watch_launcher()
     if count > 1 or hang_timeout:
-        watch_progress(hang_timeout, enforce=not os.environ.get(LAUNCHER_PID))
+        watch_progress(hang_timeout, enforce=not os.environ.get(LAUNCHER_PID), rank=rank)
     if count == 1:
         if devices is not None:
             simulate_devices(devices)
@@ -236,6 +236,7 @@ def _join_detected() -> ProcessInfo:
             f"Set {COORDINATOR}, {NUM_PROCESSES} and {PROCESS_ID} to say where the job is."
         ) from e
     install_excepthook()
+    share_progress()
     return _info()
 
 
@@ -256,6 +257,7 @@ def _join(address: str, count: int, rank: int, seconds: float) -> None:
     except Exception as e:  # JAX raises RuntimeError / XlaRuntimeError here, with the gRPC status
         raise ShardingError(_join_error(address, count, rank, seconds, e)) from e
     install_excepthook()
+    share_progress()
     if loopback:
         _gloo_on_loopback(host)
 

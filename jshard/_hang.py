@@ -33,7 +33,7 @@ def hang_report(culprit: int, records: Mapping[int, dict], now: float, timeout: 
     """One paragraph: the rank that did not arrive, and where each rank waits."""
     x = records[culprit]
     text = (f"the job is hung: rank {culprit} did not arrive: its main thread has made no progress for "
-            f"{now - x['since']:.1f} s (--hang-timeout {timeout:g}), {describe(x)}.")
+            f"{now - x['since']:.1f} s (hang timeout {timeout:g} s), {describe(x)}.")
     others = [f"rank {r} for {now - y['since']:.1f} s, {describe(y)}" for r, y in sorted(records.items())
               if r != culprit and y.get("inside") != "exit"]
     if others:
@@ -41,5 +41,5 @@ def hang_report(culprit: int, records: Mapping[int, dict], now: float, timeout: 
     if missing:
         text += f" No progress record from rank(s) {', '.join(map(str, missing))} (not a Python worker?)."
     return text + (" Every rank's Python stack (faulthandler) is at the end of its log. Find what rank "
-                   f"{culprit} waits for there (a file system, a lock, a data loader); raise --hang-timeout "
+                   f"{culprit} waits for there (a file system, a lock, a data loader); raise the hang timeout "
                    "where one step legitimately takes longer.")

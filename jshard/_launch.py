@@ -388,9 +388,9 @@ class _Job:
         """Dumps every worker's stacks into its log, reports the rank that did not arrive, stops the job."""
         records = self._records(running)
         for w in running:
-            if w.rank in records:  # a Python worker that registered faulthandler on SIGUSR1
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.proc.pid, signal.SIGUSR1)
+            if w.rank in records:  # the Python process (the worker, or its child) that registered faulthandler
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(records[w.rank]["pid"], signal.SIGUSR1)
         time.sleep(STACK_WAIT)
         missing = [w.rank for w in running if w.rank not in records]
         self.say(hang_report(culprit.rank, records, time.time(), self.args.hang_timeout, missing)

@@ -147,11 +147,13 @@ def run(argv: list[str]) -> None:
 
 
 def watch_progress(timeout: float | None = None, compile_timeout: float | None = None, *,
-                   enforce: bool = False) -> bool:
+                   enforce: bool = False, rank: int | None = None) -> bool:
     """Starts the progress thread (module docstring) once per process; with `enforce` (no launcher)
-    it also ends the process when it has made no progress for `timeout` seconds. The timeouts
-    default to `JSHARD_HANG_TIMEOUT` / `JSHARD_COMPILE_TIMEOUT`; no timeout (or 0) starts nothing.
-    Returns whether a thread runs."""
+    it also ends the process when it has made no progress for `timeout` seconds, and shares its
+    progress with the job's other processes through JAX's coordination service (its key-value
+    store), so that the report names the rank that did not arrive. The timeouts default to
+    `JSHARD_HANG_TIMEOUT` / `JSHARD_COMPILE_TIMEOUT`; no timeout (or 0) starts nothing; `rank`
+    defaults to `JSHARD_PROCESS_ID`. Returns whether a thread runs."""
     if os.environ.get(_WATCHED) == str(os.getpid()):  # the wrapper (run as __main__) and jshard.init
         return True  # hold two copies of this module: one thread per process
     timeout = float(timeout if timeout is not None else os.environ.get(HANG_TIMEOUT) or 0)
@@ -162,7 +164,8 @@ def watch_progress(timeout: float | None = None, compile_timeout: float | None =
     os.environ[_WATCHED] = str(os.getpid())
     if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    watcher = _ProgressWatch(threading.main_thread().ident, timeout, compile_timeout, enforce)
+    watcher = _ProgressWatch(threading.main_thread().ident, timeout, compile_timeout, enforce,
+                             int(os.environ.get("JSHARD_PROCESS_ID", "0")) if rank is None else rank)
     threading.Thread(target=watcher.run, name="jshard-progress", daemon=True).start()
     return True
 
@@ -173,9 +176,9 @@ _WATCHED = "_JSHARD_PROGRESS_WATCHED"
 class _ProgressWatch:
     """Looks at the main thread's stack; writes the progress record; without a launcher, enforces."""
 
-    def __init__(self, main: int, timeout: float, compile_timeout: float, enforce: bool):
+    def __init__(self, main: int, timeout: float, compile_timeout: float, enforce: bool, rank: int):
         self.main, self.timeout, self.compile_timeout, self.enforce = main, timeout, compile_timeout, enforce
-        self.directory, self.rank = os.environ.get(FAILURE_DIR), os.environ.get("JSHARD_PROCESS_ID", "0")
+        self.directory, self.rank = os.environ.get(FAILURE_DIR), rank
         self.last, self.since, self.changes = None, time.time(), 0
 
     def run(self) -> None:
@@ -183,10 +186,35 @@ class _ProgressWatch:
             record = self.look()
             if self.directory:
                 with contextlib.suppress(OSError):
-                    _write_json(progress_path(self.directory, int(self.rank)), record)
-            if self.enforce and stalled_for(record, record["time"], self.timeout, self.compile_timeout):
-                self.end(record)
+                    _write_json(progress_path(self.directory, self.rank), record)
+            if self.enforce:
+                self.share(record)
+                if stalled_for(record, record["time"], self.timeout, self.compile_timeout):
+                    self.end(record)
             time.sleep(interval(self.timeout))
+
+    @staticmethod
+    def client():
+        """JAX's distributed client, while `share_progress` says it is connected and not shutting down."""
+        if not _SHARING.is_set():
+            return None
+        return getattr(getattr(sys.modules.get("jax._src.distributed"), "global_state", None), "client", None)
+
+    def share(self, record: dict) -> None:
+        with _SHARING_LOCK:
+            if (client := self.client()) is not None:
+                with contextlib.suppress(Exception):  # the coordinator gone: the job is failing anyway
+                    client.key_value_set(f"{_KEY}{self.rank}", json.dumps(record), allow_overwrite=True)
+
+    def peers(self) -> dict[int, dict]:
+        """Every process's latest shared progress record, this one's included."""
+        with _SHARING_LOCK:
+            client = self.client()
+            try:
+                shared = client.key_value_dir_get(_KEY) if client is not None else []
+            except Exception:
+                return {}
+        return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in shared}
 
     def look(self) -> dict:
         frame = sys._current_frames().get(self.main)
@@ -208,14 +236,37 @@ class _ProgressWatch:
 
     def end(self, record: dict) -> None:
         waited = record["time"] - record["since"]
-        print(f"jshard: process {self.rank} made no progress for {waited:.0f} s (hang timeout {self.timeout:g} s): "
-              f"{describe(record)}. Its threads' stacks follow; ending it with status {HANG_STATUS} so that the "
-              "job ends rather than hold its allocation.", file=sys.stderr, flush=True)
+        text = (f"jshard: process {self.rank} made no progress for {waited:.0f} s (hang timeout {self.timeout:g} s): "
+                f"{describe(record)}.")
+        peers = {**self.peers(), self.rank: record}
+        if len(peers) > 1:
+            from jshard._hang import find_hang, hang_report  # jshard is importable: jshard.init started this
+
+            culprit = find_hang(peers, record["time"], self.timeout, self.compile_timeout)
+            text += " " + hang_report(self.rank if culprit is None else culprit, peers, record["time"], self.timeout, [])
+        print(f"{text} Its threads' stacks follow; ending it with status {HANG_STATUS} so that the job ends rather "
+              "than hold its allocation.", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(all_threads=True)
         fail(TimeoutError(f"no progress for {waited:.0f} s: {describe(record)}"), HANG_STATUS)
 
 
 _LIBRARIES = ("jax", "jaxlib", "jshard", "orbax", "flax", "optax")
+_KEY = "jshard/progress/"
+_SHARING, _SHARING_LOCK = threading.Event(), threading.Lock()
+
+
+def share_progress() -> None:
+    """Lets the progress thread use JAX's coordination service: call it once `jax.distributed` has
+    connected. Its key-value calls stop at interpreter exit, before JAX's own shutdown (registered
+    earlier, so run later), as a call to a client shutting down would end the process."""
+    import atexit
+
+    def stop():
+        with _SHARING_LOCK:
+            _SHARING.clear()
+
+    _SHARING.set()
+    atexit.register(stop)
 _COMPILER = os.path.join("jax", "_src", "compiler.py")
 _SKIPPED = ("_worker.py", "runpy.py", "<frozen runpy>", "threading.py")
 

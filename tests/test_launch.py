@@ -406,6 +406,7 @@ def test_the_coordinator_listens_on_the_address_given_only(address, bound, monke
     seen = {}
     monkeypatch.setattr(_distributed.jax.distributed, "initialize", lambda *a, **k: seen.update(k))
     monkeypatch.setattr(_distributed, "install_excepthook", lambda: None)
+    monkeypatch.setattr(_distributed, "share_progress", lambda: None)
     monkeypatch.setattr(_distributed, "_gloo_on_loopback", lambda host: None)
     _distributed._join(address, 2, 0, 5)
     assert seen["coordinator_bind_address"] == bound
