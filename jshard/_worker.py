@@ -225,7 +225,7 @@ class _ProgressWatch:
         if self.last is None or any(a is not b and a != b for a, b in zip(now, self.last)):
             self.since, self.changes = time.time(), self.changes + 1
         self.last = now
-        frames = traceback.extract_stack(frame)
+        frames = traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False)[::-1]
         files = [f.filename for f in frames]
         ours = lambda name: any(f"{os.sep}{p}{os.sep}" in name for p in _LIBRARIES) or name.endswith(_SKIPPED)
         user = next((f for f in reversed(frames) if not ours(f.filename)), frames[-1])
