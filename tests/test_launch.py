@@ -293,6 +293,7 @@ def test_k8s_prints_an_indexed_job_and_a_headless_service_wired_for_init(capsys)
     env = {e["name"]: e for e in container["env"]}
     assert env["JSHARD_COORDINATOR"]["value"] == "gpt-0.gpt:9000"  # pod 0 of the Job, through the Service
     assert env["JSHARD_NUM_PROCESSES"]["value"] == "4"
+    assert env["JSHARD_HANG_TIMEOUT"]["value"] == "600"  # jshard.init's watchdog, as under jshard launch
     assert env["JSHARD_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
@@ -303,8 +304,9 @@ def test_k8s_prints_an_indexed_job_and_a_headless_service_wired_for_init(capsys)
         (["--worker-num", "0", "--image", "i", "--", "python"], "--worker-num must be positive"),
         (["--worker-num", "2", "--image", "i"], "no COMMAND"),
         (["--worker-num", "2", "--image", "i", "--name", "Bad_Name", "--", "python"], "must be a DNS label"),
+        (["--worker-num", "2", "--image", "i", "--hang-timeout", "-1", "--", "python"], "--hang-timeout must be 0"),
     ],
-    ids=["no-workers", "no-command", "bad-name"],
+    ids=["no-workers", "no-command", "bad-name", "bad-hang-timeout"],
 )
 def test_k8s_bad_arguments(args, message, capsys):
     assert main(["k8s", *args]) == 2
