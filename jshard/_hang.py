@@ -29,11 +29,19 @@ def find_hang(records: Mapping[int, dict], now: float, timeout: float, compile_t
 
 
 def hang_report(culprit: int, records: Mapping[int, dict], now: float, timeout: float,
-                missing: list[int]) -> str:
-    """One paragraph: the rank that did not arrive, and where each rank waits."""
+                missing: list[int], other_nodes: bool = False) -> str:
+    """One paragraph: the rank that did not arrive, and where each rank waits (`records` holds this
+    node's ranks; `other_nodes`: the job has ranks elsewhere too)."""
     x = records[culprit]
-    text = (f"the job is hung: rank {culprit} did not arrive: its main thread has made no progress for "
-            f"{now - x['since']:.1f} s (hang timeout {timeout:g} s), {describe(x)}.")
+    if x.get("inside") == "jax" and not x.get("compiling"):
+        why = ("The rank that did not arrive is most likely on another node (see its launcher's report); else the "
+               "ranks entered different collectives." if other_nodes else "No rank is stuck in its own code: the "
+               "ranks most likely entered different collectives (a step or a save run by some ranks only?).")
+        text = (f"the job is hung: every rank here waits inside a JAX call, rank {culprit} longest: its main thread "
+                f"has made no progress for {now - x['since']:.1f} s (hang timeout {timeout:g} s), {describe(x)}. {why}")
+    else:
+        text = (f"the job is hung: rank {culprit} did not arrive: its main thread has made no progress for "
+                f"{now - x['since']:.1f} s (hang timeout {timeout:g} s), {describe(x)}.")
     others = [f"rank {r} for {now - y['since']:.1f} s, {describe(y)}" for r, y in sorted(records.items())
               if r != culprit and y.get("inside") != "exit"]
     if others:

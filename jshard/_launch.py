@@ -393,7 +393,8 @@ class _Job:
                     os.kill(records[w.rank]["pid"], signal.SIGUSR1)
         time.sleep(STACK_WAIT)
         missing = [w.rank for w in running if w.rank not in records]
-        self.say(hang_report(culprit.rank, records, time.time(), self.args.hang_timeout, missing)
+        other_nodes = self.args.worker_num > self.local
+        self.say(hang_report(culprit.rank, records, time.time(), self.args.hang_timeout, missing, other_nodes)
                  + (f" Logs: {self.log_dir}." if self.log_dir is not None else ""))
         self.say(f"stopping the {len(running)} worker(s) on this node: ranks {', '.join(str(w.rank) for w in running)}")
         _stop(running, self.args.cluster_time_out)

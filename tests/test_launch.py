@@ -371,6 +371,22 @@ def test_a_peer_timing_out_names_the_rank_that_never_came(tmp_path, capsys):
     assert "rank 1 did not arrive" in err and "exit status 124 (rank 1 made no progress)" in err
 
 
+def test_the_hang_analysis_waits_for_compiles_and_says_when_the_culprit_is_elsewhere():
+    from jshard._hang import find_hang, hang_report
+
+    waiting = {"since": 0.0, "inside": "jax", "compiling": False, "where": "jax/_src/array.py:1 in _value",
+               "user": "train.py:9 in <module>"}
+    compiling = {**waiting, "since": 5.0, "compiling": True}
+    assert find_hang({0: waiting, 1: compiling}, 20.0, 10.0, 60.0) is None  # rank 1 compiles: wait for it
+    assert find_hang({0: waiting, 1: compiling}, 70.0, 10.0, 60.0) == 1  # past its allowance: it is the one
+    assert find_hang({0: waiting, 1: {**waiting, "since": 2.0}}, 9.0, 10.0, 60.0) is None
+    report = hang_report(0, {0: waiting, 1: {**waiting, "since": 2.0}}, 12.0, 10.0, [], other_nodes=True)
+    assert "every rank here waits inside a JAX call, rank 0 longest" in report
+    assert "The rank that did not arrive is most likely on another node (see its launcher's report)" in report
+    alone = hang_report(0, {0: waiting, 1: {**waiting, "since": 2.0}}, 12.0, 10.0, [])
+    assert "No rank is stuck in its own code: the ranks most likely entered different collectives" in alone
+
+
 def test_init_s_watchdog_ends_a_stuck_process_without_a_launcher(tmp_path):
     program = "import time, jshard\njshard.init(hang_timeout=1)\ntime.sleep(60)\n"
     env = {k: v for k, v in os.environ.items() if not k.startswith("JSHARD_")}
