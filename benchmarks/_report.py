@@ -19,6 +19,7 @@ from benchmarks import (
     _against_jit,
     _comm_recompute,
     _compiled,
+    _faults,
     _gpu,
     _hetero,
     _memory,
@@ -154,13 +155,14 @@ def _split(text: str) -> list[tuple[str, str]]:
 
 def document(tables: list[Table], command: str, seconds: float, load: tuple[float, float]) -> str:
     """`BENCHMARKS.md`: the machine and command, then the tables, then the GPU run's section where
-    `benchmarks/gpu_results.json` exists."""
+    `benchmarks/gpu_results.json` exists and the chaos run's where `benchmarks/faults_results.json` does."""
     head = [
         "# jshard benchmarks",
         "",
         f"Written by `{command}` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} "
         f"in {seconds / 60:.1f} min. Every figure was measured in that run, beside what it is compared with"
-        + (" (except the GPU section at the end: see its first line)." if _gpu.RESULTS.exists() else "."),
+        + (" (except the GPU and faults sections at the end: see their first lines)."
+           if _gpu.RESULTS.exists() or _faults.RESULTS.exists() else "."),
         "",
         f"- machine: {_cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}; "
         f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end",
@@ -171,7 +173,8 @@ def document(tables: list[Table], command: str, seconds: float, load: tuple[floa
         "",
     ]
     gpu = _gpu.gpu_section()  # from benchmarks/gpu_results.json, measured apart on a real GPU
-    return "\n".join(head) + "\n".join(t.markdown() for t in tables) + ("\n" + gpu if gpu else "")
+    faults = _faults.faults_section()  # from benchmarks/faults_results.json, the chaos script's run
+    return "\n".join(head) + "\n".join(t.markdown() for t in tables) + "".join("\n" + x for x in (gpu, faults) if x)
 
 
 def command_line(argv: list[str]) -> str:

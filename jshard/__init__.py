@@ -17,10 +17,12 @@ from jshard._compat import source_info_util as _source_info_util
 from jshard._devices import simulate_devices as simulate_devices
 from jshard._distributed import ProcessInfo as ProcessInfo
 from jshard._distributed import init as init
+from jshard._errors import CheckpointError as CheckpointError
 from jshard._errors import DeviceCountError as DeviceCountError
 from jshard._errors import LayoutCollisionWarning as LayoutCollisionWarning
 from jshard._errors import LayoutConflictError as LayoutConflictError
 from jshard._errors import MemoryBudgetError as MemoryBudgetError
+from jshard._errors import PlanEditedWarning as PlanEditedWarning
 from jshard._errors import ShardingError as ShardingError
 from jshard._parallelize import Parallelized as Parallelized
 from jshard._parallelize import parallelize as parallelize
@@ -67,6 +69,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "Accumulation",
     "Audit",
+    "CheckpointError",
     "CostModel",
     "DeviceCountError",
     "Layout",
@@ -79,6 +82,7 @@ __all__ = [
     "Pipeline",
     "Pipelining",
     "Plan",
+    "PlanEditedWarning",
     "ProcessInfo",
     "Search",
     "ShardingError",

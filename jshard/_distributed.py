@@ -12,6 +12,8 @@ which `init` reads:
 | `JSHARD_INIT_TIMEOUT` | optional: seconds to wait for every process to arrive (default 300) |
 | `JSHARD_LAUNCHER_PID` | set by `jshard launch`: the worker ends itself if the launcher dies |
 | `JSHARD_FAILURE_DIR` | set by `jshard launch`: where a failing worker writes its failure record |
+| `JSHARD_HANG_TIMEOUT` | optional: seconds without progress that end the job (`jshard launch --hang-timeout`) |
+| `JSHARD_COMPILE_TIMEOUT` | optional: seconds one XLA compile may take before it counts as a hang (default 1800) |
 
 Once joined to a job of several processes, an uncaught exception ends the process at once
 (`jshard._worker.excepthook`: traceback, failure record, `os._exit(1)`) instead of leaving it in JAX's
@@ -20,7 +22,15 @@ shutdown barrier, where it would hold the whole job for minutes.
 Without them, a job that SLURM or Open MPI started with several tasks (or a Kubernetes pod, where
 the `kubernetes` package is installed) is left to JAX's own detection; anything else is a single
 process, where `init` does nothing. On CPU the processes talk through gloo; where the coordinator
-is a loopback address, gloo and the coordination service bind to loopback only.
+is a loopback address, gloo and the coordination service bind to loopback only; the coordination
+service (which has no authentication) listens on the coordinator's address only, never on every
+interface.
+
+The hang watchdog (`hang_timeout`): this process's main thread is watched (`jshard._worker.watch_progress`).
+Under `jshard launch` the launcher reads its progress and ends a hung job, naming the rank that did
+not arrive; without a launcher, a process whose main thread makes no progress for `hang_timeout`
+seconds (an XLA compile gets `JSHARD_COMPILE_TIMEOUT`) dumps its threads' stacks and exits with
+status 124, as NCCL's watchdog ends a rank whose collective never finishes.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from jshard._compat import xla_bridge
 from jshard._compat import xla_client as _jax
 from jshard._devices import simulate_devices
 from jshard._errors import ShardingError, api_boundary
-from jshard._worker import install_excepthook
+from jshard._worker import install_excepthook, share_progress, watch_progress
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JSHARD_COORDINATOR", "JSHARD_NUM_PROCESSES", "JSHARD_PROCESS_ID"
 LOCAL_DEVICES, INIT_TIMEOUT = "JSHARD_LOCAL_DEVICES", "JSHARD_INIT_TIMEOUT"
@@ -74,6 +84,7 @@ def init(
     *,
     local_devices: int | None = None,
     timeout: float | None = None,
+    hang_timeout: float | None = None,
 ) -> ProcessInfo:
     """Joins this process to its job's JAX distributed runtime; a no-op in a single process.
 
@@ -89,6 +100,10 @@ def init(
       process_id: this process's id.
       local_devices: simulated CPU devices for this process (`jshard.simulate_devices`).
       timeout: seconds to wait for every process to join (default 300).
+      hang_timeout: seconds this process's main thread may make no progress (a collective waiting
+        for a peer that never comes, a stuck read) before the job is ended with every stack dumped;
+        default `JSHARD_HANG_TIMEOUT` (`jshard launch --hang-timeout`, 600 s there), else none
+        alone. 0 turns the watchdog off.
 
     Returns:
       A `ProcessInfo`.
@@ -108,12 +123,18 @@ def init(
     setting = _setting(coordinator, num_processes, process_id, local_devices, timeout)
     if setting is None:
         if _cluster_detected():
-            return _join_detected()
+            info = _join_detected()
+            watch_progress(hang_timeout, enforce=True, rank=info.process_id)
+            return info
         if local_devices is not None or os.environ.get(LOCAL_DEVICES):
             simulate_devices(_int_env(LOCAL_DEVICES, local_devices))
+        if hang_timeout:
+            watch_progress(hang_timeout, enforce=True)
         return _info()
     address, count, rank, devices, seconds = setting
     _watch_launcher()
+    if count > 1 or hang_timeout:
+        watch_progress(hang_timeout, enforce=not os.environ.get(LAUNCHER_PID), rank=rank)
     if count == 1:
         if devices is not None:
             simulate_devices(devices)
@@ -215,6 +236,7 @@ def _join_detected() -> ProcessInfo:
             f"Set {COORDINATOR}, {NUM_PROCESSES} and {PROCESS_ID} to say where the job is."
         ) from e
     install_excepthook()
+    share_progress()
     return _info()
 
 
@@ -230,11 +252,12 @@ def _join(address: str, count: int, rank: int, seconds: float) -> None:
             rank,
             cluster_detection_method="deactivate",
             initialization_timeout=max(1, int(seconds)),
-            coordinator_bind_address=address if loopback else None,
+            coordinator_bind_address=_bind_address(address) if rank == 0 else None,
         )
     except Exception as e:  # JAX raises RuntimeError / XlaRuntimeError here, with the gRPC status
         raise ShardingError(_join_error(address, count, rank, seconds, e)) from e
     install_excepthook()
+    share_progress()
     if loopback:
         _gloo_on_loopback(host)
 
@@ -269,6 +292,32 @@ def _join_error(address, count, rank, seconds, e) -> str:
         "agree on the coordinator address and port, and that process 0 can reach it; a port in use: "
         "choose another --master-port."
     )
+
+
+def _bind_address(address: str) -> str:
+    """Where process 0's coordination service listens: the coordinator's own address (a host name
+    resolved to its IP), never JAX's default of every interface. A name whose first label is this
+    host's name (a Kubernetes pod's `<job>-0.<service>`, whose DNS record may appear only once the pod
+    is ready) resolves as this host's name does."""
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        names = [host] + ([socket.gethostname()] if host.split(".")[0] == socket.gethostname().split(".")[0] else [])
+        ip = next(filter(None, map(_resolve, names)), None)
+        if ip is None:
+            raise ShardingError(f"jshard.init(): process 0 cannot resolve the coordinator host {host!r} to listen on "
+                                "it (only there: the coordination service has no authentication). Give an address "
+                                "(--master-addr 10.0.0.1) or a name this host resolves.") from None
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def _resolve(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
+    except (OSError, ValueError):
+        return None
 
 
 def _is_loopback(host: str) -> bool:

@@ -49,11 +49,24 @@ class MemoryBudgetError(ShardingError):
         self.bound = bound
 
 
+class CheckpointError(ShardingError):
+    """A checkpoint that cannot be written or read as asked: the target cannot be written (a full
+    disk, a read-only directory), a step is damaged, cannot be verified (no record of its files) or
+    was not written by `jshard.checkpoint.save`, or a saved plan does not fit this job's devices. The
+    message names the directory or file and the step to use instead."""
+
+
+class PlanEditedWarning(UserWarning):
+    """A plan file whose content no longer matches the digest `Plan.save` wrote into it: it was
+    edited (or written by hand) since. `Plan.load(path, strict=True)` refuses such a file."""
+
+
 class LayoutCollisionWarning(UserWarning):
     """Strategy tuples given apart (`in_strategy`) whose cuts land on one mesh axis where an operator
     takes them together, so that XLA redistributes one first; the warning names the cost and the
     shared `Layout` that keeps the cuts apart."""
 
 
-for _error in (ShardingError, LayoutConflictError, DeviceCountError, MemoryBudgetError, LayoutCollisionWarning):
+for _error in (ShardingError, LayoutConflictError, DeviceCountError, MemoryBudgetError, CheckpointError,
+               PlanEditedWarning, LayoutCollisionWarning):
     _error.__module__ = "jshard"  # as tracebacks print it: jshard.ShardingError, the name users import

@@ -3,7 +3,10 @@
 The manifest holds a headless Service (stable DNS names for the pods) and an indexed Job of
 `--worker-num` completions run in parallel. Pod `i` is process `i`: its `JSHARD_PROCESS_ID` comes
 from the Job's completion index, and every pod reaches process 0's coordination service at
-`<name>-0.<name>:<port>`, the environment `jshard.init()` reads. The manifest is printed as YAML
+`<name>-0.<name>:<port>`, the environment `jshard.init()` reads; `JSHARD_HANG_TIMEOUT` turns on its
+hang watchdog (`--hang-timeout`, 600 s as under `jshard launch`: a pod whose main thread makes no
+progress that long names the rank that did not arrive and exits 124, failing the Job rather than
+holding its nodes). The manifest is printed as YAML
 written from plain dicts, so no YAML library is needed to make it and any YAML reader can load it.
 """
 
@@ -13,6 +16,8 @@ import argparse
 import json
 import re
 import sys
+
+from jshard._worker import DEFAULT_HANG_TIMEOUT, HANG_TIMEOUT
 
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -28,6 +33,8 @@ def k8s_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8118, help="coordinator port (default 8118)")
     p.add_argument("--gpus-per-worker", type=int, default=0, help="nvidia.com/gpu per pod (default 0)")
     p.add_argument("--namespace", default=None, help="namespace (default: kubectl's current one)")
+    p.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT,
+                   help="seconds a pod may make no progress before it ends the job (default 600; 0: never)")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND", help="-- program [args]")
 
 
@@ -36,7 +43,8 @@ def run_k8s(args: argparse.Namespace) -> int:
     command = args.argv[1:] if args.argv[:1] == ["--"] else list(args.argv)
     try:
         docs = manifest(args.worker_num, args.image, command, name=args.name, port=args.port,
-                        gpus_per_worker=args.gpus_per_worker, namespace=args.namespace)
+                        gpus_per_worker=args.gpus_per_worker, namespace=args.namespace,
+                        hang_timeout=args.hang_timeout)
     except ValueError as e:
         print(f"jshard k8s: error: {e}", file=sys.stderr)
         return 2
@@ -45,7 +53,8 @@ def run_k8s(args: argparse.Namespace) -> int:
 
 
 def manifest(worker_num: int, image: str, command: list[str], *, name: str = "jshard", port: int = 8118,
-             gpus_per_worker: int = 0, namespace: str | None = None) -> list[dict]:
+             gpus_per_worker: int = 0, namespace: str | None = None,
+             hang_timeout: float = DEFAULT_HANG_TIMEOUT) -> list[dict]:
     """The Service and the indexed Job, as the dicts `kubectl` reads.
 
     Examples:
@@ -57,6 +66,8 @@ def manifest(worker_num: int, image: str, command: list[str], *, name: str = "js
         raise ValueError(f"--worker-num must be positive, got {worker_num}.")
     if not command:
         raise ValueError("no COMMAND: give it after `--`, e.g. -- python train.py.")
+    if hang_timeout < 0:
+        raise ValueError(f"--hang-timeout must be 0 (no watchdog) or positive, got {hang_timeout:g}.")
     if not _NAME.match(name) or len(name) > 50:
         raise ValueError(f"--name {name!r} must be a DNS label: lowercase letters, digits and '-', at most 50.")
     meta = {"name": name, "labels": {"app": name}} | ({"namespace": namespace} if namespace else {})
@@ -70,7 +81,7 @@ def manifest(worker_num: int, image: str, command: list[str], *, name: str = "js
         {"name": "JSHARD_NUM_PROCESSES", "value": str(worker_num)},
         {"name": "JSHARD_PROCESS_ID", "valueFrom": {"fieldRef": {
             "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
-    ]
+    ] + ([{"name": HANG_TIMEOUT, "value": f"{hang_timeout:g}"}] if hang_timeout > 0 else [])
     container = {"name": "worker", "image": image, "command": list(command), "env": env,
                  "ports": [{"containerPort": port, "name": "coordinator"}]}
     if gpus_per_worker:

@@ -16,13 +16,25 @@ of a job often fail *because* one did), the cause is the one reported: a worker 
 a peer went away (`PEER_LOST`: gloo's connection reset, a coordination-service heartbeat) is a
 consequence, so a worker that failed on its own (killed by a signal, or another exception) is named
 before it, whichever the launcher saw first; among causes, the earliest. A consequence seen alone
-waits up to `CAUSE_WAIT` seconds for its cause to show.
+waits up to `CAUSE_WAIT` seconds for its cause to show; where none shows, a rank stuck in its own code
+(its progress record, below) is named as the one the others waited for.
+
+The hang watchdog: every Python worker writes a progress record (`jshard._worker.watch_progress`),
+and a job where a rank has made no progress for `--hang-timeout` seconds (default 600, NCCL's; a
+rank inside an XLA compile gets `--compile-timeout`, default 1800) is ended: every worker dumps its
+threads' Python stacks to its log (faulthandler, on SIGUSR1), the launcher reports the rank that did
+not arrive and where each waits (`jshard._hang`), stops them all and exits with `HANG_STATUS` (124).
+
+A SIGINT or SIGTERM to the launcher (how a scheduler stops a job) is forwarded to the workers, who
+get `STOP_GRACE` seconds before SIGKILL; the launcher then reports the signal it got, how each worker
+ended, and exits with 128 + that signal (130, 143), blaming no worker.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import signal
@@ -43,7 +55,21 @@ from jshard._distributed import (
     NUM_PROCESSES,
     PROCESS_ID,
 )
-from jshard._worker import FAILURE_DIR, WRAPPER, failure_path, read_failure
+from jshard._hang import find_hang, hang_report
+from jshard._worker import (
+    COMPILE_TIMEOUT,
+    DEFAULT_COMPILE_TIMEOUT,
+    DEFAULT_HANG_TIMEOUT,
+    FAILURE_DIR,
+    HANG_STATUS,
+    HANG_TIMEOUT,
+    WRAPPER,
+    failure_path,
+    interval,
+    progress_path,
+    read_failure,
+    read_progress,
+)
 
 TAIL_LINES = 20
 STOP_GRACE = 5.0
@@ -56,8 +82,12 @@ GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+| is connected to \d+ peer ranks\. 
 peers; two workers' threads may interleave it mid-line. Kept in the worker logs, left out of the
 `--join` stream and the failure report."""
 PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Connection refused|Broken pipe|[Ss]ocket closed|"
-                       r"heartbeat|[Cc]oordination service|[Bb]arrier timed out|remote process exited", re.S)
-"""What a worker's exception says when it failed because another worker went away."""
+                       r"heartbeat|[Cc]oordination service|[Tt]imed out|DEADLINE_EXCEEDED|remote process exited",
+                       re.S)
+"""What a worker's exception says when it failed because another worker went away, or did not come
+(gloo's connect deadline, a barrier's time-out)."""
+STACK_WAIT = 1.0
+"""Seconds the launcher gives hung workers to dump their stacks (faulthandler) before it stops them."""
 CAUSE_WAIT = 1.0
 """Seconds the launcher waits, when every failed worker failed because a peer went away, for the
 worker that went away to show (it may exit a moment later than the peer that noticed it)."""
@@ -70,7 +100,9 @@ Two nodes (run on each, with its --node-rank):
   python -m jshard launch --worker-num 4 --local-worker-num 2 --master-addr 10.0.0.1 \\
       --master-port 8118 --node-rank 0 -- python train.py
 Exit status: 0 when every worker exits 0; otherwise the first failing worker's status (128 + signal
-for a worker killed by a signal); 2 for bad arguments or a coordinator port already in use.
+for a worker killed by a signal); 124 when a rank made no progress for --hang-timeout (the report
+names it; every worker's Python stack is in its log); 128 + signal when the launcher itself got
+SIGINT or SIGTERM (forwarded to the workers); 2 for bad arguments or a coordinator port already in use.
 """
 
 
@@ -90,6 +122,10 @@ def launch_parser(sub) -> None:
     p.add_argument("--join", action="store_true", help="also stream the workers' logs to stdout, prefixed by rank")
     p.add_argument("--cluster-time-out", type=float, default=300.0,
                    help="seconds for the job to form, and for the others to stop once one fails (default 300)")
+    p.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT,
+                   help="seconds a rank may make no progress before the job is ended (default 600; 0: never)")
+    p.add_argument("--compile-timeout", type=float, default=DEFAULT_COMPILE_TIMEOUT,
+                   help="seconds a rank may spend in one XLA compile (default 1800)")
     p.add_argument("--devices-per-worker", type=int, default=None,
                    help="simulated CPU devices per worker (rehearse a cluster on a laptop)")
     p.add_argument("argv", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -145,6 +181,9 @@ def _check(args, command, local) -> str:
         return f"--devices-per-worker must be positive, got {args.devices_per_worker}."
     if args.cluster_time_out <= 0:
         return f"--cluster-time-out must be positive, got {args.cluster_time_out}."
+    if args.hang_timeout < 0 or args.compile_timeout <= 0:
+        return (f"--hang-timeout ({args.hang_timeout:g}) must be 0 (no watchdog) or positive, and --compile-timeout "
+                f"({args.compile_timeout:g}) positive.")
     return ""
 
 
@@ -191,6 +230,8 @@ class _Job:
         self.launcher_log = None
         self.workers: list[_Worker] = []
         self.kill_at: float | None = None  # after a forwarded signal: when to SIGKILL the rest
+        self.signalled: int | None = None  # the first SIGINT / SIGTERM the launcher got
+        self.next_look = 0.0  # when to read the progress records next (time.monotonic())
         self.failures = self.log_dir  # where workers write failure records (a temporary directory without a log dir)
 
     def say(self, text: str) -> None:
@@ -243,11 +284,14 @@ class _Job:
                     LAUNCHER_PID: str(os.getpid()), FAILURE_DIR: str(self.failures), "PYTHONUNBUFFERED": "1"})
         if self.args.devices_per_worker is not None:
             env[LOCAL_DEVICES] = str(self.args.devices_per_worker)
+        if self.args.hang_timeout > 0:
+            env.update({HANG_TIMEOUT: f"{self.args.hang_timeout:g}", COMPILE_TIMEOUT: f"{self.args.compile_timeout:g}"})
         return env
 
     def _start(self, rank: int) -> _Worker:
         log = self.log_dir / f"worker_{rank}.log" if self.log_dir is not None else None
         failure_path(self.failures, rank).unlink(missing_ok=True)  # a previous run's, in the same log dir
+        progress_path(self.failures, rank).unlink(missing_ok=True)
         proc = subprocess.Popen(worker_command(self.command), env=self._env(rank), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         worker = _Worker(rank, proc, log)
@@ -282,6 +326,7 @@ class _Job:
                  f"running in {grace:g} s)")
         if self.kill_at is None:
             self.kill_at = time.monotonic() + grace
+            self.signalled = signum
         for w in self.workers:
             _signal(w.proc, signum)
 
@@ -296,16 +341,73 @@ class _Job:
             for w in self.workers:
                 if w.ended is None and w.proc.returncode is not None:
                     w.ended = time.time()
+            if self.signalled is not None:
+                if not running:
+                    return self._signalled()
+                time.sleep(0.05)
+                continue
+            hung = self._hung(running)
+            if hung is not None:
+                return self._end_hung(hung, running)
             failed = [w for w in self.workers if w.proc.returncode not in (None, 0)]
             causes = [w for w in failed if not self._peer_lost(w)]
             if failed and not causes and running and wait_cause is None:
                 wait_cause = time.monotonic() + CAUSE_WAIT
             if causes or (failed and (not running or time.monotonic() > wait_cause)):
+                stuck = self._stuck_in_own_code(running) if not causes else None
+                if stuck is not None:
+                    self.say(f"rank {min(failed, key=self._failed_at).rank} failed waiting for a peer "
+                             f"({self._why(min(failed, key=self._failed_at))}); the peer is rank {stuck.rank}:")
+                    return self._end_hung(stuck, running)
                 return self._fail(min(causes or failed, key=self._failed_at), running)
             if not running:
                 self.say(f"all {len(self.workers)} worker(s) on this node exited 0")
                 return 0
             time.sleep(0.05)
+
+    def _records(self, workers: list[_Worker]) -> dict[int, dict]:
+        records = {w.rank: read_progress(self.failures, w.rank) for w in workers}
+        return {r: x for r, x in records.items() if x is not None}
+
+    def _hung(self, running: list[_Worker]) -> _Worker | None:
+        """The worker holding the job up, where a rank has made no progress for --hang-timeout."""
+        if self.args.hang_timeout <= 0 or time.monotonic() < self.next_look:
+            return None
+        self.next_look = time.monotonic() + interval(self.args.hang_timeout)
+        rank = find_hang(self._records(running), time.time(), self.args.hang_timeout, self.args.compile_timeout)
+        return next((w for w in running if w.rank == rank), None)
+
+    def _stuck_in_own_code(self, running: list[_Worker]) -> _Worker | None:
+        """A running worker stuck in its own code (not in a JAX call) since before its peers failed."""
+        records = self._records(running)
+        stuck = [w for w in running if w.rank in records and records[w.rank].get("inside") == "user"
+                 and time.time() - records[w.rank]["since"] > CAUSE_WAIT]
+        return min(stuck, key=lambda w: records[w.rank]["since"]) if stuck else None
+
+    def _end_hung(self, culprit: _Worker, running: list[_Worker]) -> int:
+        """Dumps every worker's stacks into its log, reports the rank that did not arrive, stops the job."""
+        records = self._records(running)
+        for w in running:
+            if w.rank in records:  # the Python process (the worker, or its child) that registered faulthandler
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(records[w.rank]["pid"], signal.SIGUSR1)
+        time.sleep(STACK_WAIT)
+        missing = [w.rank for w in running if w.rank not in records]
+        other_nodes = self.args.worker_num > self.local
+        self.say(hang_report(culprit.rank, records, time.time(), self.args.hang_timeout, missing, other_nodes)
+                 + (f" Logs: {self.log_dir}." if self.log_dir is not None else ""))
+        self.say(f"stopping the {len(running)} worker(s) on this node: ranks {', '.join(str(w.rank) for w in running)}")
+        _stop(running, self.args.cluster_time_out)
+        self.say(f"exit status {HANG_STATUS} (rank {culprit.rank} made no progress)")
+        return HANG_STATUS
+
+    def _signalled(self) -> int:
+        """The report once every worker has ended after the launcher got a signal: no worker is blamed."""
+        name = signal.Signals(self.signalled).name
+        ends = [f"rank {w.rank} {_ending(w.proc.returncode)}" for w in self.workers]
+        self.say(f"stopped by {name} sent to the launcher (forwarded to the workers): {', '.join(ends)}. "
+                 f"exit status {128 + self.signalled} ({name})")
+        return 128 + self.signalled
 
     def _peer_lost(self, worker: _Worker) -> bool:
         """Whether `worker` failed because another worker went away (its exception says so)."""
@@ -383,6 +485,13 @@ def _stop(workers: list[_Worker], grace: float) -> None:
     for w in workers:
         _signal(w.proc, signal.SIGKILL)
         w.proc.wait()
+
+
+def _ending(returncode: int) -> str:
+    """How a worker ended, in words."""
+    if returncode < 0:
+        return f"was killed by {signal.Signals(-returncode).name}"
+    return "exited 0" if returncode == 0 else f"exited with status {returncode}"
 
 
 def _status(returncode: int) -> int:

@@ -15,6 +15,17 @@ through this file (`python .../jshard/_worker.py script.py args`: it imports the
 so it runs under any interpreter), which catches every exception and every non-zero `sys.exit`;
 and `jshard.init()`, in a job of several processes, installs `excepthook` for any other Python
 command. A script that ends normally (status 0) leaves through JAX's shutdown as before.
+
+Where `JSHARD_HANG_TIMEOUT` is set (the launcher's `--hang-timeout`, or `jshard.init(hang_timeout=)`),
+`watch_progress` also starts the hang watchdog's eyes: a thread that looks at the main thread's Python
+stack every `interval(timeout)` seconds and writes a *progress record* (`progress_<rank>.json`: since
+when the stack has not changed, where it stands, whether it is inside a JAX call or compiling) beside
+the failure records; and `faulthandler` dumps every thread's stack to the log on SIGUSR1, which the
+launcher sends before it stops a hung job. A main thread blocked anywhere (a collective waiting for a
+peer, a `time.sleep`, a read from a dead file system) keeps the very same frames; a running loop does
+not. Without a launcher the thread itself ends the process once it has made no progress for the
+timeout (`HANG_STATUS`, after dumping its stacks), as NCCL's watchdog ends a rank whose collective
+does not finish.
 """
 
 from __future__ import annotations
@@ -25,14 +36,25 @@ if __name__ == "__main__":  # run as `python .../jshard/_worker.py`: Python put 
     del sys.path[0]  # where its modules could shadow the standard library's for the imports below
 
 import contextlib
+import faulthandler
 import json
 import os
 import runpy
+import signal
+import threading
 import time
 import traceback
 from pathlib import Path
 
 FAILURE_DIR = "JSHARD_FAILURE_DIR"
+HANG_TIMEOUT, COMPILE_TIMEOUT = "JSHARD_HANG_TIMEOUT", "JSHARD_COMPILE_TIMEOUT"
+DEFAULT_HANG_TIMEOUT = 600.0
+"""Seconds without progress that end a job (NCCL's watchdog default, 10 minutes)."""
+DEFAULT_COMPILE_TIMEOUT = 1800.0
+"""Seconds a process may spend in one XLA compile (its main thread inside JAX's compiler) before it
+counts as hung: compiles of large programs take minutes."""
+HANG_STATUS = 124
+"""The exit status of a job (or, without a launcher, a process) ended for making no progress."""
 WRAPPER = os.path.abspath(__file__)
 """This file, which `python WRAPPER script.py args` runs as `run(["script.py", "args"])`."""
 RECORD_LINES = 12
@@ -42,6 +64,24 @@ RECORD_LINES = 12
 def failure_path(directory: str | os.PathLike, rank: int) -> Path:
     """Where rank `rank` writes its failure record in `directory`."""
     return Path(directory) / f"failure_{rank}.json"
+
+
+def progress_path(directory: str | os.PathLike, rank: int) -> Path:
+    """Where rank `rank` writes its progress record in `directory`."""
+    return Path(directory) / f"progress_{rank}.json"
+
+
+def read_progress(directory: str | os.PathLike, rank: int) -> dict | None:
+    """Rank `rank`'s latest progress record, or None where it wrote none."""
+    try:
+        return json.loads(progress_path(directory, rank).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def interval(timeout: float) -> float:
+    """How often (seconds) the progress of a job with hang timeout `timeout` is looked at."""
+    return min(1.0, max(0.05, timeout / 20))
 
 
 def read_failure(directory: str | os.PathLike, rank: int) -> dict | None:
@@ -91,6 +131,7 @@ def run(argv: list[str]) -> None:
     target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
     sys.argv = [target, *args]
     sys.path.insert(0, "" if module else os.path.dirname(os.path.abspath(target)))  # as `python` puts it
+    watch_progress()
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -103,6 +144,156 @@ def run(argv: list[str]) -> None:
         if isinstance(e, SystemExit) and isinstance(e.code, str):
             print(e.code, file=sys.stderr)
         fail(e, status)
+
+
+def watch_progress(timeout: float | None = None, compile_timeout: float | None = None, *,
+                   enforce: bool = False, rank: int | None = None) -> bool:
+    """Starts the progress thread (module docstring) once per process; with `enforce` (no launcher)
+    it also ends the process when it has made no progress for `timeout` seconds, and shares its
+    progress with the job's other processes through JAX's coordination service (its key-value
+    store), so that the report names the rank that did not arrive. The timeouts default to
+    `JSHARD_HANG_TIMEOUT` / `JSHARD_COMPILE_TIMEOUT`; no timeout (or 0) starts nothing; `rank`
+    defaults to `JSHARD_PROCESS_ID`. Returns whether a thread runs."""
+    if os.environ.get(_WATCHED) == str(os.getpid()):  # the wrapper (run as __main__) and jshard.init
+        return True  # hold two copies of this module: one thread per process
+    timeout = float(timeout if timeout is not None else os.environ.get(HANG_TIMEOUT) or 0)
+    compile_timeout = float(compile_timeout if compile_timeout is not None
+                            else os.environ.get(COMPILE_TIMEOUT) or DEFAULT_COMPILE_TIMEOUT)
+    if timeout <= 0:
+        return False
+    os.environ[_WATCHED] = str(os.getpid())
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    watcher = _ProgressWatch(threading.main_thread().ident, timeout, compile_timeout, enforce,
+                             int(os.environ.get("JSHARD_PROCESS_ID", "0")) if rank is None else rank)
+    threading.Thread(target=watcher.run, name="jshard-progress", daemon=True).start()
+    return True
+
+
+_WATCHED = "_JSHARD_PROGRESS_WATCHED"
+
+
+class _ProgressWatch:
+    """Looks at the main thread's stack; writes the progress record; without a launcher, enforces."""
+
+    def __init__(self, main: int, timeout: float, compile_timeout: float, enforce: bool, rank: int):
+        self.main, self.timeout, self.compile_timeout, self.enforce = main, timeout, compile_timeout, enforce
+        self.directory, self.rank = os.environ.get(FAILURE_DIR), rank
+        self.last, self.since, self.changes = None, time.time(), 0
+
+    def run(self) -> None:
+        while True:
+            record = self.look()
+            if self.directory:
+                with contextlib.suppress(OSError):
+                    _write_json(progress_path(self.directory, self.rank), record)
+            if self.enforce:
+                self.share(record)
+                if stalled_for(record, record["time"], self.timeout, self.compile_timeout):
+                    self.end(record)
+            time.sleep(interval(self.timeout))
+
+    @staticmethod
+    def client():
+        """JAX's distributed client, while `share_progress` says it is connected and not shutting down."""
+        if not _SHARING.is_set():
+            return None
+        return getattr(getattr(sys.modules.get("jax._src.distributed"), "global_state", None), "client", None)
+
+    def share(self, record: dict) -> None:
+        with _SHARING_LOCK:
+            if (client := self.client()) is not None:
+                with contextlib.suppress(Exception):  # the coordinator gone: the job is failing anyway
+                    client.key_value_set(f"{_KEY}{self.rank}", json.dumps(record), allow_overwrite=True)
+
+    def peers(self) -> dict[int, dict]:
+        """Every process's latest shared progress record, this one's included."""
+        with _SHARING_LOCK:
+            client = self.client()
+            try:
+                shared = client.key_value_dir_get(_KEY) if client is not None else []
+            except Exception:
+                return {}
+        return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in shared}
+
+    def look(self) -> dict:
+        frame = sys._current_frames().get(self.main)
+        if frame is None:  # the main thread has finished
+            return {"rank": int(self.rank), "pid": os.getpid(), "since": time.time(), "time": time.time(),
+                    "changes": self.changes, "inside": "exit", "compiling": False, "where": "", "user": ""}
+        now = (frame, frame.f_lasti, frame.f_lineno)
+        if self.last is None or any(a is not b and a != b for a, b in zip(now, self.last)):
+            self.since, self.changes = time.time(), self.changes + 1
+        self.last = now
+        frames = traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False)[::-1]
+        files = [f.filename for f in frames]
+        ours = lambda name: any(f"{os.sep}{p}{os.sep}" in name for p in _LIBRARIES) or name.endswith(_SKIPPED)
+        user = next((f for f in reversed(frames) if not ours(f.filename)), frames[-1])
+        return {"rank": int(self.rank), "pid": os.getpid(), "since": self.since, "time": time.time(),
+                "changes": self.changes, "compiling": any(n.endswith(_COMPILER) for n in files),
+                "inside": "jax" if any(f"{os.sep}{p}{os.sep}" in files[-1] for p in _LIBRARIES) else "user",
+                "where": _frame(frames[-1]), "user": _frame(user)}
+
+    def end(self, record: dict) -> None:
+        waited = record["time"] - record["since"]
+        text = (f"jshard: process {self.rank} made no progress for {waited:.0f} s (hang timeout {self.timeout:g} s): "
+                f"{describe(record)}.")
+        peers = {**self.peers(), self.rank: record}
+        if len(peers) > 1:
+            from jshard._hang import find_hang, hang_report  # jshard is importable: jshard.init started this
+
+            culprit = find_hang(peers, record["time"], self.timeout, self.compile_timeout)
+            text += " " + hang_report(self.rank if culprit is None else culprit, peers, record["time"], self.timeout, [])
+        print(f"{text} Its threads' stacks follow; ending it with status {HANG_STATUS} so that the job ends rather "
+              "than hold its allocation.", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        fail(TimeoutError(f"no progress for {waited:.0f} s: {describe(record)}"), HANG_STATUS)
+
+
+_LIBRARIES = ("jax", "jaxlib", "jshard", "orbax", "flax", "optax")
+_KEY = "jshard/progress/"
+_SHARING, _SHARING_LOCK = threading.Event(), threading.Lock()
+
+
+def share_progress() -> None:
+    """Lets the progress thread use JAX's coordination service: call it once `jax.distributed` has
+    connected. Its key-value calls stop at interpreter exit, before JAX's own shutdown (registered
+    earlier, so run later), as a call to a client shutting down would end the process."""
+    import atexit
+
+    def stop():
+        with _SHARING_LOCK:
+            _SHARING.clear()
+
+    _SHARING.set()
+    atexit.register(stop)
+_COMPILER = os.path.join("jax", "_src", "compiler.py")
+_SKIPPED = ("_worker.py", "runpy.py", "<frozen runpy>", "threading.py")
+
+
+def _frame(f: traceback.FrameSummary) -> str:
+    return f"{f.filename}:{f.lineno} in {f.name}"
+
+
+def stalled_for(record: dict, now: float, timeout: float, compile_timeout: float) -> bool:
+    """Whether a progress record says its process made no progress for longer than it may."""
+    limit = compile_timeout if record.get("compiling") else timeout
+    return record.get("inside") != "exit" and now - record["since"] > limit
+
+
+def describe(record: dict) -> str:
+    """Where a progress record's main thread waits, in words."""
+    if record.get("compiling"):
+        return f"compiling (JAX's compiler) for {record['user']}"
+    if record.get("inside") == "jax":
+        return f"waiting inside a JAX call at {record['user']} (innermost: {record['where']})"
+    return f"in its own code at {record['user']}, not in a JAX call"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
 
 
 def _traceback_lines(exc: BaseException) -> list[str]:
@@ -121,10 +312,7 @@ def _write_record(exc: BaseException, status: int, lines: list[str]) -> None:
     text = "".join(lines).rstrip("\n").splitlines()
     record = {"rank": int(rank), "type": type(exc).__name__, "message": _message(exc), "status": status,
               "lines": text[-RECORD_LINES:], "time": time.time()}
-    path = failure_path(directory, int(rank))
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    _write_json(failure_path(directory, int(rank)), record)
 
 
 def _message(exc: BaseException) -> str:

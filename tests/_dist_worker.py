@@ -8,9 +8,10 @@ It writes `OUT/rank<process id>.json` (losses by step, rows read) after every st
 
 `matmul OUT`: a 2-D `shard`ed matmul over all devices; writes its result (for the nodes test).
 
-`fail OUT --fail-at K --how raise|exit`: that matmul step after step; after step K process
-`--die-rank` raises `RuntimeError` (`raise`) or calls `sys.exit(3)` (`exit`) while the others go on
-to their next step's collective, as a training job's ranks would.
+`fail OUT --fail-at K --how raise|exit|hang`: that matmul step after step; after step K process
+`--die-rank` raises `RuntimeError` (`raise`), calls `sys.exit(3)` (`exit`) or sleeps in its own code
+(`hang`, as a rank stuck on a dead file system) while the others go on to their next step's
+collective, as a training job's ranks would.
 """
 
 import argparse
@@ -99,7 +100,7 @@ def train(args, info):
         record["losses"][k + 1] = float(loss)
         print(f"step {k + 1} loss {float(loss):.6f} ({time.perf_counter() - T0:.1f} s)", flush=True)
         if pending is not None:
-            pending.wait()
+            print(f"saved step {pending.wait()}", flush=True)
             pending = None
         if args.ckpt and (k + 1) % args.ckpt_every == 0:
             pending = jshard.checkpoint.save(args.ckpt, (params, opt_state), plan, step=k + 1, blocking=False)
@@ -108,7 +109,7 @@ def train(args, info):
             print(f"rank {info.process_id} kills itself with SIGKILL at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
     if pending is not None:
-        pending.wait()
+        print(f"saved step {pending.wait()}", flush=True)
     print(f"finished ({time.perf_counter() - T0:.1f} s)", flush=True)
 
 
@@ -134,6 +135,8 @@ def fail(args, info):
             print(f"rank {info.process_id} fails at {time.time():.3f}", flush=True)
             if args.how == "raise":
                 raise RuntimeError(f"data file missing on rank {info.process_id}")
+            if args.how == "hang":
+                time.sleep(600)
             sys.exit(3)
 
 
@@ -147,7 +150,7 @@ def parse(argv=None):
     p.add_argument("--die-at", type=int, default=None)
     p.add_argument("--die-rank", type=int, default=1)
     p.add_argument("--fail-at", type=int, default=2)
-    p.add_argument("--how", choices=("raise", "exit"), default="raise")
+    p.add_argument("--how", choices=("raise", "exit", "hang"), default="raise")
     return p.parse_args(argv)
 
 

@@ -175,6 +175,54 @@ def test_a_failing_worker_is_reported_at_once_not_after_jax_s_shutdown_barrier(t
     assert seen < 5 and stopped < 5 + STOP_GRACE, "the launcher took too long to notice or to stop the job"
 
 
+def test_a_hung_rank_is_found_while_the_others_wait_in_a_collective(tmp_path):
+    """Rank 1 sleeps in its own code after step 2 while rank 0 waits in step 3's collective: the
+    watchdog ends the job soon after --hang-timeout, naming rank 1 and where rank 0 waits, with both
+    ranks' Python stacks in their logs (without it the job sat there for good)."""
+    env, logs = worker_env(tmp_path), tmp_path / "logs"
+    start = time.monotonic()
+    done = launch_here(["--worker-num", 2, "--devices-per-worker", 2, "--cluster-time-out", 60, "--hang-timeout", 3,
+                        "--log-dir", logs, WORKER, "fail", tmp_path / "out", "--steps", 50, "--fail-at", 2,
+                        "--how", "hang"], env)
+    assert done.returncode == 124, done.stderr
+    assert time.monotonic() - start < TIMEOUT / 2
+    err = done.stderr
+    assert "the job is hung: rank 1 did not arrive" in err and "_dist_worker.py:" in err
+    assert "not in a JAX call" in err and "rank 0 for " in err and "waiting inside a JAX call" in err
+    for rank in (0, 1):
+        assert "most recent call first" in (logs / f"worker_{rank}.log").read_text()
+
+
+HANG_WITHOUT_LAUNCHER = """
+import sys, time
+import jshard
+rank, port = int(sys.argv[1]), sys.argv[2]
+jshard.init(f"127.0.0.1:{port}", 2, rank, local_devices=1, hang_timeout=2)
+import numpy as np
+from jax.experimental import multihost_utils
+multihost_utils.sync_global_devices("both here")
+print("synced", flush=True)
+if rank == 1:
+    time.sleep(120)
+multihost_utils.process_allgather(np.ones(2))
+"""
+
+
+def test_init_s_watchdog_names_the_hung_rank_without_a_launcher(tmp_path):
+    """Two processes started by hand (as SLURM would) with jshard.init(hang_timeout=2): rank 1 sleeps while
+    rank 0 waits in a collective; rank 1's watchdog names it from the progress both shared through the
+    coordination service, dumps its stacks and exits 124; rank 0 ends too."""
+    env, port = worker_env(tmp_path), free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", HANG_WITHOUT_LAUNCHER, str(r), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    (out0, err0), (out1, err1) = (finish(p, timeout=120) for p in procs)
+    assert "synced" in out0 and "synced" in out1, err0 + err1
+    assert procs[1].returncode == 124, err1
+    assert "jshard: process 1 made no progress for" in err1 and "the job is hung: rank 1 did not arrive" in err1
+    assert "rank 0 for " in err1 and "waiting inside a JAX call" in err1 and "most recent call first" in err1
+    assert procs[0].returncode != 0
+
+
 def _stamp(launcher_log: str, text: str) -> float:
     """When launcher.log says `text`, in seconds since the epoch."""
     stamp = re.search(rf"^([\d-]+ [\d:.]+) jshard launch: {text}", launcher_log, re.M).group(1)

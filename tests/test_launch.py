@@ -16,6 +16,7 @@ import time
 import pytest
 import yaml
 
+import jshard as js
 from jshard._cli import main
 from jshard._launch import worker_command
 from jshard._worker import WRAPPER
@@ -183,8 +184,9 @@ def test_sigterm_to_the_launcher_reaches_the_workers(tmp_path):
         time.sleep(0.1)
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=60)
-    assert launcher.returncode == 7, err
+    assert launcher.returncode == 143, err
     assert "got SIGTERM; forwarding it to the workers" in err
+    assert "stopped by SIGTERM sent to the launcher (forwarded to the workers): rank 0 exited with status 7" in err
     for rank in (0, 1):
         assert f"worker {rank} got SIGTERM" in (tmp_path / "l" / f"worker_{rank}.log").read_text()
 
@@ -291,6 +293,7 @@ def test_k8s_prints_an_indexed_job_and_a_headless_service_wired_for_init(capsys)
     env = {e["name"]: e for e in container["env"]}
     assert env["JSHARD_COORDINATOR"]["value"] == "gpt-0.gpt:9000"  # pod 0 of the Job, through the Service
     assert env["JSHARD_NUM_PROCESSES"]["value"] == "4"
+    assert env["JSHARD_HANG_TIMEOUT"]["value"] == "600"  # jshard.init's watchdog, as under jshard launch
     assert env["JSHARD_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
@@ -301,9 +304,136 @@ def test_k8s_prints_an_indexed_job_and_a_headless_service_wired_for_init(capsys)
         (["--worker-num", "0", "--image", "i", "--", "python"], "--worker-num must be positive"),
         (["--worker-num", "2", "--image", "i"], "no COMMAND"),
         (["--worker-num", "2", "--image", "i", "--name", "Bad_Name", "--", "python"], "must be a DNS label"),
+        (["--worker-num", "2", "--image", "i", "--hang-timeout", "-1", "--", "python"], "--hang-timeout must be 0"),
     ],
-    ids=["no-workers", "no-command", "bad-name"],
+    ids=["no-workers", "no-command", "bad-name", "bad-hang-timeout"],
 )
 def test_k8s_bad_arguments(args, message, capsys):
     assert main(["k8s", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+# The hang watchdog, signals to the launcher, the coordinator's bind address.
+
+
+def fake_jax(tmp_path) -> str:
+    """A module under a `jax/_src/` directory, so the watchdog takes its frames for JAX's: `collective()`
+    blocks as a collective waiting for a peer does; `compile(s)` stands for an XLA compile."""
+    src = tmp_path / "fake" / "jax" / "_src"
+    src.mkdir(parents=True)
+    (src / "dispatch.py").write_text("import time\ndef collective():\n    time.sleep(120)\n")
+    (src / "compiler.py").write_text("import time\ndef compile(s):\n    time.sleep(s)\n")
+    return f"sys.path.insert(0, r'{src}')\nimport dispatch, compiler\n"
+
+
+def test_a_hung_rank_is_named_its_stacks_dumped_and_the_job_ended(tmp_path, capsys):
+    """Rank 1 sleeps in its own code while rank 0, after two steps, waits inside a JAX call: the job
+    ends with status 124 soon after --hang-timeout, naming rank 1, with every rank's stack in its log."""
+    worker = script(tmp_path, fake_jax(tmp_path) + f"open(r'{tmp_path}/pid' + str(rank), 'w').write(str(os.getpid()))\n"
+                    "if rank == 1:\n    time.sleep(120)\n"
+                    "for step in range(2):\n    print('step', step, flush=True)\n    time.sleep(0.3)\n"
+                    "dispatch.collective()\n")
+    logs = tmp_path / "l"
+    start = time.monotonic()
+    assert main(["launch", "--worker-num", "2", "--hang-timeout", "2", "--cluster-time-out", "2",
+                 "--log-dir", str(logs), worker]) == 124
+    assert time.monotonic() - start < 20
+    err = capsys.readouterr().err
+    assert "the job is hung: rank 1 did not arrive: its main thread has made no progress for" in err
+    assert f"{worker}:7 in <module>, not in a JAX call" in err
+    assert "rank 0 for " in err and f"waiting inside a JAX call at {worker}:11 in <module>" in err
+    assert "exit status 124 (rank 1 made no progress)" in err
+    for rank, line in ((0, 'in collective'), (1, f'File "{worker}", line 7 in <module>')):
+        log = (logs / f"worker_{rank}.log").read_text()
+        assert "most recent call first" in log and line in log, log
+        assert not _alive(int((tmp_path / f"pid{rank}").read_text()))
+
+
+def test_a_rank_compiling_gets_the_compile_allowance(tmp_path, capsys):
+    worker = script(tmp_path, fake_jax(tmp_path) + "if rank == 0:\n    compiler.compile(2.5)\n"
+                    "else:\n    time.sleep(2.5)\nprint('done', rank)\n")
+    assert main(["launch", "--worker-num", "2", "--hang-timeout", "1", "--compile-timeout", "30",
+                 worker]) == 0
+    assert "[rank 0] done 0" in capsys.readouterr().out
+
+
+def test_a_peer_timing_out_names_the_rank_that_never_came(tmp_path, capsys):
+    """Rank 0 fails on gloo's connect deadline (as when a peer never reaches the first collective);
+    rank 1, stuck in its own code, is named as the cause, not rank 0."""
+    worker = script(tmp_path, "if rank == 1:\n    time.sleep(120)\ntime.sleep(1.5)\n"
+                    "raise RuntimeError('Gloo context initialization failed: Timed out waiting for peer 1')\n")
+    start = time.monotonic()
+    assert main(["launch", "--worker-num", "2", "--cluster-time-out", "2", "--log-dir", str(tmp_path / "l"),
+                 worker]) == 124
+    assert time.monotonic() - start < 20
+    err = capsys.readouterr().err
+    assert "rank 0 failed waiting for a peer (RuntimeError: Gloo context" in err
+    assert "rank 1 did not arrive" in err and "exit status 124 (rank 1 made no progress)" in err
+
+
+def test_the_hang_analysis_waits_for_compiles_and_says_when_the_culprit_is_elsewhere():
+    from jshard._hang import find_hang, hang_report
+
+    waiting = {"since": 0.0, "inside": "jax", "compiling": False, "where": "jax/_src/array.py:1 in _value",
+               "user": "train.py:9 in <module>"}
+    compiling = {**waiting, "since": 5.0, "compiling": True}
+    assert find_hang({0: waiting, 1: compiling}, 20.0, 10.0, 60.0) is None  # rank 1 compiles: wait for it
+    assert find_hang({0: waiting, 1: compiling}, 70.0, 10.0, 60.0) == 1  # past its allowance: it is the one
+    assert find_hang({0: waiting, 1: {**waiting, "since": 2.0}}, 9.0, 10.0, 60.0) is None
+    report = hang_report(0, {0: waiting, 1: {**waiting, "since": 2.0}}, 12.0, 10.0, [], other_nodes=True)
+    assert "every rank here waits inside a JAX call, rank 0 longest" in report
+    assert "The rank that did not arrive is most likely on another node (see its launcher's report)" in report
+    alone = hang_report(0, {0: waiting, 1: {**waiting, "since": 2.0}}, 12.0, 10.0, [])
+    assert "No rank is stuck in its own code: the ranks most likely entered different collectives" in alone
+
+
+def test_init_s_watchdog_ends_a_stuck_process_without_a_launcher(tmp_path):
+    program = "import time, jshard\njshard.init(hang_timeout=1)\ntime.sleep(60)\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JSHARD_")}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 124, done.stderr
+    assert "jshard: process 0 made no progress for" in done.stderr
+    assert "in its own code at <string>:3 in <module>" in done.stderr and "most recent call first" in done.stderr
+
+
+def test_sigterm_to_the_launcher_is_named_not_blamed_on_a_worker(tmp_path):
+    """Workers that catch SIGTERM and go on (as JAX's runtime does) are SIGKILLed after the grace; the
+    launcher reports the SIGTERM it got and exits 143, naming no worker as the failure."""
+    ready = tmp_path / "ready"
+    worker = script(tmp_path, f"signal.signal(signal.SIGTERM, lambda *a: None)\nopen(r'{ready}' + str(rank), 'w')\n"
+                              "while True:\n    time.sleep(0.05)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    launcher = subprocess.Popen([sys.executable, "-m", "jshard", "launch", "--worker-num", "2", "--cluster-time-out",
+                                 "1", worker], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 143, err
+    assert "stopped by SIGTERM sent to the launcher (forwarded to the workers): rank 0 was killed by SIGKILL" in err
+    assert "exit status 143 (SIGTERM)" in err and "rank 0 was killed by SIGKILL (log" not in err
+
+
+@pytest.mark.parametrize("address, bound", [("10.1.2.3:8118", "10.1.2.3:8118"), ("localhost:9000", "127.0.0.1:9000"),
+                                            ("[::1]:9000", "[::1]:9000")], ids=["ip", "name", "ipv6"])
+def test_the_coordinator_listens_on_the_address_given_only(address, bound, monkeypatch):
+    from jshard import _distributed
+
+    seen = {}
+    monkeypatch.setattr(_distributed.jax.distributed, "initialize", lambda *a, **k: seen.update(k))
+    monkeypatch.setattr(_distributed, "install_excepthook", lambda: None)
+    monkeypatch.setattr(_distributed, "share_progress", lambda: None)
+    monkeypatch.setattr(_distributed, "_gloo_on_loopback", lambda host: None)
+    _distributed._join(address, 2, 0, 5)
+    assert seen["coordinator_bind_address"] == bound
+
+
+def test_a_pod_s_own_name_binds_its_own_address_before_its_dns_record_exists(monkeypatch):
+    from jshard import _distributed
+
+    monkeypatch.setattr(_distributed.socket, "gethostname", lambda: "localhost")
+    assert _distributed._bind_address("localhost.no-such-service.invalid:8118") == "127.0.0.1:8118"
+    with pytest.raises(js.ShardingError, match=r"cannot resolve the coordinator host 'node-7\.invalid' to listen"):
+        _distributed._bind_address("node-7.invalid:8118")

@@ -198,3 +198,33 @@ def test_a_plan_on_named_layout_axes_rebuilds_without_its_strategies(tmp_path):
     for got, want in zip(rebuilt(x, w1, w2), jax.jit(_grad)(x, w1, w2)):
         tolerance = 64 * np.finfo(np.float32).eps * float(np.max(np.abs(want)))
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=tolerance)
+
+
+def test_a_file_edited_within_its_schema_warns_or_with_strict_is_refused(saved, tmp_path):
+    """Inputs' layouts changed by hand, still a valid plan: Plan.load warns (the program follows the file,
+    so the values stay right), strict=True refuses; a file as saved loads without a word."""
+    plan, path, text = saved
+    assert js.Plan.load(path, strict=True).ops == plan.ops
+    assert json.loads(text)["digest"].startswith("sha256:")
+    edited = tmp_path / "plan.json"
+    edited.write_text(_edited(text, _set(["inputs", 0], None)))
+    names = re.escape(f"jshard.Plan.load({str(edited)!r}): {edited} was edited since Plan.save wrote it")
+    with pytest.warns(js.PlanEditedWarning, match=names + ".*pass strict=True to refuse such files"):
+        loaded = js.Plan.load(edited)
+    assert loaded.in_specs[0] is None
+    with pytest.raises(js.ShardingError, match=names + ".*or load it with strict=False"):
+        js.Plan.load(edited, strict=True)
+    with pytest.raises(js.ShardingError, match=r"holds no digest \(it was written before jshard kept them"):
+        js.Plan.load(V1, strict=True)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, r"cannot be read: No such file or directory\. Give the path of a file Plan\.save wrote"),
+    ("[" * 100_000 + "]" * 100_000, r"is nested deeper than any plan is"),
+], ids=["missing", "nested"])
+def test_a_missing_or_deeply_nested_file_is_a_sharding_error(tmp_path, content, message):
+    path = tmp_path / "plan.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(js.ShardingError, match=re.escape(f"jshard.Plan.load({str(path)!r}): {path} ") + message):
+        js.Plan.load(path)

@@ -1,12 +1,13 @@
 """A checkpoint step's files as they were saved, and the check that they still are.
 
 Orbax notices a file cut short or missing only sometimes, and reads a changed byte in a compressed
-array as a wrong value without a word. So once a step is complete (Orbax has renamed it into
-place), process 0 records the size and CRC-32 of every file in it (`record`, into
-`<step>/jshard_files.json`), and `restore` and `load_plan` check the files they are about to read
-against that record first (`damage`): a file cut short, grown, changed or missing is named. Reading
-a step is then one pass more over its files (CRC-32 runs at a few GB/s). A step with no record (one
-saved before jshard kept them, or a crash between Orbax's rename and the record) is read unchecked.
+array as a wrong value without a word. So when a step is committed (every process has written its
+shards, and just before Orbax renames it into place: `_commit.RecordedPath`), process 0 records the
+size and CRC-32 of every file of its items (`record`, into `<step>/jshard_files.json`), and `restore`
+and `load_plan` check the files they are about to read against that record first (`damage`): a
+file cut short, grown, changed or missing is named. Reading a step is then one pass more over its
+files (CRC-32 runs at a few GB/s). A step with no record cannot be verified (`verified`), and is
+never read.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def record(step_dir: str) -> None:
     """Writes the size and CRC-32 of every file under `step_dir` into its `RECORD`, atomically."""
     files = {}
     for root, _, names in os.walk(step_dir):
+        if os.path.samefile(root, step_dir):
+            continue  # Orbax's own step metadata, which it updates as it commits: only items are read
         for name in sorted(names):
             path = os.path.join(root, name)
             relative = os.path.relpath(path, step_dir)
@@ -35,6 +38,11 @@ def record(step_dir: str) -> None:
     os.replace(temporary, os.path.join(step_dir, RECORD))
 
 
+def verified(step_dir: str) -> bool:
+    """Whether `step_dir` holds a record of its files to check them against."""
+    return os.path.isfile(os.path.join(step_dir, RECORD))
+
+
 def damage(step_dir: str, under: str) -> list[str] | None:
     """What differs from the record in the files under `step_dir/under` (empty: nothing), or None
     where the step has no record to check against."""
@@ -43,8 +51,7 @@ def damage(step_dir: str, under: str) -> list[str] | None:
         return None
     saved = _read_record(path)
     if saved is None:
-        return [f"{RECORD}: the record of the step's files is itself damaged, so they cannot be checked (delete "
-                "it to read the step unchecked)"]
+        return [f"{RECORD}: the record of the step's files is itself damaged, so they cannot be checked"]
     problems = []
     for relative, (size, crc) in saved.items():
         if not relative.startswith(under):

@@ -17,21 +17,29 @@ small without losing anything `Plan.load` gives back (`Plan.load(p).ops == plan.
 Reading is JSON only (nothing in a file is executed) and checks the whole file before building
 anything (`_schema.check_plan_json`): a file that is not JSON, cut short, of another format, or
 hand-edited into wrong keys, types or axis names is a `ShardingError` naming the file and every
-problem found (the first `_SHOWN`). `write_json` replaces the file atomically, so a crash mid-save
-keeps the previous plan.
+problem found (the first `_SHOWN`); a file that is missing, or nested too deeply to be a plan, says
+so. `write_json` replaces the file atomically, so a crash mid-save keeps the previous plan.
+
+`write_json` also records a digest of the content (`"digest": "sha256:..."`, the SHA-256 of the plan
+object without it, as canonical JSON: sorted keys, no spaces), so that a file edited within its
+schema (a layout changed by hand) is told apart from the one saved: `read_fields` warns
+(`PlanEditedWarning`) or, `strict`, refuses it; a file without a digest (format 1) is read as it is,
+or refused with `strict`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import warnings
 from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from jshard._errors import ShardingError
+from jshard._errors import PlanEditedWarning, ShardingError
 from jshard.cost import Comm
 from jshard.layouts import FineMesh, to_pspec
 from jshard.plan._records import OpLayout, OpRecord
@@ -46,7 +54,8 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(OpRecord) if f.defaul
 
 
 def write_json(data: dict, path: str | os.PathLike) -> None:
-    """Writes a plan's JSON object (`to_json`) to `path`, one operator per line, atomically."""
+    """Writes a plan's JSON object (`to_json`) and its digest to `path`, one operator per line, atomically."""
+    data = {**data, "digest": digest(data)}
     compact = lambda v: json.dumps(v, separators=(",", ":"))
     parts = []
     for key, value in data.items():
@@ -64,6 +73,13 @@ def write_json(data: dict, path: str | os.PathLike) -> None:
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
+
+
+def digest(data: dict) -> str:
+    """The digest of a plan's JSON object (less any digest in it): SHA-256 of its canonical JSON."""
+    content = {k: v for k, v in data.items() if k != "digest"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def to_json(plan: Any) -> dict:
@@ -145,18 +161,23 @@ def _spec_json(spec):
 # Reading.
 
 
-def read_fields(path: str | os.PathLike, call: str) -> dict:
+def read_fields(path: str | os.PathLike, call: str, strict: bool = False) -> dict:
     """The fields of the `Plan` saved at `path` (all but its mesh, which a file cannot hold).
 
     Raises:
-      ShardingError: the file is not a plan `Plan.save` wrote (not JSON, cut short, another format,
-        keys, types or axis names edited), naming `call`, the file and what is wrong.
+      ShardingError: the file is missing or not a plan `Plan.save` wrote (not JSON, cut short,
+        another format, keys, types or axis names edited), naming `call`, the file and what is
+        wrong; with `strict`, its content no longer matches its digest (or it has none).
+
+    Warns:
+      PlanEditedWarning: its content no longer matches its digest (not `strict`).
     """
     path = os.fspath(path)
     data = _decode(path, call)
     problems = check_plan_json(data)
     if problems:
         raise ShardingError(_bad_file_error(call, path, problems))
+    _check_digest(call, path, data, strict)
     fine = FineMesh(tuple(data["mesh"]["sizes"]), tuple(data["mesh"]["names"]))
     if data["format"] == "jshard.plan/1":
         data = _upgrade_v1(data)
@@ -166,11 +187,32 @@ def read_fields(path: str | os.PathLike, call: str) -> dict:
                 out_specs=tuple(map(_pspec_from_json, data["outputs"])))
 
 
+def _check_digest(call: str, path: str, data: dict, strict: bool) -> None:
+    saved = data.get("digest")
+    if saved is not None and saved == digest(data) or saved is None and not strict:
+        return
+    what = ("holds no digest (it was written before jshard kept them, or by hand), so it cannot be told apart from an "
+            "edited file" if saved is None else
+            "was edited since Plan.save wrote it: its content no longer matches the digest saved in it, so its "
+            "layouts may not be the ones the search chose")
+    fix = "Save the plan again (plan.save(path)) to use it as it is now"
+    if strict:
+        raise ShardingError(f"{call}: {path} {what}. {fix}, or load it with strict=False.")
+    warnings.warn(f"{call}: {path} {what}. The program follows the file as it is now (the values stay right). "
+                  f"{fix}, or pass strict=True to refuse such files.", PlanEditedWarning, stacklevel=4)
+
+
 def _decode(path: str, call: str) -> Any:
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ShardingError(f"{call}: {path} cannot be read: {e.strerror or e}. Give the path of a file Plan.save "
+                            "wrote (plan.save(path), or `jshard plan ... --save path`).") from None
     try:
         return json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        what = "nested deeper than any plan is (not a file Plan.save wrote)"
     except UnicodeDecodeError as e:
         what = f"not a text file (byte {e.start} is not UTF-8)"
     except json.JSONDecodeError as e:

@@ -198,26 +198,36 @@ class Plan:
         return rank_slices(self, op if isinstance(op, OpRecord) else self.ops[op])
 
     def save(self, path: str | os.PathLike) -> None:
-        """Writes the plan as JSON (MindSpore's strategy checkpoint; format in `jshard/plan/_io.py`);
-        `parallelize(plan=Plan.load(path))` rebuilds the same program. The file is replaced
-        atomically: a crash mid-save leaves the previous one."""
+        """Writes the plan as JSON (MindSpore's strategy checkpoint; format in `jshard/plan/_io.py`)
+        with a digest of its content; `parallelize(plan=Plan.load(path))` rebuilds the same program.
+        The file is replaced atomically: a crash mid-save leaves the previous one."""
         write_json(to_json(self), path)
 
     @classmethod
     @api_boundary
-    def load(cls, path: str | os.PathLike) -> "Plan":
+    def load(cls, path: str | os.PathLike, *, strict: bool = False) -> "Plan":
         """Reads a plan written by `save` (JSON only: nothing in the file is executed).
 
+        Args:
+          path: the file.
+          strict: refuse a file whose content no longer matches the digest `save` wrote into it
+            (edited since), or that holds none, rather than warn.
+
         Raises:
-          ShardingError: the file is not a plan `save` wrote (not JSON, cut short, another format,
-            hand-edited keys, types or axis names), naming the file and what is wrong.
+          ShardingError: the file is missing or not a plan `save` wrote (not JSON, cut short,
+            another format, hand-edited keys, types or axis names), naming the file and what is
+            wrong; with `strict`, it was edited since it was saved.
+
+        Warns:
+          PlanEditedWarning: the file was edited since it was saved (its layouts may not be the
+            ones the search chose; the program follows the file).
         """
-        return load(path, f"jshard.Plan.load({os.fspath(path)!r})")
+        return load(path, f"jshard.Plan.load({os.fspath(path)!r})", strict)
 
     def __str__(self) -> str:
         return self.summary()
 
 
-def load(path: str | os.PathLike, call: str) -> Plan:
+def load(path: str | os.PathLike, call: str, strict: bool = False) -> Plan:
     """`Plan.load`, its errors naming `call` (the public call that read the file)."""
-    return Plan(mesh=None, **read_fields(path, call))
+    return Plan(mesh=None, **read_fields(path, call, strict))

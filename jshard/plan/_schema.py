@@ -49,7 +49,7 @@ _OP_V2 = {**_OP, "source": int, "?recompute": str, "?recomputed": bool, "?weighe
 backward pass's run of it again, and the argument layouts global propagation weighed for it."""
 _PLAN = {
     "format": str, "mode": str, "propagation": str, "mesh": {"sizes": [int], "names": [str]},
-    "inputs": [_PSPEC], "outputs": [_PSPEC], "sources": [str], "ops": [_OP_V2],
+    "inputs": [_PSPEC], "outputs": [_PSPEC], "sources": [str], "ops": [_OP_V2], "?digest": str,
 }
 _PLAN_V1 = dict(_PLAN, ops=[{**{k.lstrip("?"): v for k, v in _OP.items()}, "source": str}])
 del _PLAN_V1["sources"]
