@@ -149,9 +149,9 @@ def test_integer_results_are_summed_and_floats_averaged():
 
 @pytest.mark.parametrize("k", [0, -2, 2.0, True, "4"])
 def test_a_step_count_that_is_not_a_positive_int_is_named(k):
-    with pytest.raises(js.ShardingError, match=rf"jshard.parallelize\(_step\): accumulation={k!r} is not a "
+    with pytest.raises(js.ShardingError, match=rf"jshard.parallelize\(_step\): Accumulation\(steps={k!r}\) is not a "
                                                r"number of micro-batches; give a positive int k that divides"):
-        js.parallelize(_step, accumulation=k)
+        js.parallelize(_step, accumulation=js.Accumulation(k))
 
 
 @pytest.mark.parametrize("k, match", [
@@ -181,7 +181,7 @@ def test_shard_without_a_data_parallel_axis_is_named():
 
     w, x = jnp.ones((8, 8)), jnp.ones((8, 8))
     par = js.parallelize(step, devices=8, in_strategy=((2, 4), (1, 1)), accumulation=js.Accumulation(2, shard=True))
-    with pytest.raises(js.ShardingError, match=r"Accumulation(shard=True) cuts the accumulated gradients over the "
+    with pytest.raises(js.ShardingError, match=r"Accumulation\(shard=True\) cuts the accumulated gradients over the "
                                                r"data-parallel devices .* e.g. args\[0\] f32\[8,8\] is laid out "
                                                r"P\(.*\) over the mesh \(d0=2, d1=2, d2=2\). Run on more devices"):
         par.plan(w, x)
@@ -207,7 +207,7 @@ def test_a_jax_grad_result_is_the_accumulator_cut_and_equals_one_device():
 def test_shard_without_gradients_like_the_parameters_is_named():
     w, x = jnp.ones((64, 8)), jnp.ones((32, 64))
     par = js.parallelize(_linear_step(1), devices=8, mode="data", accumulation=js.Accumulation(2, shard=True))
-    with pytest.raises(js.ShardingError, match=r"Accumulation(shard=True) cuts the accumulated gradients like the "
+    with pytest.raises(js.ShardingError, match=r"Accumulation\(shard=True\) cuts the accumulated gradients like the "
                                                r"parameters \(argument 0 of the step\), but no result of the gradient "
                                                r"function has their tree and shapes"):
         par.plan(w, x)
@@ -221,7 +221,7 @@ def test_accumulation_in_a_pipeline_is_named():
 
 
 def test_shard_outside_data_and_semi_auto_is_named():
-    with pytest.raises(js.ShardingError, match=r"Accumulation(shard=True) cuts the accumulated gradients .* this call "
+    with pytest.raises(js.ShardingError, match=r"Accumulation\(shard=True\) cuts the accumulated gradients .* this call "
                                                r"has mode='auto'. Use mode='data' or 'semi_auto'"):
         js.parallelize(_step, mode="auto", accumulation=js.Accumulation(2, shard=True))
 

@@ -158,7 +158,7 @@ def test_search_options_are_checked():
     f = lambda x: x * 2
     with pytest.raises(js.ShardingError, match=r"search='bfs' is not one of \('recursive', 'ilp', 'propagation'\)"):
         js.parallelize(f, devices=8, mode="auto", search="bfs")
-    with pytest.raises(js.ShardingError, match=r"memory_budget applies to the strategy search, mode='auto'"):
+    with pytest.raises(js.ShardingError, match=r"Search\(memory_budget=\.\.\.\) applies to the strategy search, mode='auto'"):
         js.parallelize(f, devices=8, mode="semi_auto", search=js.Search(memory_budget="1GiB"))
     with pytest.raises(js.ShardingError, match=r"search='propagation' cuts the batch and propagates"):
         js.parallelize(f, devices=8, mode="auto", search=js.Search("propagation", memory_budget="1GiB"))

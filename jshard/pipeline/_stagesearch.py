@@ -117,7 +117,8 @@ def _search_stages(call: str, cut: Cut, options: Options, inner: FineMesh, param
     budget = options.memory_budget
     # no host offload weighed: the pipeline keeps each stage's packed state on its devices
     stage_options = dataclasses.replace(options, pipeline=None, devices=inner.device_count, batch_argnums=(1,),
-                                        offload=(), memory_budget=None if budget is None else budget - held)
+                                        offload=(), search=dataclasses.replace(
+                                            options.search, memory_budget=None if budget is None else budget - held))
     plans, emitted = [], []
     for k in range(cut.stages):
         params_k = [params_avals[j] for j in cut.params[k]]
