@@ -2,11 +2,12 @@
 
 `parallelize` calls `build` with validated `Options`. It chooses the fine mesh (refining it and
 tracing again where a strategy met while tracing needs a finer one), fixes the boundary (with
-`optimizer_parallel`, cutting the optimizer state and parameters there: `_optimizer.py`; with
-`offload`, choosing the state kept in host memory: `_offload.py`), asks the
-`Planner` the options name, and builds the `Program`. With `memory_budget` and devices present, the
-searched program's compiled memory is checked and the search asked again for less, up to
-`BUDGET_ROUNDS` times. The built plan's work per device is priced last (`_work.py`: where nearly
+`optimizer=`, cutting the optimizer state and parameters there: `_optimizer.py`; with `offload`,
+choosing the state kept in host memory: `_offload.py`), asks the `Planner` the options name, and
+builds the `Program`. The stages share one `Signature` record; the three weighings under a budget
+(offload, optimizer level, recompute policy) end in one loop, `fastest_that_fits`. With a memory
+budget and devices present, the searched program's compiled memory is checked and the search asked
+again for less, up to `BUDGET_ROUNDS` times. The built plan's work per device is priced last (`_work.py`: where nearly
 nothing is cut, beside the data-parallel plan's).
 """
 
@@ -66,6 +67,57 @@ BUDGET_ROUNDS = 3
 """How many searches a `memory_budget` gets when XLA's compiled program holds more than estimated."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """What the core's stages share for one input signature, fixed before planning.
+
+    Attributes:
+      fn: the function, as the core traces it.
+      args: its arguments (arrays or shapes).
+      devices: the devices it runs on, None on an abstract mesh.
+      slots: each argument leaf's `in_strategy` entry, canonical.
+      dataset: the dataset policy's anchors for the batch leaves `in_strategy` leaves open.
+      options: the validated options (varied per candidate where a weighing tries one).
+      call: the public call, for messages.
+      budget: the search's memory budget per device, None for none.
+      budget_from: where the budget came from (`"memory_budget"`, or a device's memory).
+      types: the argument leaves' types on a user's `Explicit` axes, for tracing again.
+    """
+
+    fn: Callable[..., Any]
+    args: tuple
+    devices: Any
+    slots: list
+    dataset: dict
+    options: Options
+    call: str
+    budget: float | None
+    budget_from: str
+    types: Any
+
+    def but(self, **changes: Any) -> Signature:
+        """The signature with these options changed (a candidate a weighing tries)."""
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, **changes))
+
+    def trace(self, fine: FineMesh, recompute: Any = "full", **context: Any) -> Traced:
+        """`fn` traced again on `fine` (with another recompute choice, or the core's context)."""
+        return trace(self.fn, self.args, fine, self.devices, self.options, self.call, recompute, types=self.types,
+                     **context)
+
+
+def fastest_that_fits(keys: Any, seconds: Callable[[Any], float], build: Callable[[Any], Program],
+                      refused: Callable[[Any, MemoryBudgetError], None]) -> tuple[Any, Program] | None:
+    """The one loop of the weighings (offload, optimizer level, recompute policy): of the candidates
+    `keys`, fastest first by their estimate, the first whose `build` (held to the budget) fits, as
+    `(key, program)`; each that does not is reported to `refused`. None: none fits."""
+    for key in sorted(keys, key=seconds):
+        try:
+            return key, build(key)
+        except MemoryBudgetError as e:
+            refused(key, e)
+    return None
+
+
 def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:
     """The `Program` of `fn` for the signature of `args` (on the user's mesh where there is one:
     `mesh=`, or the one `jax.set_mesh` made current)."""
@@ -101,7 +153,7 @@ def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c:
     """Traces, plans and builds on one fine mesh, whose axes `named` names (`axis_names`); raises
     `NotRefined` where it is too coarse, or a `Layout` met in the trace names axes it does not. With
     `jshard.recompute(policy="auto")` regions and the search planning, chooses a policy per region;
-    where no plan fits the budget and `optimizer_parallel` is not given, weighs its levels."""
+    where no plan fits the budget and `optimizer` is not given, weighs its levels."""
     types = argument_types(args, fine, slots, dataset, c, call)
     traced = trace(fn, args, fine, devices, c, call, types=types)
     for a in traced.ctx.annotations:
@@ -116,48 +168,46 @@ def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c:
                 e.who = who
                 raise e
     budget, budget_from = _budget(c, devices)
+    s = Signature(fn, args, devices, slots, dataset, c, call, budget, budget_from, types)
     if c.searching and c.offload is None and budget is not None:
-        return _weigh_offload(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types)
-    return _build_placed(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types)
+        return _weigh_offload(s, traced)
+    return _build_placed(s, traced)
 
 
-def _build_placed(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
-                  budget_from: str, types, check: bool = True) -> Program:
-    """Plans and builds with the state where `c.offload` puts it (`check`: as `_build_traced`'s);
-    where no plan fits the budget and `optimizer_parallel` is not given, weighs its levels."""
+def _build_placed(s: Signature, traced: Traced, check: bool = True) -> Program:
+    """Plans and builds with the state where `offload` puts it (`check`: as `_build_traced`'s);
+    where no plan fits the budget and `optimizer` is not given, weighs its levels."""
+    c, budget = s.options, s.budget
     try:
-        return _plan_signature(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types, check)
+        return _plan_signature(s, traced, check)
     except MemoryBudgetError as e:
         if c.optimizer is not None or budget is None or not c.searching or (e.bound and e.least_bytes > budget):
             raise  # given, no budget to meet, or nothing fits even with every tensor cut as finely as it can be
-        return _weigh_optimizer(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types, e, check)
+        return _weigh_optimizer(s, traced, e, check)
 
 
-def _plan_signature(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
-                    budget_from: str, types, check: bool = True) -> Program:
+def _plan_signature(s: Signature, traced: Traced, check: bool = True) -> Program:
     """The program of one traced signature, its `policy="auto"` recompute regions (when the search
     plans) each given a policy."""
-    if not (c.searching and traced.ctx.auto_regions):
-        return _build_traced(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, check=check,
-                             types=types)
-    return _weigh_recompute(fn, traced, args, devices, slots, dataset, c, call, budget, budget_from, types, check)
+    if not (s.options.searching and traced.ctx.auto_regions):
+        return _build_traced(s, traced, check=check)
+    return _weigh_recompute(s, traced, check)
 
 
-def _weigh_offload(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float,
-                   budget_from: str, types) -> Program:
+def _weigh_offload(s: Signature, traced: Traced) -> Program:
     """`mode="auto"` under a budget, no `offload=` given: plans the step with the state on the device;
     where the budget binds (the search gave up speed, or recompute, to fit it: `_binds`), plans it
     again with each of `SEARCHED` in host memory whose streaming alone (`least_streamed` on the host
     link) does not cost more than the plan on the device, each priced with its streaming
     (`CostModel.host_seconds`), and builds the fastest that fits (with `memory_budget` and devices
     present: whose compiled program fits), its `SearchReport.offload` listing what was weighed."""
-    checked = c.memory_budget is not None and devices is not None
+    c, args = s.options, s.args
+    checked = c.memory_budget is not None and s.devices is not None
     cost = c.costs
     weighed: dict[tuple[str, ...], Weighed] = {}
     planned: dict[tuple[str, ...], Program] = {}
     errors: dict[tuple[str, ...], MemoryBudgetError] = {}
-    place = lambda what, check: _build_placed(fn, traced, args, devices, slots, dataset, dataclasses.replace(
-        c, offload=what), call, budget, budget_from, types, check)
+    place = lambda what, check: _build_placed(s.but(offload=what), traced, check)
     choices = searched(traced, args, c)
     try:
         device = place((), False)
@@ -184,13 +234,13 @@ def _weigh_offload(fn, traced: Traced, args, devices, slots, dataset, c: Options
         host, search = program.plan.offload.seconds, program.plan.search
         weighed[what], planned[what] = Weighed(_offload_name(what), search.seconds + host, search.peak_bytes,
                                                host_seconds=host), program
-    for best in sorted(planned, key=lambda w: weighed[w].seconds):
-        try:
-            program = place(best, True) if checked else planned[best]
-        except MemoryBudgetError as e:
-            weighed[best], errors[best] = dataclasses.replace(weighed[best], seconds=None, peak_bytes=e.least_bytes), e
-            continue
-        return _offload_chosen(program, best, weighed, budget, budget_from)
+    def refused(what, e: MemoryBudgetError) -> None:
+        weighed[what], errors[what] = dataclasses.replace(weighed[what], seconds=None, peak_bytes=e.least_bytes), e
+
+    found = fastest_that_fits(planned, lambda w: weighed[w].seconds,
+                              lambda w: place(w, True) if checked else planned[w], refused)
+    if found is not None:
+        return _offload_chosen(found[1], found[0], weighed, s.budget, s.budget_from)
     least_peak = min((w.peak_bytes for w in weighed.values() if w.peak_bytes is not None), default=None)
     raise MemoryBudgetError(_offload_error(errors[()], weighed), least_peak) from None
 
@@ -233,8 +283,7 @@ def _offload_error(device: MemoryBudgetError, weighed: dict) -> str:
             f"host link): {tried}; none fits.")
 
 
-def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
-                     budget_from: str, types, check: bool = True) -> Program:
+def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Program:
     """Chooses a recompute policy per `policy="auto"` region and builds the step so.
 
     The step is traced and planned once per policy (`AUTO_POLICIES`) given to every region: each
@@ -244,16 +293,15 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
     `memory_budget` and devices present, `check`: the fastest whose compiled program fits; else
     more recompute). Its `SearchReport` lists the policies weighed (`recompute`) and each region's
     (`regions`)."""
+    c, budget = s.options, s.budget
     uniform, weighed = {}, []
     for policy in AUTO_POLICIES:
-        t = traced if policy == traced.ctx.recompute_choice else trace(fn, args, traced.fine, devices, c, call, policy,
-                                                                      types=types)
-        fastest, fits = _fitting(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, policy, types,
-                                 traced.ctx.auto_regions > 1)
+        t = traced if policy == traced.ctx.recompute_choice else s.trace(traced.fine, policy)
+        fastest, fits = _fitting(s, t, policy, traced.ctx.auto_regions > 1)
         weighed.append(Weighed(policy, None, fits.least_bytes) if isinstance(fits, MemoryBudgetError) else
                        Weighed(policy, fits.plan.search.seconds, fits.plan.search.peak_bytes))
         uniform[policy] = (t, fastest, fits)
-    donated = argument_leaves(args, c.donate_argnums)
+    donated = argument_leaves(s.args, c.donate_argnums)
     costs = {p: region_costs(t.nodes, None if fastest is None else fastest.values, t.axis_size, t.invars, t.outvars,
                              frozenset(t.invars[i] for i in donated)) for p, (t, fastest, _) in uniform.items()}
     rate = c.costs.flops
@@ -269,43 +317,47 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
         candidates = {p: (u[0], u[2]) for p, u in uniform.items()
                       if not isinstance(u[2], MemoryBudgetError) and p not in tried}
         if len(set(choice)) > 1:
-            t = trace(fn, args, traced.fine, devices, c, call, choice, types=types)
-            _, fits = _fitting(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, choice, types, True)
+            t = s.trace(traced.fine, choice)
+            _, fits = _fitting(s, t, choice, True)
             if isinstance(fits, MemoryBudgetError):
                 failed = fits
             else:
                 candidates[choice] = (t, fits)
-        for key in sorted(candidates, key=lambda k: candidates[k][1].plan.search.seconds):
-            t, program = candidates[key]
+
+        def held(key) -> Program:  # XLA's buffers held to the budget
             tried.add(key)
-            try:
-                if check and c.memory_budget is not None and devices is not None:  # XLA's buffers held to the budget
-                    program = _build_traced(fn, t, args, devices, slots, dataset, c, call, budget, budget_from, key,
-                                            types=types)
-            except MemoryBudgetError as e:  # XLA holds more than estimated: weighed as not fitting
-                failed = e
-                weighed = [dataclasses.replace(w, seconds=None, peak_bytes=e.least_bytes) if w.policy == key else w
-                           for w in weighed]
-                continue
+            t, program = candidates[key]
+            return _build_traced(s, t, key) if check and c.memory_budget is not None and s.devices is not None else program
+
+        def refused(key, e: MemoryBudgetError) -> None:  # XLA holds more than estimated: weighed as not fitting
+            nonlocal failed, weighed
+            failed = e
+            weighed = [dataclasses.replace(w, seconds=None, peak_bytes=e.least_bytes) if w.policy == key else w
+                       for w in weighed]
+
+        found = fastest_that_fits(candidates, lambda k: candidates[k][1].plan.search.seconds, held, refused)
+        if found is not None:
+            key, program = found
             policies = (key,) * len(regions) if isinstance(key, str) else key
             report = dataclasses.replace(program.plan.search, regions=choices(costs, policies, moves, rate),
                                          recompute=tuple(dataclasses.replace(w, chosen=key == w.policy) for w in weighed))
             return dataclasses.replace(program, plan=program.plan.replace(search=report))
     bound = all(isinstance(u[2], MemoryBudgetError) and u[2].bound for u in uniform.values())
-    raise MemoryBudgetError(_recompute_error(call, budget, budget_from, weighed, traced.fine.device_count),
+    raise MemoryBudgetError(_recompute_error(s.call, budget, s.budget_from, weighed, traced.fine.device_count),
                             min((w.peak_bytes for w in weighed if w.peak_bytes is not None), default=None),
                             bound) from failed
 
 
-def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
-             budget_from: str, policy, types, fastest_first: bool) -> tuple[Program, Program | MemoryBudgetError]:
+def _fitting(s: Signature, t: Traced, policy, fastest_first: bool) -> tuple[Program, Program | MemoryBudgetError]:
     """The plan of `t` whose layouts price its regions (the fastest: planned without a budget), and
     its plan under `budget` (the fastest where it fits), or why none fits. Without `fastest_first`
     (one region: its policies are the uniform ones, and recomputing the last region lowers no
     estimate) planned under the budget only, the regions priced at its layouts, or (None) at the
     finest cuts."""
+    budget = s.budget
+
     def plan(limit):
-        return _build_traced(fn, t, args, devices, slots, dataset, c, call, limit, budget_from, policy, False, types)
+        return _build_traced(dataclasses.replace(s, budget=limit), t, policy, False)
 
     fastest = plan(None) if fastest_first or budget is None else None
     if fastest is not None and (budget is None or fastest.plan.search.peak_bytes <= budget):
@@ -318,47 +370,44 @@ def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str
     return fastest or fits, fits
 
 
-def _weigh_optimizer(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float,
-                     budget_from: str, types, without: MemoryBudgetError, check: bool = True) -> Program:
-    """With no `optimizer_parallel` given and no plan fitting the budget without it (`without`):
+def _weigh_optimizer(s: Signature, traced: Traced, without: MemoryBudgetError, check: bool = True) -> Program:
+    """With no `optimizer` given and no plan fitting the budget without it (`without`):
     plans each level 1-3 (the state, then the gradients, then the parameters cut over the
     data-parallel axes; the search prices the collectives and the memory) and builds the fastest
     that fits, the plan saying why (`OptimizerReport.why`, `SearchReport.optimizer`)."""
     planned: dict[int, Program] = {}
-    weighed = []
+    weighed: dict[int, Weighed] = {}
+    leveled = lambda level: s.but(optimizer=OptimizerParallel(level))
     for level in OPTIMIZER_LEVELS:
-        leveled = dataclasses.replace(c, optimizer=OptimizerParallel(level))
         try:
-            program = _plan_signature(fn, traced, args, devices, slots, dataset, leveled, call, budget, budget_from,
-                                      types, False)
+            program = _plan_signature(leveled(level), traced, False)
         except ShardingError as e:  # over the budget, or no data-parallel axis to cut over
-            weighed.append(Weighed(f"optimizer={level}", None, getattr(e, "least_bytes", None)))
+            weighed[level] = Weighed(f"optimizer={level}", None, getattr(e, "least_bytes", None))
             continue
         planned[level] = program
-        weighed.append(Weighed(f"optimizer={level}", program.plan.search.seconds, program.plan.search.peak_bytes))
-    checked = check and c.memory_budget is not None and devices is not None
+        weighed[level] = Weighed(f"optimizer={level}", program.plan.search.seconds, program.plan.search.peak_bytes)
+    checked = check and s.options.memory_budget is not None and s.devices is not None
     failed = without
-    for level in sorted(planned, key=lambda k: planned[k].plan.search.seconds):
-        leveled = dataclasses.replace(c, optimizer=OptimizerParallel(level))
-        try:
-            program = planned[level] if not checked else _plan_signature(
-                fn, traced, args, devices, slots, dataset, leveled, call, budget, budget_from, types, True)
-        except MemoryBudgetError as e:
-            failed = e
-            weighed = [dataclasses.replace(w, seconds=None, peak_bytes=e.least_bytes)
-                       if w.policy == f"optimizer={level}" else w for w in weighed]
-            continue
-        name = f"optimizer={level}"
-        weighed = [dataclasses.replace(w, chosen=w.policy == name) for w in weighed]
-        why = (f"chosen by the search: no plan without optimizer parallel fits {human_bytes(budget)} per device (the "
-               f"least it found: {human_bytes(without.least_bytes or 0)}); of the levels weighed ("
-               f"{', '.join(w.text() for w in weighed)}), level {level} is the fastest that fits")
-        plan = program.plan
-        return dataclasses.replace(program, plan=plan.replace(
-            optimizer=dataclasses.replace(plan.optimizer, why=why),
-            search=dataclasses.replace(plan.search, optimizer=tuple(weighed))))
-    raise MemoryBudgetError(f"{without} Optimizer parallel was weighed too, and fits at no level: "
-                            f"{', '.join(w.text() for w in weighed)}.", without.least_bytes) from failed
+
+    def refused(level: int, e: MemoryBudgetError) -> None:
+        nonlocal failed
+        failed = e
+        weighed[level] = dataclasses.replace(weighed[level], seconds=None, peak_bytes=e.least_bytes)
+
+    found = fastest_that_fits(planned, lambda k: planned[k].plan.search.seconds,
+                              lambda k: _plan_signature(leveled(k), traced, True) if checked else planned[k], refused)
+    if found is None:
+        raise MemoryBudgetError(f"{without} Optimizer parallel was weighed too, and fits at no level: "
+                                f"{', '.join(w.text() for w in weighed.values())}.", without.least_bytes) from failed
+    level, program = found
+    shown = [dataclasses.replace(w, chosen=k == level) for k, w in weighed.items()]
+    why = (f"chosen by the search: no plan without optimizer parallel fits {human_bytes(s.budget)} per device (the "
+           f"least it found: {human_bytes(without.least_bytes or 0)}); of the levels weighed ("
+           f"{', '.join(w.text() for w in shown)}), level {level} is the fastest that fits")
+    plan = program.plan
+    return dataclasses.replace(program, plan=plan.replace(
+        optimizer=dataclasses.replace(plan.optimizer, why=why),
+        search=dataclasses.replace(plan.search, optimizer=tuple(shown))))
 
 
 def _budget(c: Options, devices) -> tuple[float | None, str]:
@@ -376,11 +425,11 @@ def _budget(c: Options, devices) -> tuple[float | None, str]:
     return memory, f"the memory of one {kind} device, no memory_budget given"
 
 
-def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
-                  budget_from: str, recompute: str = "full", check: bool = True, types=None) -> Program:
+def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: bool = True) -> Program:
     """Plans and builds one traced signature (`recompute`: the policy it gave `policy="auto"` regions;
-    `check`: with `memory_budget` and devices present, hold the compiled program to the budget;
-    `types`: the argument leaves' types on a user's `Explicit` axes, for tracing again)."""
+    `check`: with `memory_budget` and devices present, hold the compiled program to the budget)."""
+    fn, args, devices, slots, dataset, c, call = s.fn, s.args, s.devices, s.slots, s.dataset, s.options, s.call
+    budget, budget_from = s.budget, s.budget_from
     fine = traced.fine
     in_sh = in_shardings(traced, slots, dataset, c, call)
     out_sh = out_shardings(traced, c, call)
@@ -398,8 +447,8 @@ def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options,
         kept = accumulator(traced, args, layouts, c, call)
     axes = _batch_axes(in_sh, args, c) if c.accumulation is not None else None
     if gather or kept is not None or axes:  # axes: jshard.accumulate reduces once, after its loop
-        traced = trace(gathered(fn, gather) if gather else fn, args, fine, devices, c, call, recompute,
-                       accumulator=kept, types=types, batch_axes=axes)
+        traced = dataclasses.replace(s, fn=gathered(fn, gather) if gather else fn).trace(
+            fine, recompute, accumulator=kept, batch_axes=axes)
     rewrite = regathered(traced, gather) if c.optimizer is not None and c.optimizer.comm_recompute else None
     if optimizer is not None:
         optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
