@@ -146,7 +146,8 @@ def _contraction_dims(fn, args, positions) -> Contraction | None:
     source = {invars[i]: (i, tuple(range(len(args[i].shape)))) for i in positions[:2]}
     dots, env = [], {}
     for eqn, env in inline_equations(closed.jaxpr, env):
-        ins = [resolve(env, v) for v in eqn.invars]
+        # literals (a 0-d constant operand) are no input's value, and are not hashable
+        ins = [_var(env, v) for v in eqn.invars]
         name = eqn.primitive.name
         if name in _PASSTHROUGH and ins[0] in source:
             source[eqn.outvars[0]] = source[ins[0]]
@@ -194,10 +195,16 @@ def _rules_output(jaxpr, env, dot) -> bool:
     """Whether `jaxpr`'s one output is `dot`'s result after elementwise ops of the same shape."""
     shape, ruled = dot.outvars[0].aval.shape, {dot.outvars[0]}
     for eqn, env in inline_equations(jaxpr, env):
-        if eqn.primitive.name in _ELEMENTWISE and any(resolve(env, v) in ruled for v in eqn.invars):
+        if eqn.primitive.name in _ELEMENTWISE and any(_var(env, v) in ruled for v in eqn.invars):
             ruled.update(v for v in eqn.outvars if v.aval.shape == shape)
     outs = [resolve(env, v) for v in jaxpr.outvars]
-    return len(outs) == 1 and outs[0] in ruled
+    return len(outs) == 1 and isinstance(outs[0], jcore.Var) and outs[0] in ruled
+
+
+def _var(env, v) -> jcore.Var | None:
+    """The outer var `v` stands for; None for a literal (a 0-d constant: no input's value, unhashable)."""
+    v = resolve(env, v)
+    return v if isinstance(v, jcore.Var) else None
 
 
 class Lookup(NamedTuple):

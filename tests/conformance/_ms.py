@@ -1,0 +1,109 @@
+"""The conformance harness: one `Case` per translated MindSpore test, and `check`, which holds jshard
+to it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tolerance import assert_close
+
+import jshard as js
+
+MS_REPO = "mindspore-ai/mindspore_test"
+MS_COMMIT = "a05ce58802d47fba782ecef8d971e05a078727c1"
+"""The MindSpore test tree the cases were read at (`tests/ut/python/parallel/`, 2025-07-05)."""
+
+PRESENT = 8
+"""Simulated devices (conftest.py): more than these are planned on an abstract mesh, not run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One MindSpore parallel unit test, translated.
+
+    Attributes:
+      ref: `"<file>::<test>"` in MindSpore's `tests/ut/python/parallel/` (a suffix after `/` tells
+        apart several cases read from one test).
+      net: the network, a function of arrays built from `js.shard` calls.
+      shapes: its inputs' shapes (float32), or `jax.ShapeDtypeStruct`s.
+      devices: MindSpore's `device_num`.
+      refuses: for a network MindSpore refuses, a regex the `ShardingError` must match.
+      strategies: `{annotation: in_strategy}` MindSpore asserts (or the case pins) for a `shard`ed
+        function's operator, read from `plan.ops`.
+      mode: `"semi_auto"` or `"auto"` (MindSpore's sharding propagation).
+      terms: the longest sum the network computes, for the one-device comparison's tolerance.
+    """
+
+    ref: str
+    net: Callable
+    shapes: tuple
+    devices: int = 8
+    refuses: str | None = None
+    strategies: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    mode: str = "semi_auto"
+    terms: int = 64
+    marks: tuple = ()
+
+    @property
+    def id(self) -> str:
+        return self.ref.replace(".py::", ".")
+
+
+def params(cases):
+    """`cases` as `pytest.param`s with their MindSpore test as id."""
+    ids = [c.id for c in cases]
+    assert len(set(ids)) == len(ids), sorted(i for i in ids if ids.count(i) > 1)
+    return [pytest.param(c, id=c.id, marks=c.marks) for c in cases]
+
+
+def _inputs(shapes):
+    out = []
+    for k, s in enumerate(shapes):
+        spec = s if isinstance(s, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(tuple(s), jnp.float32)
+        rng = np.random.default_rng(k)
+        if jnp.issubdtype(spec.dtype, jnp.integer):
+            out.append(jnp.asarray(rng.integers(0, 4, size=spec.shape), spec.dtype))
+        elif spec.dtype == jnp.bool_:
+            out.append(jnp.asarray(rng.integers(0, 2, size=spec.shape).astype(bool)))
+        else:
+            out.append(jnp.asarray(rng.uniform(0.5, 1.5, size=spec.shape).astype(np.dtype(spec.dtype))))
+    return out
+
+
+def check(case: Case) -> js.Plan | None:
+    """Holds jshard to `case`: raises where MindSpore refuses, else plans (and, on the present
+    devices, runs and compares with one device) with the strategies MindSpore asserts.
+
+    MindSpore's operators broadcast ranks (`[64, 64] + [64]`), so the networks run with NumPy's rank
+    promotion allowed."""
+    with jax.numpy_rank_promotion("allow"):
+        return _check(case)
+
+
+def _check(case: Case) -> js.Plan | None:
+    step = js.parallelize(case.net, devices=case.devices, mode=case.mode)
+    args = _inputs(case.shapes)
+    if case.refuses is not None:
+        with pytest.raises(js.ShardingError, match=case.refuses):
+            step.plan(*args)
+        return None
+    plan = step.plan(*args)
+    for name, strategy in case.strategies.items():
+        got = {op.in_strategy for op in plan.ops if op.annotation == name and op.origin == "user"}
+        assert strategy in got, f"{name}: {strategy} not in {got}"
+    if case.devices <= PRESENT:
+        assert_close(step(*args), jax.jit(case.net)(*args), terms=case.terms)
+    return plan
+
+
+def named(fn: Callable, name: str) -> Callable:
+    """`fn` under `name`, so a case can read its operator from `plan.ops` by annotation."""
+    def wrapped(*args):
+        return fn(*args)
+    wrapped.__name__ = name
+    return wrapped
