@@ -269,3 +269,49 @@ def _gather_axis(eqn, table_shape, indices_shape) -> int | None:
     whole = all(s == (1 if d == axis else n) for d, (s, n) in enumerate(zip(sizes, table_shape)))
     want = (*table_shape[:axis], *indices_shape, *table_shape[axis + 1:])
     return axis if whole and tuple(eqn.outvars[0].aval.shape) == want else None
+
+
+class Convolution(NamedTuple):
+    """The one convolution of a `shard`ed function (MindSpore's Conv2D), in terms of its inputs.
+
+    Attributes:
+      lhs / rhs: positions among the inputs of the image and of the kernel.
+      dims: `(lhs_spec, rhs_spec, out_spec)` of its dimension numbers.
+      groups: its feature group count.
+      rules_output: the function returns the convolution's result (up to elementwise ops).
+    """
+
+    lhs: int
+    rhs: int
+    dims: tuple
+    groups: int
+    rules_output: bool
+
+
+def convolution_dims(fn, args, positions) -> Convolution | None:
+    """`_convolution_dims`, cached as `contraction_dims` is."""
+    return _cached(_convolution_dims, fn, args, positions)
+
+
+def _convolution_dims(fn, args, positions) -> Convolution | None:
+    """The convolution of the inputs at `positions[:2]` when `fn` holds exactly one
+    `conv_general_dilated`, whose image and kernel are those inputs (possibly after a dtype
+    conversion), with no batch groups; else None."""
+    closed, invars = _traced(fn, args)
+    source = {invars[i]: i for i in positions[:2]}
+    convs, env = [], {}
+    for eqn, env in inline_equations(closed.jaxpr, env):
+        ins = [_var(env, v) for v in eqn.invars]
+        if eqn.primitive.name in _PASSTHROUGH and ins[0] in source:
+            source[eqn.outvars[0]] = source[ins[0]]
+        elif eqn.primitive.name == "conv_general_dilated":
+            convs.append((eqn, ins))
+    if len(convs) != 1 or any(v not in source for v in convs[0][1]):
+        return None
+    eqn, (lhs, rhs) = convs[0]
+    if eqn.params["batch_group_count"] != 1 or {source[lhs], source[rhs]} != set(positions[:2]):
+        return None
+    numbers = eqn.params["dimension_numbers"]
+    dims = (numbers.lhs_spec, numbers.rhs_spec, numbers.out_spec)
+    return Convolution(source[lhs], source[rhs], dims, eqn.params["feature_group_count"],
+                       _rules_output(closed.jaxpr, env, eqn))

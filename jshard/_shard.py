@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
-from jshard._params import constrain_parameters, contraction_dims, lookup_dims
+from jshard._params import constrain_parameters, contraction_dims, convolution_dims, lookup_dims
 from jshard._source import display_file
 from jshard.layouts import (
     NotRefined,
@@ -29,6 +29,7 @@ from jshard.layouts import (
     canonicalize_slot,
     canonicalize_slots,
     check_divides,
+    conv_layouts,
     dot_layouts,
     gather_layouts,
     layout_of,
@@ -169,8 +170,9 @@ class _Call:
         return layouts, out_rule, partial
 
     def _joint_layouts(self, ins, args, tuples):
-        """Inputs whose tuples share one device matrix: a contraction's two operands, a lookup's table
-        and indices (MindSpore's Gather, `gather_layouts`), or operands that line up from the right.
+        """Inputs whose tuples share one device matrix: a contraction's two operands, a convolution's
+        image and kernel (MindSpore's Conv2D, `conv_layouts`), a lookup's table and indices
+        (MindSpore's Gather, `gather_layouts`), or operands that line up from the right.
         Any other tuple is its own device matrix."""
         n = self.ctx.device_count
         dot = contraction_dims(self.fn, args, tuples)
@@ -181,6 +183,12 @@ class _Call:
             )
             pairs = {dot.lhs: l, dot.rhs: r}
             out_rule = out_rule if dot.rules_output else None
+        elif (conv := convolution_dims(self.fn, args, tuples) if len(tuples) == 2 else None) is not None:
+            names = (f"in_strategy[{conv.lhs}]", f"in_strategy[{conv.rhs}]")
+            l, r, out_rule, partial = conv_layouts(ins[conv.lhs], ins[conv.rhs], conv.dims, conv.groups,
+                                                   call=self.call, op=self.op, names=names)
+            pairs = {conv.lhs: l, conv.rhs: r}
+            out_rule = out_rule if conv.rules_output else None
         elif (lookup := lookup_dims(self.fn, args, tuples) if len(tuples) == 2 else None) is not None:
             names = (f"in_strategy[{lookup.table}]", f"in_strategy[{lookup.indices}]")
             shapes = (args[lookup.table].shape, args[lookup.indices].shape)

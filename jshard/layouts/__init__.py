@@ -4,8 +4,10 @@ from jshard.layouts._dataset import DatasetStrategy as DatasetStrategy
 from jshard.layouts._dataset import check_batch_rows as check_batch_rows
 from jshard.layouts._dataset import check_dataset_strategy as check_dataset_strategy
 from jshard.layouts._dataset import dataset_slots as dataset_slots
+from jshard.layouts._device_matrix import ConvDims as ConvDims
 from jshard.layouts._device_matrix import DotDims as DotDims
 from jshard.layouts._device_matrix import broadcast_layouts as broadcast_layouts
+from jshard.layouts._device_matrix import conv_layouts as conv_layouts
 from jshard.layouts._device_matrix import dot_layouts as dot_layouts
 from jshard.layouts._device_matrix import gather_layouts as gather_layouts
 from jshard.layouts._layout import Layout as Layout

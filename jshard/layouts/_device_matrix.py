@@ -8,6 +8,7 @@ two families a `shard` call can meet with plain tuples:
 * broadcasting (elementwise and anything whose operands line up from the right): the matrix is the
   operands' common strategy.
 * lookup (MindSpore's Gather / EmbeddingLookup, `jnp.take(table, indices, axis)`): `gather_layouts`.
+* convolution (MindSpore's Conv2D, `lax.conv_general_dilated`): `conv_layouts`.
 
 Anything else is expressed with a `Layout`, which names its device matrix itself.
 """
@@ -241,3 +242,57 @@ def _repeated(matrix, maps, partial, table_product, device_count, *, call, op, s
     elif used != device_count:
         matrix = (*matrix, device_count // used)
     return (*(TensorLayout(tuple(matrix), m) for m in maps), partial)
+
+
+ConvDims = tuple[Sequence[int], Sequence[int], Sequence[int]]
+"""A convolution's dimension numbers: the dims of the input `(batch, feature, spatial...)`, of the
+kernel `(out feature, in feature, spatial...)` and of the result `(batch, feature, spatial...)`."""
+
+
+def conv_layouts(
+    lhs: Strategy, rhs: Strategy, dims: ConvDims, groups: int, *, call: str, op: str, names: tuple[str, str]
+) -> tuple[TensorLayout, TensorLayout, TensorLayout, tuple[int, ...]]:
+    """Layouts of MindSpore's Conv2D / Conv3D under its strategy `((n, c, h, w), (o, c, 1, 1))`: one
+    tuple per operand, each in its own dim order (NCHW and OIHW, or as `dims` says).
+
+    The device matrix is `[n, c, spatial..., o]`: the input's batch over `n`, its channels and the
+    kernel's input channels over `c` (partial sums, reduced), its spatial dims over theirs (XLA
+    exchanges the halos), the kernel's output channels over `o`; the result is `(n, o, spatial...)`.
+
+    Returns:
+      `(lhs_layout, rhs_layout, out_layout, partial_axes)`.
+
+    Raises:
+      ShardingError: the input channels cut differently in the two operands, a kernel's spatial dim
+        cut, or input channels cut in a grouped convolution (MindSpore's Conv2D refuses each).
+    """
+    (lb, lf, *ls), (ro, ri, *rs), (ob, of, *os_) = dims
+    bad = _conv_error(lhs, rhs, (lf, ri, rs), groups, call=call, op=op, names=names)
+    if bad:
+        raise ShardingError(bad)
+    k = len(ls)
+    matrix = (lhs[lb], lhs[lf], *(lhs[d] for d in ls), rhs[ro])
+    lmap, rmap, omap = [()] * len(lhs), [()] * len(rhs), [()] * (k + 2)
+    lmap[lb], lmap[lf], omap[ob] = (0,), (1,), (0,)
+    rmap[ri], rmap[ro], omap[of] = (1,), (k + 2,), (k + 2,)
+    for j, (dl, do) in enumerate(zip(ls, os_)):
+        lmap[dl] = omap[do] = (2 + j,)
+    partial = (1,) if matrix[1] > 1 else ()
+    layouts = (TensorLayout(matrix, tuple(m)) for m in (lmap, rmap, omap))
+    return (*layouts, partial)
+
+
+def _conv_error(lhs, rhs, dims, groups, *, call, op, names) -> str:
+    lf, ri, rs = dims
+    fix = tuple(lhs[lf] if d == ri else 1 if d in rs else c for d, c in enumerate(rhs))
+    if lhs[lf] != rhs[ri]:
+        return (f"{call}: {op} convolves {names[0]}={lhs} with {names[1]}={rhs}, but they cut the input channels "
+                f"differently ({lhs[lf]} vs {rhs[ri]}). MindSpore's Conv2D cuts them alike, as in "
+                f"((n, c, h, w), (o, c, 1, 1)): e.g. {names[1]}={fix}.")
+    if any(rhs[d] != 1 for d in rs):
+        return (f"{call}: {op}: {names[1]}={rhs} cuts the kernel's spatial dims; MindSpore's Conv2D keeps the "
+                f"kernel's spatial dims whole. Use {names[1]}={fix}.")
+    if groups > 1 and lhs[lf] != 1:
+        return (f"{call}: {op} is a grouped convolution ({groups} groups) and {names[0]}={lhs} cuts its input "
+                f"channels; MindSpore's Conv2D cuts the channels of a grouped convolution only whole (1).")
+    return ""
