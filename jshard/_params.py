@@ -7,11 +7,13 @@ import re
 from typing import NamedTuple
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 
 from jshard._errors import ShardingError
 from jshard.graph import inline_equations, resolve
 from jshard.layouts import DotDims, check_divides, layout_of
+from jshard.rules import ELEMENTWISE
 
 _PASSTHROUGH = {"convert_element_type", "copy", "copy_p"}
 _ELEMENTWISE = _PASSTHROUGH | {
@@ -121,7 +123,7 @@ def lookup_dims(fn, args, positions) -> Lookup | None:
 
 
 def _cached(find, fn, args, positions):
-    key = (find, fn, tuple((a.shape, a.dtype) if hasattr(a, "shape") else a for a in args), tuple(positions[:2]))
+    key = (find, fn, tuple((a.shape, a.dtype) if hasattr(a, "shape") else a for a in args), tuple(positions))
     try:
         if key in _FOUND:
             return _FOUND[key]
@@ -315,3 +317,23 @@ def _convolution_dims(fn, args, positions) -> Convolution | None:
     dims = (numbers.lhs_spec, numbers.rhs_spec, numbers.out_spec)
     return Convolution(source[lhs], source[rhs], dims, eqn.params["feature_group_count"],
                        _rules_output(closed.jaxpr, env, eqn))
+
+
+def broadcasting(fn, args, positions) -> bool:
+    """`_broadcasting`, cached as `contraction_dims` is."""
+    return _cached(_broadcasting, fn, args, positions)
+
+
+def _broadcasting(fn, args, positions) -> bool:
+    """Whether `fn` is elementwise over the inputs at `positions`, NumPy-broadcast: its jaxpr holds
+    only elementwise operators and broadcasts, and its one result has their broadcast shape."""
+    try:
+        shape = tuple(np.broadcast_shapes(*(args[i].shape for i in positions)))
+    except ValueError:
+        return False
+    closed, _ = _traced(fn, args)
+    allowed = {*ELEMENTWISE, "broadcast_in_dim"}
+    if any(eqn.primitive.name not in allowed for eqn, _ in inline_equations(closed.jaxpr, {})):
+        return False
+    outs = closed.jaxpr.outvars
+    return len(outs) == 1 and tuple(outs[0].aval.shape) == shape

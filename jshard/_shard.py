@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
-from jshard._params import constrain_parameters, contraction_dims, convolution_dims, lookup_dims
+from jshard._params import broadcasting, constrain_parameters, contraction_dims, convolution_dims, lookup_dims
 from jshard._source import display_file
 from jshard.layouts import (
     NotRefined,
@@ -29,6 +29,8 @@ from jshard.layouts import (
     canonicalize_slot,
     canonicalize_slots,
     check_divides,
+    check_layouts_broadcast,
+    check_layouts_product,
     conv_layouts,
     dot_layouts,
     gather_layouts,
@@ -167,7 +169,22 @@ class _Call:
         for i, lay in enumerate(layouts):
             if lay is not None:
                 check_divides(lay, args[i].shape, call=self.call, op=self.op, what=f"in_strategy[{i}]", dtype=args[i].dtype)
+        given = [i for i, s in enumerate(ins) if isinstance(s, TensorLayout)]
+        if len(given) >= 2:
+            self._check_layouts(layouts, args, given)
         return layouts, out_rule, partial
+
+    def _check_layouts(self, layouts, args, given):
+        """The checks `_joint_layouts` makes of tuples, made of `Layout`s: a contraction's result
+        cut by each alias once, an elementwise operator's operands cut alike."""
+        names = [f"in_strategy[{i}]" for i in given]
+        dot = contraction_dims(self.fn, args, given)
+        if dot is not None:
+            check_layouts_product(layouts[dot.lhs], layouts[dot.rhs], dot.dims, call=self.call, op=self.op,
+                                  names=(f"in_strategy[{dot.lhs}]", f"in_strategy[{dot.rhs}]"))
+        elif broadcasting(self.fn, args, given):
+            check_layouts_broadcast([layouts[i] for i in given], [args[i] for i in given], call=self.call,
+                                    op=self.op, names=names)
 
     def _joint_layouts(self, ins, args, tuples):
         """Inputs whose tuples share one device matrix: a contraction's two operands, a convolution's

@@ -7,6 +7,8 @@ from jshard.layouts._dataset import dataset_slots as dataset_slots
 from jshard.layouts._device_matrix import ConvDims as ConvDims
 from jshard.layouts._device_matrix import DotDims as DotDims
 from jshard.layouts._device_matrix import broadcast_layouts as broadcast_layouts
+from jshard.layouts._device_matrix import check_layouts_broadcast as check_layouts_broadcast
+from jshard.layouts._device_matrix import check_layouts_product as check_layouts_product
 from jshard.layouts._device_matrix import conv_layouts as conv_layouts
 from jshard.layouts._device_matrix import dot_layouts as dot_layouts
 from jshard.layouts._device_matrix import gather_layouts as gather_layouts

@@ -296,3 +296,73 @@ def _conv_error(lhs, rhs, dims, groups, *, call, op, names) -> str:
         return (f"{call}: {op} is a grouped convolution ({groups} groups) and {names[0]}={lhs} cuts its input "
                 f"channels; MindSpore's Conv2D cuts the channels of a grouped convolution only whole (1).")
     return ""
+
+
+def check_layouts_broadcast(
+    layouts: Sequence[TensorLayout], operands: Sequence[Any], *, call: str, op: str, names: Sequence[str]
+) -> None:
+    """The check `broadcast_layouts` makes of tuples, made of `Layout`s given to operands of an
+    elementwise function: dims that line up from the right are cut alike (by the same aliases, where
+    the layouts share a device matrix), and a broadcast size-1 dim is whole.
+
+    Raises:
+      ShardingError: two operands cut a lined-up dim differently, or a broadcast dim is cut.
+    """
+    same = len({lay.device_matrix for lay in layouts}) == 1
+    rank = max(len(x.shape) for x in operands)
+    seen: dict[int, tuple[int, int]] = {}
+    for i, (lay, x) in enumerate(zip(layouts, operands)):
+        for d, n in enumerate(x.shape):
+            if n == 1:
+                if lay.strategy[d] != 1:
+                    raise ShardingError(f"{call}: {op}: {names[i]}={lay.describe()} cuts dim {d} of "
+                                        f"{shape_str(x.dtype, x.shape)}, a size-1 dim that is broadcast. Use \"None\" there.")
+                continue
+            pos = rank - len(x.shape) + d
+            j, dj = seen.setdefault(pos, (i, d))
+            cut = (lambda k, e: layouts[k].tensor_map[e]) if same else (lambda k, e: layouts[k].strategy[e])
+            if cut(j, dj) != cut(i, d):
+                y = operands[j]
+                raise ShardingError(
+                    f"{call}: {op}: {names[j]}={layouts[j].describe()} and {names[i]}={lay.describe()} cut dim {dj} "
+                    f"of {shape_str(y.dtype, y.shape)} and dim {d} of {shape_str(x.dtype, x.shape)}, which line "
+                    f"up from the right, differently ({_dim_str(layouts[j], dj)} vs {_dim_str(lay, d)}). Operands of "
+                    f"an elementwise operator are cut alike, as MindSpore requires of its layouts; give both the "
+                    f"same aliases there.")
+
+
+def check_layouts_product(
+    lhs: TensorLayout, rhs: TensorLayout, dims: DotDims, *, call: str, op: str, names: tuple[str, str]
+) -> None:
+    """A contraction's result, under `Layout`s of its operands sharing one device matrix and cutting
+    the contracted dims alike (MindSpore's MatMul layouts), is cut by its operands' batch and free
+    dims' aliases: each alias may cut one dim of it only. Contracted dims cut differently are
+    MindSpore's N-D tensor parallel (its `enable_nd_tp`), which XLA's redistribution takes as is.
+
+    Raises:
+      ShardingError: an alias would cut two dims of the result (MindSpore refuses the layouts).
+    """
+    (lc, rc), (lb, rb) = dims
+    if lhs.device_matrix != rhs.device_matrix or any(lhs.tensor_map[l] != rhs.tensor_map[r] for l, r in zip(lc, rc)):
+        return
+    free = [(lhs, names[0], d) for d in range(lhs.rank) if d not in lc] + \
+           [(rhs, names[1], d) for d in range(rhs.rank) if d not in rc and d not in rb]
+    owner: dict[int, tuple[str, int]] = {}
+    for lay, name, d in free:
+        for a in lay.tensor_map[d]:
+            if a in owner:
+                alias = lay.axis_names[a] if lay.axis_names else f"axis {a}"
+                first, fd = owner[a]
+                raise ShardingError(
+                    f"{call}: {op}: {first}={lhs.describe() if first == names[0] else rhs.describe()} cuts dim {fd} "
+                    f"and {name}={lay.describe()} cuts dim {d} by {alias!r}; both become dims of the result, which "
+                    f"one alias cannot cut twice (MindSpore refuses these layouts). Cut one of them by another alias "
+                    f"or leave it \"None\".")
+            owner[a] = (name, d)
+
+
+def _dim_str(lay: TensorLayout, d: int) -> str:
+    if lay.axis_names is None:
+        return str(lay.strategy[d])
+    names = [lay.axis_names[a] for a in lay.tensor_map[d]]
+    return '"None"' if not names else repr(names[0]) if len(names) == 1 else repr(tuple(names))

@@ -18,6 +18,7 @@ from jshard.rules import _random as _random  # noqa: F401
 from jshard.rules import _reduce as _reduce  # noqa: F401
 from jshard.rules import _shape as _shape  # noqa: F401
 from jshard.rules import _window as _window  # noqa: F401
+from jshard.rules._elementwise import ELEMENTWISE as ELEMENTWISE
 from jshard.rules._factors import RULES as RULES
 from jshard.rules._factors import Assignment as Assignment
 from jshard.rules._factors import Factors as Factors
