@@ -218,3 +218,16 @@ SOFTMAX = [
 @pytest.mark.parametrize("case", params(GATHER + ONEHOT + LAYER_NORM + DROPOUT + TOPK + CONV + SOFTMAX))
 def test_compiles_as_mindspore(case):
     check(case)
+
+
+@pytest.mark.parametrize("rows", [16, 4096])
+def test_gather_strategy_binds_whatever_the_table_size(rows):
+    """test_gather_v2.py::test_gatherv2_semi_auto1's strategy ((8, 1), (1, 1)): the gather itself
+    takes the table cut by rows (a masked lookup and an all-reduce), for a small table too, where
+    gathering the table would cost less: a user's cut is never replaced by propagation."""
+    net = _gather_mul(0, ((8, 1), (1, 1)), ((2, 4, 1), (2, 4, 1)))
+    args = (jnp.ones((rows, 16)), jnp.ones((8, 8), jnp.int32), jnp.ones((8, 8, 16)))
+    plan = js.parallelize(net, devices=8, mode="semi_auto", dataset_strategy="full_batch").plan(*args)
+    (gather,) = [op for op in plan.ops if op.primitive == "gather"]
+    assert gather.origin == "user" and gather.in_strategy[0] == (8, 1)
+    assert [c.kind for c in gather.comms] == ["all-reduce"]
