@@ -139,13 +139,15 @@ def _contraction_dims(fn, args, positions) -> Contraction | None:
     """The contraction of the inputs at `positions[:2]` when `fn` has one, else None.
 
     `fn` is traced on abstract values; it is a contraction when its jaxpr holds exactly one
-    `dot_general`, whose operands are those two inputs, possibly after a dtype conversion or a
-    transpose that keeps the order of the free dims (`x @ w.T`). The operands may come in either
+    `dot_general`, whose operands are those two inputs, possibly after a dtype conversion, a
+    transpose that keeps the order of the free dims (`x @ w.T`), or a squeeze of size-1 dims
+    (`jnp.matmul` of a batch of 1: the squeezed dims of both operands are its batch dims). The operands may come in either
     order (`einsum("ij,kj->ki", x, w)` multiplies `w` by `x`).
     """
     closed, invars = _traced(fn, args)
     # var -> (input position, perm): dim d of the var is dim perm[d] of that input.
     source = {invars[i]: (i, tuple(range(len(args[i].shape)))) for i in positions[:2]}
+    squeezed: dict[int, tuple[int, ...]] = {}  # input position -> its size-1 dims squeezed away (`jnp.matmul`'s batch of 1)
     dots, env = [], {}
     for eqn, env in inline_equations(closed.jaxpr, env):
         # literals (a 0-d constant operand) are no input's value, and are not hashable
@@ -156,6 +158,11 @@ def _contraction_dims(fn, args, positions) -> Contraction | None:
         elif name == "transpose" and ins[0] in source:
             i, perm = source[ins[0]]
             source[eqn.outvars[0]] = (i, tuple(perm[p] for p in eqn.params["permutation"]))
+        elif name == "squeeze" and ins[0] in source:
+            i, perm = source[ins[0]]
+            gone = eqn.params["dimensions"]
+            squeezed[i] = squeezed.get(i, ()) + tuple(perm[d] for d in gone)
+            source[eqn.outvars[0]] = (i, tuple(p for d, p in enumerate(perm) if d not in gone))
         elif name == "dot_general":
             dots.append((eqn, ins))
     if len(dots) != 1 or any(v not in source for v in dots[0][1]):
@@ -168,7 +175,11 @@ def _contraction_dims(fn, args, positions) -> Contraction | None:
     if not (_keeps_free_order(lperm, lc, lb) and _keeps_free_order(rperm, rc, rb)):
         return None
     on_inputs = lambda perm, ds: tuple(perm[d] for d in ds)
-    dims = (on_inputs(lperm, lc), on_inputs(rperm, rc)), (on_inputs(lperm, lb), on_inputs(rperm, rb))
+    lsq, rsq = squeezed.get(li, ()), squeezed.get(ri, ())
+    if len(lsq) != len(rsq):  # a size-1 dim of one operand only: a free dim of it
+        lsq = rsq = ()
+    dims = ((on_inputs(lperm, lc), on_inputs(rperm, rc)),
+            (lsq + on_inputs(lperm, lb), rsq + on_inputs(rperm, rb)))
     return Contraction(li, ri, dims, _rules_output(closed.jaxpr, env, eqn))
 
 
