@@ -162,9 +162,10 @@ def gather_layouts(
       indices' rows over `c`; each device looks up its `c`-block of indices in its `a`-block of
       rows, out-of-block indices give zeros, and an all-reduce over `a` sums the pieces: the
       result's rows are cut over `c`.
-    - Rows cut, indices whole (axis 0; a 1-D or 2-D table): the matrix is `table`; the masked
-      lookup's all-reduce over the row axis leaves the result's first dim cut as the rows are
-      where they divide it (MindSpore's reduce-scatter), else whole.
+    - The looked-up dim cut, indices whole (any axis): the matrix is `table`; each device looks
+      the indices up in its block of that dim (zeros outside) and an all-reduce over its axis sums
+      them. Looking up rows (axis 0), the result's first dim is cut as the rows are where they
+      divide it (MindSpore's reduce-scatter), else whole.
 
     Repeated calculation goes where MindSpore's Gather puts it: last where the table's strategy
     covers all devices or none, first otherwise.
@@ -181,8 +182,8 @@ def gather_layouts(
 
     Raises:
       ShardingError: a strategy MindSpore's Gather does not take: the looked-up dim cut with the
-        indices cut otherwise than `((a, 1), (c, 1))`, rows cut on another axis than 0 or of a table
-        of more than 2 dims, or a device matrix that does not divide the device count.
+        indices cut otherwise than `((a, 1), (c, 1))`, or a device matrix that does not divide the
+        device count.
     """
     nt, ni = len(table), len(indices)
     if table[axis] == 1:
@@ -196,25 +197,21 @@ def gather_layouts(
         layouts = (TensorLayout(matrix, ((1,), ())), TensorLayout(matrix, ((0,), ())), TensorLayout(matrix, ((0,), (), ())))
         return (*layouts, (1,))
     _check_row_cut(table, indices, axis, shapes, device_count, call=call, op=op, names=names)
-    rows_cut = shapes[1][0] % table[0] == 0 if ni else False
-    out = ((0,) if rows_cut else (),) + ((),) * (ni - 1) + tuple((d,) for d in range(1, nt))
+    rows_cut = axis == 0 and shapes[1][0] % table[0] == 0
+    out = (tuple((d,) for d in range(axis)) + ((axis,) if rows_cut else (),) + ((),) * (ni - 1)
+           + tuple((d,) for d in range(axis + 1, nt)))
     maps = (tuple((d,) for d in range(nt)), ((),) * ni, out)
-    return _repeated(table, maps, (0,), math.prod(table), device_count, call=call, op=op,
+    return _repeated(table, maps, (axis,), math.prod(table), device_count, call=call, op=op,
                      strategies=(table, indices))
 
 
 def _check_row_cut(table, indices, axis, shapes, device_count, *, call, op, names) -> None:
     ms = "MindSpore's Gather"
-    if axis != 0 or len(table) > 2:
-        raise ShardingError(
-            f"{call}: {op} looks up dim {axis} of a {len(table)}-D table, and {names[0]}={table} cuts it; {ms} "
-            f"takes a cut looked-up dim only as the rows (axis 0) of a 1-D or 2-D table (an embedding). Leave dim "
-            f"{axis} whole ({names[0]}={tuple(1 if d == axis else c for d, c in enumerate(table))}) or look up rows.")
     if not shapes[1]:
         raise ShardingError(f"{call}: {op} looks up one scalar index in a table whose rows {names[0]}={table} cuts; "
                             f"{ms} takes a cut table only with an array of indices. Leave the rows whole.")
     if math.prod(indices) == 1:
-        if math.prod(table) != device_count and len(table) == 2 and table[1] != 1:
+        if axis == 0 and math.prod(table) != device_count and len(table) == 2 and table[1] != 1:
             raise ShardingError(
                 f"{call}: {op}: {names[0]}={table} cuts the rows and the columns of the table on {math.prod(table)} of "
                 f"{device_count} devices; {ms} repeats a row-cut table only when its columns are whole. Use "
