@@ -46,6 +46,8 @@ def explain(plan, op) -> str:
         lines.append("  cost paid: none (no redistribution, no partial sums)")
     if op.rejected:
         lines.append(f"  best rejected alternative: {op.rejected}")
+    if op.note:
+        lines.append(f"  differs from MindSpore: {op.note}")
     if op.weighed:
         lines.append(f"  argument layouts weighed for the whole program (bandwidth and compute): {op.weighed}")
     if op.recompute:

@@ -18,6 +18,7 @@ from jshard._format import var_str
 from jshard.cost import Comm
 from jshard.graph import AUTO_LABEL, COMM_KEPT_LABEL, CONSTRAINT, JSHARD_SCOPE, RECOMPUTE_SCOPE, Node
 from jshard.layouts import FineMesh, Spec, Strategy, TensorLayout, spec_from_pspec, to_pspec, typed_spec
+from jshard.plan._notes import mindspore_note
 
 ORIGINS = ("user", "model", "propagated", "searched", "default")
 """Where an operator's strategy came from: a `shard` call, the model's own sharding (its
@@ -79,6 +80,8 @@ class OpRecord:
         is named only inside `jshard.recompute`.
       recomputed: whether it is the backward pass's run of a forward operator again (what recompute
         costs), rather than its first run or a gradient operator.
+      note: where its input strategy is a cut MindSpore's own operator refuses and jshard accepts (a
+        cut split axis, a slice not taking the whole of a cut dim, ...), the difference in words.
     """
 
     index: int
@@ -103,6 +106,7 @@ class OpRecord:
     recompute: str = ""
     recomputed: bool = False
     layout: OpLayout | None = None
+    note: str = ""
     """For a propagated or searched operator, its operands' layouts over the fine mesh, loop bodies
     included: what emission and `Plan.load` need to rebuild the same program."""
 
@@ -212,6 +216,8 @@ class _Records:
             if all(t is not None for t in typed):  # on Explicit axes the operands' types say what runs
                 fields.update(in_specs=tuple(map(to_pspec, typed)), in_strategy=tuple(map(self.cuts, typed)))
         result = self.result
+        fields["note"] = mindspore_note(node.primitive, node.eqn.params, [getattr(getattr(v, "aval", None), "shape", ()) for v in node.inputs],
+                                        fields["in_strategy"])
         return dict(
             primitive=node.primitive, source=node.source, in_shapes=tuple(var_str(v) for v in node.inputs),
             out_shapes=tuple(var_str(v) for v in node.outputs), annotation=ann.name if ann is not None else "",
