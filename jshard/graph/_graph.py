@@ -19,7 +19,7 @@ from jshard._source import user_source
 
 REMAT = frozenset({"remat", "remat2", "checkpoint"})
 """The primitives `jax.checkpoint` (and so `flax.linen.remat`, `nnx.remat`, `jshard.recompute`) leaves."""
-INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}) | REMAT
+INLINE = frozenset({"pjit", "jit", "call", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}) | REMAT
 NESTED = frozenset({"scan", "while", "cond"})
 RECOMPUTE_SCOPE = "jshard_recompute_"
 """The name scope `jshard.recompute` runs a function in, followed by its policy's name

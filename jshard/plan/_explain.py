@@ -6,6 +6,7 @@ import re
 
 from jshard._format import human_bytes
 from jshard.plan._records import source_str, strategies_str
+from jshard.rules import FALLBACKS
 
 _MAX_CHAIN = 8
 _REGION = re.compile(r"policy='auto' -> '\w+', region (\d+)")
@@ -29,7 +30,7 @@ def explain(plan, op) -> str:
             lines.append(f"  planned with the {'+'.join(plan.offload.what)} state in host memory, streamed each step "
                          f"({human_bytes(plan.offload.moved_bytes)} per device both ways): {plan.offload.why}")
     elif op.origin == "default":
-        reason = "no sharding rule for this primitive" if not op.ruled else "no anchor reaches it"
+        reason = FALLBACKS.get(op.primitive, "no sharding rule for this primitive") if not op.ruled else "no anchor reaches it"
         lines.append(f"  left replicated ({reason}); XLA decides its layout")
     else:
         chain = _chain(plan, op)
