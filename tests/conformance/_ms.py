@@ -35,7 +35,10 @@ class Case:
       refuses: for a network MindSpore refuses, a regex the `ShardingError` must match.
       strategies: `{annotation: in_strategy}` MindSpore asserts (or the case pins) for a `shard`ed
         function's operator, read from `plan.ops`.
-      mode: `"semi_auto"` or `"auto"` (MindSpore's sharding propagation).
+      propagated: `{primitive: strategy}` MindSpore's sharding propagation asserts for operators the
+        network gives no strategy: every forward record of the primitive takes its first operand so.
+      mode: `"semi_auto"` (MindSpore's semi-auto mode, and its sharding propagation from the
+        strategies given) or `"auto"`.
       terms: the longest sum the network computes, for the one-device comparison's tolerance.
     """
 
@@ -45,6 +48,7 @@ class Case:
     devices: int = 8
     refuses: str | None = None
     strategies: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    propagated: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     mode: str = "semi_auto"
     terms: int = 64
     marks: tuple = ()
@@ -97,6 +101,9 @@ def _check(case: Case) -> js.Plan | None:
     for name, strategy in case.strategies.items():
         got = {op.in_strategy for op in plan.ops if op.annotation == name and op.origin == "user"}
         assert strategy in got, f"{name}: {strategy} not in {got}"
+    for primitive, strategy in case.propagated.items():
+        got = [op.in_strategy[0] for op in plan.ops if op.primitive == primitive and not op.backward]
+        assert got and all(g == strategy for g in got), f"{primitive}: {got}, not {strategy}"
     if case.devices <= PRESENT:
         assert_close(step(*args), jax.jit(case.net)(*args), terms=case.terms)
     return plan
