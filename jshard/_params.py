@@ -348,3 +348,57 @@ def _broadcasting(fn, args, positions) -> bool:
         return False
     outs = closed.jaxpr.outvars
     return len(outs) == 1 and tuple(outs[0].aval.shape) == shape
+
+
+class Scatter(NamedTuple):
+    """The one scatter of a `shard`ed function that is MindSpore's ScatterAdd / ScatterUpdate /
+    ScatterMax ... (`table.at[indices].add(updates)`), in terms of the function's inputs.
+
+    Attributes:
+      operand / indices / updates: positions among the inputs of the scattered-into tensor, the
+        indices (rows of `operand`) and the updates.
+    """
+
+    operand: int
+    indices: int
+    updates: int
+
+
+_SCATTERS = ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
+             "scatter-max", "scatter_max", "scatter-sub", "scatter_sub")
+
+
+def scatter_dims(fn, args, positions) -> Scatter | None:
+    """`_scatter_dims`, cached as `contraction_dims` is."""
+    return _cached(_scatter_dims, fn, args, positions)
+
+
+def _scatter_dims(fn, args, positions) -> Scatter | None:
+    """The scatter of the inputs at `positions` (three of them) when `fn` holds exactly one scatter
+    into rows (`table.at[indices].add(updates)`: indices select along dim 0 of the operand) whose
+    operand is one of the inputs (possibly after a dtype conversion), whose updates and indices are
+    computed each from another one alone, and whose result `fn` returns; else None."""
+    closed, invars = _traced(fn, args)
+    source = {invars[i]: i for i in positions}
+    depends = {v: {i} for i, v in invars.items()}
+    scatters, env = [], {}
+    for eqn, env in inline_equations(closed.jaxpr, env):
+        ins = [_var(env, v) for v in eqn.invars]
+        used = set().union(*(depends.get(v, set()) for v in ins if v is not None))
+        for v in eqn.outvars:
+            depends[v] = used
+        if eqn.primitive.name in _PASSTHROUGH and ins[0] in source:
+            source[eqn.outvars[0]] = source[ins[0]]
+        elif eqn.primitive.name in _SCATTERS:
+            scatters.append((eqn, ins))
+    outs = [resolve(env, v) for v in closed.jaxpr.outvars]
+    if len(scatters) != 1 or len(outs) != 1 or outs[0] is not scatters[0][0].outvars[0]:
+        return None
+    eqn, (operand, indices, updates) = scatters[0]
+    numbers = eqn.params["dimension_numbers"]
+    if operand not in source or numbers.scatter_dims_to_operand_dims != (0,) or numbers.inserted_window_dims != (0,):
+        return None
+    found = depends.get(updates, set()), depends.get(indices, set())  # the updates may be computed (`divide`: 1 / u)
+    if any(len(f) != 1 for f in found) or {source[operand], *found[0], *found[1]} != set(positions):
+        return None
+    return Scatter(source[operand], *found[1], *found[0])

@@ -20,7 +20,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
-from jshard._params import broadcasting, constrain_parameters, contraction_dims, convolution_dims, lookup_dims
+from jshard._params import (
+    broadcasting,
+    constrain_parameters,
+    contraction_dims,
+    convolution_dims,
+    lookup_dims,
+    scatter_dims,
+)
 from jshard._source import display_file
 from jshard.layouts import (
     NotRefined,
@@ -35,6 +42,7 @@ from jshard.layouts import (
     dot_layouts,
     gather_layouts,
     layout_of,
+    scatter_layouts,
     with_repeated_calculation,
 )
 
@@ -188,7 +196,8 @@ class _Call:
 
     def _joint_layouts(self, ins, args, tuples):
         """Inputs whose tuples share one device matrix: a contraction's two operands, a convolution's
-        image and kernel (MindSpore's Conv2D, `conv_layouts`), a lookup's table and indices
+        image and kernel (MindSpore's Conv2D, `conv_layouts`), a scatter's operand, indices and updates
+        (MindSpore's ScatterAdd ..., `scatter_layouts`), a lookup's table and indices
         (MindSpore's Gather, `gather_layouts`), or operands that line up from the right.
         Any other tuple is its own device matrix."""
         n = self.ctx.device_count
@@ -206,6 +215,10 @@ class _Call:
                                                    call=self.call, op=self.op, names=names)
             pairs = {conv.lhs: l, conv.rhs: r}
             out_rule = out_rule if conv.rules_output else None
+        elif (scatter := scatter_dims(self.fn, args, tuples) if len(tuples) == 3 else None) is not None:
+            names = tuple(f"in_strategy[{i}]" for i in scatter)
+            o, i, u, out_rule = scatter_layouts(*(ins[k] for k in scatter), call=self.call, op=self.op, names=names)
+            pairs, partial = {scatter.operand: o, scatter.indices: i, scatter.updates: u}, ()
         elif (lookup := lookup_dims(self.fn, args, tuples) if len(tuples) == 2 else None) is not None:
             names = (f"in_strategy[{lookup.table}]", f"in_strategy[{lookup.indices}]")
             shapes = (args[lookup.table].shape, args[lookup.indices].shape)

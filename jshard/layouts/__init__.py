@@ -12,6 +12,7 @@ from jshard.layouts._device_matrix import check_layouts_product as check_layouts
 from jshard.layouts._device_matrix import conv_layouts as conv_layouts
 from jshard.layouts._device_matrix import dot_layouts as dot_layouts
 from jshard.layouts._device_matrix import gather_layouts as gather_layouts
+from jshard.layouts._device_matrix import scatter_layouts as scatter_layouts
 from jshard.layouts._layout import Layout as Layout
 from jshard.layouts._mesh import FineMesh as FineMesh
 from jshard.layouts._mesh import NotRefined as NotRefined

@@ -9,6 +9,7 @@ two families a `shard` call can meet with plain tuples:
   operands' common strategy.
 * lookup (MindSpore's Gather / EmbeddingLookup, `jnp.take(table, indices, axis)`): `gather_layouts`.
 * convolution (MindSpore's Conv2D, `lax.conv_general_dilated`): `conv_layouts`.
+* scatter into rows (MindSpore's ScatterAdd ..., `table.at[indices].add(updates)`): `scatter_layouts`.
 
 Anything else is expressed with a `Layout`, which names its device matrix itself.
 """
@@ -363,3 +364,33 @@ def _dim_str(lay: TensorLayout, d: int) -> str:
         return str(lay.strategy[d])
     names = [lay.axis_names[a] for a in lay.tensor_map[d]]
     return '"None"' if not names else repr(names[0]) if len(names) == 1 else repr(tuple(names))
+
+
+def scatter_layouts(
+    operand: Strategy, indices: Strategy, updates: Strategy, *, call: str, op: str, names: tuple[str, str, str]
+) -> tuple[TensorLayout, TensorLayout, TensorLayout, TensorLayout]:
+    """Layouts of MindSpore's ScatterAdd / ScatterUpdate / ScatterMax ... (`table.at[indices].add(
+    updates)`) under strategies `(operand, indices, updates)`: the matrix is `operand`'s; the
+    indices are whole; the updates' index dims are whole and their other dims cut as the operand's
+    dims after the first. A cut first dim (rows) has each device apply the updates whose index
+    falls in its rows.
+
+    Returns:
+      `(operand_layout, indices_layout, updates_layout, out_layout)`; the result is laid out as
+      the operand.
+
+    Raises:
+      ShardingError: the indices cut, the updates' index dims cut, or the updates' other dims cut
+        otherwise than the operand's (MindSpore's scatter operators refuse each).
+    """
+    ni = len(indices)
+    want = (1,) * ni + tuple(operand[1:])
+    if any(c != 1 for c in indices) or tuple(updates) != want:
+        raise ShardingError(
+            f"{call}: {op} scatters {names[2]}={updates} into {names[0]}={operand} at {names[1]}={indices}; "
+            f"MindSpore's scatter operators take the indices whole and the updates cut as the operand's dims "
+            f"after the first, their index dims whole: use {names[1]}={(1,) * ni}, {names[2]}={want}.")
+    matrix = tuple(operand)
+    own = tuple((d,) for d in range(len(operand)))
+    return (TensorLayout(matrix, own), TensorLayout(matrix, ((),) * ni),
+            TensorLayout(matrix, ((),) * ni + own[1:]), TensorLayout(matrix, own))
