@@ -43,6 +43,9 @@ def explain(plan, op) -> str:
     if op.comms:
         paid = "; ".join(f"{k} of {human_bytes(b)} over {'×'.join(a)}" for k, b, a in op.comms)
         lines.append(f"  cost paid: {paid} ({op.seconds * 1e6:.8g} us predicted)")
+        if op.origin == "user" and not op.backward:
+            lines.append("  the user's strategy binds: it is kept, and these collectives run inside the operator to "
+                         "honour it (no cheaper layout of the engine's replaces it)")
     elif op.origin != "default":
         lines.append("  cost paid: none (no redistribution, no partial sums)")
     if op.rejected:

@@ -229,3 +229,13 @@ def test_gather_strategy_binds_whatever_the_table_size(rows):
     (gather,) = [op for op in plan.ops if op.primitive == "gather"]
     assert gather.origin == "user" and gather.in_strategy[0] == (8, 1)
     assert [c.kind for c in gather.comms] == ["all-reduce"]
+
+
+def test_explain_says_the_user_strategy_forces_the_collective():
+    """Where a user's cut forces communication inside the operator (the row-cut table's masked
+    lookup and its all-reduce), `explain` says the strategy is kept and why the collective runs."""
+    net = _gather_mul(0, ((8, 1), (1, 1)), ((2, 4, 1), (2, 4, 1)))
+    args = (jnp.ones((16, 16)), jnp.ones((8, 8), jnp.int32), jnp.ones((8, 8, 16)))
+    plan = js.parallelize(net, devices=8, mode="semi_auto", dataset_strategy="full_batch").plan(*args)
+    (gather,) = [op for op in plan.ops if op.primitive == "gather"]
+    assert "the user's strategy binds" in plan.explain(gather)
