@@ -14,9 +14,9 @@ from _tolerance import assert_close
 
 import jshard as js
 
-MS_REPO = "mindspore-ai/mindspore_test"
 MS_COMMIT = "a05ce58802d47fba782ecef8d971e05a078727c1"
-"""The MindSpore test tree the cases were read at (`tests/ut/python/parallel/`, 2025-07-05)."""
+"""The commit of `mindspore-ai/mindspore_test` whose `tests/ut/python/parallel/` the cases were read at
+(2025-07-05)."""
 
 PRESENT = 8
 """Simulated devices (conftest.py): more than these are planned on an abstract mesh, not run."""

@@ -11,7 +11,7 @@ import pytest
 
 import jshard as js
 
-from ._ms import Case, check, named, params
+from ._ms import MS_COMMIT, Case, check, named, params
 from .test_ms_validity import N24, net24
 
 DOC = pathlib.Path(__file__).parents[2] / "docs" / "concepts" / "mindspore.md"
@@ -77,3 +77,7 @@ def test_documented_difference(case, primitive):
         notes = [op.note for op in plan.ops if op.primitive == primitive and op.origin == "user"]
         assert notes and all("MindSpore's" in n for n in notes), plan.summary()
     assert case.ref in DOC.read_text(), f"{case.ref} is not in the table of {DOC.name}"
+
+
+def test_the_page_names_the_commit_the_cases_were_read_at():
+    assert MS_COMMIT in DOC.read_text()
