@@ -40,6 +40,7 @@ class Case:
       mode: `"semi_auto"` (MindSpore's semi-auto mode, and its sharding propagation from the
         strategies given) or `"auto"`.
       terms: the longest sum the network computes, for the one-device comparison's tolerance.
+      marks: pytest marks: `xfail(strict=True)` where jshard disagrees with MindSpore, with why.
     """
 
     ref: str
@@ -66,6 +67,8 @@ def params(cases):
 
 
 def _inputs(shapes):
+    """Deterministic inputs of `shapes`: floats in [0.5, 1.5) (no division by zero, no log of a
+    negative), integers in [0, 4) (indices valid in every table here), random booleans."""
     out = []
     for k, s in enumerate(shapes):
         spec = s if isinstance(s, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(tuple(s), jnp.float32)
