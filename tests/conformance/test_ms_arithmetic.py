@@ -139,3 +139,17 @@ def test_operand_order_does_not_matter_for_a_contraction():
     """The contraction's operands may come in any argument order (lax.dot_general with swapped args)."""
     check(Case("test_arithmetic.py::test_matmul_sub/lax", lambda x, y, b: js.shard(
         lambda a, c: lax.dot_general(a, c, (((1,), (0,)), ((), ()))), ((2, 2), (2, 2)))(x, y) - b, SAME))
+
+
+def test_records_inside_a_multi_input_call_are_per_operator():
+    """A `shard` call of three inputs (MindSpore's Dense: MatMul then BiasAdd, as `x @ w + b`): the
+    product's record has one strategy per operand of the product, as MindSpore's MatMul says, and
+    the add's its own; no record carries the call's three entries for two operands."""
+    def net(x, w, b):
+        return js.shard(named(lambda a, k, c: a @ k + c[None], "dense"), ((2, 1), (1, 4), (4,)))(x, w, b)
+
+    args = (jnp.ones((16, 8)), jnp.ones((8, 16)), jnp.ones((16,)))
+    plan = js.parallelize(net, devices=8, mode="semi_auto", dataset_strategy="full_batch").plan(*args)
+    records = {op.primitive: op for op in plan.ops if op.annotation == "dense"}
+    assert records["dot_general"].in_strategy == ((2, 1), (1, 4))
+    assert all(len(op.in_strategy) == len(op.in_shapes) for op in records.values())
