@@ -80,6 +80,8 @@ ONEHOT = [
     Case("test_onehot.py::test_onehot_repeated_calculation", _onehot((4, 1)), ((16, 8), (8, 16), _i32(16)), devices=16),
     Case("test_onehot.py::test_onehot_batch_parallel_axis0", _onehot((16, 1), axis=0), ((16, 8), (8, 16), _i32(16)),
          devices=16),
+    Case("test_onehot.py::test_onehot_batch_parallel_invalid_strategy", _onehot((16,)), ((16, 8), (8, 16), _i32(16)),
+         devices=16, refuses=r"out_strategy\[0\]=\(16,\) has 1 entries"),
 ]
 
 
