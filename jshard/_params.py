@@ -7,11 +7,13 @@ import re
 from typing import NamedTuple
 
 import jax
+import numpy as np
 from jax.extend import core as jcore
 
 from jshard._errors import ShardingError
 from jshard.graph import inline_equations, resolve
 from jshard.layouts import DotDims, check_divides, layout_of
+from jshard.rules import ELEMENTWISE
 
 _PASSTHROUGH = {"convert_element_type", "copy", "copy_p"}
 _ELEMENTWISE = _PASSTHROUGH | {
@@ -121,7 +123,7 @@ def lookup_dims(fn, args, positions) -> Lookup | None:
 
 
 def _cached(find, fn, args, positions):
-    key = (find, fn, tuple((a.shape, a.dtype) if hasattr(a, "shape") else a for a in args), tuple(positions[:2]))
+    key = (find, fn, tuple((a.shape, a.dtype) if hasattr(a, "shape") else a for a in args), tuple(positions))
     try:
         if key in _FOUND:
             return _FOUND[key]
@@ -137,22 +139,30 @@ def _contraction_dims(fn, args, positions) -> Contraction | None:
     """The contraction of the inputs at `positions[:2]` when `fn` has one, else None.
 
     `fn` is traced on abstract values; it is a contraction when its jaxpr holds exactly one
-    `dot_general`, whose operands are those two inputs, possibly after a dtype conversion or a
-    transpose that keeps the order of the free dims (`x @ w.T`). The operands may come in either
+    `dot_general`, whose operands are those two inputs, possibly after a dtype conversion, a
+    transpose that keeps the order of the free dims (`x @ w.T`), or a squeeze of size-1 dims
+    (`jnp.matmul` of a batch of 1: the squeezed dims of both operands are its batch dims). The operands may come in either
     order (`einsum("ij,kj->ki", x, w)` multiplies `w` by `x`).
     """
     closed, invars = _traced(fn, args)
     # var -> (input position, perm): dim d of the var is dim perm[d] of that input.
     source = {invars[i]: (i, tuple(range(len(args[i].shape)))) for i in positions[:2]}
+    squeezed: dict[int, tuple[int, ...]] = {}  # input position -> its size-1 dims squeezed away (`jnp.matmul`'s batch of 1)
     dots, env = [], {}
     for eqn, env in inline_equations(closed.jaxpr, env):
-        ins = [resolve(env, v) for v in eqn.invars]
+        # literals (a 0-d constant operand) are no input's value, and are not hashable
+        ins = [_var(env, v) for v in eqn.invars]
         name = eqn.primitive.name
         if name in _PASSTHROUGH and ins[0] in source:
             source[eqn.outvars[0]] = source[ins[0]]
         elif name == "transpose" and ins[0] in source:
             i, perm = source[ins[0]]
             source[eqn.outvars[0]] = (i, tuple(perm[p] for p in eqn.params["permutation"]))
+        elif name == "squeeze" and ins[0] in source:
+            i, perm = source[ins[0]]
+            gone = eqn.params["dimensions"]
+            squeezed[i] = squeezed.get(i, ()) + tuple(perm[d] for d in gone)
+            source[eqn.outvars[0]] = (i, tuple(p for d, p in enumerate(perm) if d not in gone))
         elif name == "dot_general":
             dots.append((eqn, ins))
     if len(dots) != 1 or any(v not in source for v in dots[0][1]):
@@ -165,7 +175,11 @@ def _contraction_dims(fn, args, positions) -> Contraction | None:
     if not (_keeps_free_order(lperm, lc, lb) and _keeps_free_order(rperm, rc, rb)):
         return None
     on_inputs = lambda perm, ds: tuple(perm[d] for d in ds)
-    dims = (on_inputs(lperm, lc), on_inputs(rperm, rc)), (on_inputs(lperm, lb), on_inputs(rperm, rb))
+    lsq, rsq = squeezed.get(li, ()), squeezed.get(ri, ())
+    if len(lsq) != len(rsq):  # a size-1 dim of one operand only: a free dim of it
+        lsq = rsq = ()
+    dims = ((on_inputs(lperm, lc), on_inputs(rperm, rc)),
+            (lsq + on_inputs(lperm, lb), rsq + on_inputs(rperm, rb)))
     return Contraction(li, ri, dims, _rules_output(closed.jaxpr, env, eqn))
 
 
@@ -194,10 +208,16 @@ def _rules_output(jaxpr, env, dot) -> bool:
     """Whether `jaxpr`'s one output is `dot`'s result after elementwise ops of the same shape."""
     shape, ruled = dot.outvars[0].aval.shape, {dot.outvars[0]}
     for eqn, env in inline_equations(jaxpr, env):
-        if eqn.primitive.name in _ELEMENTWISE and any(resolve(env, v) in ruled for v in eqn.invars):
+        if eqn.primitive.name in _ELEMENTWISE and any(_var(env, v) in ruled for v in eqn.invars):
             ruled.update(v for v in eqn.outvars if v.aval.shape == shape)
     outs = [resolve(env, v) for v in jaxpr.outvars]
-    return len(outs) == 1 and outs[0] in ruled
+    return len(outs) == 1 and isinstance(outs[0], jcore.Var) and outs[0] in ruled
+
+
+def _var(env, v) -> jcore.Var | None:
+    """The outer var `v` stands for; None for a literal (a 0-d constant: no input's value, unhashable)."""
+    v = resolve(env, v)
+    return v if isinstance(v, jcore.Var) else None
 
 
 class Lookup(NamedTuple):
@@ -262,3 +282,123 @@ def _gather_axis(eqn, table_shape, indices_shape) -> int | None:
     whole = all(s == (1 if d == axis else n) for d, (s, n) in enumerate(zip(sizes, table_shape)))
     want = (*table_shape[:axis], *indices_shape, *table_shape[axis + 1:])
     return axis if whole and tuple(eqn.outvars[0].aval.shape) == want else None
+
+
+class Convolution(NamedTuple):
+    """The one convolution of a `shard`ed function (MindSpore's Conv2D), in terms of its inputs.
+
+    Attributes:
+      lhs / rhs: positions among the inputs of the image and of the kernel.
+      dims: `(lhs_spec, rhs_spec, out_spec)` of its dimension numbers.
+      groups: its feature group count.
+      rules_output: the function returns the convolution's result (up to elementwise ops).
+    """
+
+    lhs: int
+    rhs: int
+    dims: tuple
+    groups: int
+    rules_output: bool
+
+
+def convolution_dims(fn, args, positions) -> Convolution | None:
+    """`_convolution_dims`, cached as `contraction_dims` is."""
+    return _cached(_convolution_dims, fn, args, positions)
+
+
+def _convolution_dims(fn, args, positions) -> Convolution | None:
+    """The convolution of the inputs at `positions[:2]` when `fn` holds exactly one
+    `conv_general_dilated`, whose image and kernel are those inputs (possibly after a dtype
+    conversion), with no batch groups; else None."""
+    closed, invars = _traced(fn, args)
+    source = {invars[i]: i for i in positions[:2]}
+    convs, env = [], {}
+    for eqn, env in inline_equations(closed.jaxpr, env):
+        ins = [_var(env, v) for v in eqn.invars]
+        if eqn.primitive.name in _PASSTHROUGH and ins[0] in source:
+            source[eqn.outvars[0]] = source[ins[0]]
+        elif eqn.primitive.name == "conv_general_dilated":
+            convs.append((eqn, ins))
+    if len(convs) != 1 or any(v not in source for v in convs[0][1]):
+        return None
+    eqn, (lhs, rhs) = convs[0]
+    if eqn.params["batch_group_count"] != 1 or {source[lhs], source[rhs]} != set(positions[:2]):
+        return None
+    numbers = eqn.params["dimension_numbers"]
+    dims = (numbers.lhs_spec, numbers.rhs_spec, numbers.out_spec)
+    return Convolution(source[lhs], source[rhs], dims, eqn.params["feature_group_count"],
+                       _rules_output(closed.jaxpr, env, eqn))
+
+
+def broadcasting(fn, args, positions) -> bool:
+    """`_broadcasting`, cached as `contraction_dims` is."""
+    return _cached(_broadcasting, fn, args, positions)
+
+
+def _broadcasting(fn, args, positions) -> bool:
+    """Whether `fn` is elementwise over the inputs at `positions`, NumPy-broadcast: its jaxpr holds
+    only elementwise operators and broadcasts, and its one result has their broadcast shape."""
+    try:
+        shape = tuple(np.broadcast_shapes(*(args[i].shape for i in positions)))
+    except ValueError:
+        return False
+    closed, _ = _traced(fn, args)
+    allowed = {*ELEMENTWISE, "broadcast_in_dim"}
+    if any(eqn.primitive.name not in allowed for eqn, _ in inline_equations(closed.jaxpr, {})):
+        return False
+    outs = closed.jaxpr.outvars
+    return len(outs) == 1 and tuple(outs[0].aval.shape) == shape
+
+
+class Scatter(NamedTuple):
+    """The one scatter of a `shard`ed function that is MindSpore's ScatterAdd / ScatterUpdate /
+    ScatterMax ... (`table.at[indices].add(updates)`), in terms of the function's inputs.
+
+    Attributes:
+      operand / indices / updates: positions among the inputs of the scattered-into tensor, the
+        indices (rows of `operand`) and the updates.
+    """
+
+    operand: int
+    indices: int
+    updates: int
+
+
+_SCATTERS = ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
+             "scatter-max", "scatter_max", "scatter-sub", "scatter_sub")
+
+
+def scatter_dims(fn, args, positions) -> Scatter | None:
+    """`_scatter_dims`, cached as `contraction_dims` is."""
+    return _cached(_scatter_dims, fn, args, positions)
+
+
+def _scatter_dims(fn, args, positions) -> Scatter | None:
+    """The scatter of the inputs at `positions` (three of them) when `fn` holds exactly one scatter
+    into rows (`table.at[indices].add(updates)`: indices select along dim 0 of the operand) whose
+    operand is one of the inputs (possibly after a dtype conversion), whose updates and indices are
+    computed each from another one alone, and whose result `fn` returns; else None."""
+    closed, invars = _traced(fn, args)
+    source = {invars[i]: i for i in positions}
+    depends = {v: {i} for i, v in invars.items()}
+    scatters, env = [], {}
+    for eqn, env in inline_equations(closed.jaxpr, env):
+        ins = [_var(env, v) for v in eqn.invars]
+        used = set().union(*(depends.get(v, set()) for v in ins if v is not None))
+        for v in eqn.outvars:
+            depends[v] = used
+        if eqn.primitive.name in _PASSTHROUGH and ins[0] in source:
+            source[eqn.outvars[0]] = source[ins[0]]
+        elif eqn.primitive.name in _SCATTERS:
+            scatters.append((eqn, ins))
+    outs = [resolve(env, v) for v in closed.jaxpr.outvars]
+    if len(scatters) != 1 or len(outs) != 1 or outs[0] is not scatters[0][0].outvars[0]:
+        return None
+    eqn, (operand, indices, updates) = scatters[0]
+    numbers = eqn.params["dimension_numbers"]
+    if operand not in source or numbers.scatter_dims_to_operand_dims != (0,) or numbers.inserted_window_dims != (0,):
+        return None
+    found = depends.get(updates, set()), depends.get(indices, set())  # the updates may be computed (`divide`: 1 / u)
+    if any(len(f) != 1 for f in found) or {source[operand], *found[0], *found[1]} != set(positions):
+        return None
+    return Scatter(source[operand], *found[1], *found[0])

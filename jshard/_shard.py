@@ -20,7 +20,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
-from jshard._params import constrain_parameters, contraction_dims, lookup_dims
+from jshard._params import (
+    broadcasting,
+    constrain_parameters,
+    contraction_dims,
+    convolution_dims,
+    lookup_dims,
+    scatter_dims,
+)
 from jshard._source import display_file
 from jshard.layouts import (
     NotRefined,
@@ -29,9 +36,13 @@ from jshard.layouts import (
     canonicalize_slot,
     canonicalize_slots,
     check_divides,
+    check_layouts_broadcast,
+    check_layouts_product,
+    conv_layouts,
     dot_layouts,
     gather_layouts,
     layout_of,
+    scatter_layouts,
     with_repeated_calculation,
 )
 
@@ -166,11 +177,28 @@ class _Call:
         for i, lay in enumerate(layouts):
             if lay is not None:
                 check_divides(lay, args[i].shape, call=self.call, op=self.op, what=f"in_strategy[{i}]", dtype=args[i].dtype)
+        given = [i for i, s in enumerate(ins) if isinstance(s, TensorLayout)]
+        if len(given) >= 2:
+            self._check_layouts(layouts, args, given)
         return layouts, out_rule, partial
 
+    def _check_layouts(self, layouts, args, given):
+        """The checks `_joint_layouts` makes of tuples, made of `Layout`s: a contraction's result
+        cut by each alias once, an elementwise operator's operands cut alike."""
+        names = [f"in_strategy[{i}]" for i in given]
+        dot = contraction_dims(self.fn, args, given)
+        if dot is not None:
+            check_layouts_product(layouts[dot.lhs], layouts[dot.rhs], dot.dims, call=self.call, op=self.op,
+                                  names=(f"in_strategy[{dot.lhs}]", f"in_strategy[{dot.rhs}]"))
+        elif broadcasting(self.fn, args, given):
+            check_layouts_broadcast([layouts[i] for i in given], [args[i] for i in given], call=self.call,
+                                    op=self.op, names=names)
+
     def _joint_layouts(self, ins, args, tuples):
-        """Inputs whose tuples share one device matrix: a contraction's two operands, a lookup's table
-        and indices (MindSpore's Gather, `gather_layouts`), or operands that line up from the right.
+        """Inputs whose tuples share one device matrix: a contraction's two operands, a convolution's
+        image and kernel (MindSpore's Conv2D, `conv_layouts`), a scatter's operand, indices and updates
+        (MindSpore's ScatterAdd ..., `scatter_layouts`), a lookup's table and indices
+        (MindSpore's Gather, `gather_layouts`), or operands that line up from the right.
         Any other tuple is its own device matrix."""
         n = self.ctx.device_count
         dot = contraction_dims(self.fn, args, tuples)
@@ -181,6 +209,16 @@ class _Call:
             )
             pairs = {dot.lhs: l, dot.rhs: r}
             out_rule = out_rule if dot.rules_output else None
+        elif (conv := convolution_dims(self.fn, args, tuples) if len(tuples) == 2 else None) is not None:
+            names = (f"in_strategy[{conv.lhs}]", f"in_strategy[{conv.rhs}]")
+            l, r, out_rule, partial = conv_layouts(ins[conv.lhs], ins[conv.rhs], conv.dims, conv.groups,
+                                                   call=self.call, op=self.op, names=names)
+            pairs = {conv.lhs: l, conv.rhs: r}
+            out_rule = out_rule if conv.rules_output else None
+        elif (scatter := scatter_dims(self.fn, args, tuples) if len(tuples) == 3 else None) is not None:
+            names = tuple(f"in_strategy[{i}]" for i in scatter)
+            o, i, u, out_rule = scatter_layouts(*(ins[k] for k in scatter), call=self.call, op=self.op, names=names)
+            pairs, partial = {scatter.operand: o, scatter.indices: i, scatter.updates: u}, ()
         elif (lookup := lookup_dims(self.fn, args, tuples) if len(tuples) == 2 else None) is not None:
             names = (f"in_strategy[{lookup.table}]", f"in_strategy[{lookup.indices}]")
             shapes = (args[lookup.table].shape, args[lookup.indices].shape)

@@ -91,16 +91,24 @@ def test_embedding_gradient_equals_one_device():
     [
         (((2, 1), (2, 2)), 0, "in_strategy[0]=(2, 1) cuts the table's rows (the looked-up dim) and in_strategy[1]=(2, 2) "
                               "cuts the indices; MindSpore's Gather cuts both only as ((a, 1), (c, 1)) with a * c = 8 devices"),
-        (((1, 2), (1, 1)), 1, "looks up dim 1 of a 2-D table, and in_strategy[0]=(1, 2) cuts it; MindSpore's Gather takes a "
-                              "cut looked-up dim only as the rows (axis 0)"),
         (((2, 2), (1, 1)), 0, "in_strategy[0]=(2, 2) cuts the rows and the columns of the table on 4 of 8 devices; "
                               "MindSpore's Gather repeats a row-cut table only when its columns are whole. Use "
                               "in_strategy[0]=(4, 2) (every device) or (2, 1)"),
     ],
-    ids=["indices-cut-otherwise", "axis-1-cut", "repeated-2d-cut"],
+    ids=["indices-cut-otherwise", "repeated-2d-cut"],
 )
 def test_gather_strategies_mindspore_refuses(strategy, axis, message):
     step = js.parallelize(lookup_step(strategy, lambda t, i: jnp.take(t, i, axis=axis)), devices=8)
     with pytest.raises(js.ShardingError, match="jshard.shard") as e:
         step(TABLE, TOKENS[:, :2] % 8)
     assert message in str(e.value)
+
+
+def test_gather_on_axis_1_with_the_looked_up_dim_cut():
+    """MindSpore's test_gather_v2.py::test_gatherv2_semi_auto3: Gather(axis=1) with ((1, 8), (1, 1)),
+    the looked-up dim cut 8-way: a masked lookup along it and an all-reduce, equal to one device."""
+    step = js.parallelize(lookup_step(((1, 8), (1, 1)), lambda t, i: jnp.take(t, i, axis=1)), devices=8)
+    tokens = TOKENS % 8
+    assert_close(step(TABLE, tokens), jnp.take(TABLE, tokens, axis=1), terms=8)
+    (gather,) = [op for op in step.plan(TABLE, tokens).ops if op.primitive == "gather"]
+    assert gather.in_strategy[0] == (1, 8)

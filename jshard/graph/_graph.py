@@ -19,7 +19,7 @@ from jshard._source import user_source
 
 REMAT = frozenset({"remat", "remat2", "checkpoint"})
 """The primitives `jax.checkpoint` (and so `flax.linen.remat`, `nnx.remat`, `jshard.recompute`) leaves."""
-INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}) | REMAT
+INLINE = frozenset({"pjit", "jit", "call", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"}) | REMAT
 NESTED = frozenset({"scan", "while", "cond"})
 RECOMPUTE_SCOPE = "jshard_recompute_"
 """The name scope `jshard.recompute` runs a function in, followed by its policy's name
@@ -116,8 +116,8 @@ def inline_equations(jaxpr: jcore.Jaxpr, env: dict) -> Iterator[tuple[jcore.Jaxp
 
 def _inlined(jaxpr: jcore.Jaxpr, env: dict, callers, remat, prefix) -> Iterator[tuple]:
     """`inline_equations`, each equation with the call equations it was inlined from (outermost
-    first), its innermost enclosing remat equation (or None) and, inside one, the name stack of the
-    calls from it down to the equation (whose own name stack is relative to the innermost call)."""
+    first), its innermost enclosing remat equation (or None) and the name stack of the calls down to
+    the equation (whose own name stack is relative to the innermost call), None at the top."""
     for eqn in jaxpr.eqns:
         sub = sub_jaxpr(eqn)
         if sub is None:
@@ -125,11 +125,10 @@ def _inlined(jaxpr: jcore.Jaxpr, env: dict, callers, remat, prefix) -> Iterator[
             continue
         for v_in, v_out in zip(sub.invars, eqn.invars):
             env[v_in] = resolve(env, v_out)
+        # An inner equation's name stack is relative to its call (a jitted `jnp.mod` inside a
+        # `shard` call): the call's own stack goes before it, so the region's scope reaches it.
         inner = eqn.source_info.name_stack if prefix is None else prefix + eqn.source_info.name_stack
-        if eqn.primitive.name in REMAT:
-            yield from _inlined(sub, env, callers + (eqn,), eqn, inner)
-        else:
-            yield from _inlined(sub, env, callers + (eqn,), remat, None if remat is None else inner)
+        yield from _inlined(sub, env, callers + (eqn,), eqn if eqn.primitive.name in REMAT else remat, inner)
         for v_out, v_in in zip(eqn.outvars, sub.outvars):
             env[v_out] = resolve(env, v_in)
 

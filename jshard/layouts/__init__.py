@@ -4,10 +4,15 @@ from jshard.layouts._dataset import DatasetStrategy as DatasetStrategy
 from jshard.layouts._dataset import check_batch_rows as check_batch_rows
 from jshard.layouts._dataset import check_dataset_strategy as check_dataset_strategy
 from jshard.layouts._dataset import dataset_slots as dataset_slots
+from jshard.layouts._device_matrix import ConvDims as ConvDims
 from jshard.layouts._device_matrix import DotDims as DotDims
 from jshard.layouts._device_matrix import broadcast_layouts as broadcast_layouts
+from jshard.layouts._device_matrix import check_layouts_broadcast as check_layouts_broadcast
+from jshard.layouts._device_matrix import check_layouts_product as check_layouts_product
+from jshard.layouts._device_matrix import conv_layouts as conv_layouts
 from jshard.layouts._device_matrix import dot_layouts as dot_layouts
 from jshard.layouts._device_matrix import gather_layouts as gather_layouts
+from jshard.layouts._device_matrix import scatter_layouts as scatter_layouts
 from jshard.layouts._layout import Layout as Layout
 from jshard.layouts._mesh import FineMesh as FineMesh
 from jshard.layouts._mesh import NotRefined as NotRefined

@@ -8,6 +8,8 @@ two families a `shard` call can meet with plain tuples:
 * broadcasting (elementwise and anything whose operands line up from the right): the matrix is the
   operands' common strategy.
 * lookup (MindSpore's Gather / EmbeddingLookup, `jnp.take(table, indices, axis)`): `gather_layouts`.
+* convolution (MindSpore's Conv2D, `lax.conv_general_dilated`): `conv_layouts`.
+* scatter into rows (MindSpore's ScatterAdd ..., `table.at[indices].add(updates)`): `scatter_layouts`.
 
 Anything else is expressed with a `Layout`, which names its device matrix itself.
 """
@@ -161,9 +163,10 @@ def gather_layouts(
       indices' rows over `c`; each device looks up its `c`-block of indices in its `a`-block of
       rows, out-of-block indices give zeros, and an all-reduce over `a` sums the pieces: the
       result's rows are cut over `c`.
-    - Rows cut, indices whole (axis 0; a 1-D or 2-D table): the matrix is `table`; the masked
-      lookup's all-reduce over the row axis leaves the result's first dim cut as the rows are
-      where they divide it (MindSpore's reduce-scatter), else whole.
+    - The looked-up dim cut, indices whole (any axis): the matrix is `table`; each device looks
+      the indices up in its block of that dim (zeros outside) and an all-reduce over its axis sums
+      them. Looking up rows (axis 0), the result's first dim is cut as the rows are where they
+      divide it (MindSpore's reduce-scatter), else whole.
 
     Repeated calculation goes where MindSpore's Gather puts it: last where the table's strategy
     covers all devices or none, first otherwise.
@@ -180,8 +183,8 @@ def gather_layouts(
 
     Raises:
       ShardingError: a strategy MindSpore's Gather does not take: the looked-up dim cut with the
-        indices cut otherwise than `((a, 1), (c, 1))`, rows cut on another axis than 0 or of a table
-        of more than 2 dims, or a device matrix that does not divide the device count.
+        indices cut otherwise than `((a, 1), (c, 1))`, or a device matrix that does not divide the
+        device count.
     """
     nt, ni = len(table), len(indices)
     if table[axis] == 1:
@@ -195,25 +198,21 @@ def gather_layouts(
         layouts = (TensorLayout(matrix, ((1,), ())), TensorLayout(matrix, ((0,), ())), TensorLayout(matrix, ((0,), (), ())))
         return (*layouts, (1,))
     _check_row_cut(table, indices, axis, shapes, device_count, call=call, op=op, names=names)
-    rows_cut = shapes[1][0] % table[0] == 0 if ni else False
-    out = ((0,) if rows_cut else (),) + ((),) * (ni - 1) + tuple((d,) for d in range(1, nt))
+    rows_cut = axis == 0 and shapes[1][0] % table[0] == 0
+    out = (tuple((d,) for d in range(axis)) + ((axis,) if rows_cut else (),) + ((),) * (ni - 1)
+           + tuple((d,) for d in range(axis + 1, nt)))
     maps = (tuple((d,) for d in range(nt)), ((),) * ni, out)
-    return _repeated(table, maps, (0,), math.prod(table), device_count, call=call, op=op,
+    return _repeated(table, maps, (axis,), math.prod(table), device_count, call=call, op=op,
                      strategies=(table, indices))
 
 
 def _check_row_cut(table, indices, axis, shapes, device_count, *, call, op, names) -> None:
     ms = "MindSpore's Gather"
-    if axis != 0 or len(table) > 2:
-        raise ShardingError(
-            f"{call}: {op} looks up dim {axis} of a {len(table)}-D table, and {names[0]}={table} cuts it; {ms} "
-            f"takes a cut looked-up dim only as the rows (axis 0) of a 1-D or 2-D table (an embedding). Leave dim "
-            f"{axis} whole ({names[0]}={tuple(1 if d == axis else c for d, c in enumerate(table))}) or look up rows.")
     if not shapes[1]:
         raise ShardingError(f"{call}: {op} looks up one scalar index in a table whose rows {names[0]}={table} cuts; "
                             f"{ms} takes a cut table only with an array of indices. Leave the rows whole.")
     if math.prod(indices) == 1:
-        if math.prod(table) != device_count and len(table) == 2 and table[1] != 1:
+        if axis == 0 and math.prod(table) != device_count and len(table) == 2 and table[1] != 1:
             raise ShardingError(
                 f"{call}: {op}: {names[0]}={table} cuts the rows and the columns of the table on {math.prod(table)} of "
                 f"{device_count} devices; {ms} repeats a row-cut table only when its columns are whole. Use "
@@ -241,3 +240,157 @@ def _repeated(matrix, maps, partial, table_product, device_count, *, call, op, s
     elif used != device_count:
         matrix = (*matrix, device_count // used)
     return (*(TensorLayout(tuple(matrix), m) for m in maps), partial)
+
+
+ConvDims = tuple[Sequence[int], Sequence[int], Sequence[int]]
+"""A convolution's dimension numbers: the dims of the input `(batch, feature, spatial...)`, of the
+kernel `(out feature, in feature, spatial...)` and of the result `(batch, feature, spatial...)`."""
+
+
+def conv_layouts(
+    lhs: Strategy, rhs: Strategy, dims: ConvDims, groups: int, *, call: str, op: str, names: tuple[str, str]
+) -> tuple[TensorLayout, TensorLayout, TensorLayout, tuple[int, ...]]:
+    """Layouts of MindSpore's Conv2D / Conv3D under its strategy `((n, c, h, w), (o, c, 1, 1))`: one
+    tuple per operand, each in its own dim order (NCHW and OIHW, or as `dims` says).
+
+    The device matrix is `[n, c, spatial..., o]`: the input's batch over `n`, its channels and the
+    kernel's input channels over `c` (partial sums, reduced), its spatial dims over theirs (XLA
+    exchanges the halos), the kernel's output channels over `o`; the result is `(n, o, spatial...)`.
+
+    Returns:
+      `(lhs_layout, rhs_layout, out_layout, partial_axes)`.
+
+    Raises:
+      ShardingError: the input channels cut differently in the two operands, a kernel's spatial dim
+        cut, or input channels cut in a grouped convolution (MindSpore's Conv2D refuses each).
+    """
+    (lb, lf, *ls), (ro, ri, *rs), (ob, of, *os_) = dims
+    bad = _conv_error(lhs, rhs, (lf, ri, rs), groups, call=call, op=op, names=names)
+    if bad:
+        raise ShardingError(bad)
+    k = len(ls)
+    matrix = (lhs[lb], lhs[lf], *(lhs[d] for d in ls), rhs[ro])
+    lmap, rmap, omap = [()] * len(lhs), [()] * len(rhs), [()] * (k + 2)
+    lmap[lb], lmap[lf], omap[ob] = (0,), (1,), (0,)
+    rmap[ri], rmap[ro], omap[of] = (1,), (k + 2,), (k + 2,)
+    for j, (dl, do) in enumerate(zip(ls, os_)):
+        lmap[dl] = omap[do] = (2 + j,)
+    partial = (1,) if matrix[1] > 1 else ()
+    layouts = (TensorLayout(matrix, tuple(m)) for m in (lmap, rmap, omap))
+    return (*layouts, partial)
+
+
+def _conv_error(lhs, rhs, dims, groups, *, call, op, names) -> str:
+    lf, ri, rs = dims
+    fix = tuple(lhs[lf] if d == ri else 1 if d in rs else c for d, c in enumerate(rhs))
+    if lhs[lf] != rhs[ri]:
+        return (f"{call}: {op} convolves {names[0]}={lhs} with {names[1]}={rhs}, but they cut the input channels "
+                f"differently ({lhs[lf]} vs {rhs[ri]}). MindSpore's Conv2D cuts them alike, as in "
+                f"((n, c, h, w), (o, c, 1, 1)): e.g. {names[1]}={fix}.")
+    if any(rhs[d] != 1 for d in rs):
+        return (f"{call}: {op}: {names[1]}={rhs} cuts the kernel's spatial dims; MindSpore's Conv2D keeps the "
+                f"kernel's spatial dims whole. Use {names[1]}={fix}.")
+    if groups > 1 and lhs[lf] != 1:
+        return (f"{call}: {op} is a grouped convolution ({groups} groups) and {names[0]}={lhs} cuts its input "
+                f"channels; MindSpore's Conv2D cuts the channels of a grouped convolution only whole (1).")
+    return ""
+
+
+def check_layouts_broadcast(
+    layouts: Sequence[TensorLayout], operands: Sequence[Any], *, call: str, op: str, names: Sequence[str]
+) -> None:
+    """The check `broadcast_layouts` makes of tuples, made of `Layout`s given to operands of an
+    elementwise function: dims that line up from the right are cut alike (by the same aliases, where
+    the layouts share a device matrix), and a broadcast size-1 dim is whole.
+
+    Raises:
+      ShardingError: two operands cut a lined-up dim differently, or a broadcast dim is cut.
+    """
+    same = len({lay.device_matrix for lay in layouts}) == 1
+    rank = max(len(x.shape) for x in operands)
+    seen: dict[int, tuple[int, int]] = {}
+    for i, (lay, x) in enumerate(zip(layouts, operands)):
+        for d, n in enumerate(x.shape):
+            if n == 1:
+                if lay.strategy[d] != 1:
+                    raise ShardingError(f"{call}: {op}: {names[i]}={lay.describe()} cuts dim {d} of "
+                                        f"{shape_str(x.dtype, x.shape)}, a size-1 dim that is broadcast. Use \"None\" there.")
+                continue
+            pos = rank - len(x.shape) + d
+            j, dj = seen.setdefault(pos, (i, d))
+            cut = (lambda k, e: layouts[k].tensor_map[e]) if same else (lambda k, e: layouts[k].strategy[e])
+            if cut(j, dj) != cut(i, d):
+                y = operands[j]
+                raise ShardingError(
+                    f"{call}: {op}: {names[j]}={layouts[j].describe()} and {names[i]}={lay.describe()} cut dim {dj} "
+                    f"of {shape_str(y.dtype, y.shape)} and dim {d} of {shape_str(x.dtype, x.shape)}, which line "
+                    f"up from the right, differently ({_dim_str(layouts[j], dj)} vs {_dim_str(lay, d)}). Operands of "
+                    f"an elementwise operator are cut alike, as MindSpore requires of its layouts; give both the "
+                    f"same aliases there.")
+
+
+def check_layouts_product(
+    lhs: TensorLayout, rhs: TensorLayout, dims: DotDims, *, call: str, op: str, names: tuple[str, str]
+) -> None:
+    """A contraction's result, under `Layout`s of its operands sharing one device matrix and cutting
+    the contracted dims alike (MindSpore's MatMul layouts), is cut by its operands' batch and free
+    dims' aliases: each alias may cut one dim of it only. Contracted dims cut differently are
+    MindSpore's N-D tensor parallel (its `enable_nd_tp`), which XLA's redistribution takes as is.
+
+    Raises:
+      ShardingError: an alias would cut two dims of the result (MindSpore refuses the layouts).
+    """
+    (lc, rc), (lb, rb) = dims
+    if lhs.device_matrix != rhs.device_matrix or any(lhs.tensor_map[l] != rhs.tensor_map[r] for l, r in zip(lc, rc)):
+        return
+    free = [(lhs, names[0], d) for d in range(lhs.rank) if d not in lc] + \
+           [(rhs, names[1], d) for d in range(rhs.rank) if d not in rc and d not in rb]
+    owner: dict[int, tuple[str, int]] = {}
+    for lay, name, d in free:
+        for a in lay.tensor_map[d]:
+            if a in owner:
+                alias = lay.axis_names[a] if lay.axis_names else f"axis {a}"
+                first, fd = owner[a]
+                raise ShardingError(
+                    f"{call}: {op}: {first}={lhs.describe() if first == names[0] else rhs.describe()} cuts dim {fd} "
+                    f"and {name}={lay.describe()} cuts dim {d} by {alias!r}; both become dims of the result, which "
+                    f"one alias cannot cut twice (MindSpore refuses these layouts). Cut one of them by another alias "
+                    f"or leave it \"None\".")
+            owner[a] = (name, d)
+
+
+def _dim_str(lay: TensorLayout, d: int) -> str:
+    if lay.axis_names is None:
+        return str(lay.strategy[d])
+    names = [lay.axis_names[a] for a in lay.tensor_map[d]]
+    return '"None"' if not names else repr(names[0]) if len(names) == 1 else repr(tuple(names))
+
+
+def scatter_layouts(
+    operand: Strategy, indices: Strategy, updates: Strategy, *, call: str, op: str, names: tuple[str, str, str]
+) -> tuple[TensorLayout, TensorLayout, TensorLayout, TensorLayout]:
+    """Layouts of MindSpore's ScatterAdd / ScatterUpdate / ScatterMax ... (`table.at[indices].add(
+    updates)`) under strategies `(operand, indices, updates)`: the matrix is `operand`'s; the
+    indices are whole; the updates' index dims are whole and their other dims cut as the operand's
+    dims after the first. A cut first dim (rows) has each device apply the updates whose index
+    falls in its rows.
+
+    Returns:
+      `(operand_layout, indices_layout, updates_layout, out_layout)`; the result is laid out as
+      the operand.
+
+    Raises:
+      ShardingError: the indices cut, the updates' index dims cut, or the updates' other dims cut
+        otherwise than the operand's (MindSpore's scatter operators refuse each).
+    """
+    ni = len(indices)
+    want = (1,) * ni + tuple(operand[1:])
+    if any(c != 1 for c in indices) or tuple(updates) != want:
+        raise ShardingError(
+            f"{call}: {op} scatters {names[2]}={updates} into {names[0]}={operand} at {names[1]}={indices}; "
+            f"MindSpore's scatter operators take the indices whole and the updates cut as the operand's dims "
+            f"after the first, their index dims whole: use {names[1]}={(1,) * ni}, {names[2]}={want}.")
+    matrix = tuple(operand)
+    own = tuple((d,) for d in range(len(operand)))
+    return (TensorLayout(matrix, own), TensorLayout(matrix, ((),) * ni),
+            TensorLayout(matrix, ((),) * ni + own[1:]), TensorLayout(matrix, own))

@@ -6,6 +6,7 @@ import re
 
 from jshard._format import human_bytes
 from jshard.plan._records import source_str, strategies_str
+from jshard.rules import FALLBACKS
 
 _MAX_CHAIN = 8
 _REGION = re.compile(r"policy='auto' -> '\w+', region (\d+)")
@@ -29,7 +30,7 @@ def explain(plan, op) -> str:
             lines.append(f"  planned with the {'+'.join(plan.offload.what)} state in host memory, streamed each step "
                          f"({human_bytes(plan.offload.moved_bytes)} per device both ways): {plan.offload.why}")
     elif op.origin == "default":
-        reason = "no sharding rule for this primitive" if not op.ruled else "no anchor reaches it"
+        reason = FALLBACKS.get(op.primitive, "no sharding rule for this primitive") if not op.ruled else "no anchor reaches it"
         lines.append(f"  left replicated ({reason}); XLA decides its layout")
     else:
         chain = _chain(plan, op)
@@ -42,10 +43,15 @@ def explain(plan, op) -> str:
     if op.comms:
         paid = "; ".join(f"{k} of {human_bytes(b)} over {'×'.join(a)}" for k, b, a in op.comms)
         lines.append(f"  cost paid: {paid} ({op.seconds * 1e6:.8g} us predicted)")
+        if op.origin == "user" and not op.backward:
+            lines.append("  the user's strategy binds: it is kept, and these collectives run inside the operator to "
+                         "honour it (no cheaper layout of the engine's replaces it)")
     elif op.origin != "default":
         lines.append("  cost paid: none (no redistribution, no partial sums)")
     if op.rejected:
         lines.append(f"  best rejected alternative: {op.rejected}")
+    if op.note:
+        lines.append(f"  differs from MindSpore: {op.note}")
     if op.weighed:
         lines.append(f"  argument layouts weighed for the whole program (bandwidth and compute): {op.weighed}")
     if op.recompute:

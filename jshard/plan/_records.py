@@ -18,6 +18,7 @@ from jshard._format import var_str
 from jshard.cost import Comm
 from jshard.graph import AUTO_LABEL, COMM_KEPT_LABEL, CONSTRAINT, JSHARD_SCOPE, RECOMPUTE_SCOPE, Node
 from jshard.layouts import FineMesh, Spec, Strategy, TensorLayout, spec_from_pspec, to_pspec, typed_spec
+from jshard.plan._notes import mindspore_note
 
 ORIGINS = ("user", "model", "propagated", "searched", "default")
 """Where an operator's strategy came from: a `shard` call, the model's own sharding (its
@@ -79,6 +80,8 @@ class OpRecord:
         is named only inside `jshard.recompute`.
       recomputed: whether it is the backward pass's run of a forward operator again (what recompute
         costs), rather than its first run or a gradient operator.
+      note: where its input strategy is a cut MindSpore's own operator refuses and jshard accepts (a
+        cut split axis, a slice not taking the whole of a cut dim, ...), the difference in words.
     """
 
     index: int
@@ -103,6 +106,7 @@ class OpRecord:
     recompute: str = ""
     recomputed: bool = False
     layout: OpLayout | None = None
+    note: str = ""
     """For a propagated or searched operator, its operands' layouts over the fine mesh, loop bodies
     included: what emission and `Plan.load` need to rebuild the same program."""
 
@@ -131,7 +135,8 @@ def build_ops(
     """One `OpRecord` per operator; the main operator of each `shard` call carries its strategy.
 
     Sharding constraints themselves are not operators and are left out. In a `shard` region the
-    main operator is its first `dot_general` (else its first operator). With a propagation
+    main operator is its first `dot_general` (else convolution, else gather, else its first
+    operator); it carries the call's strategies where they are one per operand of it. With a propagation
     `result`, every operator it decided carries its strategy (`origin="propagated"`, `searched`
     where the strategy search chose it, or `user` inside a `shard` region's forward pass). An
     operator whose result the model pins itself (a constraint of its own right after it, or its
@@ -149,7 +154,7 @@ class _Records:
     def __init__(self, nodes: Sequence[Node], annotations: Sequence[Annotation], fine: FineMesh, result):
         self.by_scope = {a.scope: a for a in annotations}
         self.scopes = [_innermost(n.scope) for n in nodes]
-        self.main = _main_operators(nodes, self.scopes)
+        self.main = _main_operators(nodes, self.scopes, self.by_scope)
         self.number = {i: k for k, i in enumerate(i for i, n in enumerate(nodes) if n.primitive != CONSTRAINT)}
         self.stands_for = _standing_for(nodes, self.scopes, self.main, self.number)
         self.regions, rerun = recompute_regions(nodes)
@@ -193,7 +198,9 @@ class _Records:
         user = ann is not None and not node.backward
         fields = dict(origin="user" if user else "default", in_strategy=None, out_strategy=None, in_specs=None,
                       out_specs=None)
-        if ann is not None and self.main.get(self.scopes[i]) is node:
+        # the call's strategies are its main operator's where they are one per operand of it (else
+        # the call has inputs the operator does not take: the operator's own layouts say more)
+        if ann is not None and self.main.get(self.scopes[i]) is node and len(ann.in_layouts) == len(node.inputs):
             fields.update(
                 in_strategy=_strategy_tuple(ann.in_layouts), out_strategy=_strategy_tuple(ann.out_layouts),
                 in_specs=_spec_tuple(ann.in_layouts, self.fine), out_specs=_spec_tuple(ann.out_layouts, self.fine),
@@ -209,6 +216,8 @@ class _Records:
             if all(t is not None for t in typed):  # on Explicit axes the operands' types say what runs
                 fields.update(in_specs=tuple(map(to_pspec, typed)), in_strategy=tuple(map(self.cuts, typed)))
         result = self.result
+        fields["note"] = mindspore_note(node.primitive, node.eqn.params, [getattr(getattr(v, "aval", None), "shape", ()) for v in node.inputs],
+                                        fields["in_strategy"])
         return dict(
             primitive=node.primitive, source=node.source, in_shapes=tuple(var_str(v) for v in node.inputs),
             out_shapes=tuple(var_str(v) for v in node.outputs), annotation=ann.name if ann is not None else "",
@@ -232,13 +241,26 @@ class _Records:
         return fields
 
 
-def _main_operators(nodes: Sequence[Node], scopes: Sequence[str]) -> dict[str, Node]:
-    """Per `shard` region's scope, its main operator: its first forward `dot_general`, else its
-    first forward operator."""
+_PRINCIPAL = ("dot_general", "conv_general_dilated", "gather")
+"""The primitives that are a `shard` call's operator where the call holds one (MatMul, Conv2D,
+Gather), before every other: the call's strategy is theirs."""
+
+
+def _main_operators(nodes: Sequence[Node], scopes: Sequence[str], by_scope: dict) -> dict[str, Node]:
+    """Per `shard` region's scope, its main operator: its first forward `dot_general` (else
+    convolution, else gather), else its first forward operator with one operand per entry of the
+    call's strategy (an `add` after the broadcast of its smaller operand), else its first."""
     main: dict[str, Node] = {}
+
+    def rank(node, scope):
+        if node.primitive in _PRINCIPAL:
+            return _PRINCIPAL.index(node.primitive)
+        ann = by_scope.get(scope)
+        return len(_PRINCIPAL) + (ann is None or len(ann.in_layouts) != len(node.inputs))
+
     for node, scope in zip(nodes, scopes):
         if scope and not node.backward and node.primitive != CONSTRAINT:
-            if scope not in main or (node.primitive == "dot_general" and main[scope].primitive != "dot_general"):
+            if scope not in main or rank(node, scope) < rank(main[scope], scope):
                 main[scope] = node
     return main
 

@@ -34,7 +34,7 @@ from typing import NamedTuple
 from jax.extend import core as jcore
 
 from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, stages
-from jshard.graph import CONSTRAINT, Node, operand_vars
+from jshard.graph import CONSTRAINT, JSHARD_SCOPE, Node, operand_vars
 from jshard.layouts import Spec, constraint_spec, typed_spec
 from jshard.propagate._emit import Emission
 from jshard.rules import Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
@@ -91,6 +91,10 @@ class Result:
     values: dict
     unruled: set[int]
     weighed: dict = dataclasses.field(default_factory=dict)
+
+
+_SHARD_SCOPE = JSHARD_SCOPE + "shard"
+"""The scope prefix of a `shard` call's constraints (`jshard_shard<k>`)."""
 
 
 class Engine:
@@ -391,10 +395,10 @@ class Engine:
     def _relaid_inputs(self, i: int, f: Factors, a, d: Decision):
         """Operator `i`'s input layouts under assignment `a`, and its inputs' known layouts (`score`'s
         `known`); None where `a` would lay out otherwise a parameter `i` laid out (its other users
-        took it so)."""
+        took it so), or an input a `shard` call's strategy laid out for it (`_binding`)."""
         ins, _ = self.vars[i]
         in_specs = tuple(write_spec(dims, a, f.sizes, self.axis_size) for dims in f.inputs)
-        if any(isinstance(v, jcore.Var) and self.why.get(v) == i and s != t
+        if any(isinstance(v, jcore.Var) and s != t and (self.why.get(v) == i or self._bound(i, v, s))
                for v, s, t in zip(ins, d.in_specs, in_specs)):
             return None
         known = [(k, self.values[v], self._source(v)) for k, v in enumerate(ins)
@@ -475,7 +479,7 @@ class Engine:
     def _choose(self, i: int, f: Factors, known):
         """The least-cost candidate for node `i`: its layouts, comms, seconds, the position in `known`
         of the layout it took, the best rejected alternative, and whether its outputs are implied."""
-        candidates = self._candidates(f, known)
+        candidates = self._binding(i, f, known, self._candidates(f, known))
         first = self.score(i, f, candidates[0], known)
         if first[0] == 0.0:  # the merge of every known layout, with nothing to move: MindSpore takes it at once
             scored = [((0.0, first[1], 0), first, candidates[0])]
@@ -494,6 +498,30 @@ class Engine:
         in_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.inputs)
         out_specs = tuple(write_spec(d, best, f.sizes, self.axis_size) for d in f.outputs)
         return in_specs, out_specs, comms, seconds, j, rejected, not comms and self.implied(i, f, best)
+
+    def _binding(self, i: int, f: Factors, known, candidates: list[dict]) -> list[dict]:
+        """`candidates`, keeping only those that take as they are the inputs a `shard` call's
+        strategy laid out for operator `i` (its constraints on the call's inputs), where any does:
+        a user's cut is never replaced by a cheaper layout of the engine's (MindSpore's strategies
+        bind). Where none can take them as they are, the cheapest redistributes them."""
+        n_in = len(self.vars[i][0])
+        fixed = [(k, spec) for k, spec, src in known if k < n_in and src.isdigit() and self._user_constraint(int(src))]
+        if not fixed or self.nodes[i].backward:
+            return candidates
+        kept = [a for a in candidates if all(write_spec(f.operands[k], a, f.sizes, self.axis_size) == spec
+                                             for k, spec in fixed)]
+        return kept or candidates
+
+    def _bound(self, i: int, v, spec: Spec) -> bool:
+        """Whether operator `i` takes input `v` as a `shard` call's constraint laid it out (`spec`)."""
+        why = self.why.get(v)
+        return (isinstance(why, int) and self._user_constraint(why) and self.values.get(v) == spec
+                and not self.nodes[i].backward)
+
+    def _user_constraint(self, j: int) -> bool:
+        """Whether node `j` is a `shard` call's constraint in the forward pass."""
+        node = self.nodes[j]
+        return node.primitive == CONSTRAINT and _SHARD_SCOPE in node.scope and not node.backward
 
     def _enter(self, i: int, known) -> bool:
         """A loop or branch in two steps: entering lays out its bodies' parameters from the outer

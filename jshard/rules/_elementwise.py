@@ -19,7 +19,8 @@ ELEMENTWISE = (
     "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "polygamma", "pow",
     "real", "reduce_precision", "rem", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
     "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh",
-    "xor", "population_count", "clz", "optimization_barrier",
+    "xor", "population_count", "clz", "optimization_barrier", "complex", "conj", "bessel_i0e", "bessel_i1e",
+    "igamma", "igammac", "igamma_grad_a", "eq_to", "le_to", "lt_to", "random_gamma_grad", "zeta", "regularized_incomplete_beta",
     "threefry2x32",  # elementwise over its counters; the key words are scalars (keys: `_random.py`)
 )
 

@@ -44,6 +44,15 @@ def top_k(eqn: jcore.JaxprEqn) -> Factors:
     return b.build([dims], [dims for _ in eqn.outvars], flops=math.prod(shape))
 
 
+@rule("approx_top_k")
+def approx_top_k(eqn: jcore.JaxprEqn) -> Factors:
+    """Operand and its values and indices share every dim but the one reduced."""
+    shape = shape_of(eqn.invars[0])
+    b = FactorBuilder()
+    dims = _all_but(b, shape, eqn.params["reduction_dimension"])
+    return b.build([dims for _ in eqn.invars], [dims for _ in eqn.outvars], flops=math.prod(shape))
+
+
 @rule("split")
 def split(eqn: jcore.JaxprEqn) -> Factors:
     b = FactorBuilder()
