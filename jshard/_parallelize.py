@@ -78,19 +78,16 @@ def parallelize(
       out_strategy: the same for the results.
       dataset_strategy: MindSpore's: `"data_parallel"` (dim 0 of the batch cut over all devices),
         `"full_batch"` or one strategy per batch leaf, where `in_strategy` is silent.
-      batch_argnums: which positional arguments are the batch; default the last one not static that
-        holds an array (`step(state, batch, key)`: `batch`).
+      batch_argnums: the positional arguments that are the batch; default the last one holding an array.
       static_argnums: as `jax.jit`'s.
       static_argnames: as `jax.jit`'s.
       donate_argnums: as `jax.jit`'s.
       donate_argnames: as `jax.jit`'s.
       plan: a `Plan` (`Plan.load`) to rebuild instead of planning.
       propagation: who lays out the operators no strategy fixes: `"jshard"` or `"xla"` (Shardy).
-      cost_model: the `CostModel` the planners price with (default one GPU node; its `alltoall` is
-        MindSpore's `enable_alltoall`).
+      cost_model: the `CostModel` the planners price with (default one GPU node), `enable_alltoall` too.
       search: with `mode="auto"`, a `Search` (method, memory budget, time limit), or its method alone.
-      pipeline: a `Pipelining` (stages, micro-batches, schedule) to pipeline `fn` (a `jshard.Pipeline`,
-        or a step tagged with `jshard.pipeline_stage`).
+      pipeline: a `Pipelining` (stages, micro-batches, schedule) for a `jshard.Pipeline` or a tagged step.
       optimizer: an `OptimizerParallel` (ZeRO level 1-3, threshold), or its level alone.
       accumulation: an `Accumulation` (steps, shard) for `jshard.accumulate` in the step, or its steps.
       offload: `("optimizer",)`, `("parameters",)` or both kept in host memory between steps (None:

@@ -84,5 +84,21 @@ def test_documented_difference(case, primitive):
     assert case.ref in DOC.read_text(), f"{case.ref} is not in the table of {DOC.name}"
 
 
+def test_one_alias_for_two_axes_is_refused_where_mindspore_keeps_aliases_local():
+    """test_layout_extend_transpose.py::test_layout_extend_transpose_with_output_layout2: the input's
+    Layout((2, 4)) and the output's Layout((4, 2)) both name an axis "dp". MindSpore's aliases are
+    local to each Layout; jshard names the plan's one mesh after them, so it refuses, naming the fix."""
+    ref = "test_layout_extend_transpose.py::test_layout_extend_transpose_with_output_layout2"
+
+    def net(y):
+        return js.shard(jnp.transpose, (js.Layout((2, 4), ("dp", "sp"))("dp", "sp"),),
+                        (js.Layout((4, 2), ("dp", "sp"))("dp", "sp"),))(jax.nn.relu(y))
+
+    with pytest.raises(js.ShardingError, match=r"'dp' names an axis of 2 devices at rank stride 4 in one and of 4 at "
+                                               r"stride 2 in the other\. .* Build both from one Layout"):
+        js.parallelize(net, devices=8).plan(jax.ShapeDtypeStruct((16, 32), jnp.float32))
+    assert ref in DOC.read_text(), f"{ref} is not in the table of {DOC.name}"
+
+
 def test_the_page_names_the_commit_the_cases_were_read_at():
     assert MS_COMMIT in DOC.read_text()
