@@ -297,7 +297,7 @@ def _weigh_recompute(fn, traced: Traced, args, devices, slots, dataset, c: Optio
                             bound) from failed
 
 
-def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
+def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,  # noqa: PLR0913  (the build's state, threaded as _build_placed's)
              budget_from: str, policy, types, fastest_first: bool) -> tuple[Program, Program | MemoryBudgetError]:
     """The plan of `t` whose layouts price its regions (the fastest: planned without a budget), and
     its plan under `budget` (the fastest where it fits), or why none fits. Without `fastest_first`
@@ -318,7 +318,7 @@ def _fitting(fn, t: Traced, args, devices, slots, dataset, c: Options, call: str
     return fastest or fits, fits
 
 
-def _weigh_optimizer(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float,
+def _weigh_optimizer(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float,  # noqa: PLR0913  (the build's state, threaded as _build_placed's)
                      budget_from: str, types, without: MemoryBudgetError, check: bool = True) -> Program:
     """With no `optimizer_parallel` given and no plan fitting the budget without it (`without`):
     plans each level 1-3 (the state, then the gradients, then the parameters cut over the
@@ -376,7 +376,7 @@ def _budget(c: Options, devices) -> tuple[float | None, str]:
     return memory, f"the memory of one {kind} device, no memory_budget given"
 
 
-def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,
+def _build_traced(fn, traced: Traced, args, devices, slots, dataset, c: Options, call: str, budget: float | None,  # noqa: C901, PLR0913  (the build's stages in order; its state threaded as _build_placed's)
                   budget_from: str, recompute: str = "full", check: bool = True, types=None) -> Program:
     """Plans and builds one traced signature (`recompute`: the policy it gave `policy="auto"` regions;
     `check`: with `memory_budget` and devices present, hold the compiled program to the budget;
