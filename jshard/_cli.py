@@ -270,7 +270,7 @@ def _preset_problems(name: str, n: int, cfg, batch: int) -> list[str]:
     return models.gpt_split_problems(cfg, preset, batch)
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _plan(args: argparse.Namespace) -> int:  # noqa: C901  (the `plan` command's flags, checked in turn)
     import jshard
 
     # 8 CPU stand-ins, before JAX starts. Where it has already started with another count (a

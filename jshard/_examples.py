@@ -231,6 +231,8 @@ def _import(module_name: str):
             raise TargetError(f"no such file: {module_name}.")
         name = os.path.splitext(os.path.basename(path))[0]
         spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise TargetError(f"cannot import {module_name}: not a Python file; name a .py file or a module.")
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)

@@ -46,6 +46,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 from jshard._distributed import (
     COORDINATOR,
@@ -227,7 +228,7 @@ class _Job:
         self.log_dir = Path(args.log_dir) if args.log_dir else None
         self.stream = args.join or self.log_dir is None
         self.lock = threading.Lock()
-        self.launcher_log = None
+        self.launcher_log: TextIO | None = None
         self.workers: list[_Worker] = []
         self.kill_at: float | None = None  # after a forwarded signal: when to SIGKILL the rest
         self.signalled: int | None = None  # the first SIGINT / SIGTERM the launcher got
@@ -302,6 +303,7 @@ class _Job:
     def _pump(self, worker: _Worker) -> None:
         """Copies a worker's output to its log (and stdout with --join), keeping its last lines."""
         sink = open(worker.log, "w") if worker.log is not None else None
+        assert worker.proc.stdout is not None  # started with stdout=PIPE
         try:
             for raw in worker.proc.stdout:
                 line = raw.decode(errors="replace").rstrip("\n")

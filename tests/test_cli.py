@@ -138,6 +138,8 @@ def test_plan_with_a_budget_nothing_can_meet_exits_1(capsys):
         (["gtp"], "unknown target 'gtp': name a reference model (gpt, gpt-scan, mlp, resnet, moe)"),
         (["no_such_module_xyz:example"], "cannot import 'no_such_module_xyz'"),
         ([f"{EXAMPLE}:missing"], "has no attribute 'missing'"),
+        ([f"{os.path.dirname(EXAMPLE)}{os.sep}conftest.txt:example"], "no such file"),
+        ([f"{pathlib.Path(EXAMPLE).parent.parent / 'pyproject.toml'}:example"], "pyproject.toml: not a Python file"),
         ([f"{EXAMPLE}:not_a_pair"], "must return (fn, args) or (fn, args, options); it returned int"),
         (["mlp", "--heads", "4"], "--heads does not apply to mlp"),
         ([f"{EXAMPLE}:example", "--layers", "2"], "--layers size a reference model"),

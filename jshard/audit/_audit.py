@@ -361,6 +361,7 @@ def _computations(text: str) -> tuple[dict[str, list[_Instr]], str]:
     for line in text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{") and not line.startswith("HloModule"):
             head = re.match(r"(ENTRY\s+)?%?([^\s(]+)", line)
+            assert head is not None  # a computation's first line, which names it
             current = computations.setdefault(head[2], [])
             entry = head[2] if head[1] else entry
         elif line.startswith("}"):

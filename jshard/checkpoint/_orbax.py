@@ -245,8 +245,8 @@ def _foreign_error(call: str, step_dir: str, step: int) -> str:
 
 
 def _unreadable_error(call: str, manager: ocp.CheckpointManager, directory: str, step: int, error: Exception) -> str:
-    while (error.__cause__ or error.__context__) is not None:  # TensorStore's own error names the file
-        error = error.__cause__ or error.__context__
+    while (inner := error.__cause__ or error.__context__) is not None:  # TensorStore's own error names the file
+        error = inner
     what = str(error).split(" [tensorstore_spec=")[0].split("\n")[0]
     what = what if len(what) <= 400 else what[:400] + " ..."
     return (f"{call}: step {step} ({os.path.join(directory, str(step))}) cannot be read: {type(error).__name__}: "

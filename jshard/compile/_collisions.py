@@ -50,12 +50,14 @@ def collisions(program: Program, slots, c: Options) -> list[Collision]:
         v: i for i, (v, slot) in enumerate(zip(traced.invars, slots)) if _is_tuple(slot) and v in result.values}
     if len(given) < 2:
         return []
+    assert traced is not None and result is not None  # else nothing is given
     found: dict[tuple[int, int], Collision] = {}
     for k, node in enumerate(traced.nodes):
         decision = result.decisions.get(k)
         ins = [] if decision is None else [(j, v) for j, v in enumerate(operand_vars(node)[0])
                                            if isinstance(v, jcore.Var) and v in given]
         for a, (ja, va) in enumerate(ins):
+            assert decision is not None  # else no inputs
             for jb, vb in ins[a + 1:]:
                 pair, specs = (given[va], given[vb]), (result.values[va], result.values[vb])
                 shared = _axes(specs[0]) & _axes(specs[1])

@@ -129,6 +129,7 @@ def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> 
     options = adopted(options, call)
     devices = devices_for(options)
     n = options.devices if devices is None else len(devices)
+    assert n is not None  # devices_for gives None only for more devices than are present
     slots = canonicalize_in_strategy(options.in_strategy, args, call=call)
     batch = batch_leaves(args, options)
     dataset = dataset_anchors(args, batch, options, n, call)
@@ -215,6 +216,7 @@ def _weigh_offload(s: Signature, traced: Traced) -> Program:
         weighed[()], errors[()] = Weighed("none", None, e.least_bytes), e
     else:
         search = device.plan.search
+        assert search is not None  # the search planned it
         weighed[()], planned[()] = Weighed("none", search.seconds, search.peak_bytes), device
         least = lambda what: least_streamed(traced, args, c, what)
         choices = [what for what in choices if cost.host_seconds(least(what), least(what)) < search.seconds]
@@ -231,6 +233,7 @@ def _weigh_offload(s: Signature, traced: Traced) -> Program:
         except MemoryBudgetError as e:
             weighed[what], errors[what] = Weighed(_offload_name(what), None, e.least_bytes), e
             continue
+        assert program.plan.offload is not None and program.plan.search is not None  # offloaded by the search
         host, search = program.plan.offload.seconds, program.plan.search
         weighed[what], planned[what] = Weighed(_offload_name(what), search.seconds + host, search.peak_bytes,
                                                host_seconds=host), program
@@ -260,10 +263,12 @@ def _offload_name(what: tuple[str, ...]) -> str:
 def _offload_chosen(program: Program, what: tuple[str, ...], weighed: dict, budget: float, budget_from: str) -> Program:
     """`program` with the offloads weighed in its `SearchReport`, and why in its `OffloadReport`."""
     plan = program.plan
+    assert plan.search is not None  # the search planned it
     shown = tuple(dataclasses.replace(w, chosen=k == what) for k, w in weighed.items())
     search = dataclasses.replace(plan.search, offload=shown)
     offload = plan.offload
     if what:
+        assert offload is not None  # `what` is offloaded
         device, chosen = weighed[()], weighed[what]
         given = "memory_budget=" if budget_from == "memory_budget" else f"a budget of {budget_from}: "
         stay = (f"with the state on the device no plan fits (least peak {human_bytes(device.peak_bytes or 0)})"
@@ -338,6 +343,7 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
         found = fastest_that_fits(candidates, lambda k: candidates[k][1].plan.search.seconds, held, refused)
         if found is not None:
             key, program = found
+            assert program.plan.search is not None  # the search planned it
             policies = (key,) * len(regions) if isinstance(key, str) else key
             report = dataclasses.replace(program.plan.search, regions=choices(costs, policies, moves, rate),
                                          recompute=tuple(dataclasses.replace(w, chosen=key == w.policy) for w in weighed))
@@ -405,6 +411,7 @@ def _weigh_optimizer(s: Signature, traced: Traced, without: MemoryBudgetError, c
            f"least it found: {human_bytes(without.least_bytes or 0)}); of the levels weighed ("
            f"{', '.join(w.text() for w in shown)}), level {level} is the fastest that fits")
     plan = program.plan
+    assert plan.optimizer is not None and plan.search is not None  # planned with optimizer parallel, by the search
     return dataclasses.replace(program, plan=plan.replace(
         optimizer=dataclasses.replace(plan.optimizer, why=why),
         search=dataclasses.replace(plan.search, optimizer=tuple(shown))))
@@ -425,7 +432,7 @@ def _budget(c: Options, devices) -> tuple[float | None, str]:
     return memory, f"the memory of one {kind} device, no memory_budget given"
 
 
-def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: bool = True) -> Program:
+def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: bool = True) -> Program:  # noqa: C901  (the build's stages in order)
     """Plans and builds one traced signature (`recompute`: the policy it gave `policy="auto"` regions;
     `check`: with `memory_budget` and devices present, hold the compiled program to the budget)."""
     fn, args, devices, slots, dataset, c, call = s.fn, s.args, s.devices, s.slots, s.dataset, s.options, s.call
@@ -487,6 +494,7 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
         """`program` with its compiled peak in its report (and, where it fits, the budget asked for,
         not the tighter estimate searched under), and that peak."""
         found = compiled_peak(program.jitted, args, program.in_shardings)
+        assert program.plan.search is not None and c.memory_budget is not None  # searched, compiled under a budget
         report = dataclasses.replace(program.plan.search, compiled_peak_bytes=found)
         if found <= c.memory_budget:
             report = dataclasses.replace(report, budget=budget)
@@ -508,6 +516,7 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
                 return program
             program, held = checked_peak(program)
             report = program.plan.search
+            assert report is not None and c.memory_budget is not None and problem.budget is not None  # as checked_peak's
             if report.seeds and not tried:
                 # seeds that predict less but the search estimated over the budget: their compiled programs decide
                 tried = True
@@ -653,6 +662,7 @@ def _recompute_error(call: str, budget: float, budget_from: str, weighed, n: int
 
 def _users_mesh_error(call: str, matrix, who: str, c: Options) -> str:
     mesh = c.mesh
+    assert mesh is not None  # the error of a user's mesh
     how = "mode='manual' keeps" if c.mode == "manual" else "jshard plans on"
     return (
         f"{call}: {who} uses device matrix {list(matrix)}, whose axes do not line up with the axes "
@@ -673,7 +683,7 @@ def _check_comm_kept(traced: Traced, c: Options, call: str) -> None:
     why = ("mode='manual'" if c.mode == "manual" else "propagation='xla'" if c.propagation == "xla"
            else "every mesh axis Explicit" if set(mesh.explicit_axes) == set(mesh.axis_names) else None)
     kept = next((n for n in traced.nodes if _COMM_KEPT.search(n.scope)), None) if why else None
-    if kept is not None:
+    if kept is not None and why is not None:
         raise ShardingError(_comm_kept_error(call, kept.source, why))
 
 

@@ -76,6 +76,7 @@ def cuts(traced: Traced, args: tuple, layouts: Sequence[NamedSharding], options:
       ShardingError: no leaf at or above the threshold has a mesh axis its layout leaves free.
     """
     o = options.optimizer
+    assert o is not None  # called with optimizer parallel on only
     params, state = roles(args, options)
     targets = sorted(state | params) if o.level == 3 else sorted(state)
     big = [i for i in targets if _bytes(traced.leaves[i]) >= o.threshold_bytes]

@@ -71,7 +71,7 @@ class LiveRanges:
         return [v for v in values if self.first[v] <= t <= self.last[v]]
 
 
-def live_ranges(nodes: Sequence[Node], args: Sequence, outvars: Sequence, donated: frozenset = frozenset(),
+def live_ranges(nodes: Sequence[Node], args: Sequence, outvars: Sequence, donated: frozenset = frozenset(),  # noqa: C901  (one pass over the program, each kind of value in its branch)
                 host: frozenset = frozenset()) -> LiveRanges:
     """The `LiveRanges` of the non-scalar values of a flattened program (see the module docstring);
     `host`: the arguments and results kept in host memory between steps."""

@@ -124,8 +124,7 @@ def broadcast_layouts(
                 )
             if shape[d] == 1:
                 continue
-            if owner[pos] is not None and matrix[pos] != cut:
-                j = owner[pos]
+            if (j := owner[pos]) is not None and matrix[pos] != cut:
                 dj = pos - rank + len(strategies[j])
                 raise ShardingError(
                     f"{call}: {op}: {names[j]}={strategies[j]} and {names[i]}={strategy} "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
 from jax.sharding import PartitionSpec
 
@@ -40,6 +41,13 @@ def canonicalize_slots(values: object, *, call: str, what: str) -> tuple[Slot, .
     return tuple(canonicalize_slot(v, call=call, what=f"{what}[{i}]") for i, v in enumerate(values))
 
 
+@overload
+def layout_of(slot: None, device_count: int, *, call: str, op: str, what: str) -> None: ...
+@overload
+def layout_of(slot: tuple[int, ...] | TensorLayout | PartitionSpec, device_count: int, *, call: str, op: str,
+              what: str) -> TensorLayout: ...
+@overload
+def layout_of(slot: Slot, device_count: int, *, call: str, op: str, what: str) -> TensorLayout | None: ...
 def layout_of(slot: Slot, device_count: int, *, call: str, op: str, what: str) -> TensorLayout | None:
     """A slot as a full-device-count layout: a lone tuple is its own device matrix (+ repeats)."""
     if slot is None:

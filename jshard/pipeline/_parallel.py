@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -48,6 +48,16 @@ from jshard.pipeline._staged import StagedProgram
 from jshard.pipeline._stagesearch import searched
 
 
+class _Checked(NamedTuple):
+    """`options.pipeline` as `_check_options` passed it: `stages` and `micro_batches` given."""
+
+    stages: int
+    micro_batches: int
+    schedule: str
+    virtual_stages: int
+    result_broadcast: bool
+
+
 @dataclasses.dataclass
 class _Entry:
     program: Program
@@ -79,9 +89,9 @@ class Pipelined:
     """
 
     def __init__(self, pipe: Pipeline, options: Options):
-        self.pipe, self.options, self.pipeline = pipe, options, options.pipeline
+        self.pipe, self.options = pipe, options
         self.call = f"jshard.parallelize({_name(pipe)})"
-        _check_config(self.call, pipe, options)
+        self.pipeline = _check_config(self.call, pipe, options)
         self.n, self.inner, self.mesh = _pipeline_mesh(self.call, options)
         self._cache: SignatureCache[_Entry] = SignatureCache()
         self._forwards: SignatureCache[Any] = SignatureCache()
@@ -387,9 +397,9 @@ class Staged:
     """
 
     def __init__(self, fn: Any, options: Options):
-        self.fn, self.options, self.pipeline = fn, options, options.pipeline
+        self.fn, self.options = fn, options
         self.call = f"jshard.parallelize({_name(fn)})"
-        _check_staged(self.call, options)
+        self.pipeline = _check_staged(self.call, options)
         _, self.inner, self.mesh = _pipeline_mesh(self.call, options)
         self._cache: SignatureCache[_StagedEntry] = SignatureCache()
         self._packed: dict[tuple, _StagedEntry] = {}
@@ -586,6 +596,7 @@ def _through_one_layer(pipe: Pipeline, params, micro_batch) -> jax.Array:
 def _pipeline_mesh(call: str, options: Options) -> tuple[int, FineMesh, Mesh]:
     """`(devices, the stage's fine mesh, the pipeline's mesh)`: a leading `stage` axis of S, then
     each stage's own fine mesh over `devices / S` devices."""
+    assert options.pipeline is not None and options.pipeline.stages is not None  # _check_options checked both
     have, stages = jax.devices(), options.pipeline.stages
     n = len(have) if options.devices is None else options.devices
     if n > len(have):
@@ -614,26 +625,27 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_config(call: str, pipe: Pipeline, options: Options) -> None:
-    c = options.pipeline
-    _check_options(call, options)
+def _check_config(call: str, pipe: Pipeline, options: Options) -> _Checked:
+    c = _check_options(call, options)
     if pipe.tagged:
         if c.virtual_stages != 1:
             raise ShardingError(f"{call}: per-stage functions (pipeline_stage) run one chunk per stage; "
                                 f"virtual_stages={c.virtual_stages} needs one layer function instead.")
         check_stage_ids(call, list(pipe.layer), c.stages)
+    return c
 
 
-def _check_staged(call: str, options: Options) -> None:
+def _check_staged(call: str, options: Options) -> _Checked:
     """The options a step cut by `pipeline_stage` tags takes: no `in_strategy` (interleaved: the
     tags number `stages × virtual_stages` stages, `Staged`)."""
-    _check_options(call, options)
+    c = _check_options(call, options)
     if options.in_strategy:
         raise ShardingError(f"{call}: in_strategy= sets strategies inside the stages of a jshard.Pipeline; a step cut "
                             f"by jshard.pipeline_stage tags packs each stage's parameters into one buffer per dtype, "
                             f"which takes no per-leaf strategy. Drop in_strategy= and give the operators strategies "
                             f"with jshard.shard inside the stages (they hold on each stage's devices), or use a "
                             f"jshard.Pipeline.")
+    return c
 
 
 def _check_float_params(call: str, params: Any) -> None:
@@ -655,9 +667,11 @@ def _replicated(mesh: Mesh, tree: Any) -> Any:
     return jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), tree)
 
 
-def _check_options(call: str, options: Options) -> None:
-    """The pipeline options every pipelined step checks (stages, schedule, micro-batches, dataset)."""
+def _check_options(call: str, options: Options) -> _Checked:
+    """The pipeline options every pipelined step checks (stages, schedule, micro-batches, dataset),
+    returned with `stages` and `micro_batches` known to be given."""
     c = options.pipeline
+    assert c is not None  # `pipelined` makes a pipelined step only with one
     if not isinstance(c.stages, int) or c.stages < 2:
         raise ShardingError(f"{call}: stages={c.stages!r}; a pipeline needs at least 2 stages "
                             f"(drop pipeline= to run without one).")
@@ -681,6 +695,7 @@ def _check_options(call: str, options: Options) -> None:
             f"{math.ceil(c.micro_batches / c.stages) * c.stages}."
         )
     check_dataset_strategy(options.dataset_strategy, call=call, tuples=False)
+    return _Checked(c.stages, c.micro_batches, c.schedule, c.virtual_stages, c.result_broadcast)
 
 
 def _check_divides_devices(call: str, n: int, stages: int) -> None:
@@ -732,6 +747,7 @@ def pipelined(fn: Any, options: Options) -> Pipelined | Any:
     strategy searched over its devices).
     """
     call = f"jshard.parallelize({_name(fn) if fn is not None else 'fn'})"
+    assert options.pipeline is not None  # parallelize calls it with one
     if options.pipeline.stages is None:
         raise ShardingError(
             f"{call}: micro_batches=, schedule= and virtual_stages= configure a pipeline, but stages= "

@@ -74,6 +74,7 @@ def searched(call: str, cut: Cut, options: Options, inner: FineMesh, params_aval
     batch = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(micro)]
     inputs = [[]] + [[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in b] for b in cut.boundary]
     c = options.pipeline
+    assert c is not None and c.stages is not None and c.micro_batches is not None  # the pipeline checked them
     schedule = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
     extra = in_flight(cut, schedule, params_avals, batch, inputs)
     # the gradient sums at the least they can take: every stage's parameters cut over all its devices
@@ -126,6 +127,7 @@ def _search_stages(call: str, cut: Cut, options: Options, inner: FineMesh, param
         where = f"{call} (stage {k}" + (f"; memory_budget less the pipeline's {human_bytes(held)} outside it)"
                                          if budget is not None else ")")
         program = build(run, (params_k, batch, inputs[k]), stage_options, where)
+        assert program.traced is not None and program.result is not None  # a program built by the search has both
         _check_mesh(call, k, program.traced.mesh, inner)
         mesh = program.traced.mesh
         emission = emission_of(program.traced.nodes, program.result, dict(mesh.shape), options.costs.alltoall)

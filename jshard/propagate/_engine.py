@@ -728,7 +728,7 @@ def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, i
 
 
 
-def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], alltoall: bool = True) -> Emission:
+def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], alltoall: bool = True) -> Emission:  # noqa: C901  (one pass over the operators, each kind of constraint in its branch)
     """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
     implied by the inputs), and inputs an operator receives in another layout than they were made
     (with the value pinned where it is made too), in the `stages` the cost model prices; a `shard`

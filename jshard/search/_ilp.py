@@ -29,7 +29,7 @@ from jshard.search._graph import TIE, Assignment, Group, Infeasible, SearchGraph
 _ROUNDS = 4
 
 
-def solve(g: SearchGraph, groups: Sequence[Group], budget: float | None, time_limit: float) -> Solved:
+def solve(g: SearchGraph, groups: Sequence[Group], budget: float | None, time_limit: float) -> Solved:  # noqa: C901  (the MILP's variables and constraints, built in one place)
     """The least-cost choice over `groups` (mesh-axis groups, each given to one factor or none)."""
     from scipy.optimize import Bounds, LinearConstraint, milp  # noqa: PLC0415  (SciPy loads on demand)
     from scipy.sparse import coo_array  # noqa: PLC0415

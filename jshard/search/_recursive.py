@@ -149,6 +149,7 @@ class _Recursive:
         return base, self.g.seconds(base)
 
     def _level(self, group: Group, base: list[Assignment], lam: float) -> list[Assignment]:
+        assert self.ties is not None  # `run` made them
         level = _Level(self, group, base, lam, self.ties)
         picks = level.solve()
         self.unit_classes += level.classes
@@ -226,7 +227,10 @@ class _Recursive:
         layers beside the middle then differ from it (a change at a boundary carried layer to layer
         into the interior), the middle takes each one's choice and is checked again (`_WAVES`
         rounds at most); the lowest energy is kept."""
-        ties, best, seeds = self.checks, None, [None]  # None: `chosen`, seated on the level's candidates
+        assert self.checks is not None  # `_level` made them
+        ties = self.checks
+        seeds: list[list[int] | None] = [None]  # None: `chosen`, seated on the level's candidates
+        best: tuple[float, _Level, list[int]] | None = None
         seated: dict[tuple[int, int], int] = {}  # `_seat`'s answers by the ids of a choice and a candidate list
 
         def seat(a: Assignment, cands: list[Assignment]) -> int:
@@ -250,6 +254,7 @@ class _Recursive:
                     best, better = (energy, level, picks), True
             if not better:
                 break
+            assert best is not None  # `better`: set now
             _, level, picks = best
             cands = level.cands
 
@@ -258,6 +263,7 @@ class _Recursive:
 
             beside = (ties.window - 1, -ties.window)  # the layers beside the middle ones
             seeds = [seed for seed in (ties.waved(picks, layer, moved) for layer in beside) if seed != picks]
+        assert best is not None  # the first seed set it
         _, level, picks = best
         return [level.cands[c][picks[c]] for c in ties.of]
 
@@ -505,11 +511,12 @@ class _Level:
         kinds = shared.kinds(self.reps)
         self.cands = [shared.candidates(k, kind) for k, kind in zip(self.reps, kinds)]
         own, kept = shared.own, search.kept_bytes
-        self.unary = [own.get((kinds[c], kept.get(k))) for c, k in enumerate(self.reps)]  # `_unary`, where known
-        for c, found in enumerate(self.unary):
+        known = [own.get((kinds[c], kept.get(k))) for c, k in enumerate(self.reps)]  # `_unary`, where known
+        self.unary: list[np.ndarray] = []
+        for c, found in enumerate(known):
             if found is None:
                 found = self._unary(c, kinds[c], lam)
-            self.unary[c] = found * count[c] if count[c] > 1 else found
+            self.unary.append(found * count[c] if count[c] > 1 else found)
         self.combinable = [c for c, k in enumerate(self.reps) if k in g.combinable]
         self._bar(barred)
         self.tables: dict[tuple[int, int], np.ndarray] = {}
@@ -750,7 +757,7 @@ class _Level:
             (content(self.unary[k]), tuple(content(tables[(k, j)]) if k < j else content(tables[(j, k)], True)
                                            for j in self._ids[k])), len(classes))
             for k in core}
-        self._locals: dict[tuple, tuple[np.ndarray, int, tuple]] = {}
+        self._locals: dict[tuple, tuple[np.ndarray, int, tuple, tuple[bool, ...]]] = {}
         self._pairs: dict[tuple, tuple[int, int] | None] = {}
         n = len(self.cands)
         self._offset = np.zeros(n, int)
@@ -785,6 +792,7 @@ class _Level:
                 total = self._energy(choice)
                 if found is None or total < found[0]:
                     found = (total, choice, c)
+            assert found is not None  # every unit has a candidate
             pinned[root] = found[2]
             choice = found[1]
             self._improve(core, choice, set(pinned), pairs=True)  # the root's best, polished with pairwise moves

@@ -157,7 +157,7 @@ class SearchReport:
                     "" if not self.kept else f"; kept {self.kept}"))
 
 
-def search(
+def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one keyword each)
     nodes: Sequence[Node],
     args: Sequence,
     outvars: Sequence,
