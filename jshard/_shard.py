@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
@@ -32,6 +32,8 @@ from jshard.layouts import (
     dot_layouts,
     gather_layouts,
     layout_of,
+    on_auto_axes,
+    place,
     with_repeated_calculation,
 )
 
@@ -135,16 +137,26 @@ class _Call:
         params = []
         scope = self.ctx.next_scope()
         with jax.named_scope(scope):
-            args = [
-                self._constrain(a, lay) if lay is not None else a for a, lay in zip(args, in_layouts)
-            ]
+            args = self._constrained(args, in_layouts)
             fn = self.fn
             if plan:
                 fn, args = constrain_parameters(self, plan, fn, args, params)
-            result = fn(*args, **kwargs)
-            leaves, tree = jax.tree_util.tree_flatten(result)
-            out_layouts = self._output_layouts(outs, out_rule, leaves)
-            leaves = [self._constrain(x, lay) if lay is not None else x for x, lay in zip(leaves, out_layouts)]
+            if outs is None and out_rule is None:  # the types decide the results (on Explicit axes)
+                leaves, tree = jax.tree_util.tree_flatten(fn(*args, **kwargs))
+                out_layouts = self._output_layouts(outs, out_rule, leaves)
+                leaves = [self._constrain(x, lay) if lay is not None else x for x, lay in zip(leaves, out_layouts)]
+            else:  # the layouts decide: on Explicit axes, the operator runs on Auto ones (jax.sharding.auto_axes)
+                found = {}
+
+                def inner(args, kwargs):
+                    leaves, found["tree"] = jax.tree_util.tree_flatten(fn(*self._constrained(args, in_layouts), **kwargs))
+                    found["layouts"] = self._output_layouts(outs, out_rule, leaves)
+                    leaves = [self._constrain(x, lay) if lay is not None else x
+                              for x, lay in zip(leaves, found["layouts"])]
+                    return leaves, [None if lay is None else self._sharding(lay) for lay in found["layouts"]]
+
+                leaves = on_auto_axes(inner, args, kwargs)
+                tree, out_layouts = found["tree"], found["layouts"]
         self.ctx.annotations.append(
             _context.Annotation(scope, self.name, self.source, tuple(in_layouts), tuple(out_layouts), partial, tuple(params))
         )
@@ -219,26 +231,21 @@ class _Call:
             return [out_rule]
         return [None] * len(leaves)
 
-    def _constrain(self, x, layout):
+    def _constrained(self, args, layouts) -> list:
+        return [self._constrain(a, lay) if lay is not None else a for a, lay in zip(args, layouts)]
+
+    def _sharding(self, layout) -> NamedSharding:
         try:
-            spec = self.ctx.fine.partition_spec(layout)
+            return NamedSharding(self.ctx.mesh, self.ctx.fine.partition_spec(layout))
         except NotRefined as e:
             e.who = self.op
             raise
-        manual = jax.sharding.get_abstract_mesh().manual_axes
-        if manual:  # in a region manual over them (jshard.accumulate's loop): each device's slice is its own
-            return jax.lax.with_sharding_constraint(x, _without(spec, manual))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.ctx.mesh, spec))
 
-
-
-def _without(spec: PartitionSpec, axes) -> PartitionSpec:
-    """`spec` with `axes` taken out of every dim."""
-    dims = []
-    for d in spec:
-        kept = tuple(a for a in (d if isinstance(d, tuple) else (d,)) if a is not None and a not in axes)
-        dims.append(None if d is None or not kept else kept[0] if len(kept) == 1 else kept)
-    return PartitionSpec(*dims)
+    def _constrain(self, x, layout):
+        """`x` laid out as `layout` says: a constraint on `Auto` axes, a `reshard` on `Explicit`
+        ones; in a region manual over some axes (jshard.accumulate's loop) each device's slice
+        is its own."""
+        return place(x, self._sharding(layout))
 
 
 def _describe(x) -> str:
