@@ -33,6 +33,7 @@ from jshard.layouts import (
     check_divides,
     dataset_slots,
     layout_of,
+    spec_from_pspec,
     to_pspec,
     typed_spec,
 )
@@ -128,6 +129,31 @@ def argument_types(args: tuple, fine: FineMesh, slots: Sequence[Slot], dataset: 
             out.append(_layout_sharding(fine, mesh, dataset[i], x, f"dataset_strategy for args{path}", call))
         else:
             out.append(NamedSharding(mesh, PartitionSpec()))
+    return out
+
+
+def narrower_types(types: list[NamedSharding], args: tuple, slots: Sequence[Slot], dataset: dict[int, Slot],
+                   options: Options) -> list[list[NamedSharding]]:
+    """Where the model's own types do not take the batch as the default dataset policy cuts it
+    (rows over every mesh axis: a batch meeting a parameter cut over `tensor`), the typings to try
+    next, in order: the rows of those batch leaves cut over one mesh axis fewer (the minor
+    first), down to whole, as `jax.jit` takes a batch not placed on the mesh. None to try where
+    no leaf is typed by the default policy (`in_strategy`, placement or a given
+    `dataset_strategy` decide)."""
+    if options.dataset_strategy != "data_parallel":
+        return []
+    mesh = options.mesh
+    leaves = jax.tree_util.tree_leaves(args)
+    free = [i for i in dataset if slots[i] is None and not (
+        isinstance(getattr(leaves[i], "sharding", None), NamedSharding)
+        and leaves[i].sharding.mesh.axis_names == mesh.axis_names)]
+    if not free:
+        return []
+    rows = spec_from_pspec(types[free[0]].spec, max(np.ndim(leaves[free[0]]), 1))[0]
+    out = []
+    for k in range(len(rows) - 1, -1, -1):
+        cut = NamedSharding(mesh, PartitionSpec(rows[:k] or None))
+        out.append([cut if i in free else t for i, t in enumerate(types)])
     return out
 
 
