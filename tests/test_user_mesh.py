@@ -194,3 +194,12 @@ def test_strategy_tuples_on_jax_make_mesh_axes_of_every_type(mode, kind, how):
         with jax.set_mesh(mesh):
             got = js.parallelize(grad, mode=mode, in_strategy=((2, 1), None, None))(*FFN_ARGS)
     assert_close(got, one_device(grad, *FFN_ARGS), terms=16 + 32 + 8)
+
+
+def test_on_explicit_axes_a_weight_is_stored_as_the_shard_call_using_it_takes_it():
+    mesh = jax.make_mesh((2, 4), ("dp", "mp"))  # Explicit axes
+    plan = js.parallelize(ffn, mesh=mesh, in_strategy=((2, 1), None, None)).plan(*FFN_ARGS)
+    assert plan.in_specs[:2] == (P("dp"), P(None, "mp"))  # W1 cut by columns, as on Auto axes
+    (first, second) = [op for op in plan.ops if op.primitive == "dot_general"]
+    assert (first.origin, first.in_strategy, "test_user_mesh.py" in first.source) == ("user", ((2, 1), (1, 4)), True)
+    assert not [op for op in plan.ops if op.primitive == "reshard"]  # the shard calls' moves are not operators

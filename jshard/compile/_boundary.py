@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jshard._errors import ShardingError
@@ -23,7 +24,7 @@ from jshard._format import shape_str, var_str
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
-from jshard.graph import CONSTRAINT
+from jshard.graph import CONSTRAINT, JSHARD_SCOPE
 from jshard.layouts import (
     FineMesh,
     NotRefined,
@@ -155,6 +156,31 @@ def narrower_types(types: list[NamedSharding], args: tuple, slots: Sequence[Slot
         cut = NamedSharding(mesh, PartitionSpec(rows[:k] or None))
         out.append([cut if i in free else t for i, t in enumerate(types)])
     return out
+
+
+def shard_stored(traced: Traced, types: list[NamedSharding], slots: Sequence[Slot], dataset: dict[int, Slot],
+                 options: Options) -> list[NamedSharding] | None:
+    """On `Explicit` axes in `semi_auto` and `auto`: the argument types with each leaf typed whole
+    by default (no `in_strategy`, placement or dataset layout) that flows straight into a `shard`
+    call's `reshard` typed as that call takes it, as a parameter is stored as the operator that
+    uses it takes it (on `Auto` axes: `boundary_anchors`); None where no leaf is."""
+    if options.mode not in ("semi_auto", "auto"):
+        return None
+    index = {v: i for i, v in enumerate(traced.invars)}
+    out, changed = list(types), False
+    for node in traced.nodes:
+        i = index.get(node.inputs[0]) if node.inputs and isinstance(node.inputs[0], jcore.Var) else None
+        if (node.primitive != "reshard" or JSHARD_SCOPE not in node.scope or node.inside or i is None
+                or slots[i] is not None or i in dataset or _placed(traced.leaves[i], types[i].mesh)
+                or out[i] is not types[i] or not types[i].is_fully_replicated):
+            continue
+        out[i], changed = NamedSharding(types[i].mesh, node.eqn.params["dst_sharding"].spec), True
+    return out if changed else None
+
+
+def _placed(x, mesh) -> bool:
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, NamedSharding) and sharding.mesh.axis_names == mesh.axis_names
 
 
 def in_shardings(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options, call: str) -> list:

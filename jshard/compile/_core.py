@@ -36,6 +36,7 @@ from jshard.compile._boundary import (
     in_shardings,
     narrower_types,
     out_shardings,
+    shard_stored,
 )
 from jshard.compile._collisions import warn_collisions
 from jshard.compile._offload import anchored, least_streamed, offloaded, searched
@@ -105,6 +106,9 @@ def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c:
     where no plan fits the budget and `optimizer_parallel` is not given, weighs its levels."""
     types = argument_types(args, fine, slots, dataset, c, call)
     traced, types = _typed_trace(fn, args, fine, devices, c, call, types, slots, dataset)
+    stored = None if types is None else shard_stored(traced, types, slots, dataset, c)
+    if stored is not None:
+        traced, types = trace(fn, args, fine, devices, c, call, types=stored), stored
     for a in traced.ctx.annotations:
         for layout in (*a.in_layouts, *a.out_layouts):
             if layout is not None:

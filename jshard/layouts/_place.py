@@ -16,6 +16,10 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jshard._compat import source_info_util
+
+source_info_util.register_exclusion(__file__)  # operators' source lines name the caller, not this module
+
 
 def _axes(entry) -> tuple[str, ...]:
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
