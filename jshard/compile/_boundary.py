@@ -111,7 +111,7 @@ def argument_types(args: tuple, fine: FineMesh, slots: Sequence[Slot], dataset: 
                    call: str) -> list[NamedSharding] | None:
     """On a user's mesh with `Explicit` axes, the sharding each argument leaf's type carries while
     tracing, as `jax.jit` types what it is given: its `in_strategy`; else the sharding it was
-    placed on over the mesh; else its dataset layout (the batch); else replicated. None on other
+    placed on over the mesh, where it is cut; else its dataset layout (the batch); else replicated. None on other
     meshes (types carry no layout there)."""
     mesh = options.mesh
     if mesh is None or not mesh.explicit_axes or options.mode == "manual":
@@ -119,11 +119,10 @@ def argument_types(args: tuple, fine: FineMesh, slots: Sequence[Slot], dataset: 
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
     out = []
     for i, (x, slot, path) in enumerate(zip(jax.tree_util.tree_leaves(args), slots, paths)):
-        placed = getattr(x, "sharding", None)
         if slot is not None and not isinstance(slot, PartitionSpec):
             out.append(_layout_sharding(fine, mesh, slot, x, f"in_strategy{path}", call))
-        elif isinstance(placed, NamedSharding) and placed.mesh.axis_names == mesh.axis_names:
-            out.append(placed)
+        elif _placed(x, mesh):
+            out.append(x.sharding)
         elif i in dataset:
             if options.dataset_strategy == "data_parallel":
                 check_batch_rows(np.shape(x), fine.device_count, call=call, where=f"args{path}")
@@ -145,9 +144,7 @@ def narrower_types(types: list[NamedSharding], args: tuple, slots: Sequence[Slot
         return []
     mesh = options.mesh
     leaves = jax.tree_util.tree_leaves(args)
-    free = [i for i in dataset if slots[i] is None and not (
-        isinstance(getattr(leaves[i], "sharding", None), NamedSharding)
-        and leaves[i].sharding.mesh.axis_names == mesh.axis_names)]
+    free = [i for i in dataset if slots[i] is None and not _placed(leaves[i], mesh)]
     if not free:
         return []
     rows = spec_from_pspec(types[free[0]].spec, max(np.ndim(leaves[free[0]]), 1))[0]
@@ -179,8 +176,11 @@ def shard_stored(traced: Traced, types: list[NamedSharding], slots: Sequence[Slo
 
 
 def _placed(x, mesh) -> bool:
+    """Whether `x` was placed cut on `mesh` (a replicated placement fixes nothing, as in
+    `model_anchor`, and as the signature counts it)."""
     sharding = getattr(x, "sharding", None)
-    return isinstance(sharding, NamedSharding) and sharding.mesh.axis_names == mesh.axis_names
+    return (isinstance(sharding, NamedSharding) and sharding.mesh.axis_names == mesh.axis_names
+            and not sharding.is_fully_replicated)
 
 
 def in_shardings(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options, call: str) -> list:
