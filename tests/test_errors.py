@@ -1,8 +1,11 @@
 """Every error a user can act on: its type, and a message naming the call, operator, shape, strategy,
 device count and fix."""
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
 import traceback
 
 import jax
@@ -36,8 +39,8 @@ def plan_matmul(strategy, x_shape, w_shape, devices=8):
 
 @pytest.mark.parametrize(
     "strategy, matrix, used",
-    [(((3, 1), (1, 1)), [3, 1, 1], 3), (((2, 3), (3, 1)), [2, 3, 1], 6), (((4, 2), (2, 2)), [4, 2, 2], 16)],
-    ids=["3-on-8", "6-on-8", "16-on-8"],
+    [(((3, 1), (1, 1)), [3, 1, 1], 3), (((2, 3), (3, 1)), [2, 3, 1], 6)],
+    ids=["3-on-8", "6-on-8"],
 )
 def test_device_matrix_not_dividing_device_count(strategy, matrix, used):
     with pytest.raises(js.ShardingError, match=parts(
@@ -46,6 +49,34 @@ def test_device_matrix_not_dividing_device_count(strategy, matrix, used):
         "divisor of 8 (1, 2, 4, 8)",
     )):
         plan_matmul(strategy, (12, 12), (12, 12))
+
+
+def test_device_matrix_over_more_devices_than_the_program_has():
+    with pytest.raises(js.ShardingError, match=parts(
+        "jshard.shard(matmul): in_strategy=((4, 2), (2, 2)) gives matmul at test_errors.py:",
+        "the device matrix [4, 2, 2] (16 devices), but the program has 8 device(s). On a laptop or any CPU, call "
+        "jshard.simulate_devices(16) first thing", "or pass jshard.parallelize(..., devices=16) or a mesh of 16 devices",
+    )):
+        plan_matmul(((4, 2), (2, 2)), (12, 12), (12, 12))
+
+
+SIMULATE_FORGOTTEN = """
+import jax.numpy as jnp, numpy as np
+import jshard as js
+step = js.parallelize(lambda x, w: js.shard(jnp.matmul, ((2, 1), (1, 4)))(x, w))
+step(np.ones((8, 16), np.float32), np.ones((16, 32), np.float32))
+"""
+
+
+def test_simulate_devices_forgotten_on_a_one_device_machine(tmp_path):
+    # was: "... does not divide the device count 1. Choose strategies whose device matrix multiplies to a divisor of 1"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(pathlib.Path(js.__file__).parent.parent))
+    (tmp_path / "laptop.py").write_text(SIMULATE_FORGOTTEN)
+    done = subprocess.run([sys.executable, "laptop.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert re.search(parts("jshard.ShardingError: jshard.shard(matmul)", "but the program has 1 device(s)",
+                           "call jshard.simulate_devices(8) first thing"), done.stderr), done.stderr[-2000:]
 
 
 def test_cut_not_dividing_a_dim():
