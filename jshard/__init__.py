@@ -22,6 +22,7 @@ from jshard._errors import LayoutCollisionWarning as LayoutCollisionWarning
 from jshard._errors import LayoutConflictError as LayoutConflictError
 from jshard._errors import MemoryBudgetError as MemoryBudgetError
 from jshard._errors import ShardingError as ShardingError
+from jshard._errors import ShardNotAppliedWarning as ShardNotAppliedWarning
 from jshard._parallelize import Parallelized as Parallelized
 from jshard._parallelize import parallelize as parallelize
 from jshard._recompute import recompute as recompute
@@ -71,6 +72,7 @@ __all__ = [
     "Pipeline",
     "Plan",
     "ProcessInfo",
+    "ShardNotAppliedWarning",
     "ShardingError",
     "TensorLayout",
     "Visualization",

@@ -3,13 +3,14 @@
 Inside a `parallelize` trace, a sharded call constrains its inputs (and its outputs, where the
 operator's rule or `out_strategy` fixes them) with JAX's own `with_sharding_constraint`, so the
 strategy is an ordinary equation in the jaxpr and `jax.grad` carries it into the backward pass.
-Outside a trace it is the plain function.
+Outside a trace it is the plain function, and says so once (`ShardNotAppliedWarning`).
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jshard import _context
-from jshard._errors import ShardingError, api_boundary
+from jshard._errors import ShardingError, ShardNotAppliedWarning, api_boundary
 from jshard._format import shape_str
 from jshard._params import constrain_parameters, contraction_dims, lookup_dims
 from jshard._source import display_file
@@ -70,8 +71,12 @@ def shard(
     Examples:
       >>> import jax.numpy as jnp
       >>> mm = shard(jnp.matmul, ((2, 1), (1, 4)))
-      >>> mm(jnp.ones((4, 8)), jnp.ones((8, 16))).shape  # outside parallelize: plain matmul
-      (4, 16)
+      >>> import warnings
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     y = mm(jnp.ones((4, 8)), jnp.ones((8, 16)))  # outside parallelize: plain matmul, and a warning
+      >>> y.shape, caught[0].category.__name__
+      ((4, 16), 'ShardNotAppliedWarning')
     """
     name = getattr(fn, "__name__", type(fn).__name__)
     call = f"jshard.shard({name})"
@@ -79,9 +84,14 @@ def shard(
     outs = None if out_strategy is None else canonicalize_slots(out_strategy, call=call, what="out_strategy")
     plan = _canonicalize_parameter_plan(parameter_plan, call=call)
 
+    warned = []
+
     @functools.wraps(fn)
     def sharded(*args, **kwargs):
         ctx = _context.current()
+        if ctx is None and not warned and jax.device_count() > 1:
+            warned.append(True)
+            warnings.warn(_not_applied_warning(call, _caller()), ShardNotAppliedWarning, stacklevel=2)
         if ctx is None or ctx.mode == "data":
             return fn(*args, **kwargs)
         source = _caller()
@@ -89,6 +99,14 @@ def shard(
 
     sharded.in_strategy, sharded.out_strategy = ins, outs
     return sharded
+
+
+def _not_applied_warning(call: str, source: str) -> str:
+    return (f"{call} at {source} ran outside jshard.parallelize (eagerly or under a plain jax.jit), so its "
+            f"strategy was not applied: the plain function ran, on whatever layout its inputs had. Call it inside "
+            f"the function you give jshard.parallelize. For a reference run of the same model (one device), "
+            f"silence this with warnings.simplefilter('ignore', jshard.ShardNotAppliedWarning). Warned once per "
+            f"shard call.")
 
 
 def _canonicalize_parameter_plan(plan, *, call):

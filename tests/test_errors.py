@@ -542,3 +542,18 @@ def test_traceback_filtering_off_keeps_every_frame(tmp_path):
         jax.config.update("jax_traceback_filtering", before)
     files = [frame.filename for frame in traceback.extract_tb(info.value.__traceback__)]
     assert any(f.startswith(JSHARD_DIR) for f in files)
+
+
+@pytest.mark.parametrize("how", ["eagerly", "under jax.jit"])
+def test_shard_outside_parallelize_warns_once_that_its_strategy_is_not_applied(how):
+    # was: the plain function ran, unsharded, without a word
+    mm = js.shard(jnp.matmul, ((2, 1), (1, 4)))
+    run = mm if how == "eagerly" else jax.jit(lambda x, w: mm(x, w))
+    with pytest.warns(js.ShardNotAppliedWarning, match=parts(
+        "jshard.shard(matmul) at test_errors.py:", "ran outside jshard.parallelize (eagerly or under a plain jax.jit), "
+        "so its strategy was not applied", "Call it inside the function you give jshard.parallelize",
+        "warnings.simplefilter('ignore', jshard.ShardNotAppliedWarning)",
+    )) as caught:
+        run(jnp.ones((4, 8)), jnp.ones((8, 16)))
+        run(jnp.ones((4, 8)), jnp.ones((8, 16)) * 2)
+    assert len([w for w in caught if w.category is js.ShardNotAppliedWarning]) == 1
