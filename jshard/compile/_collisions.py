@@ -1,5 +1,6 @@
 """The collision check: `in_strategy` tuples given apart whose cuts land on one mesh axis where an
-operator takes them together.
+operator takes them together, directly or through operators that carry one argument's cuts to
+their result (elementwise ones, casts, reshapes: `tanh((2.0 * x) @ w)` as `tanh(x @ w)`).
 
 A lone strategy tuple is its own device matrix (repeated calculation appended as its last axis),
 so its cuts take the mesh's major axes: `(2, 1)` for an input and `(1, 4)` for a kernel put the
@@ -50,6 +51,7 @@ def collisions(program: Program, slots, c: Options) -> list[Collision]:
         v: i for i, (v, slot) in enumerate(zip(traced.invars, slots)) if _is_tuple(slot) and v in result.values}
     if len(given) < 2:
         return []
+    given = _followed(traced.nodes, given, result.values)
     found: dict[tuple[int, int], Collision] = {}
     for k, node in enumerate(traced.nodes):
         decision = result.decisions.get(k)
@@ -58,6 +60,8 @@ def collisions(program: Program, slots, c: Options) -> list[Collision]:
         for a, (ja, va) in enumerate(ins):
             for jb, vb in ins[a + 1:]:
                 pair, specs = (given[va], given[vb]), (result.values[va], result.values[vb])
+                if pair[0] == pair[1]:  # one argument reaching an operator twice (x * x)
+                    continue
                 shared = _axes(specs[0]) & _axes(specs[1])
                 if va is vb or not shared or not _shareable(slots[pair[0]], slots[pair[1]], traced.fine.device_count):
                     continue
@@ -71,6 +75,28 @@ def collisions(program: Program, slots, c: Options) -> list[Collision]:
                     found[pair] = (Collision(*pair, tuple(sorted(shared)), node.primitive, node.source, nbytes, seconds)
                                    if old is None else old._replace(bytes=old.bytes + nbytes, seconds=old.seconds + seconds))
     return list(found.values())
+
+
+CARRIED = frozenset({
+    "abs", "add", "convert_element_type", "copy", "copy_p", "cos", "div", "erf", "exp", "integer_pow", "log",
+    "logistic", "max", "min", "mul", "neg", "pow", "reduce_precision", "reshape", "rsqrt", "sign", "sin", "sqrt",
+    "square", "squeeze", "expand_dims", "sub", "tanh", "transpose",
+})
+"""Operators that carry one argument's cuts to their result: elementwise ones (the other operand a
+scalar or a constant), casts, reshapes and transposes."""
+
+
+def _followed(nodes, given: dict, values) -> dict:
+    """`given` (value -> argument leaf) with the values each argument reaches through `CARRIED`
+    operators of it alone (`(2.0 * x) @ w`: the product stands for `x`), laid out as it is."""
+    out = dict(given)
+    for node in nodes:
+        if node.primitive not in CARRIED or node.bodies:
+            continue
+        sources = {out[v] for v in node.inputs if isinstance(v, jcore.Var) and v in out}
+        if len(sources) == 1 and all(v in values for v in node.outputs):
+            out.update(dict.fromkeys(node.outputs, sources.pop()))
+    return out
 
 
 def warn_collisions(program: Program, slots, c: Options, call: str) -> None:
