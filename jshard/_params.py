@@ -11,7 +11,7 @@ import jax
 from jax.extend import core as jcore
 
 from jshard._errors import ShardingError
-from jshard.graph import inline_equations, resolve
+from jshard.graph import PARAMETER_SCOPE, inline_equations, resolve
 from jshard.layouts import DotDims, check_divides, layout_of
 
 _PASSTHROUGH = {"convert_element_type", "copy", "copy_p"}
@@ -51,7 +51,8 @@ def constrain_parameters(call, plan, fn, args, params):
                 layout = layout_of(slot, call.ctx.device_count, call=call.call, op=f"parameter {name}", what=what)
                 check_divides(layout, leaf.shape, call=call.call, op=f"parameter {name}", what=what, dtype=leaf.dtype)
                 params.append((name, layout))
-                return call._constrain(leaf, layout)
+                with jax.named_scope(f"{PARAMETER_SCOPE}{len(params) - 1}"):  # Annotation.params[k]'s value
+                    return call._constrain(leaf, layout)
         return leaf
 
     args = [a if hasattr(a, "shape") else jax.tree_util.tree_map_with_path(visit, a) for a in args]

@@ -23,6 +23,7 @@ from jshard._errors import ShardingError, ShardNotAppliedWarning, api_boundary
 from jshard._format import shape_str
 from jshard._params import constrain_parameters, contraction_dims, lookup_dims
 from jshard._source import display_file
+from jshard.graph import INPUT_SCOPE
 from jshard.layouts import (
     NotRefined,
     TensorLayout,
@@ -250,7 +251,11 @@ class _Call:
         return [None] * len(leaves)
 
     def _constrained(self, args, layouts) -> list:
-        return [self._constrain(a, lay) if lay is not None else a for a, lay in zip(args, layouts)]
+        out = []
+        for k, (a, lay) in enumerate(zip(args, layouts)):
+            with jax.named_scope(f"{INPUT_SCOPE}{k}"):  # the collision check reads what each input was given
+                out.append(self._constrain(a, lay) if lay is not None else a)
+        return out
 
     def _sharding(self, layout) -> NamedSharding:
         try:
