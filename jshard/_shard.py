@@ -160,7 +160,8 @@ class _Call:
             fn = self.fn
             if plan:
                 fn, args = constrain_parameters(self, plan, fn, args, params)
-            if outs is None and out_rule is None:  # the types decide the results (on Explicit axes)
+            explicit = bool(jax.sharding.get_abstract_mesh().explicit_axes)
+            if not explicit or (outs is None and out_rule is None):  # constraints, or the types decide the results
                 leaves, tree = jax.tree_util.tree_flatten(fn(*args, **kwargs))
                 out_layouts = self._output_layouts(outs, out_rule, leaves)
                 leaves = [self._constrain(x, lay) if lay is not None else x for x, lay in zip(leaves, out_layouts)]
