@@ -23,7 +23,6 @@ from jshard._errors import ShardingError, ShardNotAppliedWarning, api_boundary
 from jshard._format import shape_str
 from jshard._params import constrain_parameters, contraction_dims, lookup_dims
 from jshard._source import display_file
-from jshard.graph import INPUT_SCOPE
 from jshard.layouts import (
     NotRefined,
     TensorLayout,
@@ -252,11 +251,7 @@ class _Call:
         return [None] * len(leaves)
 
     def _constrained(self, args, layouts) -> list:
-        out = []
-        for k, (a, lay) in enumerate(zip(args, layouts)):
-            with jax.named_scope(f"{INPUT_SCOPE}{k}"):  # the collision check reads what each input was given
-                out.append(self._constrain(a, lay) if lay is not None else a)
-        return out
+        return [self._constrain(a, lay) if lay is not None else a for a, lay in zip(args, layouts)]
 
     def _sharding(self, layout) -> NamedSharding:
         try:

@@ -12,10 +12,9 @@ in one `shard` call share one device matrix, and a `Layout`'s axes are the user'
 checked. Only collisions a shared `Layout` can resolve are reported (the cut dims' counts multiply
 to a divisor of the device count), as a `LayoutCollisionWarning` naming the predicted cost.
 
-A `shard` call's own cuts (its `in_strategy` inputs and `parameter_plan` parameters) that the plan
-then all-gathers where they are used (`gathered`: a Linen `apply` whose input is cut by rows and
-kernel by columns, each a lone tuple) warn the same way, naming the cut, its first use and the
-bytes moved per call.
+A parameter a `shard` call's `parameter_plan` cuts that the plan then all-gathers where it is used
+(`gathered`: a Linen `apply` whose input is cut by rows and kernel by columns, each a lone tuple)
+warns the same way, naming the cut, its first use and the bytes moved per call.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from jshard._format import human_bytes, var_str
 from jshard.compile._options import Options
 from jshard.compile._program import Program
 from jshard.cost import array_of, redistribution
-from jshard.graph import INPUT_SCOPE, PARAMETER_SCOPE, operand_vars
+from jshard.graph import PARAMETER_SCOPE, operand_vars
 from jshard.plan import source_str
 
 
@@ -121,14 +120,13 @@ class Gathered(NamedTuple):
     seconds: float
 
 
-_GIVEN = re.compile(rf"(jshard_shard\d+)/({PARAMETER_SCOPE}|{INPUT_SCOPE})(\d+)")
+_GIVEN = re.compile(rf"(jshard_shard\d+)/{PARAMETER_SCOPE}(\d+)")
 
 
 def _cut_sources(program: Program) -> dict:
-    """Value -> `(what, strategy)` for every value a `shard` call cuts: the inputs and parameters
-    its `in_strategy` and `parameter_plan` constrain (the value as constrained). `parallelize`'s
-    own `in_strategy` is the collision check's (`collisions`), which reports only what a shared
-    `Layout` resolves."""
+    """Value -> `(what, strategy)` for every parameter a `shard` call's `parameter_plan` cuts (the
+    value as constrained). Strategy tuples are the collision check's (`collisions`), which reports
+    only what a shared `Layout` resolves."""
     traced, result = program.traced, program.result
     found = {}
     by_scope = {a.scope: a for a in traced.ctx.annotations}
@@ -137,20 +135,16 @@ def _cut_sources(program: Program) -> dict:
         hit = _GIVEN.search(node.scope)
         if hit is not None and node.outputs and not node.backward:
             last[hit.groups()] = node.outputs[0]
-    for (scope, kind, k), v in last.items():
+    for (scope, k), v in last.items():
         a, k = by_scope.get(scope), int(k)
-        if a is None:
-            continue
-        if kind == PARAMETER_SCOPE and k < len(a.params):
+        if a is not None and k < len(a.params):
             name, layout = a.params[k]
             found[v] = (f"parameter_plan entry for {name} of jshard.shard({a.name}) at {a.source}", layout.strategy)
-        elif kind == INPUT_SCOPE and k < len(a.in_layouts) and a.in_layouts[k] is not None:
-            found[v] = (f"in_strategy[{k}] of jshard.shard({a.name}) at {a.source}", a.in_layouts[k].strategy)
     return {v: w for v, w in found.items() if v in result.values}
 
 
 def gathered(program: Program, c: Options) -> list[Gathered]:
-    """The `shard` calls' cuts (`_cut_sources`) that the plan all-gathers where they are used
+    """The `parameter_plan` cuts (`_cut_sources`) that the plan all-gathers where they are used
     (followed through `CARRIED` operators), with the first such use."""
     traced, result = program.traced, program.result
     if traced is None or result is None:
@@ -161,7 +155,8 @@ def gathered(program: Program, c: Options) -> list[Gathered]:
     found: dict = {}
     for k, node in enumerate(traced.nodes):
         decision = result.decisions.get(k)
-        if decision is None or (node.primitive in CARRIED and not node.bodies):
+        if (decision is None or (node.primitive in CARRIED and not node.bodies)
+                or not any(m.kind == "all-gather" for m in decision.comms)):  # the operator's own rule moves nothing so
             continue
         for j, v in enumerate(operand_vars(node)[0]):
             if not isinstance(v, jcore.Var) or v not in reach or j >= len(decision.in_specs):
@@ -188,7 +183,7 @@ def gathered(program: Program, c: Options) -> list[Gathered]:
 
 def warn_collisions(program: Program, slots, c: Options, call: str) -> None:
     """Warns (`LayoutCollisionWarning`) once per colliding pair of tuple-given arguments, and once
-    per `shard` call's cut that the plan all-gathers where it is used."""
+    per `parameter_plan` cut that the plan all-gathers where it is used."""
     if program.traced is None:
         return
     paths, n = program.traced.paths, program.traced.fine.device_count

@@ -5,7 +5,6 @@ from jshard.graph._graph import AUTO_LABEL as AUTO_LABEL
 from jshard.graph._graph import COMM_KEPT_LABEL as COMM_KEPT_LABEL
 from jshard.graph._graph import CONSTRAINT as CONSTRAINT
 from jshard.graph._graph import INLINE as INLINE
-from jshard.graph._graph import INPUT_SCOPE as INPUT_SCOPE
 from jshard.graph._graph import JSHARD_SCOPE as JSHARD_SCOPE
 from jshard.graph._graph import NESTED as NESTED
 from jshard.graph._graph import PARAMETER_SCOPE as PARAMETER_SCOPE

@@ -32,9 +32,6 @@ a constraint without one is the model's own."""
 PARAMETER_SCOPE = "parameter_plan"
 """The name scope (inside its `shard` call's) of the constraint a `parameter_plan` entry puts on a
 parameter, numbered as the call's `Annotation.params` (`jshard_shard3/parameter_plan0`)."""
-INPUT_SCOPE = "in_strategy"
-"""The name scope (inside its `shard` call's) of the constraint its `in_strategy` puts on input k
-(`jshard_shard3/in_strategy1`)."""
 AUTO_LABEL = "auto"
 """A `jshard.recompute(policy="auto")` region's scope is `RECOMPUTE_SCOPE + AUTO_LABEL + "<k>_<policy>"`:
 its number in the trace and the policy the search gave it (`"none"` too: scoped, not recomputed)."""
