@@ -24,6 +24,7 @@ from jshard._errors import LayoutConflictError as LayoutConflictError
 from jshard._errors import MemoryBudgetError as MemoryBudgetError
 from jshard._errors import PlanEditedWarning as PlanEditedWarning
 from jshard._errors import ShardingError as ShardingError
+from jshard._errors import ShardNotAppliedWarning as ShardNotAppliedWarning
 from jshard._parallelize import Parallelized as Parallelized
 from jshard._parallelize import parallelize as parallelize
 from jshard._recompute import recompute as recompute
@@ -85,6 +86,7 @@ __all__ = [
     "PlanEditedWarning",
     "ProcessInfo",
     "Search",
+    "ShardNotAppliedWarning",
     "ShardingError",
     "TensorLayout",
     "Visualization",

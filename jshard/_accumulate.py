@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
+from jshard.layouts import place
 
 
 @api_boundary
@@ -213,7 +214,7 @@ def _constrainer(shapes, accumulator, call: str) -> Callable[[Any], Any]:
 
     def constrain(total):
         leaves, tree = jax.tree_util.tree_flatten(total)
-        return jax.tree_util.tree_unflatten(tree, [x if sh is None else jax.lax.with_sharding_constraint(x, sh)
+        return jax.tree_util.tree_unflatten(tree, [x if sh is None else place(x, sh)
                                                    for x, sh in zip(leaves, cuts)])
 
     return constrain

@@ -91,8 +91,10 @@ TARGET is either
       jshard plan mypkg.train:example --devices 64
 
 The search's memory budget is --memory-budget, else the memory of one --device (e.g. H100: 80 GiB),
-else of the devices present; gpt-scan marks its block jshard.recompute(policy="auto"), so the search
-weighs no, selective and full recompute of the blocks and keeps the fastest plan that fits.
+else of the devices present; on an abstract mesh (more --devices than present) with neither, of an
+H100 (80 GiB), so a plan no device could hold is never shown as a success. gpt-scan marks its block
+jshard.recompute(policy="auto"), so the search weighs no, selective and full recompute of the
+blocks and keeps the fastest plan that fits.
 
 Exit status: 0 planned, 1 no plan (e.g. a memory budget nothing can meet, or the plan found holds more than
 it: printed, marked "over", not saved), 2 bad arguments or TARGET.
@@ -120,7 +122,7 @@ def _plan_parser(sub) -> None:
     plan.add_argument("--device", metavar="KIND", default=None,
                       help="the device kind to plan for (H100, H200, A100, GH200): the cost model's compute and link "
                            "rates, and its memory as the default --memory-budget (default: the devices present "
-                           "if --devices fit them, else no budget)")
+                           "if --devices fit them, else H100)")
     plan.add_argument("--enable-alltoall", action=argparse.BooleanOptionalAction, default=None,
                       help="let redistributions be all-to-alls (CostModel's alltoall; default on); "
                            "--no-enable-alltoall prices and emits them as all-gathers and slices")
@@ -270,6 +272,11 @@ def _preset_problems(name: str, n: int, cfg, batch: int) -> list[str]:
     return models.gpt_split_problems(cfg, preset, batch)
 
 
+DEFAULT_DEVICE = "H100"
+"""The device kind `jshard plan` plans for on an abstract mesh with no `--memory-budget` or
+`--device`: its memory is the budget, so a plan that fits no real device is not shown as a success."""
+
+
 def _plan(args: argparse.Namespace) -> int:  # noqa: C901  (the `plan` command's flags, checked in turn)
     import jshard
 
@@ -298,6 +305,10 @@ def _plan(args: argparse.Namespace) -> int:  # noqa: C901  (the `plan` command's
         print(f"jshard plan: error: --time-limit applies to the strategy search, --mode auto (not {args.mode}).",
               file=sys.stderr)
         return 2
+    present = len(jax.devices())
+    defaulted = budget is None and args.device is None and args.mode == "auto" and args.devices > present
+    if defaulted:  # planned for a cluster: held to the memory of a device of one, not to none
+        args.device = DEFAULT_DEVICE
     sizes = {dest: getattr(args, dest) for dest, _, _ in SIZE_OPTIONS.values()}
     try:
         example = build(args.target, sizes, args.batch)
@@ -330,10 +341,13 @@ def _plan(args: argparse.Namespace) -> int:  # noqa: C901  (the `plan` command's
     except (jshard.ShardingError, TypeError) as e:
         print(f"jshard plan: error: {str(e).removeprefix('jshard plan: ')}", file=sys.stderr)
         return 2
-    present = len(jax.devices())
     where = (f"{present} {jax.devices()[0].platform} device(s) present" if args.devices <= present
              else f"an abstract mesh (only {present} device(s) present: planning only)")
     print(f"jshard plan: {example.name} ({example.describe}) on {args.devices} devices, {where}", flush=True)
+    if defaulted:
+        print(f"jshard plan: no --memory-budget or --device: planned for {DEFAULT_DEVICE} devices, each holding "
+              f"{human_bytes(options['cost_model'].memory)} (--device KIND or --memory-budget BYTES for another)",
+              flush=True)
 
     t0 = time.perf_counter()
     try:

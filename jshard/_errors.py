@@ -67,6 +67,14 @@ class LayoutCollisionWarning(UserWarning):
     shared `Layout` that keeps the cuts apart."""
 
 
+class ShardNotAppliedWarning(UserWarning):
+    """A `jshard.shard` call ran outside `jshard.parallelize` (eagerly, or under a plain `jax.jit`)
+    with several devices present: its strategy was not applied and the plain function ran, as
+    Flax's `nn.with_logical_constraint` does outside its rules. Warned once per `shard` call; a
+    one-device reference run of the same model may silence it with
+    `warnings.simplefilter("ignore", jshard.ShardNotAppliedWarning)`."""
+
+
 for _error in (ShardingError, LayoutConflictError, DeviceCountError, MemoryBudgetError, CheckpointError,
-               PlanEditedWarning, LayoutCollisionWarning):
+               PlanEditedWarning, LayoutCollisionWarning, ShardNotAppliedWarning):
     _error.__module__ = "jshard"  # as tracebacks print it: jshard.ShardingError, the name users import

@@ -4,6 +4,7 @@ detection."""
 from __future__ import annotations
 
 import re
+import sys
 from typing import NamedTuple
 
 import jax
@@ -11,7 +12,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from jshard._errors import ShardingError
-from jshard.graph import inline_equations, resolve
+from jshard.graph import PARAMETER_SCOPE, inline_equations, resolve
 from jshard.layouts import DotDims, check_divides, layout_of
 from jshard.rules import ELEMENTWISE
 
@@ -38,6 +39,7 @@ def constrain_parameters(call, plan, fn, args, params):
     Raises:
       ShardingError: a pattern matches nothing (the message lists the paths there are).
     """
+    _check_not_linen(call, fn)
     matched: set[str] = set()
     seen: list[str] = []
 
@@ -51,7 +53,8 @@ def constrain_parameters(call, plan, fn, args, params):
                 layout = layout_of(slot, call.ctx.device_count, call=call.call, op=f"parameter {name}", what=what)
                 check_divides(layout, leaf.shape, call=call.call, op=f"parameter {name}", what=what, dtype=leaf.dtype)
                 params.append((name, layout))
-                return call._constrain(leaf, layout)
+                with jax.named_scope(f"{PARAMETER_SCOPE}{len(params) - 1}"):  # Annotation.params[k]'s value
+                    return call._constrain(leaf, layout)
         return leaf
 
     args = [a if hasattr(a, "shape") else jax.tree_util.tree_map_with_path(visit, a) for a in args]
@@ -64,6 +67,29 @@ def constrain_parameters(call, plan, fn, args, params):
             f"each path)."
         )
     return fn, args
+
+
+def _check_not_linen(call, fn) -> None:
+    """Raises where `fn` is a Linen module: its parameters are made and read inside its call (its
+    scope), out of a `parameter_plan`'s reach; the message names the ways that reach them."""
+    linen = sys.modules.get("flax.linen")
+    if linen is None or not isinstance(fn, linen.Module):
+        return
+    raise ShardingError(_linen_error(call, type(fn).__name__))
+
+
+def _linen_error(call, name: str) -> str:
+    return (
+        f"{call.call}: parameter_plan on the Linen module {name} at {call.source}: a Linen module makes and reads "
+        f"its parameters inside its call (in its scope), bound or not, where shard cannot reach them. Any of these "
+        f"does: (1) shard the module's apply, whose parameters are an argument: jshard.shard(model.apply, "
+        f"in_strategy=(None, ...), parameter_plan={{'{name}_0/kernel': (1, 4)}}); (2) give the parameters their "
+        f"strategy at the boundary: jshard.parallelize(step, in_strategy=...) with a tuple or Layout at the "
+        f"kernel's place in the params tree; (3) logical axis rules: kernel_init=nn.with_logical_partitioning(init, "
+        f"('embed', 'mlp')) and nn.logical_axis_rules under jax.set_mesh (jshard reads them as the model's own "
+        f"anchors); or (4) shard the matmul itself: jshard.shard(jnp.matmul, ((2, 1), (1, 4)))(x, kernel) in a "
+        f"module of your own. See docs/howto/linen.md."
+    )
 
 
 def _constrain_module(fn, visit):

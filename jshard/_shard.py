@@ -3,22 +3,23 @@
 Inside a `parallelize` trace, a sharded call constrains its inputs (and its outputs, where the
 operator's rule or `out_strategy` fixes them) with JAX's own `with_sharding_constraint`, so the
 strategy is an ordinary equation in the jaxpr and `jax.grad` carries it into the backward pass.
-Outside a trace it is the plain function.
+Outside a trace it is the plain function, and says so once (`ShardNotAppliedWarning`).
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from jshard import _context
-from jshard._errors import ShardingError, api_boundary
+from jshard._errors import ShardingError, ShardNotAppliedWarning, api_boundary
 from jshard._format import shape_str
 from jshard._params import (
     broadcasting,
@@ -42,6 +43,8 @@ from jshard.layouts import (
     dot_layouts,
     gather_layouts,
     layout_of,
+    on_auto_axes,
+    place,
     scatter_layouts,
     with_repeated_calculation,
 )
@@ -79,8 +82,12 @@ def shard(
     Examples:
       >>> import jax.numpy as jnp
       >>> mm = shard(jnp.matmul, ((2, 1), (1, 4)))
-      >>> mm(jnp.ones((4, 8)), jnp.ones((8, 16))).shape  # outside parallelize: plain matmul
-      (4, 16)
+      >>> import warnings
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     y = mm(jnp.ones((4, 8)), jnp.ones((8, 16)))  # outside parallelize: plain matmul, and a warning
+      >>> y.shape, caught[0].category.__name__
+      ((4, 16), 'ShardNotAppliedWarning')
     """
     name = getattr(fn, "__name__", type(fn).__name__)
     call = f"jshard.shard({name})"
@@ -88,9 +95,14 @@ def shard(
     outs = None if out_strategy is None else canonicalize_slots(out_strategy, call=call, what="out_strategy")
     plan = _canonicalize_parameter_plan(parameter_plan, call=call)
 
+    warned = []
+
     @functools.wraps(fn)
     def sharded(*args, **kwargs):
         ctx = _context.current()
+        if ctx is None and not warned and jax.device_count() > 1:
+            warned.append(True)
+            warnings.warn(_not_applied_warning(call, _caller()), ShardNotAppliedWarning, stacklevel=2)
         if ctx is None or ctx.mode == "data":
             return fn(*args, **kwargs)
         source = _caller()
@@ -98,6 +110,14 @@ def shard(
 
     sharded.in_strategy, sharded.out_strategy = ins, outs
     return sharded
+
+
+def _not_applied_warning(call: str, source: str) -> str:
+    return (f"{call} at {source} ran outside jshard.parallelize (eagerly or under a plain jax.jit), so its "
+            f"strategy was not applied: the plain function ran, on whatever layout its inputs had. Call it inside "
+            f"the function you give jshard.parallelize. For a reference run of the same model (one device), "
+            f"silence this with warnings.simplefilter('ignore', jshard.ShardNotAppliedWarning). Warned once per "
+            f"shard call.")
 
 
 def _canonicalize_parameter_plan(plan, *, call):
@@ -146,16 +166,27 @@ class _Call:
         params = []
         scope = self.ctx.next_scope()
         with jax.named_scope(scope):
-            args = [
-                self._constrain(a, lay) if lay is not None else a for a, lay in zip(args, in_layouts)
-            ]
+            args = self._constrained(args, in_layouts)
             fn = self.fn
             if plan:
                 fn, args = constrain_parameters(self, plan, fn, args, params)
-            result = fn(*args, **kwargs)
-            leaves, tree = jax.tree_util.tree_flatten(result)
-            out_layouts = self._output_layouts(outs, out_rule, leaves)
-            leaves = [self._constrain(x, lay) if lay is not None else x for x, lay in zip(leaves, out_layouts)]
+            explicit = bool(jax.sharding.get_abstract_mesh().explicit_axes)
+            if not explicit or (outs is None and out_rule is None):  # constraints, or the types decide the results
+                leaves, tree = jax.tree_util.tree_flatten(fn(*args, **kwargs))
+                out_layouts = self._output_layouts(outs, out_rule, leaves)
+                leaves = [self._constrain(x, lay) if lay is not None else x for x, lay in zip(leaves, out_layouts)]
+            else:  # the layouts decide: on Explicit axes, the operator runs on Auto ones (jax.sharding.auto_axes)
+                found = {}
+
+                def inner(args, kwargs):
+                    leaves, found["tree"] = jax.tree_util.tree_flatten(fn(*self._constrained(args, in_layouts), **kwargs))
+                    found["layouts"] = self._output_layouts(outs, out_rule, leaves)
+                    leaves = [self._constrain(x, lay) if lay is not None else x
+                              for x, lay in zip(leaves, found["layouts"])]
+                    return leaves, [None if lay is None else self._sharding(lay) for lay in found["layouts"]]
+
+                leaves = on_auto_axes(inner, args, kwargs)
+                tree, out_layouts = found["tree"], found["layouts"]
         self.ctx.annotations.append(
             _context.Annotation(scope, self.name, self.source, tuple(in_layouts), tuple(out_layouts), partial, tuple(params))
         )
@@ -257,26 +288,21 @@ class _Call:
             return [out_rule]
         return [None] * len(leaves)
 
-    def _constrain(self, x, layout):
+    def _constrained(self, args, layouts) -> list:
+        return [self._constrain(a, lay) if lay is not None else a for a, lay in zip(args, layouts)]
+
+    def _sharding(self, layout) -> NamedSharding:
         try:
-            spec = self.ctx.fine.partition_spec(layout)
+            return NamedSharding(self.ctx.mesh, self.ctx.fine.partition_spec(layout))
         except NotRefined as e:
             e.who = self.op
             raise
-        manual = jax.sharding.get_abstract_mesh().manual_axes
-        if manual:  # in a region manual over them (jshard.accumulate's loop): each device's slice is its own
-            return jax.lax.with_sharding_constraint(x, _without(spec, manual))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.ctx.mesh, spec))
 
-
-
-def _without(spec: PartitionSpec, axes) -> PartitionSpec:
-    """`spec` with `axes` taken out of every dim."""
-    dims = []
-    for d in spec:
-        kept = tuple(a for a in (d if isinstance(d, tuple) else (d,)) if a is not None and a not in axes)
-        dims.append(None if d is None or not kept else kept[0] if len(kept) == 1 else kept)
-    return PartitionSpec(*dims)
+    def _constrain(self, x, layout):
+        """`x` laid out as `layout` says: a constraint on `Auto` axes, a `reshard` on `Explicit`
+        ones; in a region manual over some axes (jshard.accumulate's loop) each device's slice
+        is its own."""
+        return place(x, self._sharding(layout))
 
 
 def _describe(x) -> str:

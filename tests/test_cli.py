@@ -126,6 +126,18 @@ def test_plan_for_a_device_kind_holds_the_plan_to_its_memory(capsys):
     assert "budget 80 GiB (the memory of one H100, no memory_budget given) (fits)" in capsys.readouterr().out
 
 
+def test_plan_for_a_cluster_with_no_budget_is_held_to_a_default_devices_memory(capsys):
+    # was: no memory budget, and a plan holding 137B parameters' Adam state in 128 GiB per device printed as a result
+    big = ["--layers", "3", "--d-in", "262144", "--d-hidden", "262144", "--quiet"]
+    assert main(["plan", "mlp", "--devices", "16", *big]) == 1
+    captured = capsys.readouterr()
+    assert "no --memory-budget or --device: planned for H100 devices, each holding 80 GiB" in captured.out
+    assert "jshard plan: no plan" in captured.err and "memory_budget=80 GiB per device cannot be met" in captured.err
+    assert "Plan:" not in captured.out  # nothing shown as a result
+    assert main(["plan", "mlp", "--devices", "16", "--quiet"]) == 0  # a model that fits plans as before, held to it
+    assert "budget 80 GiB (the memory of one H100, no memory_budget given) (fits)" in capsys.readouterr().out
+
+
 def test_plan_with_a_budget_nothing_can_meet_exits_1(capsys):
     assert main(["plan", f"{EXAMPLE}:example", "--devices", "8", "--memory-budget", "1KiB"]) == 1
     captured = capsys.readouterr()

@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import pytest
 from _tolerance import assert_close, step_terms
-from clients import linen_lm, linen_resnet, loop_gpt, nnx_gqa, one_device
+from clients import compiled, linen_dropout, linen_lm, linen_resnet, loop_gpt, nnx_fsdp, nnx_gqa, one_device
 from jax.sharding import PartitionSpec as P
 
 import jshard as js
@@ -144,6 +144,66 @@ def test_nnx_gqa_bytes_at_most_its_own_jax_jit():
     with jax.set_mesh(mesh):
         plan = js.parallelize(step, mode="semi_auto").plan(state, batch)
     assert plan.audit().bytes() <= expert_bytes
+
+
+@functools.cache
+def _fsdp():
+    """The Gemma-style NNX client on `jax.make_mesh`'s Explicit axes: its step, state and NumPy
+    batch, and the reference run: the state moved to a one-device mesh of the same axes."""
+    mesh, one = nnx_fsdp.make_mesh(), nnx_fsdp.make_mesh(jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        graphdef, state, batch = nnx_fsdp.create_state()
+    step = functools.partial(nnx_fsdp.train_step, graphdef)
+    with jax.set_mesh(one):
+        want = jax.device_get(jax.jit(step)(nnx_gqa.moved(state, one), batch))
+    return mesh, step, state, batch, want, step_terms(state, batch)
+
+
+@pytest.mark.parametrize("how", ["jax.set_mesh", "mesh="])
+@pytest.mark.parametrize("mode", MODES)
+def test_nnx_fsdp_tensor_model_on_jax_make_mesh_equals_one_device(mode, how):
+    # was: "ShardingTypeError: Use `.at[...].get(out_sharding=)` ... indices=int32[8@(fsdp,tensor),4,1]" in data
+    # and semi_auto: the batch typed with its rows over every axis, which the model's lookup does not take
+    mesh, step, state, batch, want, terms = _fsdp()
+    assert set(mesh.explicit_axes) == {"fsdp", "tensor"}
+    if how == "mesh=":
+        parallel = js.parallelize(step, mode=mode, mesh=mesh)
+        got, plan = parallel(state, batch), parallel.plan(state, batch)
+    else:
+        with jax.set_mesh(mesh):
+            parallel = js.parallelize(step, mode=mode)
+            got, plan = parallel(state, batch), parallel.plan(state, batch)
+    assert_close(jax.device_get(got), want, terms=terms)
+    if mode != "auto":  # the batch's rows over as many axes as the model's types take: fsdp, not tensor
+        assert plan.in_specs[-2:] == (P("fsdp"), P("fsdp"))
+
+
+STEPS = 3
+
+
+@functools.cache
+def _linen_loop():
+    """The Linen dropout client's loop over `STEPS` batches on one device (`jax.jit`), and how
+    often XLA compiled its step."""
+    state, _ = linen_dropout.create_state()
+    loader, rng = linen_dropout.batches(STEPS), jax.random.key(2)
+    with compiled() as names:
+        want = linen_dropout.train(jax.jit(linen_dropout.train_step), state, loader, rng)
+    return state, loader, rng, jax.device_get(want), names.count("jit(train_step)")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_linen_train_state_loop_with_dropout_compiles_once_and_equals_one_device(mode):
+    # was: two compiles of the whole step: TrainState.create's step=0 is weakly typed, and the step's
+    # result came back a strong int32, a new signature for the second call
+    state, loader, rng, want, jit_compiles = _linen_loop()
+    mesh = linen_dropout.make_mesh()
+    assert set(mesh.explicit_axes) == {"data"}
+    with jax.set_mesh(mesh), compiled() as names:
+        got = linen_dropout.train(js.parallelize(linen_dropout.train_step, mode=mode), state, loader, rng)
+    assert jit_compiles == 1 and names.count("jit(run)") == 1, names
+    assert got[0].step == STEPS and got[0].step.weak_type  # as jax.jit returns it
+    assert_close(jax.device_get(got), want, terms=STEPS * linen_dropout.terms())
 
 
 @functools.cache

@@ -66,3 +66,17 @@ def test_no_warning_where_the_tuples_do_not_collide_or_no_layout_helps(inputs, i
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         js.parallelize(fn, devices=8, in_strategy=in_strategy).plan(params, x)
+
+
+@pytest.mark.parametrize("through", [
+    lambda p, x: jnp.tanh((2.0 * x) @ p["w"]),
+    lambda p, x: jnp.tanh(x.astype(jnp.bfloat16) @ p["w"].astype(jnp.bfloat16)),
+    lambda p, x: jnp.tanh(jnp.tanh(x).reshape(16, 2, 4).reshape(16, 8) @ p["w"]),
+], ids=["scaled", "cast", "reshaped"])
+def test_the_collision_is_followed_through_elementwise_operators_casts_and_reshapes(inputs, through):
+    # was: no warning for tanh((2.0 * x) @ w), with the same colliding tuples and the same all-gather
+    params, x = inputs
+    step = js.parallelize(through, devices=8, in_strategy=({"w": (1, 4)}, (2, 1)))
+    with pytest.warns(js.LayoutCollisionWarning, match=r"in_strategy\[1\]=\(2, 1\) and in_strategy\[0\]\['w'\]=\(1, 4\) "
+                      r"are lone tuples.*so both cut onto mesh axis d0; dot_general at tests/test_collisions.py:"):
+        step.plan(params, x)

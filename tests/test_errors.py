@@ -1,8 +1,11 @@
 """Every error a user can act on: its type, and a message naming the call, operator, shape, strategy,
 device count and fix."""
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
 import traceback
 
 import jax
@@ -36,8 +39,8 @@ def plan_matmul(strategy, x_shape, w_shape, devices=8):
 
 @pytest.mark.parametrize(
     "strategy, matrix, used",
-    [(((3, 1), (1, 1)), [3, 1, 1], 3), (((2, 3), (3, 1)), [2, 3, 1], 6), (((4, 2), (2, 2)), [4, 2, 2], 16)],
-    ids=["3-on-8", "6-on-8", "16-on-8"],
+    [(((3, 1), (1, 1)), [3, 1, 1], 3), (((2, 3), (3, 1)), [2, 3, 1], 6)],
+    ids=["3-on-8", "6-on-8"],
 )
 def test_device_matrix_not_dividing_device_count(strategy, matrix, used):
     with pytest.raises(js.ShardingError, match=parts(
@@ -46,6 +49,34 @@ def test_device_matrix_not_dividing_device_count(strategy, matrix, used):
         "divisor of 8 (1, 2, 4, 8)",
     )):
         plan_matmul(strategy, (12, 12), (12, 12))
+
+
+def test_device_matrix_over_more_devices_than_the_program_has():
+    with pytest.raises(js.ShardingError, match=parts(
+        "jshard.shard(matmul): in_strategy=((4, 2), (2, 2)) gives matmul at test_errors.py:",
+        "the device matrix [4, 2, 2] (16 devices), but the program has 8 device(s). On a laptop or any CPU, call "
+        "jshard.simulate_devices(16) first thing", "or pass jshard.parallelize(..., devices=16) or a mesh of 16 devices",
+    )):
+        plan_matmul(((4, 2), (2, 2)), (12, 12), (12, 12))
+
+
+SIMULATE_FORGOTTEN = """
+import jax.numpy as jnp, numpy as np
+import jshard as js
+step = js.parallelize(lambda x, w: js.shard(jnp.matmul, ((2, 1), (1, 4)))(x, w))
+step(np.ones((8, 16), np.float32), np.ones((16, 32), np.float32))
+"""
+
+
+def test_simulate_devices_forgotten_on_a_one_device_machine(tmp_path):
+    # was: "... does not divide the device count 1. Choose strategies whose device matrix multiplies to a divisor of 1"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(pathlib.Path(js.__file__).parent.parent))
+    (tmp_path / "laptop.py").write_text(SIMULATE_FORGOTTEN)
+    done = subprocess.run([sys.executable, "laptop.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert re.search(parts("jshard.ShardingError: jshard.shard(matmul)", "but the program has 1 device(s)",
+                           "call jshard.simulate_devices(8) first thing"), done.stderr), done.stderr[-2000:]
 
 
 def test_cut_not_dividing_a_dim():
@@ -511,3 +542,18 @@ def test_traceback_filtering_off_keeps_every_frame(tmp_path):
         jax.config.update("jax_traceback_filtering", before)
     files = [frame.filename for frame in traceback.extract_tb(info.value.__traceback__)]
     assert any(f.startswith(JSHARD_DIR) for f in files)
+
+
+@pytest.mark.parametrize("how", ["eagerly", "under jax.jit"])
+def test_shard_outside_parallelize_warns_once_that_its_strategy_is_not_applied(how):
+    # was: the plain function ran, unsharded, without a word
+    mm = js.shard(jnp.matmul, ((2, 1), (1, 4)))
+    run = mm if how == "eagerly" else jax.jit(lambda x, w: mm(x, w))
+    with pytest.warns(js.ShardNotAppliedWarning, match=parts(
+        "jshard.shard(matmul) at test_errors.py:", "ran outside jshard.parallelize (eagerly or under a plain jax.jit), "
+        "so its strategy was not applied", "Call it inside the function you give jshard.parallelize",
+        "warnings.simplefilter('ignore', jshard.ShardNotAppliedWarning)",
+    )) as caught:
+        run(jnp.ones((4, 8)), jnp.ones((8, 16)))
+        run(jnp.ones((4, 8)), jnp.ones((8, 16)) * 2)
+    assert len([w for w in caught if w.category is js.ShardNotAppliedWarning]) == 1

@@ -167,3 +167,39 @@ def test_a_plan_on_the_users_mesh_saves_loads_and_runs_again(tmp_path):
     loaded = js.Plan.load(tmp_path / "plan.json")
     assert "mesh (fsdp=4, tensor=2)" in loaded.summary() and loaded.ops[0].origin == "model"
     assert_close(js.parallelize(constrained, mesh=mesh, plan=loaded)(W, X), one_device(plain, W, X), terms=16 + 64)
+
+
+def ffn(x, w1, w2):
+    """The README's example: two `shard`ed matmuls, the second contracting the 4-way cut."""
+    h = js.shard(jnp.matmul, in_strategy=((2, 1), (1, 4)))(x, w1)
+    return js.shard(jnp.matmul, in_strategy=((2, 4), (4, 1)))(jax.nn.relu(h), w2).sum()
+
+
+FFN_ARGS = tuple(jnp.asarray(np.random.default_rng(1).normal(size=s), jnp.float32) for s in ((8, 16), (16, 32), (32, 4)))
+KINDS = {"explicit": (AxisType.Explicit,) * 2, "mixed": (AxisType.Explicit, AxisType.Auto),
+         "mixed-minor": (AxisType.Auto, AxisType.Explicit), "auto": (AxisType.Auto,) * 2}
+
+
+@pytest.mark.parametrize("how", ["mesh=", "jax.set_mesh"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["data", "semi_auto", "auto"])
+def test_strategy_tuples_on_jax_make_mesh_axes_of_every_type(mode, kind, how):
+    # was (Explicit axes, semi_auto and auto): "AssertionError: `with_sharding_constraint` acts as an assert
+    # when all axes of mesh are of type `Explicit`"; on mixed meshes "can only refer to Auto axes"
+    mesh = jax.make_mesh((2, 4), ("dp", "mp"), axis_types=KINDS[kind])
+    grad = jax.value_and_grad(ffn, argnums=(1, 2))
+    if how == "mesh=":
+        got = js.parallelize(grad, mesh=mesh, mode=mode, in_strategy=((2, 1), None, None))(*FFN_ARGS)
+    else:
+        with jax.set_mesh(mesh):
+            got = js.parallelize(grad, mode=mode, in_strategy=((2, 1), None, None))(*FFN_ARGS)
+    assert_close(got, one_device(grad, *FFN_ARGS), terms=16 + 32 + 8)
+
+
+def test_on_explicit_axes_a_weight_is_stored_as_the_shard_call_using_it_takes_it():
+    mesh = jax.make_mesh((2, 4), ("dp", "mp"))  # Explicit axes
+    plan = js.parallelize(ffn, mesh=mesh, in_strategy=((2, 1), None, None)).plan(*FFN_ARGS)
+    assert plan.in_specs[:2] == (P("dp"), P(None, "mp"))  # W1 cut by columns, as on Auto axes
+    (first, second) = [op for op in plan.ops if op.primitive == "dot_general"]
+    assert (first.origin, first.in_strategy, "test_user_mesh.py" in first.source) == ("user", ((2, 1), (1, 4)), True)
+    assert not [op for op in plan.ops if op.primitive == "reshard"]  # the shard calls' moves are not operators

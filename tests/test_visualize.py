@@ -204,3 +204,17 @@ def test_demo_summary_fits_and_its_trailer_speaks_cli(capsys):
     assert re.search(r"^… \d+ more rows$", out, re.M) and "(the whole plan: jshard demo --summary-rows 0, with the same options)" in out
     assert "print(plan.summary())" not in out
     assert max(map(len, out.splitlines())) <= 120
+
+
+def test_a_source_line_100_is_not_an_emoji_in_rich_output(tmp_path, monkeypatch):
+    # was: rich read `model.py:100:` as the emoji code `:100:` and drew 💯 in the demo's table
+    (tmp_path / "line100.py").write_text("\n" * 98 + "def step(w, x):\n    return (x @ w).sum()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import line100  # noqa: PLC0415
+
+    plan = js.parallelize(line100.step, devices=8).plan(jnp.ones((4, 4)), jnp.ones((8, 4)))
+    out = io.StringIO()
+    console = rich.console.Console(file=out, width=160, color_system=None)  # rich's defaults: emoji and markup on
+    console.print(plan)
+    console.print(plan.slices(0))
+    assert "line100.py:100:" in out.getvalue() and "💯" not in out.getvalue()

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jshard._errors import ShardingError
@@ -23,7 +24,7 @@ from jshard._format import shape_str, var_str
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
-from jshard.graph import CONSTRAINT
+from jshard.graph import CONSTRAINT, JSHARD_SCOPE
 from jshard.layouts import (
     FineMesh,
     NotRefined,
@@ -33,6 +34,7 @@ from jshard.layouts import (
     check_divides,
     dataset_slots,
     layout_of,
+    spec_from_pspec,
     to_pspec,
     typed_spec,
 )
@@ -109,7 +111,7 @@ def argument_types(args: tuple, fine: FineMesh, slots: Sequence[Slot], dataset: 
                    call: str) -> list[NamedSharding] | None:
     """On a user's mesh with `Explicit` axes, the sharding each argument leaf's type carries while
     tracing, as `jax.jit` types what it is given: its `in_strategy`; else the sharding it was
-    placed on over the mesh; else its dataset layout (the batch); else replicated. None on other
+    placed on over the mesh, where it is cut; else its dataset layout (the batch); else replicated. None on other
     meshes (types carry no layout there)."""
     mesh = options.mesh
     if mesh is None or not mesh.explicit_axes or options.mode == "manual":
@@ -117,11 +119,10 @@ def argument_types(args: tuple, fine: FineMesh, slots: Sequence[Slot], dataset: 
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
     out = []
     for i, (x, slot, path) in enumerate(zip(jax.tree_util.tree_leaves(args), slots, paths)):
-        placed = getattr(x, "sharding", None)
         if slot is not None and not isinstance(slot, PartitionSpec):
             out.append(_layout_sharding(fine, mesh, slot, x, f"in_strategy{path}", call))
-        elif isinstance(placed, NamedSharding) and placed.mesh.axis_names == mesh.axis_names:
-            out.append(placed)
+        elif _placed(x, mesh):
+            out.append(x.sharding)
         elif i in dataset:
             if options.dataset_strategy == "data_parallel":
                 check_batch_rows(np.shape(x), fine.device_count, call=call, where=f"args{path}")
@@ -129,6 +130,57 @@ def argument_types(args: tuple, fine: FineMesh, slots: Sequence[Slot], dataset: 
         else:
             out.append(NamedSharding(mesh, PartitionSpec()))
     return out
+
+
+def narrower_types(types: list[NamedSharding], args: tuple, slots: Sequence[Slot], dataset: dict[int, Slot],
+                   options: Options) -> list[list[NamedSharding]]:
+    """Where the model's own types do not take the batch as the default dataset policy cuts it
+    (rows over every mesh axis: a batch meeting a parameter cut over `tensor`), the typings to try
+    next, in order: the rows of those batch leaves cut over one mesh axis fewer (the minor
+    first), down to whole, as `jax.jit` takes a batch not placed on the mesh. None to try where
+    no leaf is typed by the default policy (`in_strategy`, placement or a given
+    `dataset_strategy` decide)."""
+    if options.dataset_strategy != "data_parallel":
+        return []
+    mesh = options.mesh
+    leaves = jax.tree_util.tree_leaves(args)
+    free = [i for i in dataset if slots[i] is None and not _placed(leaves[i], mesh)]
+    if not free:
+        return []
+    rows = spec_from_pspec(types[free[0]].spec, max(np.ndim(leaves[free[0]]), 1))[0]
+    out = []
+    for k in range(len(rows) - 1, -1, -1):
+        cut = NamedSharding(mesh, PartitionSpec(rows[:k] or None))
+        out.append([cut if i in free else t for i, t in enumerate(types)])
+    return out
+
+
+def shard_stored(traced: Traced, types: list[NamedSharding], slots: Sequence[Slot], dataset: dict[int, Slot],
+                 options: Options) -> list[NamedSharding] | None:
+    """On `Explicit` axes in `semi_auto` and `auto`: the argument types with each leaf typed whole
+    by default (no `in_strategy`, placement or dataset layout) that flows straight into a `shard`
+    call's `reshard` typed as that call takes it, as a parameter is stored as the operator that
+    uses it takes it (on `Auto` axes: `boundary_anchors`); None where no leaf is."""
+    if options.mode not in ("semi_auto", "auto"):
+        return None
+    index = {v: i for i, v in enumerate(traced.invars)}
+    out, changed = list(types), False
+    for node in traced.nodes:
+        i = index.get(node.inputs[0]) if node.inputs and isinstance(node.inputs[0], jcore.Var) else None
+        if (node.primitive != "reshard" or JSHARD_SCOPE not in node.scope or node.inside or i is None
+                or slots[i] is not None or i in dataset or _placed(traced.leaves[i], types[i].mesh)
+                or out[i] is not types[i] or not types[i].is_fully_replicated):
+            continue
+        out[i], changed = NamedSharding(types[i].mesh, node.eqn.params["dst_sharding"].spec), True
+    return out if changed else None
+
+
+def _placed(x, mesh) -> bool:
+    """Whether `x` was placed cut on `mesh` (a replicated placement fixes nothing, as in
+    `model_anchor`, and as the signature counts it)."""
+    sharding = getattr(x, "sharding", None)
+    return (isinstance(sharding, NamedSharding) and sharding.mesh.axis_names == mesh.axis_names
+            and not sharding.is_fully_replicated)
 
 
 def in_shardings(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options, call: str) -> list:

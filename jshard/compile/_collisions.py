@@ -1,5 +1,6 @@
 """The collision check: `in_strategy` tuples given apart whose cuts land on one mesh axis where an
-operator takes them together.
+operator takes them together, directly or through operators that carry one argument's cuts to
+their result (elementwise ones, casts, reshapes: `tanh((2.0 * x) @ w)` as `tanh(x @ w)`).
 
 A lone strategy tuple is its own device matrix (repeated calculation appended as its last axis),
 so its cuts take the mesh's major axes: `(2, 1)` for an input and `(1, 4)` for a kernel put the
@@ -10,22 +11,27 @@ call. One `Layout` holding both cuts (device matrix `[2, 4]`, as MindSpore's mat
 in one `shard` call share one device matrix, and a `Layout`'s axes are the user's choice: neither is
 checked. Only collisions a shared `Layout` can resolve are reported (the cut dims' counts multiply
 to a divisor of the device count), as a `LayoutCollisionWarning` naming the predicted cost.
+
+A parameter a `shard` call's `parameter_plan` cuts that the plan then all-gathers where it is used
+(`gathered`: a Linen `apply` whose input is cut by rows and kernel by columns, each a lone tuple)
+warns the same way, naming the cut, its first use and the bytes moved per call.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import NamedTuple
 
 from jax.extend import core as jcore
 
 from jshard._errors import LayoutCollisionWarning
-from jshard._format import human_bytes
+from jshard._format import human_bytes, var_str
 from jshard.compile._options import Options
 from jshard.compile._program import Program
 from jshard.cost import array_of, redistribution
-from jshard.graph import operand_vars
+from jshard.graph import PARAMETER_SCOPE, operand_vars
 from jshard.plan import source_str
 
 
@@ -51,6 +57,7 @@ def collisions(program: Program, slots, c: Options) -> list[Collision]:
     if len(given) < 2:
         return []
     assert traced is not None and result is not None  # else nothing is given
+    given = _followed(traced.nodes, given, result.values)
     found: dict[tuple[int, int], Collision] = {}
     for k, node in enumerate(traced.nodes):
         decision = result.decisions.get(k)
@@ -60,6 +67,8 @@ def collisions(program: Program, slots, c: Options) -> list[Collision]:
             assert decision is not None  # else no inputs
             for jb, vb in ins[a + 1:]:
                 pair, specs = (given[va], given[vb]), (result.values[va], result.values[vb])
+                if pair[0] == pair[1]:  # one argument reaching an operator twice (x * x)
+                    continue
                 shared = _axes(specs[0]) & _axes(specs[1])
                 if va is vb or not shared or not _shareable(slots[pair[0]], slots[pair[1]], traced.fine.device_count):
                     continue
@@ -75,13 +84,124 @@ def collisions(program: Program, slots, c: Options) -> list[Collision]:
     return list(found.values())
 
 
+CARRIED = frozenset({
+    "abs", "add", "convert_element_type", "copy", "copy_p", "cos", "div", "erf", "exp", "integer_pow", "log",
+    "logistic", "max", "min", "mul", "neg", "pow", "reduce_precision", "reshape", "rsqrt", "sign", "sin", "sqrt",
+    "square", "squeeze", "expand_dims", "sub", "tanh", "transpose",
+})
+"""Operators that carry one argument's cuts to their result: elementwise ones (the other operand a
+scalar or a constant), casts, reshapes and transposes."""
+
+
+def _followed(nodes, given: dict, values) -> dict:
+    """`given` (value -> argument leaf) with the values each argument reaches through `CARRIED`
+    operators of it alone (`(2.0 * x) @ w`: the product stands for `x`), laid out as it is."""
+    out = dict(given)
+    for node in nodes:
+        if node.primitive not in CARRIED or node.bodies:
+            continue
+        sources = {out[v] for v in node.inputs if isinstance(v, jcore.Var) and v in out}
+        if len(sources) == 1 and all(v in values for v in node.outputs):
+            out.update(dict.fromkeys(node.outputs, sources.pop()))
+    return out
+
+
+class Gathered(NamedTuple):
+    """A value the user cut (`what`: an `in_strategy` entry or a `parameter_plan` entry, `given`:
+    its strategy) that its first use (`primitive` at `source`) takes gathered over `axes`, and what
+    that costs per call over all its uses (`bytes` per device, `seconds`)."""
+
+    what: str
+    given: tuple
+    shape: str
+    axes: tuple[str, ...]
+    primitive: str
+    source: str
+    taken: tuple[int, ...]
+    bytes: float
+    seconds: float
+
+
+_GIVEN = re.compile(rf"(jshard_shard\d+)/{PARAMETER_SCOPE}(\d+)")
+
+
+def _cut_sources(program: Program) -> dict:
+    """Value -> `(what, strategy)` for every parameter a `shard` call's `parameter_plan` cuts (the
+    value as constrained). Strategy tuples are the collision check's (`collisions`), which reports
+    only what a shared `Layout` resolves."""
+    traced, result = program.traced, program.result
+    found = {}
+    by_scope = {a.scope: a for a in traced.ctx.annotations}
+    last: dict = {}
+    for node in traced.nodes:
+        hit = _GIVEN.search(node.scope)
+        if hit is not None and node.outputs and not node.backward:
+            last[hit.groups()] = node.outputs[0]
+    for (scope, k), v in last.items():
+        a, k = by_scope.get(scope), int(k)
+        if a is not None and k < len(a.params):
+            name, layout = a.params[k]
+            found[v] = (f"parameter_plan entry for {name} of jshard.shard({a.name}) at {a.source}", layout.strategy)
+    return {v: w for v, w in found.items() if v in result.values}
+
+
+def gathered(program: Program, c: Options) -> list[Gathered]:
+    """The `parameter_plan` cuts (`_cut_sources`) that the plan all-gathers where they are used
+    (followed through `CARRIED` operators), with the first such use."""
+    traced, result = program.traced, program.result
+    if traced is None or result is None:
+        return []
+    sources = _cut_sources(program)
+    keys = {v: v for v in sources}
+    reach = _followed(traced.nodes, keys, result.values)
+    found: dict = {}
+    for k, node in enumerate(traced.nodes):
+        decision = result.decisions.get(k)
+        if (decision is None or (node.primitive in CARRIED and not node.bodies)
+                or not any(m.kind == "all-gather" for m in decision.comms)):  # the operator's own rule moves nothing so
+            continue
+        for j, v in enumerate(operand_vars(node)[0]):
+            if not isinstance(v, jcore.Var) or v not in reach or j >= len(decision.in_specs):
+                continue
+            have, want = result.values[v], decision.in_specs[j]
+            moved = [m for m in redistribution(*array_of(v), have, want, traced.axis_size, c.costs.alltoall)
+                     if m.kind == "all-gather"] if have != want else []
+            if not moved:
+                continue
+            nbytes = node.weight * sum(m.bytes for m in moved)
+            seconds = node.weight * sum(c.costs.time(m, traced.axis_size) for m in moved)
+            origin = reach[v]
+            old = found.get(origin)
+            if old is None:
+                what, given = sources[origin]
+                axes = tuple(sorted(_axes(have) - _axes(want)))
+                taken = tuple(math.prod(traced.axis_size[a] for a in dim) for dim in want)
+                found[origin] = Gathered(what, given, var_str(origin), axes, node.primitive, node.source, taken,
+                                         nbytes, seconds)
+            else:
+                found[origin] = old._replace(bytes=old.bytes + nbytes, seconds=old.seconds + seconds)
+    return list(found.values())
+
+
 def warn_collisions(program: Program, slots, c: Options, call: str) -> None:
-    """Warns (`LayoutCollisionWarning`) once per colliding pair of tuple-given arguments."""
+    """Warns (`LayoutCollisionWarning`) once per colliding pair of tuple-given arguments, and once
+    per `parameter_plan` cut that the plan all-gathers where it is used."""
     if program.traced is None:
         return
     paths, n = program.traced.paths, program.traced.fine.device_count
     for hit in collisions(program, slots, c):
         warnings.warn(_collision_message(hit, slots, paths, n, call), LayoutCollisionWarning, stacklevel=2)
+    for cut in gathered(program, c):
+        warnings.warn(_gathered_message(cut, call), LayoutCollisionWarning, stacklevel=2)
+
+
+def _gathered_message(cut: Gathered, call: str) -> str:
+    return (f"{call}: the {cut.what} cuts {cut.shape} as {cut.given}, but {cut.primitive} at "
+            f"{source_str(cut.source)}, its first use, takes it as {cut.taken}: XLA all-gathers it over mesh axis "
+            f"{', '.join(cut.axes)} there on every call, predicted {human_bytes(cut.bytes)} per device per call "
+            f"({cut.seconds * 1e6:.3g} us). Cut it as that operator takes it, or give it and the operand it meets "
+            f"one Layout (tuples given apart are each their own device matrix and take the mesh's major axes; "
+            f"one shard call's strategy for both shares one): plan.explain(op) says what the operator weighed.")
 
 
 def _is_tuple(slot) -> bool:

@@ -22,6 +22,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard._collector import collector_paused
+from jshard._compat import ShardingTypeError
 from jshard._errors import MemoryBudgetError, ShardingError
 from jshard._format import human_bytes
 from jshard._recompute import AUTO_POLICIES
@@ -34,7 +35,9 @@ from jshard.compile._boundary import (
     dataset_anchors,
     dataset_defaulted,
     in_shardings,
+    narrower_types,
     out_shardings,
+    shard_stored,
 )
 from jshard.compile._collisions import warn_collisions
 from jshard.compile._groups import OptimizerParallel
@@ -156,7 +159,10 @@ def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c:
     `jshard.recompute(policy="auto")` regions and the search planning, chooses a policy per region;
     where no plan fits the budget and `optimizer` is not given, weighs its levels."""
     types = argument_types(args, fine, slots, dataset, c, call)
-    traced = trace(fn, args, fine, devices, c, call, types=types)
+    traced, types = _typed_trace(fn, args, fine, devices, c, call, types, slots, dataset)
+    stored = None if types is None else shard_stored(traced, types, slots, dataset, c)
+    if stored is not None:
+        traced, types = trace(fn, args, fine, devices, c, call, types=stored), stored
     for a in traced.ctx.annotations:
         for layout in (*a.in_layouts, *a.out_layouts):
             if layout is not None:
@@ -173,6 +179,19 @@ def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c:
     if c.searching and c.offload is None and budget is not None:
         return _weigh_offload(s, traced)
     return _build_placed(s, traced)
+
+
+def _typed_trace(fn, args, fine: FineMesh, devices, c: Options, call: str, types, slots, dataset) -> tuple[Traced, Any]:
+    """`fn` traced with its arguments typed `types` (on `Explicit` axes); where the model's types
+    do not take the batch as the default dataset policy cuts it, traced with the batch's rows cut
+    over fewer mesh axes (`narrower_types`): the traced program and the types it was traced with."""
+    *first, last = [types, *(narrower_types(types, args, slots, dataset, c) if types is not None else ())]
+    for tried in first:
+        try:
+            return trace(fn, args, fine, devices, c, call, types=tried), tried
+        except ShardingTypeError:
+            continue
+    return trace(fn, args, fine, devices, c, call, types=last), last
 
 
 def _build_placed(s: Signature, traced: Traced, check: bool = True) -> Program:

@@ -33,7 +33,7 @@ from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
 from jshard.graph import CONSTRAINT, JSHARD_SCOPE
-from jshard.layouts import slices, spec_from_pspec
+from jshard.layouts import place, slices, spec_from_pspec
 from jshard.plan import OptimizerReport
 from jshard.propagate import Result, Rewrite
 
@@ -143,7 +143,7 @@ def gathered(fn: Callable[..., Any], shardings: dict[int, NamedSharding]) -> Cal
     def run(*args):
         leaves, tree = jax.tree_util.tree_flatten(args)
         with jax.named_scope(f"{JSHARD_SCOPE}gather"):
-            leaves = [jax.lax.with_sharding_constraint(x, shardings[i]) if i in shardings else x
+            leaves = [place(x, shardings[i]) if i in shardings else x
                       for i, x in enumerate(leaves)]
         return fn(*jax.tree_util.tree_unflatten(tree, leaves))
 
@@ -191,7 +191,7 @@ def _regather(gathered: dict, start: int):
                 x, *rest = jax.lax.optimization_barrier((read(cut), *(ins[j] for j in others)))
                 for j, y in zip(others, rest):
                     ins[j] = y
-                again[v] = jax.lax.with_sharding_constraint(x, sharding)
+                again[v] = place(x, sharding)
             ins[k] = again[v]
         return ins
 

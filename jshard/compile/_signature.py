@@ -17,6 +17,23 @@ def dtype_of(x: Any) -> np.dtype:
     return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
+def weak_type(x: Any) -> bool:
+    """Whether `x` is weakly typed as `jax.jit` types it: a Python scalar (not a bool), or an
+    array or `ShapeDtypeStruct` that says so (`jnp.asarray(0) + 1` is; a `TrainState`'s
+    `step=0` is), so its dtype gives way to the other operand's."""
+    if isinstance(x, (int, float, complex)) and not isinstance(x, (bool, np.generic)):
+        return True
+    return bool(getattr(x, "weak_type", False))
+
+
+def shape_of(x: Any) -> jax.ShapeDtypeStruct:
+    """`x` as the shape, canonical dtype (int32 for a Python int without x64) and weak type
+    `jax.jit` traces it with."""
+    dtype = dtype_of(x)
+    dtype = dtype if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else jax.dtypes.canonicalize_dtype(dtype)
+    return jax.ShapeDtypeStruct(np.shape(x), dtype, weak_type=weak_type(x))
+
+
 def context_mesh() -> jax.sharding.Mesh | None:
     """The mesh `jax.set_mesh` made current, or None."""
     mesh = jax.sharding.get_mesh()
@@ -24,15 +41,20 @@ def context_mesh() -> jax.sharding.Mesh | None:
 
 
 def signature(args: Any) -> Hashable:
-    """What a compiled program depends on: the tree structure, each leaf's shape and dtype (and
-    its sharding where its type carries one: `Explicit` mesh axes), and the context mesh (`jax.set_mesh`)."""
+    """What a compiled program depends on, as `jax.jit` keys it: the tree structure, each leaf's
+    shape, canonical dtype and weak type (a loop feeding back a weakly typed result, as a
+    `TrainState`'s `step` is, keeps one signature), and its sharding where its type carries one
+    (`Explicit` mesh axes), and the context mesh (`jax.set_mesh`)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    return treedef, tuple((np.shape(x), dtype_of(x), _typed(x)) for x in leaves), context_mesh()
+    return treedef, tuple((shape_of(x), _typed(x)) for x in leaves), context_mesh()
 
 
 def _typed(x: Any) -> Any:
+    """The sharding `x` brings to its type on `Explicit` axes: its placement, where it is cut (a
+    replicated placement fixes nothing: it is typed as an array not placed on the mesh is, so a
+    loop's first call on host arrays and the next on the results keep one signature)."""
     sharding = getattr(x, "sharding", None)
-    return sharding if _typed_mesh(sharding) else None
+    return sharding if _typed_mesh(sharding) and not sharding.is_fully_replicated else None
 
 
 def _typed_mesh(sharding: Any) -> bool:
@@ -46,10 +68,11 @@ def abstract(args: Any, shardings: Any = None) -> Any:
     may be large or donated). With `shardings` (a pytree like `args`), a leaf on a mesh with
     `Explicit` axes carries its sharding too, as its type does when the program is called."""
     if shardings is None:
-        return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), args)
+        return jax.tree_util.tree_map(shape_of, args)
     leaves, treedef = jax.tree_util.tree_flatten(args)
     types = [s if _typed_mesh(s) else None for s in jax.tree_util.tree_leaves(shardings)]
-    return jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=t)
+    return jax.tree_util.tree_unflatten(treedef, [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=t,
+                                                                       weak_type=weak_type(x))
                                                   for x, t in zip(leaves, types)])
 
 

@@ -28,7 +28,7 @@ from jshard import _context
 from jshard._distributed import host_major
 from jshard._errors import ShardingError
 from jshard.compile._options import Options
-from jshard.compile._signature import context_mesh, dtype_of
+from jshard.compile._signature import context_mesh, dtype_of, weak_type
 from jshard.graph import Node, distinct_calls, flatten
 from jshard.layouts import FineMesh, typed_spec
 from jshard.rules import OpTable
@@ -175,7 +175,8 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
         mesh = fine.jax_mesh(devices)
     steps = None if options.accumulation is None else options.accumulation.steps
     types = types or [None] * len(leaves)
-    avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=t) for x, t in zip(leaves, types)]
+    avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=t, weak_type=weak_type(x))
+             for x, t in zip(leaves, types)]
     ctx = _context.TraceContext(call, fine, mesh, options.mode, accumulation_steps=steps, accumulator=accumulator,
                                 batch_axes=batch_axes, recompute=options.recompute, recompute_choice=recompute)
     with _context.tracing(ctx), _users_mesh(options.mesh):

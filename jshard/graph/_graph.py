@@ -29,6 +29,9 @@ CONSTRAINT = "sharding_constraint"
 JSHARD_SCOPE = "jshard_"
 """The prefix of the name scopes jshard's own constraints carry (`jshard_shard<k>`, `jshard_gather`);
 a constraint without one is the model's own."""
+PARAMETER_SCOPE = "parameter_plan"
+"""The name scope (inside its `shard` call's) of the constraint a `parameter_plan` entry puts on a
+parameter, numbered as the call's `Annotation.params` (`jshard_shard3/parameter_plan0`)."""
 AUTO_LABEL = "auto"
 """A `jshard.recompute(policy="auto")` region's scope is `RECOMPUTE_SCOPE + AUTO_LABEL + "<k>_<policy>"`:
 its number in the trace and the policy the search gave it (`"none"` too: scoped, not recomputed)."""

@@ -26,6 +26,7 @@ from jshard import _context
 from jshard._errors import ShardingError, api_boundary
 from jshard._format import human_bytes, shape_str
 from jshard.hetero._host import host_function, on_host
+from jshard.layouts import place
 
 TABLE_OPTIMIZERS = ("sgd", "adam", "adagrad")
 """The optimizers a `HostTable` updates its rows with (`host_table(..., optimizer=)`)."""
@@ -172,7 +173,7 @@ def sparse_update(table: HostTable, ids: Any, grads: Any, learning_rate: float) 
 def _whole(x: Any) -> Any:
     """`x` gathered whole to every device inside a parallelized step (outside one: as it is)."""
     ctx = _context.current()
-    return x if ctx is None else jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, PartitionSpec()))
+    return x if ctx is None else place(x, NamedSharding(ctx.mesh, PartitionSpec()))
 
 
 _gather = on_host(lambda rows, ids: rows[ids])

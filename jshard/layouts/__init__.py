@@ -18,6 +18,8 @@ from jshard.layouts._mesh import FineMesh as FineMesh
 from jshard.layouts._mesh import NotRefined as NotRefined
 from jshard.layouts._mesh import axis_names as axis_names
 from jshard.layouts._mesh import named_sharding as named_sharding
+from jshard.layouts._place import on_auto_axes as on_auto_axes
+from jshard.layouts._place import place as place
 from jshard.layouts._slots import Slot as Slot
 from jshard.layouts._slots import canonicalize_slot as canonicalize_slot
 from jshard.layouts._slots import canonicalize_slots as canonicalize_slots

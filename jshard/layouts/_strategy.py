@@ -119,6 +119,15 @@ def with_repeated_calculation(
 def _device_count_error(call: str, op: str, what: str, layout: TensorLayout, device_count: int) -> str:
     used = layout.device_count
     divisors = [d for d in range(1, device_count + 1) if device_count % d == 0]
+    if used > device_count:  # most often: simulated devices forgotten on a laptop
+        return (
+            f"{call}: {what} gives {op} the device matrix {list(layout.device_matrix)} ({used} devices), but "
+            f"the program has {device_count} device(s). On a laptop or any CPU, call jshard.simulate_devices({used}) "
+            f"first thing, before any array is made, to simulate {used} devices; or pass "
+            f"jshard.parallelize(..., devices={used}) or a mesh of {used} devices (with fewer present, .plan() "
+            f"plans on an abstract mesh). Or choose strategies whose device matrix multiplies to a divisor of "
+            f"{device_count} ({', '.join(map(str, divisors))})."
+        )
     return (
         f"{call}: {what} gives {op} the device matrix {list(layout.device_matrix)} ({used} devices), "
         f"but {used} does not divide the device count {device_count}. Choose strategies whose device "

@@ -155,7 +155,7 @@ class _Records:
         self.by_scope = {a.scope: a for a in annotations}
         self.scopes = [_innermost(n.scope) for n in nodes]
         self.main = _main_operators(nodes, self.scopes, self.by_scope)
-        self.number = {i: k for k, i in enumerate(i for i, n in enumerate(nodes) if n.primitive != CONSTRAINT)}
+        self.number = {i: k for k, i in enumerate(i for i, n in enumerate(nodes) if not _moves(n))}
         self.stands_for = _standing_for(nodes, self.scopes, self.main, self.number)
         self.regions, rerun = recompute_regions(nodes)
         self.rerun = set(rerun)
@@ -259,7 +259,7 @@ def _main_operators(nodes: Sequence[Node], scopes: Sequence[str], by_scope: dict
         return len(_PRINCIPAL) + (ann is None or len(ann.in_layouts) != len(node.inputs))
 
     for node, scope in zip(nodes, scopes):
-        if scope and not node.backward and node.primitive != CONSTRAINT:
+        if scope and not node.backward and not _moves(node):
             if scope not in main or rank(node, scope) < rank(main[scope], scope):
                 main[scope] = node
     return main
@@ -323,6 +323,12 @@ def _via(via: str, number: dict[int, int], models: set[int]) -> str:
         i = int(via)
         return str(number[i]) if i in number else "model" if i in models else "user"
     return via
+
+
+def _moves(node: Node) -> bool:
+    """Whether `node` only lays a value out: a sharding constraint, or jshard's own `reshard` (a
+    `shard` call's on `Explicit` axes), recorded with the operator it serves, not as one."""
+    return node.primitive == CONSTRAINT or (node.primitive == "reshard" and JSHARD_SCOPE in node.scope)
 
 
 def _is_model_constraint(node: Node) -> bool:

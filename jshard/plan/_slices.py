@@ -36,7 +36,7 @@ class RankSlices:
     def __rich__(self) -> Group:
         table = Table(*self.headers, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
         for row in self.rows:
-            table.add_row(*row)
+            table.add_row(*map(Text, row))  # Text: not read as markup or emoji
         return Group(Text(self.title), table)
 
     def __str__(self) -> str:

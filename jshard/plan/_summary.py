@@ -119,7 +119,7 @@ def table(plan, limit: int | None = None) -> Table:
                      max_width=_MAX_WIDTHS.get(name))
     all_rows = rows(plan.ops)
     for row in all_rows[:limit]:
-        t.add_row(*row)
+        t.add_row(*map(Text, row))  # Text: user text is not read as markup or emoji (`file.py:100:`)
     if limit is not None and len(all_rows) > limit:
         t.add_row(f"… {len(all_rows) - limit} more rows", "", "", "", "", "")
     return t

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-import jax
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding
 
@@ -30,7 +29,7 @@ from jshard._compat import source_info_util
 from jshard._errors import ShardingError
 from jshard._source import user_source
 from jshard.graph import INLINE, NESTED, REMAT, KeepComm
-from jshard.layouts import Spec, to_pspec
+from jshard.layouts import Spec, place, to_pspec
 
 _BODY_KEYS = ("jaxpr", "cond_jaxpr", "body_jaxpr")
 
@@ -69,7 +68,7 @@ class _Interpreter:
         self._received: dict = {}  # (id(eqn), k) -> the operand a collective made for it, as run
 
     def constrain(self, x, spec: Spec):
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, to_pspec(spec)))
+        return place(x, NamedSharding(self.mesh, to_pspec(spec)))
 
     def run(self, jaxpr: jcore.Jaxpr, consts, args, top: bool = False, kept: Mapping | None = None) -> list:
         """`jaxpr` run under its constraints; `kept` maps values (and `(id(eqn), k)` operands) to

@@ -6,7 +6,30 @@ Each module holds one model and its train step as a Flax user writes them (Linen
 `tests/_tolerance.py`'s `assert_close` compares a parallelized step's results with it at.
 """
 
+import contextlib
+
 import jax
+
+_COMPILED: list[list[str]] = []  # the open `compiled()` blocks' lists, innermost last
+
+
+def _listen(event: str, seconds: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration" and _COMPILED:
+        _COMPILED[-1].append(kwargs.get("fun_name", "?"))
+
+
+jax.monitoring.register_event_duration_secs_listener(_listen)
+
+
+@contextlib.contextmanager
+def compiled():
+    """The names of the programs XLA compiles inside the block (`jit(run)`: a parallelized step)."""
+    names: list[str] = []
+    _COMPILED.append(names)
+    try:
+        yield names
+    finally:
+        _COMPILED.remove(names)
 
 
 def one_device(fn, *args, jit_options: dict | None = None, **kwargs):

@@ -1,6 +1,8 @@
 """A Linen classifier with dropout and its train step, written as Flax's Linen examples write them
 (`nn.compact`, `nn.Dropout(deterministic=not train)`, `TrainState`, `rngs={"dropout": ...}`, the
-step's dropout key folded with the step count as the LM1B example does)."""
+step's dropout key folded with the step count as the LM1B example does), and its loop: a Python
+`for` over the batches feeding each step the state the last one returned, on `jax.make_mesh`'s
+mesh (`Explicit` axes)."""
 
 import flax.linen as nn
 import jax
@@ -49,3 +51,24 @@ def terms() -> int:
     """The terms one train step's results sum (`tests/_tolerance.py`): what `assert_close` allows for."""
     state, batch = create_state()
     return step_terms(state.params, batch)
+
+
+def make_mesh():
+    """The data-parallel mesh over every device, as `jax.make_mesh` makes it (`Explicit` axes)."""
+    return jax.make_mesh((len(jax.devices()),), ("data",))
+
+
+def batches(steps: int, rows: int = 16, features: int = 16) -> list[dict]:
+    """`steps` batches `{"x", "y"}` of NumPy arrays, as a data loader yields them."""
+    rng = np.random.default_rng(1)
+    return [{"x": rng.normal(size=(rows, features)).astype(np.float32),
+             "y": rng.integers(0, MLP.classes, size=(rows,)).astype(np.int32)} for _ in range(steps)]
+
+
+def train(step, state, loader, rng):
+    """The loop: every batch through `step`, the state fed back; the last state and the losses."""
+    losses = []
+    for batch in loader:
+        state, loss = step(state, batch, rng)
+        losses.append(loss)
+    return state, losses
