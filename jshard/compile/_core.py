@@ -61,7 +61,7 @@ from jshard.layouts import (
     spec_from_pspec,
     to_pspec,
 )
-from jshard.search import SEEDS, Weighed, assignment, choices, region_costs, upgrades
+from jshard.search import SEEDS, SearchReport, Weighed, assignment, choices, region_costs, upgrades
 
 OPTIMIZER_LEVELS = (1, 2, 3)
 """The optimizer-parallel levels the search weighs where none is given and no plan fits without one."""
@@ -108,7 +108,7 @@ class Signature:
                      **context)
 
 
-def fastest_that_fits(keys: Any, seconds: Callable[[Any], float], build: Callable[[Any], Program],
+def fastest_that_fits(keys: Any, seconds: Callable[[Any], Any], build: Callable[[Any], Program],
                       refused: Callable[[Any, MemoryBudgetError], None]) -> tuple[Any, Program] | None:
     """The one loop of the weighings (offload, optimizer level, recompute policy): of the candidates
     `keys`, fastest first by their estimate, the first whose `build` (held to the budget) fits, as
@@ -119,6 +119,13 @@ def fastest_that_fits(keys: Any, seconds: Callable[[Any], float], build: Callabl
         except MemoryBudgetError as e:
             refused(key, e)
     return None
+
+
+def _searched(program: Program) -> SearchReport:
+    """The search's report of a program a weighing planned (the search plans every candidate)."""
+    report = program.plan.search
+    assert report is not None, "a weighing's candidates are planned by the search"
+    return report
 
 
 def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:
@@ -185,13 +192,13 @@ def _typed_trace(fn, args, fine: FineMesh, devices, c: Options, call: str, types
     """`fn` traced with its arguments typed `types` (on `Explicit` axes); where the model's types
     do not take the batch as the default dataset policy cuts it, traced with the batch's rows cut
     over fewer mesh axes (`narrower_types`): the traced program and the types it was traced with."""
-    *first, last = [types, *(narrower_types(types, args, slots, dataset, c) if types is not None else ())]
-    for tried in first:
+    tries: list[Any] = [types, *(narrower_types(types, args, slots, dataset, c) if types is not None else [])]
+    for tried in tries[:-1]:
         try:
             return trace(fn, args, fine, devices, c, call, types=tried), tried
         except ShardingTypeError:
             continue
-    return trace(fn, args, fine, devices, c, call, types=last), last
+    return trace(fn, args, fine, devices, c, call, types=tries[-1]), tries[-1]
 
 
 def _build_placed(s: Signature, traced: Traced, check: bool = True) -> Program:
@@ -222,6 +229,7 @@ def _weigh_offload(s: Signature, traced: Traced) -> Program:
     (`CostModel.host_seconds`), and builds the fastest that fits (with `memory_budget` and devices
     present: whose compiled program fits), its `SearchReport.offload` listing what was weighed."""
     c, args = s.options, s.args
+    assert s.budget is not None  # weighed only to meet a budget
     checked = c.memory_budget is not None and s.devices is not None
     cost = c.costs
     weighed: dict[tuple[str, ...], Weighed] = {}
@@ -323,14 +331,14 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
         t = traced if policy == traced.ctx.recompute_choice else s.trace(traced.fine, policy)
         fastest, fits = _fitting(s, t, policy, traced.ctx.auto_regions > 1)
         weighed.append(Weighed(policy, None, fits.least_bytes) if isinstance(fits, MemoryBudgetError) else
-                       Weighed(policy, fits.plan.search.seconds, fits.plan.search.peak_bytes))
+                       Weighed(policy, _searched(fits).seconds, _searched(fits).peak_bytes))
         uniform[policy] = (t, fastest, fits)
     donated = argument_leaves(s.args, c.donate_argnums)
     costs = {p: region_costs(t.nodes, None if fastest is None else fastest.values, t.axis_size, t.invars, t.outvars,
                              frozenset(t.invars[i] for i in donated)) for p, (t, fastest, _) in uniform.items()}
     rate = c.costs.flops
     _, fastest, fits = uniform["none"]
-    peak = fastest.plan.search.peak_bytes if fastest is not None else fits.least_bytes or float("inf")
+    peak = _searched(fastest).peak_bytes if fastest is not None else fits.least_bytes or float("inf")
     moves = upgrades(costs, peak, rate)
     regions = sorted(costs["none"])
     estimates = [peak] + [m[2] for m in moves]
@@ -359,7 +367,7 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
             weighed = [dataclasses.replace(w, seconds=None, peak_bytes=e.least_bytes) if w.policy == key else w
                        for w in weighed]
 
-        found = fastest_that_fits(candidates, lambda k: candidates[k][1].plan.search.seconds, held, refused)
+        found = fastest_that_fits(candidates, lambda k: _searched(candidates[k][1]).seconds, held, refused)
         if found is not None:
             key, program = found
             assert program.plan.search is not None  # the search planned it
@@ -400,6 +408,7 @@ def _weigh_optimizer(s: Signature, traced: Traced, without: MemoryBudgetError, c
     plans each level 1-3 (the state, then the gradients, then the parameters cut over the
     data-parallel axes; the search prices the collectives and the memory) and builds the fastest
     that fits, the plan saying why (`OptimizerReport.why`, `SearchReport.optimizer`)."""
+    assert s.budget is not None  # weighed only to meet a budget
     planned: dict[int, Program] = {}
     weighed: dict[int, Weighed] = {}
     leveled = lambda level: s.but(optimizer=OptimizerParallel(level))
@@ -410,7 +419,7 @@ def _weigh_optimizer(s: Signature, traced: Traced, without: MemoryBudgetError, c
             weighed[level] = Weighed(f"optimizer={level}", None, getattr(e, "least_bytes", None))
             continue
         planned[level] = program
-        weighed[level] = Weighed(f"optimizer={level}", program.plan.search.seconds, program.plan.search.peak_bytes)
+        weighed[level] = Weighed(f"optimizer={level}", _searched(program).seconds, _searched(program).peak_bytes)
     checked = check and s.options.memory_budget is not None and s.devices is not None
     failed = without
 
@@ -419,7 +428,7 @@ def _weigh_optimizer(s: Signature, traced: Traced, without: MemoryBudgetError, c
         failed = e
         weighed[level] = dataclasses.replace(weighed[level], seconds=None, peak_bytes=e.least_bytes)
 
-    found = fastest_that_fits(planned, lambda k: planned[k].plan.search.seconds,
+    found = fastest_that_fits(planned, lambda k: _searched(planned[k]).seconds,
                               lambda k: _plan_signature(leveled(k), traced, True) if checked else planned[k], refused)
     if found is None:
         raise MemoryBudgetError(f"{without} Optimizer parallel was weighed too, and fits at no level: "
