@@ -85,6 +85,11 @@ class Cut:
         return self._loss.aval
 
     @property
+    def consts(self) -> tuple:
+        """The constants the traced loss closes over (a tracer among them: a value of a trace around it)."""
+        return tuple(self._consts.values())
+
+    @property
     def batch_avals(self) -> tuple[jax.core.ShapedArray, ...]:
         """The micro-batch's leaves' shapes and dtypes (one micro-batch, as traced)."""
         return tuple(v.aval for v in self._batch_vars)
