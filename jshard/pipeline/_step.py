@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard import _context
@@ -64,7 +65,7 @@ def check_marked(call: str, args: tuple, batch_argnums: int, steps: int | None, 
         `micro_batches`.
     """
     if len(args) != 2 or batch_argnums % max(len(args), 1) != 1:
-        shapes = jax.tree.map(lambda a: shape_str(dtype_of(a), a.shape), args)
+        shapes = jax.tree.map(lambda a: shape_str(dtype_of(a), np.shape(a)), args)
         raise ShardingError(
             f"{call}: in a pipeline the marked gradient function takes (params, batch), the batch last, and "
             f"differentiates the params; it was called with {len(args)} argument(s) {shapes} and "
