@@ -2,8 +2,8 @@
 the parameters and an optax AdamW state, a step `train_step(state, batch) -> (state, metrics)`
 that differentiates the loss and applies the gradients. The one line jshard asks of it marks the
 gradient function (`jshard.accumulate(jax.value_and_grad(loss_fn))`), so that under
-`pipeline_stages=` the pipeline runs it and under `accumulation_steps=` its micro-batches do;
-outside those, the mark does nothing."""
+`pipeline_stages=` the pipeline runs it and under `accumulation_steps=` its micro-batches do
+(`reference_step` is the step without it, run on one device)."""
 
 import flax.linen as nn
 import jax
@@ -41,23 +41,21 @@ def create(rows: int = ROWS):
     return state, {"tokens": tokens, "targets": np.roll(tokens, -1, axis=1)}
 
 
-def train_step(state, batch):
-    def loss_fn(params, batch):
-        logits = state.apply_fn({"params": params}, batch["tokens"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+def loss_fn(apply_fn, params, batch):
+    logits = apply_fn({"params": params}, batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
-    loss, grads = js.accumulate(jax.value_and_grad(loss_fn))(state.params, batch)
+
+def train_step(state, batch):
+    grad_fn = jax.value_and_grad(lambda params, batch: loss_fn(state.apply_fn, params, batch))
+    loss, grads = js.accumulate(grad_fn)(state.params, batch)
     state = state.apply_gradients(grads=grads)
     return state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
 
 
 def reference_step(state, batch):
     """The same step with no mark, as the author wrote it before jshard: the one-device reference."""
-    def loss_fn(params):
-        logits = state.apply_fn({"params": params}, batch["tokens"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    loss, grads = jax.value_and_grad(lambda params: loss_fn(state.apply_fn, params, batch))(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss, "grad_norm": optax.global_norm(grads)}
 
 
