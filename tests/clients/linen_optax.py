@@ -50,13 +50,13 @@ def train_step(state, batch):
     grad_fn = jax.value_and_grad(lambda params, batch: loss_fn(state.apply_fn, params, batch))
     loss, grads = js.accumulate(grad_fn)(state.params, batch)
     state = state.apply_gradients(grads=grads)
-    return state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
 def reference_step(state, batch):
     """The same step with no mark, as the author wrote it before jshard: the one-device reference."""
     loss, grads = jax.value_and_grad(lambda params: loss_fn(state.apply_fn, params, batch))(state.params)
-    return state.apply_gradients(grads=grads), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return state.apply_gradients(grads=grads), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
 def terms() -> int:
