@@ -136,7 +136,9 @@ def parallelize(
         `devices / S` each, and the result is a `jshard.pipeline.Pipelined` step (`jshard.pipeline`).
         Only `devices`, `in_strategy` (strategies over one stage's devices) and `dataset_strategy`
         apply with it. Or `fn` is any loss or `value_and_grad` step whose parts are tagged with
-        `jshard.pipeline_stage(fn, k)`: it is cut at the tags, a `jshard.pipeline.Staged` step.
+        `jshard.pipeline_stage(fn, k)`: it is cut at the tags, a `jshard.pipeline.Staged` step; or
+        a full train step that marks its gradient function (`js.accumulate(jax.value_and_grad(
+        loss_fn))(params, batch)`), which the pipeline runs, the update running on its gradients.
       micro_batches: M, how many micro-batches a step's batch is cut into (M >= S).
       schedule: `"1f1b"`, `"gpipe"`, `"interleaved"` (with `virtual_stages`) or `"zb-h1"` (zero bubble:
         each backward split into its input-gradient and weight-gradient parts, the latter run in the bubble).

@@ -374,7 +374,9 @@ class Staged:
     Made by `jshard.parallelize(fn, pipeline_stages=S, micro_batches=M, schedule=...)` for a plain
     function `fn(params, batch)` returning a scalar loss (a mean over the batch's rows), or
     `jax.value_and_grad(loss)(params, batch)`; its forward loss is traced on one micro-batch, cut
-    into stages (`_cut.py`) and run under the schedule (`_staged.py`). The gradients are the
+    into stages (`_cut.py`) and run under the schedule (`_staged.py`). A full train step that marks
+    its gradient function (`jshard.accumulate(jax.value_and_grad(loss_fn))(params, batch)`) runs
+    that function so and the rest of the step (the optimizer update) on its gradients (`_step.py`). The gradients are the
     pipeline's own, one backward per stage and micro-batch. With no tags the cost model cuts it
     (`_balance.py`; `program(params, batch).cut.balance`); `jshard.shard` calls inside stages hold on
     each stage's devices; with `mode="auto"` each stage's strategy is searched over its devices
