@@ -376,8 +376,8 @@ class Staged:
     `jax.value_and_grad(loss)(params, batch)`; its forward loss is traced on one micro-batch, cut
     into stages (`_cut.py`) and run under the schedule (`_staged.py`). A full train step that marks
     its gradient function (`jshard.accumulate(jax.value_and_grad(loss_fn))(params, batch)`) runs
-    that function so and the rest of the step (the optimizer update) on its gradients (`_step.py`). The gradients are the
-    pipeline's own, one backward per stage and micro-batch. With no tags the cost model cuts it
+    that function in the pipeline and the rest of the step (the optimizer update) on its gradients
+    (`_step.py`). The gradients are the pipeline's own, one backward per stage and micro-batch. With no tags the cost model cuts it
     (`_balance.py`; `program(params, batch).cut.balance`); `jshard.shard` calls inside stages hold on
     each stage's devices; with `mode="auto"` each stage's strategy is searched over its devices
     (`_stagesearch.py`; `program(params, batch).cut.plans`).

@@ -2,7 +2,9 @@
 `test` extra), built from a small config with random weights (no download), and trained as the
 library's Flax causal-LM example trains it (`run_clm_flax.py`): a `TrainState` with AdamW, a loss
 on the shifted labels, `jax.value_and_grad` and `apply_gradients`. Dropout is off (`train=False`),
-so one device and every mode compute the same values."""
+so one device and every mode compute the same values. AdamW's `eps` is 1e-3 rather than 1e-8:
+the attention's key bias gets a zero gradient (softmax is shift-invariant), which Adam with a
+tiny `eps` turns into `lr * sign(rounding noise)`, different for every summation order."""
 
 import jax
 import numpy as np
@@ -17,7 +19,7 @@ def create(rows: int = ROWS):
     """`(state, batch)`: a 2-layer GPT-2 of width 32 in a `TrainState` (AdamW), and one batch."""
     config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2)
     model = FlaxGPT2LMHeadModel(config, seed=0)
-    state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params, tx=optax.adamw(1e-3))
+    state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params, tx=optax.adamw(1e-3, eps=1e-3))
     ids = np.random.default_rng(0).integers(0, VOCAB, (rows, LENGTH)).astype(np.int32)
     return state, {"input_ids": ids, "labels": ids}
 
