@@ -49,7 +49,8 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
       grad_fn: the gradient function, e.g. `jax.value_and_grad(loss_fn)` (any function whose
         floating results are means over the batch's rows: loss, gradients, metrics).
       steps: k, how many micro-batches; None takes `parallelize`'s `accumulation_steps` (required
-        outside `parallelize`).
+        outside `parallelize`), or in a pipeline its `micro_batches` (where `grad_fn` must be
+        `jax.value_and_grad(loss_fn)` of `(params, batch)`: the pipeline runs it).
       batch_argnums: which positional argument of `grad_fn` is the batch (every array leaf of it is
         cut along dim 0).
 
