@@ -27,6 +27,7 @@ from benchmarks import (
     _pipeline_tagged,
     _planning,
     _replay,
+    _round_trip,
     _search,
     _zoo,
 )
@@ -71,7 +72,7 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     return tables
 
 
-SECTIONS = ("memory", "accumulation", "hetero", "search", "zoo", "replay", "pipeline")
+SECTIONS = ("memory", "accumulation", "hetero", "search", "zoo", "replay", "pipeline", "round_trip")
 """The sections `python -m benchmarks --only NAME` regenerates alone (the others need the whole run's
 shared measurements)."""
 
@@ -97,6 +98,8 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
         elif name == "pipeline":
             quick = (("gpipe", 2, 4), ("zb-h1", 2, 4))  # GPipe's row first: the temp ratio's reference
             made = [_pipeline.pipeline_table(DEVICES), _pipeline_tagged.pipeline_table(cells=quick if settings.size == "quick" else _pipeline_tagged.CELLS)]
+        elif name == "round_trip":
+            made = [_round_trip.round_trip_table()]
         else:
             raise ValueError(f"no section {name!r}; the sections are {SECTIONS}")
         for table in made:

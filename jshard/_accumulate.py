@@ -12,6 +12,9 @@ redistribution), runs `grad_fn` on each in a `lax.scan`, sums its results in the
 returns their mean (floating leaves; integer ones, counts, summed): one optimizer update follows,
 on the mean gradient, as the full batch's step makes it where the loss is a mean over rows (for a
 masked mean, where every row's mask counts the same tokens). Under `parallelize(...,
+pipeline=js.Pipelining(S, M))` the same call marks what the pipeline runs: `grad_fn` is
+pipelined over the M micro-batches (`jshard/pipeline/_step.py`), and the rest of the step (the
+optimizer update, metrics) runs on its gradients. Under `parallelize(...,
 accumulation=k)` k comes from there. Where the core names the mesh axes that cut the batch's
 rows (`batch_axes` in the trace context: `compile/_core.py`), the loop runs in a `jax.shard_map`
 manual over them, each device summing its own rows of each micro-batch, and one `psum` after the
@@ -47,7 +50,8 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
       grad_fn: the gradient function, e.g. `jax.value_and_grad(loss_fn)` (any function whose
         floating results are means over the batch's rows: loss, gradients, metrics).
       steps: k, how many micro-batches; None takes `parallelize`'s `accumulation_steps` (required
-        outside `parallelize`).
+        outside `parallelize`), or in a pipeline its `micro_batches` (where `grad_fn` must be
+        `jax.value_and_grad(loss_fn)` of `(params, batch)`: the pipeline runs it).
       batch_argnums: which positional argument of `grad_fn` is the batch (every array leaf of it is
         cut along dim 0).
 
@@ -73,6 +77,9 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
     def run(*args):
         ctx = _context.current()
         call = f"jshard.accumulate({name})" + (f" in {ctx.call}" if ctx is not None else "")
+        if ctx is not None and ctx.pipeline is not None:  # a full train step in a pipeline: its micro-batches
+            ctx.accumulated += 1
+            return ctx.pipeline(grad_fn, args, batch_argnums, steps, call)
         k = _steps(steps, ctx, call)
         if ctx is not None:
             ctx.accumulated += 1

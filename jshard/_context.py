@@ -10,7 +10,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from jax.sharding import Mesh
 
@@ -52,7 +53,9 @@ class TraceContext:
     `recompute` is `parallelize`'s `recompute=` (the policy of `jshard.recompute` regions that name
     none); `recompute_choice` the policy this trace gives the regions left to the search
     (`policy="auto"`): one for all of them, or a tuple with one per region in the order the trace
-    meets them; `auto_regions` counts those met.
+    meets them; `auto_regions` counts those met. `pipeline`, in a full train step under
+    `pipeline_stages`, runs the gradient function `jshard.accumulate` marks in the pipeline:
+    `pipeline(grad_fn, args, batch_argnums, steps, call)` returns what `grad_fn(*args)` returns.
     """
 
     call: str
@@ -68,6 +71,7 @@ class TraceContext:
     recompute: object = None
     recompute_choice: str | tuple[str, ...] = "full"
     auto_regions: int = 0
+    pipeline: Callable[..., Any] | None = None
 
     @property
     def device_count(self) -> int:

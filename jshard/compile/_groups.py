@@ -58,8 +58,10 @@ class Search:
 class Pipelining:
     """Pipeline parallel (`parallelize(..., pipeline=js.Pipelining(stages=2, micro_batches=4))`).
 
-    The devices form `stages` groups; `fn` is a `jshard.Pipeline` (stacked layers) or a step whose
-    parts are tagged with `jshard.pipeline_stage(fn, k)`. Only `devices`, `in_strategy`
+    The devices form `stages` groups; `fn` is a `jshard.Pipeline` (stacked layers), a loss or
+    `value_and_grad` step whose parts are tagged with `jshard.pipeline_stage(fn, k)`, or a full train
+    step that marks its gradient function (`js.accumulate(jax.value_and_grad(loss_fn))(params,
+    batch)`): the pipeline runs that call, and the optimizer update runs on its gradients. Only `devices`, `in_strategy`
     (strategies over one stage's devices) and `dataset_strategy` apply beside it.
 
     Attributes:

@@ -52,6 +52,7 @@ class Op:
     outputs: tuple
     tag: int | None
     stage: int = -1
+    scope: str = ""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -82,6 +83,11 @@ class Cut:
     def loss_aval(self) -> jax.core.ShapedArray:
         """The loss's shape and dtype (a scalar)."""
         return self._loss.aval
+
+    @property
+    def consts(self) -> tuple:
+        """The constants the traced loss closes over (a tracer among them: a value of a trace around it)."""
+        return tuple(self._consts.values())
 
     @property
     def batch_avals(self) -> tuple[jax.core.ShapedArray, ...]:
@@ -184,8 +190,13 @@ def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline
     """
     closed = distinct_calls(jax.make_jaxpr(step)(params, batch))
     jaxpr, n_params = closed.jaxpr, len(jax.tree.leaves(params))
-    loss = _loss_var(call, jaxpr, jax.eval_shape(step, params, batch), params)
-    ops = _needed(_flatten(call, jaxpr), loss)
+    out = jax.eval_shape(step, params, batch)
+    _check_loss_form(call, out, params)
+    every, env = _flatten(call, jaxpr)
+    if len(jax.tree.leaves(out)) > 1:
+        _check_value_and_grad(call, every, [resolve(env, v) for v in jaxpr.outvars], out)
+    loss = resolve(env, jaxpr.outvars[0])
+    ops = _needed(every, loss)
     param_vars = tuple(jaxpr.invars[:n_params])
     tagged = any(op.tag is not None for op in ops)
     if not tagged:
@@ -205,27 +216,68 @@ def cut(step, params: Any, batch: Any, stages: int, call: str = "jshard.pipeline
                tuple(jaxpr.invars[n_params:]), dict(zip(jaxpr.constvars, closed.consts)), crossing, loss, balanced)
 
 
-def _loss_var(call: str, jaxpr, out, params):
-    """The variable of the loss: the one result, or the first of `(loss, grads)`."""
+def _check_loss_form(call: str, out, params) -> None:
+    """The step returns a scalar loss, or a pair `(loss, tree like params)` (`_check_value_and_grad`
+    then checks that the tree is the loss's gradients)."""
     leaves = jax.tree.leaves(out)
     scalar = lambda a: a.shape == () and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
     if len(leaves) == 1 and scalar(leaves[0]):
-        return jaxpr.outvars[0]
+        return
     if (isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[1]) == jax.tree.structure(params)
             and scalar(out[0])):
-        return jaxpr.outvars[0]
+        return
     raise ShardingError(
         f"{call}: a function cut into pipeline stages returns a scalar loss, or (loss, grads) as "
         f"jax.value_and_grad(loss)(params, batch) does; it returned {jax.tree.map(lambda a: shape_str(a.dtype, a.shape), out)}. "
-        f"Return the loss (or value_and_grad's pair) and apply the optimizer to the pipeline's gradients."
+        f"{_FULL_STEP}"
     )
 
 
-def _flatten(call: str, jaxpr) -> list[Op]:
-    """The top-level equations with call-like bodies inlined, each with its innermost stage tag."""
+_FULL_STEP = ("For a full train step (the gradients, then an optimizer update, metrics), mark its gradient "
+              "function: loss, grads = jshard.accumulate(jax.value_and_grad(loss_fn))(params, batch); the "
+              "pipeline runs that call, and the rest of the step runs on its gradients.")
+
+
+def _check_value_and_grad(call: str, ops: list[Op], outvars: list, out) -> None:
+    """A step returning `(loss, tree)` returns what `jax.value_and_grad` makes: the loss made in its
+    forward (`jvp`) pass, every leaf of the tree made in its backward (`transpose`) pass, or the
+    zeros of a parameter the loss does not read. The pipeline returns its own gradients of that loss,
+    so anything else (the updated parameters of a train step, clipped gradients) would come back
+    replaced by them: refused."""
+    made = {v: op for op in ops for v in op.outputs}
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(out[1])[0]]
+    loss_op = made.get(outvars[0])
+    if loss_op is None or "jvp(" not in loss_op.scope:
+        raise ShardingError(_not_value_and_grad_error(call, "the loss (result [0])", loss_op))
+    for path, v in zip(paths, outvars[1:]):
+        op = made.get(v)
+        if not _is_gradient(op):
+            raise ShardingError(_not_value_and_grad_error(call, f"result [1]{path}", op))
+
+
+def _is_gradient(op: Op | None) -> bool:
+    if op is None:
+        return False
+    zeros = (op.eqn.primitive.name == "broadcast_in_dim" and isinstance(op.inputs[0], jcore.Literal)
+             and not op.inputs[0].val)
+    return "transpose(" in op.scope or zeros
+
+
+def _not_value_and_grad_error(call: str, what: str, op: Op | None) -> str:
+    made = f"made by {_where(op)}" if op is not None else "an argument or a constant passed through"
+    return (f"{call}: the step returns (loss, tree like params), but {what} is {made}, outside the "
+            f"{'forward' if 'loss' in what else 'backward'} pass of jax.value_and_grad: the pair is not "
+            f"jax.value_and_grad(loss)(params, batch). A pipeline returns the loss's own gradients, so it "
+            f"cannot return this step's values. {_FULL_STEP}")
+
+
+def _flatten(call: str, jaxpr) -> tuple[list[Op], dict]:
+    """The top-level equations with call-like bodies inlined, each with its innermost stage tag,
+    and the map from a call's variables to the ones inlined (`resolve`)."""
     out: list[Op] = []
-    _walk(call, jaxpr, {}, "", out)
-    return out
+    env: dict = {}
+    _walk(call, jaxpr, env, "", out)
+    return out, env
 
 
 def _check_no_tags_inside(call: str, eqn) -> None:
@@ -261,7 +313,7 @@ def _walk(call: str, jaxpr, env: dict, prefix: str, out: list[Op]) -> None:
             _check_no_tags_inside(call, eqn)
             tags = _TAG.findall(scope)
             out.append(Op(eqn, tuple(resolve(env, v) for v in eqn.invars), tuple(eqn.outvars),
-                          int(tags[-1]) if tags else None))
+                          int(tags[-1]) if tags else None, scope=scope))
             continue
         for v_in, v_out in zip(sub.invars, eqn.invars):
             env[v_in] = resolve(env, v_out)

@@ -46,6 +46,7 @@ from jshard.pipeline._rest import StageParams
 from jshard.pipeline._schedule import SCHEDULES, build_schedule
 from jshard.pipeline._staged import StagedProgram
 from jshard.pipeline._stagesearch import searched
+from jshard.pipeline._step import check_marked, check_no_tracers, full_step, marks
 
 
 class _Checked(NamedTuple):
@@ -383,8 +384,10 @@ class Staged:
     Made by `jshard.parallelize(fn, pipeline=js.Pipelining(S, M, schedule=...))` for a plain
     function `fn(params, batch)` returning a scalar loss (a mean over the batch's rows), or
     `jax.value_and_grad(loss)(params, batch)`; its forward loss is traced on one micro-batch, cut
-    into stages (`_cut.py`) and run under the schedule (`_staged.py`). The gradients are the
-    pipeline's own, one backward per stage and micro-batch. With no tags the cost model cuts it
+    into stages (`_cut.py`) and run under the schedule (`_staged.py`). A full train step that marks
+    its gradient function (`jshard.accumulate(jax.value_and_grad(loss_fn))(params, batch)`) runs
+    that function in the pipeline and the rest of the step (the optimizer update) on its gradients
+    (`_step.py`). The gradients are the pipeline's own, one backward per stage and micro-batch. With no tags the cost model cuts it
     (`_balance.py`; `program(params, batch).cut.balance`); `jshard.shard` calls inside stages hold on
     each stage's devices; with `mode="auto"` each stage's strategy is searched over its devices
     (`_stagesearch.py`; `program(params, batch).cut.plans`).
@@ -403,12 +406,18 @@ class Staged:
         _, self.inner, self.mesh = _pipeline_mesh(self.call, options)
         self._cache: SignatureCache[_StagedEntry] = SignatureCache()
         self._packed: dict[tuple, _StagedEntry] = {}
+        self._marks: SignatureCache[bool] = SignatureCache()
+        self._steps: SignatureCache[Any] = SignatureCache()
 
     @api_boundary
-    def __call__(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+    def __call__(self, *args: Any) -> Any:
         """`(loss, grads)`: the mean loss over micro-batches and its gradients, in `params`' tree
         (a parameter read by two stages gets the sum of both): `pack`, `train`, then the gradients
-        unpacked."""
+        unpacked. A full train step (its gradient function marked by `jshard.accumulate`) returns
+        what the step returns, computed on the pipeline's gradients (`_step.py`)."""
+        if self._marked(args):
+            return self._full(args)(*placed(args, _replicated(self.mesh, args)))
+        params, batch = self._loss_args(args)
         e = self._entry(params, batch)
         loss, grads = self._run(e, e.pack(*placed((params,), (_replicated(self.mesh, params),))), batch)
         return loss, e.unpack(grads)
@@ -444,8 +453,12 @@ class Staged:
         return e.compiled(*placed((packed, batch), (e.packed_sh, e.batch_sh)))
 
     @api_boundary
-    def lower(self, params: Any, batch: Any) -> jax.stages.Lowered:
-        """The packed train program `(packed, batch) -> (loss, packed grads)`, lowered."""
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """The packed train program `(packed, batch) -> (loss, packed grads)`, lowered; for a full
+        train step, the step's program on its arguments."""
+        if self._marked(args):
+            return self._full(args).lower(*abstract(args))
+        params, batch = self._loss_args(args)
         e = self._entry(params, batch)
         packed = jax.eval_shape(e.program.pack, jax.tree.leaves(abstract(params)))
         return e.train.lower(packed, abstract(batch))
@@ -460,6 +473,40 @@ class Staged:
 
     def _entry(self, params, batch) -> _StagedEntry:
         return self._cache.get((params, batch), lambda: self._build(params, batch))
+
+    def _context(self) -> tuple:
+        """A trace context's call, fine mesh, mesh (one stage's devices) and mode."""
+        return self.call, self.inner, Mesh(self.mesh.devices[0], self.inner.names), "semi_auto"
+
+    def _marked(self, args: tuple) -> bool:
+        """Whether the step marks its gradient function (`jshard.accumulate`): a full train step."""
+        return self._marks.get(args, lambda: marks(self.fn, args, self._context()) > 0)
+
+    def _full(self, args: tuple):
+        """The full train step's program for these arguments' shapes (`_step.py`)."""
+        return self._steps.get(args, lambda: full_step(self.fn, self.mesh, self._context(), self._gradients))
+
+    def _gradients(self, grad_fn, args: tuple, batch_argnums: int, steps: int | None, call: str):
+        """`grad_fn(*args)` (`(params, batch)`) pipelined: its loss cut into stages, run on the
+        schedule; `(loss, grads)` as `jax.value_and_grad` returns them. Called while the step traces."""
+        check_marked(call, args, batch_argnums, steps, self.pipeline.micro_batches)
+        inner = Staged(grad_fn, self.options)
+        inner.call = call
+        params, batch = args
+        e = inner._build(abstract(params), abstract(batch))  # built once per trace of the step
+        check_no_tracers(call, e.program.cut.consts)
+        loss, grads = e.train(e.pack(params), batch)
+        return loss, e.unpack(grads)
+
+    def _loss_args(self, args: tuple) -> tuple[Any, Any]:
+        if len(args) != 2:
+            raise ShardingError(
+                f"{self.call}: the step takes {len(args)} arguments and marks no gradient function. A pipelined "
+                f"step is a loss (params, batch) -> scalar, jax.value_and_grad of one, or a full train step "
+                f"that marks its gradient function: loss, grads = jshard.accumulate(jax.value_and_grad("
+                f"loss_fn))(params, batch); the pipeline runs that call, and the rest of the step (the optimizer "
+                f"update, metrics) runs on its gradients.")
+        return args[0], args[1]
 
     def _data_axes(self, params, batch) -> tuple[str, ...]:
         """The stage's axes its micro-batches' rows are cut over, each device running its own rows:

@@ -1,0 +1,63 @@
+"""`moved_bytes`: what placing arrays on given shardings moves, the cost a training loop pays
+between two calls where a step takes an argument in one layout and returns it in another.
+
+The audit of one compiled program (`audit`) reads the collectives inside it; a loop that feeds a
+step's results back as its next arguments also pays for every result that comes back laid out
+otherwise than the next call takes it (`jax.device_put` before the call). This counts those
+bytes, per device: for each device, the bytes of its target shard it does not already hold
+(an array not yet on devices sends every device its whole shard); the figure is the busiest
+device's, as `Audit.bytes` gives a collective's bytes per device.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def moved_bytes(args: Any, shardings: Any) -> float:
+    """Bytes per device (the busiest device's) that placing `args` on `shardings` moves.
+
+    Args:
+      args: a pytree of arrays (a step's next arguments).
+      shardings: a pytree like `args` of `jax.sharding.Sharding`s (what the step takes them as).
+
+    Returns:
+      0.0 where every array is already where it is taken.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+      >>> rows = jax.device_put(jnp.zeros((4, 2)), NamedSharding(mesh, P("x")))
+      >>> moved_bytes(rows, NamedSharding(mesh, P("x"))), moved_bytes(rows, NamedSharding(mesh, P()))
+      (0.0, 16.0)
+    """
+    received: collections.Counter = collections.Counter()
+    for x, target in zip(jax.tree.leaves(args), jax.tree.leaves(shardings)):
+        shape, itemsize = np.shape(x), np.dtype(x.dtype).itemsize
+        source = x.sharding.devices_indices_map(shape) if isinstance(x, jax.Array) else {}
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, len(shape)):
+            continue
+        for device, index in target.devices_indices_map(shape).items():
+            need = _volume(index, shape)
+            held = _overlap(index, source[device], shape) if device in source else 0
+            received[device] += (need - held) * itemsize
+    return float(max(received.values(), default=0))
+
+
+def _ranges(index: tuple, shape: tuple) -> list[range]:
+    return [range(*s.indices(n)) for s, n in zip(index, shape)] + [range(n) for n in shape[len(index):]]
+
+
+def _volume(index: tuple, shape: tuple) -> int:
+    return math.prod(len(r) for r in _ranges(index, shape))
+
+
+def _overlap(a: tuple, b: tuple, shape: tuple) -> int:
+    return math.prod(max(0, min(p.stop, q.stop) - max(p.start, q.start)) for p, q in zip(_ranges(a, shape),
+                                                                                      _ranges(b, shape)))
