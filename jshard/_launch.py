@@ -291,6 +291,7 @@ class _Job:
 
     def _start(self, rank: int) -> _Worker:
         log = self.log_dir / f"worker_{rank}.log" if self.log_dir is not None else None
+        assert self.failures is not None  # set by run() (the log dir, or a temporary directory) before any worker
         failure_path(self.failures, rank).unlink(missing_ok=True)  # a previous run's, in the same log dir
         progress_path(self.failures, rank).unlink(missing_ok=True)
         proc = subprocess.Popen(worker_command(self.command), env=self._env(rank), stdin=subprocess.DEVNULL,
@@ -368,6 +369,7 @@ class _Job:
             time.sleep(0.05)
 
     def _records(self, workers: list[_Worker]) -> dict[int, dict]:
+        assert self.failures is not None  # set by run() (the log dir, or a temporary directory) before any worker
         records = {w.rank: read_progress(self.failures, w.rank) for w in workers}
         return {r: x for r, x in records.items() if x is not None}
 
@@ -405,6 +407,7 @@ class _Job:
 
     def _signalled(self) -> int:
         """The report once every worker has ended after the launcher got a signal: no worker is blamed."""
+        assert self.signalled is not None  # _run calls this only once a signal was forwarded
         name = signal.Signals(self.signalled).name
         ends = [f"rank {w.rank} {_ending(w.proc.returncode)}" for w in self.workers]
         self.say(f"stopped by {name} sent to the launcher (forwarded to the workers): {', '.join(ends)}. "

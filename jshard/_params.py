@@ -174,6 +174,7 @@ def _contraction_dims(fn, args, positions) -> Contraction | None:
     # var -> (input position, perm): dim d of the var is dim perm[d] of that input.
     source = {invars[i]: (i, tuple(range(len(args[i].shape)))) for i in positions[:2]}
     squeezed: dict[int, tuple[int, ...]] = {}  # input position -> its size-1 dims squeezed away (`jnp.matmul`'s batch of 1)
+    env: dict
     dots, env = [], {}
     for eqn, env in inline_equations(closed.jaxpr, env):
         # literals (a 0-d constant operand) are no input's value, and are not hashable
@@ -272,6 +273,7 @@ def _lookup_dims(fn, args, positions) -> Lookup | None:
     closed, invars = _traced(fn, args)
     source = {invars[i]: i for i in positions[:2]}  # var -> the input it is (up to a conversion)
     depends = {v: {i} for i, v in invars.items()}  # var -> the inputs it is computed from
+    env: dict
     gathers, env = [], {}
     for eqn, env in inline_equations(closed.jaxpr, env):
         ins = [resolve(env, v) for v in eqn.invars]
@@ -338,6 +340,7 @@ def _convolution_dims(fn, args, positions) -> Convolution | None:
     conversion), with no batch groups; else None."""
     closed, invars = _traced(fn, args)
     source = {invars[i]: i for i in positions[:2]}
+    env: dict
     convs, env = [], {}
     for eqn, env in inline_equations(closed.jaxpr, env):
         ins = [_var(env, v) for v in eqn.invars]
@@ -407,6 +410,7 @@ def _scatter_dims(fn, args, positions) -> Scatter | None:
     closed, invars = _traced(fn, args)
     source = {invars[i]: i for i in positions}
     depends = {v: {i} for i, v in invars.items()}
+    env: dict
     scatters, env = [], {}
     for eqn, env in inline_equations(closed.jaxpr, env):
         ins = [_var(env, v) for v in eqn.invars]

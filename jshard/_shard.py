@@ -95,7 +95,7 @@ def shard(
     outs = None if out_strategy is None else canonicalize_slots(out_strategy, call=call, what="out_strategy")
     plan = _canonicalize_parameter_plan(parameter_plan, call=call)
 
-    warned = []
+    warned: list[bool] = []
 
     @functools.wraps(fn)
     def sharded(*args, **kwargs):

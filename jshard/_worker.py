@@ -45,6 +45,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import FrameType
 
 FAILURE_DIR = "JSHARD_FAILURE_DIR"
 HANG_TIMEOUT, COMPILE_TIMEOUT = "JSHARD_HANG_TIMEOUT", "JSHARD_COMPILE_TIMEOUT"
@@ -164,7 +165,9 @@ def watch_progress(timeout: float | None = None, compile_timeout: float | None =
     os.environ[_WATCHED] = str(os.getpid())
     if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    watcher = _ProgressWatch(threading.main_thread().ident, timeout, compile_timeout, enforce,
+    main = threading.main_thread().ident
+    assert main is not None  # the main thread has started: it is running this
+    watcher = _ProgressWatch(main, timeout, compile_timeout, enforce,
                              int(os.environ.get("JSHARD_PROCESS_ID", "0")) if rank is None else rank)
     threading.Thread(target=watcher.run, name="jshard-progress", daemon=True).start()
     return True
@@ -179,6 +182,7 @@ class _ProgressWatch:
     def __init__(self, main: int, timeout: float, compile_timeout: float, enforce: bool, rank: int):
         self.main, self.timeout, self.compile_timeout, self.enforce = main, timeout, compile_timeout, enforce
         self.directory, self.rank = os.environ.get(FAILURE_DIR), rank
+        self.last: tuple[FrameType, int, int] | None  # the main thread's frame, last instruction and line
         self.last, self.since, self.changes = None, time.time(), 0
 
     def run(self) -> None:

@@ -20,12 +20,16 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 import orbax.checkpoint as ocp
 
 from jshard.checkpoint._files import record
 
-pending: dict[int, object] = {}
+if TYPE_CHECKING:
+    from jshard.checkpoint._orbax import SaveHandle
+
+pending: dict[int, SaveHandle] = {}
 """`id(handle) -> handle` for every async save not yet waited on."""
 _registered = False
 

@@ -137,6 +137,7 @@ def save(directory: str | os.PathLike, state: Any, plan: Plan | None = None, *, 
 def _write_error(call: str, step: int, error: BaseException) -> str:
     while (error.__cause__ or error.__context__) is not None:
         error = error.__cause__ or error.__context__
+        assert error is not None  # the loop's condition
     what = str(error).split(" [tensorstore_spec=")[0].split("\n")[0][:400]
     return (f"{call}: step {step} could not be written: {type(error).__name__}: {what}. The earlier steps are "
             "untouched. Free space on that file system, or give a directory this process can write "

@@ -143,6 +143,7 @@ def narrower_types(types: list[NamedSharding], args: tuple, slots: Sequence[Slot
     if options.dataset_strategy != "data_parallel":
         return []
     mesh = options.mesh
+    assert mesh is not None  # `types` (its one caller passes argument_types' list, not None) are on the user's mesh
     leaves = jax.tree_util.tree_leaves(args)
     free = [i for i in dataset if slots[i] is None and not _placed(leaves[i], mesh)]
     if not free:

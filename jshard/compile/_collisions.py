@@ -130,6 +130,7 @@ def _cut_sources(program: Program) -> dict:
     value as constrained). Strategy tuples are the collision check's (`collisions`), which reports
     only what a shared `Layout` resolves."""
     traced, result = program.traced, program.result
+    assert traced is not None and result is not None  # gathered, the one caller, returned first where either is None
     found = {}
     by_scope = {a.scope: a for a in traced.ctx.annotations}
     last: dict = {}

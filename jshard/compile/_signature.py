@@ -53,7 +53,7 @@ def _typed(x: Any) -> Any:
     """The sharding `x` brings to its type on `Explicit` axes: its placement, where it is cut (a
     replicated placement fixes nothing: it is typed as an array not placed on the mesh is, so a
     loop's first call on host arrays and the next on the results keep one signature)."""
-    sharding = getattr(x, "sharding", None)
+    sharding: Any = getattr(x, "sharding", None)
     return sharding if _typed_mesh(sharding) and not sharding.is_fully_replicated else None
 
 

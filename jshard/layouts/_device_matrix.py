@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from jshard._errors import ShardingError
 from jshard._format import shape_str
@@ -60,8 +60,8 @@ def dot_layouts(
         *(rhs[d] for d in rfree),
     )
     nb, nl, nc = len(lb), len(lfree), len(lc)
-    lmap = [()] * len(lhs)
-    rmap = [()] * len(rhs)
+    lmap: list[tuple[int, ...]] = [()] * len(lhs)
+    rmap: list[tuple[int, ...]] = [()] * len(rhs)
     for i, (l, r) in enumerate(zip(lb, rb)):
         lmap[l] = rmap[r] = (i,)
     for j, l in enumerate(lfree):
@@ -269,6 +269,9 @@ def conv_layouts(
         raise ShardingError(bad)
     k = len(ls)
     matrix = (lhs[lb], lhs[lf], *(lhs[d] for d in ls), rhs[ro])
+    lmap: list[tuple[int, ...]]
+    rmap: list[tuple[int, ...]]
+    omap: list[tuple[int, ...]]
     lmap, rmap, omap = [()] * len(lhs), [()] * len(rhs), [()] * (k + 2)
     lmap[lb], lmap[lf], omap[ob] = (0,), (1,), (0,)
     rmap[ri], rmap[ro], omap[of] = (1,), (k + 2,), (k + 2,)
@@ -276,7 +279,8 @@ def conv_layouts(
         lmap[dl] = omap[do] = (2 + j,)
     partial = (1,) if matrix[1] > 1 else ()
     layouts = (TensorLayout(matrix, tuple(m)) for m in (lmap, rmap, omap))
-    return (*layouts, partial)
+    # three layouts, one per map: mypy cannot count a generator's items
+    return cast("tuple[TensorLayout, TensorLayout, TensorLayout, tuple[int, ...]]", (*layouts, partial))
 
 
 def _conv_error(lhs, rhs, dims, groups, *, call, op, names) -> str:

@@ -10,7 +10,7 @@ its `Auto` ones. `Manual` axes (inside a `shard_map`) are each device's own and 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ def _axes(entry) -> tuple[str, ...]:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
-def keep_axes(spec: PartitionSpec, keep: Sequence[str]) -> PartitionSpec:
+def keep_axes(spec: PartitionSpec, keep: Collection[str]) -> PartitionSpec:
     """`spec` with only the axes in `keep` (a dim cut over none of them left whole)."""
     def entry(e):
         if e is PartitionSpec.UNCONSTRAINED:

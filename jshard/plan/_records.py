@@ -8,7 +8,7 @@ import functools
 import math
 import re
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
@@ -196,8 +196,8 @@ class _Records:
         """Every field of operator `i`'s record but its index."""
         ann = self.by_scope.get(self.scopes[i])
         user = ann is not None and not node.backward
-        fields = dict(origin="user" if user else "default", in_strategy=None, out_strategy=None, in_specs=None,
-                      out_specs=None)
+        fields: dict[str, Any] = dict(origin="user" if user else "default", in_strategy=None, out_strategy=None,
+                                      in_specs=None, out_specs=None)
         # the call's strategies are its main operator's where they are one per operand of it (else
         # the call has inputs the operator does not take: the operator's own layouts say more)
         if ann is not None and self.main.get(self.scopes[i]) is node and len(ann.in_layouts) == len(node.inputs):
