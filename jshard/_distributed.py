@@ -50,6 +50,7 @@ from jshard._compat import xla_bridge
 from jshard._compat import xla_client as _jax
 from jshard._devices import simulate_devices
 from jshard._errors import ShardingError, api_boundary
+from jshard._hang import explain as explain_hang
 from jshard._worker import install_excepthook, share_progress, watch_progress
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JSHARD_COORDINATOR", "JSHARD_NUM_PROCESSES", "JSHARD_PROCESS_ID"
@@ -124,17 +125,17 @@ def init(
     if setting is None:
         if _cluster_detected():
             info = _join_detected()
-            watch_progress(hang_timeout, enforce=True, rank=info.process_id)
+            watch_progress(hang_timeout, enforce=True, rank=info.process_id, explain=explain_hang)
             return info
         if local_devices is not None or os.environ.get(LOCAL_DEVICES):
             simulate_devices(_int_env(LOCAL_DEVICES, local_devices))
         if hang_timeout:
-            watch_progress(hang_timeout, enforce=True)
+            watch_progress(hang_timeout, enforce=True, explain=explain_hang)
         return _info()
     address, count, rank, devices, seconds = setting
     _watch_launcher()
     if count > 1 or hang_timeout:
-        watch_progress(hang_timeout, enforce=not os.environ.get(LAUNCHER_PID), rank=rank)
+        watch_progress(hang_timeout, enforce=not os.environ.get(LAUNCHER_PID), rank=rank, explain=explain_hang)
     if count == 1:
         if devices is not None:
             simulate_devices(devices)

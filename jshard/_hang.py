@@ -51,3 +51,11 @@ def hang_report(culprit: int, records: Mapping[int, dict], now: float, timeout: 
     return text + (" Every rank's Python stack (faulthandler) is at the end of its log. Find what rank "
                    f"{culprit} waits for there (a file system, a lock, a data loader); raise the hang timeout "
                    "where one step legitimately takes longer.")
+
+
+def explain(rank: int, records: Mapping[int, dict], now: float, timeout: float, compile_timeout: float) -> str:
+    """The report a process without a launcher prints when it ends itself (`jshard._worker`'s
+    watchdog, given this by `jshard.init`): the rank that did not arrive (this one where none
+    stands out) and where each waits."""
+    culprit = find_hang(records, now, timeout, compile_timeout)
+    return hang_report(rank if culprit is None else culprit, records, now, timeout, [])

@@ -46,6 +46,7 @@ import time
 import traceback
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 FAILURE_DIR = "JSHARD_FAILURE_DIR"
 HANG_TIMEOUT, COMPILE_TIMEOUT = "JSHARD_HANG_TIMEOUT", "JSHARD_COMPILE_TIMEOUT"
@@ -148,13 +149,15 @@ def run(argv: list[str]) -> None:
 
 
 def watch_progress(timeout: float | None = None, compile_timeout: float | None = None, *,
-                   enforce: bool = False, rank: int | None = None) -> bool:
+                   enforce: bool = False, rank: int | None = None, explain: Any = None) -> bool:
     """Starts the progress thread (module docstring) once per process; with `enforce` (no launcher)
     it also ends the process when it has made no progress for `timeout` seconds, and shares its
     progress with the job's other processes through JAX's coordination service (its key-value
     store), so that the report names the rank that did not arrive. The timeouts default to
     `JSHARD_HANG_TIMEOUT` / `JSHARD_COMPILE_TIMEOUT`; no timeout (or 0) starts nothing; `rank`
-    defaults to `JSHARD_PROCESS_ID`. Returns whether a thread runs."""
+    defaults to `JSHARD_PROCESS_ID`; `explain(rank, peers, now, timeout, compile_timeout)` words the
+    report on the job's processes (`jshard._hang.explain`, passed by `jshard.init`: this module
+    imports the standard library only). Returns whether a thread runs."""
     if os.environ.get(_WATCHED) == str(os.getpid()):  # the wrapper (run as __main__) and jshard.init
         return True  # hold two copies of this module: one thread per process
     timeout = float(timeout if timeout is not None else os.environ.get(HANG_TIMEOUT) or 0)
@@ -168,7 +171,7 @@ def watch_progress(timeout: float | None = None, compile_timeout: float | None =
     main = threading.main_thread().ident
     assert main is not None  # the main thread has started: it is running this
     watcher = _ProgressWatch(main, timeout, compile_timeout, enforce,
-                             int(os.environ.get("JSHARD_PROCESS_ID", "0")) if rank is None else rank)
+                             int(os.environ.get("JSHARD_PROCESS_ID", "0")) if rank is None else rank, explain)
     threading.Thread(target=watcher.run, name="jshard-progress", daemon=True).start()
     return True
 
@@ -179,8 +182,9 @@ _WATCHED = "_JSHARD_PROGRESS_WATCHED"
 class _ProgressWatch:
     """Looks at the main thread's stack; writes the progress record; without a launcher, enforces."""
 
-    def __init__(self, main: int, timeout: float, compile_timeout: float, enforce: bool, rank: int):
+    def __init__(self, main: int, timeout: float, compile_timeout: float, enforce: bool, rank: int, explain: Any):
         self.main, self.timeout, self.compile_timeout, self.enforce = main, timeout, compile_timeout, enforce
+        self.explain = explain
         self.directory, self.rank = os.environ.get(FAILURE_DIR), rank
         self.last: tuple[FrameType, int, int] | None  # the main thread's frame, last instruction and line
         self.last, self.since, self.changes = None, time.time(), 0
@@ -243,11 +247,8 @@ class _ProgressWatch:
         text = (f"jshard: process {self.rank} made no progress for {waited:.0f} s (hang timeout {self.timeout:g} s): "
                 f"{describe(record)}.")
         peers = {**self.peers(), self.rank: record}
-        if len(peers) > 1:
-            from jshard._hang import find_hang, hang_report  # jshard is importable: jshard.init started this
-
-            culprit = find_hang(peers, record["time"], self.timeout, self.compile_timeout)
-            text += " " + hang_report(self.rank if culprit is None else culprit, peers, record["time"], self.timeout, [])
+        if len(peers) > 1 and self.explain is not None:
+            text += " " + self.explain(self.rank, peers, record["time"], self.timeout, self.compile_timeout)
         print(f"{text} Its threads' stacks follow; ending it with status {HANG_STATUS} so that the job ends rather "
               "than hold its allocation.", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(all_threads=True)

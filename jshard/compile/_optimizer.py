@@ -352,7 +352,7 @@ def _is_array(x) -> bool:
     return not jax.dtypes.issubdtype(dtype_of(x), jax.dtypes.extended)
 
 
-def updating(traced: Traced, args: tuple, kept: dict[int, tuple]) -> dict[int, tuple]:
+def updating(traced: Traced, args: tuple, kept: dict[int, Any]) -> dict[int, Any]:
     """Result leaf -> `kept`'s entry for the argument leaf it updates (here: its sharding before the
     cut and after, so that the next step takes it as it is; offload: the leaf): a result subtree with an argument's tree structure, shapes
     and dtypes (as a train step returns its new parameters and state)."""

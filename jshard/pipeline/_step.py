@@ -19,7 +19,7 @@ calls (`jshard.audit.moved_bytes`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -35,7 +35,7 @@ Gradients = Callable[..., Any]
 """`(grad_fn, args, batch_argnums, steps, call) -> grad_fn's results`, run by the pipeline."""
 
 
-def marks(fn: Callable[..., Any], args: tuple, context: tuple) -> int:
+def marks(fn: Callable[..., Any], args: tuple, context: tuple[Any, Any, Any, Any]) -> int:
     """How many `jshard.accumulate` calls `fn(*args)` makes (traced once, shapes only);
     `context`: `TraceContext`'s first four fields."""
     ctx = _context.TraceContext(*context, pipeline=lambda grad_fn, a, b, steps, call: grad_fn(*a))
@@ -78,7 +78,7 @@ def check_marked(call: str, args: tuple, batch_argnums: int, steps: int | None, 
             f"steps= (the pipeline's micro_batches= is the count).")
 
 
-def check_no_tracers(call: str, consts: list) -> None:
+def check_no_tracers(call: str, consts: Sequence) -> None:
     """A pipelined gradient function closes over no traced value of the step around it (a key
     drawn in the step, say): the pipeline's program is built apart from the step's trace.
 
