@@ -350,8 +350,16 @@ def test_a_hung_rank_is_named_its_stacks_dumped_and_the_job_ended(tmp_path, caps
 
 
 def test_a_rank_compiling_gets_the_compile_allowance(tmp_path, capsys):
-    worker = script(tmp_path, fake_jax(tmp_path) + "if rank == 0:\n    compiler.compile(2.5)\n"
-                    "else:\n    time.sleep(2.5)\nprint('done', rank)\n")
+    """Rank 1 waits 1.5 s (past --hang-timeout 1) in its own code while rank 0 compiles for 4 s:
+    within the compile allowance, nobody is hung. Rank 1 starts waiting once rank 0 is about to
+    compile (a file says so; it spins until then, which the watchdog sees as progress), so a slow
+    process start on a loaded machine does not count."""
+    flag = tmp_path / "compiling"
+    worker = script(tmp_path, fake_jax(tmp_path) + f"if rank == 0:\n    open(r'{flag}', 'w').close()\n"
+                    "    compiler.compile(4)\n"
+                    f"else:\n    while not os.path.exists(r'{flag}'):  # spinning: its stack moves, it is no hang\n"
+                    "        pass\n"
+                    "    time.sleep(1.5)\nprint('done', rank)\n")
     assert main(["launch", "--worker-num", "2", "--hang-timeout", "1", "--compile-timeout", "30",
                  worker]) == 0
     assert "[rank 0] done 0" in capsys.readouterr().out
