@@ -145,9 +145,10 @@ def _bind(eqn, args):
     axes), so that its strategy holds on whichever stage runs it."""
     params = eqn.primitive.get_bind_params(eqn.params)
     sharding = params.get("sharding") if eqn.primitive.name == "sharding_constraint" else None
-    if isinstance(sharding, NamedSharding) and not isinstance(sharding.mesh, AbstractMesh):
+    if isinstance(sharding, NamedSharding):
         mesh = jax.sharding.get_abstract_mesh()
-        if mesh.manual_axes:  # a manual axis (the stage's data axes) holds each device's own rows: no cut left
+        made = sharding.mesh if isinstance(sharding.mesh, AbstractMesh) else sharding.mesh.abstract_mesh
+        if mesh.manual_axes and made != mesh:  # a manual axis (the stage's data axes) holds each device's own rows: no cut left
             spec = without_axes(sharding.spec, set(mesh.manual_axes))
             params = {**params, "sharding": NamedSharding(mesh, spec), "context_mesh": mesh}
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
