@@ -15,10 +15,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jshard.audit import memory_figures
 from jshard.compile._boundary import argument_leaves
-from jshard.compile._optimizer import updating
 from jshard.compile._options import Options
 from jshard.compile._planners import Planned
-from jshard.compile._signature import abstract, dtype_of
+from jshard.compile._signature import abstract
 from jshard.compile._trace import Traced
 from jshard.cost import CostModel
 from jshard.hetero import Offload, offload_report, on_host_shardings, streamed
@@ -52,7 +51,6 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
     the device for the step."""
     result, mesh = planned.result, traced.mesh
     evaluate = jcore.jaxpr_as_fun(traced.closed)
-    given = frozenset(o for o, sh in enumerate(out_sh) if sh is not None)  # out_strategy's (or the cuts')
     emission = EMPTY
     if result is not None:
         in_sh = [sh or NamedSharding(mesh, to_pspec(result.values.get(v, replicated(np.ndim(x)))))
@@ -67,7 +65,6 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
     if emission is not EMPTY or rewrite is not None:
         evaluate = emit(traced.closed, emission, mesh, rewrite)
     in_sh = [sh or NamedSharding(mesh, PartitionSpec()) for sh in in_sh]
-    out_sh = taken_back(traced, args, in_sh, out_sh, given)
     report = None
     if offload is not None:  # an updating result XLA would lay out is laid out as the leaf it updates
         out_sh = [in_sh[offload.results[o]] if sh is None and o in offload.results else sh for o, sh in enumerate(out_sh)]
@@ -88,20 +85,6 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                 search=planned.report, recompute=_recompute(traced, result, argument_leaves(args, options.donate_argnums)),
                 offload=report)
     return Program(plan, jitted, in_tree, {} if result is None else result.values, traced, result)
-
-
-def taken_back(traced: Traced, args: tuple, in_sh: Sequence, out_sh: Sequence, given: frozenset[int]) -> list:
-    """The results' shardings, a result that updates an argument (a subtree with its tree, shapes and
-    dtypes: new parameters, optimizer state, a `TrainState`) laid out as that argument is taken, so
-    that a loop feeding it back moves nothing between calls: where the plan lays the new value out
-    otherwise, the program moves it back, inside the step, where `Plan.audit` counts it. A result
-    `given` a sharding (`out_strategy`) keeps it; on `Explicit` axes the types say it all."""
-    if traced.mesh.explicit_axes:
-        return list(out_sh)
-    back = updating(traced, args, {i: i for i in range(len(in_sh))})  # result leaf -> the argument leaf
-    return [in_sh[back[o]] if o in back and o not in given
-            and dtype_of(traced.out_leaves[o]) == dtype_of(traced.leaves[back[o]]) else sh
-            for o, sh in enumerate(out_sh)]
 
 
 def _records(traced: Traced, result) -> Later:
