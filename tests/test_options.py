@@ -53,7 +53,7 @@ def test_a_group_given_both_ways_is_refused():
 
 @pytest.mark.parametrize("kw, message", [
     (dict(search=3), r"search= takes a js\.Search\(\.\.\.\), or str \(method\), got int 3"),
-    (dict(pipeline=2), r"pipeline= takes a js\.Pipelining\(stages, micro_batches, \.\.\.\), got int 2"),
+    (dict(pipeline=2), r"pipeline= takes a js\.Pipelining\(\.\.\.\), got int 2"),
     (dict(optimizer="2"), r"optimizer= takes a js\.OptimizerParallel\(\.\.\.\), or int \(level\), got str '2'"),
     (dict(memory_budgets=1), r"got an unexpected keyword argument 'memory_budgets'"),
 ])

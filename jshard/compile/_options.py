@@ -80,14 +80,11 @@ class Options:
         old = {k: fields.pop(k) for k in list(fields) if k not in _FIELDS}
         groups = regroup(call, dict(search=search, pipeline=pipeline, optimizer=optimizer, accumulation=accumulation,
                                     cost_model=cost_model), old, stacklevel + 1)
-        pipeline = groups["pipeline"]
-        if pipeline is not None and not isinstance(pipeline, Pipelining):
-            raise TypeError(f"{call}: pipeline= takes a js.Pipelining(stages, micro_batches, ...), got "
-                            f"{type(pipeline).__name__} {pipeline!r}.")
         return cls(donate_argnums=as_tuple(donate_argnums), batch_argnums=None if batch_argnums is None else as_tuple(batch_argnums),
                    static_argnums=as_tuple(static_argnums), static_argnames=as_tuple(static_argnames),
                    donate_argnames=as_tuple(donate_argnames), search=grouped("search", groups["search"], call),
-                   pipeline=pipeline, optimizer=grouped("optimizer", groups["optimizer"], call),
+                   pipeline=grouped("pipeline", groups["pipeline"], call),
+                   optimizer=grouped("optimizer", groups["optimizer"], call),
                    accumulation=grouped("accumulation", groups["accumulation"], call), cost_model=groups["cost_model"],
                    offload=None if offload is None else as_tuple(offload), **fields)
 
