@@ -171,20 +171,27 @@ def test_gloo_s_connection_chatter_is_left_out_of_the_stream_but_kept_in_the_log
     assert chatter.format(1) in (tmp_path / "l" / "worker_1.log").read_text()
 
 
-def test_sigterm_to_the_launcher_reaches_the_workers(tmp_path):
-    ready = tmp_path / "ready"
-    worker = script(tmp_path, f"signal.signal(signal.SIGTERM, lambda *a: (print('worker', rank, 'got SIGTERM', "
-                              f"flush=True), sys.exit(7)))\nopen(r'{ready}' + str(rank), 'w').close()\n"
-                              "time.sleep(120)\n")
+def _terminated(tmp_path, worker: str, *flags: str) -> tuple[int, str]:
+    """`jshard launch` of 2 `worker`s (with `flags`), sent SIGTERM once both wrote their `ready<rank>`
+    file: its exit status and stderr."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    launcher = subprocess.Popen([sys.executable, "-m", "jshard", "launch", "--worker-num", "2", "--log-dir",
-                                 str(tmp_path / "l"), worker], env=env, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen([sys.executable, "-m", "jshard", "launch", "--worker-num", "2", *flags, worker],
+                                env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
         time.sleep(0.1)
     launcher.send_signal(signal.SIGTERM)
     _, err = launcher.communicate(timeout=60)
-    assert launcher.returncode == 143, err
+    return launcher.returncode, err
+
+
+def test_sigterm_to_the_launcher_reaches_the_workers(tmp_path):
+    ready = tmp_path / "ready"
+    worker = script(tmp_path, f"signal.signal(signal.SIGTERM, lambda *a: (print('worker', rank, 'got SIGTERM', "
+                              f"flush=True), sys.exit(7)))\nopen(r'{ready}' + str(rank), 'w').close()\n"
+                              "time.sleep(120)\n")
+    status, err = _terminated(tmp_path, worker, "--log-dir", str(tmp_path / "l"))
+    assert status == 143, err
     assert "got SIGTERM; forwarding it to the workers" in err
     assert "stopped by SIGTERM sent to the launcher (forwarded to the workers): rank 0 exited with status 7" in err
     for rank in (0, 1):
@@ -411,15 +418,8 @@ def test_sigterm_to_the_launcher_is_named_not_blamed_on_a_worker(tmp_path):
     ready = tmp_path / "ready"
     worker = script(tmp_path, f"signal.signal(signal.SIGTERM, lambda *a: None)\nopen(r'{ready}' + str(rank), 'w')\n"
                               "while True:\n    time.sleep(0.05)\n")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    launcher = subprocess.Popen([sys.executable, "-m", "jshard", "launch", "--worker-num", "2", "--cluster-time-out",
-                                 "1", worker], env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not all((tmp_path / f"ready{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    launcher.send_signal(signal.SIGTERM)
-    _, err = launcher.communicate(timeout=60)
-    assert launcher.returncode == 143, err
+    status, err = _terminated(tmp_path, worker, "--cluster-time-out", "1")
+    assert status == 143, err
     assert "stopped by SIGTERM sent to the launcher (forwarded to the workers): rank 0 was killed by SIGKILL" in err
     assert "exit status 143 (SIGTERM)" in err and "rank 0 was killed by SIGKILL (log" not in err
 
