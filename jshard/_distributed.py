@@ -30,7 +30,8 @@ The hang watchdog (`hang_timeout`): this process's main thread is watched (`jsha
 Under `jshard launch` the launcher reads its progress and ends a hung job, naming the rank that did
 not arrive; without a launcher, a process whose main thread makes no progress for `hang_timeout`
 seconds (an XLA compile gets `JSHARD_COMPILE_TIMEOUT`) dumps its threads' stacks and exits with
-status 124, as NCCL's watchdog ends a rank whose collective never finishes.
+status 124, as NCCL's watchdog ends a rank whose collective never finishes; process 0, which hosts
+the coordination service, first waits (bounded) for its peers to report, as its exit aborts them.
 """
 
 from __future__ import annotations

@@ -96,16 +96,37 @@ def read_failure(directory: str | os.PathLike, rank: int) -> dict | None:
 
 def fail(exc: BaseException, status: int) -> None:
     """Prints `exc`'s traceback (less this module's and runpy's frames), writes the failure record
-    and ends the process with `status` at once, without JAX's shutdown barrier."""
+    and ends the process with `status` at once, without JAX's shutdown barrier.
+
+    Where another thread is already ending the process (the hang watchdog, waiting for its peers),
+    this one only prints: that thread's status stands. Where a peer's hang watchdog has ended it,
+    `exc` (a collective whose peer left) follows from the hang, and the status is `HANG_STATUS`."""
     lines = _traceback_lines(exc)
+    if not _ENDING.acquire(blocking=False):
+        _write_out("".join(lines))
+        while True:  # the thread ending the process exits it
+            time.sleep(60)
+    if status != HANG_STATUS and (ended := sorted(_shared(_ENDED))):
+        status = HANG_STATUS
+        lines.append(f"jshard: process {_WATCH.rank if _WATCH else '?'} ends with status {HANG_STATUS}: its error "
+                     f"follows the hang that ended process(es) {', '.join(map(str, ended))}, whose report names "
+                     "the rank that did not arrive.\n")
     try:
-        sys.stderr.write("".join(lines))
+        _write_out("".join(lines))
         _write_record(exc, status, lines)
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):  # a closed or broken stream must not keep the process alive
-                stream.flush()
+        if status == HANG_STATUS and _WATCH is not None:
+            _WATCH.leave()
         os._exit(status)
+
+
+def _write_out(text: str) -> None:
+    """Writes `text` to stderr and flushes both streams; a closed or broken stream is passed over."""
+    with contextlib.suppress(Exception):
+        sys.stderr.write(text)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def excepthook(kind, exc, tb) -> None:
@@ -172,6 +193,9 @@ def watch_progress(timeout: float | None = None, compile_timeout: float | None =
     assert main is not None  # the main thread has started: it is running this
     watcher = _ProgressWatch(main, timeout, compile_timeout, enforce,
                              int(os.environ.get("JSHARD_PROCESS_ID", "0")) if rank is None else rank, explain)
+    if enforce:
+        global _WATCH
+        _WATCH = watcher
     threading.Thread(target=watcher.run, name="jshard-progress", daemon=True).start()
     return True
 
@@ -201,28 +225,36 @@ class _ProgressWatch:
                     self.end(record)
             time.sleep(interval(self.timeout))
 
-    @staticmethod
-    def client():
-        """JAX's distributed client, while `share_progress` says it is connected and not shutting down."""
-        if not _SHARING.is_set():
-            return None
-        return getattr(getattr(sys.modules.get("jax._src.distributed"), "global_state", None), "client", None)
-
     def share(self, record: dict) -> None:
-        with _SHARING_LOCK:
-            if (client := self.client()) is not None:
-                with contextlib.suppress(Exception):  # the coordinator gone: the job is failing anyway
-                    client.key_value_set(f"{_KEY}{self.rank}", json.dumps(record), allow_overwrite=True)
+        _post(f"{_KEY}{self.rank}", json.dumps(record))
 
     def peers(self) -> dict[int, dict]:
         """Every process's latest shared progress record, this one's included."""
-        with _SHARING_LOCK:
-            client = self.client()
-            try:
-                shared = client.key_value_dir_get(_KEY) if client is not None else []
-            except Exception:
-                return {}
-        return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in shared}
+        return {r: json.loads(v) for r, v in _shared(_KEY).items()}
+
+    def leave(self) -> None:
+        """Says that this process ends for a hang (a key its peers read: an error that follows in
+        theirs is the hang's), in the process that hosts JAX's coordination service only once each
+        peer has ended itself too or cannot be waited for (`wait_for_peers`): its exit takes the
+        service down, and JAX then aborts every other process before its watchdog reports."""
+        if getattr(_jax_distributed(), "service", None) is not None:
+            self.wait_for_peers()
+        _post(f"{_ENDED}{self.rank}", str(HANG_STATUS))
+
+    def wait_for_peers(self) -> None:
+        """Waits until every peer has ended for the hang, has exited, or is past the time its own
+        watchdog would have ended it (its record's `since` plus its limit, plus `_SLACK`); one hang
+        timeout and the slack at most."""
+        step = interval(self.timeout)
+        give_up = time.time() + self.timeout + _SLACK
+        while (now := time.time()) < give_up:
+            ended = _shared(_ENDED)
+            due = [x["since"] + (self.compile_timeout if x.get("compiling") else self.timeout) + _SLACK
+                   for r, x in self.peers().items() if r != self.rank and r not in ended and x.get("inside") != "exit"]
+            if not due or now > max(due):
+                break
+            time.sleep(step / 2)
+        time.sleep(step)  # the last peer between its key and its exit
 
     def look(self) -> dict:
         frame = sys._current_frames().get(self.main)
@@ -243,21 +275,61 @@ class _ProgressWatch:
                 "where": _frame(frames[-1]), "user": _frame(user)}
 
     def end(self, record: dict) -> None:
+        if not _ENDING.acquire(blocking=False):
+            return  # another thread is ending the process already
         waited = record["time"] - record["since"]
-        text = (f"jshard: process {self.rank} made no progress for {waited:.0f} s (hang timeout {self.timeout:g} s): "
-                f"{describe(record)}.")
-        peers = {**self.peers(), self.rank: record}
-        if len(peers) > 1 and self.explain is not None:
-            text += " " + self.explain(self.rank, peers, record["time"], self.timeout, self.compile_timeout)
-        print(f"{text} Its threads' stacks follow; ending it with status {HANG_STATUS} so that the job ends rather "
-              "than hold its allocation.", file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(all_threads=True)
-        fail(TimeoutError(f"no progress for {waited:.0f} s: {describe(record)}"), HANG_STATUS)
+        try:
+            text = (f"jshard: process {self.rank} made no progress for {waited:.0f} s (hang timeout "
+                    f"{self.timeout:g} s): {describe(record)}.")
+            peers = {**self.peers(), self.rank: record}
+            if len(peers) > 1 and self.explain is not None:
+                text += " " + self.explain(self.rank, peers, record["time"], self.timeout, self.compile_timeout)
+            print(f"{text} Its threads' stacks follow; ending it with status {HANG_STATUS} so that the job ends "
+                  "rather than hold its allocation.", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(all_threads=True)
+        finally:  # a broken stream must not leave the process running
+            fail(TimeoutError(f"no progress for {waited:.0f} s: {describe(record)}"), HANG_STATUS)
 
 
 _LIBRARIES = ("jax", "jaxlib", "jshard", "orbax", "flax", "optax")
-_KEY = "jshard/progress/"
+_KEY, _ENDED = "jshard/progress/", "jshard/ended/"
 _SHARING, _SHARING_LOCK = threading.Event(), threading.Lock()
+_ENDING = threading.RLock()
+"""Held by the thread ending the process (`fail`): another thread's failure meanwhile only prints."""
+_WATCH: _ProgressWatch | None = None
+"""This process's enforcing watchdog, where `jshard.init` started one."""
+_SLACK = 5.0
+"""Seconds the coordinator's process waits past a peer's own hang deadline for its report (a loaded
+machine takes a while to print a report and dump the stacks)."""
+
+
+def _jax_distributed() -> Any:
+    """JAX's distributed state (`client`, `service`), where JAX is loaded."""
+    return getattr(sys.modules.get("jax._src.distributed"), "global_state", None)
+
+
+def _client() -> Any:
+    """JAX's distributed client, while `share_progress` says it is connected and not shutting down."""
+    return getattr(_jax_distributed(), "client", None) if _SHARING.is_set() else None
+
+
+def _post(key: str, value: str) -> None:
+    """Sets `key` in JAX's coordination service's key-value store, where it is reachable."""
+    with _SHARING_LOCK:
+        if (client := _client()) is not None:
+            with contextlib.suppress(Exception):  # the coordinator gone: the job is failing anyway
+                client.key_value_set(key, value, allow_overwrite=True)
+
+
+def _shared(prefix: str) -> dict[int, str]:
+    """Rank -> value of the keys `prefix<rank>` in the coordination service ({} where unreachable)."""
+    with _SHARING_LOCK:
+        client = _client()
+        try:
+            shared = client.key_value_dir_get(prefix) if client is not None else []
+        except Exception:
+            return {}
+    return {int(k.rsplit("/", 1)[1]): v for k, v in shared}
 
 
 def share_progress() -> None:

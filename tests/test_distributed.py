@@ -196,31 +196,39 @@ def test_a_hung_rank_is_found_while_the_others_wait_in_a_collective(tmp_path):
 HANG_WITHOUT_LAUNCHER = """
 import sys, time
 import jshard
-rank, port = int(sys.argv[1]), sys.argv[2]
+rank, port, busy = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 jshard.init(f"127.0.0.1:{port}", 2, rank, local_devices=1, hang_timeout=2)
 import numpy as np
 from jax.experimental import multihost_utils
 multihost_utils.sync_global_devices("both here")
 print("synced", flush=True)
 if rank == 1:
+    end = time.time() + busy
+    while time.time() < end:
+        pass
     time.sleep(120)
 multihost_utils.process_allgather(np.ones(2))
 """
 
 
-def test_init_s_watchdog_names_the_hung_rank_without_a_launcher(tmp_path):
+@pytest.mark.parametrize("busy", [0.0, 1.0], ids=["together", "coordinator_first"])
+def test_init_s_watchdog_names_the_hung_rank_without_a_launcher(tmp_path, busy):
     """Two processes started by hand (as SLURM would) with jshard.init(hang_timeout=2): rank 1 sleeps while
     rank 0 waits in a collective; rank 1's watchdog names it from the progress both shared through the
-    coordination service, dumps its stacks and exits 124; rank 0 ends too."""
+    coordination service, dumps its stacks and exits 124; rank 0 ends with 124 too. Process 0 hosts the
+    coordination service, whose end would abort process 1 before it reports: where its watchdog fires
+    first (rank 1 busy for a second before it sleeps), it waits for rank 1's report."""
     env, port = worker_env(tmp_path), free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", HANG_WITHOUT_LAUNCHER, str(r), str(port)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", HANG_WITHOUT_LAUNCHER, str(r), str(port), str(busy)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     (out0, err0), (out1, err1) = (finish(p, timeout=120) for p in procs)
     assert "synced" in out0 and "synced" in out1, err0 + err1
     assert procs[1].returncode == 124, err1
     assert "jshard: process 1 made no progress for" in err1 and "the job is hung: rank 1 did not arrive" in err1
     assert "rank 0 for " in err1 and "waiting inside a JAX call" in err1 and "most recent call first" in err1
-    assert procs[0].returncode != 0
+    assert procs[0].returncode == 124, err0
+    # its own watchdog's report, or its collective's error once rank 1 left, said to follow the hang
+    assert "the job is hung: rank 1 did not arrive" in err0 or "follows the hang that ended process(es) 1" in err0
 
 
 def _stamp(launcher_log: str, text: str) -> float:
