@@ -47,11 +47,15 @@ def test_shard_around_a_linen_apply_with_a_parameter_plan_on_an_explicit_mesh():
 
     step = js.parallelize(loss, mesh=jax.make_mesh((2, 4), ("dp", "mp")))  # Explicit axes
     assert_close(step(params, X), one_device(loss, params, X), terms=8 + 16)
-    assert step.plan(params, X).in_specs[0] == P(None, "mp")  # stored as the plan cuts it
+    plan = step.plan(params, X)
+    assert plan.in_specs[0] == P(None, "mp")  # stored as the plan cuts it
+    dot = next(op for op in plan.ops if op.primitive == "dot_general")
+    assert dot.origin == "user" and dot.gathered == ""  # one Layout: the cut is the operator's own
 
 
-def test_a_parameter_plan_cut_the_plan_gathers_at_its_first_use_warns_with_the_cost_and_the_fix():
+def test_a_parameter_plan_cut_the_plan_gathers_at_its_first_use_warns_with_the_cost_and_the_fix(tmp_path):
     # was: the column-cut kernel all-gathered before the matmul on every call, silently, the operator labelled "user"
+    # with the call's strategy (None, (2, 1)) as if it were the matmul's
     model = nn.Dense(16, use_bias=False)
     rows = jnp.ones((64, 8), jnp.float32)
     params = jax.eval_shape(model.init, jax.random.key(0), rows)
@@ -65,3 +69,13 @@ def test_a_parameter_plan_cut_the_plan_gathers_at_its_first_use_warns_with_the_c
         "there on every call, predicted", "per device per call", "give it and the operand it meets one Layout")))):
         plan = js.parallelize(loss, devices=8).plan(params, rows)
     assert plan.predicted_bytes() > 0
+    dot = next(op for op in plan.ops if op.primitive == "dot_general")
+    assert dot.origin == "propagated" and dot.via == "user"  # the engine's layout, from the rows' in_strategy
+    assert dot.in_strategy == ((2, 1), (1, 1)) and dot.out_strategy == ((2, 1),)  # what the matmul takes
+    assert dot.gathered.startswith("operand 1 (f32[8,16]) comes cut (1, 4) by the parameter_plan entry for "
+                                   "params/kernel of jshard.shard(apply) at test_linen.py:")
+    assert dot.gathered.endswith("and is taken as (1, 1): XLA all-gathers it over mesh axis d0, d1 here")
+    assert [c.kind for c in dot.comms] == ["all-gather"]
+    assert "the user's cut is not kept here: operand 1 (f32[8,16]) comes cut (1, 4)" in plan.explain(dot)
+    plan.save(tmp_path / "plan.json")
+    assert js.Plan.load(tmp_path / "plan.json").ops == plan.ops  # the record survives a save

@@ -48,15 +48,26 @@ def explain(plan, op) -> str:
                          "honour it (no cheaper layout of the engine's replaces it)")
     elif op.origin != "default":
         lines.append("  cost paid: none (no redistribution, no partial sums)")
+    lines += _details(op)
+    if op.recompute:
+        lines.append(_recompute(plan, op))
+    return "\n".join(lines)
+
+
+def _details(op) -> list[str]:
+    """The lines for a user's cut the operator gathers, the alternative it rejected, its difference
+    from MindSpore and the argument layouts weighed for it, where it has them."""
+    lines = []
+    if op.gathered:
+        lines.append(f"  the user's cut is not kept here: {op.gathered}. Cut it as this operator takes it, or give it "
+                     "and the operand it meets one Layout")
     if op.rejected:
         lines.append(f"  best rejected alternative: {op.rejected}")
     if op.note:
         lines.append(f"  differs from MindSpore: {op.note}")
     if op.weighed:
         lines.append(f"  argument layouts weighed for the whole program (bandwidth and compute): {op.weighed}")
-    if op.recompute:
-        lines.append(_recompute(plan, op))
-    return "\n".join(lines)
+    return lines
 
 
 def _recompute(plan, op) -> str:

@@ -31,6 +31,11 @@ def mindspore_note(primitive: str, params: dict, shapes: Sequence[Sequence[int]]
     if primitive == "tile" and any(c > 1 and r > 1 for c, r in zip(cuts, params["reps"])):
         d = next(d for d, (c, r) in enumerate(zip(cuts, params["reps"])) if c > 1 and r > 1)
         return _note(f"Tile refuses a cut dim it tiles (dim {d} cut {cuts[d]}-way, tiled {params['reps'][d]} times)")
+    if primitive in ("argmax", "argmin") and any(cuts[a] > 1 for a in params["axes"]):
+        a = next(a for a in params["axes"] if cuts[a] > 1)
+        return _note(f"{'Argmax' if primitive == 'argmax' else 'Argmin'} takes its axis cut (dim {a} cut "
+                     f"{cuts[a]}-way) but finds the index in each device's slice, warning that it may differ from "
+                     "one device's; jshard gathers the axis, so the index is one device's")
     if primitive in _CUMULATIVE and cuts[params["axis"]] > 1:
         return _note(f"CumSum refuses its axis cut (dim {params['axis']} cut {cuts[params['axis']]}-way)")
     return ""

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 from jshard._context import Annotation
 from jshard._format import var_str
 from jshard.cost import Comm
-from jshard.graph import AUTO_LABEL, COMM_KEPT_LABEL, CONSTRAINT, JSHARD_SCOPE, RECOMPUTE_SCOPE, Node
+from jshard.graph import AUTO_LABEL, COMM_KEPT_LABEL, CONSTRAINT, JSHARD_SCOPE, PARAMETER_SCOPE, RECOMPUTE_SCOPE, Node
 from jshard.layouts import FineMesh, Spec, Strategy, TensorLayout, spec_from_pspec, to_pspec, typed_spec
 from jshard.plan._notes import mindspore_note
 
@@ -26,6 +26,7 @@ ORIGINS = ("user", "model", "propagated", "searched", "default")
 engine, the search, or nowhere (left to XLA's own propagation from the anchors)."""
 
 _SCOPE = re.compile(r"jshard_shard\d+")
+_PARAMETER = re.compile(PARAMETER_SCOPE + r"(\d+)")
 _RECOMPUTE = re.compile(RECOMPUTE_SCOPE + r"(\w+)")
 _AUTO = re.compile(AUTO_LABEL + r"(\d+)_(\w+)")
 _RERUN = "rematted_computation"
@@ -82,6 +83,10 @@ class OpRecord:
         costs), rather than its first run or a gradient operator.
       note: where its input strategy is a cut MindSpore's own operator refuses and jshard accepts (a
         cut split axis, a slice not taking the whole of a cut dim, ...), the difference in words.
+      gathered: where the operator takes a value a `shard` call cut (an `in_strategy` input, a
+        `parameter_plan` parameter, its `out_strategy`) with fewer cuts than given, which value,
+        which cut and over which mesh axes XLA all-gathers it there, in words; `""` else. Such an
+        operator's strategy is the engine's (`origin` `propagated` or `searched`), not the user's.
     """
 
     index: int
@@ -107,6 +112,7 @@ class OpRecord:
     recomputed: bool = False
     layout: OpLayout | None = None
     note: str = ""
+    gathered: str = ""
     """For a propagated or searched operator, its operands' layouts over the fine mesh, loop bodies
     included: what emission and `Plan.load` need to rebuild the same program."""
 
@@ -163,6 +169,7 @@ class _Records:
         self.model = _model_pinned(nodes)
         self.models = {i for i, n in enumerate(nodes) if _is_model_constraint(n)}
         self.fine, self.result = fine, result
+        self.given = _given_cuts(nodes, self.by_scope)
         self.fields: dict = {}
 
     def record(self, i: int, node: Node) -> OpRecord:
@@ -186,6 +193,7 @@ class _Records:
                 tuple(v.aval for v in node.inputs), tuple(v.aval for v in node.outputs),
                 scope in self.by_scope and self.main.get(scope) is node, self.regions.get(i, ""), i in self.rerun,
                 result is None or i not in result.unruled, self._pinned(node), parts,
+                tuple(self.given.get(v) if isinstance(v, jcore.Var) else None for v in node.inputs),
                 weighed, "" if decision is None else _via(decision.via, self.stands_for, self.models))
 
     def _pinned(self, node: Node) -> tuple:
@@ -200,14 +208,20 @@ class _Records:
                                       in_specs=None, out_specs=None)
         # the call's strategies are its main operator's where they are one per operand of it (else
         # the call has inputs the operator does not take: the operator's own layouts say more)
-        if ann is not None and self.main.get(self.scopes[i]) is node and len(ann.in_layouts) == len(node.inputs):
+        if (ann is not None and self.main.get(self.scopes[i]) is node and len(ann.in_layouts) == len(node.inputs)
+                and self._takes_inputs(node, ann)):
             fields.update(
                 in_strategy=_strategy_tuple(ann.in_layouts), out_strategy=_strategy_tuple(ann.out_layouts),
                 in_specs=_spec_tuple(ann.in_layouts, self.fine), out_specs=_spec_tuple(ann.out_layouts, self.fine),
             )
+        given = fields["in_strategy"]  # the call's, where they are the operator's: what MindSpore's would take
         decision = None if self.result is None else self.result.decisions.get(i)
         if decision is not None:
             fields.update(self._decided(node, decision, user, fields["in_strategy"] is None), via=via)
+            gathered = self._gathered(node, decision) if user else ""
+            if gathered:  # the user's cut is not what it takes: its layout is the engine's, from the other anchors
+                own = via == str(self.number.get(i))  # its own shard call's input constraint, which it stands for
+                fields.update(self._decided(node, decision, False, True), gathered=gathered, via="user" if own else via)
         pinned = [self.model.get(v) for v in node.outputs]
         if not user and pinned and all(p is not None for p in pinned):
             fields.update(origin="model", out_specs=tuple(map(to_pspec, pinned)),
@@ -217,13 +231,39 @@ class _Records:
                 fields.update(in_specs=tuple(map(to_pspec, typed)), in_strategy=tuple(map(self.cuts, typed)))
         result = self.result
         fields["note"] = mindspore_note(node.primitive, node.eqn.params, [getattr(getattr(v, "aval", None), "shape", ()) for v in node.inputs],
-                                        fields["in_strategy"])
+                                        given if given is not None else fields["in_strategy"])
         return dict(
             primitive=node.primitive, source=node.source, in_shapes=tuple(var_str(v) for v in node.inputs),
             out_shapes=tuple(var_str(v) for v in node.outputs), annotation=ann.name if ann is not None else "",
             backward=node.backward, inside=node.inside, ruled=result is None or i not in result.unruled,
             recompute=self.regions.get(i, ""), recomputed=i in self.rerun, weighed=weighed, **fields,
         )
+
+    def _takes_inputs(self, node: Node, ann: Annotation) -> bool:
+        """Whether the operator's operands may be the `shard` call's inputs in order: none is another of
+        the call's constraints' results (a `parameter_plan` parameter's, an input's the call's strategy
+        for that operand leaves unconstrained), as in a Linen `apply` whose matmul takes `(x, kernel)`
+        where the call takes `(params, x)`."""
+        for v, lay in zip(node.inputs, ann.in_layouts):
+            cut = self.given.get(v) if isinstance(v, jcore.Var) else None
+            if cut is not None and cut.scope == ann.scope and (cut.kind != "in" or lay is None):
+                return False
+        return True
+
+    def _gathered(self, node: Node, decision) -> str:
+        """Which operands a `shard` call cut (`_given_cuts`) the operator takes with cuts dropped, in words."""
+        assert self.result is not None  # a decision was made
+        found = []
+        for j, v in enumerate(node.inputs):
+            cut = self.given.get(v) if isinstance(v, jcore.Var) else None
+            if cut is None or j >= len(decision.in_specs) or v not in self.result.values:
+                continue
+            have, want = self.result.values[v], decision.in_specs[j]
+            dropped = sorted({a for dim in have for a in dim} - {a for dim in want for a in dim})
+            if dropped:
+                found.append(f"operand {j} ({var_str(v)}) comes cut {self.cuts(have)} by {cut.what} and is taken as "
+                             f"{self.cuts(want)}: XLA all-gathers it over mesh axis {', '.join(dropped)} here")
+        return "; ".join(found)
 
     def _decided(self, node: Node, decision, user: bool, strategies: bool) -> dict:
         """The fields a decision gives an operator's record (its strategies too, where `strategies`)."""
@@ -263,6 +303,40 @@ def _main_operators(nodes: Sequence[Node], scopes: Sequence[str], by_scope: dict
             if scope not in main or rank(node, scope) < rank(main[scope], scope):
                 main[scope] = node
     return main
+
+
+class _Cut(NamedTuple):
+    """A value a `shard` call's constraint made: the call's scope, which constraint (`in`: an
+    `in_strategy` input's, `parameter`: a `parameter_plan` parameter's, `out`: its `out_strategy`'s)
+    and that in words."""
+
+    scope: str
+    kind: str
+    what: str
+
+
+def _given_cuts(nodes: Sequence[Node], by_scope: dict) -> dict[jcore.Var, _Cut]:
+    """Value -> the `_Cut` that made it, for the results of every `shard` call's constraints in the
+    forward pass."""
+    given: dict = {}
+    made: set = set()  # the values operators of a shard call make (an output constraint takes one)
+    for node in nodes:
+        ann = by_scope.get(_innermost(node.scope))
+        if ann is None or node.backward:
+            continue
+        if not _moves(node):
+            made.update(node.outputs)
+            continue
+        if not isinstance(node.inputs[0], jcore.Var):
+            continue
+        param = _PARAMETER.search(node.scope)
+        if param is not None and int(param.group(1)) < len(ann.params):
+            kind, what = "parameter", f"the parameter_plan entry for {ann.params[int(param.group(1))][0]} of"
+        else:
+            kind, what = ("out", "the out_strategy of") if node.inputs[0] in made else ("in", "an in_strategy entry of")
+        cut = _Cut(ann.scope, kind, f"{what} jshard.shard({ann.name}) at {source_str(ann.source)}")
+        given.update(dict.fromkeys(node.outputs, cut))
+    return given
 
 
 def _standing_for(nodes: Sequence[Node], scopes: Sequence[str], main: dict[str, Node], number: dict[int, int]):

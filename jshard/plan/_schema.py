@@ -44,10 +44,12 @@ _OP = {
     "?inside": str, "?comms": [(str, float, _AXES)], "?seconds": float, "?via": str, "?rejected": str,
     "?ruled": bool, "?layout": _Null({"in": [_SPEC], "out": [_SPEC], "implied": bool}),
 }
-_OP_V2 = {**_OP, "source": int, "?recompute": str, "?recomputed": bool, "?weighed": str, "?note": str}
+_OP_V2 = {**_OP, "source": int, "?recompute": str, "?recomputed": bool, "?weighed": str, "?note": str,
+          "?gathered": str}
 """Version 2 adds, as optional keys: the recompute region an operator belongs to, whether it is the
-backward pass's run of it again, the argument layouts global propagation weighed for it, and its
-difference from MindSpore's operator (`OpRecord.note`)."""
+backward pass's run of it again, the argument layouts global propagation weighed for it, its
+difference from MindSpore's operator (`OpRecord.note`), and the `shard` cuts it gathers
+(`OpRecord.gathered`)."""
 _PLAN = {
     "format": str, "mode": str, "propagation": str, "mesh": {"sizes": [int], "names": [str]},
     "inputs": [_PSPEC], "outputs": [_PSPEC], "sources": [str], "ops": [_OP_V2], "?digest": str,

@@ -41,8 +41,21 @@ def _topk(x, w):
     return values
 
 
+def _arg(reduce, name):
+    """test_reduce_method_info.py::test_arg_m*_semi_axis_parallel: Mul, then Argmax/Argmin over the last
+    dim with it cut ((4, 1, 2),), which MindSpore takes with a warning that the index may differ."""
+    def net(x, y):
+        out = js.shard(named(jnp.multiply, "mul1"), ((1, 4, 2), (1, 4, 2)))(x, y)
+        return js.shard(named(reduce, name), ((4, 1, 2),))(out)
+    return net
+
+
 # (case, the primitive whose record carries the note, or None where no one primitive is the operator)
 DIFFERENCES = [
+    (Case("test_reduce_method_info.py::test_arg_max_semi_axis_parallel",
+          _arg(lambda a: jnp.argmax(a, -1), "argmax"), ((8, 8, 16), (8, 8, 16))), "argmax"),
+    (Case("test_reduce_method_info.py::test_arg_min_semi_axis_parallel",
+          _arg(lambda a: jnp.argmin(a, -1), "argmin"), ((8, 8, 16), (8, 8, 16))), "argmin"),
     (Case("test_layer_norm.py::test_layer_norm_wrong_strategy", _layer_norm,
           ((16, 16, 4, 4), (16, 16, 4, 4), (16, 4, 4), (16, 4, 4))), None),
     (Case("test_split_ext.py::test_split_tensor_shard_fail",
@@ -79,7 +92,7 @@ DIFFERENCES = [
 def test_documented_difference(case, primitive):
     plan = check(case)
     if primitive is not None:
-        notes = [op.note for op in plan.ops if op.primitive == primitive and op.origin == "user"]
+        notes = [op.note for op in plan.ops if op.primitive == primitive and op.annotation and not op.backward]
         assert notes and all("MindSpore's" in n for n in notes), plan.summary()
     assert case.ref in DOC.read_text(), f"{case.ref} is not in the table of {DOC.name}"
 
