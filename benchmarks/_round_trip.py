@@ -7,8 +7,9 @@ loop_gpt (2 layers, d 256, ff 1024, vocab 2048; `tests/clients/loop_gpt.py`), se
 (`mode="auto"`) under a memory budget, feeding each call's parameters and state to the next, and
 counts what placing them moves before each call (`jshard.audit.moved_bytes`, the busiest device's
 bytes received) beside the compiled step's collective bytes (`jshard.audit`, its payload
-convention). Since issue 30 a result that updates an argument is laid out as the argument is taken,
-so the loop moves nothing and any move is inside the program, in the step's bytes.
+convention). A result that updates an argument is laid out as the plan makes it, not as the argument
+is taken (moving it back inside the program was tried and reverted: XLA made the move by a full
+rematerialization the plan did not price), so where the two differ the loop moves it.
 """
 
 from __future__ import annotations
