@@ -60,10 +60,28 @@ def _loop(step, calls: int = 3):
 
 
 def test_out_strategy_keeps_its_layout_and_the_loop_pays_the_move():
-    params, state, _ = _args()
+    params, state, x = _args()
     out = ({"w": (8, 1)}, _whole(state), None)
-    moved, _ = _loop(_taken_whole(out_strategy=out))
+    step = _taken_whole(out_strategy=out)
+    moved, _ = _loop(step)
     assert moved[0] == 0.0 and moved[1] == moved[2] == pytest.approx(N * N * 4 * 7 / 8)
+    plan = step.plan(params, state, x)
+    assert plan.round_trip == moved[1]  # the plan prices what the loop moves
+    assert "round trip: results that update arguments come back in other layouts than taken; a loop moves 14 KiB " \
+           "per device before each next call" in " ".join(plan.summary().split())
+
+
+def test_the_plan_prices_the_round_trip_of_the_parameters_it_returns_cut():
+    """Without out_strategy the plan returns the updated parameters as the strategy cuts them (8 ways
+    on rows), where it takes them whole: the plan says what the loop then moves, and the loop moves
+    exactly that; with the results laid out as taken, nothing."""
+    params, state, x = _args()
+    step = _taken_whole()
+    moved, _ = _loop(step)
+    assert step.plan(params, state, x).round_trip == moved[1] == moved[2] == pytest.approx(N * N * 4 * 7 / 8)
+    kept = _taken_whole(out_strategy=(_whole(params), _whole(state), None))
+    moved, _ = _loop(kept)
+    assert kept.plan(params, state, x).round_trip == moved[1] == moved[2] == 0.0
 
 
 def test_moved_bytes_counts_what_each_device_lacks():

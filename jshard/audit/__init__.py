@@ -8,4 +8,5 @@ from jshard.audit._audit import MemoryFigures as MemoryFigures
 from jshard.audit._audit import audit as audit
 from jshard.audit._audit import memory_figures as memory_figures
 from jshard.audit._audit import read_collectives as read_collectives
+from jshard.audit._moves import moved_between as moved_between
 from jshard.audit._moves import moved_bytes as moved_bytes

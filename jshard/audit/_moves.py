@@ -39,15 +39,32 @@ def moved_bytes(args: Any, shardings: Any) -> float:
     """
     received: collections.Counter = collections.Counter()
     for x, target in zip(jax.tree.leaves(args), jax.tree.leaves(shardings)):
-        shape, itemsize = np.shape(x), np.dtype(x.dtype).itemsize
-        source = x.sharding.devices_indices_map(shape) if isinstance(x, jax.Array) else {}
-        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(target, len(shape)):
-            continue
-        for device, index in target.devices_indices_map(shape).items():
-            need = _volume(index, shape)
-            held = _overlap(index, source[device], shape) if device in source else 0
-            received[device] += (need - held) * itemsize
+        source = x.sharding if isinstance(x, jax.Array) else None
+        received.update(_received(np.shape(x), np.dtype(x.dtype).itemsize, source, target))
     return float(max(received.values(), default=0))
+
+
+def moved_between(arrays: Any, sources: Any, targets: Any) -> float:
+    """Bytes per device (the busiest device's) that moving arrays of the shapes and dtypes of
+    `arrays` (arrays or `jax.ShapeDtypeStruct`s) from the shardings `sources` to `targets` moves:
+    `moved_bytes` for arrays not made yet, as a plan prices what a loop will move."""
+    received: collections.Counter = collections.Counter()
+    for x, source, target in zip(jax.tree.leaves(arrays), jax.tree.leaves(sources), jax.tree.leaves(targets)):
+        received.update(_received(tuple(x.shape), np.dtype(x.dtype).itemsize, source, target))
+    return float(max(received.values(), default=0))
+
+
+def _received(shape: tuple, itemsize: int, source, target) -> collections.Counter:
+    """Per device, the bytes of its shard under `target` it does not hold under `source` (None: not
+    on devices yet)."""
+    received: collections.Counter = collections.Counter()
+    if source is not None and source.is_equivalent_to(target, len(shape)):
+        return received
+    held = source.devices_indices_map(shape) if source is not None else {}
+    for device, index in target.devices_indices_map(shape).items():
+        have = _overlap(index, held[device], shape) if device in held else 0
+        received[device] += (_volume(index, shape) - have) * itemsize
+    return received
 
 
 def _ranges(index: tuple, shape: tuple) -> list[range]:

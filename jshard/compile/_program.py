@@ -13,7 +13,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jshard.audit import memory_figures
+from jshard.audit import memory_figures, moved_between
 from jshard.compile._boundary import argument_leaves
 from jshard.compile._options import Options
 from jshard.compile._planners import Planned
@@ -83,8 +83,28 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
                 tuple(None if sh is None else sh.spec for sh in out_sh), traced.treedef, traced.out_tree,
                 tuple(traced.ctx.annotations), "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *abstract(args, in_tree)),
                 search=planned.report, recompute=_recompute(traced, result, argument_leaves(args, options.donate_argnums)),
-                offload=report)
+                offload=report, round_trip=None if devices is None else _round_trip(traced, in_sh, out_sh))
     return Program(plan, jitted, in_tree, {} if result is None else result.values, traced, result)
+
+
+def _round_trip(traced: Traced, in_sh: Sequence, out_sh: Sequence) -> float:
+    """Bytes per device (the busiest device's) the next call moves to place the results that update
+    arguments, where the program returns them in other layouts than it takes them: a result `k` of
+    the argument `k`'s tree structure, shapes and dtypes (`(params, state, batch) -> (params, state,
+    loss)`, a `TrainState` in and out) updates it. A result XLA lays out (no sharding) is not priced."""
+    node = traced.out_tree.node_data()
+    args, outs = traced.treedef.children(), traced.out_tree.children() if node and node[0] in (tuple, list) else []
+    pairs, i, o = [], 0, 0
+    for k, out in enumerate(outs):
+        if k < len(args) and args[k] == out:
+            pairs += [(i + j, o + j) for j in range(out.num_leaves)]
+        i += args[k].num_leaves if k < len(args) else 0
+        o += out.num_leaves
+    avals = [v.aval for v in traced.outvars]
+    pairs = [(i, o) for i, o in pairs if out_sh[o] is not None and hasattr(avals[o], "shape")
+             and (np.shape(traced.leaves[i]), jax.dtypes.result_type(traced.leaves[i])) == (avals[o].shape, avals[o].dtype)]
+    arrays = [avals[o] for _, o in pairs]
+    return moved_between(arrays, [out_sh[o] for _, o in pairs], [in_sh[i] for i, _ in pairs])
 
 
 def _records(traced: Traced, result) -> Later:

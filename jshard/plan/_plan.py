@@ -85,6 +85,12 @@ class Plan:
       work: the share of the single-device work each device does and, where it is nearly all of
         it, the data-parallel plan's predicted time beside this plan's (a `WorkReport`); None
         where XLA propagates, or for a loaded plan.
+      round_trip: bytes per device (the busiest device's) a training loop moves between two calls
+        to place the results that update arguments (result `k` of argument `k`'s structure,
+        shapes and dtypes: `(params, state, batch) -> (params, state, loss)`) where the plan
+        returns them in other layouts than it takes them; 0.0 where it returns each as taken;
+        None for a loaded plan or one on an abstract mesh. `jshard.audit.moved_bytes` measures the
+        same in a running loop.
     """
 
     mesh: Mesh | None
@@ -103,6 +109,7 @@ class Plan:
     recompute: RecomputeReport | None = dataclasses.field(default=None, compare=False)
     offload: OffloadReport | None = dataclasses.field(default=None, compare=False)
     work: WorkReport | None = dataclasses.field(default=None, compare=False)
+    round_trip: float | None = dataclasses.field(default=None, compare=False)
 
     def replace(self, **changes) -> "Plan":
         """`dataclasses.replace(self, **changes)` that leaves `ops` not yet made unmade."""

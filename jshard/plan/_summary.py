@@ -32,7 +32,8 @@ _MAX_WIDTHS = {"operators": 24, "origin": 14}  # so the strategy keeps the width
 
 def header_lines(plan) -> list[str]:
     """The summary's lines above the table: devices, mesh, origins, coverage, search, optimizer,
-    recompute, offload, and what one device does where nearly nothing is cut (`WorkReport.line`)."""
+    recompute, offload, what one device does where nearly nothing is cut (`WorkReport.line`), and the
+    round trip a loop pays between calls (`Plan.round_trip`) where there is one."""
     axes = ", ".join(f"{n}={s}" for n, s in zip(plan.fine.names, plan.fine.sizes))
     origins = collections.Counter(op.origin for op in plan.ops)
     lines = [
@@ -50,6 +51,9 @@ def header_lines(plan) -> list[str]:
         lines.append(plan.offload.line())
     if plan.work is not None and plan.work.line() is not None:
         lines.append(plan.work.line())
+    if plan.round_trip:
+        lines.append(f"round trip: results that update arguments come back in other layouts than taken; a loop "
+                     f"moves {human_bytes(plan.round_trip)} per device before each next call (jshard.audit.moved_bytes)")
     return lines
 
 
