@@ -91,9 +91,11 @@ def _round_trip(traced: Traced, in_sh: Sequence, out_sh: Sequence) -> float:
     """Bytes per device (the busiest device's) the next call moves to place the results that update
     arguments, where the program returns them in other layouts than it takes them: a result `k` of
     the argument `k`'s tree structure, shapes and dtypes (`(params, state, batch) -> (params, state,
-    loss)`, a `TrainState` in and out) updates it. A result XLA lays out (no sharding) is not priced."""
-    node = traced.out_tree.node_data()
-    args, outs = traced.treedef.children(), traced.out_tree.children() if node and node[0] in (tuple, list) else []
+    loss)`, a `TrainState` in and out; a lone result is result 0) updates it. A result XLA lays out
+    (no sharding) is not priced."""
+    node = traced.out_tree.node_data()  # a tuple or list of results, else one result: result 0
+    args = traced.treedef.children()
+    outs = traced.out_tree.children() if node and node[0] in (tuple, list) else [traced.out_tree]
     pairs, i, o = [], 0, 0
     for k, out in enumerate(outs):
         if k < len(args) and args[k] == out:
