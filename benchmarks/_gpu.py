@@ -39,8 +39,10 @@ PEAKS = {"TF32": 494.7, "BF16": 989.4, "FP32": 66.9}
 _DTYPES = ("float32", "bfloat16")
 QUICK = ("bfloat16 only, the reference GPT at 8 layers, d_model 4096, 32 heads, d_ff 16384, seq_len 1024, "
          "batch 8 (1.9 B parameters: large enough that its matmuls, not its elementwise work, set the step "
-         "time), variants base, recompute and offload, 5 rounds of 5 steps, a 420 s budget")
-VARIANTS = ("base", "recompute", "offload")
+         "time), variants base, offload and recompute, 4 rounds of 4 steps, a 420 s budget")
+VARIANTS = ("base", "offload", "recompute")
+"""In the order `--quick` runs them: the offload's first call compiles a new program (94.6 s on an
+H100 at 2026-11-27), the recompute's mostly reuses the base step's autotuned kernels (12 s)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup, args.rounds, args.steps = 1, 2, 2
     if args.quick:
         args.layers, args.d_model, args.heads, args.d_ff, args.seq, args.batch, args.vocab = 8, 4096, 32, 16384, 1024, 8, 32768
-        args.dtypes, args.variants, args.warmup, args.rounds, args.steps = "bfloat16", ",".join(VARIANTS), 2, 5, 5
+        args.dtypes, args.variants, args.warmup, args.rounds, args.steps = "bfloat16", ",".join(VARIANTS), 2, 4, 4
         args.budget_s = 420.0 if args.budget_s is None else args.budget_s
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
@@ -503,6 +505,14 @@ def _run_notes(run: dict, r: dict) -> list[str]:
         b = run["breakdown_ms"]
         notes.append(f"{tag}: where the step goes (jax.jit): forward loss {b['forward']:.2f} ms, "
                      f"forward + backward {b['forward+backward']:.2f} ms, whole step with Adam {b['step']:.2f} ms")
+        ceiling = r["matmul"].get(f"ceiling_tflops_{run['dtype']}")
+        if ceiling and run.get("dot_flops"):
+            dots_ms = sum(run["dot_flops"].values()) / ceiling / 1e9
+            notes.append(f"{tag}: the step's dots at the measured {ceiling:.0f} TFLOP/s matmul ceiling take "
+                         f"{dots_ms:.1f} ms; the optimizer update (step − forward + backward) {b['step'] - b['forward+backward']:.1f} ms; "
+                         f"the remaining {b['step'] - dots_ms - (b['step'] - b['forward+backward']):.1f} ms is the "
+                         f"forward and backward passes' other work (softmax over the S×S scores, norms, GELU, the loss) "
+                         f"and the dots' shortfall from the ceiling")
     return notes
 
 def gpu_section(path: Path = RESULTS) -> str:
@@ -525,7 +535,10 @@ def gpu_section(path: Path = RESULTS) -> str:
         f"vocab {c['vocab']}, seq_len {c['seq_len']}, batch {c['batch']}; {r['params']:,} parameters, Adam; "
         f"{r['tokens_per_step']:,} tokens/step",
         "- programs: `jshard.parallelize(step, devices=1, mode=\"data\", donate_argnums=(0, 1))` and "
-        "`jax.jit(step, donate_argnums=(0, 1))`, the same train step and inputs",
+        "`jax.jit(step, donate_argnums=(0, 1))`, the same train step and inputs; variant recompute: every block "
+        "`jshard.recompute`d (full) under both; variant offload: jshard with `offload=(\"optimizer\",)` (Adam's "
+        "state in host memory) beside the base step under `jax.jit`. predicted: jshard's own step time for its "
+        "plan (`Plan.work`, and `Plan.offload`'s host-link time), on `CostModel.for_device` of the device",
         "",
         "| dtype (matmuls) | variant | program | step | predicted | tokens/s | model TFLOP/s | MFU | jshard / jax.jit "
         "| first call | loss, first step |",
@@ -558,6 +571,8 @@ def gpu_section(path: Path = RESULTS) -> str:
                      f"bytes read + written) {b['device_gbps']:.0f} GB/s{host}")
     if r.get("skipped"):
         notes.append("not run: " + "; ".join(r["skipped"]))
+    if r.get("unfinished"):
+        notes.append("not finished: " + r["unfinished"])
     m = r["matmul"]
     peaks = ", ".join(f"{run['dtype']} {run['peak_tflops']:.1f}" for run in r["runs"] if run.get("peak_tflops"))
     lines += [
