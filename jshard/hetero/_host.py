@@ -71,12 +71,13 @@ def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
     return host_function(fn, jax.memory.Space.Device)
 
 
-def _host_compute(fn: Callable[..., Any], results: jax.memory.Space) -> Callable[..., Any]:
+def _host_compute(fn: Callable[..., Any], results: Any) -> Callable[..., Any]:
     """`fn` under `compute_on("device_host")`, its results in memory `results` (where its operands
     lie). JAX 0.11 asks for the results' memory (`out_memory_spaces`); 0.10 takes the compute type
     alone, as a context manager."""
     if "out_memory_spaces" in inspect.signature(compute_on).parameters:
-        return compute_on(fn, compute_type=HOST_COMPUTE, out_memory_spaces=results)
+        keywords: Any = compute_on  # typed as JAX 0.10's (compute_type) alone
+        return keywords(fn, compute_type=HOST_COMPUTE, out_memory_spaces=results)
     return compute_on(HOST_COMPUTE)(fn)
 
 
