@@ -1,0 +1,89 @@
+"""Gradient buckets: MindSpore's `comm_fusion` where jshard reduces the gradients itself.
+
+Where `jshard.accumulate` runs in a `shard_map` manual over the batch's axes, each device sums its
+own gradients and jshard emits their reduction. With `parallelize(..., communication=
+js.Communication(fusion=...))` that reduction is cut into buckets, as MindSpore's fusion groups
+and PyTorch DDP's buckets cut it: the leaves, in `jax.tree.leaves` order of what the gradient
+function returns, are dealt into buckets (`size`: a new bucket where the next leaf would pass the
+threshold, a leaf larger than it alone; `index`: split at the given leaf indices; threshold 0: one
+leaf per bucket), and each bucket's leaves of one dtype are flattened into one buffer and reduced
+by one `psum`: one all-reduce per bucket and dtype, whatever the backend's combiner would do (the
+program is compiled with it off, `jshard/compile/_fusion.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jshard._errors import ShardingError
+from jshard.compile import Fusion
+
+Bucket = tuple[int, str, int]
+"""One all-reduce jshard emits for the gradients: `(leaves, dtype name, bytes per device)`."""
+
+
+def buckets(sizes: Sequence[int], fusion: Fusion) -> list[list[int]]:
+    """The leaf indices of each bucket, in order, for leaves of `sizes` bytes.
+
+    Examples:
+      >>> buckets([4, 4, 4, 8], Fusion("size", 8 / 2**20))
+      [[0, 1], [2], [3]]
+      >>> buckets([4, 4, 4, 8], Fusion("index", (1, 3)))
+      [[0], [1, 2], [3]]
+      >>> buckets([4, 4], Fusion("size", 0))
+      [[0], [1]]
+    """
+    if fusion.mode == "index":
+        cuts = [0, *(i for i in fusion.config if i < len(sizes)), len(sizes)]
+        return [list(range(a, b)) for a, b in zip(cuts, cuts[1:]) if b > a]
+    limit = fusion.threshold_bytes
+    out: list[list[int]] = []
+    held = 0
+    for i, size in enumerate(sizes):
+        if not out or held + size > limit:
+            out.append([])
+            held = 0
+        out[-1].append(i)
+        held += size
+    return out
+
+
+def bucketed(leaves: Sequence[jax.Array], axes: tuple[str, ...], fusion: Fusion | None, flat: bool,
+             call: str) -> tuple[list[jax.Array], list[Bucket]]:
+    """`leaves` summed over the manual mesh `axes`, one `psum` per bucket and dtype, and a record of
+    each; `fusion` None: `auto` (64 MiB buckets). `flat` False (other mesh axes may cut the leaves,
+    so flattening one would gather it): one `psum` per leaf, `auto` included.
+
+    Raises:
+      ShardingError: `flat` is False and `fusion` (`size` or `index`) puts several leaves in a bucket.
+    """
+    given = fusion
+    fusion = fusion or Fusion()
+    sizes = [math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves]
+    dealt = buckets(sizes, fusion)
+    if not flat and given is not None and given.mode != "auto" and any(len(b) > 1 for b in dealt):
+        raise ShardingError(
+            f"{call}: Communication(fusion={{'allreduce': {{'mode': {given.mode!r}, 'config': {given.config!r}}}}}) "
+            f"puts several gradients in one all-reduce, which jshard makes by flattening them into one buffer; "
+            f"here mesh axes besides the batch's may cut them, and flattening a cut gradient would gather it. "
+            f"Give the allreduce mode 'auto' or 'size' 0 (one all-reduce per gradient), or use mode='data'.")
+    out: list[jax.Array | None] = [None] * len(leaves)
+    made: list[Bucket] = []
+    for bucket in dealt if flat else [[i] for i in range(len(leaves))]:
+        for dtype in dict.fromkeys(np.dtype(leaves[i].dtype) for i in bucket):
+            ids = [i for i in bucket if np.dtype(leaves[i].dtype) == dtype]
+            buffer = jnp.concatenate([jnp.ravel(leaves[i]) for i in ids]) if len(ids) > 1 else leaves[ids[0]]
+            summed = jax.lax.psum(buffer, axes)
+            made.append((len(ids), dtype.name, sum(sizes[i] for i in ids)))
+            if len(ids) == 1:
+                out[ids[0]] = summed
+                continue
+            offsets = np.cumsum([0, *(math.prod(np.shape(leaves[i])) for i in ids)])
+            for i, a, b in zip(ids, offsets, offsets[1:]):
+                out[i] = jnp.reshape(summed[a:b], np.shape(leaves[i]))
+    return out, made  # type: ignore[return-value]  (every leaf is in one bucket)
