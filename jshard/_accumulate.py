@@ -305,7 +305,7 @@ def _cuts(shapes, accumulator, call: str) -> list:
 
 
 def _rows_error(call: str, b: int, path: str, x, k: int, n: int = 1) -> str:
-    shape = shape_str(getattr(x, "dtype", np.asarray(x).dtype), np.shape(x))
+    shape = shape_str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype, np.shape(x))
     cut = f"{k} micro-batches" + (f" of {n} copies" if n > 1 else "")
     if not np.ndim(x):
         return (f"{call}: the batch (argument {b}) leaf {path or '(the argument)'} is a scalar {shape}; every leaf "
