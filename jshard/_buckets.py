@@ -23,8 +23,9 @@ import numpy as np
 from jshard._errors import ShardingError
 from jshard.compile import Fusion
 
-Bucket = tuple[int, str, int]
-"""One all-reduce jshard emits for the gradients: `(leaves, dtype name, bytes per device)`."""
+Bucket = tuple[int, str, int | None]
+"""One all-reduce jshard emits for the gradients: `(leaves, dtype name, bytes per device)`; the
+bytes None where other mesh axes may cut the leaf (its bytes per device are XLA's to decide)."""
 
 
 def buckets(sizes: Sequence[int], fusion: Fusion) -> list[list[int]]:
@@ -79,7 +80,7 @@ def bucketed(leaves: Sequence[jax.Array], axes: tuple[str, ...], fusion: Fusion 
             ids = [i for i in bucket if np.dtype(leaves[i].dtype) == dtype]
             buffer = jnp.concatenate([jnp.ravel(leaves[i]) for i in ids]) if len(ids) > 1 else leaves[ids[0]]
             summed = jax.lax.psum(buffer, axes)
-            made.append((len(ids), dtype.name, sum(sizes[i] for i in ids)))
+            made.append((len(ids), dtype.name, sum(sizes[i] for i in ids) if flat else None))
             if len(ids) == 1:
                 out[ids[0]] = summed
                 continue

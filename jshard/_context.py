@@ -58,7 +58,7 @@ class TraceContext:
     `pipeline(grad_fn, args, batch_argnums, steps, call)` returns what `grad_fn(*args)` returns.
     `communication` is `parallelize`'s `communication=` (a `jshard.Communication`: the copies
     `jshard.accumulate` runs, how it buckets the gradients); `buckets` records each all-reduce it
-    emits for them, as `(leaves, dtype name, bytes per device)`, and `copy_bytes` the bytes
+    emits for them, as `(leaves, dtype name, bytes per device or None)`, and `copy_bytes` the bytes
     multi-copy holds beyond one copy (the other copies' gradients before their sum); `unreduced`
     why the copies could not be reduced once by jshard in this trace (the error the core raises).
     """
@@ -78,7 +78,7 @@ class TraceContext:
     auto_regions: int = 0
     pipeline: Callable[..., Any] | None = None
     communication: Any = None
-    buckets: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
+    buckets: list[tuple[int, str, int | None]] = dataclasses.field(default_factory=list)
     copy_bytes: int = 0
     unreduced: str | None = None
 

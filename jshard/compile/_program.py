@@ -97,7 +97,7 @@ def _communication(traced: Traced, options: Options, compiling: dict) -> Communi
         return None
     buckets = tuple(traced.ctx.buckets)
     return CommunicationReport(comm.copies, buckets, tuple(sorted(compiling.items())), traced.ctx.copy_bytes,
-                               max((size for leaves, _, size in buckets if leaves > 1), default=0))
+                               max((size or 0 for leaves, _, size in buckets if leaves > 1), default=0))
 
 
 def _records(traced: Traced, result) -> Later:

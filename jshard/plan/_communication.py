@@ -16,7 +16,8 @@ class CommunicationReport:
     Attributes:
       copies: n, the copies each micro-batch's rows were cut into (multi-copy).
       buckets: each all-reduce jshard emitted for the gradients, `(leaves, dtype, bytes per
-        device)`, in order; empty where XLA reduces them.
+        device)`, in order (the bytes None where other mesh axes may cut the gradient: one leaf
+        each, its bytes per device XLA's layout); empty where XLA reduces them.
       compiler_options: the XLA options the program was compiled with, as `(name, value)` pairs.
       copy_bytes: per device, the bytes multi-copy holds beyond one copy: the other n - 1 copies'
         gradients, live until they are summed (each copy's activations are 1/n of the batch's,
@@ -25,15 +26,16 @@ class CommunicationReport:
     """
 
     copies: int
-    buckets: tuple[tuple[int, str, int], ...]
+    buckets: tuple[tuple[int, str, int | None], ...]
     compiler_options: tuple[tuple[str, Any], ...]
     copy_bytes: int = 0
     bucket_bytes: int = 0
 
     def line(self) -> str:
         """One line for `Plan.summary()`."""
-        made = (f"{len(self.buckets)} bucket(s) of {human_bytes(max(size for _, _, size in self.buckets))} at most"
-                if self.buckets else "XLA's")
+        sizes = [size for _, _, size in self.buckets if size is not None]
+        made = ("XLA's" if not self.buckets else f"{len(self.buckets)} bucket(s)"
+                + (f" of {human_bytes(max(sizes))} at most" if sizes else ", one per gradient"))
         options = ", ".join(f"{k}={v}" for k, v in self.compiler_options) or "none"
         return (f"communication: {self.copies} cop{'y' if self.copies == 1 else 'ies'} (+{human_bytes(self.copy_bytes)} "
                 f"per device); gradient all-reduces: {made}; XLA options: {options}")
