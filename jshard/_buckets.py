@@ -43,6 +43,7 @@ def buckets(sizes: Sequence[int], fusion: Fusion) -> list[list[int]]:
         cuts = [0, *(i for i in fusion.config if i < len(sizes)), len(sizes)]
         return [list(range(a, b)) for a, b in zip(cuts, cuts[1:]) if b > a]
     limit = fusion.threshold_bytes
+    assert limit is not None  # mode "size" or "auto"
     out: list[list[int]] = []
     held = 0
     for i, size in enumerate(sizes):
@@ -73,7 +74,7 @@ def bucketed(leaves: Sequence[jax.Array], axes: tuple[str, ...], fusion: Fusion 
             f"puts several gradients in one all-reduce, which jshard makes by flattening them into one buffer; "
             f"here mesh axes besides the batch's may cut them, and flattening a cut gradient would gather it. "
             f"Give the allreduce mode 'auto' or 'size' 0 (one all-reduce per gradient), or use mode='data'.")
-    out: list[jax.Array | None] = [None] * len(leaves)
+    out: dict[int, jax.Array] = {}
     made: list[Bucket] = []
     for bucket in dealt if flat else [[i] for i in range(len(leaves))]:
         for dtype in dict.fromkeys(np.dtype(leaves[i].dtype) for i in bucket):
@@ -87,4 +88,4 @@ def bucketed(leaves: Sequence[jax.Array], axes: tuple[str, ...], fusion: Fusion 
             offsets = np.cumsum([0, *(math.prod(np.shape(leaves[i])) for i in ids)])
             for i, a, b in zip(ids, offsets, offsets[1:]):
                 out[i] = jnp.reshape(summed[a:b], np.shape(leaves[i]))
-    return out, made  # type: ignore[return-value]  (every leaf is in one bucket)
+    return [out[i] for i in range(len(leaves))], made
