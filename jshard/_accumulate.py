@@ -61,6 +61,10 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
       batch_argnums: which positional argument of `grad_fn` is the batch (every array leaf of it is
         cut along dim 0).
 
+    Under `parallelize(..., communication=js.Communication(copies=n, fusion=...))` each micro-batch
+    is cut again into n copies run apart (MindSpore's multi-copy), and the gradients are reduced in
+    the buckets `fusion` asks for.
+
     Returns:
       A function with `grad_fn`'s signature and results: floating leaves the mean over the
       micro-batches, the others their sum. With k = 1 it is `grad_fn` itself. Under

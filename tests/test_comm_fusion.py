@@ -138,6 +138,24 @@ def test_multi_copy_refuses_rows_it_cannot_deal_to_every_copy():
         js.parallelize(_step, devices=8, mode="data", communication=3).plan(params, batch)
 
 
+def test_copies_inside_accumulated_micro_batches_equal_one_device():
+    """k = 2 micro-batches of n = 2 copies each: the gradients still reduced once, one all-reduce
+    per bucket (threshold 0: per leaf)."""
+    params, batch = _problem()
+    step = js.parallelize(_step, devices=8, mode="data", accumulation=2,
+                          communication=js.Communication(2, {"allreduce": {"mode": "size", "config": 0}}))
+    _assert_one_device(step(params, batch), params, batch)
+    report = audit(step.lower(params, batch).compile())
+    assert (report.count("all-reduce"), report.bytes("all-reduce")) == (LAYERS + 1, sum(_leaf_bytes(params)))
+
+
+def test_multi_copy_is_refused_where_the_search_lays_out_the_batch():
+    params, batch = _problem()
+    with pytest.raises(js.ShardingError, match=r"Communication\(copies=2, fusion=None\) runs the copies.*the batch's "
+                                               r"rows are not cut over the same mesh axes before planning \(mode='auto'"):
+        js.parallelize(_step, devices=8, mode="auto", communication=2).plan(params, batch)
+
+
 # Multi-copy under tensor parallel: the second matmul's contracted dim is cut over mp, so each copy's
 # forward pass ends in an all-reduce over mp that another copy's compute could hide.
 LAYOUT = js.Layout((4, 2), ("dp", "mp"))
