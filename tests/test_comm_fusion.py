@@ -248,3 +248,41 @@ def test_multi_copy_memory_is_in_the_plan():
     # the other copy's results (loss and gradients), held until summed, per device of the dp-manual region
     assert plan.communication.copy_bytes == 4 + sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     assert "communication: 2 copies" in plan.summary()
+
+
+@pytest.mark.parametrize("comm, platform, bucketed, expected", [
+    (js.Communication(fusion={"allreduce": {"mode": "size", "config": 32}, "allgather": {"mode": "size", "config": 0}}),
+     "gpu", False, {"xla_gpu_all_reduce_combine_threshold_bytes": 32 * 2**20,
+                    "xla_gpu_all_gather_combine_threshold_bytes": 0}),
+    (js.Communication(fusion={"openstate": False}), "gpu", False,
+     {"xla_gpu_all_reduce_combine_threshold_bytes": 0, "xla_gpu_all_gather_combine_threshold_bytes": 0,
+      "xla_gpu_reduce_scatter_combine_threshold_bytes": 0}),
+    (js.Communication(2, {"reducescatter": {"mode": "size", "config": 8}}), "gpu", True,
+     {"xla_gpu_all_reduce_combine_threshold_bytes": 0, "xla_gpu_reduce_scatter_combine_threshold_bytes": 8 * 2**20}),
+    (js.Communication(fusion={"allreduce": {"mode": "auto"}}), "gpu", False, {}),
+    (js.Communication(fusion={"allreduce": {"mode": "auto"}}), "cpu", False, {}),
+    (js.Communication(fusion={"allreduce": {"mode": "size", "config": 0}}), "cpu", False,
+     {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}),
+], ids=["gpu-size", "gpu-off", "gpu-copies", "gpu-auto", "cpu-auto", "cpu-size0"])
+def test_compiler_options_per_backend(comm, platform, bucketed, expected):
+    """What each backend is told (a GPU's thresholds cannot be compiled here; the CPU's are above)."""
+    from jshard.compile._fusion import compiler_options
+
+    assert compiler_options(comm, platform, bucketed) == expected
+
+
+def test_a_setting_no_backend_option_expresses_is_refused_on_the_gpu_too():
+    from jshard.compile._fusion import check_fusion
+
+    index = js.Communication(fusion={"allreduce": {"mode": "index", "config": [3]}})
+    with pytest.raises(js.ShardingError, match=r"on gpu: XLA's combiners take a threshold, not split indices"):
+        check_fusion(index, "gpu", False, "jshard.parallelize(step)")
+    check_fusion(index, "gpu", True, "jshard.parallelize(step)")  # jshard's own buckets follow it
+
+
+def test_index_mode_is_refused_where_jshard_does_not_reduce():
+    params, batch = _problem()
+    step = js.parallelize(_plain, devices=8, mode="data",
+                          communication=js.Communication(fusion={"allreduce": {"mode": "index", "config": [2]}}))
+    with pytest.raises(js.ShardingError, match=r"on cpu: XLA's combiners take a threshold, not split indices"):
+        step.plan(params, batch)

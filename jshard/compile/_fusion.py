@@ -57,8 +57,7 @@ def check_fusion(comm: Communication | None, platform: str | None, bucketed: boo
     if comm is None or comm.fusion is None or platform is None:
         return
     for kind, fusion in comm.fusion:
-        threshold = _threshold(fusion)
-        if fusion.mode == "auto" or threshold == 0 or (kind == "allreduce" and bucketed):
+        if fusion.mode == "auto" or fusion.threshold_bytes == 0 or (kind == "allreduce" and bucketed):
             continue
         if platform in ("gpu", "cuda", "rocm") and fusion.mode == "size":
             continue
