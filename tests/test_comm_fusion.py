@@ -286,3 +286,25 @@ def test_index_mode_is_refused_where_jshard_does_not_reduce():
                           communication=js.Communication(fusion={"allreduce": {"mode": "index", "config": [2]}}))
     with pytest.raises(js.ShardingError, match=r"on cpu: XLA's combiners take a threshold, not split indices"):
         step.plan(params, batch)
+
+
+def _sgd(params, batch):
+    loss, grads = jax.value_and_grad(_loss)(params, batch)
+    return [w - 0.1 * g for w, g in zip(params, grads)], loss
+
+
+def test_all_gathers_and_reduce_scatters_stay_apart_on_cpu_and_fusing_them_is_refused():
+    """Optimizer parallel level 3 gathers each cut parameter and reduce-scatters each gradient:
+    XLA:CPU merges neither, so `openstate=False` holds one of each per parameter, and a size that
+    asks to merge them is refused."""
+    params, batch = _problem()
+    step = js.parallelize(_sgd, devices=8, mode="data", optimizer=js.OptimizerParallel(3, threshold=0),
+                          communication=js.Communication(fusion={"openstate": False}))
+    report = audit(step.lower(params, batch).compile())
+    per_device = sum(_leaf_bytes(params)[1:])  # each gathered parameter, each scattered gradient
+    assert report.by_kind()["all-gather"] == (LAYERS, per_device)
+    assert report.by_kind()["reduce-scatter"] == (LAYERS, per_device)
+    fused = js.parallelize(_sgd, devices=8, mode="data", optimizer=js.OptimizerParallel(3, threshold=0),
+                           communication=js.Communication(fusion={"allgather": {"mode": "size", "config": 1}}))
+    with pytest.raises(js.ShardingError, match=r"on cpu: XLA:CPU merges no allgather at all"):
+        fused.plan(params, batch)
