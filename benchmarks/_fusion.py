@@ -39,13 +39,14 @@ def _zoo():
 
 
 def _row(name: str, label: str, loss, params, batch, fusion, copies: int = 1, **options) -> tuple[str, ...]:
-    """One setting's compiled all-reduces (count, bytes), the plan's buckets, and the loss's distance
-    from one device's."""
+    """One setting's compiled all-reduces (count, bytes), the plan's buckets, the compiled temporary
+    bytes and what the plan says the copies hold, and the loss's distance from one device's."""
     grads = jax.value_and_grad(loss)
     marked = (lambda p, b: js.accumulate(grads)(p, b)) if fusion is not None or copies > 1 else grads
     comm = None if fusion is None and copies == 1 else js.Communication(copies, fusion)
     step = js.parallelize(marked, devices=8, communication=comm, **options)
-    report = js.audit(step.lower(params, batch).compile())
+    compiled = step.lower(params, batch).compile()
+    report = js.audit(compiled)
     count, moved = report.by_kind().get("all-reduce", (0.0, 0.0))
     plan = step.plan(params, batch).communication
     sizes = [] if plan is None else [b for _, _, b in plan.buckets if b is not None]
@@ -55,7 +56,9 @@ def _row(name: str, label: str, loss, params, batch, fusion, copies: int = 1, **
         made = f"{len(plan.buckets)}: " + (f"{size(min(sizes))} to {size(max(sizes))}" if sizes else "one per gradient")
     reference = float(jax.jit(loss)(params, batch))
     got = float(step(params, batch)[0])
-    return (name, label, f"{count:.0f}", size(moved), made, f"{abs(got - reference):.2g}")
+    held = "-" if plan is None or copies == 1 else size(plan.copy_bytes)
+    return (name, label, f"{count:.0f}", size(moved), made, size(compiled.memory_analysis().temp_size_in_bytes), held,
+            f"{abs(got - reference):.2g}")
 
 
 def fusion_table() -> Table:
@@ -76,7 +79,7 @@ def fusion_table() -> Table:
         "index splits them where asked; the count and bytes the audit reads equal the plan's buckets; the loss "
         "equals one device's",
         ("model", "setting", "all-reduces", "all-reduce bytes", "jshard's buckets: count, smallest to largest",
-         "loss against one device (abs. difference)"),
+         "temp (compiled)", "copies hold (plan)", "loss against one device (abs. difference)"),
         tuple(rows),
         (
             "Data parallel on 8 simulated CPU devices (`mode=\"data\"`), one step of `jax.value_and_grad(loss)`; "
@@ -93,6 +96,8 @@ def fusion_table() -> Table:
             "The last rows: the zoo GPT under its own Megatron `shard` anchors (tensor parallel over mp, the "
             "tokens over dp): the gradients, cut over mp, get one all-reduce each over dp (jshard flattens no "
             "gradient another axis cuts); with copies=2 each copy's tensor-parallel all-reduces are its own "
-            "(twice as many, half the bytes each), none merged across copies.",
+            "(twice as many, half the bytes each), none merged across copies. temp: XLA's temporary bytes per "
+            "device (`memory_analysis()`); copies hold: `plan.communication.copy_bytes`, the other copy's loss and "
+            "gradients until they are summed, as the dp-manual region holds them (before mp cuts them).",
         ),
     )
