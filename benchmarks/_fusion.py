@@ -98,6 +98,7 @@ def fusion_table() -> Table:
             "gradient another axis cuts); with copies=2 each copy's tensor-parallel all-reduces are its own "
             "(twice as many, half the bytes each), none merged across copies. temp: XLA's temporary bytes per "
             "device (`memory_analysis()`); copies hold: `plan.communication.copy_bytes`, the other copy's loss and "
-            "gradients until they are summed, as the dp-manual region holds them (before mp cuts them).",
+            "gradients until they are summed, as the dp-manual region holds them (before mp cuts them). XLA's temp "
+            "with copies=2 against copies=1 says whether its schedule held both copies' activations at once.",
         ),
     )
