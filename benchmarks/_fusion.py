@@ -88,8 +88,8 @@ def fusion_table() -> Table:
             "No communication=: XLA reduces the gradients and its CPU all-reduce combiner merges them (it takes no "
             "threshold; XLA:CPU merges no all-gathers or reduce-scatters). With communication=, the combiner is off "
             "(`xla_disable_hlo_passes=cpu-all-reduce-combiner`) and each bucket is one all-reduce; on a GPU the "
-            "thresholds go to `xla_gpu_*_combine_threshold_bytes`. index counts leaves of (loss, gradients) in "
-            "`jax.tree.leaves` order.",
+            "thresholds go to `xla_gpu_*_combine_threshold_bytes`. index numbers the parameters in "
+            "`jax.tree.leaves` order (the loss joins the first bucket).",
             "Without communication= on loop_gpt XLA moves 128 KiB more: it all-reduces the tied embedding's two "
             "gradients (the lookup's and the output head's) apart before adding them; jshard sums on each device "
             "first and reduces once.",

@@ -201,8 +201,9 @@ def _reduced_once(grad_fn, args: tuple, b: int, k: int, n: int, axes: tuple[str,
             summed = [jax.lax.psum(total[i], axes) for i in kept]
         else:  # flattening a leaf another mesh axis cuts would gather it: there, one all-reduce per leaf
             whole = all(size == 1 for a, size in mesh.shape.items() if a not in axes)
+            grads = _gradient_leaves(shapes, args[0])
             summed, ctx.buckets[:] = bucketed([total[i] for i in kept], axes, ctx.communication.of("allreduce"),
-                                              whole, call)
+                                              whole, call, grads and [kept.index(i) for i in grads if i in kept])
         leaves = list(total)
         for i, t in zip(kept, summed):
             leaves[i] = t
@@ -215,6 +216,21 @@ def _reduced_once(grad_fn, args: tuple, b: int, k: int, n: int, axes: tuple[str,
     # check_vma off: the carry starts invariant (zeros) and takes each device's own sums
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset(axes),
                          check_vma=False)(*args)
+
+
+def _gradient_leaves(shapes, params) -> list[int] | None:
+    """The leaf positions, among the gradient function's results (`shapes`), of the result (or the
+    result's element) with the tree and shapes of its first argument, the parameters: their
+    gradients, in the parameters' order; None where no result is like them."""
+    tree, like = jax.tree_util.tree_structure(params), [np.shape(x) for x in jax.tree_util.tree_leaves(params)]
+    parts = list(shapes) if isinstance(shapes, (tuple, list)) else []
+    start = 0
+    for part in [shapes, *parts]:
+        if jax.tree_util.tree_structure(part) == tree and [s.shape for s in jax.tree_util.tree_leaves(part)] == like:
+            return list(range(start, start + len(like)))
+        if part is not shapes:
+            start += len(jax.tree_util.tree_leaves(part))
+    return None
 
 
 def _scatter_dim(sharding, axes: tuple[str, ...]) -> int | None:

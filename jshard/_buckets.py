@@ -6,7 +6,8 @@ js.Communication(fusion=...))` that reduction is cut into buckets, as MindSpore'
 and PyTorch DDP's buckets cut it: the leaves, in `jax.tree.leaves` order of what the gradient
 function returns, are dealt into buckets (`size`: a new bucket where the next leaf would pass the
 threshold, a leaf larger than it alone; `index`: split at the given leaf indices; threshold 0: one
-leaf per bucket), and each bucket's leaves of one dtype are flattened into one buffer and reduced
+leaf per bucket; `index` counts the parameters' gradients, as MindSpore counts parameters), and
+each bucket's leaves of one dtype are flattened into one buffer and reduced
 by one `psum`: one all-reduce per bucket and dtype, whatever the backend's combiner would do (the
 program is compiled with it off, `jshard/compile/_fusion.py`).
 """
@@ -28,20 +29,27 @@ Bucket = tuple[int, str, int | None]
 bytes None where other mesh axes may cut the leaf (its bytes per device are XLA's to decide)."""
 
 
-def buckets(sizes: Sequence[int], fusion: Fusion) -> list[list[int]]:
-    """The leaf indices of each bucket, in order, for leaves of `sizes` bytes.
+def buckets(sizes: Sequence[int], fusion: Fusion, gradients: Sequence[int] | None = None) -> list[list[int]]:
+    """The leaf indices of each bucket, in order, for leaves of `sizes` bytes. `index` counts the
+    parameters' gradients (`gradients`: their leaf indices, in the parameters' order; None: every
+    leaf), as MindSpore counts parameters; the other leaves (the loss, metrics) join the first bucket.
 
     Examples:
       >>> buckets([4, 4, 4, 8], Fusion("size", 8 / 2**20))
       [[0, 1], [2], [3]]
       >>> buckets([4, 4, 4, 8], Fusion("index", (1, 3)))
       [[0], [1, 2], [3]]
+      >>> buckets([4, 4, 4, 8], Fusion("index", (1,)), gradients=[1, 2, 3])
+      [[0, 1], [2, 3]]
       >>> buckets([4, 4], Fusion("size", 0))
       [[0], [1]]
     """
     if fusion.mode == "index":
-        cuts = [0, *(i for i in fusion.config if i < len(sizes)), len(sizes)]
-        return [list(range(a, b)) for a, b in zip(cuts, cuts[1:]) if b > a]
+        order = list(range(len(sizes)) if gradients is None else gradients)
+        cuts = [0, *(i for i in fusion.config if i < len(order)), len(order)]
+        out = [[order[i] for i in range(a, c)] for a, c in zip(cuts, cuts[1:]) if c > a] or [[]]
+        out[0] = sorted({*out[0], *(i for i in range(len(sizes)) if i not in set(order))})
+        return [bucket for bucket in out if bucket]
     limit = fusion.threshold_bytes
     assert limit is not None  # mode "size" or "auto"
     out: list[list[int]] = []
@@ -56,9 +64,9 @@ def buckets(sizes: Sequence[int], fusion: Fusion) -> list[list[int]]:
 
 
 def bucketed(leaves: Sequence[jax.Array], axes: tuple[str, ...], fusion: Fusion | None, flat: bool,
-             call: str) -> tuple[list[jax.Array], list[Bucket]]:
+             call: str, gradients: Sequence[int] | None = None) -> tuple[list[jax.Array], list[Bucket]]:
     """`leaves` summed over the manual mesh `axes`, one `psum` per bucket and dtype, and a record of
-    each; `fusion` None: `auto` (64 MiB buckets). `flat` False (other mesh axes may cut the leaves,
+    each; `fusion` None: `auto` (64 MiB buckets); `gradients` as `buckets` takes them. `flat` False (other mesh axes may cut the leaves,
     so flattening one would gather it): one `psum` per leaf, `auto` included.
 
     Raises:
@@ -67,7 +75,7 @@ def bucketed(leaves: Sequence[jax.Array], axes: tuple[str, ...], fusion: Fusion 
     given = fusion
     fusion = fusion or Fusion()
     sizes = [math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves]
-    dealt = buckets(sizes, fusion)
+    dealt = buckets(sizes, fusion, gradients)
     if not flat and given is not None and given.mode != "auto" and any(len(b) > 1 for b in dealt):
         raise ShardingError(
             f"{call}: Communication(fusion={{'allreduce': {{'mode': {given.mode!r}, 'config': {given.config!r}}}}}) "

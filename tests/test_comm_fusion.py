@@ -70,7 +70,8 @@ def test_gradient_buckets_follow_the_configuration(fusion):
     params, batch = _problem()
     step, report = _data_parallel(fusion)
     config = js.Communication(fusion=eval(fusion)).of("allreduce")
-    expected = [sum(_leaf_bytes(params)[i] for i in b) for b in buckets(_leaf_bytes(params), config)]
+    gradients = list(range(1, LAYERS + 1))  # after the loss
+    expected = [sum(_leaf_bytes(params)[i] for i in b) for b in buckets(_leaf_bytes(params), config, gradients)]
     _assert_one_device(step(params, batch), params, batch)
     assert report.count("all-reduce") == len(expected)
     assert report.bytes("all-reduce") == sum(expected)
@@ -84,6 +85,15 @@ def test_size_zero_keeps_every_gradient_apart_and_a_large_size_fuses_them():
     assert _data_parallel("{'allreduce': {'mode': 'size', 'config': 0}}")[1].count("all-reduce") == LAYERS + 1
     assert _data_parallel("{'allreduce': {'mode': 'size', 'config': 1}}")[1].count("all-reduce") == 1
     assert _data_parallel("{'allreduce': {'mode': 'size', 'config': 1}}")[1].bytes("all-reduce") == sum(_leaf_bytes(params))
+
+
+def test_index_splits_before_the_parameter_it_numbers_the_loss_in_the_first_bucket():
+    params, batch = _problem()
+    step, report = _data_parallel("{'allreduce': {'mode': 'index', 'config': [2]}}")
+    loss, *grads = _leaf_bytes(params)
+    assert [size for _, _, size in step.plan(params, batch).communication.buckets] == [loss + grads[0] + grads[1],
+                                                                                       grads[2] + grads[3]]
+    assert report.count("all-reduce") == 2
 
 
 def _plain(params, batch):

@@ -166,7 +166,9 @@ class Fusion:
       mode: `"auto"`: the backend's own combiner decides (jshard passes XLA no threshold; where
         jshard reduces the gradients itself, buckets of 64 MiB, MindSpore's default); `"size"`:
         collectives fused up to `config` MiB each (0: every collective kept apart); `"index"`
-        (all-reduce only): the gradients split into buckets at the leaf indices `config`.
+        (all-reduce only): the gradients split into buckets before the parameters numbered
+        `config` (in `jax.tree.leaves` order of the parameters, as MindSpore numbers them; the
+        loss and any other result of the gradient function join the first bucket).
       config: the threshold in MiB (`"size"`), the ascending split indices (`"index"`), or None (`"auto"`).
 
     Examples:
