@@ -222,7 +222,8 @@ def _gradient_leaves(shapes, params) -> list[int] | None:
     """The leaf positions, among the gradient function's results (`shapes`), of the result (or the
     result's element) with the tree and shapes of its first argument, the parameters: their
     gradients, in the parameters' order; None where no result is like them."""
-    tree, like = jax.tree_util.tree_structure(params), [np.shape(x) for x in jax.tree_util.tree_leaves(params)]
+    tree: Any = jax.tree_util.tree_structure(params)  # Any: jaxlib types PyTreeDef's == narrowly
+    like = [np.shape(x) for x in jax.tree_util.tree_leaves(params)]
     parts = list(shapes) if isinstance(shapes, (tuple, list)) else []
     start = 0
     for part in [shapes, *parts]:

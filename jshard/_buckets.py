@@ -47,9 +47,9 @@ def buckets(sizes: Sequence[int], fusion: Fusion, gradients: Sequence[int] | Non
     if fusion.mode == "index":
         order = list(range(len(sizes)) if gradients is None else gradients)
         cuts = [0, *(i for i in fusion.config if i < len(order)), len(order)]
-        out = [[order[i] for i in range(a, c)] for a, c in zip(cuts, cuts[1:]) if c > a] or [[]]
-        out[0] = sorted({*out[0], *(i for i in range(len(sizes)) if i not in set(order))})
-        return [bucket for bucket in out if bucket]
+        split = [[order[i] for i in range(a, c)] for a, c in zip(cuts, cuts[1:]) if c > a] or [[]]
+        split[0] = sorted({*split[0], *(i for i in range(len(sizes)) if i not in set(order))})
+        return [bucket for bucket in split if bucket]
     limit = fusion.threshold_bytes
     assert limit is not None  # mode "size" or "auto"
     out: list[list[int]] = []
