@@ -318,3 +318,14 @@ def test_all_gathers_and_reduce_scatters_stay_apart_on_cpu_and_fusing_them_is_re
                            communication=js.Communication(fusion={"allgather": {"mode": "size", "config": 1}}))
     with pytest.raises(js.ShardingError, match=r"on cpu: XLA:CPU merges no allgather at all"):
         fused.plan(params, batch)
+
+
+def test_communication_takes_its_group_or_the_copies():
+    assert js.parallelize(_step, devices=8, mode="data", communication=2).options.communication == js.Communication(2)
+    with pytest.raises(TypeError, match=r"communication= takes a js\.Communication\(\.\.\.\), or int \(copies\), got "
+                                        r"str '2'"):
+        js.parallelize(_step, communication="2")
+    with pytest.raises(TypeError, match=r"Communication\(fusion=\) takes MindSpore's comm_fusion dict"):
+        js.parallelize(_step, communication=js.Communication(fusion=[("allreduce", "size")]))
+    with pytest.raises(TypeError, match=r"Communication\(fusion=\) takes MindSpore's comm_fusion dict"):
+        js.parallelize(_step, communication=js.Communication(fusion=("allreduce", "size", 32)))

@@ -228,7 +228,7 @@ def _check_communication(call: str, c: Options) -> None:
                             f"{what} yet. Drop communication=, or use one of those modes.")
     if m.fusion is None:
         return
-    if not isinstance(m.fusion, tuple):
+    if not isinstance(m.fusion, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in m.fusion):
         raise TypeError(f"{call}: Communication(fusion=) takes MindSpore's comm_fusion dict ({{'allreduce': {{'mode': "
                         f"'size', 'config': 32}}, ...}}) or {{kind: js.Fusion(...)}}, got {type(m.fusion).__name__}.")
     for kind, f in m.fusion:
