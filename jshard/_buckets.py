@@ -66,8 +66,9 @@ def buckets(sizes: Sequence[int], fusion: Fusion, gradients: Sequence[int] | Non
 def bucketed(leaves: Sequence[jax.Array], axes: tuple[str, ...], fusion: Fusion | None, flat: bool,
              call: str, gradients: Sequence[int] | None = None) -> tuple[list[jax.Array], list[Bucket]]:
     """`leaves` summed over the manual mesh `axes`, one `psum` per bucket and dtype, and a record of
-    each; `fusion` None: `auto` (64 MiB buckets); `gradients` as `buckets` takes them. `flat` False (other mesh axes may cut the leaves,
-    so flattening one would gather it): one `psum` per leaf, `auto` included.
+    each; `fusion` None: `auto` (64 MiB buckets); `gradients` as `buckets` takes them. `flat` False
+    (other mesh axes may cut the leaves, so flattening one would gather it): one `psum` per leaf,
+    `auto` included.
 
     Raises:
       ShardingError: `flat` is False and `fusion` (`size` or `index`) puts several leaves in a bucket.
@@ -77,11 +78,7 @@ def bucketed(leaves: Sequence[jax.Array], axes: tuple[str, ...], fusion: Fusion 
     sizes = [math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in leaves]
     dealt = buckets(sizes, fusion, gradients)
     if not flat and given is not None and given.mode != "auto" and any(len(b) > 1 for b in dealt):
-        raise ShardingError(
-            f"{call}: Communication(fusion={{'allreduce': {{'mode': {given.mode!r}, 'config': {given.config!r}}}}}) "
-            f"puts several gradients in one all-reduce, which jshard makes by flattening them into one buffer; "
-            f"here mesh axes besides the batch's may cut them, and flattening a cut gradient would gather it. "
-            f"Give the allreduce mode 'auto' or 'size' 0 (one all-reduce per gradient), or use mode='data'.")
+        raise ShardingError(_gathering_error(call, given))
     out: dict[int, jax.Array] = {}
     made: list[Bucket] = []
     for bucket in dealt if flat else [[i] for i in range(len(leaves))]:
@@ -97,3 +94,10 @@ def bucketed(leaves: Sequence[jax.Array], axes: tuple[str, ...], fusion: Fusion 
             for i, a, b in zip(ids, offsets, offsets[1:]):
                 out[i] = jnp.reshape(summed[a:b], np.shape(leaves[i]))
     return [out[i] for i in range(len(leaves))], made
+
+
+def _gathering_error(call: str, fusion: Fusion) -> str:
+    return (f"{call}: Communication(fusion={{'allreduce': {{'mode': {fusion.mode!r}, 'config': {fusion.config!r}}}}}) "
+            f"puts several gradients in one all-reduce, which jshard makes by flattening them into one buffer; "
+            f"here mesh axes besides the batch's may cut them, and flattening a cut gradient would gather it. "
+            f"Give the allreduce mode 'auto' or 'size' 0 (one all-reduce per gradient), or use mode='data'.")

@@ -230,6 +230,17 @@ def _chains(text: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
     return collectives, joined
 
 
+def test_buckets_of_gradients_another_axis_cuts_are_refused():
+    _, params, batch, _ = _tp(2)
+    step = js.parallelize(lambda p, b: js.accumulate(jax.value_and_grad(_tp_loss))(p, b), devices=8,
+                          in_strategy=({"w1": LAYOUT("None", "mp"), "w2": LAYOUT("mp", "None")},
+                                       {"x": LAYOUT("dp", "None"), "y": LAYOUT("dp", "None")}),
+                          communication=js.Communication(fusion={"allreduce": {"mode": "size", "config": 1}}))
+    with pytest.raises(js.ShardingError, match=r"puts several gradients in one all-reduce.*here mesh axes besides the "
+                                               r"batch's may cut them.*'size' 0 \(one all-reduce per gradient\)"):
+        step.plan(params, batch)
+
+
 def test_multi_copy_equals_one_device_with_independent_chains():
     step, params, batch, lowered = _tp(2)
     _assert_one_device(step(params, batch), params, batch, _tp_loss)
