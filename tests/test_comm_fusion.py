@@ -113,6 +113,18 @@ def test_without_jshard_accumulate_the_combiner_is_switched_by_a_compile_option(
     assert report.bytes("all-reduce") == sum(_leaf_bytes(params))
 
 
+def test_xla_cpu_reads_no_combiner_threshold():
+    """The fact `jshard/compile/_fusion.py` rests on, pinned for the installed jaxlib: XLA:CPU's
+    all-reduce combiner ignores the GPU's threshold options (0 would keep every all-reduce apart)
+    and is switched off only by disabling its pass."""
+    params, batch = _problem()
+    lowered = js.parallelize(_plain, devices=8, mode="data").lower(params, batch)
+    for options, count in (({"xla_gpu_all_reduce_combine_threshold_bytes": 0}, 1),
+                           ({"xla_gpu_collective_combine_threshold_count": 1}, 1),
+                           ({"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}, LAYERS + 1)):
+        assert audit(lowered.compile(options)).count("all-reduce") == count, options
+
+
 def test_a_threshold_xla_cpu_cannot_take_is_refused_where_jshard_does_not_reduce():
     params, batch = _problem()
     step = js.parallelize(_plain, devices=8, mode="data",
