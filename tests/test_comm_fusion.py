@@ -311,6 +311,10 @@ def test_a_setting_no_backend_option_expresses_is_refused_on_the_gpu_too():
     with pytest.raises(js.ShardingError, match=r"on gpu: XLA's combiners take a threshold, not split indices"):
         check_fusion(index, "gpu", False, "jshard.parallelize(step)")
     check_fusion(index, "gpu", True, "jshard.parallelize(step)")  # jshard's own buckets follow it
+    for unknown in (index, js.Communication(2), js.Communication(fusion={"openstate": False})):
+        with pytest.raises(js.ShardingError, match=r"on tpu: jshard knows no option of XLA's tpu backend"):
+            check_fusion(unknown, "tpu", False, "jshard.parallelize(step)")
+    check_fusion(js.Communication(fusion={"allreduce": {"mode": "auto"}}), "tpu", False, "jshard.parallelize(step)")
 
 
 def test_index_mode_is_refused_where_jshard_does_not_reduce():

@@ -28,6 +28,9 @@ GPU_OPTIONS = {"allreduce": "xla_gpu_all_reduce_combine_threshold_bytes",
                "reducescatter": "xla_gpu_reduce_scatter_combine_threshold_bytes"}
 """Each kind's combiner threshold on XLA:GPU."""
 
+GPUS = ("gpu", "cuda", "rocm")
+"""The platform names of XLA:GPU's devices."""
+
 CPU_COMBINER = "cpu-all-reduce-combiner"
 """XLA:CPU's all-reduce combiner pass, the one combiner that backend runs."""
 
@@ -45,7 +48,7 @@ def compiler_options(comm: Communication | None, platform: str | None, bucketed:
         threshold = 0 if kind == "allreduce" and off else _threshold(comm.of(kind))
         if threshold is not None:
             options[name] = threshold
-    return options if platform in ("gpu", "cuda", "rocm") else {}
+    return options if platform in GPUS else {}
 
 
 def check_fusion(comm: Communication | None, platform: str | None, bucketed: bool, call: str) -> None:
@@ -54,26 +57,34 @@ def check_fusion(comm: Communication | None, platform: str | None, bucketed: boo
     Raises:
       ShardingError: naming the kind, its configuration, why, and the fix.
     """
-    if comm is None or comm.fusion is None or platform is None:
+    if comm is None or platform is None:
         return
-    for kind, fusion in comm.fusion:
+    if platform not in GPUS + ("cpu",):
+        if comm.copies > 1 or bucketed or any(f.mode != "auto" for _, f in comm.fusion or ()):
+            raise ShardingError(_unknown_backend_error(call, comm, platform))
+        return
+    for kind, fusion in comm.fusion or ():
         if fusion.mode == "auto" or fusion.threshold_bytes == 0 or (kind == "allreduce" and bucketed):
             continue
-        if platform in ("gpu", "cuda", "rocm") and fusion.mode == "size":
+        if platform in GPUS and fusion.mode == "size":
             continue
         if fusion.mode == "index":
             why = "XLA's combiners take a threshold, not split indices"
-        elif platform == "cpu":
+        else:
             why = ("XLA:CPU's all-reduce combiner takes no threshold" if kind == "allreduce"
                    else f"XLA:CPU merges no {kind} at all")
-        else:
-            why = f"jshard knows no combiner option of XLA's {platform} backend"
         fix = ("wrap the gradient function in jshard.accumulate (loss, grads = jshard.accumulate(jax.value_and_grad("
                "loss_fn))(params, batch)) with the batch cut over the data-parallel axes (mode='data' or 'semi_auto'), "
                "so jshard buckets the gradients itself, or give " if kind == "allreduce" else "give ")
         raise ShardingError(f"{call}: Communication(fusion={{{kind!r}: {{'mode': {fusion.mode!r}, 'config': "
                             f"{fusion.config!r}}}}}) on {platform}: {why}, and jshard emits no {kind} of its own "
                             f"here to bucket. To follow it, {fix}mode 'auto' or 'size' 0 for {kind!r}.")
+
+
+def _unknown_backend_error(call: str, comm: Communication, platform: str) -> str:
+    return (f"{call}: {comm!r} on {platform}: jshard knows no option of XLA's {platform} backend that sets or turns "
+            f"off its combiners, so it cannot keep copies or buckets apart there. Give fusion modes 'auto' and "
+            f"copies=1 on {platform}, or drop communication=.")
 
 
 def _threshold(fusion: Fusion | None) -> int | None:
