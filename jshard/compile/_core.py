@@ -40,6 +40,7 @@ from jshard.compile._boundary import (
     shard_stored,
 )
 from jshard.compile._collisions import warn_collisions
+from jshard.compile._fusion import check_fusion
 from jshard.compile._groups import OptimizerParallel
 from jshard.compile._offload import anchored, least_streamed, offloaded, searched
 from jshard.compile._optimizer import accumulator, cuts, gathered, reduce_scattered, regathered, result_shardings
@@ -480,7 +481,7 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
         in_sh, out_sh, optimizer = [cut.args.get(i, sh) for i, sh in enumerate(in_sh)], result_shardings(out_sh, cut), cut.report
     if sharded:  # jshard.accumulate cuts its accumulated gradients over the data-parallel axes
         kept = accumulator(traced, args, layouts, c, call)
-    axes = _batch_axes(in_sh, args, c) if c.accumulation is not None else None
+    axes = _batch_axes(in_sh, args, c) if c.accumulation is not None or c.communication is not None else None
     if gather or kept is not None or axes:  # axes: jshard.accumulate reduces once, after its loop
         traced = dataclasses.replace(s, fn=gathered(fn, gather) if gather else fn).trace(
             fine, recompute, accumulator=kept, batch_axes=axes)
@@ -488,6 +489,9 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
     if optimizer is not None:
         optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
     _check_comm_kept(traced, c, call)
+    if traced.ctx.unreduced is not None:  # multi-copy where jshard cannot reduce the copies' gradients itself
+        raise ShardingError(traced.ctx.unreduced)
+    check_fusion(c.communication, None if devices is None else devices[0].platform, bool(traced.ctx.buckets), call)
     offload = offloaded(traced, args, c, call)
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
     # the program is compiled and held to the budget: here, or (check False) by the caller weighing it

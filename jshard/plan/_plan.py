@@ -17,6 +17,7 @@ from jshard._errors import ShardingError, api_boundary
 from jshard._format import human_bytes
 from jshard.audit import Audit, audit
 from jshard.layouts import FineMesh
+from jshard.plan._communication import CommunicationReport
 from jshard.plan._explain import explain
 from jshard.plan._io import read_fields, to_json, write_json
 from jshard.plan._offload import HOST_MEMORY, OffloadReport
@@ -82,6 +83,8 @@ class Plan:
         `RecomputeReport`), or None where the program recomputes nothing (or was loaded).
       offload: the state kept in host memory and the bytes streamed per step (an `OffloadReport`),
         or None.
+      communication: with `parallelize(..., communication=...)`, the copies, the gradients' buckets,
+        the XLA options compiled with and their memory (a `CommunicationReport`), or None.
       work: the share of the single-device work each device does and, where it is nearly all of
         it, the data-parallel plan's predicted time beside this plan's (a `WorkReport`); None
         where XLA propagates, or for a loaded plan.
@@ -103,6 +106,7 @@ class Plan:
     recompute: RecomputeReport | None = dataclasses.field(default=None, compare=False)
     offload: OffloadReport | None = dataclasses.field(default=None, compare=False)
     work: WorkReport | None = dataclasses.field(default=None, compare=False)
+    communication: CommunicationReport | None = dataclasses.field(default=None, compare=False)
 
     def replace(self, **changes) -> "Plan":
         """`dataclasses.replace(self, **changes)` that leaves `ops` not yet made unmade."""

@@ -48,6 +48,8 @@ def header_lines(plan) -> list[str]:
         lines.append(plan.recompute.line())
     if plan.offload is not None:
         lines.append(plan.offload.line())
+    if plan.communication is not None:
+        lines.append(plan.communication.line())
     if plan.work is not None and plan.work.line() is not None:
         lines.append(plan.work.line())
     return lines
