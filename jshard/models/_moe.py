@@ -1,10 +1,18 @@
-"""Reference mixture of experts: Switch-style top-1 routed feed-forward blocks in plain JAX.
+"""Reference mixture of experts: routed feed-forward blocks in plain JAX, in two dispatch forms.
 
 Tokens are embedded, then each block adds `moe(layer_norm(x))` to the residual stream; a head maps
-to the vocabulary. The router picks one expert per token (`argmax` of its logits) and scales that
-expert's output by its softmax gate. Dispatch is dense and capacity-free: every expert computes on
-all tokens, with those routed elsewhere masked to zero by a one-hot, so no token is dropped and the
-result is exact. There is no load-balancing loss.
+to the vocabulary. There is no load-balancing loss.
+
+- Dense (`capacity_factor=None`, the default): Switch-style top-1. The router picks one expert per
+  token (`argmax` of its logits) and scales that expert's output by its softmax gate; every expert
+  computes on all tokens, with those routed elsewhere masked to zero by a one-hot, so no token is
+  dropped.
+- Capacity (`capacity_factor` set): GShard's top-k dispatch as MaxText and Flax write it. Each
+  sequence is a group; each expert takes at most `capacity` tokens of a group (top-1 choices first,
+  then top-2, ..., in token order), the rest of its tokens dropped. One-hot dispatch and combine
+  tensors `[g, s, e, c]` gather the tokens into per-expert buffers `[e, g, c, d]` by einsum and
+  scatter the results back weighted by the gates. Cutting the buffers' expert dim where the tokens'
+  group dim was cut is an all-to-all: expert parallel.
 
 With a `Preset`, the experts run expert-parallel: one `jshard.shard` call cuts the expert dim of
 the dispatched tokens and of the stacked expert weights `preset.mp` ways (the tokens' batch dim
@@ -15,6 +23,7 @@ two dims, so `MOE_RULES` leaves the expert weights whole and the sharded call cu
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -40,6 +49,15 @@ class MoEConfig:
     d_ff: int = 128
     n_experts: int = 4
     n_layers: int = 1
+    top_k: int = 1
+    capacity_factor: float | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Tokens each expert takes from a sequence: `ceil(seq_len * top_k / n_experts *
+        capacity_factor)` (the capacity form only)."""
+        assert self.capacity_factor is not None
+        return math.ceil(self.seq_len * self.top_k / self.n_experts * self.capacity_factor)
 
 
 def init_moe(cfg: MoEConfig, key: jax.Array) -> dict:
@@ -89,6 +107,24 @@ def _expert_parallel(preset: Preset, n_experts: int):
     return shard(_experts, in_strategy=(tokens, weights, weights), out_strategy=(tokens,))
 
 
+def _dispatch(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """GShard's dispatch and combine tensors `[g, s, e, c]` from router logits `[g, s, e]`: token s
+    of group g goes to slot c of expert e (dispatch, 0 or 1; combine, its gate)."""
+    gates, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)  # [g, s, k]
+    chosen = jax.nn.one_hot(experts, logits.shape[-1], dtype=jnp.int32)  # [g, s, k, e]
+    # a slot per choice, in priority order: every token's first choice, then every second choice
+    ranked = jnp.cumsum(chosen.transpose(0, 2, 1, 3).reshape(chosen.shape[0], -1, chosen.shape[-1]), axis=1)
+    slot = ranked.reshape(chosen.shape[0], top_k, -1, chosen.shape[-1]).transpose(0, 2, 1, 3) * chosen - 1
+    placed = jax.nn.one_hot(slot, capacity, dtype=logits.dtype)  # -1 (not chosen) and >= capacity: zeros
+    return placed.sum(axis=2), jnp.einsum("gsk,gskec->gsec", gates, placed)
+
+
+def _capacity_moe(p: dict, x: jax.Array, experts: Callable[..., jax.Array], cfg: MoEConfig) -> jax.Array:
+    dispatch, combine = _dispatch(x @ p["router"], cfg.top_k, cfg.capacity)
+    out = experts(jnp.einsum("gsec,gsd->egcd", dispatch, x), p["w_in"], p["w_out"])
+    return jnp.einsum("gsec,egcd->gsd", combine, out)
+
+
 def _moe(p: dict, x: jax.Array, experts: Callable[..., jax.Array]) -> jax.Array:
     logits = x @ p["router"]
     gates = jax.nn.softmax(logits, axis=-1)
@@ -106,7 +142,8 @@ def moe_apply(params: dict, tokens: jax.Array, cfg: MoEConfig, preset: Preset | 
     experts = _experts if preset is None else _expert_parallel(preset, cfg.n_experts)
     x = params["embed"][tokens] + params["pos"][None, : tokens.shape[1]]
     for p in params["layers"]:
-        x = x + _moe(p, layer_norm(x, p["ln"]), experts)
+        y = layer_norm(x, p["ln"])
+        x = x + (_moe(p, y, experts) if cfg.capacity_factor is None else _capacity_moe(p, y, experts, cfg))
     head = jnp.matmul if preset is None else preset.matmul("column", 3)
     return head(layer_norm(x, params["ln_f"]), params["head"])
 

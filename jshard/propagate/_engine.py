@@ -37,7 +37,7 @@ from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, 
 from jshard.graph import CONSTRAINT, JSHARD_SCOPE, Node, operand_vars
 from jshard.layouts import Spec, constraint_spec, typed_spec
 from jshard.propagate._emit import Emission
-from jshard.rules import Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
+from jshard.rules import PER_DEVICE, Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
 
 
 class Rejected(NamedTuple):
@@ -736,7 +736,7 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
     be an all-to-all goes through its gathered layout: `jshard.cost.gathered_layout`). A value whose
     type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
     JAX's own `reshard`s move it."""
-    outputs, inputs, communicated = {}, {}, set()
+    outputs, inputs, communicated, per_device = {}, {}, set(), {}
     moves = lambda v, dst: bool(redistribution(*array_of(v), result.values[v], dst, axis_size, alltoall))
     for i, d in result.decisions.items():
         node = nodes[i]
@@ -746,6 +746,8 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
                 if moves(v, d.out_specs[0]):  # its route's stages: below
                     communicated.add(node.outputs[0])
             continue
+        if node.primitive in PER_DEVICE and any(dim for spec in d.in_specs for dim in spec):
+            per_device[id(node.eqn)] = (d.in_specs, d.out_specs)
         if not d.implied:
             reduced = any(c.kind in _REDUCTIONS for c in d.comms)
             for v, spec in zip(node.outputs, d.out_specs):
@@ -770,7 +772,7 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
         if len(route) > 1:
             inputs[(id(node.eqn), 0)] = tuple(route[:-1])
             outputs[v] = src
-    return Emission(outputs, inputs, communicated=frozenset(communicated))
+    return Emission(outputs, inputs, communicated=frozenset(communicated), per_device=per_device)
 
 
 _REDUCTIONS = ("all-reduce", "reduce-scatter")
