@@ -41,7 +41,13 @@ MOE_RULES = {r"^head$": "column"}
 @dataclasses.dataclass(frozen=True, slots=True)
 class MoEConfig:
     """Token sequences of `seq_len` over `vocab`; `n_layers` blocks of width `d_model`, each with
-    `n_experts` feed-forward experts of hidden width `d_ff`."""
+    `n_experts` feed-forward experts of hidden width `d_ff`; each token routed to `top_k` experts, each
+    expert taking `capacity` tokens of a sequence (`capacity_factor`; None: the dense top-1 form).
+
+    Examples:
+      >>> MoEConfig(seq_len=16, n_experts=8, top_k=2, capacity_factor=1.25).capacity
+      5
+    """
 
     vocab: int = 32
     seq_len: int = 8
@@ -51,6 +57,14 @@ class MoEConfig:
     n_layers: int = 1
     top_k: int = 1
     capacity_factor: float | None = None
+
+    def __post_init__(self):
+        if self.capacity_factor is None and self.top_k != 1:
+            raise ValueError(f"jshard.models.MoEConfig: top_k={self.top_k} needs the capacity form (capacity_factor=, "
+                             f"e.g. 1.25); the dense form routes each token to one expert.")
+        if not 1 <= self.top_k <= self.n_experts or (self.capacity_factor is not None and self.capacity_factor <= 0):
+            raise ValueError(f"jshard.models.MoEConfig: top_k={self.top_k} must be in 1..n_experts={self.n_experts} "
+                             f"and capacity_factor={self.capacity_factor} positive.")
 
     @property
     def capacity(self) -> int:

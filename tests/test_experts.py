@@ -1,0 +1,132 @@
+"""Expert parallel (issue 34 item 1): the reference MoE's capacity form (GShard's top-k dispatch as
+MaxText and Flax write it) with its experts cut over a mesh axis, tokens dispatched by all-to-all:
+the routing against a loop, numerics against one device, the compiled all-to-alls against the
+plan's, and the search choosing expert parallel where it is cheaper than the expert plans."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _tolerance import assert_close, step_terms
+
+import jshard as js
+from jshard import models
+from jshard.models import _moe
+
+CFG = models.MoEConfig(vocab=32, seq_len=8, d_model=32, d_ff=64, n_experts=8, top_k=2, capacity_factor=1.0)
+
+
+def _routed_by_loop(logits: np.ndarray, top_k: int, capacity: int) -> np.ndarray:
+    """GShard's priority, one token at a time: every token's first choice, then every second choice."""
+    g, s, e = logits.shape
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    combine = np.zeros((g, s, e, capacity))
+    for group in range(g):
+        taken = np.zeros(e, int)
+        order = np.argsort(-probs[group], axis=-1, kind="stable")
+        for k in range(top_k):
+            for t in range(s):
+                expert = order[t, k]
+                if taken[expert] < capacity:
+                    combine[group, t, expert, taken[expert]] = probs[group, t, expert]
+                taken[expert] += 1
+    return combine
+
+
+def test_capacity_dispatch_is_gshards_priority_and_drops_over_capacity():
+    logits = np.random.default_rng(0).normal(size=(4, 8, 8)).astype(np.float32)
+    dispatch, combine = _moe._dispatch(jnp.asarray(logits), CFG.top_k, CFG.capacity)
+    want = _routed_by_loop(logits, CFG.top_k, CFG.capacity)
+    assert_close(combine, want.astype(np.float32), terms=2)  # softmax: exp, sum, divide
+    np.testing.assert_array_equal(dispatch, (want > 0).astype(np.float32))
+    assert 0 < int(dispatch.sum()) < 4 * 8 * CFG.top_k  # capacity 2 of 8 experts: some choices dropped
+
+
+def _step(cfg):
+    opt = optax.sgd(0.1)
+    params = models.init_moe(cfg, jax.random.key(0))
+    step = models.make_train_step(lambda p, b: models.moe_loss(p, b, cfg), opt)
+    return step, (params, opt.init(params), models.moe_batch(np.random.default_rng(0), cfg, 8))
+
+
+def _experts_cut(params, cut):
+    """`cut` on the stacked expert weights (`w_in`, `w_out`), nothing on the rest."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: cut if jax.tree_util.keystr(path).endswith(("'w_in']", "'w_out']")) else None, params)
+
+
+DP_EP = js.Layout((2, 4), ("dp", "ep"))
+LAYOUTS = {
+    # tuples: the experts over all 8 devices, which also hold the batch's 8 rows (ep borrows dp)
+    "ep8-tuples": ((8, 1, 1), (8, 1)),
+    # a Layout: the batch over dp x ep, the experts over ep only (4 ways), replicated over dp
+    "dp2-ep4-layout": (DP_EP("ep", "None", "None"), DP_EP(("dp", "ep"), "None")),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_parallel_equals_one_device_and_moves_what_the_plan_predicts(name):
+    experts, rows = LAYOUTS[name]
+    step, args = _step(CFG)
+    par = js.parallelize(step, devices=8, in_strategy=(_experts_cut(args[0], experts), None, (rows, rows)))
+    plan = par.plan(*args)
+    compiled = par.lower(*args).compile()
+    report = js.audit(compiled)
+    # four all-to-alls: the dispatch and the combine, forward and backward; no expert weight moves
+    tokens = 8 * 8 * CFG.capacity * CFG.d_model * 4  # [e, g, c, d] float32
+    ep = 8 if name.startswith("ep8") else 4
+    assert report.by_kind()["all-to-all"] == (4.0, 4 * tokens / 8)  # each device's slice, as the audit counts
+    assert plan.predicted_bytes("all-to-all") == report.bytes("all-to-all")
+    assert plan.predicted_bytes() == report.bytes(), plan.compare(report)
+    searched = [op for op in plan.ops if op.primitive == "dot_general" and op.in_strategy
+                and len(op.in_strategy[1]) == 3 and op.in_strategy[1][0] == ep]
+    assert searched, "no expert matmul cut by expert"
+    got = compiled(*jax.device_put(args, plan.in_shardings))
+    assert_close(got, jax.jit(step)(*args), terms=step_terms(args[0], args[2]))
+
+
+def _abstract(cfg: models.MoEConfig, rows: int):
+    """The MoE train step's arguments as shapes only: planned, never run."""
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
+    norm = {"scale": f32(d), "bias": f32(d)}
+    params = {"embed": f32(cfg.vocab, d), "pos": f32(cfg.seq_len, d), "ln_f": norm, "head": f32(d, cfg.vocab),
+              "layers": [{"ln": norm, "router": f32(d, e), "w_in": f32(e, d, f), "w_out": f32(e, f, d)}]}
+    opt = optax.sgd(0.1)
+    step = models.make_train_step(lambda p, b: models.moe_loss(p, b, cfg), opt)
+    tokens = jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32)
+    return step, (params, jax.eval_shape(opt.init, params), (tokens, tokens))
+
+
+def test_search_chooses_expert_parallel_where_it_is_cheaper_than_the_expert_plans():
+    """A MoE layer of 8 experts 1024 -> 4096 and 16k tokens, the batch cut over the 8 devices (as a
+    data loader gives it): replicating the experts all-reduces their 256 MiB of gradients, cutting
+    them FSDP- or Megatron-style moves them or the activations; cutting them by expert moves only
+    the dispatched tokens. The search cuts them by expert, dispatching by all-to-all, and predicts
+    less than each expert plan priced by the same cost model."""
+    cfg = models.MoEConfig(vocab=1024, seq_len=512, d_model=1024, d_ff=4096, n_experts=8, top_k=2, capacity_factor=1.25)
+    step, args = _abstract(cfg, 32)
+    x = js.Layout((8,), ("x",))
+    rows = (x("x", "None"),) * 2
+    auto = js.parallelize(step, devices=8, mode="auto", in_strategy=(None, None, rows)).plan(*args)
+    layer = auto.in_shardings[0]["layers"][0]
+    assert layer["w_in"].spec == layer["w_out"].spec == jax.sharding.PartitionSpec(auto.fine.names)
+    assert auto.predicted_bytes("all-to-all") > 0
+    hand = {
+        "replicated": x("None", "None", "None"),
+        "fsdp": x("None", "x", "None"),  # w_in [e, d, f] on d, w_out [e, f, d] on f: gathered before use
+        "megatron": None,  # column w_in, row w_out: below
+    }
+    seconds = {}
+    for name, cut in hand.items():
+        params = _experts_cut(args[0], cut) if cut is not None else jax.tree_util.tree_map_with_path(
+            lambda path, _: {"'w_in']": x("None", "None", "x"), "'w_out']": x("None", "x", "None")}.get(
+                jax.tree_util.keystr(path)[-8:]), args[0])
+        plan = js.parallelize(step, devices=8, in_strategy=(params, None, rows)).plan(*args)
+        seconds[name] = plan.work.seconds
+    assert all(auto.work.seconds < s for s in seconds.values()), (auto.work.seconds, seconds)
+    (expert_matmul,) = [i for i, op in enumerate(auto.ops) if op.primitive == "dot_general" and op.in_strategy
+                        and op.in_strategy[1] == (8, 1, 1) and op.inside is None and "forward" in auto.explain(i)][:1]
+    assert "chosen by the strategy search" in auto.explain(expert_matmul)
