@@ -3,6 +3,8 @@ MaxText and Flax write it) with its experts cut over a mesh axis, tokens dispatc
 the routing against a loop, numerics against one device, the compiled all-to-alls against the
 plan's, and the search choosing expert parallel where it is cheaper than the expert plans."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ import jshard as js
 from jshard import models
 from jshard.models import _moe
 
-CFG = models.MoEConfig(vocab=32, seq_len=8, d_model=32, d_ff=64, n_experts=8, top_k=2, capacity_factor=1.0)
+CFG = models.MoEConfig(vocab=32, seq_len=8, d_model=32, d_ff=64, n_experts=8, dispatch="capacity", top_k=2, capacity_factor=1.0)
 
 
 def _routed_by_loop(logits: np.ndarray, top_k: int, capacity: int) -> np.ndarray:
@@ -106,7 +108,7 @@ def test_search_chooses_expert_parallel_where_it_is_cheaper_than_the_expert_plan
     them FSDP- or Megatron-style moves them or the activations; cutting them by expert moves only
     the dispatched tokens. The search cuts them by expert, dispatching by all-to-all, and predicts
     less than each expert plan priced by the same cost model."""
-    cfg = models.MoEConfig(vocab=1024, seq_len=512, d_model=1024, d_ff=4096, n_experts=8, top_k=2, capacity_factor=1.25)
+    cfg = models.MoEConfig(vocab=1024, seq_len=512, d_model=1024, d_ff=4096, n_experts=8, dispatch="capacity", top_k=2)
     step, args = _abstract(cfg, 32)
     x = js.Layout((8,), ("x",))
     rows = (x("x", "None"),) * 2
@@ -123,7 +125,65 @@ def test_search_chooses_expert_parallel_where_it_is_cheaper_than_the_expert_plan
     seconds = {name: js.parallelize(step, devices=8, in_strategy=(params, None, rows)).plan(*args).work.seconds
                for name, params in hand.items()}
     assert all(auto.work.seconds < s for s in seconds.values()), (auto.work.seconds, seconds)
-    print("figures", auto.work.seconds, seconds, auto.predicted())
     expert_matmul = next(i for i, op in enumerate(auto.ops) if op.primitive == "dot_general"
                          and op.in_strategy[1:] == ((8, 1, 1),) and "(_experts), forward" in auto.explain(i))
     assert "chosen by the strategy search" in auto.explain(expert_matmul)
+
+
+def test_the_three_dispatch_forms_agree_where_none_drops():
+    """Top-1: the dense form, the dropless one (sorted, `ragged_dot`) and the capacity form with room
+    for every token compute the same layer."""
+    base = models.MoEConfig(vocab=32, seq_len=8, d_model=32, d_ff=64, n_experts=8)
+    params = models.init_moe(base, jax.random.key(0))
+    tokens = models.moe_batch(np.random.default_rng(0), base, 4)[0]
+    dense = models.moe_apply(params, tokens, base)
+    for form in (dataclasses.replace(base, dispatch="dropless"),
+                 dataclasses.replace(base, dispatch="capacity", capacity_factor=base.n_experts)):
+        assert_close(models.moe_apply(params, tokens, form), dense, terms=2 * (32 + 64) + 8, err_msg=form.dispatch)
+
+
+def test_dropless_form_equals_one_device_and_its_gathers_are_priced():
+    """The dropless form on 8 devices, the batch cut 8 ways: the sort and the grouped matmuls take
+    the tokens whole (their groups' bounds are data), so the plan gathers them, priced to the byte."""
+    cfg = models.MoEConfig(vocab=32, seq_len=8, d_model=32, d_ff=64, n_experts=8, dispatch="dropless", top_k=2)
+    step, args = _step(cfg)
+    par = js.parallelize(step, devices=8, in_strategy=(None, None, ((8, 1), (8, 1))))
+    plan = par.plan(*args)
+    (grouped, *_) = [op for op in plan.ops if op.primitive == "ragged_dot_general"]
+    assert grouped.ruled and grouped.origin == "propagated"
+    compiled = par.lower(*args).compile()
+    report = js.audit(compiled)
+    assert plan.predicted_bytes() == report.bytes(), plan.compare(report)
+    got = compiled(*jax.device_put(args, plan.in_shardings))
+    assert_close(got, jax.jit(step)(*args), terms=step_terms(args[0], args[2]))
+
+
+def test_moe_config_and_preset_errors_name_the_fix():
+    with pytest.raises(ValueError, match=r"dispatch='sparse'; the forms are \('dense', 'capacity', 'dropless'\)"):
+        models.MoEConfig(dispatch="sparse")
+    with pytest.raises(ValueError, match=r"top_k=2 needs dispatch='capacity' or 'dropless'"):
+        models.MoEConfig(top_k=2)
+    cfg = models.MoEConfig(n_experts=8, dispatch="dropless")
+    params = models.init_moe(cfg, jax.random.key(0))
+    with pytest.raises(js.ShardingError, match=r"preset '2d' cuts the expert dim .* \(jax.lax.ragged_dot\) .* Use "
+                                               r"dispatch='capacity' for expert parallel"):
+        models.moe_apply(params, jnp.zeros((2, cfg.seq_len), jnp.int32), cfg, models.preset("2d", 8))
+
+
+def test_capacity_form_under_the_preset_slices_the_buffers_where_the_tokens_are_whole():
+    """The preset's `shard` call on the experts (their dim and the buffers' cut `mp` ways, the groups
+    `dp` ways) meets tokens cut `dp` ways only, whole over mp: each device makes its experts'
+    buffers from the tokens it holds, no all-to-all; the combine's partial sums are all-reduced."""
+    preset, opt = models.preset("2d", 8), optax.sgd(0.1)
+    params = models.init_moe(CFG, jax.random.key(0))
+    args = (params, opt.init(params), models.moe_batch(np.random.default_rng(0), CFG, 8))
+    step = models.make_train_step(lambda p, b: models.moe_loss(p, b, CFG, preset), opt)
+    par = js.parallelize(step, devices=8, in_strategy=(None, None, (preset.batch(2), preset.batch(2))))
+    plan = par.plan(*args)
+    compiled = par.lower(*args).compile()
+    report = js.audit(compiled)
+    assert "all-to-all" not in report.by_kind()
+    assert plan.predicted_bytes() == report.bytes(), plan.compare(report)
+    plain = models.make_train_step(lambda p, b: models.moe_loss(p, b, CFG), opt)
+    got = compiled(*jax.device_put(args, plan.in_shardings))
+    assert_close(got, jax.jit(plain)(*args), terms=step_terms(args[0], args[2]))
