@@ -14,6 +14,7 @@ from _tolerance import assert_close, step_terms
 
 import jshard as js
 from jshard import models
+from jshard._examples import moe_shapes
 from jshard.models import _moe
 
 CFG = models.MoEConfig(vocab=32, seq_len=8, d_model=32, d_ff=64, n_experts=8, dispatch="capacity", top_k=2, capacity_factor=1.0)
@@ -91,12 +92,7 @@ def test_expert_parallel_equals_one_device_and_moves_what_the_plan_predicts(name
 
 def _abstract(cfg: models.MoEConfig, rows: int):
     """The MoE train step's arguments as shapes only: planned, never run."""
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-    d, f, e = cfg.d_model, cfg.d_ff, cfg.n_experts
-    norm = {"scale": f32(d), "bias": f32(d)}
-    params = {"embed": f32(cfg.vocab, d), "pos": f32(cfg.seq_len, d), "ln_f": norm, "head": f32(d, cfg.vocab),
-              "layers": [{"ln": norm, "router": f32(d, e), "w_in": f32(e, d, f), "w_out": f32(e, f, d)}]}
-    opt = optax.sgd(0.1)
+    params, opt = moe_shapes(cfg), optax.sgd(0.1)
     step = models.make_train_step(lambda p, b: models.moe_loss(p, b, cfg), opt)
     tokens = jax.ShapeDtypeStruct((rows, cfg.seq_len), jnp.int32)
     return step, (params, jax.eval_shape(opt.init, params), (tokens, tokens))
