@@ -185,13 +185,17 @@ def test_capacity_form_under_the_preset_slices_the_buffers_where_the_tokens_are_
     assert_close(got, jax.jit(plain)(*args), terms=step_terms(args[0], args[2]))
 
 
-def test_top_k_runs_on_each_devices_rows_without_a_collective():
+def _scanned_top_k(xs):
+    return jax.lax.scan(lambda c, x: (c, jax.lax.top_k(-x, 2)), 0.0, xs)[1]
+
+
+@pytest.mark.parametrize("fn, shape, cut", [(lambda x: jax.lax.top_k(-x, 2), (64, 16), (8, 1)),
+                                            (_scanned_top_k, (3, 64, 16), (1, 8, 1))], ids=["top-level", "in-scan"])
+def test_top_k_runs_on_each_devices_rows_without_a_collective(fn, shape, cut):
     """XLA's partitioner gathers a TopK's whole input whatever its batch cut; the plan runs it per
-    device instead, as its rule prices it (nothing moves)."""
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 16)), jnp.float32)
-    top = js.parallelize(lambda x: jax.lax.top_k(-x, 2), devices=8, in_strategy=((8, 1),))
+    device instead, in a loop body too, as its rule prices it (nothing moves)."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
+    top = js.parallelize(fn, devices=8, in_strategy=(cut,))
     assert js.audit(top.lower(x).compile()).by_kind() == {}
-    values, indices = top(x)
-    want_values, want_indices = jax.jit(lambda x: jax.lax.top_k(-x, 2))(x)
-    np.testing.assert_array_equal(indices, want_indices)
-    np.testing.assert_array_equal(values, want_values)  # the same elements, chosen not summed
+    for got, want in zip(top(x), jax.jit(fn)(x)):
+        np.testing.assert_array_equal(got, want)  # the same elements and indices: chosen, not computed

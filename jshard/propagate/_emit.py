@@ -155,7 +155,7 @@ class _Interpreter:
         if key not in self._touched:
             self._touched[key] = False
             bodies = [_closed(eqn).jaxpr] if eqn.primitive.name in INLINE else [j.jaxpr for j in _nested_closed(eqn)]
-            constrained = {k[0] for k in self.emission.inputs} | set(self.emission.replaced)
+            constrained = {k[0] for k in self.emission.inputs} | set(self.emission.replaced) | set(self.emission.per_device)
             self._touched[key] = key in constrained or any(
                 id(e) in constrained or any(v in self.emission.outputs for v in e.outvars) or (e.primitive.name in INLINE | NESTED and self._touches(e))
                 for body in bodies
