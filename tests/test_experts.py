@@ -18,6 +18,7 @@ from jshard._examples import moe_shapes
 from jshard.models import _moe
 
 CFG = models.MoEConfig(vocab=32, seq_len=8, d_model=32, d_ff=64, n_experts=8, dispatch="capacity", top_k=2, capacity_factor=1.0)
+BUFFER_BYTES = 8 * 8 * CFG.capacity * CFG.d_model * 4  # the experts' buffers [e, g, c, d], float32, batch 8
 
 
 def _routed_by_loop(logits: np.ndarray, top_k: int, capacity: int) -> np.ndarray:
@@ -78,9 +79,8 @@ def test_expert_parallel_equals_one_device_and_moves_what_the_plan_predicts(name
     compiled = par.lower(*args).compile()
     report = js.audit(compiled)
     # four all-to-alls: the dispatch and the combine, forward and backward; no expert weight moves
-    tokens = 8 * 8 * CFG.capacity * CFG.d_model * 4  # [e, g, c, d] float32
     ep = 8 if name.startswith("ep8") else 4
-    assert report.by_kind()["all-to-all"] == (4.0, 4 * tokens / 8)  # each device's slice, as the audit counts
+    assert report.by_kind()["all-to-all"] == (4.0, 4 * BUFFER_BYTES / 8)  # each device's slice, as the audit counts
     assert plan.predicted_bytes("all-to-all") == report.bytes("all-to-all")
     assert plan.predicted_bytes() == report.bytes(), plan.compare(report)
     searched = [op for op in plan.ops if op.primitive == "dot_general" and op.in_strategy
@@ -166,19 +166,23 @@ def test_moe_config_and_preset_errors_name_the_fix():
         models.moe_apply(params, jnp.zeros((2, cfg.seq_len), jnp.int32), cfg, models.preset("2d", 8))
 
 
-def test_capacity_form_under_the_preset_slices_the_buffers_where_the_tokens_are_whole():
-    """The preset's `shard` call on the experts (their dim and the buffers' cut `mp` ways, the groups
-    `dp` ways) meets tokens cut `dp` ways only, whole over mp: each device makes its experts'
-    buffers from the tokens it holds, no all-to-all; the combine's partial sums are all-reduced."""
+@pytest.mark.parametrize("rows", ["dp", "dp-mp"])
+def test_capacity_form_under_the_preset_shard_call(rows):
+    """The preset's `shard` call on the experts cuts them and their buffers by expert `mp` ways (the
+    groups `dp` ways). Tokens cut `dp` ways only are whole over mp: each device makes its experts'
+    buffers from the tokens it holds, nothing moves to them. Tokens cut over dp x mp (expert
+    parallel borrowing the data-parallel devices) reach them by all-to-all over the mp axes."""
     preset, opt = models.preset("2d", 8), optax.sgd(0.1)
     params = models.init_moe(CFG, jax.random.key(0))
     args = (params, opt.init(params), models.moe_batch(np.random.default_rng(0), CFG, 8))
     step = models.make_train_step(lambda p, b: models.moe_loss(p, b, CFG, preset), opt)
-    par = js.parallelize(step, devices=8, in_strategy=(None, None, (preset.batch(2), preset.batch(2))))
+    cut = preset.batch(2) if rows == "dp" else preset.layout(("dp", "mp"), "None")
+    par = js.parallelize(step, devices=8, in_strategy=(None, None, (cut, cut)))
     plan = par.plan(*args)
     compiled = par.lower(*args).compile()
     report = js.audit(compiled)
-    assert "all-to-all" not in report.by_kind()
+    buffers = [c for op in plan.ops for c in op.comms if c.kind == "all-to-all" and c.bytes == BUFFER_BYTES / 8]
+    assert len(buffers) == (0 if rows == "dp" else 4)  # (dp-mp: the column-parallel head's logits move too)
     assert plan.predicted_bytes() == report.bytes(), plan.compare(report)
     plain = models.make_train_step(lambda p, b: models.moe_loss(p, b, CFG), opt)
     got = compiled(*jax.device_put(args, plan.in_shardings))
