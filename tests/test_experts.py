@@ -98,14 +98,16 @@ def _abstract(cfg: models.MoEConfig, rows: int):
     return step, (params, jax.eval_shape(opt.init, params), (tokens, tokens))
 
 
+BIG = models.MoEConfig(vocab=1024, seq_len=512, d_model=1024, d_ff=4096, n_experts=8, dispatch="capacity", top_k=2)
+
+
 def test_search_chooses_expert_parallel_where_it_is_cheaper_than_the_expert_plans():
     """A MoE layer of 8 experts 1024 -> 4096 and 16k tokens, the batch cut over the 8 devices (as a
     data loader gives it): replicating the experts all-reduces their 256 MiB of gradients, cutting
     them FSDP- or Megatron-style moves them or the activations; cutting them by expert moves only
     the dispatched tokens. The search cuts them by expert, dispatching by all-to-all, and predicts
     less than each expert plan priced by the same cost model."""
-    cfg = models.MoEConfig(vocab=1024, seq_len=512, d_model=1024, d_ff=4096, n_experts=8, dispatch="capacity", top_k=2)
-    step, args = _abstract(cfg, 32)
+    step, args = _abstract(BIG, 32)
     x = js.Layout((8,), ("x",))
     rows = (x("x", "None"),) * 2
     auto = js.parallelize(step, devices=8, mode="auto", in_strategy=(None, None, rows)).plan(*args)
@@ -124,6 +126,24 @@ def test_search_chooses_expert_parallel_where_it_is_cheaper_than_the_expert_plan
     expert_matmul = next(i for i, op in enumerate(auto.ops) if op.primitive == "dot_general"
                          and op.in_strategy[1:] == ((8, 1, 1),) and "(_experts), forward" in auto.explain(i))
     assert "chosen by the strategy search" in auto.explain(expert_matmul)
+
+
+def test_under_a_budget_replicated_experts_miss_and_the_search_cuts_them_by_expert():
+    """The same layer under 800 MiB per device: its experts replicated hold more (read from the
+    compiled program); the search's plan cuts them by expert, dispatches by all-to-all, and its
+    compiled program fits."""
+    step, args = _abstract(BIG, 32)
+    x = js.Layout((8,), ("x",))
+    rows = (x("x", "None"),) * 2
+    budget = 800 * 2**20
+    replicated = js.parallelize(step, devices=8, in_strategy=(_experts_cut(args[0], x("None", "None", "None")), None, rows))
+    assert replicated.plan(*args).audit().memory.peak_bytes > budget
+    auto = js.parallelize(step, devices=8, mode="auto", search=js.Search(memory_budget=budget), in_strategy=(None, None, rows))
+    plan = auto.plan(*args)
+    layer = plan.in_shardings[0]["layers"][0]
+    assert layer["w_in"].spec == layer["w_out"].spec == jax.sharding.PartitionSpec(plan.fine.names)
+    assert plan.predicted_bytes("all-to-all") > 0
+    assert plan.search.compiled_peak_bytes <= budget, plan.search.line()
 
 
 def test_the_three_dispatch_forms_agree_where_none_drops():
