@@ -1,4 +1,4 @@
-"""Reference mixture of experts: routed feed-forward blocks in plain JAX, in two dispatch forms.
+"""Reference mixture of experts: routed feed-forward blocks in plain JAX, in three dispatch forms.
 
 Tokens are embedded, then each block adds `moe(layer_norm(x))` to the residual stream; a head maps
 to the vocabulary. There is no load-balancing loss.
@@ -20,9 +20,9 @@ to the vocabulary. There is no load-balancing loss.
   are sorted whole (expert parallel of this form takes `jax.lax.ragged_all_to_all` in a
   `shard_map`, which XLA:CPU does not compile in jax 0.10).
 
-With a `Preset`, the experts run expert-parallel: one `jshard.shard` call cuts the expert dim of
-the dispatched tokens and of the stacked expert weights `preset.mp` ways (the tokens' batch dim
-`preset.dp` ways), and the head is column-parallel. `Preset.parameters` cuts only a weight's last
+With a `Preset` (dense and capacity forms), the experts run expert-parallel: one `jshard.shard`
+call cuts the expert dim of the dispatched tokens and of the stacked expert weights `preset.mp`
+ways (the tokens' batch dim `preset.dp` ways), and the head is column-parallel. `Preset.parameters` cuts only a weight's last
 two dims, so `MOE_RULES` leaves the expert weights whole and the sharded call cuts them by expert.
 """
 
