@@ -45,7 +45,8 @@ from jshard.compile._groups import OptimizerParallel
 from jshard.compile._offload import anchored, least_streamed, offloaded, searched
 from jshard.compile._optimizer import accumulator, cuts, gathered, reduce_scattered, regathered, result_shardings
 from jshard.compile._options import Options
-from jshard.compile._planners import Problem, planner_for
+from jshard.compile._peer import weigh_peer
+from jshard.compile._planners import Planned, Problem, PropagationPlanner, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._trace import Traced, adopted, devices_for, trace
 from jshard.compile._work import with_work
@@ -545,6 +546,10 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
         while searched < BUDGET_ROUNDS:
             program, problem = attempt(problem)
             if not checked:
+                if _peer_weighed(c, planner, devices, traced, rewrite, offload, grads):
+                    return weigh_peer(program, lambda: build_program(
+                        traced, Planned(None), in_sh, out_sh, devices, dataclasses.replace(c, propagation="xla"),
+                        args), args)
                 return program
             program, held = checked_peak(program)
             report = program.plan.search
@@ -576,6 +581,15 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
     if found is None:
         raise error
     return found
+
+
+def _peer_weighed(c: Options, planner, devices, traced: Traced, rewrite, offload, grads) -> bool:
+    """Whether `propagation="best"` weighs Shardy's plan beside jshard's: jshard propagated from the
+    anchors, devices are present to compile on, and the program holds nothing only jshard's
+    emission makes (the gradients' reduce-scatter, kept collectives' results, state in host memory)."""
+    kept = any(_COMM_KEPT.search(n.scope) for n in traced.nodes)
+    return (c.propagation == "best" and isinstance(planner, PropagationPlanner) and devices is not None
+            and rewrite is None and offload is None and not grads and not kept)
 
 
 def _batch_axes(in_sh: list, args: tuple, c: Options) -> tuple[str, ...] | None:

@@ -38,8 +38,9 @@ from jshard.search import SEARCHES
 MODES = ("data", "semi_auto", "auto", "manual")
 """`parallelize`'s modes (see its docstring)."""
 
-PROPAGATIONS = ("jshard", "xla")
-"""Who lays out the operators no strategy fixes: jshard's engine, or Shardy."""
+PROPAGATIONS = ("jshard", "xla", "best")
+"""Who lays out the operators no strategy fixes: jshard's engine, Shardy, or both (their compiled
+programs measured, the one moving fewer collective bytes kept)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ def _check_choices(call: str, c: Options) -> None:
         raise ShardingError(f"{call}: mode={c.mode!r} is not one of {MODES}.")
     if c.propagation not in PROPAGATIONS:
         raise ShardingError(f"{call}: propagation={c.propagation!r} is not one of {PROPAGATIONS}.")
-    if c.plan is not None and (c.propagation != "jshard" or c.mode == "manual"):
+    if c.plan is not None and (c.propagation == "xla" or c.mode == "manual"):
         raise ShardingError(
             f"{call}: plan= rebuilds a plan jshard propagated or searched; it cannot be used with "
             f"{'mode=' + repr(c.mode) if c.mode == 'manual' else 'propagation=' + repr(c.propagation)}. "
@@ -156,7 +157,7 @@ def _check_search(call: str, c: Options) -> None:
         what = "Search(memory_budget=...)" if c.memory_budget is not None else f"search={c.search.method!r}"
         raise ShardingError(f"{call}: {what} applies to the strategy search, mode='auto' (this call has "
                             f"mode={c.mode!r}). Pass mode='auto', or drop it.")
-    if c.mode == "auto" and c.propagation != "jshard":
+    if c.mode == "auto" and c.propagation == "xla":
         raise ShardingError(f"{call}: mode='auto' searches with jshard's own cost model; it cannot be "
                             f"used with propagation={c.propagation!r}. Drop propagation=.")
     if c.mode == "auto" and c.search.method == "propagation" and c.memory_budget is not None:

@@ -6,6 +6,7 @@ from jshard.plan._io import to_json as to_json
 from jshard.plan._offload import HOST_MEMORY as HOST_MEMORY
 from jshard.plan._offload import OffloadReport as OffloadReport
 from jshard.plan._optimizer import OptimizerReport as OptimizerReport
+from jshard.plan._peer import PeerReport as PeerReport
 from jshard.plan._plan import Later as Later
 from jshard.plan._plan import Plan as Plan
 from jshard.plan._plan import load as load

@@ -22,6 +22,7 @@ from jshard.plan._explain import explain
 from jshard.plan._io import read_fields, to_json, write_json
 from jshard.plan._offload import HOST_MEMORY, OffloadReport
 from jshard.plan._optimizer import OptimizerReport
+from jshard.plan._peer import PeerReport
 from jshard.plan._recompute import RecomputeReport
 from jshard.plan._records import OpRecord
 from jshard.plan._slices import RankSlices, rank_slices
@@ -88,6 +89,8 @@ class Plan:
       work: the share of the single-device work each device does and, where it is nearly all of
         it, the data-parallel plan's predicted time beside this plan's (a `WorkReport`); None
         where XLA propagates, or for a loaded plan.
+      peer: with `propagation="best"`, jshard's compiled plan against Shardy's from the same
+        anchors and which one runs (a `PeerReport`), or None where they were not weighed.
     """
 
     mesh: Mesh | None
@@ -107,6 +110,7 @@ class Plan:
     offload: OffloadReport | None = dataclasses.field(default=None, compare=False)
     work: WorkReport | None = dataclasses.field(default=None, compare=False)
     communication: CommunicationReport | None = dataclasses.field(default=None, compare=False)
+    peer: PeerReport | None = dataclasses.field(default=None, compare=False)
 
     def replace(self, **changes) -> "Plan":
         """`dataclasses.replace(self, **changes)` that leaves `ops` not yet made unmade."""

@@ -40,6 +40,8 @@ def header_lines(plan) -> list[str]:
         f"{len(plan.ops)} operators: " + ", ".join(f"{origins[o]} {o}" for o in ORIGINS if origins[o])
         + f"; coverage {plan.coverage:.1%}; predicted collectives {human_bytes(plan.predicted_bytes())} per device",
     ]
+    if plan.peer is not None:
+        lines.append(plan.peer.line())
     if plan.search is not None:
         lines.append(plan.search.line())
     if plan.optimizer is not None:

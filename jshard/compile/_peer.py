@@ -1,0 +1,40 @@
+"""The peer stage (`propagation="best"`): jshard's propagated plan and Shardy's from the same
+anchors, both compiled and measured alike (`jshard.audit`'s collective bytes per device), the one
+moving fewer bytes kept (jshard's where they tie), the plan saying which won and by how much
+(`PeerReport`).
+
+The two are compared on their compiled programs, not on the cost model: Shardy's plan is read back
+from what XLA emitted, which the cost model, pricing operator by operator the layouts it chose
+itself, cannot price. The program that runs is the one measured: the compile done here is the one
+the first call reuses (jit's cache)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from jshard.audit import audit, memory_figures
+from jshard.compile._program import Program
+from jshard.compile._signature import abstract
+from jshard.plan import PeerReport
+
+
+def weigh_peer(mine: Program, shardy: Callable[[], Program], args: tuple) -> Program:
+    """Of jshard's program `mine` and Shardy's (built by `shardy` from the same anchors), the one
+    whose compiled program moves fewer collective bytes per device, its plan's `peer` saying so."""
+    ours = _measured(mine, args)
+    theirs_program = shardy()
+    theirs = _measured(theirs_program, args)
+    kept = "xla" if theirs[0] < ours[0] else "jshard"
+    program, other = (mine, theirs) if kept == "jshard" else (theirs_program, ours)
+    report = PeerReport(ours[0], theirs[0], ours[1], theirs[1], kept, other[2])
+    return dataclasses.replace(program, plan=program.plan.replace(peer=report))
+
+
+def _measured(program: Program, args: tuple) -> tuple[float, float, float]:
+    """`program` compiled: its collective bytes and peak per device, and the seconds compiling took."""
+    start = time.perf_counter()
+    compiled = program.jitted.lower(*abstract(args, program.in_shardings)).compile()
+    seconds = time.perf_counter() - start
+    return audit(compiled).bytes(), float(memory_figures(compiled).peak_bytes), seconds
