@@ -144,7 +144,7 @@ class Parallelized:
     def __call__(self, *args, **kwargs):
         bound, options, finish = self._bind(args, kwargs)
         program = self._runnable(bound, options)
-        return finish(program.jitted(*placed(bound.args, program.in_shardings)))
+        return finish(program.runs(*placed(bound.args, program.in_shardings)))
 
     @api_boundary
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from jshard.audit import audit, memory_figures
 from jshard.compile._program import Program
@@ -24,17 +25,26 @@ def weigh_peer(mine: Program, shardy: Callable[[], Program], args: tuple) -> Pro
     """Of jshard's program `mine` and Shardy's (built by `shardy` from the same anchors), the one
     whose compiled program moves fewer collective bytes per device, its plan's `peer` saying so."""
     ours = _measured(mine, args)
-    theirs_program = shardy()
-    theirs = _measured(theirs_program, args)
-    kept = "xla" if theirs[0] < ours[0] else "jshard"
-    program, other = (mine, theirs) if kept == "jshard" else (theirs_program, ours)
-    report = PeerReport(ours[0], theirs[0], ours[1], theirs[1], kept, other[2])
-    return dataclasses.replace(program, plan=program.plan.replace(peer=report))
+    theirs = _measured(shardy(), args)
+    kept, other = (ours, theirs) if theirs.bytes >= ours.bytes else (theirs, ours)
+    report = PeerReport(ours.bytes, theirs.bytes, ours.peak, theirs.peak, "jshard" if kept is ours else "xla",
+                        other.seconds)
+    program = kept.program
+    return dataclasses.replace(program, plan=program.plan.replace(peer=report), compiled=kept.compiled)
 
 
-def _measured(program: Program, args: tuple) -> tuple[float, float, float]:
-    """`program` compiled: its collective bytes and peak per device, and the seconds compiling took."""
+class _Measured(NamedTuple):
+    """One program compiled: its executable, collective bytes and peak per device, compile seconds."""
+
+    program: Program
+    compiled: Any
+    bytes: float
+    peak: float
+    seconds: float
+
+
+def _measured(program: Program, args: tuple) -> _Measured:
     start = time.perf_counter()
     compiled = program.jitted.lower(*abstract(args, program.in_shardings)).compile()
     seconds = time.perf_counter() - start
-    return audit(compiled).bytes(), float(memory_figures(compiled).peak_bytes), seconds
+    return _Measured(program, compiled, audit(compiled).bytes(), float(memory_figures(compiled).peak_bytes), seconds)

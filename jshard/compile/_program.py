@@ -32,7 +32,9 @@ class Program:
     """One compiled signature: its `Plan`, the jitted program (None on an abstract mesh: plan
     only), the argument shardings (a pytree like the arguments) calls place their inputs on, and
     the planned layout of each value of the traced program (value -> `Spec`; empty: XLA's), and
-    the traced program and the planner's `Result` it was built from (None: XLA propagates)."""
+    the traced program and the planner's `Result` it was built from (None: XLA propagates), and
+    its executable where building it compiled it already (`propagation="best"`: calls run it
+    instead of compiling `jitted` again)."""
 
     plan: Plan
     jitted: Any
@@ -40,6 +42,12 @@ class Program:
     values: Mapping = dataclasses.field(default_factory=dict)
     traced: Traced | None = dataclasses.field(default=None, repr=False, compare=False)
     result: Result | None = dataclasses.field(default=None, repr=False, compare=False)
+    compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def runs(self) -> Any:
+        """What a call runs: the executable compiled while building, else the jitted function."""
+        return self.jitted if self.compiled is None else self.compiled
 
 
 def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Sequence, devices: list | None,
