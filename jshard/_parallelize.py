@@ -86,7 +86,9 @@ def parallelize(
       donate_argnums: as `jax.jit`'s.
       donate_argnames: as `jax.jit`'s.
       plan: a `Plan` (`Plan.load`) to rebuild instead of planning.
-      propagation: who lays out the operators no strategy fixes: `"jshard"` or `"xla"` (Shardy).
+      propagation: who lays out the operators no strategy fixes: `"jshard"`, `"xla"` (Shardy), or
+        `"best"`: both from the same anchors, each compiled once, the one whose program moves fewer
+        collective bytes per device runs (`plan.peer` says which and by how much; one more compile).
       cost_model: the `CostModel` the planners price with (default one GPU node), `enable_alltoall` too.
       search: with `mode="auto"`, a `Search` (method, memory budget, time limit), or its method alone.
       pipeline: a `Pipelining` (stages, micro-batches, schedule) for a `jshard.Pipeline` or a tagged step.
