@@ -89,3 +89,22 @@ def test_not_weighed_without_devices():
                           dataset_strategy="full_batch", propagation="best")
     plan = step.plan(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in SHARDY_CHEAPER.arguments()])
     assert plan.peer is None and plan.propagation == "jshard"
+
+
+REFINED = Program(shape=(2,), steps=(Step(kind="dot", param=8, extras=(((2, 8), False),), strategy=((2,), (2, 1))),
+                                     Step(kind="binary", param="max", extras=(((8,), False),), strategy=None)),
+                  mode="semi_auto", dataset="data_parallel", in_strategy=None)
+"""A `shard` call's whole result (its partial sums reduced) meeting the batch cut 8 ways: the
+operator after it takes the result cut as the batch is (each device slices what it holds) rather
+than gathering the batch, as Shardy does (was 64 B against Shardy's 32 B)."""
+
+
+def test_a_shard_results_user_cuts_it_finer_where_nothing_moves():
+    args = [jnp.asarray(a) for a in REFINED.arguments()]
+    step = js.parallelize(REFINED.fn, devices=8, propagation="best")
+    plan = step.plan(*args)
+    assert plan.ops[-1].in_strategy == ((8,), (8,))
+    assert plan.peer is not None and plan.peer.kept == "jshard" and plan.peer.jshard_bytes == plan.peer.shardy_bytes == 32
+    assert plan.predicted_bytes() == 32
+    terms, scale = REFINED.bound(args)
+    assert_close(step(*args), jax.jit(REFINED.fn)(*args), terms=terms, scale=scale)

@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import heapq
 import math
+import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
@@ -95,6 +96,8 @@ class Result:
 
 _SHARD_SCOPE = JSHARD_SCOPE + "shard"
 """The scope prefix of a `shard` call's constraints (`jshard_shard<k>`)."""
+_SHARD_CALL = re.compile(_SHARD_SCOPE + r"\d+")
+"""One `shard` call's scope (`jshard_shard<k>`): the operators inside it carry it too."""
 
 
 class Engine:
@@ -505,12 +508,19 @@ class Engine:
         a user's cut is never replaced by a cheaper layout of the engine's (MindSpore's strategies
         bind). Where none can take them as they are, the cheapest redistributes them."""
         n_in = len(self.vars[i][0])
-        fixed = [(k, spec) for k, spec, src in known if k < n_in and src.isdigit() and self._user_constraint(int(src))]
+        fixed = [(k, spec, self._outside(i, int(src))) for k, spec, src in known
+                 if k < n_in and src.isdigit() and self._user_constraint(int(src))]
         if not fixed or self.nodes[i].backward:
             return candidates
-        kept = [a for a in candidates if all(write_spec(f.operands[k], a, f.sizes, self.axis_size) == spec
-                                             for k, spec in fixed)]
+        kept = [a for a in candidates if all(_takes(write_spec(f.operands[k], a, f.sizes, self.axis_size), spec, outside)
+                                             for k, spec, outside in fixed)]
         return kept or candidates
+
+    def _outside(self, i: int, j: int) -> bool:
+        """Whether operator `i` lies outside the `shard` call whose constraint is node `j` (it takes
+        that call's result, so it may cut the result finer where that moves nothing)."""
+        calls = _SHARD_CALL.findall(self.nodes[j].scope)
+        return not calls or not re.search(rf"\b{calls[-1]}\b", self.nodes[i].scope)
 
     def _bound(self, i: int, v, spec: Spec) -> bool:
         """Whether operator `i` takes input `v` as a `shard` call's constraint laid it out (`spec`)."""
@@ -613,6 +623,15 @@ class Engine:
                 return False
         from_inputs = {fac for d in arrays[0][0] for fac in d}
         return all(fac in from_inputs for fac in a)
+
+
+def _takes(want: Spec, spec: Spec, outside: bool) -> bool:
+    """Whether an operator taking a `shard` call's value laid out as `spec` in layout `want` keeps
+    the user's cut: the same layout, or (an operator outside the call, `outside`) each dim cut by the
+    user's axes first, then by more: a slice each device takes of what it holds, nothing moved."""
+    if want == spec:
+        return True
+    return outside and len(want) == len(spec) and all(w[:len(u)] == u for w, u in zip(want, spec))
 
 
 def _merged(reads: Sequence[dict], together: Mapping, partial: bool) -> dict:
