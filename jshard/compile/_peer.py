@@ -5,8 +5,8 @@ moving fewer bytes kept (jshard's where they tie), the plan saying which won and
 
 The two are compared on their compiled programs, not on the cost model: Shardy's plan is read back
 from what XLA emitted, which the cost model, pricing operator by operator the layouts it chose
-itself, cannot price. The program that runs is the one measured: the compile done here is the one
-the first call reuses (jit's cache)."""
+itself, cannot price. The program that runs is the one measured: its executable, compiled here, is
+what calls run (`Program.compiled`), so the weighing costs one compile more, not two."""
 
 from __future__ import annotations
 
