@@ -506,7 +506,8 @@ class Engine:
         """`candidates`, keeping only those that take as they are the inputs a `shard` call's
         strategy laid out for operator `i` (its constraints on the call's inputs), where any does:
         a user's cut is never replaced by a cheaper layout of the engine's (MindSpore's strategies
-        bind). Where none can take them as they are, the cheapest redistributes them."""
+        bind; an operator outside the call may take its result cut finer, `_takes`). Where none can
+        take them so, the cheapest redistributes them."""
         n_in = len(self.vars[i][0])
         fixed = [(k, spec, self._outside(i, int(src))) for k, spec, src in known
                  if k < n_in and src.isdigit() and self._user_constraint(int(src))]
