@@ -17,6 +17,7 @@ XLA's cost analysis, and the forward / forward + backward times of the hand-writ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -36,6 +37,12 @@ FLOPS_FORMULA = (
 # Dense peaks of the H100 SXM (the H200 has the same compute), TFLOP/s.
 PEAKS = {"TF32": 494.7, "BF16": 989.4, "FP32": 66.9}
 _DTYPES = ("float32", "bfloat16")
+QUICK = ("bfloat16 only, the reference GPT at 8 layers, d_model 4096, 32 heads, d_ff 16384, seq_len 1024, "
+         "batch 8 (1.9 B parameters: large enough that its matmuls, not its elementwise work, set the step "
+         "time), variants base, offload and recompute, 4 rounds of 4 steps, a 420 s budget")
+VARIANTS = ("base", "offload", "recompute")
+"""In the order `--quick` runs them: the offload's first call compiles a new program (94.6 s on an
+H100 at 2026-11-27), the recompute's mostly reuses the base step's autotuned kernels (12 s)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per program after the first call")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=10, help="back-to-back steps per program per round")
+    p.add_argument("--variants", default="base",
+                   help="comma-separated: base (the step), recompute (every block `jshard.recompute`d), offload "
+                        "(jshard with `offload=(\"optimizer\",)` beside the base step under jax.jit)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="skip the variants not yet started once this many seconds have passed")
+    p.add_argument("--quick", action="store_true",
+                   help=f"the prepared H100 check (under 8 minutes): {QUICK}")
     return p
 
 
@@ -63,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.layers, args.d_model, args.heads, args.d_ff, args.seq, args.batch, args.vocab = 2, 64, 4, 256, 32, 4, 256
         args.warmup, args.rounds, args.steps = 1, 2, 2
+    if args.quick:
+        args.layers, args.d_model, args.heads, args.d_ff, args.seq, args.batch, args.vocab = 8, 4096, 32, 16384, 1024, 8, 32768
+        args.dtypes, args.variants, args.warmup, args.rounds, args.steps = "bfloat16", ",".join(VARIANTS), 2, 4, 4
+        args.budget_s = 420.0 if args.budget_s is None else args.budget_s
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     import jax
 
     results = {
@@ -75,19 +96,30 @@ def main(argv: list[str] | None = None) -> int:
         "jshard_commit": _commit(),
     }
     print(f"{results['device']} ({results['platform']}), jax {results['jax']}", flush=True)
+    began = time.perf_counter()
     results["matmul"] = _matmul_probe(small=args.tiny)
     print(f"matmul: {results['matmul']}", flush=True)
+    results["bandwidth"] = _bandwidth_probe(small=args.tiny)
+    print(f"bandwidth: {results['bandwidth']}", flush=True)
     config, batch_size = _config(args)
     results.update(_sizes(config, batch_size))
     print(f"config: {results['config']}, {results['params']:,} params, "
           f"{results['model_flops_per_step'] / 1e12:.3f} model TFLOP/step", flush=True)
     results["runs"] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    jitted: dict = {}  # one jax.jit per step function, shared by the variants: compiled once
     for dtype in args.dtypes.split(","):
-        run = measure(config, batch_size, dtype, args.warmup, args.rounds, args.steps, results)
-        results["runs"].append(run)
-        args.out.write_text(json.dumps(results, indent=1))  # after each dtype: a later crash keeps it
-        print(json.dumps({k: v for k, v in run.items() if k != "programs"}), flush=True)
+        for variant in args.variants.split(","):
+            if args.budget_s is not None and time.perf_counter() - began > args.budget_s:
+                results.setdefault("skipped", []).append(f"{dtype} {variant}: past the {args.budget_s:.0f} s budget")
+                print(f"skipped {dtype} {variant}: past the budget", flush=True)
+                continue
+            run = measure(config, batch_size, dtype, args.warmup, args.rounds, args.steps, results, variant, jitted)
+            results["runs"].append(run)
+            args.out.write_text(json.dumps(results, indent=1))  # after each run: a later crash keeps it
+            print(json.dumps({k: v for k, v in run.items() if k != "programs"}), flush=True)
+        jitted.clear()
+    results["seconds"] = time.perf_counter() - began
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(gpu_section(args.out))
     print(f"wrote {args.out}")
@@ -119,8 +151,14 @@ def _sizes(cfg, batch: int) -> dict[str, Any]:
             "model_flops_per_step": flops, "flops_formula": FLOPS_FORMULA}
 
 
-def measure(cfg, batch_size: int, dtype: str, warmup: int, rounds: int, steps: int, meta: dict) -> dict[str, Any]:
-    """Both programs at `dtype`: first calls, losses, XLA's FLOPs, then the alternating rounds."""
+def measure(cfg, batch_size: int, dtype: str, warmup: int, rounds: int, steps: int, meta: dict,
+            variant: str = "base", jitted: dict | None = None) -> dict[str, Any]:
+    """jshard's program and the hand-written one for `variant` at `dtype`: first calls, losses, XLA's
+    FLOPs, jshard's predicted step time, then the alternating rounds.
+
+    `variant`: `"base"` (the step), `"recompute"` (every block `jshard.recompute`d, full policy, under
+    both programs) or `"offload"` (jshard with `offload=("optimizer",)`, Adam's state in host memory,
+    beside the base step under `jax.jit`). `jitted` caches `jax.jit` programs by step across calls."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -129,7 +167,9 @@ def measure(cfg, batch_size: int, dtype: str, warmup: int, rounds: int, steps: i
     import jshard
     from jshard import models
 
-    step = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), optax.adam(1e-4))
+    jitted = {} if jitted is None else jitted
+    base = jitted.setdefault(("step", cfg), _step(cfg))
+    step = _step(dataclasses.replace(cfg, recompute="full")) if variant == "recompute" else base
     params = jax.tree.map(lambda x: x.astype(dtype), models.init_gpt(cfg, jax.random.key(0)))
     opt_state = optax.adam(1e-4).init(params)
     batch = models.copy_task_batch(np.random.default_rng(0), cfg, batch_size)
@@ -145,20 +185,24 @@ def measure(cfg, batch_size: int, dtype: str, warmup: int, rounds: int, steps: i
         else next(iter(share), "none")
     peaks = {m: _peak(meta["device"], m) for m in share}
     peak = 1 / sum(v / peaks[m] for m, v in share.items()) if peaks and all(peaks.values()) else None
-    out: dict[str, Any] = {"dtype": dtype, "matmul_precision": precision, "peak_tflops": peak, "dot_flops": dots,
-                           "programs": {}, "error": ""}
+    out: dict[str, Any] = {"dtype": dtype, "variant": variant, "matmul_precision": precision, "peak_tflops": peak,
+                           "dot_flops": dots, "programs": {}, "error": ""}
     fresh = lambda tree: jax.tree.map(lambda x: jnp.array(x, copy=True), tree)  # own buffers: donation is safe
 
     programs: dict[str, Any] = {}
     states: dict[str, list] = {}
+    kind = next((k for k in ("H100", "H200") if k in meta["device"]), None)
     try:
-        par = jshard.parallelize(step, devices=1, mode="data", donate_argnums=(0, 1))
-        shardings = par.plan(params, opt_state, batch).in_shardings
-        states["jshard"] = list(jax.device_put((fresh(params), fresh(opt_state), batch), shardings))
+        cost = jshard.CostModel.for_device(kind) if kind else None
+        par = jshard.parallelize(step, devices=1, mode="data", donate_argnums=(0, 1), cost_model=cost,
+                                 offload=("optimizer",) if variant == "offload" else None)
+        plan = par.plan(params, opt_state, batch)
+        out["predicted"] = _predicted(plan, kind)
+        states["jshard"] = list(jax.device_put((fresh(params), fresh(opt_state), batch), plan.in_shardings))
         programs["jshard"] = par
     except Exception as e:  # a jshard failure is a result: record it, still measure the hand-written step
         out["error"] = _error("jshard.parallelize / plan", e)
-    programs["jax.jit"] = jax.jit(step, donate_argnums=(0, 1))
+    programs["jax.jit"] = jitted.setdefault(("jit", step), jax.jit(step, donate_argnums=(0, 1)))
     states["jax.jit"] = list(jax.device_put((fresh(params), fresh(opt_state), batch), jax.devices()[0]))
     del params, opt_state
 
@@ -174,13 +218,15 @@ def measure(cfg, batch_size: int, dtype: str, warmup: int, rounds: int, steps: i
             states[name] = [new_p, new_o, state[2]]
             lowered = programs[name].lower(*states[name])  # the same signature: jit's cache, no new compile
             rec["xla_flops"] = _flops(lowered)  # the HLO before XLA's passes: every dot counted
-            rec["xla_flops_compiled"] = _flops(lowered.compile())  # on GPU, library calls (cuBLAS) count nothing
+            compiled = lowered.compile()
+            rec["xla_flops_compiled"] = _flops(compiled)  # on GPU, library calls (cuBLAS) count nothing
+            rec["memory"] = _memory(compiled)
             for _ in range(warmup):
                 new_p, new_o, loss = programs[name](*states[name])
                 states[name][:2] = [new_p, new_o]
             jax.block_until_ready(loss)
-            print(f"{dtype} {name}: first call {rec['first_call_s']:.1f} s, loss {rec['loss_first_step']:.4f}, "
-                  f"XLA flops {rec['xla_flops']}", flush=True)
+            print(f"{dtype} {variant} {name}: first call {rec['first_call_s']:.1f} s, loss "
+                  f"{rec['loss_first_step']:.4f}, XLA flops {rec['xla_flops']}", flush=True)
         except Exception as e:
             out["error"] += ("; " if out["error"] else "") + _error(name, e)
             del programs[name], out["programs"][name]
@@ -207,12 +253,14 @@ def measure(cfg, batch_size: int, dtype: str, warmup: int, rounds: int, steps: i
                    tokens_per_s=meta["tokens_per_step"] / med, model_tflops=meta["model_flops_per_step"] / med / 1e12,
                    loss_last=last_loss[name], steps=rounds * steps + warmup + 1)
         rec["mfu"] = rec["model_tflops"] / peak if peak else None
-    if "jax.jit" in programs:
+    if "jax.jit" in programs and variant == "base":
         out["breakdown_ms"] = _breakdown(cfg, states["jax.jit"][0], states["jax.jit"][2],
                                          out["programs"]["jax.jit"]["step_ms"])
         print(f"{dtype} breakdown (jax.jit): {out['breakdown_ms']}", flush=True)
     stats = jax.devices()[0].memory_stats() or {}
     out["peak_memory_bytes"] = stats.get("peak_bytes_in_use")
+    if "jshard" in programs and out.get("predicted"):
+        out["predicted"]["measured_over_predicted"] = out["programs"]["jshard"]["step_ms"] / out["predicted"]["step_ms"]
     if len(programs) == 2:
         j, h = out["programs"]["jshard"], out["programs"]["jax.jit"]
         out["ratio"] = j["step_ms"] / h["step_ms"]
@@ -223,6 +271,71 @@ def measure(cfg, batch_size: int, dtype: str, warmup: int, rounds: int, steps: i
     for name in list(programs):
         del programs[name], states[name]
     return out
+
+
+def _step(cfg):
+    import optax
+
+    from jshard import models
+
+    return models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), optax.adam(1e-4))
+
+
+def _predicted(plan, kind: str | None) -> dict[str, Any]:
+    """jshard's own prediction of the step: the plan's compute and collective time on the cost model
+    (`CostModel.for_device(kind)`), the offload's host-link time, and the recompute report's peak."""
+    work, offload = plan.work, plan.offload
+    out: dict[str, Any] = {"cost_model": kind or "default"}
+    if work is not None:
+        out.update(compute_ms=work.compute_seconds * 1e3, comm_ms=work.comm_seconds * 1e3, flops=work.flops)
+    out["host_link_ms"] = offload.seconds * 1e3 if offload is not None else 0.0
+    out["step_ms"] = out.get("compute_ms", 0.0) + out.get("comm_ms", 0.0) + out["host_link_ms"]
+    return out
+
+
+def _memory(compiled) -> dict[str, float] | None:
+    """The compiled program's own memory figures (XLA's `memory_analysis`), bytes."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:
+        return None
+    if m is None:
+        return None
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "alias_size_in_bytes",
+            "host_argument_size_in_bytes", "host_temp_size_in_bytes")
+    return {k: float(getattr(m, k)) for k in keys if getattr(m, k, None) is not None}
+
+
+def _bandwidth_probe(small: bool) -> dict[str, float]:
+    """Device-memory bandwidth (a jitted copy of one large array, bytes read + written over time) and
+    the host link's, each way (`jax.device_put` to and from `pinned_host` memory), in GB/s."""
+    import jax
+    import jax.numpy as jnp
+
+    n = (1 << 20) if small else (1 << 28)  # 1 GiB of float32 on a GPU
+    out: dict[str, float] = {"bytes": 4.0 * n}
+    x = jnp.arange(n, dtype=jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0001)
+    copy(x).block_until_ready()
+    out["device_gbps"] = 2 * 4 * n / _median_s(lambda: copy(x).block_until_ready()) / 1e9
+    try:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+        on_host = jax.device_put(x, host).block_until_ready()
+        out["to_host_gbps"] = 4 * n / _median_s(lambda: jax.device_put(x, host).block_until_ready()) / 1e9
+        out["from_host_gbps"] = 4 * n / _median_s(lambda: jax.device_put(on_host, dev).block_until_ready()) / 1e9
+    except Exception as e:  # no pinned_host memory on this backend
+        out["host_error"] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
+def _median_s(fn, times: int = 7) -> float:
+    runs = []
+    for _ in range(times):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
 
 
 def _breakdown(cfg, params, batch, step_ms: float) -> dict[str, float]:
@@ -349,6 +462,59 @@ def _commit() -> str:
 # --- the report section ---------------------------------------------------------------------------
 
 
+def _run_notes(run: dict, r: dict) -> list[str]:
+    """The notes under the table for one run of `r`: prediction, losses, errors, FLOPs, breakdown."""
+    notes: list[str] = []
+    tag = f"{run['dtype']} {run.get('variant', 'base')}"
+    pred = run.get("predicted")
+    if pred and pred.get("step_ms"):
+        notes.append(f"{tag}: jshard's prediction on `CostModel.for_device({pred['cost_model']!r})`: compute "
+                     f"{pred.get('compute_ms', 0):.2f} ms ({pred.get('flops', 0) / 1e12:.2f} TFLOP), collectives "
+                     f"{pred.get('comm_ms', 0):.2f} ms, host link {pred['host_link_ms']:.2f} ms")
+    if "loss_rel_diff" in run:
+        notes.append(f"{tag}: first-step losses differ by {run['loss_rel_diff']:.1e} relative "
+                     f"({'within' if run['loss_ok'] else 'OUTSIDE'} {run['loss_tolerance']:.0e})")
+    if run.get("error"):
+        notes.append(f"{tag}: error: {run['error'].splitlines()[0][:400]}")
+    lowered = {name: p["xla_flops"] for name, p in run["programs"].items() if p.get("xla_flops")}
+    compiled = {name: p["xla_flops_compiled"] for name, p in run["programs"].items() if p.get("xla_flops_compiled")}
+    parts = []
+    if lowered:
+        parts.append("of the lowered step " + ", ".join(f"{n} {f / 1e12:.3f}" for n, f in lowered.items()))
+    if compiled:
+        parts.append("of the compiled step " + ", ".join(f"{n} {f / 1e12:.3f}" for n, f in compiled.items())
+                     + " (on GPU the cuBLAS GEMM calls count nothing there)")
+    notes.append(f"{tag}: XLA's cost analysis, TFLOP/step: " + ("; ".join(parts) or "none available")
+                 + (f"; peak memory in use {run['peak_memory_bytes'] / 2**30:.1f} GiB (process-wide, all "
+                    f"runs so far)" if run.get("peak_memory_bytes") else ""))
+    if run.get("dot_flops"):
+        dots = run["dot_flops"]
+        total = sum(dots.values())
+        split = ", ".join(f"{pair} {f / total:.0%}" for pair, f in sorted(dots.items(), key=lambda kv: -kv[1]))
+        notes.append(f"{tag}: the step's jaxpr has {total / 1e12:.3f} TFLOP of dots "
+                     f"({total / r['model_flops_per_step']:.4f}× the formula), by operand dtypes: {split}")
+        both = dots.get("bfloat16 x bfloat16", 0.0) / total
+        if run["dtype"] == "bfloat16" and both < 0.5:
+            notes.append(
+                f"{run['dtype']}: bfloat16 parameters did not make a bfloat16 model: only {both:.0%} of the dot FLOPs "
+                "have two bfloat16 operands. The reference GPT divides its attention scores by `np.sqrt(d // n_heads)`, "
+                "a NumPy float64 scalar, which (unlike a Python float) is not weakly typed and promotes the scores, "
+                "and the residual stream after the first attention, to float32; most of its matmuls ran in float32 (TF32), "
+                "and its MFU above is against the peak weighted accordingly")
+    if run.get("breakdown_ms"):
+        b = run["breakdown_ms"]
+        notes.append(f"{tag}: where the step goes (jax.jit): forward loss {b['forward']:.2f} ms, "
+                     f"forward + backward {b['forward+backward']:.2f} ms, whole step with Adam {b['step']:.2f} ms")
+        ceiling = r["matmul"].get(f"ceiling_tflops_{run['dtype']}")
+        if ceiling and run.get("dot_flops"):
+            dots_ms = sum(run["dot_flops"].values()) / ceiling / 1e9
+            notes.append(f"{tag}: the step's dots at the measured {ceiling:.0f} TFLOP/s matmul ceiling take "
+                         f"{dots_ms:.1f} ms; the optimizer update (step − forward + backward) {b['step'] - b['forward+backward']:.1f} ms; "
+                         f"the remaining {b['step'] - dots_ms - (b['step'] - b['forward+backward']):.1f} ms is the "
+                         f"forward and backward passes' other work (softmax over the S×S scores, norms, GELU, the loss) "
+                         f"and the dots' shortfall from the ceiling")
+    return notes
+
 def gpu_section(path: Path = RESULTS) -> str:
     """The `BENCHMARKS.md` section for the GPU run in `path`; "" when there is none."""
     path = Path(path)
@@ -369,10 +535,14 @@ def gpu_section(path: Path = RESULTS) -> str:
         f"vocab {c['vocab']}, seq_len {c['seq_len']}, batch {c['batch']}; {r['params']:,} parameters, Adam; "
         f"{r['tokens_per_step']:,} tokens/step",
         "- programs: `jshard.parallelize(step, devices=1, mode=\"data\", donate_argnums=(0, 1))` and "
-        "`jax.jit(step, donate_argnums=(0, 1))`, the same train step and inputs",
+        "`jax.jit(step, donate_argnums=(0, 1))`, the same train step and inputs; variant recompute: every block "
+        "`jshard.recompute`d (full) under both; variant offload: jshard with `offload=(\"optimizer\",)` (Adam's "
+        "state in host memory) beside the base step under `jax.jit`. predicted: jshard's own step time for its "
+        "plan (`Plan.work`, and `Plan.offload`'s host-link time), on `CostModel.for_device` of the device",
         "",
-        "| dtype (matmuls) | program | step | tokens/s | model TFLOP/s | MFU | jshard / jax.jit | first call | loss, first step |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| dtype (matmuls) | variant | program | step | predicted | tokens/s | model TFLOP/s | MFU | jshard / jax.jit "
+        "| first call | loss, first step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     notes = []
     for run in r["runs"]:
@@ -381,45 +551,28 @@ def gpu_section(path: Path = RESULTS) -> str:
             if name == "jshard" and "ratio" in run:
                 ratio = f"{run['ratio']:.3f} (rounds: {run['ratio_rounds']:.3f})"
             mfu = "-" if p.get("mfu") is None else f"{p['mfu']:.1%}"
+            variant = run.get("variant", "base")
+            shown = ("offload" if variant == "offload" and name == "jshard"
+                     else "base" if variant == "offload" else variant)
+            pred = run.get("predicted") if name == "jshard" else None
+            predicted = (f"{pred['step_ms']:.2f} ms ({p['step_ms'] / pred['step_ms']:.2f}× measured/predicted)"
+                         if pred and pred.get("step_ms") else "-")
             lines.append(
-                f"| {run['dtype']} ({run['matmul_precision']}) | {name} | {p['step_ms']:.2f} ms | "
-                f"{p['tokens_per_s']:,.0f} | {p['model_tflops']:.1f} | {mfu} | {ratio} | "
+                f"| {run['dtype']} ({run['matmul_precision']}) | {shown} | {name} | {p['step_ms']:.2f} ms | "
+                f"{predicted} | {p['tokens_per_s']:,.0f} | {p['model_tflops']:.1f} | {mfu} | {ratio} | "
                 f"{p['first_call_s']:.1f} s | {p['loss_first_step']:.4f} |"
             )
-        if "loss_rel_diff" in run:
-            notes.append(f"{run['dtype']}: first-step losses differ by {run['loss_rel_diff']:.1e} relative "
-                         f"({'within' if run['loss_ok'] else 'OUTSIDE'} {run['loss_tolerance']:.0e})")
-        if run.get("error"):
-            notes.append(f"{run['dtype']}: error: {run['error'].splitlines()[0][:400]}")
-        lowered = {name: p["xla_flops"] for name, p in run["programs"].items() if p.get("xla_flops")}
-        compiled = {name: p["xla_flops_compiled"] for name, p in run["programs"].items() if p.get("xla_flops_compiled")}
-        parts = []
-        if lowered:
-            parts.append("of the lowered step " + ", ".join(f"{n} {f / 1e12:.3f}" for n, f in lowered.items()))
-        if compiled:
-            parts.append("of the compiled step " + ", ".join(f"{n} {f / 1e12:.3f}" for n, f in compiled.items())
-                         + " (on GPU the cuBLAS GEMM calls count nothing there)")
-        notes.append(f"{run['dtype']}: XLA's cost analysis, TFLOP/step: " + ("; ".join(parts) or "none available")
-                     + (f"; peak memory in use {run['peak_memory_bytes'] / 2**30:.1f} GiB (process-wide, all "
-                        f"runs so far)" if run.get("peak_memory_bytes") else ""))
-        if run.get("dot_flops"):
-            dots = run["dot_flops"]
-            total = sum(dots.values())
-            split = ", ".join(f"{pair} {f / total:.0%}" for pair, f in sorted(dots.items(), key=lambda kv: -kv[1]))
-            notes.append(f"{run['dtype']}: the step's jaxpr has {total / 1e12:.3f} TFLOP of dots "
-                         f"({total / r['model_flops_per_step']:.4f}× the formula), by operand dtypes: {split}")
-            both = dots.get("bfloat16 x bfloat16", 0.0) / total
-            if run["dtype"] == "bfloat16" and both < 0.5:
-                notes.append(
-                    f"{run['dtype']}: bfloat16 parameters did not make a bfloat16 model: only {both:.0%} of the dot FLOPs "
-                    "have two bfloat16 operands. The reference GPT divides its attention scores by `np.sqrt(d // n_heads)`, "
-                    "a NumPy float64 scalar, which (unlike a Python float) is not weakly typed and promotes the scores, "
-                    "and the residual stream after the first attention, to float32; most of its matmuls ran in float32 (TF32), "
-                    "and its MFU above is against the peak weighted accordingly")
-        if run.get("breakdown_ms"):
-            b = run["breakdown_ms"]
-            notes.append(f"{run['dtype']}: where the step goes (jax.jit): forward loss {b['forward']:.2f} ms, "
-                         f"forward + backward {b['forward+backward']:.2f} ms, whole step with Adam {b['step']:.2f} ms")
+        notes += _run_notes(run, r)
+    if r.get("bandwidth"):
+        b = r["bandwidth"]
+        host = (f"; host link (`jax.device_put` to / from `pinned_host`) {b['to_host_gbps']:.1f} / "
+                f"{b['from_host_gbps']:.1f} GB/s" if "to_host_gbps" in b else "")
+        notes.append(f"measured bandwidths, {b['bytes'] / 2**30:.2f} GiB: device memory (a jitted elementwise pass, "
+                     f"bytes read + written) {b['device_gbps']:.0f} GB/s{host}")
+    if r.get("skipped"):
+        notes.append("not run: " + "; ".join(r["skipped"]))
+    if r.get("unfinished"):
+        notes.append("not finished: " + r["unfinished"])
     m = r["matmul"]
     peaks = ", ".join(f"{run['dtype']} {run['peak_tflops']:.1f}" for run in r["runs"] if run.get("peak_tflops"))
     lines += [

@@ -20,6 +20,7 @@ from benchmarks import (
     _comm_recompute,
     _compiled,
     _faults,
+    _fusion,
     _gpu,
     _hetero,
     _memory,
@@ -72,7 +73,7 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     return tables
 
 
-SECTIONS = ("memory", "accumulation", "hetero", "search", "zoo", "replay", "pipeline", "round_trip")
+SECTIONS = ("memory", "accumulation", "hetero", "search", "zoo", "replay", "pipeline", "round_trip", "fusion")
 """The sections `python -m benchmarks --only NAME` regenerates alone (the others need the whole run's
 shared measurements)."""
 
@@ -100,6 +101,8 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
             made = [_pipeline.pipeline_table(DEVICES), _pipeline_tagged.pipeline_table(cells=quick if settings.size == "quick" else _pipeline_tagged.CELLS)]
         elif name == "round_trip":
             made = [_round_trip.round_trip_table()]
+        elif name == "fusion":
+            made = [_fusion.fusion_table()]
         else:
             raise ValueError(f"no section {name!r}; the sections are {SECTIONS}")
         for table in made:

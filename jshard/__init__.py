@@ -34,6 +34,8 @@ from jshard._visualize import visualize as visualize
 from jshard.audit import Audit as Audit
 from jshard.audit import audit as audit
 from jshard.compile import Accumulation as Accumulation
+from jshard.compile import Communication as Communication
+from jshard.compile import Fusion as Fusion
 from jshard.compile import OptimizerParallel as OptimizerParallel
 from jshard.compile import Pipelining as Pipelining
 from jshard.compile import Search as Search
@@ -71,8 +73,10 @@ __all__ = [
     "Accumulation",
     "Audit",
     "CheckpointError",
+    "Communication",
     "CostModel",
     "DeviceCountError",
+    "Fusion",
     "Layout",
     "LayoutCollisionWarning",
     "LayoutConflictError",

@@ -27,6 +27,7 @@ micro-batch's gradient is reduce-scattered into that cut (MindSpore's
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -37,9 +38,14 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jshard import _context
+from jshard._buckets import bucketed
 from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
 from jshard.layouts import place
+
+COPY_SCOPE = "jshard_copy"
+"""The name scope of copy j's equations under multi-copy (`jshard_copy<j>`), read back from the
+compiled program's metadata by the tests."""
 
 
 @api_boundary
@@ -54,6 +60,10 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
         `jax.value_and_grad(loss_fn)` of `(params, batch)`: the pipeline runs it).
       batch_argnums: which positional argument of `grad_fn` is the batch (every array leaf of it is
         cut along dim 0).
+
+    Under `parallelize(..., communication=js.Communication(copies=n, fusion=...))` each micro-batch
+    is cut again into n copies run apart (MindSpore's multi-copy), and the gradients are reduced in
+    the buckets `fusion` asks for.
 
     Returns:
       A function with `grad_fn`'s signature and results: floating leaves the mean over the
@@ -81,21 +91,25 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
             ctx.accumulated += 1
             return ctx.pipeline(grad_fn, args, batch_argnums, steps, call)
         k = _steps(steps, ctx, call)
+        communication = None if ctx is None else ctx.communication
         if ctx is not None:
             ctx.accumulated += 1
         b = batch_argnums
         if isinstance(b, bool) or not isinstance(b, int) or not -len(args) <= b < len(args):
             raise ShardingError(f"{call}: batch_argnums={batch_argnums!r} numbers no argument of the {len(args)} "
                                 f"given. Number the batch argument (default -1, the last).")
-        if k == 1:
+        if k == 1 and communication is None:
             return grad_fn(*args)
-        return _scanned(grad_fn, args, b % len(args), k, ctx, call)
+        n = 1 if communication is None else communication.copies
+        return _scanned(grad_fn, args, b % len(args), k, n, ctx, call)
 
     return run
 
 
 def _steps(steps, ctx, call: str) -> int:
     given = None if ctx is None else ctx.accumulation_steps
+    if steps is None and given is None and ctx is not None and ctx.communication is not None:
+        return 1  # multi-copy or fusion alone: one micro-batch
     if steps is None and given is None:
         raise ShardingError(f"{call}: no micro-batch count: pass accumulate(grad_fn, steps=k), or call it in a step "
                             f"parallelized with accumulation=k.")
@@ -109,19 +123,42 @@ def _steps(steps, ctx, call: str) -> int:
     return k
 
 
-def _scanned(grad_fn, args: tuple, b: int, k: int, ctx, call: str):
+def _scanned(grad_fn, args: tuple, b: int, k: int, n: int, ctx, call: str):
+    """`grad_fn` summed over k micro-batches of n copies each, then averaged (`run`)."""
     leaves = jax.tree_util.tree_leaves(args[b])
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args[b])[0]]
     for x, path in zip(leaves, paths):
         rows = np.shape(x)[0] if np.ndim(x) else None
-        if rows is None or rows % k:
-            raise ShardingError(_rows_error(call, b, path, x, k))
+        if rows is None or rows % (k * n):
+            raise ShardingError(_rows_error(call, b, path, x, k, n))
     accumulator = None if ctx is None else ctx.accumulator
     axes = None if ctx is None else ctx.batch_axes
-    if axes and _local(args, leaves, k, axes, ctx.mesh):
-        return _reduced_once(grad_fn, args, b, k, axes, ctx.mesh, accumulator, call)
+    grad_fn = copied(grad_fn, b, n)
+    if axes and _local(args, leaves, k * n, axes, ctx.mesh):
+        return _reduced_once(grad_fn, args, b, k, n, axes, ctx, call)
+    if n > 1:  # a trace before the core knows the batch's axes, or none: the core refuses the last
+        ctx.unreduced = _unreduced_error(call, ctx, leaves, k * n)
     total = _summed(grad_fn, args, b, k, accumulator=accumulator, call=call)
-    return jax.tree.map(lambda t: t / k if jnp.issubdtype(t.dtype, jnp.inexact) else t, total)
+    return jax.tree.map(lambda t: t / (k * n) if jnp.issubdtype(t.dtype, jnp.inexact) else t, total)
+
+
+def copied(grad_fn: Callable[..., Any], b: int, n: int) -> Callable[..., Any]:
+    """`grad_fn` run on n copies of its batch argument `b`'s rows (row `i * n + j` goes to copy j,
+    as `_micro` deals micro-batches), each in its own name scope `jshard_copy<j>` and reading none
+    of the others' values, and their results summed (MindSpore's `MicroBatchInterleaved`); n = 1:
+    `grad_fn` itself."""
+    if n == 1:
+        return grad_fn
+
+    def run(*args):
+        micro, tree = _micro(args, b, n)
+        outs = []
+        for j in range(n):
+            with jax.named_scope(f"{COPY_SCOPE}{j}"):
+                outs.append(grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, [x[j] for x in micro]), *args[b + 1:]))
+        return jax.tree.map(lambda *xs: functools.reduce(jnp.add, xs), *outs)
+
+    return run
 
 
 def _local(args: tuple, batch: list, k: int, axes: tuple[str, ...], mesh) -> bool:
@@ -132,17 +169,22 @@ def _local(args: tuple, batch: list, k: int, axes: tuple[str, ...], mesh) -> boo
             and all(np.shape(x)[0] % (k * ways) == 0 for x in batch))
 
 
-def _reduced_once(grad_fn, args: tuple, b: int, k: int, axes: tuple[str, ...], mesh, accumulator, call: str):
+def _reduced_once(grad_fn, args: tuple, b: int, k: int, n: int, axes: tuple[str, ...], ctx, call: str):
     """The micro-batch loop in a `shard_map` manual over the batch's `axes` (the others stay
     automatic: tensor parallel inside holds): each device sums `grad_fn` over its rows of each
     micro-batch (the same rows, `i * k + j` for micro-batch j, as the loop over the whole batch
     takes), and one `psum` after the loop reduces the sums, not one per micro-batch. With
     `accumulator` (`accumulation_shard`), a gradient its cut gives `axes` on one dim is
-    reduce-scattered onto that dim after each micro-batch instead, into a carry cut so."""
+    reduce-scattered onto that dim after each micro-batch instead, into a carry cut so. `grad_fn`
+    runs n copies (`copied`); with `ctx.communication`, the sums are reduced in its buckets
+    (`jshard.bucketed`) rather than by one `psum`."""
+    mesh, accumulator = ctx.mesh, ctx.accumulator
     ways = math.prod(mesh.shape[a] for a in axes)
     in_specs = tuple(jax.tree.map(lambda _, i=i: PartitionSpec(axes) if i == b else PartitionSpec(), a)
                      for i, a in enumerate(args))
     shapes = _shapes(grad_fn, args, b, k)
+    if n > 1:  # the other copies' gradients, live until summed
+        ctx.copy_bytes = (n - 1) * sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
     cuts = _cuts(shapes, accumulator, call) if accumulator is not None else [None] * len(jax.tree.leaves(shapes))
     dims = [_scatter_dim(sh, axes) for sh in cuts]
     tree = jax.tree_util.tree_structure(shapes)
@@ -153,9 +195,19 @@ def _reduced_once(grad_fn, args: tuple, b: int, k: int, axes: tuple[str, ...], m
         return jax.tree_util.tree_unflatten(tree, leaves)
 
     def local(*shards):
-        total = _summed(grad_fn, shards, b, k, step=scatter)
-        leaves = [t if d is not None else jax.lax.psum(t, axes) for t, d in zip(jax.tree.leaves(total), dims)]
-        return jax.tree_util.tree_unflatten(tree, [t / (k * ways) if jnp.issubdtype(t.dtype, jnp.inexact) else t
+        total = jax.tree.leaves(_summed(grad_fn, shards, b, k, step=scatter))
+        kept = [i for i, d in enumerate(dims) if d is None]
+        if ctx.communication is None:
+            summed = [jax.lax.psum(total[i], axes) for i in kept]
+        else:  # flattening a leaf another mesh axis cuts would gather it: there, one all-reduce per leaf
+            whole = all(size == 1 for a, size in mesh.shape.items() if a not in axes)
+            grads = _gradient_leaves(shapes, args[0])
+            summed, ctx.buckets[:] = bucketed([total[i] for i in kept], axes, ctx.communication.of("allreduce"),
+                                              whole, call, grads and [kept.index(i) for i in grads if i in kept])
+        leaves = list(total)
+        for i, t in zip(kept, summed):
+            leaves[i] = t
+        return jax.tree_util.tree_unflatten(tree, [t / (k * n * ways) if jnp.issubdtype(t.dtype, jnp.inexact) else t
                                                    for t in leaves])
 
     out_specs = jax.tree_util.tree_unflatten(tree, [
@@ -164,6 +216,22 @@ def _reduced_once(grad_fn, args: tuple, b: int, k: int, axes: tuple[str, ...], m
     # check_vma off: the carry starts invariant (zeros) and takes each device's own sums
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset(axes),
                          check_vma=False)(*args)
+
+
+def _gradient_leaves(shapes, params) -> list[int] | None:
+    """The leaf positions, among the gradient function's results (`shapes`), of the result (or the
+    result's element) with the tree and shapes of its first argument, the parameters: their
+    gradients, in the parameters' order; None where no result is like them."""
+    tree: Any = jax.tree_util.tree_structure(params)  # Any: jaxlib types PyTreeDef's == narrowly
+    like = [np.shape(x) for x in jax.tree_util.tree_leaves(params)]
+    parts = list(shapes) if isinstance(shapes, (tuple, list)) else []
+    start = 0
+    for part in [shapes, *parts]:
+        if jax.tree_util.tree_structure(part) == tree and [s.shape for s in jax.tree_util.tree_leaves(part)] == like:
+            return list(range(start, start + len(like)))
+        if part is not shapes:
+            start += len(jax.tree_util.tree_leaves(part))
+    return None
 
 
 def _scatter_dim(sharding, axes: tuple[str, ...]) -> int | None:
@@ -194,12 +262,16 @@ def _shapes(grad_fn, args: tuple, b: int, k: int):
 def _summed(grad_fn, args: tuple, b: int, k: int, step: Callable[[Any], Any] | None = None, accumulator=None,
             call: str = ""):
     """`grad_fn`'s results, passed through `step` where given, summed over the k micro-batches in
-    a `lax.scan`, the gradients in the carry laid out as `accumulator` cuts them (`_constrainer`)."""
+    a `lax.scan` (k = 1: no loop), the gradients in the carry laid out as `accumulator` cuts them
+    (`_constrainer`)."""
     micro, tree = _micro(args, b, k)
 
     def one(batch):
         out = grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:])
         return out if step is None else step(out)
+
+    if k == 1:
+        return _constrainer(jax.eval_shape(one, [x[0] for x in micro]), accumulator, call)(one([x[0] for x in micro]))
 
     shapes = jax.eval_shape(one, [x[0] for x in micro])
     constrain = _constrainer(shapes, accumulator, call)
@@ -253,13 +325,31 @@ def _cuts(shapes, accumulator, call: str) -> list:
             for sh in ([s for _, s in cut] if i == hits[0] else [None] * len(jax.tree_util.tree_leaves(part)))]
 
 
-def _rows_error(call: str, b: int, path: str, x, k: int) -> str:
-    shape = shape_str(getattr(x, "dtype", np.asarray(x).dtype), np.shape(x))
+def _rows_error(call: str, b: int, path: str, x, k: int, n: int = 1) -> str:
+    shape = shape_str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype, np.shape(x))
+    cut = f"{k} micro-batches" + (f" of {n} copies" if n > 1 else "")
     if not np.ndim(x):
         return (f"{call}: the batch (argument {b}) leaf {path or '(the argument)'} is a scalar {shape}; every leaf "
-                f"of the batch is cut along its rows into the {k} micro-batches. Pass scalars in another argument.")
+                f"of the batch is cut along its rows into the {cut}. Pass scalars in another argument.")
     rows = np.shape(x)[0]
     divisors = [d for d in range(1, rows + 1) if rows % d == 0]
-    return (f"{call}: accumulation={k} does not divide the {rows} rows of the batch (argument {b}) leaf "
-            f"{path or '(the argument)'} {shape}. Give a k that divides {rows} ({', '.join(map(str, divisors))}), "
-            f"or a batch of a multiple of {k} rows.")
+    asked = f"accumulation={k}" if n == 1 else f"accumulation={k} with Communication(copies={n})"
+    return (f"{call}: {asked} does not divide the {rows} rows of the batch (argument {b}) leaf "
+            f"{path or '(the argument)'} {shape} (into {k * n} parts). Give a k * n that divides {rows} "
+            f"({', '.join(map(str, divisors))}), or a batch of a multiple of {k * n} rows.")
+
+
+def _unreduced_error(call: str, ctx, batch: list, parts: int) -> str:
+    """Multi-copy or fusion asked for where jshard cannot reduce the gradients itself."""
+    if not ctx.batch_axes:
+        why = ("the batch's rows are not cut over the same mesh axes before planning (mode='auto' plans them, or "
+               "the batch leaves' strategies differ)")
+        fix = "Use mode='data' or 'semi_auto' with the batch cut by dataset_strategy or in_strategy"
+    else:
+        ways = math.prod(ctx.mesh.shape[a] for a in ctx.batch_axes)
+        shapes = ", ".join(shape_str(x.dtype, np.shape(x)) for x in batch)
+        why = (f"each of the {ways} devices that cut the batch ({shapes}) must hold a multiple of {parts} rows "
+               f"(micro-batches x copies), and every argument must be an array")
+        fix = f"Give a batch of a multiple of {parts * ways} rows"
+    return (f"{call}: {ctx.communication!r} runs the copies and reduces the gradients in jshard's own buckets, "
+            f"each device summing its own rows first; here it cannot: {why}. {fix}, or drop communication=.")

@@ -56,6 +56,11 @@ class TraceContext:
     meets them; `auto_regions` counts those met. `pipeline`, in a full train step under
     `pipeline_stages`, runs the gradient function `jshard.accumulate` marks in the pipeline:
     `pipeline(grad_fn, args, batch_argnums, steps, call)` returns what `grad_fn(*args)` returns.
+    `communication` is `parallelize`'s `communication=` (a `jshard.Communication`: the copies
+    `jshard.accumulate` runs, how it buckets the gradients); `buckets` records each all-reduce it
+    emits for them, as `(leaves, dtype name, bytes per device or None)`, and `copy_bytes` the bytes
+    multi-copy holds beyond one copy (the other copies' gradients before their sum); `unreduced`
+    why the copies could not be reduced once by jshard in this trace (the error the core raises).
     """
 
     call: str
@@ -72,6 +77,10 @@ class TraceContext:
     recompute_choice: str | tuple[str, ...] = "full"
     auto_regions: int = 0
     pipeline: Callable[..., Any] | None = None
+    communication: Any = None
+    buckets: list[tuple[int, str, int | None]] = dataclasses.field(default_factory=list)
+    copy_bytes: int = 0
+    unreduced: str | None = None
 
     @property
     def device_count(self) -> int:

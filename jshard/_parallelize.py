@@ -19,6 +19,7 @@ from jshard._nnx import split_graphs
 from jshard.compile import (
     Accumulation,
     Bound,
+    Communication,
     OptimizerParallel,
     Options,
     Pipelining,
@@ -58,6 +59,7 @@ def parallelize(
     pipeline: Pipelining | None = None,
     optimizer: OptimizerParallel | int | None = None,
     accumulation: Accumulation | int | None = None,
+    communication: Communication | int | None = None,
     offload: str | Sequence[str] | None = None,
     recompute: Any = None,
     **deprecated: Any,
@@ -84,12 +86,15 @@ def parallelize(
       donate_argnums: as `jax.jit`'s.
       donate_argnames: as `jax.jit`'s.
       plan: a `Plan` (`Plan.load`) to rebuild instead of planning.
-      propagation: who lays out the operators no strategy fixes: `"jshard"` or `"xla"` (Shardy).
+      propagation: who lays out the operators no strategy fixes: `"jshard"`, `"xla"` (Shardy), or
+        `"best"`: both from the same anchors, each compiled once, the one whose program moves fewer
+        collective bytes per device runs (`plan.peer` says which and by how much; one more compile).
       cost_model: the `CostModel` the planners price with (default one GPU node), `enable_alltoall` too.
       search: with `mode="auto"`, a `Search` (method, memory budget, time limit), or its method alone.
       pipeline: a `Pipelining` (stages, micro-batches, schedule) for a `jshard.Pipeline` or a tagged step.
       optimizer: an `OptimizerParallel` (ZeRO level 1-3, threshold), or its level alone.
       accumulation: an `Accumulation` (steps, shard) for `jshard.accumulate` in the step, or its steps.
+      communication: a `Communication` (multi-copy `copies`, MindSpore's `comm_fusion`), or its copies.
       offload: `("optimizer",)`, `("parameters",)` or both kept in host memory between steps (None:
         the search may choose under a budget; `()`: never).
       recompute: the policy of `jshard.recompute` regions that name none: `"full"` (default),
@@ -114,13 +119,8 @@ def parallelize(
       >>> power(jnp.full(8, 2.0), 3, bias=jnp.float32(1.0))[:2]
       Array([9., 9.], dtype=float32)
     """
-    options = Options.create(
-        devices=devices, mesh=mesh, mode=mode, in_strategy=in_strategy, out_strategy=out_strategy,
-        dataset_strategy=dataset_strategy, batch_argnums=batch_argnums, static_argnums=static_argnums,
-        static_argnames=static_argnames, donate_argnums=donate_argnums, donate_argnames=donate_argnames, plan=plan,
-        propagation=propagation, cost_model=cost_model, search=search, pipeline=pipeline, optimizer=optimizer,
-        accumulation=accumulation, offload=offload, recompute=recompute, stacklevel=3, **deprecated,
-    )
+    keywords = {k: v for k, v in locals().items() if k not in ("fn", "deprecated")}  # every keyword, as given
+    options = Options.create(stacklevel=3, **keywords, **deprecated)
     if options.pipeline is not None:
         from jshard.pipeline import pipelined  # noqa: PLC0415  (the pipeline front end builds on this module's core)
 
@@ -146,7 +146,7 @@ class Parallelized:
     def __call__(self, *args, **kwargs):
         bound, options, finish = self._bind(args, kwargs)
         program = self._runnable(bound, options)
-        return finish(program.jitted(*placed(bound.args, program.in_shardings)))
+        return finish(program.runs(*placed(bound.args, program.in_shardings)))
 
     @api_boundary
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:

@@ -92,7 +92,14 @@ def test_gpu_section_renders_from_results_json(tmp_path):
     path.write_text(json.dumps(results))
     text = _gpu.gpu_section(path)
     assert text.startswith("## GPU: reference GPT train step (H100)")
-    assert "| float32 (TF32) | jshard | 80.00 ms | 102,400 | 128.0 | 26.0% | 1.013 (rounds: 1.010) |" in text
+    assert "| float32 (TF32) | base | jshard | 80.00 ms | - | 102,400 | 128.0 | 26.0% | 1.013 (rounds: 1.010) |" in text
+    run.update(variant="offload", predicted={"cost_model": "H100", "compute_ms": 60.0, "comm_ms": 0.0, "flops": 6e13,
+                                             "host_link_ms": 4.0, "step_ms": 64.0})
+    path.write_text(json.dumps(results))
+    text = _gpu.gpu_section(path)
+    assert "| offload | jshard | 80.00 ms | 64.00 ms (1.25× measured/predicted) |" in text
+    assert "| base | jax.jit | 79.00 ms | - |" in text  # the offload run's hand-written side is the base step
+    assert "compute 60.00 ms (60.00 TFLOP), collectives 0.00 ms, host link 4.00 ms" in text
     assert "python -m benchmarks._gpu --out x.json" in text and "2026-01-01" in text and "jax 0.11.2" in text
     assert "6·N·T + 12·L·d·S·T" in text
 

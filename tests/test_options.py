@@ -64,5 +64,6 @@ def test_a_wrong_kind_of_group_is_named(kw, message):
 
 def test_parallelize_reads_like_jit():
     keywords = [p for p in inspect.signature(js.parallelize).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    assert len(keywords) <= 20, [p.name for p in keywords]
+    # 21: jit's own, where it runs, the strategies, and one group per concern (communication the last added)
+    assert len(keywords) <= 21, [p.name for p in keywords]
     assert len(inspect.getsource(inspect.getmodule(js.parallelize)).splitlines()) < 200  # a front end, not a builder

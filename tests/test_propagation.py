@@ -204,7 +204,7 @@ def test_xla_propagation_is_the_baseline(gpt_2d):
 
 
 def test_propagation_value_is_checked():
-    with pytest.raises(js.ShardingError, match=r"propagation='shardy' is not one of \('jshard', 'xla'\)"):
+    with pytest.raises(js.ShardingError, match=r"propagation='shardy' is not one of \('jshard', 'xla', 'best'\)"):
         js.parallelize(lambda x: x, propagation="shardy")
 
 

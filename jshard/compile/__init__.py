@@ -8,6 +8,8 @@ from jshard.compile._arguments import bind as bind
 from jshard.compile._arguments import resolve as resolve
 from jshard.compile._core import build as build
 from jshard.compile._groups import Accumulation as Accumulation
+from jshard.compile._groups import Communication as Communication
+from jshard.compile._groups import Fusion as Fusion
 from jshard.compile._groups import OptimizerParallel as OptimizerParallel
 from jshard.compile._groups import Pipelining as Pipelining
 from jshard.compile._groups import Search as Search

@@ -196,7 +196,7 @@ def dataset_defaulted(traced: Traced, slots: Sequence[Slot], dataset: dict[int, 
     """The batch leaves laid out by the default dataset policy alone (`"data_parallel"`, in
     `semi_auto` with jshard's propagation): no `in_strategy`, model sharding or `shard` call fixes
     them, so the planner may move them once at the start into the layout the anchors want."""
-    if options.mode != "semi_auto" or options.propagation != "jshard" or options.dataset_strategy != "data_parallel":
+    if options.mode != "semi_auto" or options.propagation == "xla" or options.dataset_strategy != "data_parallel":
         return frozenset()
     anchors = boundary_anchors(traced, "")
     return frozenset(i for i, (x, slot, v) in enumerate(zip(traced.leaves, slots, traced.invars))
@@ -240,7 +240,7 @@ def _in_sharding(traced: Traced, path, x, slot, anchor, rows, c: Options, call: 
         if c.dataset_strategy == "data_parallel":
             check_batch_rows(np.shape(x), traced.fine.device_count, call=call, where=f"args{path}")
         return _layout_sharding(traced.fine, traced.mesh, rows, x, f"dataset_strategy for args{path}", call)
-    free = c.mode in ("semi_auto", "auto") and c.propagation == "jshard"
+    free = c.mode in ("semi_auto", "auto") and c.propagation != "xla"
     return None if free else NamedSharding(traced.mesh, PartitionSpec())
 
 

@@ -40,11 +40,13 @@ from jshard.compile._boundary import (
     shard_stored,
 )
 from jshard.compile._collisions import warn_collisions
+from jshard.compile._fusion import check_fusion
 from jshard.compile._groups import OptimizerParallel
 from jshard.compile._offload import anchored, least_streamed, offloaded, searched
 from jshard.compile._optimizer import accumulator, cuts, gathered, reduce_scattered, regathered, result_shardings
 from jshard.compile._options import Options
-from jshard.compile._planners import Problem, planner_for
+from jshard.compile._peer import weigh_peer
+from jshard.compile._planners import Planned, Problem, PropagationPlanner, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._trace import Traced, adopted, devices_for, trace
 from jshard.compile._work import with_work
@@ -480,7 +482,7 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
         in_sh, out_sh, optimizer = [cut.args.get(i, sh) for i, sh in enumerate(in_sh)], result_shardings(out_sh, cut), cut.report
     if sharded:  # jshard.accumulate cuts its accumulated gradients over the data-parallel axes
         kept = accumulator(traced, args, layouts, c, call)
-    axes = _batch_axes(in_sh, args, c) if c.accumulation is not None else None
+    axes = _batch_axes(in_sh, args, c) if c.accumulation is not None or c.communication is not None else None
     if gather or kept is not None or axes:  # axes: jshard.accumulate reduces once, after its loop
         traced = dataclasses.replace(s, fn=gathered(fn, gather) if gather else fn).trace(
             fine, recompute, accumulator=kept, batch_axes=axes)
@@ -488,6 +490,9 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
     if optimizer is not None:
         optimizer = dataclasses.replace(optimizer, regathered=len(gather) if rewrite is not None else 0)
     _check_comm_kept(traced, c, call)
+    if traced.ctx.unreduced is not None:  # multi-copy where jshard cannot reduce the copies' gradients itself
+        raise ShardingError(traced.ctx.unreduced)
+    check_fusion(c.communication, None if devices is None else devices[0].platform, bool(traced.ctx.buckets), call)
     offload = offloaded(traced, args, c, call)
     in_sh, out_sh = anchored(in_sh, out_sh, offload, args, traced.mesh)
     # the program is compiled and held to the budget: here, or (check False) by the caller weighing it
@@ -541,6 +546,10 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
         while searched < BUDGET_ROUNDS:
             program, problem = attempt(problem)
             if not checked:
+                if _peer_weighed(c, planner, devices, traced, rewrite, offload, grads):
+                    return weigh_peer(program, lambda: build_program(
+                        traced, Planned(None), in_sh, out_sh, devices, dataclasses.replace(c, propagation="xla"),
+                        args), args)
                 return program
             program, held = checked_peak(program)
             report = program.plan.search
@@ -572,6 +581,15 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
     if found is None:
         raise error
     return found
+
+
+def _peer_weighed(c: Options, planner, devices, traced: Traced, rewrite, offload, grads) -> bool:
+    """Whether `propagation="best"` weighs Shardy's plan beside jshard's: jshard propagated from the
+    anchors, devices are present to compile on, and the program holds nothing only jshard's
+    emission makes (the gradients' reduce-scatter, kept collectives' results, state in host memory)."""
+    kept = any(_COMM_KEPT.search(n.scope) for n in traced.nodes)
+    return (c.propagation == "best" and isinstance(planner, PropagationPlanner) and devices is not None
+            and rewrite is None and offload is None and not grads and not kept)
 
 
 def _batch_axes(in_sh: list, args: tuple, c: Options) -> tuple[str, ...] | None:

@@ -1,7 +1,8 @@
 """The option groups `parallelize` takes, one frozen record per concern.
 
 `parallelize` reads like `jax.jit`: the function, where it runs, the strategies, jit's own options,
-and one object per concern (`Search`, `Pipelining`, `OptimizerParallel`, `Accumulation`), as Alpa
+and one object per concern (`Search`, `Pipelining`, `OptimizerParallel`, `Accumulation`,
+`Communication`), as Alpa
 groups its solver options and MindSpore's `AutoParallel` its `hsdp`/`pipeline` settings. The
 keywords these replaced (`memory_budget=`, `pipeline_stages=`, `optimizer_parallel=`, ...) still work
 for one release: `regroup` maps them onto the groups and warns with `DeprecationWarning`.
@@ -145,6 +146,114 @@ class Accumulation:
     shard: bool = False
 
 
+FUSION_KINDS = ("allreduce", "allgather", "reducescatter")
+"""The collective kinds MindSpore's `comm_fusion` configures, in its spelling."""
+
+FUSION_MODES = ("auto", "size", "index")
+"""How one kind is fused: `auto` (the backend's own combiner), `size` (a threshold in MiB) or
+`index` (split indices, all-reduce only)."""
+
+AUTO_MIB = 64
+"""MindSpore's `auto` fusion threshold in MiB: the bucket size where jshard reduces the gradients itself."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """How one kind of collective is fused: one entry of MindSpore's `comm_fusion`
+    (`{"mode": "size", "config": 32}`).
+
+    Attributes:
+      mode: `"auto"`: the backend's own combiner decides (jshard passes XLA no threshold; where
+        jshard reduces the gradients itself, buckets of 64 MiB, MindSpore's default); `"size"`:
+        collectives fused up to `config` MiB each (0: every collective kept apart); `"index"`
+        (all-reduce only): the gradients split into buckets before the parameters numbered
+        `config` (in `jax.tree.leaves` order of the parameters, as MindSpore numbers them; the
+        loss and any other result of the gradient function join the first bucket).
+      config: the threshold in MiB (`"size"`), the ascending split indices (`"index"`), or None (`"auto"`).
+
+    Examples:
+      >>> import jshard as js
+      >>> js.Fusion("size", 32).threshold_bytes
+      33554432
+    """
+
+    mode: str = "auto"
+    config: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.config, list):
+            object.__setattr__(self, "config", tuple(self.config))
+
+    @property
+    def threshold_bytes(self) -> int | None:
+        """The fusion threshold in bytes (`"auto"`: 64 MiB; `"index"`: None)."""
+        if self.mode == "index":
+            return None
+        return int((AUTO_MIB if self.mode == "auto" or self.config is None else self.config) * 2**20)
+
+
+@dataclasses.dataclass(frozen=True)
+class Communication:
+    """How the step's communication is arranged (`parallelize(...,
+    communication=js.Communication(copies=2, fusion={"allreduce": {"mode": "size", "config": 32}}))`):
+    MindSpore's multi-copy parallel (`MicroBatchInterleaved(net, interleave_num)`) and its
+    `comm_fusion` context.
+
+    Both work on the gradient function the step marks with `jshard.accumulate` (`loss, grads =
+    js.accumulate(jax.value_and_grad(loss_fn))(params, batch)`), as gradient accumulation does.
+
+    Attributes:
+      copies: n, the copies the batch's rows are cut into inside one step (row `i * n + j` goes
+        to copy j). Each copy runs the gradient function on its own rows, none reading another's
+        values, so XLA may run one copy's collectives while another computes; the copies'
+        gradients are summed on each device, then reduced once. XLA's all-reduce combiner is off
+        for the program (it would merge the copies' collectives into one, joining the copies), and
+        the gradients are reduced in jshard's own buckets (`fusion`). Each copy holds the
+        activations of `1/n` of the batch; the plan's `communication` report gives the memory.
+      fusion: MindSpore's `comm_fusion`: a dict (`{"openstate": True, "allreduce": {"mode":
+        "size", "config": 32}, "allgather": ..., "reducescatter": ...}`), or per kind a `Fusion`.
+        Each kind is mapped onto XLA's combiner thresholds where the backend takes one (GPU),
+        onto switching its combiner off (threshold 0), and where jshard reduces the gradients
+        itself (`jshard.accumulate` with the batch cut over the data-parallel axes), onto buckets
+        of its own: one all-reduce per bucket. `openstate=False` keeps every collective apart.
+
+    Examples:
+      >>> import jshard as js
+      >>> c = js.Communication(fusion={"allreduce": {"mode": "index", "config": [2, 5]}})
+      >>> c.of("allreduce")
+      Fusion(mode='index', config=(2, 5))
+    """
+
+    copies: int = 1
+    fusion: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fusion", _fusion_table(self.fusion))
+
+    def of(self, kind: str) -> Fusion | None:
+        """The fusion `kind` (`"allreduce"`, `"allgather"`, `"reducescatter"`) is given, None where
+        the configuration is silent on it (the backend's default)."""
+        return None if self.fusion is None else dict(self.fusion).get(kind)
+
+
+def _fusion_table(given: Any) -> Any:
+    """MindSpore's `comm_fusion` dict as `((kind, Fusion), ...)` in kind order, hashable as options
+    are (`openstate=False`: every kind `size` 0); None stays None; anything else is left for
+    `Options.check` to name."""
+    if not isinstance(given, dict):
+        return given
+    table = dict(given)
+    openstate = table.pop("openstate", True)
+    out: dict[str, Any] = {}
+    for kind, value in table.items():
+        out[kind] = Fusion(**value) if isinstance(value, dict) else value
+    if openstate is False:
+        out = {kind: Fusion("size", 0) for kind in FUSION_KINDS}
+    elif openstate is not True:
+        out["openstate"] = openstate  # for the check to name
+    return tuple(sorted(out.items()))
+
+
 _MOVED = {
     "memory_budget": ("search", "memory_budget"),
     "search_time_limit": ("search", "time_limit"),
@@ -165,7 +274,7 @@ _MOVED = {
 """Each keyword `parallelize` took before the option groups: the group and field it moved to."""
 
 _GROUPS = {"search": Search, "pipeline": Pipelining, "optimizer": OptimizerParallel,
-           "accumulation": Accumulation}
+           "accumulation": Accumulation, "communication": Communication}
 _REQUIRED = {"optimizer": "level", "accumulation": "steps"}
 
 
@@ -177,17 +286,19 @@ def _asked(group: Any) -> bool:
 
 
 _SPELLED = {"search": "js.Search", "pipeline": "js.Pipelining", "optimizer": "js.OptimizerParallel",
-            "accumulation": "js.Accumulation", "cost_model": "js.CostModel"}
+            "accumulation": "js.Accumulation", "cost_model": "js.CostModel",
+            "communication": "js.Communication"}
 
 
 def grouped(name: str, value: Any, call: str) -> Any:
-    """`value` given as `name=` (`search`, `pipeline`, `optimizer`, `accumulation`) as its group's
-    record: None stays None; the shorthand (a method name, a level, a number of steps) fills the
+    """`value` given as `name=` (`search`, `pipeline`, `optimizer`, `accumulation`, `communication`)
+    as its group's record: None stays None; the shorthand (a method name, a level, a number of steps
+    or copies) fills the
     group's first field; anything else must already be the group."""
     kind = _GROUPS[name]
     if value is None or isinstance(value, kind):
         return value
-    shorthand = {"search": str, "optimizer": int, "accumulation": int}.get(name)
+    shorthand = {"search": str, "optimizer": int, "accumulation": int, "communication": int}.get(name)
     if shorthand is not None and isinstance(value, shorthand):
         return kind(value)
     first = dataclasses.fields(kind)[0].name

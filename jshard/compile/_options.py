@@ -17,7 +17,11 @@ from jax.sharding import Mesh
 from jshard._errors import ShardingError
 from jshard._recompute import check_policy
 from jshard.compile._groups import (
+    FUSION_KINDS,
+    FUSION_MODES,
     Accumulation,
+    Communication,
+    Fusion,
     OptimizerParallel,
     Pipelining,
     Search,
@@ -34,8 +38,9 @@ from jshard.search import SEARCHES
 MODES = ("data", "semi_auto", "auto", "manual")
 """`parallelize`'s modes (see its docstring)."""
 
-PROPAGATIONS = ("jshard", "xla")
-"""Who lays out the operators no strategy fixes: jshard's engine, or Shardy."""
+PROPAGATIONS = ("jshard", "xla", "best")
+"""Who lays out the operators no strategy fixes: jshard's engine, Shardy, or both (their compiled
+programs measured, the one moving fewer collective bytes kept)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +65,7 @@ class Options:
     pipeline: Pipelining | None = None
     optimizer: OptimizerParallel | None = None
     accumulation: Accumulation | None = None
+    communication: Communication | None = None
     offload: tuple[str, ...] | None = None
     recompute: Any = None
 
@@ -70,10 +76,11 @@ class Options:
                search: Search | str = "recursive", pipeline: Pipelining | None = None,
                optimizer: OptimizerParallel | int | None = None, accumulation: Accumulation | int | None = None,
                cost_model: CostModel | None = None, offload: str | Sequence[str] | None = None,
-               stacklevel: int = 2, **fields: Any) -> Options:
+               communication: Communication | int | None = None, stacklevel: int = 2, **fields: Any) -> Options:
         """Options from `parallelize`'s keywords, normalized: argnums and argnames as tuples, each
         group as its record (`search="ilp"` as `Search("ilp")`, `optimizer=2` as
-        `OptimizerParallel(2)`, `accumulation=4` as `Accumulation(4)`), `offload` as a tuple of names
+        `OptimizerParallel(2)`, `accumulation=4` as `Accumulation(4)`, `communication=2` as
+        `Communication(copies=2)`), `offload` as a tuple of names
         (None where not given: the search may choose). The keywords before the groups
         (`memory_budget=`, `pipeline_stages=`, ...) are moved into them with a `DeprecationWarning`
         (`regroup`)."""
@@ -86,6 +93,7 @@ class Options:
                    pipeline=grouped("pipeline", groups["pipeline"], call),
                    optimizer=grouped("optimizer", groups["optimizer"], call),
                    accumulation=grouped("accumulation", groups["accumulation"], call), cost_model=groups["cost_model"],
+                   communication=grouped("communication", communication, call),
                    offload=None if offload is None else as_tuple(offload), **fields)
 
     @property
@@ -120,6 +128,7 @@ class Options:
         check_arguments(call, self)
         _check_optimizer(call, self)
         _check_accumulation(call, self)
+        _check_communication(call, self)
         check_offload(call, self.offload or ())  # with a pipeline: pipeline/_parallel.py refuses it
         check_policy(self.recompute, call)
         if self.mode == "manual" and self.mesh is None:
@@ -133,7 +142,7 @@ def _check_choices(call: str, c: Options) -> None:
         raise ShardingError(f"{call}: mode={c.mode!r} is not one of {MODES}.")
     if c.propagation not in PROPAGATIONS:
         raise ShardingError(f"{call}: propagation={c.propagation!r} is not one of {PROPAGATIONS}.")
-    if c.plan is not None and (c.propagation != "jshard" or c.mode == "manual"):
+    if c.plan is not None and (c.propagation == "xla" or c.mode == "manual"):
         raise ShardingError(
             f"{call}: plan= rebuilds a plan jshard propagated or searched; it cannot be used with "
             f"{'mode=' + repr(c.mode) if c.mode == 'manual' else 'propagation=' + repr(c.propagation)}. "
@@ -148,7 +157,7 @@ def _check_search(call: str, c: Options) -> None:
         what = "Search(memory_budget=...)" if c.memory_budget is not None else f"search={c.search.method!r}"
         raise ShardingError(f"{call}: {what} applies to the strategy search, mode='auto' (this call has "
                             f"mode={c.mode!r}). Pass mode='auto', or drop it.")
-    if c.mode == "auto" and c.propagation != "jshard":
+    if c.mode == "auto" and c.propagation == "xla":
         raise ShardingError(f"{call}: mode='auto' searches with jshard's own cost model; it cannot be "
                             f"used with propagation={c.propagation!r}. Drop propagation=.")
     if c.mode == "auto" and c.search.method == "propagation" and c.memory_budget is not None:
@@ -204,6 +213,54 @@ def _check_accumulation(call: str, c: Options) -> None:
         raise ShardingError(f"{call}: Accumulation(shard=True) cuts the accumulated gradients over the axes the "
                             f"parameters' layout leaves free, in mode='data' or 'semi_auto'; this call has "
                             f"mode={c.mode!r}. Use mode='data' or 'semi_auto', or drop shard=True.")
+
+
+def _check_communication(call: str, c: Options) -> None:
+    m = c.communication
+    if m is None:
+        return
+    if isinstance(m.copies, bool) or not isinstance(m.copies, int) or m.copies < 1:
+        raise ShardingError(f"{call}: Communication(copies={m.copies!r}) is not a number of copies; give a positive "
+                            f"int n that divides each device's rows of the batch (1: no multi-copy).")
+    if c.pipeline is not None or c.mode == "manual":
+        what = "a pipeline" if c.pipeline is not None else f"mode={c.mode!r}"
+        raise ShardingError(f"{call}: communication= arranges the collectives of the gradient function "
+                            f"jshard.accumulate marks, in mode='data', 'semi_auto' or 'auto'; it cannot be used with "
+                            f"{what} yet. Drop communication=, or use one of those modes.")
+    if m.fusion is None:
+        return
+    if not isinstance(m.fusion, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in m.fusion):
+        raise TypeError(f"{call}: Communication(fusion=) takes MindSpore's comm_fusion dict ({{'allreduce': {{'mode': "
+                        f"'size', 'config': 32}}, ...}}) or {{kind: js.Fusion(...)}}, got {type(m.fusion).__name__}.")
+    for kind, f in m.fusion:
+        _check_fusion(call, kind, f)
+
+
+def _check_fusion(call: str, kind: str, f: Any) -> None:
+    where = f"Communication(fusion={{{kind!r}: ...}})"
+    if kind == "openstate":
+        raise TypeError(f"{call}: comm_fusion's openstate takes True or False, got {f!r}.")
+    if kind not in FUSION_KINDS:
+        raise ShardingError(f"{call}: {where}: {kind!r} is not a collective comm_fusion configures; give "
+                            f"{', '.join(map(repr, FUSION_KINDS))} or 'openstate'.")
+    if not isinstance(f, Fusion):
+        raise TypeError(f"{call}: {where} takes {{'mode': ..., 'config': ...}} or a js.Fusion, got {f!r}.")
+    if f.mode not in FUSION_MODES:
+        raise ShardingError(f"{call}: {where}: mode={f.mode!r} is not one of {FUSION_MODES}.")
+    if f.mode == "size" and (isinstance(f.config, bool) or not isinstance(f.config, (int, float)) or f.config < 0):
+        raise ShardingError(f"{call}: {where}: mode='size' takes config, a threshold in MiB (0 or more), got "
+                            f"{f.config!r}. Give e.g. {{'mode': 'size', 'config': 32}}.")
+    if f.mode == "index":
+        good = (kind == "allreduce" and isinstance(f.config, tuple) and f.config
+                and all(isinstance(i, int) and not isinstance(i, bool) and i > 0 for i in f.config)
+                and list(f.config) == sorted(set(f.config)))
+        if not good:
+            raise ShardingError(f"{call}: {where}: mode='index' splits the gradients' all-reduce at ascending leaf "
+                                f"indices (positive ints), for 'allreduce' only; got config={f.config!r}. Give e.g. "
+                                f"{{'allreduce': {{'mode': 'index', 'config': [2, 5]}}}}, or mode='size' for {kind!r}.")
+    if f.mode == "auto" and f.config is not None:
+        raise ShardingError(f"{call}: {where}: mode='auto' takes no config (got {f.config!r}); use mode='size' "
+                            f"for a threshold.")
 
 
 def check_arguments(call: str, c: Options) -> None:

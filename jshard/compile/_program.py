@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jshard.audit import memory_figures, moved_between
 from jshard.compile._boundary import argument_leaves
+from jshard.compile._fusion import compiler_options
 from jshard.compile._options import Options
 from jshard.compile._planners import Planned
 from jshard.compile._signature import abstract
@@ -22,7 +23,7 @@ from jshard.compile._trace import Traced
 from jshard.cost import CostModel
 from jshard.hetero import Offload, offload_report, on_host_shardings, streamed
 from jshard.layouts import replicated, to_pspec
-from jshard.plan import Later, Plan, RecomputeReport, build_ops, recompute_report
+from jshard.plan import CommunicationReport, Later, Plan, RecomputeReport, build_ops, recompute_report
 from jshard.propagate import EMPTY, Result, Rewrite, emission_of, emit
 
 
@@ -31,7 +32,9 @@ class Program:
     """One compiled signature: its `Plan`, the jitted program (None on an abstract mesh: plan
     only), the argument shardings (a pytree like the arguments) calls place their inputs on, and
     the planned layout of each value of the traced program (value -> `Spec`; empty: XLA's), and
-    the traced program and the planner's `Result` it was built from (None: XLA propagates)."""
+    the traced program and the planner's `Result` it was built from (None: XLA propagates), and
+    its executable where building it compiled it already (`propagation="best"`: calls run it
+    instead of compiling `jitted` again)."""
 
     plan: Plan
     jitted: Any
@@ -39,6 +42,12 @@ class Program:
     values: Mapping = dataclasses.field(default_factory=dict)
     traced: Traced | None = dataclasses.field(default=None, repr=False, compare=False)
     result: Result | None = dataclasses.field(default=None, repr=False, compare=False)
+    compiled: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def runs(self) -> Any:
+        """What a call runs: the executable compiled while building, else the jitted function."""
+        return self.jitted if self.compiled is None else self.compiled
 
 
 def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Sequence, devices: list | None,
@@ -75,16 +84,29 @@ def build_program(traced: Traced, planned: Planned, in_sh: Sequence, out_sh: Seq
     in_tree = jax.tree_util.tree_unflatten(traced.treedef, in_sh)
     out_tree = jax.tree_util.tree_unflatten(traced.out_tree, out_sh)
     jitted = None
+    compiling = compiler_options(options.communication, None if devices is None else devices[0].platform,
+                                 bool(traced.ctx.buckets))
     if devices is not None:
         jitted = jax.jit(_unflattened(evaluate, traced.out_tree), in_shardings=in_tree, out_shardings=out_tree,
-                         donate_argnums=options.donate_argnums)
+                         donate_argnums=options.donate_argnums, compiler_options=compiling or None)
     ops = _records(traced, result)
     plan = Plan(mesh, traced.fine, options.mode, ops, tuple(sh.spec for sh in in_sh),
                 tuple(None if sh is None else sh.spec for sh in out_sh), traced.treedef, traced.out_tree,
                 tuple(traced.ctx.annotations), "xla" if result is None else "jshard", jitted and functools.partial(jitted.lower, *abstract(args, in_tree)),
                 search=planned.report, recompute=_recompute(traced, result, argument_leaves(args, options.donate_argnums)),
-                offload=report, round_trip=None if devices is None else _round_trip(traced, in_sh, out_sh))
+                offload=report, communication=_communication(traced, options, compiling),
+                round_trip=None if devices is None else _round_trip(traced, in_sh, out_sh))
     return Program(plan, jitted, in_tree, {} if result is None else result.values, traced, result)
+
+
+def _communication(traced: Traced, options: Options, compiling: dict) -> CommunicationReport | None:
+    """What `communication=` did: copies, jshard's gradient buckets, the XLA options, their memory."""
+    comm = options.communication
+    if comm is None:
+        return None
+    buckets = tuple(traced.ctx.buckets)
+    return CommunicationReport(comm.copies, buckets, tuple(sorted(compiling.items())), traced.ctx.copy_bytes,
+                               max((size or 0 for leaves, _, size in buckets if leaves > 1), default=0))
 
 
 def _round_trip(traced: Traced, in_sh: Sequence, out_sh: Sequence) -> float:

@@ -178,7 +178,8 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
     avals = [jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=t, weak_type=weak_type(x))
              for x, t in zip(leaves, types)]
     ctx = _context.TraceContext(call, fine, mesh, options.mode, accumulation_steps=steps, accumulator=accumulator,
-                                batch_axes=batch_axes, recompute=options.recompute, recompute_choice=recompute)
+                                batch_axes=batch_axes, recompute=options.recompute, recompute_choice=recompute,
+                                communication=options.communication)
     with _context.tracing(ctx), _users_mesh(options.mesh):
         try:
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
@@ -187,6 +188,12 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
             if unbound is None:
                 raise
             raise ShardingError(_collective_error(call, unbound["axis"], unbound["op"], _user_line(e))) from None
+    if not ctx.accumulated and options.communication is not None and options.communication.copies > 1:
+        raise ShardingError(
+            f"{call}: Communication(copies={options.communication.copies}), but the function calls no "
+            f"jshard.accumulate, so jshard cannot tell which part of it to run on each copy. Wrap the gradient "
+            f"function in the step: loss, grads = jshard.accumulate(jax.value_and_grad(loss_fn))(params, batch); "
+            f"or drop copies.")
     if steps is not None and not ctx.accumulated:
         raise ShardingError(
             f"{call}: accumulation={steps}, but the function calls no jshard.accumulate, so jshard cannot tell "

@@ -15,6 +15,7 @@ unused copy. Each cotangent goes back to its operand's memory.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -70,13 +71,23 @@ def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
     return host_function(fn, jax.memory.Space.Device)
 
 
+def _host_compute(fn: Callable[..., Any], results: Any) -> Callable[..., Any]:
+    """`fn` under `compute_on("device_host")`, its results in memory `results` (where its operands
+    lie). JAX 0.11 asks for the results' memory (`out_memory_spaces`); 0.10 takes the compute type
+    alone, as a context manager."""
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        keywords: Any = compute_on  # typed as JAX 0.10's (compute_type) alone
+        return keywords(fn, compute_type=HOST_COMPUTE, out_memory_spaces=results)
+    return compute_on(HOST_COMPUTE)(fn)
+
+
 def host_function(fn: Callable[..., Any], results_in: jax.memory.Space) -> Callable[..., Any]:
     """`on_host(fn)` with its results left in memory `results_in` (`Space.Host`: a table updated on
     the host stays there)."""
     name = getattr(fn, "__name__", type(fn).__name__)
     call = f"jshard.on_host({name})"
-    forward = compute_on(HOST_COMPUTE)(jax.jit(fn))
-    backward = compute_on(HOST_COMPUTE)(jax.jit(lambda args, ct: jax.vjp(fn, *args)[1](ct)))
+    forward = _host_compute(jax.jit(fn), jax.memory.Space.Host)
+    backward = _host_compute(jax.jit(lambda args, ct: jax.vjp(fn, *args)[1](ct)), jax.memory.Space.Device)
 
     @jax.custom_vjp
     def run(*args):

@@ -1,10 +1,12 @@
 """`Plan`: the typed record of what jshard decided for every operator (`OpRecord`), how it explains
 a choice, and its JSON form (MindSpore's strategy checkpoint)."""
 
+from jshard.plan._communication import CommunicationReport as CommunicationReport
 from jshard.plan._io import to_json as to_json
 from jshard.plan._offload import HOST_MEMORY as HOST_MEMORY
 from jshard.plan._offload import OffloadReport as OffloadReport
 from jshard.plan._optimizer import OptimizerReport as OptimizerReport
+from jshard.plan._peer import PeerReport as PeerReport
 from jshard.plan._plan import Later as Later
 from jshard.plan._plan import Plan as Plan
 from jshard.plan._plan import load as load

@@ -17,10 +17,12 @@ from jshard._errors import ShardingError, api_boundary
 from jshard._format import human_bytes
 from jshard.audit import Audit, audit
 from jshard.layouts import FineMesh
+from jshard.plan._communication import CommunicationReport
 from jshard.plan._explain import explain
 from jshard.plan._io import read_fields, to_json, write_json
 from jshard.plan._offload import HOST_MEMORY, OffloadReport
 from jshard.plan._optimizer import OptimizerReport
+from jshard.plan._peer import PeerReport
 from jshard.plan._recompute import RecomputeReport
 from jshard.plan._records import OpRecord
 from jshard.plan._slices import RankSlices, rank_slices
@@ -82,9 +84,13 @@ class Plan:
         `RecomputeReport`), or None where the program recomputes nothing (or was loaded).
       offload: the state kept in host memory and the bytes streamed per step (an `OffloadReport`),
         or None.
+      communication: with `parallelize(..., communication=...)`, the copies, the gradients' buckets,
+        the XLA options compiled with and their memory (a `CommunicationReport`), or None.
       work: the share of the single-device work each device does and, where it is nearly all of
         it, the data-parallel plan's predicted time beside this plan's (a `WorkReport`); None
         where XLA propagates, or for a loaded plan.
+      peer: with `propagation="best"`, jshard's compiled plan against Shardy's from the same
+        anchors and which one runs (a `PeerReport`), or None where they were not weighed.
       round_trip: bytes per device (the busiest device's) a training loop moves between two calls
         to place the results that update arguments (result `k` of argument `k`'s structure,
         shapes and dtypes: `(params, state, batch) -> (params, state, loss)`) where the plan
@@ -109,6 +115,8 @@ class Plan:
     recompute: RecomputeReport | None = dataclasses.field(default=None, compare=False)
     offload: OffloadReport | None = dataclasses.field(default=None, compare=False)
     work: WorkReport | None = dataclasses.field(default=None, compare=False)
+    communication: CommunicationReport | None = dataclasses.field(default=None, compare=False)
+    peer: PeerReport | None = dataclasses.field(default=None, compare=False)
     round_trip: float | None = dataclasses.field(default=None, compare=False)
 
     def replace(self, **changes) -> "Plan":

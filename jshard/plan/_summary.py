@@ -41,6 +41,8 @@ def header_lines(plan) -> list[str]:
         f"{len(plan.ops)} operators: " + ", ".join(f"{origins[o]} {o}" for o in ORIGINS if origins[o])
         + f"; coverage {plan.coverage:.1%}; predicted collectives {human_bytes(plan.predicted_bytes())} per device",
     ]
+    if plan.peer is not None:
+        lines.append(plan.peer.line())
     if plan.search is not None:
         lines.append(plan.search.line())
     if plan.optimizer is not None:
@@ -49,6 +51,8 @@ def header_lines(plan) -> list[str]:
         lines.append(plan.recompute.line())
     if plan.offload is not None:
         lines.append(plan.offload.line())
+    if plan.communication is not None:
+        lines.append(plan.communication.line())
     if plan.work is not None and plan.work.line() is not None:
         lines.append(plan.work.line())
     if plan.round_trip:

@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import heapq
 import math
+import re
 from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
@@ -37,7 +38,7 @@ from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, 
 from jshard.graph import CONSTRAINT, JSHARD_SCOPE, Node, operand_vars
 from jshard.layouts import Spec, constraint_spec, typed_spec
 from jshard.propagate._emit import Emission
-from jshard.rules import Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
+from jshard.rules import PER_DEVICE, Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
 
 
 class Rejected(NamedTuple):
@@ -95,6 +96,8 @@ class Result:
 
 _SHARD_SCOPE = JSHARD_SCOPE + "shard"
 """The scope prefix of a `shard` call's constraints (`jshard_shard<k>`)."""
+_SHARD_CALL = re.compile(_SHARD_SCOPE + r"\d+")
+"""One `shard` call's scope (`jshard_shard<k>`): the operators inside it carry it too."""
 
 
 class Engine:
@@ -503,14 +506,22 @@ class Engine:
         """`candidates`, keeping only those that take as they are the inputs a `shard` call's
         strategy laid out for operator `i` (its constraints on the call's inputs), where any does:
         a user's cut is never replaced by a cheaper layout of the engine's (MindSpore's strategies
-        bind). Where none can take them as they are, the cheapest redistributes them."""
+        bind; an operator outside the call may take its result cut finer, `_takes`). Where none can
+        take them so, the cheapest redistributes them."""
         n_in = len(self.vars[i][0])
-        fixed = [(k, spec) for k, spec, src in known if k < n_in and src.isdigit() and self._user_constraint(int(src))]
+        fixed = [(k, spec, self._outside(i, int(src))) for k, spec, src in known
+                 if k < n_in and src.isdigit() and self._user_constraint(int(src))]
         if not fixed or self.nodes[i].backward:
             return candidates
-        kept = [a for a in candidates if all(write_spec(f.operands[k], a, f.sizes, self.axis_size) == spec
-                                             for k, spec in fixed)]
+        kept = [a for a in candidates if all(_takes(write_spec(f.operands[k], a, f.sizes, self.axis_size), spec, outside)
+                                             for k, spec, outside in fixed)]
         return kept or candidates
+
+    def _outside(self, i: int, j: int) -> bool:
+        """Whether operator `i` lies outside the `shard` call whose constraint is node `j` (it takes
+        that call's result, so it may cut the result finer where that moves nothing)."""
+        calls = _SHARD_CALL.findall(self.nodes[j].scope)
+        return not calls or not re.search(rf"\b{calls[-1]}\b", self.nodes[i].scope)
 
     def _bound(self, i: int, v, spec: Spec) -> bool:
         """Whether operator `i` takes input `v` as a `shard` call's constraint laid it out (`spec`)."""
@@ -543,21 +554,18 @@ class Engine:
             a = read_assignment(f.operands[k], spec, f.sizes, self.axis_size)
             if a is not None:
                 reads.append(a)
-        merged: dict = {}
+        merged: dict = reads[0] if len(reads) == 1 else {}
+        yielded: list[dict] = []
         if len(reads) > 1:
             together = neighbours_of(f)  # factors that share an operand: they may not share an axis
-            for a in reads:
-                for fac, axes in a.items():
-                    if fac not in merged and not any(
-                        set(axes) & set(merged.get(g, ())) for g in together[fac]
-                    ):
-                        merged[fac] = axes
-        elif reads:
-            merged = reads[0]
+            merged = _merged(reads, together, partial=False)
+            # the later operands' cuts first, the earlier ones keeping the axes left to them: a batch
+            # cut over (dp, ep) meeting experts cut over ep keeps dp (expert parallel's all-to-all)
+            yielded = [_merged(reads[::-1], together, partial=True)]
         # Each read without its partial-sum factors too: gather the contracted cut, keep the rest.
         kept = [{g: axes for g, axes in a.items() if g not in f.reduced} for a in reads if f.reduced]
         out, seen = [], set()
-        for a in [merged] + reads + kept + [{}]:
+        for a in [merged] + reads + yielded + kept + [{}]:
             key = tuple(sorted(a.items()))
             if key not in seen and (not a or expressible(f, a, self.axis_size)):
                 seen.add(key)
@@ -616,6 +624,28 @@ class Engine:
                 return False
         from_inputs = {fac for d in arrays[0][0] for fac in d}
         return all(fac in from_inputs for fac in a)
+
+
+def _takes(want: Spec, spec: Spec, outside: bool) -> bool:
+    """Whether an operator taking a `shard` call's value laid out as `spec` in layout `want` keeps
+    the user's cut: the same layout, or (an operator outside the call, `outside`) each dim cut by the
+    user's axes first, then by more: a slice each device takes of what it holds, nothing moved."""
+    if want == spec:
+        return True
+    return outside and len(want) == len(spec) and all(w[:len(u)] == u for w, u in zip(want, spec))
+
+
+def _merged(reads: Sequence[dict], together: Mapping, partial: bool) -> dict:
+    """One assignment from several operands' reads, earlier reads first: a factor whose axes another
+    factor on one of its operands took already is left out, or with `partial` keeps the axes left."""
+    merged: dict = {}
+    for a in reads:
+        for fac, axes in a.items():
+            taken = {x for g in together[fac] for x in merged.get(g, ())}
+            left = tuple(x for x in axes if x not in taken)
+            if fac not in merged and (left == tuple(axes) or (partial and left)):
+                merged[fac] = left
+    return merged
 
 
 def _read_all(dims: Sequence, specs: Sequence[Spec], sizes: Sequence[int], axis_size: Mapping[str, int]):
@@ -736,7 +766,7 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
     be an all-to-all goes through its gathered layout: `jshard.cost.gathered_layout`). A value whose
     type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
     JAX's own `reshard`s move it."""
-    outputs, inputs, communicated = {}, {}, set()
+    outputs, inputs, communicated, per_device = {}, {}, set(), {}
     moves = lambda v, dst: bool(redistribution(*array_of(v), result.values[v], dst, axis_size, alltoall))
     for i, d in result.decisions.items():
         node = nodes[i]
@@ -746,6 +776,8 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
                 if moves(v, d.out_specs[0]):  # its route's stages: below
                     communicated.add(node.outputs[0])
             continue
+        if node.primitive in PER_DEVICE and any(dim for spec in d.in_specs for dim in spec):
+            per_device[id(node.eqn)] = (d.in_specs, d.out_specs)
         if not d.implied:
             reduced = any(c.kind in _REDUCTIONS for c in d.comms)
             for v, spec in zip(node.outputs, d.out_specs):
@@ -770,7 +802,7 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
         if len(route) > 1:
             inputs[(id(node.eqn), 0)] = tuple(route[:-1])
             outputs[v] = src
-    return Emission(outputs, inputs, communicated=frozenset(communicated))
+    return Emission(outputs, inputs, communicated=frozenset(communicated), per_device=per_device)
 
 
 _REDUCTIONS = ("all-reduce", "reduce-scatter")
