@@ -20,7 +20,7 @@ class WorkReport:
       device_flops: one device's FLOPs per call under the plan (each operator's divided by the
         devices its strategy cuts it over).
       comm_seconds / compute_seconds: the plan's predicted collective and compute time per call
-        (the cost model's α–β and FLOP rate).
+        (the cost model's α–β, and each operator's roofline: `CostModel.compute_seconds`).
       data_comm_seconds / data_compute_seconds: the same for the data-parallel plan of the same
         traced program (its batch arguments' dim 0 cut over every device, the parameters
         replicated, the propagation engine laying out the rest), priced only where this plan's
@@ -28,6 +28,9 @@ class WorkReport:
       data_missing: why the data-parallel plan was not priced there (e.g. the batch does not
         divide), or `""`.
       mode: the plan's `parallelize` mode.
+      hidden_seconds / data_hidden_seconds: of `comm_seconds` (`data_comm_seconds`), the time the
+        collectives run beside compute that does not wait for them, where the cost model overlaps
+        them (`CostModel.overlap`); 0 where it does not.
     """
 
     devices: int
@@ -39,6 +42,8 @@ class WorkReport:
     data_comm_seconds: float | None = None
     data_compute_seconds: float | None = None
     data_missing: str = ""
+    hidden_seconds: float = 0.0
+    data_hidden_seconds: float = 0.0
 
     @property
     def share(self) -> float:
@@ -47,15 +52,15 @@ class WorkReport:
 
     @property
     def seconds(self) -> float:
-        """This plan's predicted time per call."""
-        return self.comm_seconds + self.compute_seconds
+        """This plan's predicted time per call: compute, and the collectives it waits for."""
+        return self.comm_seconds + self.compute_seconds - self.hidden_seconds
 
     @property
     def data_seconds(self) -> float | None:
         """The data-parallel plan's predicted time per call, or None where it was not priced."""
         if self.data_comm_seconds is None or self.data_compute_seconds is None:
             return None
-        return self.data_comm_seconds + self.data_compute_seconds
+        return self.data_comm_seconds + self.data_compute_seconds - self.data_hidden_seconds
 
     @property
     def replicated(self) -> bool:

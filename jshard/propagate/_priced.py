@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
+
+from jax.extend import core as jcore
 
 from jshard.cost import CostModel
 from jshard.graph import Node
 from jshard.propagate._engine import Decision, Result
 from jshard.rules import OpTable
+
+
+_AFTER = frozenset({"all-reduce"})
+"""Collectives an operator issues after it computes (its partial sums); the others move its inputs."""
 
 
 class Priced(NamedTuple):
@@ -21,42 +27,92 @@ class Priced(NamedTuple):
       device_flops: the work of one device under the plan: each operator's divided by the devices
         its strategy cuts it over (the mesh axes its operands' layouts use).
       comm_seconds: the plan's collectives' α–β time.
-      compute_seconds: `device_flops` at the cost model's rate.
+      compute_seconds: each operator's roofline (`CostModel.compute_seconds`: its FLOPs per device
+        at its units' rate, or its fused memory traffic at the memory bandwidth), summed.
+      step_seconds: the predicted time per call: the makespan of `schedule`, compute and each
+        collective kind on their own resource where the cost model overlaps them (else their sum).
     """
 
     flops: float
     device_flops: float
     comm_seconds: float
     compute_seconds: float
+    step_seconds: float
 
     @property
     def seconds(self) -> float:
-        """The predicted time per call: collectives and compute."""
-        return self.comm_seconds + self.compute_seconds
+        """The predicted time per call (`step_seconds`)."""
+        return self.step_seconds
+
+    @property
+    def hidden_seconds(self) -> float:
+        """The collectives' time that runs beside compute: `comm_seconds` the step does not wait for."""
+        return max(self.comm_seconds + self.compute_seconds - self.step_seconds, 0.0)
 
 
 def priced(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], cost: CostModel,
-           table: OpTable | None = None) -> Priced:
+           table: OpTable | None = None, outputs: Collection = ()) -> Priced:
     """The `Priced` work of `nodes` laid out as `result` decided (an operator it left undecided,
     or has no rule for, runs whole on every device); `table`: the nodes' `OpTable`, where one is
-    at hand."""
+    at hand; `outputs`: the program's results (written to memory, `OpTable.traffic`)."""
     table = table or OpTable(nodes)
-    flops = device = comm = 0.0
+    moved = table.traffic(outputs)
+    flops = device = comm = compute = 0.0
+    seconds: dict[int, float] = {}
     over: dict[int, int] = {}  # `devices_over` by the decision's id (operators alike share one; `result` holds them)
     for i, node in enumerate(nodes):
         decision = result.decisions.get(i)
         if decision is not None:
             comm += decision.seconds
         f = table.factors.get(i)
-        if f is None or not f.flops or i in result.unruled:
+        if f is None or i in result.unruled or not (f.flops or i in moved):
             continue
-        work = node.weight * f.flops
-        flops += work
         n = over.get(id(decision))
         if n is None:
             n = over[id(decision)] = devices_over(decision, axis_size)
+        work = node.weight * f.flops
+        flops += work
         device += work / n
-    return Priced(flops, device, comm, device / cost.flops)
+        seconds[i] = node.weight * cost.compute_seconds(f.flops / n, moved.get(i, 0.0) / n, i in table.matmul)
+        compute += seconds[i]
+    step = schedule(nodes, result, seconds, table, axis_size, cost) if cost.overlap and comm else comm + compute
+    return Priced(flops, device, comm, compute, step)
+
+
+def schedule(nodes: Sequence[Node], result: Result, compute: Mapping[int, float], table: OpTable,
+             axis_size: Mapping[str, int], cost: CostModel) -> float:
+    """The makespan of the program's operators in program order (the order XLA's scheduler starts
+    from), compute on one resource and each collective kind on its own: an operator's input
+    collectives start once the values they move are made and their resource is free, its compute
+    once its inputs have arrived and the compute resource is free, its partial sums' all-reduces
+    once it has computed. A collective so overlaps the compute scheduled beside it that does not
+    depend on it, as the asynchronous collectives of XLA's latency-hiding scheduler do on GPU.
+    `compute`: seconds per operator."""
+    ready: dict = {}
+    free: dict[str, float] = {}
+    end = 0.0
+    for i, node in enumerate(nodes):
+        ins, outs = table.vars[i]
+        start = max((ready.get(v, 0.0) for v in ins if isinstance(v, jcore.Var)), default=0.0)
+        decision = result.decisions.get(i)
+        after: list[tuple[str, float]] = []
+        if decision is not None and decision.seconds:
+            times = [cost.time(c, axis_size) for c in decision.comms]
+            scale = decision.seconds / sum(times) if sum(times) else 0.0
+            arrived = start
+            for c, t in zip(decision.comms, times):
+                if c.kind in _AFTER:
+                    after.append((c.kind, t * scale))
+                    continue
+                arrived = free[c.kind] = max(arrived, free.get(c.kind, 0.0)) + t * scale
+            start = arrived
+        done = free["compute"] = max(start, free.get("compute", 0.0)) + compute.get(i, 0.0)
+        for kind, t in after:
+            done = free[kind] = max(done, free.get(kind, 0.0)) + t
+        for v in outs:
+            ready[v] = done
+        end = max(end, done)
+    return max(end, *free.values()) if free else end
 
 
 def devices_over(decision: Decision | None, axis_size: Mapping[str, int]) -> int:

@@ -92,6 +92,9 @@ class Unit:
       weight: how often it runs per call.
       flops: its floating-point work on one device holding everything, per run.
       fixed: for a constraint or a fixed argument, its one layout per operand position.
+      traffic: the device-memory bytes it moves per run once fused (`OpTable.traffic`), on one
+        device holding everything.
+      matmul: whether it runs on the matrix units (`CostModel.matmul_flops`).
     """
 
     node: int
@@ -102,6 +105,8 @@ class Unit:
     weight: int
     flops: float
     fixed: dict | None = None
+    traffic: float = 0.0
+    matmul: bool = False
 
     @property
     def free(self) -> bool:
@@ -166,6 +171,7 @@ class SearchGraph:
         self.unit_of: dict[tuple[int, int], int] = {}  # (node, operand position) -> unit
         self.arg_unit: dict = {}
         self.node_units: dict[int, list[int]] = collections.defaultdict(list)
+        self._traffic = self.table.traffic(outvars)
         for v in args:
             self._add_arg(v, fixed.get(v))
         for i, node in enumerate(nodes):
@@ -215,8 +221,9 @@ class SearchGraph:
         if not groups:
             groups = [((), tuple(range(len(operands))))]
         for n, (own, positions) in enumerate(groups):
-            flops = f.flops if n == 0 else 0.0
-            self._unit(Unit(i, None, f, own, positions, node.weight, flops))
+            first = n == 0  # the operator's work goes with its first unit
+            self._unit(Unit(i, None, f, own, positions, node.weight, f.flops if first else 0.0,
+                            traffic=self._traffic.get(i, 0.0) if first else 0.0, matmul=i in e.matmul))
 
     def _unit(self, u: Unit) -> None:
         k = len(self.units)
@@ -307,7 +314,7 @@ class SearchGraph:
         for k, u in enumerate(self.units):
             results = () if u.node < 0 else tuple(array_of(v) for v in self.table.vars[u.node][1])
             fixed = None if u.fixed is None else tuple(sorted(u.fixed.items()))
-            key = (u.factors, u.own, u.operands, u.weight, u.flops, fixed, results, k in self.combinable)
+            key = (u.factors, u.own, u.operands, u.weight, u.flops, u.traffic, fixed, results, k in self.combinable)
             out.append(ids.setdefault(key, len(ids)))
         return out
 
@@ -399,9 +406,9 @@ class SearchGraph:
                     payload = local_bytes(shape, itemsize, self.spec(k, pos, a), self.axis_size)
                     seconds += sum(self.cost.time(Comm("all-reduce", payload, axes), self.axis_size)
                                    - combined * self.cost.group_latency(axes) for axes in partial)
-        if u.flops:
+        if u.flops or u.traffic:
             cut = math.prod(self.axis_size[x] for fac in u.own for x in a.get(fac, ()))
-            seconds += u.flops / cut / self.cost.flops
+            seconds += self.cost.compute_seconds(u.flops / cut, u.traffic / cut, u.matmul)
         return u.weight * seconds
 
     def edge_seconds(self, e: Edge, src: Spec, dst: Spec) -> float:

@@ -1,0 +1,109 @@
+"""`traffic`: the device-memory bytes each operator moves once XLA has fused the program.
+
+Counting every operator's inputs and outputs overstates what a compiled program moves several
+times over: XLA fuses chains of elementwise and shape operators into one kernel, whose
+intermediate values never leave the registers. The rule here is the general one XLA's fusion
+passes follow, not a model of one program:
+
+- a value lives in device memory ("materialized") where it is an argument or a result of the
+  program, where an operator that is no fusible one makes it (a dot, a convolution, a gather or
+  scatter, a sort, a loop), where it reaches an operator that reads its operands from memory (a
+  dot, a convolution, a gather or scatter, a collective, a loop) or where several operators read
+  it (each of them then reads it from memory);
+- a fusible operator's (elementwise, broadcast, reshape, transpose, slice, ...) result read by one
+  fusible operator or one reduction stays in the kernel (a reduction fuses its producers into its
+  input, as XLA's input fusion does), and so does a broadcast's, an iota's or any value made from
+  iotas and literals alone (a causal mask), which XLA recomputes in every consumer rather than
+  stores;
+- a fusible operator joins the kernel of its latest operand (`_Fusion`): one that also reads a
+  reduction's result runs in a kernel after it, and reads from memory what was made before it;
+- each operator moves the materialized values it reads and the materialized values it writes.
+
+Loops and branches (`scan`, `while`, `cond`) move nothing of their own: their bodies' operators are
+counted, weighted by the trip count like their FLOPs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+from jax.extend import core as jcore
+
+from jshard.cost import value_bytes
+from jshard.graph import CONSTRAINT, Node
+from jshard.rules._elementwise import ELEMENTWISE
+from jshard.rules._reduce import REDUCTIONS
+
+MATMUL = frozenset({"dot_general", "conv_general_dilated"})
+"""Operators that run on the matrix units (`CostModel.matmul_flops`)."""
+
+FUSIBLE = frozenset(ELEMENTWISE) - {"optimization_barrier"} | {
+    "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "reshape", "concatenate", "pad", "slice",
+    "dynamic_slice", "rev", "iota", CONSTRAINT}
+"""Operators XLA fuses into one kernel with their consumers."""
+
+_REDUCING = FUSIBLE | set(REDUCTIONS) | {"argmax", "argmin", "reduce"}
+"""Operators that take a fusible producer into their kernel."""
+
+_RECOMPUTED = frozenset({"broadcast_in_dim", "iota"})
+"""Fusible operators XLA repeats in every consumer rather than store their result."""
+
+_CONTROL = frozenset({"scan", "while", "cond"})
+
+
+def traffic(nodes: Sequence[Node], vars_: Mapping[int, tuple[list, list]], producer: Mapping,
+            consumers: Mapping, outputs: Collection = ()) -> dict[int, float]:
+    """Bytes of device memory each operator reads and writes per run, on one device holding
+    everything, under the fusion rule above (operators that move nothing are left out).
+
+    Args:
+      nodes: the flattened program.
+      vars_ / producer / consumers: its `OpTable`'s operands, makers and users of each value.
+      outputs: the program's results (written to memory whoever else reads them).
+    """
+    fused = _Fusion(nodes, vars_, producer, consumers, frozenset(outputs))
+    moved: dict[int, float] = {}
+    for i, node in enumerate(nodes):
+        if node.primitive in _CONTROL:
+            continue
+        ins, outs = vars_[i]
+        total = sum(value_bytes(v) for v in ins if isinstance(v, jcore.Var) and fused.read(v, i))
+        total += sum(value_bytes(v) for v in outs if fused.written(v))
+        if total:
+            moved[i] = total
+    return moved
+
+
+class _Fusion:
+    """Which kernel each fusible operator joins, and which values cross memory.
+
+    A fusible operator joins the kernel of the latest of its operands' kernels (a value made by
+    another kind of operator, or an argument, starts one of its own): an operator that also reads
+    a reduction's result, say, runs after it, in a kernel apart from the values made before it.
+    """
+
+    def __init__(self, nodes, vars_, producer, consumers, outputs: frozenset):
+        self.nodes, self.producer, self.consumers, self.outputs = nodes, producer, consumers, outputs
+        self.kernel: dict[int, int] = {}
+        self.free: set[int] = set()  # fusible operators that read nothing from memory (masks made from iotas)
+        for i, node in enumerate(nodes):
+            if node.primitive in FUSIBLE:
+                made = [producer.get(v) for v in vars_[i][0] if isinstance(v, jcore.Var)]
+                self.kernel[i] = max((self.kernel.get(p, p) for p in made if p is not None), default=-1)
+                if all(p in self.free for p in made):
+                    self.free.add(i)
+
+    def read(self, v, j: int) -> bool:
+        """Whether operator `j` reads `v` from device memory."""
+        p = self.producer.get(v)
+        if p is None or p not in self.kernel:
+            return True  # an argument, or a dot's (a reduction's, a gather's, ...) result: in memory
+        if j not in self.kernel:  # a reduction takes a lone fusible producer into its kernel
+            return not (self.nodes[j].primitive in _REDUCING and {k for k, _ in self.consumers.get(v, ())} == {j})
+        recomputed = p in self.free or self.nodes[p].primitive in _RECOMPUTED
+        return not recomputed and self.kernel[j] != self.kernel[p]
+
+    def written(self, v) -> bool:
+        """Whether `v` is written to device memory: a program result, or a value read from there."""
+        readers = {k for k, _ in self.consumers.get(v, ())}
+        return v in self.outputs or any(self.read(v, k) for k in readers)
