@@ -13,7 +13,6 @@ from jshard.graph import Node
 from jshard.propagate._engine import Decision, Result
 from jshard.rules import OpTable
 
-
 _AFTER = frozenset({"all-reduce"})
 """Collectives an operator issues after it computes (its partial sums); the others move its inputs."""
 

@@ -32,3 +32,4 @@ from jshard.rules._factors import write_spec as write_spec
 from jshard.rules._fallbacks import FALLBACKS as FALLBACKS
 from jshard.rules._table import OpTable as OpTable
 from jshard.rules._table import neighbours_of as neighbours_of
+from jshard.rules._traffic import MATMUL as MATMUL
