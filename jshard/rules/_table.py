@@ -61,7 +61,7 @@ class OpTable:
         key = frozenset(outputs)
         found = self._traffic.get(key)
         if found is None:
-            found = self._traffic[key] = traffic(self.nodes, self.vars, self.producer, self.consumers, key)
+            found = self._traffic[key] = traffic(self.nodes, self.vars, key)
         return found
 
 

@@ -17,6 +17,9 @@ passes follow, not a model of one program:
   stores;
 - a fusible operator joins the kernel of its latest operand (`_Fusion`): one that also reads a
   reduction's result runs in a kernel after it, and reads from memory what was made before it;
+  except a reduction of each row (its operand's minor dim reduced) that is read back beside the
+  row it reduced, a softmax's or a norm's "diamond", which XLA's GPU backend fuses into one
+  kernel (its row-reduction and Triton softmax fusions): its result stays in that kernel;
 - each operator moves the materialized values it reads and the materialized values it writes.
 
 Loops and branches (`scan`, `while`, `cond`) move nothing of their own: their bodies' operators are
@@ -25,6 +28,7 @@ counted, weighted by the trip count like their FLOPs.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Collection, Mapping, Sequence
 
 from jax.extend import core as jcore
@@ -51,24 +55,23 @@ _RECOMPUTED = frozenset({"broadcast_in_dim", "iota"})
 _CONTROL = frozenset({"scan", "while", "cond"})
 
 
-def traffic(nodes: Sequence[Node], vars_: Mapping[int, tuple[list, list]], producer: Mapping,
-            consumers: Mapping, outputs: Collection = ()) -> dict[int, float]:
+def traffic(nodes: Sequence[Node], vars_: Mapping[int, tuple[list, list]], outputs: Collection = ()) -> dict[int, float]:
     """Bytes of device memory each operator reads and writes per run, on one device holding
     everything, under the fusion rule above (operators that move nothing are left out).
 
     Args:
       nodes: the flattened program.
-      vars_ / producer / consumers: its `OpTable`'s operands, makers and users of each value.
+      vars_: its `OpTable`'s operands of each operator.
       outputs: the program's results (written to memory whoever else reads them).
     """
-    fused = _Fusion(nodes, vars_, producer, consumers, frozenset(outputs))
+    fused = _Fusion(nodes, vars_, frozenset(outputs))
     moved: dict[int, float] = {}
     for i, node in enumerate(nodes):
         if node.primitive in _CONTROL:
             continue
         ins, outs = vars_[i]
-        total = sum(value_bytes(v) for v in ins if isinstance(v, jcore.Var) and fused.read(v, i))
-        total += sum(value_bytes(v) for v in outs if fused.written(v))
+        total = sum(value_bytes(v) for v, p in zip(ins, fused.made[i]) if isinstance(v, jcore.Var) and fused.read(v, p, i))
+        total += sum(value_bytes(v) for v in outs if fused.written(v, i))
         if total:
             moved[i] = total
     return moved
@@ -80,30 +83,54 @@ class _Fusion:
     A fusible operator joins the kernel of the latest of its operands' kernels (a value made by
     another kind of operator, or an argument, starts one of its own): an operator that also reads
     a reduction's result, say, runs after it, in a kernel apart from the values made before it.
+    Values are told apart by the operator that made them: a sub-jaxpr JAX caches is inlined at
+    every call with the same variables, so a variable's maker is the latest before each use.
     """
 
-    def __init__(self, nodes, vars_, producer, consumers, outputs: frozenset):
-        self.nodes, self.producer, self.consumers, self.outputs = nodes, producer, consumers, outputs
+    def __init__(self, nodes, vars_, outputs: frozenset):
+        self.nodes = nodes
+        self.made: dict[int, list] = {}  # per operator, the maker of each input (None: an argument)
+        self.readers: dict = collections.defaultdict(set)  # (value, maker) -> operators reading it
         self.kernel: dict[int, int] = {}
+        self.row: dict[int, int] = {}  # a reduction of rows -> the kernel of what it reduces
         self.free: set[int] = set()  # fusible operators that read nothing from memory (masks made from iotas)
+        latest: dict = {}
         for i, node in enumerate(nodes):
+            ins, outs = vars_[i]
+            made = self.made[i] = [latest.get(v) if isinstance(v, jcore.Var) else None for v in ins]
+            for v, p in zip(ins, made):
+                if isinstance(v, jcore.Var):
+                    self.readers[(v, p)].add(i)
+            ms = [p for v, p in zip(ins, made) if isinstance(v, jcore.Var)]
             if node.primitive in FUSIBLE:
-                made = [producer.get(v) for v in vars_[i][0] if isinstance(v, jcore.Var)]
-                self.kernel[i] = max((self.kernel.get(p, p) for p in made if p is not None), default=-1)
-                if all(p in self.free for p in made):
+                self.kernel[i] = max((self.kernel.get(p, self.row.get(p, p)) for p in ms if p is not None), default=-1)
+                if all(p in self.free for p in ms):
                     self.free.add(i)
+            elif _row_reduction(node) and ms and ms[0] is not None:
+                self.row[i] = self.kernel.get(ms[0], ms[0])
+            for v in outs:
+                latest[v] = i
+        self.last = {v: latest.get(v) for v in outputs}
 
-    def read(self, v, j: int) -> bool:
-        """Whether operator `j` reads `v` from device memory."""
-        p = self.producer.get(v)
+    def read(self, v, p: int | None, j: int) -> bool:
+        """Whether operator `j` reads `v`, made by operator `p`, from device memory."""
         if p is None or p not in self.kernel:
             return True  # an argument, or a dot's (a reduction's, a gather's, ...) result: in memory
         if j not in self.kernel:  # a reduction takes a lone fusible producer into its kernel
-            return not (self.nodes[j].primitive in _REDUCING and {k for k, _ in self.consumers.get(v, ())} == {j})
+            return not (self.nodes[j].primitive in _REDUCING and self.readers[(v, p)] == {j})
         recomputed = p in self.free or self.nodes[p].primitive in _RECOMPUTED
         return not recomputed and self.kernel[j] != self.kernel[p]
 
-    def written(self, v) -> bool:
-        """Whether `v` is written to device memory: a program result, or a value read from there."""
-        readers = {k for k, _ in self.consumers.get(v, ())}
-        return v in self.outputs or any(self.read(v, k) for k in readers)
+    def written(self, v, p: int) -> bool:
+        """Whether `v`, made by operator `p`, is written to device memory: a program result, or a
+        value read from there."""
+        return self.last.get(v, -2) == p or any(self.read(v, p, k) for k in self.readers.get((v, p), ()))
+
+
+def _row_reduction(node: Node) -> bool:
+    """Whether `node` reduces its operand's minor dim (a softmax's max and sum, a norm's mean)."""
+    axes = node.eqn.params.get("axes")
+    if node.primitive not in REDUCTIONS or axes is None or not node.eqn.invars:
+        return False
+    rank = len(getattr(node.eqn.invars[0].aval, "shape", ()))
+    return rank > 0 and rank - 1 in tuple(axes)
