@@ -83,7 +83,7 @@ class WorkReport:
         line += (f"; the data-parallel plan would take {_us(data)} per call against {_us(self.seconds)} for this "
                  f"one: ")
         saved = self.compute_seconds - self.data_compute_seconds
-        paid = self.data_comm_seconds - self.comm_seconds
+        paid = (self.data_comm_seconds - self.data_hidden_seconds) - (self.comm_seconds - self.hidden_seconds)
         if data >= self.seconds:
             return line + (f"the cost model says the step is too small to cut (cutting the batch saves {_us(saved)} "
                            f"of compute per device and costs {_us(paid)} of collectives)")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 from jax.extend import core as jcore
 
-from jshard.cost import CostModel
+from jshard.cost import CostModel, Timeline
 from jshard.graph import Node
 from jshard.propagate._engine import Decision, Result
 from jshard.rules import OpTable
@@ -80,17 +81,15 @@ def priced(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], 
 
 def schedule(nodes: Sequence[Node], result: Result, compute: Mapping[int, float], table: OpTable,
              axis_size: Mapping[str, int], cost: CostModel) -> float:
-    """The makespan of the program's operators in program order (the order XLA's scheduler starts
-    from), compute on one resource and each collective kind on its own: an operator's input
-    collectives start once the values they move are made and their resource is free, its compute
-    once its inputs have arrived and the compute resource is free, its partial sums' all-reduces
-    once it has computed. A collective so overlaps the compute scheduled beside it that does not
-    depend on it, as the asynchronous collectives of XLA's latency-hiding scheduler do on GPU.
-    `compute`: seconds per operator."""
+    """The makespan of the program's operators, compute on one resource and each collective kind
+    on its own (`Timeline`s: each piece of work in program order, as early as its inputs allow):
+    an operator's input collectives start once the values they move are made, its compute once
+    they have arrived, its partial sums' all-reduces once it has computed. A collective so
+    overlaps the compute that does not depend on it, as the asynchronous collectives of XLA's
+    latency-hiding scheduler do on GPU. `compute`: seconds per operator."""
     ready: dict = {}
-    free: dict[str, float] = {}
-    end = 0.0
-    for i, node in enumerate(nodes):
+    lines: dict[str, Timeline] = collections.defaultdict(Timeline)
+    for i, _ in enumerate(nodes):
         ins, outs = table.vars[i]
         start = max((ready.get(v, 0.0) for v in ins if isinstance(v, jcore.Var)), default=0.0)
         decision = result.decisions.get(i)
@@ -98,20 +97,17 @@ def schedule(nodes: Sequence[Node], result: Result, compute: Mapping[int, float]
         if decision is not None and decision.seconds:
             times = [cost.time(c, axis_size) for c in decision.comms]
             scale = decision.seconds / sum(times) if sum(times) else 0.0
-            arrived = start
             for c, t in zip(decision.comms, times):
                 if c.kind in _AFTER:
                     after.append((c.kind, t * scale))
-                    continue
-                arrived = free[c.kind] = max(arrived, free.get(c.kind, 0.0)) + t * scale
-            start = arrived
-        done = free["compute"] = max(start, free.get("compute", 0.0)) + compute.get(i, 0.0)
+                else:
+                    start = lines[c.kind].place(start, t * scale)
+        done = lines["compute"].place(start, compute.get(i, 0.0))
         for kind, t in after:
-            done = free[kind] = max(done, free.get(kind, 0.0)) + t
+            done = lines[kind].place(done, t)
         for v in outs:
             ready[v] = done
-        end = max(end, done)
-    return max(end, *free.values()) if free else end
+    return max((line.tail for line in lines.values()), default=0.0)
 
 
 def devices_over(decision: Decision | None, axis_size: Mapping[str, int]) -> int:

@@ -66,11 +66,18 @@ def traffic(nodes: Sequence[Node], vars_: Mapping[int, tuple[list, list]], outpu
     """
     fused = _Fusion(nodes, vars_, frozenset(outputs))
     moved: dict[int, float] = {}
+    seen: set = set()  # (value, maker, kernel): a kernel reads a value from memory once
     for i, node in enumerate(nodes):
         if node.primitive in _CONTROL:
             continue
         ins, outs = vars_[i]
-        total = sum(value_bytes(v) for v, p in zip(ins, fused.made[i]) if isinstance(v, jcore.Var) and fused.read(v, p, i))
+        total = 0.0
+        for v, p in zip(ins, fused.made[i]):
+            if isinstance(v, jcore.Var) and fused.read(v, p, i):
+                kernel = fused.kernel_of(i)
+                if kernel is None or (v, p, kernel) not in seen:
+                    total += value_bytes(v)
+                    seen.add((v, p, kernel))
         total += sum(value_bytes(v) for v in outs if fused.written(v, i))
         if total:
             moved[i] = total
@@ -106,20 +113,27 @@ class _Fusion:
                 self.kernel[i] = max((self.kernel.get(p, self.row.get(p, p)) for p in ms if p is not None), default=-1)
                 if all(p in self.free for p in ms):
                     self.free.add(i)
-            elif _row_reduction(node) and ms and ms[0] is not None:
-                self.row[i] = self.kernel.get(ms[0], ms[0])
+            elif _row_reduction(node) and ms:
+                self.row[i] = -1 if ms[0] is None else self.kernel.get(ms[0], self.row.get(ms[0], ms[0]))
             for v in outs:
                 latest[v] = i
         self.last = {v: latest.get(v) for v in outputs}
 
+    def kernel_of(self, j: int) -> int | None:
+        """The kernel operator `j` runs in, if it joins one (a fusible operator, a row reduction)."""
+        return self.kernel.get(j, self.row.get(j))
+
     def read(self, v, p: int | None, j: int) -> bool:
         """Whether operator `j` reads `v`, made by operator `p`, from device memory."""
-        if p is None or p not in self.kernel:
-            return True  # an argument, or a dot's (a reduction's, a gather's, ...) result: in memory
-        if j not in self.kernel:  # a reduction takes a lone fusible producer into its kernel
+        if p is None:
+            return True  # an argument
+        mine = self.kernel_of(j)
+        if p not in self.kernel:  # a dot's (a reduction's, a gather's, ...) result: in memory, unless
+            return not (p in self.row and mine == self.row[p])  # a row reduction read back in its kernel
+        if mine is None:  # a reduction takes a lone fusible producer into its kernel
             return not (self.nodes[j].primitive in _REDUCING and self.readers[(v, p)] == {j})
         recomputed = p in self.free or self.nodes[p].primitive in _RECOMPUTED
-        return not recomputed and self.kernel[j] != self.kernel[p]
+        return not recomputed and mine != self.kernel[p]
 
     def written(self, v, p: int) -> bool:
         """Whether `v`, made by operator `p`, is written to device memory: a program result, or a
