@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import pytest
 
 import jshard as js
-from jshard._examples import build
 from jshard.cost import CostModel
 from jshard.graph import flatten
 from jshard.rules import OpTable
@@ -72,27 +71,6 @@ def test_a_value_read_by_two_kernels_is_written_once_and_read_by_each():
     assert by["reduce_sum"] == h + 512 * 4
 
 
-@pytest.fixture(scope="module")
-def mlp():
-    return build("mlp", {}, None)
-
-
-def _plan(example, cost: CostModel, **options):
-    return js.parallelize(example.fn, **{**example.options, "devices": 8, "cost_model": cost, **options}).plan(
-        *example.args)
-
-
-def test_collectives_overlap_independent_compute_where_the_device_kind_says_so(mlp):
-    h100 = CostModel.for_device("H100")
-    apart = _plan(mlp, dataclasses.replace(h100, overlap=False), mode="data").work
-    beside = _plan(mlp, h100, mode="data").work
-    assert apart.hidden_seconds == 0.0 and apart.seconds == apart.comm_seconds + apart.compute_seconds
-    # the same plan and prices; the gradients' all-reduces run beside the backward's earlier layers
-    assert (beside.comm_seconds, beside.compute_seconds) == (apart.comm_seconds, apart.compute_seconds)
-    assert 0.0 < beside.hidden_seconds <= beside.comm_seconds
-    assert max(beside.compute_seconds, beside.comm_seconds) <= beside.seconds < apart.seconds
-
-
 def _step(ws, x):
     def loss(ws):
         h = x
@@ -123,3 +101,24 @@ def test_the_search_compares_plans_by_their_schedule_where_collectives_overlap(o
         assert g.seconds(choice) == summed
     else:  # the first layers' gradients are summed while the last layers' backward runs
         assert compute <= g.seconds(choice) < summed
+
+
+def test_collectives_overlap_independent_compute_where_the_device_kind_says_so():
+    ws = [jax.ShapeDtypeStruct((512, 512), F32)] * 3
+    x = jax.ShapeDtypeStruct((4096, 512), F32)
+    h100 = CostModel.for_device("H100")
+    apart = js.parallelize(_step, devices=8, mode="data", cost_model=dataclasses.replace(h100, overlap=False)).plan(ws, x)
+    plan = js.parallelize(_step, devices=8, mode="data", cost_model=h100).plan(ws, x)
+    a, b = apart.work, plan.work
+    assert a.hidden_seconds == 0.0 and a.seconds == a.comm_seconds + a.compute_seconds and not a.hidden_ops
+    # the same plan and prices; the first layers' gradients are summed while the last layers' backward runs
+    assert (b.comm_seconds, b.compute_seconds) == (a.comm_seconds, a.compute_seconds)
+    assert 0.0 < b.hidden_seconds <= b.comm_seconds
+    assert max(b.compute_seconds, b.comm_seconds) <= b.seconds < a.seconds
+    assert sum(b.hidden_ops.values()) == pytest.approx(b.hidden_seconds)
+    hidden = [plan.ops[k] for k in b.hidden_ops]
+    assert {op.primitive for op in hidden} == {"reduce_sum", "dot_general"}  # the loss's and gradients' partial sums
+    op = next(op for op in hidden if op.primitive == "dot_general")
+    assert "all-reduce" in plan.explain(op)
+    assert f"of which {b.hidden_ops[op.index] * 1e6:.4g} us run beside compute" in plan.explain(op)
+    assert "run beside compute" not in apart.explain(op.index)

@@ -12,7 +12,7 @@ from jshard.compile._boundary import dataset_anchors, in_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem
 from jshard.compile._program import Program
-from jshard.plan import WorkReport
+from jshard.plan import WorkReport, numbered
 from jshard.propagate import Engine, priced
 from jshard.rules import OpTable
 
@@ -28,8 +28,10 @@ def with_work(program: Program, args: tuple, batch: set[int], slots, c: Options,
     here = priced(traced.nodes, result, traced.axis_size, cost, table, traced.outvars)
     if not here.flops:
         return program
+    number = numbered(traced.nodes) if here.hidden else {}
     report = WorkReport(traced.fine.device_count, here.flops, here.device_flops, here.comm_seconds,
-                        here.compute_seconds, c.mode, hidden_seconds=here.hidden_seconds)
+                        here.compute_seconds, c.mode, hidden_seconds=here.hidden_seconds,
+                        hidden_ops={number[i]: s for i, s in here.hidden.items() if i in number})
     if report.replicated and c.mode != "data":
         report = _data_parallel(report, traced, table, args, batch, slots, c, call)
     return dataclasses.replace(program, plan=program.plan.replace(work=report))

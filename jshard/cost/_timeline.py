@@ -38,3 +38,16 @@ class Timeline:
             self.gaps.append((self.tail, start))
         self.tail = start + length
         return self.tail
+
+    def busy(self, start: float, end: float) -> float:
+        """Seconds of `[start, end)` the resource works (what it has placed so far).
+
+        Examples:
+          >>> t = Timeline()
+          >>> t.place(0.0, 1.0), t.place(2.0, 1.0), t.busy(0.5, 2.5)
+          (1.0, 3.0, 1.0)
+        """
+        worked = max(min(end, self.tail) - start, 0.0)
+        for a, b in self.gaps:
+            worked -= max(min(b, end) - max(a, start), 0.0)
+        return worked

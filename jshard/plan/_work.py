@@ -4,6 +4,7 @@ device does nearly all of it, what the data-parallel plan of the same program wo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 REPLICATED_SHARE = 0.9
 """The work share per device from which a plan says that (nearly) nothing is cut."""
@@ -31,6 +32,8 @@ class WorkReport:
       hidden_seconds / data_hidden_seconds: of `comm_seconds` (`data_comm_seconds`), the time the
         collectives run beside compute that does not wait for them, where the cost model overlaps
         them (`CostModel.overlap`); 0 where it does not.
+      hidden_ops: per operator (`OpRecord.index`) whose collectives run beside compute, the seconds
+        of them the device computes through (what `Plan.explain` says of it).
     """
 
     devices: int
@@ -44,6 +47,7 @@ class WorkReport:
     data_missing: str = ""
     hidden_seconds: float = 0.0
     data_hidden_seconds: float = 0.0
+    hidden_ops: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def share(self) -> float:

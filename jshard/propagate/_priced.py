@@ -31,6 +31,8 @@ class Priced(NamedTuple):
         at its units' rate, or its fused memory traffic at the memory bandwidth), summed.
       step_seconds: the predicted time per call: the makespan of `schedule`, compute and each
         collective kind on their own resource where the cost model overlaps them (else their sum).
+      hidden: per operator (node index) whose collectives run beside compute, the seconds of them
+        the compute resource is busy with other work (`schedule`); empty where nothing overlaps.
     """
 
     flops: float
@@ -38,6 +40,7 @@ class Priced(NamedTuple):
     comm_seconds: float
     compute_seconds: float
     step_seconds: float
+    hidden: Mapping[int, float] = {}
 
     @property
     def seconds(self) -> float:
@@ -75,20 +78,24 @@ def priced(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], 
         device += work / n
         seconds[i] = node.weight * cost.compute_seconds(f.flops / n, moved.get(i, 0.0) / n, i in table.matmul)
         compute += seconds[i]
-    step = schedule(nodes, result, seconds, table, axis_size, cost) if cost.overlap and comm else comm + compute
-    return Priced(flops, device, comm, compute, step)
+    if not (cost.overlap and comm):
+        return Priced(flops, device, comm, compute, comm + compute)
+    step, hidden = schedule(nodes, result, seconds, table, axis_size, cost)
+    return Priced(flops, device, comm, compute, step, hidden)
 
 
 def schedule(nodes: Sequence[Node], result: Result, compute: Mapping[int, float], table: OpTable,
-             axis_size: Mapping[str, int], cost: CostModel) -> float:
+             axis_size: Mapping[str, int], cost: CostModel) -> tuple[float, dict[int, float]]:
     """The makespan of the program's operators, compute on one resource and each collective kind
     on its own (`Timeline`s: each piece of work in program order, as early as its inputs allow):
     an operator's input collectives start once the values they move are made, its compute once
     they have arrived, its partial sums' all-reduces once it has computed. A collective so
     overlaps the compute that does not depend on it, as the asynchronous collectives of XLA's
-    latency-hiding scheduler do on GPU. `compute`: seconds per operator."""
+    latency-hiding scheduler do on GPU. `compute`: seconds per operator. Also, per operator with
+    collectives, the seconds of them the compute resource works through (`Priced.hidden`)."""
     ready: dict = {}
     lines: dict[str, Timeline] = collections.defaultdict(Timeline)
+    spans: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
     for i, _ in enumerate(nodes):
         ins, outs = table.vars[i]
         start = max((ready.get(v, 0.0) for v in ins if isinstance(v, jcore.Var)), default=0.0)
@@ -102,12 +109,16 @@ def schedule(nodes: Sequence[Node], result: Result, compute: Mapping[int, float]
                     after.append((c.kind, t * scale))
                 else:
                     start = lines[c.kind].place(start, t * scale)
+                    spans[i].append((start - t * scale, start))
         done = lines["compute"].place(start, compute.get(i, 0.0))
         for kind, t in after:
             done = lines[kind].place(done, t)
+            spans[i].append((done - t, done))
         for v in outs:
             ready[v] = done
-    return max((line.tail for line in lines.values()), default=0.0)
+    work = lines["compute"]
+    hidden = {i: sum(work.busy(a, b) for a, b in found) for i, found in spans.items()}
+    return max((line.tail for line in lines.values()), default=0.0), {i: s for i, s in hidden.items() if s > 0}
 
 
 def devices_over(decision: Decision | None, axis_size: Mapping[str, int]) -> int:

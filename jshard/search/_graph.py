@@ -508,7 +508,7 @@ class SearchGraph:
 
     def summed(self, choice: Sequence[Assignment]) -> float:
         """`choice`'s units' own costs, edges' redistributions and combined latency, summed."""
-        shape, own = self.shape_of_unit, {}
+        shape, own = self.shape_of_unit, dict[tuple, float]()
         total = self.combined_latency(choice)
         for k, a in enumerate(choice):  # `unit_seconds` once per structure and assignment (identical layers)
             key = (shape[k], id(a))
@@ -527,7 +527,7 @@ class SearchGraph:
         an operator start once their values are made, its compute once they have arrived, its
         partial sums once it has computed; the combined sets' latency is paid on the all-reduces'
         resource at the end."""
-        shape, own, spec = self.shape_of_unit, {}, self._reader(choice)
+        shape, own, spec = self.shape_of_unit, dict[tuple, tuple[float, float]](), self._reader(choice)
         lines: dict[str, Timeline] = collections.defaultdict(Timeline)
         done: dict[int, float] = {-1: 0.0}  # node -> when its results are made (-1: the arguments)
         for i in sorted(self.node_units):
