@@ -9,6 +9,14 @@ order.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
+
+GAPS = 64
+"""Idle gaps a `Timeline` keeps to fill, the latest: work placed in an older one (a scheduler moving
+it far back in program order) is not looked for, so a schedule of n pieces costs O(n) and errs long."""
+
 
 class Timeline:
     """The busy time of one resource: its end (`tail`) and the idle gaps before it.
@@ -22,6 +30,7 @@ class Timeline:
     def __init__(self) -> None:
         self.tail = 0.0
         self.gaps: list[tuple[float, float]] = []  # idle [start, end) before `tail`, in order
+        self.forgotten: list[tuple[float, float]] = []  # older gaps, no longer filled (`GAPS`), in order
 
     def place(self, ready: float, length: float) -> float:
         """Runs work of `length` seconds no earlier than `ready`, in the first gap that holds it or
@@ -36,6 +45,8 @@ class Timeline:
         start = max(ready, self.tail)
         if start > self.tail:
             self.gaps.append((self.tail, start))
+            if len(self.gaps) > GAPS:
+                self.forgotten.append(self.gaps.pop(0))
         self.tail = start + length
         return self.tail
 
@@ -48,6 +59,9 @@ class Timeline:
           (1.0, 3.0, 1.0)
         """
         worked = max(min(end, self.tail) - start, 0.0)
-        for a, b in self.gaps:
+        first = bisect.bisect_left(self.forgotten, (start,)) - 1
+        for a, b in itertools.chain(self.forgotten[max(first, 0):], self.gaps):
+            if a >= end:
+                break
             worked -= max(min(b, end) - max(a, start), 0.0)
         return worked
