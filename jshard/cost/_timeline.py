@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 import itertools
 
-
 GAPS = 64
 """Idle gaps a `Timeline` keeps to fill, the latest: work placed in an older one (a scheduler moving
 it far back in program order) is not looked for, so a schedule of n pieces costs O(n) and errs long."""
