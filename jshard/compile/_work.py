@@ -31,7 +31,7 @@ def with_work(program: Program, args: tuple, batch: set[int], slots, c: Options,
     number = numbered(traced.nodes) if here.hidden else {}
     report = WorkReport(traced.fine.device_count, here.flops, here.device_flops, here.comm_seconds,
                         here.compute_seconds, c.mode, hidden_seconds=here.hidden_seconds,
-                        hidden_ops={number[i]: s for i, s in here.hidden.items() if i in number})
+                        hidden_ops=tuple((number[i], s) for i, s in here.hidden.items() if i in number))
     if report.replicated and c.mode != "data":
         report = _data_parallel(report, traced, table, args, batch, slots, c, call)
     return dataclasses.replace(program, plan=program.plan.replace(work=report))

@@ -118,7 +118,7 @@ def _anchor(plan, anchor) -> str:
 
 def _hidden(plan, op) -> str:
     """What of `op`'s collectives runs beside compute (`WorkReport.hidden_ops`), as a line; or ""."""
-    hidden = plan.work.hidden_ops.get(op.index, 0.0) if plan.work is not None else 0.0
+    hidden = plan.work.hidden(op.index) if plan.work is not None else 0.0
     if not hidden:
         return ""
     return (f"\n  of which {hidden * 1e6:.4g} us run beside compute that does not wait for them (the cost model's "

@@ -4,7 +4,6 @@ device does nearly all of it, what the data-parallel plan of the same program wo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 
 REPLICATED_SHARE = 0.9
 """The work share per device from which a plan says that (nearly) nothing is cut."""
@@ -32,8 +31,8 @@ class WorkReport:
       hidden_seconds / data_hidden_seconds: of `comm_seconds` (`data_comm_seconds`), the time the
         collectives run beside compute that does not wait for them, where the cost model overlaps
         them (`CostModel.overlap`); 0 where it does not.
-      hidden_ops: per operator (`OpRecord.index`) whose collectives run beside compute, the seconds
-        of them the device computes through (what `Plan.explain` says of it).
+      hidden_ops: `(OpRecord.index, seconds)` per operator whose collectives run beside compute:
+        the seconds of them the device computes through (`hidden`, what `Plan.explain` says).
     """
 
     devices: int
@@ -47,7 +46,11 @@ class WorkReport:
     data_missing: str = ""
     hidden_seconds: float = 0.0
     data_hidden_seconds: float = 0.0
-    hidden_ops: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    hidden_ops: tuple[tuple[int, float], ...] = ()
+
+    def hidden(self, op: int) -> float:
+        """Seconds of operator `op`'s (its `OpRecord.index`) collectives that run beside compute."""
+        return dict(self.hidden_ops).get(op, 0.0)
 
     @property
     def share(self) -> float:

@@ -5,22 +5,19 @@ times over: XLA fuses chains of elementwise and shape operators into one kernel,
 intermediate values never leave the registers. The rule here is the general one XLA's fusion
 passes follow, not a model of one program:
 
-- a value lives in device memory ("materialized") where it is an argument or a result of the
-  program, where an operator that is no fusible one makes it (a dot, a convolution, a gather or
-  scatter, a sort, a loop), where it reaches an operator that reads its operands from memory (a
-  dot, a convolution, a gather or scatter, a collective, a loop) or where several operators read
-  it (each of them then reads it from memory);
-- a fusible operator's (elementwise, broadcast, reshape, transpose, slice, ...) result read by one
-  fusible operator or one reduction stays in the kernel (a reduction fuses its producers into its
-  input, as XLA's input fusion does), and so does a broadcast's, an iota's or any value made from
-  iotas and literals alone (a causal mask), which XLA recomputes in every consumer rather than
-  stores;
-- a fusible operator joins the kernel of its latest operand (`_Fusion`): one that also reads a
-  reduction's result runs in a kernel after it, and reads from memory what was made before it;
-  except a reduction of each row (its operand's minor dim reduced) that is read back beside the
-  row it reduced, a softmax's or a norm's "diamond", which XLA's GPU backend fuses into one
-  kernel (its row-reduction and Triton softmax fusions): its result stays in that kernel;
-- each operator moves the materialized values it reads and the materialized values it writes.
+- kernels: every operator that is not fusible (a dot, a convolution, a gather or scatter, a sort,
+  a collective, a reduction) is a kernel of its own; a fusible one (elementwise, broadcast,
+  reshape, transpose, slice, ...) joins the kernel of its latest operand (`_Fusion`), so one that
+  also reads a reduction's result runs in a kernel after that reduction, apart from the values
+  made before it. Except: a reduction of each row (its operand's minor dim) read back beside the
+  row it reduced, a softmax's or a norm's "diamond", stays in the kernel of that row (XLA's GPU
+  row-reduction and softmax fusions), and a reduction takes a lone fusible producer into its
+  kernel (input fusion);
+- reads: an operator reads from memory the arguments, the results of other kernels and of
+  operators not fusible, once per kernel; a broadcast, an iota, or a value made from iotas and
+  literals alone (a causal mask) is recomputed in each kernel that reads it, never read;
+- writes: a value is written where it is a result of the program or some operator reads it from
+  memory.
 
 Loops and branches (`scan`, `while`, `cond`) move nothing of their own: their bodies' operators are
 counted, weighted by the trip count like their FLOPs.
