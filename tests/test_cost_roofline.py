@@ -123,3 +123,15 @@ def test_collectives_overlap_independent_compute_where_the_device_kind_says_so()
     assert "all-reduce" in plan.explain(op)
     assert f"of which {b.hidden(op.index) * 1e6:.4g} us run beside compute" in plan.explain(op)
     assert "run beside compute" not in apart.explain(op.index)
+
+
+def test_a_loop_body_reads_its_carry_and_writes_it_each_trip():
+    x = jax.ShapeDtypeStruct((256, 256), F32)
+
+    def f(x):
+        return jax.lax.scan(lambda c, _: (c * 2.0 + 1.0, None), x, None, length=4)[0]
+
+    closed = jax.make_jaxpr(f)(x)
+    nodes = flatten(closed.jaxpr)
+    moved = OpTable(nodes).traffic(closed.jaxpr.outvars)
+    assert sum(nodes[i].weight * b for i, b in moved.items()) == 4 * 2 * 256 * 256 * 4

@@ -16,8 +16,8 @@ passes follow, not a model of one program:
 - reads: an operator reads from memory the arguments, the results of other kernels and of
   operators not fusible, once per kernel; a broadcast, an iota, or a value made from iotas and
   literals alone (a causal mask) is recomputed in each kernel that reads it, never read;
-- writes: a value is written where it is a result of the program or some operator reads it from
-  memory.
+- writes: a value is written where it is a result of the program or of a loop's body (its carry,
+  its stacked outputs), or where some operator reads it from memory.
 
 Loops and branches (`scan`, `while`, `cond`) move nothing of their own: their bodies' operators are
 counted, weighted by the trip count like their FLOPs.
@@ -114,7 +114,8 @@ class _Fusion:
                 self.row[i] = -1 if ms[0] is None else self.kernel.get(ms[0], self.row.get(ms[0], ms[0]))
             for v in outs:
                 latest[v] = i
-        self.last = {v: latest.get(v) for v in outputs}
+        results = {v for node in nodes for _, outs in node.bodies for v in outs if isinstance(v, jcore.Var)}
+        self.last = {v: latest.get(v) for v in (*outputs, *results)}  # a loop body's results: written each trip
 
     def kernel_of(self, j: int) -> int | None:
         """The kernel operator `j` runs in, if it joins one (a fusible operator, a row reduction)."""
