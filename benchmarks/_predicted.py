@@ -29,7 +29,7 @@ def predict(gpu: dict[str, Any]) -> dict[str, Any]:
     import optax
 
     import jshard
-    from benchmarks._gpu import _step
+    from benchmarks._gpu import gpt_step
     from benchmarks._report import commit
     from jshard import models
 
@@ -50,7 +50,7 @@ def predict(gpu: dict[str, Any]) -> dict[str, Any]:
         opt = jax.eval_shape(optax.adam(1e-4).init, params)
         batch = shapes(models.copy_task_batch(np.random.default_rng(0), cfg, c["batch"]))
         recompute = run.get("variant") == "recompute"
-        step = _step(dataclasses.replace(cfg, recompute="full") if recompute else cfg)
+        step = gpt_step(dataclasses.replace(cfg, recompute="full") if recompute else cfg)
         par = jshard.parallelize(step, devices=1, mode="data", donate_argnums=(0, 1), cost_model=cost)
         work = par.plan(params, opt, batch).work
         out["runs"].append({"dtype": dtype, "variant": run.get("variant", "base"), "measured_ms": measured,
