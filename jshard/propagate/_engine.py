@@ -115,13 +115,13 @@ class Engine:
         self.entered: set[int] = set()
         self._memo: dict = {} if memo is None else memo
         self.invariant = _invariants(nodes)
-        self.moved = t.traffic()  # memory traffic per operator (`OpTable.traffic`), the outputs' set by `run`
+        self.moved: dict[int, float] = {}  # memory traffic per operator (`OpTable.traffic`), set by `run`
 
     def run(self, anchors: Mapping, outputs: Collection = ()) -> Result:
         """Propagates from `anchors` (var → `Spec`: fixed arguments) and the constraints; `outputs`,
         the program's results, keep the layout they are made in."""
         queue: collections.deque[int] = collections.deque()
-        self.moved = self.table.traffic(outputs)
+        self.moved = self.table.traffic(outputs) if self.cost.memory_bandwidth else {}
         for v, spec in anchors.items():
             self.values[v] = spec
             self.why[v] = "arg"

@@ -57,7 +57,7 @@ class _Runs:
     def __init__(self, nodes: Sequence[Node], axis_size: Mapping[str, int], cost: CostModel, outputs: Collection):
         self.nodes, self.axis_size, self.cost, self.outputs = nodes, axis_size, cost, outputs
         self.table = OpTable(nodes)
-        self.moved = self.table.traffic(outputs)
+        self.moved = self.table.traffic(outputs) if cost.memory_bandwidth else {}
         self.streamed = dataclasses.replace(cost, latency=0.0, axes={a: (bw, 0.0) for a, (bw, _) in cost.axes.items()})
         self.memo: dict = {}
         self._parts: dict = {}

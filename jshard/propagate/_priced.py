@@ -59,7 +59,7 @@ def priced(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], 
     or has no rule for, runs whole on every device); `table`: the nodes' `OpTable`, where one is
     at hand; `outputs`: the program's results (written to memory, `OpTable.traffic`)."""
     table = table or OpTable(nodes)
-    moved = table.traffic(outputs)
+    moved = table.traffic(outputs) if cost.memory_bandwidth else {}
     flops = device = comm = compute = 0.0
     seconds: dict[int, float] = {}
     over: dict[int, int] = {}  # `devices_over` by the decision's id (operators alike share one; `result` holds them)

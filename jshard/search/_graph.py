@@ -172,7 +172,7 @@ class SearchGraph:
         self.unit_of: dict[tuple[int, int], int] = {}  # (node, operand position) -> unit
         self.arg_unit: dict = {}
         self.node_units: dict[int, list[int]] = collections.defaultdict(list)
-        self._traffic = self.table.traffic(outvars)
+        self._traffic = self.table.traffic(outvars) if self.cost.memory_bandwidth else {}
         for v in args:
             self._add_arg(v, fixed.get(v))
         for i, node in enumerate(nodes):
