@@ -111,7 +111,7 @@ def reference(name: str, sizes: Mapping[str, Any], batch: int) -> Example:
                           f"(its options: {allowed}, --batch).")
     if batch < 1 or any(isinstance(v, int) and v < 1 for v in sizes.values()):
         raise TargetError("sizes must be positive integers.")
-    changes = {fields[k]: _widths(v) if k == "widths" else v for k, v in sizes.items()}
+    changes: dict[str, Any] = {fields[k]: _widths(v) if k == "widths" else v for k, v in sizes.items()}
     if name in ("gpt", "gpt-scan"):
         # the scanned GPT marks its block jshard.recompute(policy="auto"), as a model author would: the
         # search recomputes it where the memory budget needs it

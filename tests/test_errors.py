@@ -422,8 +422,10 @@ def test_layout_strategy_shown_with_its_aliases():
         (({"w": (1, 4), "c": (4,)}, None), "in_strategy[0] is not a pytree prefix of the value it describes"),
         (([(1, 4), (4,)], None), "in_strategy[0] is not a pytree prefix of the value it describes"),
         (((1, 4),), "in_strategy has 1 entries but the function was called with 2 positional arguments"),
+        (({"w": None, "b": (None,)}, None), "in_strategy[0]['b']=(None,) holds None for a dim; a strategy tuple takes "
+                                             "an integer per dim (1: the dim whole). Write (1,), or None alone"),
     ],
-    ids=["dict-keys", "list-for-dict", "too-few-entries"],
+    ids=["dict-keys", "list-for-dict", "too-few-entries", "none-for-a-dim"],
 )
 def test_in_strategy_not_a_prefix(in_strategy, message):
     params = {"w": jnp.zeros((8, 8)), "b": jnp.zeros(8)}

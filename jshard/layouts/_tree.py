@@ -49,9 +49,31 @@ def canonicalize_strategy_tree(prefix: Any, tree: Any, *, call: str, what: str) 
     except ValueError as e:
         if isinstance(e, ShardingError):
             raise
+        _check_no_none_dims(prefix, call, what)
         raise ShardingError(f"{call}: {what} is not a pytree prefix of the value it describes: {e}") from None
     repeats = jax.tree_util.tree_leaves(parts, is_leaf=lambda x: isinstance(x, _Repeat))
     return [r.slot for r in repeats for _ in range(r.count)]
+
+
+def _check_no_none_dims(prefix: Any, call: str, what: str) -> None:
+    """Where `prefix` is no prefix of its value: a tuple of ints and Nones (`(None, None, 1)`) was
+    meant as one strategy, but JAX reads its Nones as empty subtrees, and its prefix error names
+    another leaf: name this one."""
+    found = jax.tree_util.tree_flatten_with_path(prefix, is_leaf=_none_dims)[0]
+    for path, x in found:
+        if _none_dims(x):
+            where = f"{what}{jax.tree_util.keystr(path)}"
+            raise ShardingError(_none_dims_error(call, where, x))
+
+
+def _none_dims(x: object) -> bool:
+    return isinstance(x, (tuple, list)) and len(x) > 0 and None in x and all(i is None or isinstance(i, int) for i in x)
+
+
+def _none_dims_error(call: str, where: str, x: Any) -> str:
+    fixed = tuple(1 if i is None else i for i in x)
+    return (f"{call}: {where}={tuple(x)!r} holds None for a dim; a strategy tuple takes an integer per dim (1: the "
+            f"dim whole). Write {fixed!r}, or None alone for a leaf left to the planner.")
 
 
 def canonicalize_in_strategy(prefix: Any, args: tuple, *, call: str) -> list[Slot]:

@@ -1,20 +1,35 @@
-"""Reference mixture of experts: Switch-style top-1 routed feed-forward blocks in plain JAX.
+"""Reference mixture of experts: routed feed-forward blocks in plain JAX, in three dispatch forms.
 
 Tokens are embedded, then each block adds `moe(layer_norm(x))` to the residual stream; a head maps
-to the vocabulary. The router picks one expert per token (`argmax` of its logits) and scales that
-expert's output by its softmax gate. Dispatch is dense and capacity-free: every expert computes on
-all tokens, with those routed elsewhere masked to zero by a one-hot, so no token is dropped and the
-result is exact. There is no load-balancing loss.
+to the vocabulary. There is no load-balancing loss.
 
-With a `Preset`, the experts run expert-parallel: one `jshard.shard` call cuts the expert dim of
-the dispatched tokens and of the stacked expert weights `preset.mp` ways (the tokens' batch dim
-`preset.dp` ways), and the head is column-parallel. `Preset.parameters` cuts only a weight's last
+- `dispatch="dense"` (the default): Switch-style top-1. The router picks one expert per
+  token (`argmax` of its logits) and scales that expert's output by its softmax gate; every expert
+  computes on all tokens, with those routed elsewhere masked to zero by a one-hot, so no token is
+  dropped.
+- `dispatch="capacity"`: GShard's top-k dispatch as MaxText and Flax write it. Each
+  sequence is a group; each expert takes at most `capacity` tokens of a group (top-1 choices first,
+  then top-2, ..., in token order), the rest of its tokens dropped. One-hot dispatch and combine
+  tensors `[g, s, e, c]` gather the tokens into per-expert buffers `[e, g, c, d]` by einsum and
+  scatter the results back weighted by the gates. Cutting the buffers' expert dim where the tokens'
+  group dim was cut is an all-to-all: expert parallel.
+- `dispatch="dropless"`: MaxText's sparse form. The `top_k` choices of every token are sorted by
+  expert and each expert's run multiplied by its weights (`jax.lax.ragged_dot`, group sizes counted
+  at run time), then unsorted and summed with the gates; no token is dropped. The groups' bounds
+  are data, so no layout cuts the experts here: their weights are gathered where cut, the tokens
+  are sorted whole (expert parallel of this form takes `jax.lax.ragged_all_to_all` in a
+  `shard_map`, which XLA:CPU does not compile in jax 0.10).
+
+With a `Preset` (dense and capacity forms), the experts run expert-parallel: one `jshard.shard`
+call cuts the expert dim of the dispatched tokens and of the stacked expert weights `preset.mp`
+ways (the tokens' batch dim `preset.dp` ways), and the head is column-parallel. `Preset.parameters` cuts only a weight's last
 two dims, so `MOE_RULES` leaves the expert weights whole and the sharded call cuts them by expert.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -27,12 +42,20 @@ from jshard.models._gpt import layer_norm
 from jshard.models._presets import Preset
 
 MOE_RULES = {r"^head$": "column"}
+DISPATCHES = ("dense", "capacity", "dropless")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MoEConfig:
     """Token sequences of `seq_len` over `vocab`; `n_layers` blocks of width `d_model`, each with
-    `n_experts` feed-forward experts of hidden width `d_ff`."""
+    `n_experts` feed-forward experts of hidden width `d_ff`, routed by `dispatch` (`"dense"`,
+    `"capacity"`, `"dropless"`: the module docstring) to `top_k` experts per token; in the capacity
+    form each expert takes `capacity` tokens of a sequence.
+
+    Examples:
+      >>> MoEConfig(seq_len=16, n_experts=8, dispatch="capacity", top_k=2).capacity
+      5
+    """
 
     vocab: int = 32
     seq_len: int = 8
@@ -40,6 +63,25 @@ class MoEConfig:
     d_ff: int = 128
     n_experts: int = 4
     n_layers: int = 1
+    dispatch: str = "dense"
+    top_k: int = 1
+    capacity_factor: float = 1.25
+
+    def __post_init__(self):
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"jshard.models.MoEConfig: dispatch={self.dispatch!r}; the forms are {DISPATCHES}.")
+        if self.dispatch == "dense" and self.top_k != 1:
+            raise ValueError(f"jshard.models.MoEConfig: top_k={self.top_k} needs dispatch='capacity' or 'dropless'; "
+                             f"the dense form routes each token to one expert.")
+        if not 1 <= self.top_k <= self.n_experts or self.capacity_factor <= 0:
+            raise ValueError(f"jshard.models.MoEConfig: top_k={self.top_k} must be in 1..n_experts={self.n_experts} "
+                             f"and capacity_factor={self.capacity_factor} positive.")
+
+    @property
+    def capacity(self) -> int:
+        """Tokens each expert takes from a sequence in the capacity form: `ceil(seq_len * top_k /
+        n_experts * capacity_factor)`."""
+        return math.ceil(self.seq_len * self.top_k / self.n_experts * self.capacity_factor)
 
 
 def init_moe(cfg: MoEConfig, key: jax.Array) -> dict:
@@ -89,6 +131,34 @@ def _expert_parallel(preset: Preset, n_experts: int):
     return shard(_experts, in_strategy=(tokens, weights, weights), out_strategy=(tokens,))
 
 
+def _dispatch(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """GShard's dispatch and combine tensors `[g, s, e, c]` from router logits `[g, s, e]`: token s
+    of group g goes to slot c of expert e (dispatch, 0 or 1; combine, its gate)."""
+    gates, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)  # [g, s, k]
+    chosen = jax.nn.one_hot(experts, logits.shape[-1], dtype=jnp.int32)  # [g, s, k, e]
+    # a slot per choice, in priority order: every token's first choice, then every second choice
+    ranked = jnp.cumsum(chosen.transpose(0, 2, 1, 3).reshape(chosen.shape[0], -1, chosen.shape[-1]), axis=1)
+    slot = ranked.reshape(chosen.shape[0], top_k, -1, chosen.shape[-1]).transpose(0, 2, 1, 3) * chosen - 1
+    placed = jax.nn.one_hot(slot, capacity, dtype=logits.dtype)  # -1 (not chosen) and >= capacity: zeros
+    return placed.sum(axis=2), jnp.einsum("gsk,gskec->gsec", gates, placed)
+
+
+def _capacity_moe(p: dict, x: jax.Array, experts: Callable[..., jax.Array], cfg: MoEConfig) -> jax.Array:
+    dispatch, combine = _dispatch(x @ p["router"], cfg.top_k, cfg.capacity)
+    out = experts(jnp.einsum("gsec,gsd->egcd", dispatch, x), p["w_in"], p["w_out"])
+    return jnp.einsum("gsec,egcd->gsd", combine, out)
+
+
+def _dropless_moe(p: dict, x: jax.Array, cfg: MoEConfig) -> jax.Array:
+    tokens = x.reshape(-1, x.shape[-1])  # [t, d]
+    gates, experts = jax.lax.top_k(jax.nn.softmax(tokens @ p["router"], axis=-1), cfg.top_k)  # [t, k]
+    order = jnp.argsort(experts.reshape(-1), stable=True)  # the t * k choices, grouped by expert
+    sizes = jnp.bincount(experts.reshape(-1), length=cfg.n_experts).astype(jnp.int32)
+    h = jax.nn.gelu(jax.lax.ragged_dot(tokens[order // cfg.top_k], p["w_in"], sizes))
+    out = jnp.zeros((order.size, x.shape[-1]), x.dtype).at[order].set(jax.lax.ragged_dot(h, p["w_out"], sizes))
+    return jnp.einsum("tkd,tk->td", out.reshape(*gates.shape, -1), gates).reshape(x.shape)
+
+
 def _moe(p: dict, x: jax.Array, experts: Callable[..., jax.Array]) -> jax.Array:
     logits = x @ p["router"]
     gates = jax.nn.softmax(logits, axis=-1)
@@ -97,16 +167,28 @@ def _moe(p: dict, x: jax.Array, experts: Callable[..., jax.Array]) -> jax.Array:
     return jnp.einsum("ebtd,bte->btd", out, route * gates)
 
 
+def _block(p: dict, y: jax.Array, experts: Callable[..., jax.Array], cfg: MoEConfig) -> jax.Array:
+    if cfg.dispatch == "capacity":
+        return _capacity_moe(p, y, experts, cfg)
+    return _moe(p, y, experts) if cfg.dispatch == "dense" else _dropless_moe(p, y, cfg)
+
+
 def moe_apply(params: dict, tokens: jax.Array, cfg: MoEConfig, preset: Preset | None = None) -> jax.Array:
     """Logits `[batch, seq, vocab]` for integer `tokens` `[batch, seq]`.
 
     Raises:
-      ShardingError: `preset.mp` does not divide `cfg.n_experts`.
+      ShardingError: `preset.mp` does not divide `cfg.n_experts`, or a preset meets the dropless form.
     """
+    if preset is not None and cfg.dispatch == "dropless":
+        raise ShardingError(
+            f"jshard.models.moe_apply: preset {preset.name!r} cuts the expert dim of the experts' weights, but the "
+            f"dropless form's grouped matmul (jax.lax.ragged_dot) finds each expert's tokens only at run time, so "
+            f"no layout cuts it by expert. Use dispatch='capacity' for expert parallel, or no preset.")
     experts = _experts if preset is None else _expert_parallel(preset, cfg.n_experts)
     x = params["embed"][tokens] + params["pos"][None, : tokens.shape[1]]
     for p in params["layers"]:
-        x = x + _moe(p, layer_norm(x, p["ln"]), experts)
+        y = layer_norm(x, p["ln"])
+        x = x + _block(p, y, experts, cfg)
     head = jnp.matmul if preset is None else preset.matmul("column", 3)
     return head(layer_norm(x, params["ln_f"]), params["head"])
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
+import jax
 from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding
 
@@ -43,12 +44,16 @@ class Emission:
     equation's inputs that computes its outputs in its stead, laid out as it lays them out (no
     output constraint follows: e.g. a gradient reduce-scattered in a `shard_map`);
     `communicated` holds the values (and `inputs` keys) a collective makes there: a
-    redistribution, partial sums summed, a model constraint's move."""
+    redistribution, partial sums summed, a model constraint's move; `per_device` maps `id(eqn)` to
+    the input and output layouts an equation XLA's partitioner would gather whole
+    (`jshard.rules.PER_DEVICE`) runs in, on each device's slices, in a `shard_map` manual over the
+    axes that cut them."""
 
     outputs: Mapping
     inputs: Mapping
     replaced: Mapping = dataclasses.field(default_factory=dict)
     communicated: frozenset = frozenset()
+    per_device: Mapping = dataclasses.field(default_factory=dict)
 
 
 EMPTY = Emission({}, {})
@@ -96,7 +101,8 @@ class _Interpreter:
                     if replaced is not None:
                         env.update(zip(eqn.outvars, replaced(ins)))
                         continue
-                    outs = self._eqn(eqn, ins)
+                    local = self.emission.per_device.get(id(eqn))
+                    outs = self._eqn(eqn, ins) if local is None else self._per_device(eqn, ins, *local)
                 for v, x in zip(eqn.outvars, outs):
                     env[v] = self._out(v, x)
         finally:
@@ -126,6 +132,15 @@ class _Interpreter:
             params = self._rebuilt(eqn)
         return _bind(eqn, params, ins)
 
+    def _per_device(self, eqn, ins, in_specs, out_specs) -> list:
+        """`eqn` run on each device's slices of `ins` (laid out as `in_specs`), in a `shard_map`
+        manual over the axes that cut them: the cuts its rule lets through, no collective."""
+        axes = frozenset(a for spec in in_specs for dim in spec for a in dim)
+        mapped = jax.shard_map(lambda *xs: _bind(eqn, eqn.params, xs), mesh=self.mesh,
+                               in_specs=tuple(map(to_pspec, in_specs)), out_specs=list(map(to_pspec, out_specs)),
+                               axis_names=axes)
+        return list(mapped(*ins))
+
     def _remat(self, eqn, ins) -> list:
         """The remat equation bound again, its body re-run under its constraints, its params kept."""
         body = _closed(eqn)
@@ -140,7 +155,7 @@ class _Interpreter:
         if key not in self._touched:
             self._touched[key] = False
             bodies = [_closed(eqn).jaxpr] if eqn.primitive.name in INLINE else [j.jaxpr for j in _nested_closed(eqn)]
-            constrained = {k[0] for k in self.emission.inputs} | set(self.emission.replaced)
+            constrained = {k[0] for k in self.emission.inputs} | set(self.emission.replaced) | set(self.emission.per_device)
             self._touched[key] = key in constrained or any(
                 id(e) in constrained or any(v in self.emission.outputs for v in e.outvars) or (e.primitive.name in INLINE | NESTED and self._touches(e))
                 for body in bodies

@@ -37,7 +37,7 @@ from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, 
 from jshard.graph import CONSTRAINT, JSHARD_SCOPE, Node, operand_vars
 from jshard.layouts import Spec, constraint_spec, typed_spec
 from jshard.propagate._emit import Emission
-from jshard.rules import Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
+from jshard.rules import PER_DEVICE, Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
 
 
 class Rejected(NamedTuple):
@@ -545,21 +545,18 @@ class Engine:
             a = read_assignment(f.operands[k], spec, f.sizes, self.axis_size)
             if a is not None:
                 reads.append(a)
-        merged: dict = {}
+        merged: dict = reads[0] if len(reads) == 1 else {}
+        yielded: list[dict] = []
         if len(reads) > 1:
             together = neighbours_of(f)  # factors that share an operand: they may not share an axis
-            for a in reads:
-                for fac, axes in a.items():
-                    if fac not in merged and not any(
-                        set(axes) & set(merged.get(g, ())) for g in together[fac]
-                    ):
-                        merged[fac] = axes
-        elif reads:
-            merged = reads[0]
+            merged = _merged(reads, together, partial=False)
+            # the later operands' cuts first, the earlier ones keeping the axes left to them: a batch
+            # cut over (dp, ep) meeting experts cut over ep keeps dp (expert parallel's all-to-all)
+            yielded = [_merged(reads[::-1], together, partial=True)]
         # Each read without its partial-sum factors too: gather the contracted cut, keep the rest.
         kept = [{g: axes for g, axes in a.items() if g not in f.reduced} for a in reads if f.reduced]
         out, seen = [], set()
-        for a in [merged] + reads + kept + [{}]:
+        for a in [merged] + reads + yielded + kept + [{}]:
             key = tuple(sorted(a.items()))
             if key not in seen and (not a or expressible(f, a, self.axis_size)):
                 seen.add(key)
@@ -619,6 +616,19 @@ class Engine:
                 return False
         from_inputs = {fac for d in arrays[0][0] for fac in d}
         return all(fac in from_inputs for fac in a)
+
+
+def _merged(reads: Sequence[dict], together: Mapping, partial: bool) -> dict:
+    """One assignment from several operands' reads, earlier reads first: a factor whose axes another
+    factor on one of its operands took already is left out, or with `partial` keeps the axes left."""
+    merged: dict = {}
+    for a in reads:
+        for fac, axes in a.items():
+            taken = {x for g in together[fac] for x in merged.get(g, ())}
+            left = tuple(x for x in axes if x not in taken)
+            if fac not in merged and (left == tuple(axes) or (partial and left)):
+                merged[fac] = left
+    return merged
 
 
 def _read_all(dims: Sequence, specs: Sequence[Spec], sizes: Sequence[int], axis_size: Mapping[str, int]):
@@ -739,7 +749,7 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
     be an all-to-all goes through its gathered layout: `jshard.cost.gathered_layout`). A value whose
     type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
     JAX's own `reshard`s move it."""
-    outputs, inputs, communicated = {}, {}, set()
+    outputs, inputs, communicated, per_device = {}, {}, set(), {}
     moves = lambda v, dst: bool(redistribution(*array_of(v), result.values[v], dst, axis_size, alltoall))
     for i, d in result.decisions.items():
         node = nodes[i]
@@ -749,6 +759,8 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
                 if moves(v, d.out_specs[0]):  # its route's stages: below
                     communicated.add(node.outputs[0])
             continue
+        if node.primitive in PER_DEVICE and any(dim for spec in d.in_specs for dim in spec):
+            per_device[id(node.eqn)] = (d.in_specs, d.out_specs)
         if not d.implied:
             reduced = any(c.kind in _REDUCTIONS for c in d.comms)
             for v, spec in zip(node.outputs, d.out_specs):
@@ -773,7 +785,7 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
         if len(route) > 1:
             inputs[(id(node.eqn), 0)] = tuple(route[:-1])
             outputs[v] = src
-    return Emission(outputs, inputs, communicated=frozenset(communicated))
+    return Emission(outputs, inputs, communicated=frozenset(communicated), per_device=per_device)
 
 
 _REDUCTIONS = ("all-reduce", "reduce-scatter")

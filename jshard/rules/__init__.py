@@ -30,6 +30,7 @@ from jshard.rules._factors import shape_of as shape_of
 from jshard.rules._factors import whole as whole
 from jshard.rules._factors import write_spec as write_spec
 from jshard.rules._fallbacks import FALLBACKS as FALLBACKS
+from jshard.rules._misc import PER_DEVICE as PER_DEVICE
 from jshard.rules._table import OpTable as OpTable
 from jshard.rules._table import neighbours_of as neighbours_of
 from jshard.rules._traffic import MATMUL as MATMUL

@@ -36,6 +36,12 @@ def sort(eqn: jcore.JaxprEqn) -> Factors:
     return b.build([dims for _ in eqn.invars], [dims for _ in eqn.outvars], flops=n * math.log2(max(n, 2)))
 
 
+PER_DEVICE = frozenset({"top_k"})
+"""Primitives XLA's SPMD partitioner gathers whole whatever their cut (it partitions the `TopK` custom
+call only along its sorted dim), so emission runs them on each device's slices in a `shard_map`
+over the axes their rule lets cut them (`Emission.per_device`): no collective, as priced."""
+
+
 @rule("top_k")
 def top_k(eqn: jcore.JaxprEqn) -> Factors:
     shape = shape_of(eqn.invars[0])
