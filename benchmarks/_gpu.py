@@ -168,8 +168,8 @@ def measure(cfg, batch_size: int, dtype: str, warmup: int, rounds: int, steps: i
     from jshard import models
 
     jitted = {} if jitted is None else jitted
-    base = jitted.setdefault(("step", cfg), _step(cfg))
-    step = _step(dataclasses.replace(cfg, recompute="full")) if variant == "recompute" else base
+    base = jitted.setdefault(("step", cfg), gpt_step(cfg))
+    step = gpt_step(dataclasses.replace(cfg, recompute="full")) if variant == "recompute" else base
     params = jax.tree.map(lambda x: x.astype(dtype), models.init_gpt(cfg, jax.random.key(0)))
     opt_state = optax.adam(1e-4).init(params)
     batch = models.copy_task_batch(np.random.default_rng(0), cfg, batch_size)
@@ -273,7 +273,9 @@ def measure(cfg, batch_size: int, dtype: str, warmup: int, rounds: int, steps: i
     return out
 
 
-def _step(cfg):
+def gpt_step(cfg):
+    """The reference GPT's train step for `cfg` (Adam, learning rate 1e-4): what the GPU run measures
+    and `benchmarks._predicted` plans."""
     import optax
 
     from jshard import models

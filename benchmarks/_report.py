@@ -27,6 +27,7 @@ from benchmarks import (
     _pipeline,
     _pipeline_tagged,
     _planning,
+    _predicted,
     _replay,
     _round_trip,
     _search,
@@ -179,8 +180,10 @@ def document(tables: list[Table], command: str, seconds: float, load: tuple[floa
         "",
     ]
     gpu = _gpu.gpu_section()  # from benchmarks/gpu_results.json, measured apart on a real GPU
+    predicted = _predicted.predicted_section()  # from benchmarks/predicted_results.json, planned beside the GPU run
     faults = _faults.faults_section()  # from benchmarks/faults_results.json, the chaos script's run
-    return "\n".join(head) + "\n".join(t.markdown() for t in tables) + "".join("\n" + x for x in (gpu, faults) if x)
+    return "\n".join(head) + "\n".join(t.markdown() for t in tables) + "".join(
+        "\n" + x for x in (gpu, predicted, faults) if x)
 
 
 def command_line(argv: list[str]) -> str:

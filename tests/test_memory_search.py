@@ -30,7 +30,10 @@ def scan_gpt():
 
 def test_loose_budget_weighs_every_policy_and_keeps_the_fastest(scan_gpt):
     step, args, _ = scan_gpt
-    free = js.parallelize(step, devices=8, mode="auto", cost_model=CostModel.for_device("H100")).plan(*args).search
+    # FLOPs priced, not memory traffic: at this toy size every operator is memory-bound under the
+    # roofline, and the search's layouts for each policy's trace decide the order, not its recompute
+    h100 = CostModel.for_device("H100", memory_bandwidth=None)
+    free = js.parallelize(step, devices=8, mode="auto", cost_model=h100).plan(*args).search
     weighed = {w.policy: w for w in free.recompute}
     assert [w.policy for w in free.recompute] == ["none", "selective", "full"]
     assert weighed["none"].chosen  # 80 GiB binds nothing: the fastest policy

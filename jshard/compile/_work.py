@@ -12,7 +12,7 @@ from jshard.compile._boundary import dataset_anchors, in_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem
 from jshard.compile._program import Program
-from jshard.plan import WorkReport
+from jshard.plan import WorkReport, numbered
 from jshard.propagate import Engine, priced
 from jshard.rules import OpTable
 
@@ -25,11 +25,13 @@ def with_work(program: Program, args: tuple, batch: set[int], slots, c: Options,
         return program
     table = traced.table
     cost = c.costs
-    here = priced(traced.nodes, result, traced.axis_size, cost, table)
+    here = priced(traced.nodes, result, traced.axis_size, cost, table, traced.outvars)
     if not here.flops:
         return program
+    number = numbered(traced.nodes) if here.hidden else {}
     report = WorkReport(traced.fine.device_count, here.flops, here.device_flops, here.comm_seconds,
-                        here.compute_seconds, c.mode)
+                        here.compute_seconds, c.mode, hidden_seconds=here.hidden_seconds,
+                        hidden_ops=tuple((number[i], s) for i, s in here.hidden.items() if i in number))
     if report.replicated and c.mode != "data":
         report = _data_parallel(report, traced, table, args, batch, slots, c, call)
     return dataclasses.replace(program, plan=program.plan.replace(work=report))
@@ -47,5 +49,6 @@ def _data_parallel(report: WorkReport, traced, table: OpTable, args: tuple, batc
         why = str(e).split(": ", 1)[-1]  # the call is the user's; its fix is for a plan they did not ask for
         return dataclasses.replace(report, data_missing=why.split(". ", 1)[0].rstrip(".") + ".")
     result = Engine(traced.nodes, traced.axis_size, c.costs, table).run({**traced.typed(), **fixed}, traced.outvars)
-    there = priced(traced.nodes, result, traced.axis_size, c.costs, table)
-    return dataclasses.replace(report, data_comm_seconds=there.comm_seconds, data_compute_seconds=there.compute_seconds)
+    there = priced(traced.nodes, result, traced.axis_size, c.costs, table, traced.outvars)
+    return dataclasses.replace(report, data_comm_seconds=there.comm_seconds, data_compute_seconds=there.compute_seconds,
+                               data_hidden_seconds=there.hidden_seconds)

@@ -17,3 +17,4 @@ from jshard.cost._memory import itemsize as itemsize
 from jshard.cost._memory import live_ranges as live_ranges
 from jshard.cost._memory import paired as paired
 from jshard.cost._memory import value_bytes as value_bytes
+from jshard.cost._timeline import Timeline as Timeline

@@ -30,12 +30,13 @@ class Comm(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """α–β costs per mesh axis and a peak compute rate.
+    """α–β costs per mesh axis, a roofline per operator, and whether collectives overlap compute.
 
     Attributes:
       bandwidth: bytes/s per device on an axis with no override (default: NVLink-class 100 GB/s).
       latency: seconds per collective on such an axis.
-      flops: floating-point operations per second per device.
+      flops: floating-point operations per second per device: the rate of every operator but the
+        matrix products (and theirs where `matmul_flops` is None).
       axes: per-axis `(bandwidth, latency)` overrides, e.g. `{"d0": (12.5e9, 2e-5)}` for an axis
         that crosses hosts.
       device: the device kind planned for (`"H100"`), or None: the devices present, if any.
@@ -48,9 +49,17 @@ class CostModel:
         all-gather's bytes.
       host_bandwidth: bytes/s one way on the link between a device's memory and its host's (PCIe,
         NVLink-C2C), which state kept in host memory crosses every step (`host_seconds`).
+      matmul_flops: the rate a dot or a convolution reaches (a large product's, below the peak);
+        None: `flops`.
+      memory_bandwidth: bytes/s of the device's own memory, which bounds the operators that move
+        more bytes than they compute on (`compute_seconds`); None: memory traffic is not priced.
+      overlap: whether a collective runs beside the compute that does not depend on it (GPU: XLA
+        makes collectives asynchronous and its latency-hiding scheduler moves independent work
+        into their shadow); False (the CPU stand-ins, and the default): every collective waits for
+        the compute before it and holds up the compute after it.
 
-    `CostModel.for_device("H100")` fills `flops`, `bandwidth`, `memory` and `host_bandwidth` from
-    `DEVICE_KINDS`.
+    `CostModel.for_device("H100")` fills `flops`, `bandwidth`, `memory`, `host_bandwidth`,
+    `matmul_flops`, `memory_bandwidth` and `overlap` from `DEVICE_KINDS`.
 
     Examples:
       >>> CostModel().time(Comm("all-reduce", 1e6, ("d0",)), {"d0": 2}) > 0
@@ -65,6 +74,9 @@ class CostModel:
     memory: float | None = None
     alltoall: bool = True
     host_bandwidth: float = HOST_BANDWIDTH
+    matmul_flops: float | None = None
+    memory_bandwidth: float | None = None
+    overlap: bool = False
 
     @classmethod
     def for_device(cls, name: str, **overrides) -> CostModel:
@@ -72,8 +84,8 @@ class CostModel:
 
         Examples:
           >>> m = CostModel.for_device("h100")
-          >>> m.device, m.flops, m.memory / 2**30
-          ('H100', 989000000000000.0, 80.0)
+          >>> m.device, m.flops, m.memory / 2**30, m.overlap
+          ('H100', 989000000000000.0, 80.0, True)
 
         Raises:
           ShardingError: `name` is no known device kind.
@@ -85,7 +97,24 @@ class CostModel:
                                 f"memory=...) for another device.")
         known, kind = found
         return cls(**{"bandwidth": kind.bandwidth, "flops": kind.flops, "device": known, "memory": kind.memory,
-                      "host_bandwidth": kind.host_bandwidth, **overrides})
+                      "host_bandwidth": kind.host_bandwidth, "matmul_flops": kind.matmul_flops,
+                      "memory_bandwidth": kind.memory_bandwidth, "overlap": kind.overlap, **overrides})
+
+    def compute_seconds(self, flops: float, traffic: float = 0.0, matmul: bool = False) -> float:
+        """Seconds one operator computes on one device: the roofline of its `flops` at the rate of
+        its units (`matmul_flops` for a dot or a convolution, `flops` otherwise) and its `traffic`,
+        the bytes it moves through device memory (`memory_bandwidth`), whichever takes longer.
+
+        Examples:
+          >>> m = CostModel(flops=100e12, matmul_flops=50e12, memory_bandwidth=1e12)
+          >>> m.compute_seconds(1e12, 1e9, matmul=True), m.compute_seconds(1e9, 1e9)
+          (0.02, 0.001)
+        """
+        rate = (self.matmul_flops or self.flops) if matmul else self.flops
+        seconds = flops / rate
+        if self.memory_bandwidth and traffic:
+            seconds = max(seconds, traffic / self.memory_bandwidth)
+        return seconds
 
     def host_seconds(self, read: float, written: float) -> float:
         """Seconds per step to stream `read` bytes per device from host memory to the device and

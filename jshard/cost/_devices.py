@@ -16,22 +16,33 @@ GiB = 2**30
 
 
 class DeviceKind(NamedTuple):
-    """One accelerator: dense bf16 FLOP/s, bytes/s per device on its fast links, memory in bytes, and
-    bytes/s one way between its memory and its host's (`host_bandwidth`: PCIe, or NVLink-C2C)."""
+    """One accelerator: dense bf16 FLOP/s (its data sheet's peak), bytes/s per device on its fast
+    links, memory in bytes, bytes/s one way between its memory and its host's (`host_bandwidth`:
+    PCIe, or NVLink-C2C), the bf16 matrix-multiply rate a large product reaches (`matmul_flops`),
+    the bytes/s of a pass over its own memory (`memory_bandwidth`), and whether its collectives run
+    beside its compute (`overlap`: XLA's GPU backend makes them asynchronous and its latency-hiding
+    scheduler moves independent work between a collective's start and its end)."""
 
     flops: float
     bandwidth: float
     memory: float
     host_bandwidth: float
+    matmul_flops: float
+    memory_bandwidth: float
+    overlap: bool = True
 
 
 DEVICE_KINDS: dict[str, DeviceKind] = {
     # vendor data sheets: dense bf16 tensor-core peak, NVLink bandwidth one way, HBM, host link one
-    # way (PCIe Gen5 x16: 128 GB/s both ways; Gen4: 64 GB/s; GH200's NVLink-C2C: 900 GB/s both ways)
-    "H100": DeviceKind(989e12, 450e9, 80.0 * GiB, 64e9),
-    "H200": DeviceKind(989e12, 450e9, 141e9, 64e9),
-    "A100": DeviceKind(312e12, 300e9, 80.0 * GiB, 32e9),
-    "GH200": DeviceKind(989e12, 450e9, 96e9, 450e9),
+    # way (PCIe Gen5 x16: 128 GB/s both ways; Gen4: 64 GB/s; GH200's NVLink-C2C: 900 GB/s both ways),
+    # then the matmul rate and memory bandwidth. The H100's are measured on one H100 SXM 80GB
+    # (benchmarks/gpu_results.json: a bf16 8192^3 product under jax.jit, 711 TFLOP/s, 72% of the peak;
+    # a jitted elementwise pass over 1 GiB, 2504 GB/s read + written, 75% of the 3.35 TB/s data
+    # sheet); the others' are their data sheets' (peak and HBM bandwidth), not yet measured.
+    "H100": DeviceKind(989e12, 450e9, 80.0 * GiB, 64e9, 711e12, 2504e9),
+    "H200": DeviceKind(989e12, 450e9, 141e9, 64e9, 989e12, 4.8e12),
+    "A100": DeviceKind(312e12, 300e9, 80.0 * GiB, 32e9, 312e12, 2.039e12),
+    "GH200": DeviceKind(989e12, 450e9, 96e9, 450e9, 989e12, 4.0e12),
 }
 """Device kinds by name (case-insensitive in `kind_of`)."""
 

@@ -13,8 +13,9 @@ picks the S - 1 cuts:
 3. among those, the cuts minimising (the slowest stage's FLOPs, ties within 1%; the widest
    boundary's bytes; the largest stage's parameter bytes), by dynamic programming.
 
-Each stage's predicted time per micro-batch (`StageBalance.seconds`) is its FLOPs × 3 (the forward,
-and a backward of twice its work) at the cost model's `flops`, plus its boundaries' sends both ways
+Each stage's predicted time per micro-batch (`StageBalance.seconds`) is its forward compute × 3 (the
+forward, and a backward of twice its work; each operator's FLOPs at `CostModel.compute_seconds`'s
+rate, dots at the matmul rate; its memory traffic is not priced here), plus its boundaries' sends both ways
 (the activation forward, its gradient back) at the cost model's α–β. The latency of a send is the
 same wherever the cut falls, so it is reported, not weighed. A tagged step keeps its stages
 (MindSpore's semantics); its `StageBalance` reports the same figures, so an unequal split shows
@@ -34,7 +35,7 @@ from jax.extend import core as jcore
 
 from jshard._format import human_bytes
 from jshard.cost import CostModel
-from jshard.rules import RULES
+from jshard.rules import MATMUL, RULES
 
 BACKWARD_FACTOR = 3.0
 """A stage's forward and backward work against its forward's: the backward takes about twice."""
@@ -95,7 +96,10 @@ class _Costs:
 
     def __init__(self, ops: Sequence[Any], param_vars: Sequence[Any], loss, cost: CostModel):
         self.n, self.cost = len(ops), cost
-        self.prefix = np.concatenate([[0.0], np.cumsum([_flops(op.eqn) for op in ops])])
+        work = [_flops(op.eqn) for op in ops]
+        self.prefix = np.concatenate([[0.0], np.cumsum(work)])
+        self.compute = np.concatenate([[0.0], np.cumsum([cost.compute_seconds(f, matmul=op.eqn.primitive.name in MATMUL)
+                                                          for f, op in zip(work, ops)])])
         self.crossing = _crossing_bytes(ops, loss)
         index = {v: i for i, v in enumerate(param_vars)}
         self.param_size = [_nbytes(v.aval) for v in param_vars]
@@ -116,7 +120,11 @@ class _Costs:
     def seconds(self, lo: int, hi: int) -> float:
         """Stage `[lo, hi)`'s forward + backward time: compute, and each boundary both ways."""
         comm = sum(2 * self.send(p) for p in (lo, hi) if 0 < p < self.n)
-        return BACKWARD_FACTOR * self.flops(lo, hi) / self.cost.flops + comm
+        return BACKWARD_FACTOR * self.compute_seconds(lo, hi) + comm
+
+    def compute_seconds(self, lo: int, hi: int) -> float:
+        """Operators `[lo, hi)`'s forward compute (`CostModel.compute_seconds`, dots at the matmul rate)."""
+        return float(self.compute[hi] - self.compute[lo])
 
     def param_bytes(self, lo: int, hi: int) -> int:
         """Bytes of the parameter leaves operators `[lo, hi)` read."""
@@ -200,13 +208,14 @@ def report(ops: Sequence[Any], stage_of: Sequence[int], stages: int, param_vars:
     """The `StageBalance` of `ops` assigned `stage_of` (contiguous or not: a tagged step's stages are
     priced by the operators they run); `where(op)` names an operator."""
     c = _Costs(ops, param_vars, loss, cost)
-    flops = [0.0] * stages
+    flops, compute = [0.0] * stages, [0.0] * stages
     for i, k in enumerate(stage_of):
         flops[k] += c.flops(i, i + 1)
+        compute[k] += c.compute_seconds(i, i + 1)
     last = [max(i for i, k in enumerate(stage_of) if k == s) for s in range(stages)]
     sends = [c.send(last[k] + 1) if last[k] + 1 < c.n else 0.0 for k in range(stages - 1)]
-    seconds = [BACKWARD_FACTOR * f / cost.flops + 2 * (sends[k] if k < stages - 1 else 0.0)
-               + 2 * (sends[k - 1] if k else 0.0) for k, f in enumerate(flops)]
+    seconds = [BACKWARD_FACTOR * t + 2 * (sends[k] if k < stages - 1 else 0.0)
+               + 2 * (sends[k - 1] if k else 0.0) for k, t in enumerate(compute)]
     params = [sum(c.param_size[j] for j, pos in c.reads.items() if any(stage_of[p] == k for p in pos))
               for k in range(stages)]
     return StageBalance(tagged, tuple(where(ops[last[k]]) for k in range(stages - 1)), tuple(flops),

@@ -16,6 +16,7 @@ from jshard.plan._records import ORIGINS as ORIGINS
 from jshard.plan._records import OpLayout as OpLayout
 from jshard.plan._records import OpRecord as OpRecord
 from jshard.plan._records import build_ops as build_ops
+from jshard.plan._records import numbered as numbered
 from jshard.plan._records import source_str as source_str
 from jshard.plan._slices import RankSlices as RankSlices
 from jshard.plan._work import REPLICATED_SHARE as REPLICATED_SHARE

@@ -42,7 +42,7 @@ def explain(plan, op) -> str:
             lines.append("  through: " + more + " -> ".join(shown))
     if op.comms:
         paid = "; ".join(f"{k} of {human_bytes(b)} over {'×'.join(a)}" for k, b, a in op.comms)
-        lines.append(f"  cost paid: {paid} ({op.seconds * 1e6:.8g} us predicted)")
+        lines.append(f"  cost paid: {paid} ({op.seconds * 1e6:.8g} us predicted)" + _hidden(plan, op))
         if op.origin == "user" and not op.backward:
             lines.append("  the user's strategy binds: it is kept, and these collectives run inside the operator to "
                          "honour it (no cheaper layout of the engine's replaces it)")
@@ -125,3 +125,12 @@ def _anchor(plan, anchor) -> str:
     name = f" [{op.annotation}]" if op.annotation else ""
     return f"#{op.index} {op.primitive}{name} ({op.origin}, {source_str(op.source)})"
 
+
+
+def _hidden(plan, op) -> str:
+    """What of `op`'s collectives runs beside compute (`WorkReport.hidden_ops`), as a line; or ""."""
+    hidden = plan.work.hidden(op.index) if plan.work is not None else 0.0
+    if not hidden:
+        return ""
+    return (f"\n  of which {hidden * 1e6:.4g} us run beside compute that does not wait for them (the cost model's "
+            f"device overlaps collectives with compute)")

@@ -161,7 +161,7 @@ class _Records:
         self.by_scope = {a.scope: a for a in annotations}
         self.scopes = [_innermost(n.scope) for n in nodes]
         self.main = _main_operators(nodes, self.scopes, self.by_scope)
-        self.number = {i: k for k, i in enumerate(i for i, n in enumerate(nodes) if not _moves(n))}
+        self.number = numbered(nodes)
         self.stands_for = _standing_for(nodes, self.scopes, self.main, self.number)
         self.regions, rerun = recompute_regions(nodes)
         self.rerun = set(rerun)
@@ -397,6 +397,11 @@ def _via(via: str, number: dict[int, int], models: set[int]) -> str:
         i = int(via)
         return str(number[i]) if i in number else "model" if i in models else "user"
     return via
+
+
+def numbered(nodes: Sequence[Node]) -> dict[int, int]:
+    """Node index -> the index of its `OpRecord` (operators that only lay a value out have none)."""
+    return {i: k for k, i in enumerate(i for i, n in enumerate(nodes) if not _moves(n))}
 
 
 def _moves(node: Node) -> bool:

@@ -20,7 +20,7 @@ class WorkReport:
       device_flops: one device's FLOPs per call under the plan (each operator's divided by the
         devices its strategy cuts it over).
       comm_seconds / compute_seconds: the plan's predicted collective and compute time per call
-        (the cost model's α–β and FLOP rate).
+        (the cost model's α–β, and each operator's roofline: `CostModel.compute_seconds`).
       data_comm_seconds / data_compute_seconds: the same for the data-parallel plan of the same
         traced program (its batch arguments' dim 0 cut over every device, the parameters
         replicated, the propagation engine laying out the rest), priced only where this plan's
@@ -28,6 +28,11 @@ class WorkReport:
       data_missing: why the data-parallel plan was not priced there (e.g. the batch does not
         divide), or `""`.
       mode: the plan's `parallelize` mode.
+      hidden_seconds / data_hidden_seconds: of `comm_seconds` (`data_comm_seconds`), the time the
+        collectives run beside compute that does not wait for them, where the cost model overlaps
+        them (`CostModel.overlap`); 0 where it does not.
+      hidden_ops: `(OpRecord.index, seconds)` per operator whose collectives run beside compute:
+        the seconds of them the device computes through (`hidden`, what `Plan.explain` says).
     """
 
     devices: int
@@ -39,6 +44,13 @@ class WorkReport:
     data_comm_seconds: float | None = None
     data_compute_seconds: float | None = None
     data_missing: str = ""
+    hidden_seconds: float = 0.0
+    data_hidden_seconds: float = 0.0
+    hidden_ops: tuple[tuple[int, float], ...] = ()
+
+    def hidden(self, op: int) -> float:
+        """Seconds of operator `op`'s (its `OpRecord.index`) collectives that run beside compute."""
+        return dict(self.hidden_ops).get(op, 0.0)
 
     @property
     def share(self) -> float:
@@ -47,15 +59,15 @@ class WorkReport:
 
     @property
     def seconds(self) -> float:
-        """This plan's predicted time per call."""
-        return self.comm_seconds + self.compute_seconds
+        """This plan's predicted time per call: compute, and the collectives it waits for."""
+        return self.comm_seconds + self.compute_seconds - self.hidden_seconds
 
     @property
     def data_seconds(self) -> float | None:
         """The data-parallel plan's predicted time per call, or None where it was not priced."""
         if self.data_comm_seconds is None or self.data_compute_seconds is None:
             return None
-        return self.data_comm_seconds + self.data_compute_seconds
+        return self.data_comm_seconds + self.data_compute_seconds - self.data_hidden_seconds
 
     @property
     def replicated(self) -> bool:
@@ -78,7 +90,7 @@ class WorkReport:
         line += (f"; the data-parallel plan would take {_us(data)} per call against {_us(self.seconds)} for this "
                  f"one: ")
         saved = self.compute_seconds - self.data_compute_seconds
-        paid = self.data_comm_seconds - self.comm_seconds
+        paid = (self.data_comm_seconds - self.data_hidden_seconds) - (self.comm_seconds - self.hidden_seconds)
         if data >= self.seconds:
             return line + (f"the cost model says the step is too small to cut (cutting the batch saves {_us(saved)} "
                            f"of compute per device and costs {_us(paid)} of collectives)")

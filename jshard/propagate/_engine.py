@@ -118,11 +118,13 @@ class Engine:
         self.entered: set[int] = set()
         self._memo: dict = {} if memo is None else memo
         self.invariant = _invariants(nodes)
+        self.moved: dict[int, float] = {}  # memory traffic per operator (`OpTable.traffic`), set by `run`
 
     def run(self, anchors: Mapping, outputs: Collection = ()) -> Result:
         """Propagates from `anchors` (var → `Spec`: fixed arguments) and the constraints; `outputs`,
         the program's results, keep the layout they are made in."""
         queue: collections.deque[int] = collections.deque()
+        self.moved = self.table.traffic(outputs) if self.cost.memory_bandwidth else {}
         for v, spec in anchors.items():
             self.values[v] = spec
             self.why[v] = "arg"
@@ -603,7 +605,8 @@ class Engine:
             comms += [Comm("all-reduce", local_bytes(*array_of(v), spec, self.axis_size), axes) for axes in partial]
         seconds = self._paid(i, comms)
         cut = math.prod(self.axis_size[x] for axes in a.values() for x in axes)
-        compute = node.weight * f.flops / cut / self.cost.flops
+        compute = node.weight * self.cost.compute_seconds(f.flops / cut, self.moved.get(i, 0.0) / cut,
+                                                          i in self.table.matmul)
         if best_fit is None and known:
             best_fit = 0
         return seconds, compute, tuple(comms), best_fit

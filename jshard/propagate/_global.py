@@ -57,6 +57,7 @@ class _Runs:
     def __init__(self, nodes: Sequence[Node], axis_size: Mapping[str, int], cost: CostModel, outputs: Collection):
         self.nodes, self.axis_size, self.cost, self.outputs = nodes, axis_size, cost, outputs
         self.table = OpTable(nodes)
+        self.moved = self.table.traffic(outputs) if cost.memory_bandwidth else {}
         self.streamed = dataclasses.replace(cost, latency=0.0, axes={a: (bw, 0.0) for a, (bw, _) in cost.axes.items()})
         self.memo: dict = {}
         self._parts: dict = {}
@@ -92,10 +93,13 @@ class _Runs:
             parts = {}
             for i, node in enumerate(self.nodes):
                 d, f = result.decisions.get(i), self.table.factors.get(i)
-                moved = node.weight * sum(self.streamed.time(c, self.axis_size) for c in d.comms) if d else 0.0
-                work = node.weight * f.flops if f is not None and f.flops and i not in result.unruled else 0.0
-                if moved or work:
-                    parts[i] = moved + work / devices_over(d, self.axis_size) / self.cost.flops
+                seconds = node.weight * sum(self.streamed.time(c, self.axis_size) for c in d.comms) if d else 0.0
+                if f is not None and (f.flops or i in self.moved) and i not in result.unruled:
+                    n = devices_over(d, self.axis_size)
+                    seconds += node.weight * self.cost.compute_seconds(f.flops / n, self.moved.get(i, 0.0) / n,
+                                                                       i in self.table.matmul)
+                if seconds:
+                    parts[i] = seconds
             self._parts[id(result)] = (result, parts)  # the result kept: its id stays its own
         return self._parts[id(result)][1]
 

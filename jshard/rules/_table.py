@@ -8,12 +8,13 @@ rule), and who makes and who uses each value.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from jax.extend import core as jcore
 
 from jshard.graph import CONSTRAINT, Node, operand_vars
 from jshard.rules._factors import RULES, Factors, shape_of
+from jshard.rules._traffic import MATMUL, traffic
 
 
 class OpTable:
@@ -25,6 +26,7 @@ class OpTable:
       unruled: nodes whose primitive has no rule (their operands stay whole).
       producer: value -> the node that makes it.
       consumers: value -> `[(node, operand position)]` that use it.
+      matmul: nodes that run on the matrix units (dots, convolutions: `CostModel.matmul_flops`).
     """
 
     def __init__(self, nodes: Sequence[Node]):
@@ -33,6 +35,9 @@ class OpTable:
         self.producer: dict = {}
         self.consumers: dict = collections.defaultdict(list)
         self.unruled: set[int] = set()
+        self.nodes = nodes
+        self.matmul = {i for i, node in enumerate(nodes) if node.primitive in MATMUL}
+        self._traffic: dict[frozenset, dict[int, float]] = {}
         for i, node in enumerate(nodes):
             ins, outs = operand_vars(node)
             self.vars[i] = (ins, outs)
@@ -48,6 +53,16 @@ class OpTable:
                 self.factors[i] = Factors(tuple(() for _ in ins), tuple(() for _ in outs), ())  # scalars: nothing to cut
             elif node.primitive != CONSTRAINT:
                 self.unruled.add(i)
+
+    def traffic(self, outputs: Collection = ()) -> dict[int, float]:
+        """Device-memory bytes each operator moves per run once XLA has fused the program (the
+        rule of `_traffic.py`), on one device holding everything; `outputs`: the program's results.
+        Computed once per `outputs`."""
+        key = frozenset(outputs)
+        found = self._traffic.get(key)
+        if found is None:
+            found = self._traffic[key] = traffic(self.nodes, self.vars, key)
+        return found
 
 
 _FACTORS: dict = {}

@@ -37,6 +37,7 @@ from jax.extend import core as jcore
 from jshard.cost import (
     Comm,
     CostModel,
+    Timeline,
     array_of,
     live_ranges,
     local_bytes,
@@ -92,6 +93,9 @@ class Unit:
       weight: how often it runs per call.
       flops: its floating-point work on one device holding everything, per run.
       fixed: for a constraint or a fixed argument, its one layout per operand position.
+      traffic: the device-memory bytes it moves per run once fused (`OpTable.traffic`), on one
+        device holding everything.
+      matmul: whether it runs on the matrix units (`CostModel.matmul_flops`).
     """
 
     node: int
@@ -102,6 +106,8 @@ class Unit:
     weight: int
     flops: float
     fixed: dict | None = None
+    traffic: float = 0.0
+    matmul: bool = False
 
     @property
     def free(self) -> bool:
@@ -166,6 +172,7 @@ class SearchGraph:
         self.unit_of: dict[tuple[int, int], int] = {}  # (node, operand position) -> unit
         self.arg_unit: dict = {}
         self.node_units: dict[int, list[int]] = collections.defaultdict(list)
+        self._traffic = self.table.traffic(outvars) if self.cost.memory_bandwidth else {}
         for v in args:
             self._add_arg(v, fixed.get(v))
         for i, node in enumerate(nodes):
@@ -183,6 +190,7 @@ class SearchGraph:
         self.shape_of_unit = self._signatures()
         self._specs: dict = {}
         self._moves: dict = {}
+        self._comms: dict = {}
         self._cands: dict = {}
         self._merged: dict[int, list] = {}  # unit -> its operands' dims made of several factors
         self._memory_model(args, outvars, donated, host)
@@ -215,8 +223,9 @@ class SearchGraph:
         if not groups:
             groups = [((), tuple(range(len(operands))))]
         for n, (own, positions) in enumerate(groups):
-            flops = f.flops if n == 0 else 0.0
-            self._unit(Unit(i, None, f, own, positions, node.weight, flops))
+            first = n == 0  # the operator's work goes with its first unit
+            self._unit(Unit(i, None, f, own, positions, node.weight, f.flops if first else 0.0,
+                            traffic=self._traffic.get(i, 0.0) if first else 0.0, matmul=i in e.matmul))
 
     def _unit(self, u: Unit) -> None:
         k = len(self.units)
@@ -307,7 +316,7 @@ class SearchGraph:
         for k, u in enumerate(self.units):
             results = () if u.node < 0 else tuple(array_of(v) for v in self.table.vars[u.node][1])
             fixed = None if u.fixed is None else tuple(sorted(u.fixed.items()))
-            key = (u.factors, u.own, u.operands, u.weight, u.flops, fixed, results, k in self.combinable)
+            key = (u.factors, u.own, u.operands, u.weight, u.flops, u.traffic, fixed, results, k in self.combinable)
             out.append(ids.setdefault(key, len(ids)))
         return out
 
@@ -383,11 +392,16 @@ class SearchGraph:
     def unit_seconds(self, k: int, a: Assignment) -> float:
         """Unit `k`'s own cost under `a`: its partial sums (a combinable unit's without their
         latency, which `combined_latency` charges once per set), then its compute per device."""
+        return sum(self.unit_parts(k, a))
+
+    def unit_parts(self, k: int, a: Assignment) -> tuple[float, float]:
+        """Unit `k`'s own cost under `a` as `(partial sums, compute)` (`unit_seconds`), each
+        weighted by how often it runs."""
         u = self.units[k]
         if not u.free:
-            return 0.0
+            return 0.0, 0.0
         f = u.factors
-        seconds = 0.0
+        summed = compute = 0.0
         partial = self.partial_sums(k, a)
         if partial:
             n_in, combined = len(f.inputs), k in self.combinable
@@ -397,12 +411,12 @@ class SearchGraph:
                     v = outs[pos - n_in]
                     shape, itemsize = array_of(v)
                     payload = local_bytes(shape, itemsize, self.spec(k, pos, a), self.axis_size)
-                    seconds += sum(self.cost.time(Comm("all-reduce", payload, axes), self.axis_size)
-                                   - combined * self.cost.group_latency(axes) for axes in partial)
-        if u.flops:
+                    summed += sum(self.cost.time(Comm("all-reduce", payload, axes), self.axis_size)
+                                  - combined * self.cost.group_latency(axes) for axes in partial)
+        if u.flops or u.traffic:
             cut = math.prod(self.axis_size[x] for fac in u.own for x in a.get(fac, ()))
-            seconds += u.flops / cut / self.cost.flops
-        return u.weight * seconds
+            compute = self.cost.compute_seconds(u.flops / cut, u.traffic / cut, u.matmul)
+        return u.weight * summed, u.weight * compute
 
     def edge_seconds(self, e: Edge, src: Spec, dst: Spec) -> float:
         if src == dst:
@@ -414,6 +428,16 @@ class SearchGraph:
             found = self._moves[key] = sum(self.cost.time(c, self.axis_size) for c in comms)
         return e.weight * found
 
+    def edge_comms(self, e: Edge, src: Spec, dst: Spec) -> list[tuple[str, float]]:
+        """`edge_seconds` per collective: `(kind, seconds)` in the order they run."""
+        if src == dst:
+            return []
+        key = (array_of(e.var), src, dst)
+        found = self._comms.get(key)
+        if found is None:
+            comms = redistribution(*key[0], src, dst, self.axis_size, self.cost.alltoall)
+            found = self._comms[key] = [(c.kind, self.cost.time(c, self.axis_size)) for c in comms]
+        return [(kind, e.weight * t) for kind, t in found]
     def local_seconds(self, k: int, a: Assignment, choice: Sequence[Assignment], joins: Joins) -> float:
         """Unit `k`'s own cost under `a`, its edges' redistributions and the latency of the combined
         sets it alone joins (`lone_latency`), the other units as in `choice` (`joins`: its combined
@@ -476,10 +500,15 @@ class SearchGraph:
         return alone + sum(self.combined_sets(choice).values())
 
     def seconds(self, choice: Sequence[Assignment]) -> float:
-        """The predicted seconds per call of `choice`: every unit's own cost, every edge's
-        redistribution and the combined all-reduces' latency (the measure both searches' plans are
-        compared by)."""
-        shape, own = self.shape_of_unit, {}
+        """The predicted seconds per call of `choice` (the measure both searches' plans are
+        compared by): every unit's own cost, every edge's redistribution and the combined
+        all-reduces' latency, summed (`summed`); where the cost model overlaps collectives with
+        compute (`CostModel.overlap`), the makespan of their schedule instead (`scheduled`)."""
+        return self.scheduled(choice) if self.cost.overlap else self.summed(choice)
+
+    def summed(self, choice: Sequence[Assignment]) -> float:
+        """`choice`'s units' own costs, edges' redistributions and combined latency, summed."""
+        shape, own = self.shape_of_unit, dict[tuple, float]()
         total = self.combined_latency(choice)
         for k, a in enumerate(choice):  # `unit_seconds` once per structure and assignment (identical layers)
             key = (shape[k], id(a))
@@ -491,6 +520,36 @@ class SearchGraph:
         for e in self.edges:
             total += self.edge_seconds(e, spec(*e.src), spec(*e.dst))
         return total
+
+    def scheduled(self, choice: Sequence[Assignment]) -> float:
+        """The makespan of `choice` with compute and each collective kind on their own resource,
+        operators in program order (`jshard.propagate.schedule`'s rule): the redistributions into
+        an operator start once their values are made, its compute once they have arrived, its
+        partial sums once it has computed; the combined sets' latency is paid on the all-reduces'
+        resource at the end."""
+        shape, own, spec = self.shape_of_unit, dict[tuple, tuple[float, float]](), self._reader(choice)
+        lines: dict[str, Timeline] = collections.defaultdict(Timeline)
+        done: dict[int, float] = {-1: 0.0}  # node -> when its results are made (-1: the arguments)
+        for i in sorted(self.node_units):
+            units = self.node_units[i]
+            arrived = 0.0
+            for k in units:
+                for n in self.in_edges.get(k, ()):
+                    e = self.edges[n]
+                    made = done.get(self.units[e.src[0]].node, 0.0)
+                    for kind, t in self.edge_comms(e, spec(*e.src), spec(*e.dst)):
+                        made = lines[kind].place(made, t)
+                    arrived = max(arrived, made)
+            summed = compute = 0.0
+            for k in units:
+                key = (shape[k], id(choice[k]))
+                parts = own.get(key)
+                if parts is None:
+                    parts = own[key] = self.unit_parts(k, choice[k])
+                summed, compute = summed + parts[0], compute + parts[1]
+            done[i] = lines["all-reduce"].place(lines["compute"].place(arrived, compute), summed)
+        lines["all-reduce"].place(lines["all-reduce"].tail, self.combined_latency(choice))
+        return max((line.tail for line in lines.values()), default=0.0)
 
     def _reader(self, choice: Sequence[Assignment]) -> Callable[[int, int], Spec]:
         """`spec(k, pos, choice[k])`, looked up once per unit structure, operand and assignment
