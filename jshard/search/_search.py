@@ -109,6 +109,10 @@ class SearchReport:
         estimated peak is over the budget, or the plan's compiled program is over it, `parallelize`
         compiles them in this order and keeps the first whose compiled program fits (the estimate
         keeps activations XLA may fuse away, and misses buffers XLA adds).
+      searches: the searches planning this signature ran (every weighing's candidates; those a
+        weighing asked for again were reused, not searched again), 0 where not counted.
+      skipped: what the weighings left out once `Search.time_limit`, which bounds the whole of
+        planning, had passed (one line), or nothing.
     """
 
     search: str
@@ -130,6 +134,8 @@ class SearchReport:
     offload: tuple[Weighed, ...] = ()
     kept: str = ""
     seeds: tuple[tuple[str, float], ...] = ()
+    searches: int = 0
+    skipped: tuple[str, ...] = ()
 
     @property
     def held_bytes(self) -> float:
@@ -154,7 +160,9 @@ class SearchReport:
                     "" if not self.optimizer else "; optimizer parallel weighed: " + ", ".join(
                         w.text() for w in self.optimizer)) + (
                     "" if not self.offload else "; offload weighed: " + ", ".join(w.text() for w in self.offload)) + (
-                    "" if not self.kept else f"; kept {self.kept}"))
+                    "" if not self.kept else f"; kept {self.kept}") + (
+                    "" if not self.searches else f"; {self.searches} searches in all") + "".join(
+                    f"; {line}" for line in self.skipped))
 
 
 def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one keyword each)
@@ -218,7 +226,9 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     made = (_seeded.seeds(g, args, outvars, fixed, batch, budget)
             if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
     fitted = (_seeded.fit_budget(g, raw, budget) for raw in made)
-    seed = min((s for s in fitted if s is not None), key=lambda s: s.seconds, default=None)
+    # the seeds moved to fit the budget, where the search weighs them (not as made, nor where nothing fits)
+    seed = (None if as_seeded is not None or least else
+            min((s for s in fitted if s is not None), key=lambda s: s.seconds, default=None))
     mesh_text, kept = "·".join(str(axis_size[a]) for (a,) in axes) or "1", ""
     candidates = g.candidate_count(axes[:1])
     if as_seeded is not None:
@@ -291,16 +301,22 @@ def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: f
     ILP solved once per split of the mesh into two groups, and the warm start kept where every ILP
     plan predicts more seconds, or none fits within the time limit. All are priced by one measure
     (`SearchGraph.seconds`). Returns the plan kept, the ILP's groups (None: the recursive plan's
-    levels) and why it was kept (`SearchReport.kept`)."""
+    levels) and why it was kept (`SearchReport.kept`). `time_limit` bounds the ILP's splits together
+    (what is left of planning's time limit: a split starts only while some is left)."""
+    end = time.perf_counter() + time_limit
     try:
         warm = _recursive.solve(g, axes, budget)
         warm = _better(dataclasses.replace(warm, seconds=g.seconds(warm.choice)), seed)
     except Infeasible:
         warm = seed
     best, splits, failed = None, _splits(axes), []
-    for groups in splits:
+    for n, groups in enumerate(splits):
+        left = end - time.perf_counter()
+        if left <= 0:
+            failed.append(f"the time limit passed before {len(splits) - n} of {len(splits)} splits of the mesh")
+            break
         try:
-            solved = _ilp.solve(g, groups, budget, time_limit / len(splits))
+            solved = _ilp.solve(g, groups, budget, left / (len(splits) - n))
         except Infeasible as e:
             failed.append(str(e))
             continue
