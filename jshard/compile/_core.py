@@ -543,7 +543,7 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
     def checked_peak(program: Program) -> tuple[Program, float]:
         """`program` with its compiled peak in its report (and, where it fits, the budget asked for,
         not the tighter estimate searched under), and that peak."""
-        found = compiled_peak(program.jitted, args, program.in_shardings)
+        found = compiled_peak(program.jitted, args, program.in_shardings, bool(program.plan.offload))
         assert program.plan.search is not None and c.memory_budget is not None  # searched, compiled under a budget
         report = dataclasses.replace(program.plan.search, compiled_peak_bytes=found)
         if found <= c.memory_budget:
@@ -564,14 +564,25 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
             program, problem = attempt(problem)
             if not checked:
                 return program
-            program, held = checked_peak(program)
             report = program.plan.search
-            assert report is not None and c.memory_budget is not None and problem.budget is not None  # as checked_peak's
-            if report.seeds and not tried and s.planning.weighs("the seeds' compiled programs", held <= c.memory_budget):
-                # seeds that predict less but the search estimated over the budget: their compiled programs decide
+            assert report is not None and c.memory_budget is not None and problem.budget is not None  # searched, held
+            # seeds that predict less but the search estimated over the budget: their compiled programs decide,
+            # compiled before the search's plan (kept where one fits, whether or not the plan would); past the
+            # deadline only where the plan does not fit
+            cheaper: list[str] = []
+            if report.seeds and not tried:
                 tried = True
                 dearer = [status for status, seconds in report.seeds if seconds >= report.seconds]
-                found = first_fitting([status for status, seconds in report.seeds if seconds < report.seconds])
+                cheaper = [status for status, seconds in report.seeds if seconds < report.seconds]
+            if cheaper and not s.planning.deadline.passed:
+                found, cheaper = first_fitting(cheaper), []
+                if found is not None:
+                    return found
+            program, held = checked_peak(program)
+            report = program.plan.search
+            assert report is not None  # as checked_peak's
+            if cheaper and s.planning.weighs("the seeds' compiled programs", held <= c.memory_budget):
+                found = first_fitting(cheaper)
                 if found is not None:
                     return found
             if held <= c.memory_budget:
