@@ -27,12 +27,15 @@ from jshard.graph import CONSTRAINT, Node
 from jshard.propagate import Decision, Engine, Rejected, Result, charge_constraints
 from jshard.rules import OpTable, write_spec
 from jshard.search import _ilp, _recursive, _seeded
-from jshard.search._graph import Assignment, Infeasible, Joins, SearchGraph, Solved
+from jshard.search._graph import REPLICATED_SHARE, Assignment, Infeasible, Joins, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
 _KEY_SHARE = 0.01  # key operators, whose best rejected alternative a plan records: this share of the heaviest's work
+MEASURABLY = 0.1
+"""Under a budget, a plan that leaves every device (nearly) the whole work (`REPLICATED_SHARE`) is
+kept over the data-parallel plan only where it predicts at least this share less (`_split`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,10 +228,10 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         raise _too_big(g, budget, names or {}, call, how)
     made = (_seeded.seeds(g, args, outvars, fixed, batch, budget)
             if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
-    fitted = (_seeded.fit_budget(g, raw, budget) for raw in made)
     # the seeds moved to fit the budget, where the search weighs them (not as made, nor where nothing fits)
-    seed = (None if as_seeded is not None or least else
-            min((s for s in fitted if s is not None), key=lambda s: s.seconds, default=None))
+    fitted = [] if as_seeded is not None or least else [s for s in (_seeded.fit_budget(g, raw, budget) for raw in made)
+                                                        if s is not None]
+    seed = min(fitted, key=lambda s: s.seconds, default=None)
     mesh_text, kept = "·".join(str(axis_size[a]) for (a,) in axes) or "1", ""
     candidates = g.candidate_count(axes[:1])
     if as_seeded is not None:
@@ -250,6 +253,8 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
             candidates = g.candidate_count(groups)
     else:
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
+    if budget is not None and as_seeded is None:
+        solved = _split(g, solved, next((s for s in fitted if s.status.startswith(_seeded.DATA_PARALLEL)), None))
     choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
     result = assemble(g, choice)
     others = () if budget is None or as_seeded is not None else _others(made, choice)
@@ -292,6 +297,22 @@ def _better(solved: Solved, seed: Solved | None) -> Solved:
     return dataclasses.replace(seed, status=f"{seed.status}: it predicts {_time(seed.seconds)} per call, the recursive "
                                f"search's plan {_time(solved.seconds)} ({solved.status})",
                                unit_classes=solved.unit_classes, evaluations=solved.evaluations)
+
+
+def _split(g: SearchGraph, solved: Solved, data: Solved | None) -> Solved:
+    """`solved`, or the data-parallel seed (`data`, fitted to the budget) where `solved` leaves every
+    device (nearly) the whole work (`REPLICATED_SHARE`) and predicts less than `MEASURABLY` less: a
+    plan that computes the whole batch on every device is kept only where that is measurably faster
+    (the plan's `WorkReport` then says why in one line)."""
+    if data is None or data.choice == solved.choice or solved.seconds <= data.seconds * (1 - MEASURABLY):
+        return solved
+    share = g.work_share(solved.choice)
+    if share < REPLICATED_SHARE:
+        return solved
+    return dataclasses.replace(data, status=(
+        f"{data.status}: the search's plan ({solved.status}) leaves each device {share:.0%} of the work and predicts "
+        f"{_time(solved.seconds)} per call against its {_time(data.seconds)}, less than {MEASURABLY:.0%} faster"),
+        unit_classes=solved.unit_classes, evaluations=solved.evaluations)
 
 
 def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: float,
