@@ -15,6 +15,10 @@ from jshard.cost import CostModel
 
 MiB = 2**20
 
+WHOLE = js.Search(time_limit=3600.0)
+"""`Search(time_limit=...)` for the tests of what the weighings weigh: the time limit bounds the whole of
+planning, which on a loaded 2-core machine can pass before every candidate is weighed."""
+
 
 @pytest.fixture(scope="module")
 def scan_gpt():
@@ -30,7 +34,8 @@ def scan_gpt():
 
 def test_loose_budget_weighs_every_policy_and_keeps_the_fastest(scan_gpt):
     step, args, _ = scan_gpt
-    free = js.parallelize(step, devices=8, mode="auto", cost_model=CostModel.for_device("H100")).plan(*args).search
+    free = js.parallelize(step, devices=8, mode="auto", cost_model=CostModel.for_device("H100"),
+                          search=WHOLE).plan(*args).search
     weighed = {w.policy: w for w in free.recompute}
     assert [w.policy for w in free.recompute] == ["none", "selective", "full"]
     assert weighed["none"].chosen  # 80 GiB binds nothing: the fastest policy
@@ -44,7 +49,8 @@ def test_loose_budget_weighs_every_policy_and_keeps_the_fastest(scan_gpt):
 def test_tight_budget_chooses_full_recompute_and_equals_one_device(scan_gpt):
     step, args, (ref_params, ref_state, ref_loss) = scan_gpt
     budget = 4 * MiB  # below what keeping every activation needs (about 9.5 MiB unbudgeted)
-    auto = js.parallelize(step, devices=8, mode="auto", cost_model=CostModel(memory=budget, device="4 MiB device"))
+    auto = js.parallelize(step, devices=8, mode="auto", cost_model=CostModel(memory=budget, device="4 MiB device"),
+                          search=WHOLE)
     report = auto.plan(*args).search
     chosen = [w for w in report.recompute if w.chosen]
     assert [w.policy for w in chosen] == ["full"], report.line()

@@ -76,8 +76,8 @@ def test_a_time_limit_bounds_the_whole_planning_not_each_search(gpt):
     budget = (peaks["none"] + peaks["selective"]) / 2  # recomputing nothing does not fit
     plans = {limit: js.parallelize(step, devices=16, mode="auto", cost_model=H100,
                                    search=js.Search(memory_budget=budget, time_limit=limit)).plan(*args).search
-             for limit in (60.0, 0.0)}
-    whole, bounded = plans[60.0], plans[0.0]
+             for limit in (3600.0, 0.0)}
+    whole, bounded = plans[3600.0], plans[0.0]
     assert not whole.skipped and f"{whole.searches} searches in all" in whole.line()
     # past the deadline from the start: each weighing plans until one candidate fits, then stops
     assert bounded.searches < whole.searches, (bounded.line(), whole.line())
@@ -89,3 +89,16 @@ def test_a_time_limit_bounds_the_whole_planning_not_each_search(gpt):
     assert bounded.skipped == (f"the time limit (0 s, search_time_limit) passed: not weighed: {left_out}",)
     assert bounded.skipped[0] in bounded.line()
     assert bounded.peak_bytes <= budget and whole.peak_bytes <= budget
+
+
+def test_past_the_deadline_a_weighing_that_then_fits_nothing_weighs_every_candidate():
+    planning = Planning.of(0.0, Clock())  # passed from the start
+
+    def weigh():  # "a" fits the estimate, but only "b"'s compiled program fits
+        kept = [c for c in ("a", "b") if planning.weighs(c, fits=c != "a")]
+        if "b" not in kept:
+            raise js.MemoryBudgetError("a's compiled program does not fit", None)
+        return kept
+
+    assert planning.to_the_end(weigh) == ["a", "b"]
+    assert planning.skipped == [] and not planning.forced  # weighed after all: nothing left out

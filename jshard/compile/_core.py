@@ -198,7 +198,7 @@ def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c:
     budget, budget_from = _budget(c, devices)
     s = Signature(fn, args, devices, slots, dataset, c, call, budget, budget_from, types, planning)
     if c.searching and c.offload is None and budget is not None:
-        return _weigh_offload(s, traced)
+        return planning.to_the_end(lambda: _weigh_offload(s, traced))
     return _build_placed(s, traced)
 
 
@@ -224,7 +224,8 @@ def _build_placed(s: Signature, traced: Traced, check: bool = True) -> Program:
     except MemoryBudgetError as e:
         if c.optimizer is not None or budget is None or not c.searching or (e.bound and e.least_bytes > budget):
             raise  # given, no budget to meet, or nothing fits even with every tensor cut as finely as it can be
-        return _weigh_optimizer(s, traced, e, check)
+        without = e
+    return s.planning.to_the_end(lambda: _weigh_optimizer(s, traced, without, check))
 
 
 def _plan_signature(s: Signature, traced: Traced, check: bool = True) -> Program:
@@ -232,7 +233,7 @@ def _plan_signature(s: Signature, traced: Traced, check: bool = True) -> Program
     plans) each given a policy."""
     if not (s.options.searching and traced.ctx.auto_regions):
         return _build_traced(s, traced, check=check)
-    return _weigh_recompute(s, traced, check)
+    return s.planning.to_the_end(lambda: _weigh_recompute(s, traced, check))
 
 
 def _weigh_offload(s: Signature, traced: Traced) -> Program:

@@ -6,7 +6,9 @@ each search again, and each asks the `Planning` session first. `Planning.plan` m
 answer to a `Problem` once: a weighing that asks again for a problem already planned (the
 unconstrained plan, the same placement planned and then held to the budget) reuses it. Past the
 deadline a weighing plans no further candidate once one fits, and the plan names what it left out
-(`SearchReport.skipped`); the ILP gets only the time left (`Planning.time_left`).
+(`SearchReport.skipped`); where the candidates it kept then fail the compiled check, it weighs again
+with every candidate (`Planning.to_the_end`: a plan found beats the time limit); the ILP gets only
+the time left (`Planning.time_left`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
+from jshard._errors import MemoryBudgetError
 from jshard.compile._planners import Planned, Planner, Problem
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -53,12 +58,14 @@ class Planning:
       searches: the planner runs made (each a search where the search plans).
       reused: the answers taken from an earlier run of the same problem.
       skipped: the candidates a weighing left out past the deadline, one line each.
+      forced: every candidate is weighed, deadline or not (`to_the_end`).
     """
 
     deadline: Deadline
     searches: int = 0
     reused: int = 0
     skipped: list[str] = dataclasses.field(default_factory=list)
+    forced: bool = False
     _made: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
@@ -91,10 +98,26 @@ class Planning:
     def weighs(self, what: str, fits: bool) -> bool:
         """Whether a weighing plans its candidate `what`: always before the deadline, and after it
         only while none it planned fits (`fits`: one does); a candidate left out is recorded."""
-        if not fits or not self.deadline.passed:
+        if self.forced or not fits or not self.deadline.passed:
             return True
         self.skipped.append(what)
         return False
+
+    def to_the_end(self, weigh: Callable[[], T]) -> T:
+        """`weigh()` (a weighing); where it finds nothing that fits after leaving candidates out past
+        the deadline, `weigh()` again with every candidate weighed (the searches made are reused)."""
+        before = len(self.skipped)
+        try:
+            return weigh()
+        except MemoryBudgetError:
+            if self.forced or len(self.skipped) == before:
+                raise
+        del self.skipped[before:]  # weighed now
+        self.forced = True
+        try:
+            return weigh()
+        finally:
+            self.forced = False
 
     def note(self) -> tuple[str, ...]:
         """`SearchReport.skipped`: what the weighings left out, and why, or nothing."""
