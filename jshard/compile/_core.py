@@ -343,7 +343,8 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
     more recompute). Its `SearchReport` lists the policies weighed (`recompute`) and each region's
     (`regions`)."""
     c, budget = s.options, s.budget
-    uniform, weighed = {}, []
+    uniform: dict[str, tuple[Traced, Program, Program | MemoryBudgetError]] = {}
+    weighed: list[Weighed] = []
     for policy in AUTO_POLICIES:
         if not s.planning.weighs(f"recompute {policy!r}", any(not isinstance(u[2], MemoryBudgetError)
                                                                for u in uniform.values())):

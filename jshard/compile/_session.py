@@ -77,7 +77,10 @@ class Planning:
         return min(limit, self.deadline.left())
 
     def plan(self, planner: Planner, problem: Problem) -> Planned:
-        """`planner`'s answer to `problem`, made once per session (a raised error is raised again)."""
+        """`planner`'s answer to `problem`, made once per session (a raised error is raised again); a
+        planner that reads nothing but `problem` and its `options` (the search, propagation)."""
+        if not hasattr(planner, "options"):  # Shardy's (nothing to make) or a loaded plan's (read once)
+            return planner.plan(problem)
         key = (_planner_key(planner), _problem_key(problem))
         found = self._made.get(key)
         if found is not None:
@@ -127,10 +130,11 @@ class Planning:
                 + ", ".join(dict.fromkeys(self.skipped)),)
 
 
-def _planner_key(planner: Planner) -> Any:
-    options = getattr(planner, "options", None)
-    # the options a planner reads besides the problem: one session's search and cost model
-    return type(planner), None if options is None else (options.search, id(options.cost_model), options.mode)
+def _planner_key(planner: Any) -> Any:
+    """The options the search and the propagation read besides the problem (the cost model by
+    identity: one session's options share it)."""
+    options = planner.options
+    return type(planner), options.search, id(options.cost_model), options.mode
 
 
 def _problem_key(p: Problem) -> tuple:
