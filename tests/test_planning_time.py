@@ -3,6 +3,8 @@ weighings under a budget share one deadline, a problem planned twice is searched
 deadline no weighing plans a further candidate once one fits, the plan naming what it left out.
 Measured by counting searches and by a deterministic clock, never by the wall clock."""
 
+import types
+
 import jax
 import numpy as np
 import optax
@@ -40,7 +42,9 @@ def test_the_deadline_reads_its_clock():
 def test_a_session_searches_a_problem_once_and_stops_weighing_past_its_deadline():
     clock, runs = Clock(), []
 
-    class Counting:
+    class Counting:  # a planner that reads its problem and options only, as the search does
+        options = types.SimpleNamespace(search=js.Search(), cost_model=None, mode="auto")
+
         def plan(self, problem):
             runs.append(problem)
             return Planned(None)

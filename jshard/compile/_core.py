@@ -106,9 +106,16 @@ class Signature:
         return dataclasses.replace(self, options=dataclasses.replace(self.options, **changes))
 
     def trace(self, fine: FineMesh, recompute: Any = "full", **context: Any) -> Traced:
-        """`fn` traced again on `fine` (with another recompute choice, or the core's context)."""
-        return trace(self.fn, self.args, fine, self.devices, self.options, self.call, recompute, types=self.types,
-                     **context)
+        """`fn` traced again on `fine` (with another recompute choice, or the core's context); with
+        no context, once per session (every offload placement and optimizer level weighs the same
+        recompute policies of the same function, and the trace reads none of those options)."""
+        def traced() -> Traced:
+            return trace(self.fn, self.args, fine, self.devices, self.options, self.call, recompute, types=self.types,
+                         **context)
+
+        if context:
+            return traced()
+        return self.planning.kept(("trace", id(self.fn), fine, recompute, id(self.types)), traced, (self.fn, self.types))
 
 
 def fastest_that_fits(keys: Any, seconds: Callable[[Any], Any], build: Callable[[Any], Program],

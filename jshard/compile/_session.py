@@ -98,6 +98,14 @@ class Planning:
         self._made[key] = (answer, None, problem.traced)
         return answer
 
+    def kept(self, key: Any, make: Callable[[], T], holds: Any = None) -> T:
+        """`make()`, made once per session per `key` (`holds`: what ids in `key` stand for, held so
+        that they stay theirs)."""
+        found = self._made.get(key)
+        if found is None:
+            found = self._made[key] = (make(), None, holds)
+        return found[0]
+
     def weighs(self, what: str, fits: bool) -> bool:
         """Whether a weighing plans its candidate `what`: always before the deadline, and after it
         only while none it planned fits (`fits`: one does); a candidate left out is recorded."""
