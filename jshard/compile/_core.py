@@ -575,25 +575,18 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
                 return program
             report = program.plan.search
             assert report is not None and c.memory_budget is not None and problem.budget is not None  # searched, held
-            # seeds that predict less but the search estimated over the budget: their compiled programs decide,
-            # compiled before the search's plan (kept where one fits, whether or not the plan would); past the
-            # deadline only where the plan does not fit
-            cheaper: list[str] = []
             if report.seeds and not tried:
+                # seeds that predict less but the search estimated over the budget: their compiled programs decide,
+                # compiled before the search's plan (kept where one fits, whether or not the plan would), deadline
+                # or not (no search: a few compiles for a plan that may be much faster)
                 tried = True
                 dearer = [status for status, seconds in report.seeds if seconds >= report.seconds]
-                cheaper = [status for status, seconds in report.seeds if seconds < report.seconds]
-            if cheaper and not s.planning.deadline.passed:
-                found, cheaper = first_fitting(cheaper), []
+                found = first_fitting([status for status, seconds in report.seeds if seconds < report.seconds])
                 if found is not None:
                     return found
             program, held = checked_peak(program)
             report = program.plan.search
             assert report is not None  # as checked_peak's
-            if cheaper and s.planning.weighs("the seeds' compiled programs", held <= c.memory_budget):
-                found = first_fitting(cheaper)
-                if found is not None:
-                    return found
             if held <= c.memory_budget:
                 return program
             if problem.seeded and any(seed in report.status for seed in SEEDS):  # the search's own plans first

@@ -7,8 +7,8 @@ answer to a `Problem` once: a weighing that asks again for a problem already pla
 unconstrained plan, the same placement planned and then held to the budget) reuses it. Past the
 deadline a weighing plans no further candidate once one fits, and the plan names what it left out
 (`SearchReport.skipped`); where the candidates it kept then fail the compiled check, it weighs again
-with every candidate (`Planning.to_the_end`: a plan found beats the time limit); the ILP gets only
-the time left (`Planning.time_left`).
+with every candidate (`Planning.to_the_end`: a plan found beats the time limit); an ILP search gets
+at most half the time left (`Planning.time_left`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from jshard._errors import MemoryBudgetError
 from jshard.compile._planners import Planned, Planner, Problem
 
 T = TypeVar("T")
+
+ILP_SHARE = 0.5
+"""The share of the planning's time left that one ILP search may take (`Planning.time_left`)."""
 
 
 @dataclasses.dataclass
@@ -73,8 +76,9 @@ class Planning:
         return cls(Deadline(time_limit) if clock is None else Deadline(time_limit, clock))
 
     def time_left(self, limit: float) -> float:
-        """The time a search may take: `limit`, or less where the deadline comes first."""
-        return min(limit, self.deadline.left())
+        """The time a search (the ILP) may take: `limit`, or less where the deadline comes first, and at
+        most `ILP_SHARE` of what is left (the weighings and checks after it need some)."""
+        return min(limit, ILP_SHARE * self.deadline.left())
 
     def plan(self, planner: Planner, problem: Problem) -> Planned:
         """`planner`'s answer to `problem`, made once per session (a raised error is raised again); a
