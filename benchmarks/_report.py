@@ -26,6 +26,7 @@ from benchmarks import (
     _memory,
     _pipeline,
     _pipeline_tagged,
+    _plan_time,
     _planning,
     _predicted,
     _replay,
@@ -74,7 +75,7 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     return tables
 
 
-SECTIONS = ("memory", "accumulation", "hetero", "search", "zoo", "replay", "pipeline", "round_trip", "fusion")
+SECTIONS = ("plan_time", "memory", "accumulation", "hetero", "search", "zoo", "replay", "pipeline", "round_trip", "fusion")
 """The sections `python -m benchmarks --only NAME` regenerates alone (the others need the whole run's
 shared measurements)."""
 
@@ -83,7 +84,10 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
     """The tables of the sections `names` (`SECTIONS`), each echoed as it is done."""
     tables = []
     for name in names:
-        if name == "memory":
+        if name == "plan_time":
+            made = [_plan_time.plan_time_table([_plan_time.measure(c, settings.compile_pairs, settings.compile_budget)
+                                                for c in _plan_time.cases(settings.size, DEVICES)])]
+        elif name == "memory":
             made = _memory.memory_tables(DEVICES, settings.step_rounds, settings.memory_step_budget)
         elif name == "accumulation":
             made = [_accumulation.accumulation_table(), _accumulation.comm_recompute_table(),

@@ -131,7 +131,7 @@ def _plan_parser(sub) -> None:
                            "replay the decision on each (Search's replay; default on); --no-replay "
                            "weighs every operator on its own")
     plan.add_argument("--time-limit", metavar="S", type=float, default=None,
-                      help="seconds the ILP search may take (default 60)")
+                      help="seconds the whole planning may take, every search and weighing (default 60)")
     plan.add_argument("--quiet", action="store_true",
                       help="no progress line on stderr while the search runs (shown only on a terminal)")
     plan.add_argument("--save", metavar="PATH", default=None, help="write the plan as JSON (Plan.save)")

@@ -15,6 +15,10 @@ from jshard._format import human_bytes
 from jshard.cost import CostModel
 from jshard.cost._devices import kind_of
 
+WHOLE = 3600.0
+"""`Search(time_limit=...)` for the tests of what the weighings weigh: the time limit bounds the whole of
+planning, which on a loaded 2-core machine can pass before every candidate is weighed."""
+
 HOST = "pinned_host"
 STEPS = 3
 
@@ -40,7 +44,7 @@ def test_a_budget_only_host_state_meets_offloads_the_optimizer_and_equals_one_de
     step, params, state, batches, (ref_params, ref_state, ref_losses), peak = gpt
     assert peak[("optimizer",)] < peak[()]  # the memory model: host state is off the device but while used
     budget = (peak[("optimizer",)] + peak[()]) / 2
-    auto = js.parallelize(step, devices=1, mode="auto", search=js.Search(memory_budget=budget))
+    auto = js.parallelize(step, devices=1, mode="auto", search=js.Search(memory_budget=budget, time_limit=WHOLE))
     plan = auto.plan(params, state, batches[0])
     assert plan.offload.what == ("optimizer",)
     weighed = {w.policy: w for w in plan.search.offload}

@@ -15,6 +15,10 @@ from jshard.cost import CostModel
 
 MiB = 2**20
 
+WHOLE = js.Search(time_limit=3600.0)
+"""`Search(time_limit=...)` for the tests of what the weighings weigh: the time limit bounds the whole of
+planning, which on a loaded 2-core machine can pass before every candidate is weighed."""
+
 
 @pytest.fixture(scope="module")
 def scan_gpt():
@@ -33,7 +37,7 @@ def test_loose_budget_weighs_every_policy_and_keeps_the_fastest(scan_gpt):
     # FLOPs priced, not memory traffic: at this toy size every operator is memory-bound under the
     # roofline, and the search's layouts for each policy's trace decide the order, not its recompute
     h100 = CostModel.for_device("H100", memory_bandwidth=None)
-    free = js.parallelize(step, devices=8, mode="auto", cost_model=h100).plan(*args).search
+    free = js.parallelize(step, devices=8, mode="auto", cost_model=h100, search=WHOLE).plan(*args).search
     weighed = {w.policy: w for w in free.recompute}
     assert [w.policy for w in free.recompute] == ["none", "selective", "full"]
     assert weighed["none"].chosen  # 80 GiB binds nothing: the fastest policy
@@ -47,7 +51,8 @@ def test_loose_budget_weighs_every_policy_and_keeps_the_fastest(scan_gpt):
 def test_tight_budget_chooses_full_recompute_and_equals_one_device(scan_gpt):
     step, args, (ref_params, ref_state, ref_loss) = scan_gpt
     budget = 4 * MiB  # below what keeping every activation needs (about 9.5 MiB unbudgeted)
-    auto = js.parallelize(step, devices=8, mode="auto", cost_model=CostModel(memory=budget, device="4 MiB device"))
+    auto = js.parallelize(step, devices=8, mode="auto", cost_model=CostModel(memory=budget, device="4 MiB device"),
+                          search=WHOLE)
     report = auto.plan(*args).search
     chosen = [w for w in report.recompute if w.chosen]
     assert [w.policy for w in chosen] == ["full"], report.line()

@@ -7,6 +7,8 @@ import pytest
 
 import jshard as js
 from jshard._examples import build
+from jshard.cost import CostModel
+from jshard.search import DATA_PARALLEL, _search
 
 
 def _one_line(text: str) -> str:
@@ -77,3 +79,25 @@ def test_data_mode_where_little_follows_the_batch():
     assert 0.999 < plan.work.share < 1.0  # shown as 99.9%, never as 100% for a plan that cuts something
     assert ("little is cut: each of the 8 devices does 99.9% of the single-device work; mode='data' "
             "cuts only the batch arguments, and little of this program's work follows them") in _one_line(plan.summary())
+
+H100 = CostModel.for_device("H100")
+
+
+def test_on_a_known_device_the_budget_is_its_memory_and_a_whole_batch_per_device_says_why(mlp):
+    """Issue 32 item 4: `mode="auto"` on an H100's cost model is held to its 80 GiB and weighs the
+    data-parallel plan; it keeps every device computing the whole batch only where that predicts
+    at least `MEASURABLY` less, and the summary says why in one line."""
+    plan = _plan(mlp, mode="auto", cost_model=H100)
+    report, work = plan.search, plan.work
+    assert report.budget == 80 * 2**30 and report.budget_from == "the memory of one H100, no memory_budget given"
+    assert work.replicated and work.seconds <= (1 - _search.MEASURABLY) * work.data_seconds  # measurably faster
+    line = work.line()
+    assert line in _one_line(plan.summary()) and "the cost model says the step is too small to cut" in line
+
+
+def test_on_a_known_device_a_whole_batch_not_measurably_faster_gives_way_to_data_parallel(mlp, monkeypatch):
+    monkeypatch.setattr(_search, "MEASURABLY", 1.0)  # no plan is measurably faster than data parallel
+    plan = _plan(mlp, mode="auto", cost_model=H100)
+    assert plan.search.status.startswith(f"{DATA_PARALLEL}: the search's plan (")
+    assert "of the work and predicts" in plan.search.status and "less than 100% faster" in plan.search.status
+    assert not plan.work.replicated and plan.work.line() is None

@@ -19,6 +19,10 @@ H100 = CostModel.for_device("H100", memory_bandwidth=None)
 operator memory-bound, and which layouts the search finds then decides more than recompute does;
 these tests weigh recompute against memory."""
 
+WHOLE = 3600.0
+"""`Search(time_limit=...)` for the tests of what the weighings weigh: the time limit bounds the whole of
+planning, which on a loaded 2-core machine can pass before every candidate is weighed."""
+
 
 @pytest.fixture(scope="module")
 def layered():
@@ -29,7 +33,7 @@ def layered():
     step = models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), optimizer)
     params = models.init_gpt(cfg, jax.random.key(0))
     args = (params, optimizer.init(params), models.copy_task_batch(np.random.default_rng(0), cfg, 32))
-    free = js.parallelize(step, devices=4, mode="auto", cost_model=H100).plan(*args).search
+    free = js.parallelize(step, devices=4, mode="auto", cost_model=H100, search=js.Search(time_limit=WHOLE)).plan(*args).search
     return step, args, jax.jit(step)(*args), {w.policy: w.peak_bytes for w in free.recompute}
 
 
@@ -42,7 +46,7 @@ def _equals_one_device(fn, args, ref):
 def test_a_budget_the_fastest_plan_meets_recomputes_nothing(layered):
     step, args, ref, peaks = layered
     budget = 1.25 * peaks["none"]
-    fn = js.parallelize(step, devices=4, mode="auto", cost_model=H100, search=js.Search(memory_budget=budget))
+    fn = js.parallelize(step, devices=4, mode="auto", cost_model=H100, search=js.Search(memory_budget=budget, time_limit=WHOLE))
     plan = fn.plan(*args)
     assert [r.policy for r in plan.search.regions] == ["none", "none"], plan.search.line()
     assert [w.policy for w in plan.search.recompute if w.chosen] == ["none"]
@@ -54,7 +58,7 @@ def test_a_budget_the_fastest_plan_meets_recomputes_nothing(layered):
 def test_a_budget_between_recomputes_some_regions_not_all(layered):
     step, args, ref, peaks = layered
     budget = peaks["none"] - 0.45 * (peaks["none"] - peaks["selective"])  # one region's savings, not two
-    fn = js.parallelize(step, devices=4, mode="auto", cost_model=H100, search=js.Search(memory_budget=budget))
+    fn = js.parallelize(step, devices=4, mode="auto", cost_model=H100, search=js.Search(memory_budget=budget, time_limit=WHOLE))
     plan = fn.plan(*args)
     report = plan.search
     chosen = [r.policy for r in report.regions]
@@ -89,7 +93,7 @@ def test_only_optimizer_parallel_fits_and_the_search_chooses_its_level():
     peaks = {level: js.audit(js.parallelize(step, optimizer=level, **kw).lower(*args).compile()).memory.peak_bytes
              for level in (1, 3)}  # compiled, as the budget is held: the search's estimates move with its plans
     budget = (peaks[1] + peaks[3]) / 2
-    fn = js.parallelize(step, search=js.Search(memory_budget=budget), offload=(), **kw)  # state kept on the device: levels only
+    fn = js.parallelize(step, search=js.Search(memory_budget=budget, time_limit=WHOLE), offload=(), **kw)  # state kept on the device: levels only
     plan = fn.plan(*args)
     weighed = {w.policy: w for w in plan.search.optimizer}
     assert list(weighed) == ["optimizer=1", "optimizer=2", "optimizer=3"]

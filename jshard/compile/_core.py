@@ -48,6 +48,7 @@ from jshard.compile._options import Options
 from jshard.compile._peer import weigh_peer
 from jshard.compile._planners import Planned, Problem, PropagationPlanner, planner_for
 from jshard.compile._program import Program, build_program, compiled_peak
+from jshard.compile._session import Planning
 from jshard.compile._trace import Traced, adopted, devices_for, trace
 from jshard.compile._work import with_work
 from jshard.cost import device_memory
@@ -87,6 +88,7 @@ class Signature:
       budget: the search's memory budget per device, None for none.
       budget_from: where the budget came from (`"memory_budget"`, or a device's memory).
       types: the argument leaves' types on a user's `Explicit` axes, for tracing again.
+      planning: the planning session (its deadline, the plans made): shared by every candidate.
     """
 
     fn: Callable[..., Any]
@@ -99,15 +101,23 @@ class Signature:
     budget: float | None
     budget_from: str
     types: Any
+    planning: Planning
 
     def but(self, **changes: Any) -> Signature:
         """The signature with these options changed (a candidate a weighing tries)."""
         return dataclasses.replace(self, options=dataclasses.replace(self.options, **changes))
 
     def trace(self, fine: FineMesh, recompute: Any = "full", **context: Any) -> Traced:
-        """`fn` traced again on `fine` (with another recompute choice, or the core's context)."""
-        return trace(self.fn, self.args, fine, self.devices, self.options, self.call, recompute, types=self.types,
-                     **context)
+        """`fn` traced again on `fine` (with another recompute choice, or the core's context); with
+        no context, once per session (every offload placement and optimizer level weighs the same
+        recompute policies of the same function, and the trace reads none of those options)."""
+        def traced() -> Traced:
+            return trace(self.fn, self.args, fine, self.devices, self.options, self.call, recompute, types=self.types,
+                         **context)
+
+        if context:
+            return traced()
+        return self.planning.kept(("trace", id(self.fn), fine, recompute, id(self.types)), traced, (self.fn, self.types))
 
 
 def fastest_that_fits(keys: Any, seconds: Callable[[Any], Any], build: Callable[[Any], Program],
@@ -149,20 +159,31 @@ def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> 
         cut = {i: slot for i, slot in dataset.items() if slots[i] is None}  # in_strategy comes first
         check_micro_batches(args, batch, cut, options.accumulation.steps, n, call)
     needed = _boundary_matrices(options, slots, dataset, args, n, call)
+    planning = Planning.of(options.search.time_limit)  # bounds the whole of planning this signature
     while True:
         fine, named = _fine_mesh(options, n, needed, call)
         try:
-            program = _build_on(fn, args, fine, named, devices, slots, dataset, options, call)
+            program = _build_on(fn, args, fine, named, devices, slots, dataset, options, call, planning)
         except NotRefined as e:
             if options.mesh is not None:
                 raise ShardingError(_users_mesh_error(call, e.matrix, e.who, options)) from None
             needed.append((e.matrix, e.who, e.names))
             continue
         warn_collisions(program, slots, options, call)
-        return with_work(program, args, batch, slots, options, call)
+        return with_work(_counted(program, planning), args, batch, slots, options, call)
 
 
-def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c: Options, call: str) -> Program:
+def _counted(program: Program, planning: Planning) -> Program:
+    """`program` with the session's searches and what its weighings left out in its `SearchReport`."""
+    search = program.plan.search
+    if search is None:
+        return program
+    report = dataclasses.replace(search, searches=planning.searches, skipped=planning.note())
+    return dataclasses.replace(program, plan=program.plan.replace(search=report))
+
+
+def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c: Options, call: str,  # noqa: PLR0913
+              planning: Planning) -> Program:
     """Traces, plans and builds on one fine mesh, whose axes `named` names (`axis_names`); raises
     `NotRefined` where it is too coarse, or a `Layout` met in the trace names axes it does not. With
     `jshard.recompute(policy="auto")` regions and the search planning, chooses a policy per region;
@@ -184,9 +205,9 @@ def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c:
                 e.who = who
                 raise e
     budget, budget_from = _budget(c, devices)
-    s = Signature(fn, args, devices, slots, dataset, c, call, budget, budget_from, types)
+    s = Signature(fn, args, devices, slots, dataset, c, call, budget, budget_from, types, planning)
     if c.searching and c.offload is None and budget is not None:
-        return _weigh_offload(s, traced)
+        return planning.to_the_end(lambda: _weigh_offload(s, traced))
     return _build_placed(s, traced)
 
 
@@ -212,7 +233,8 @@ def _build_placed(s: Signature, traced: Traced, check: bool = True) -> Program:
     except MemoryBudgetError as e:
         if c.optimizer is not None or budget is None or not c.searching or (e.bound and e.least_bytes > budget):
             raise  # given, no budget to meet, or nothing fits even with every tensor cut as finely as it can be
-        return _weigh_optimizer(s, traced, e, check)
+        without = e
+    return s.planning.to_the_end(lambda: _weigh_optimizer(s, traced, without, check))
 
 
 def _plan_signature(s: Signature, traced: Traced, check: bool = True) -> Program:
@@ -220,7 +242,7 @@ def _plan_signature(s: Signature, traced: Traced, check: bool = True) -> Program
     plans) each given a policy."""
     if not (s.options.searching and traced.ctx.auto_regions):
         return _build_traced(s, traced, check=check)
-    return _weigh_recompute(s, traced, check)
+    return s.planning.to_the_end(lambda: _weigh_recompute(s, traced, check))
 
 
 def _weigh_offload(s: Signature, traced: Traced) -> Program:
@@ -257,6 +279,8 @@ def _weigh_offload(s: Signature, traced: Traced) -> Program:
                 del planned[()]
                 choices = searched(traced, args, c)
     for what in choices:
+        if not s.planning.weighs(f"offload {_offload_name(what)}", bool(planned)):
+            continue
         try:
             program = place(what, False)
         except MemoryBudgetError as e:
@@ -328,8 +352,12 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
     more recompute). Its `SearchReport` lists the policies weighed (`recompute`) and each region's
     (`regions`)."""
     c, budget = s.options, s.budget
-    uniform, weighed = {}, []
+    uniform: dict[str, tuple[Traced, Program, Program | MemoryBudgetError]] = {}
+    weighed: list[Weighed] = []
     for policy in AUTO_POLICIES:
+        if not s.planning.weighs(f"recompute {policy!r}", any(not isinstance(u[2], MemoryBudgetError)
+                                                               for u in uniform.values())):
+            continue
         t = traced if policy == traced.ctx.recompute_choice else s.trace(traced.fine, policy)
         fastest, fits = _fitting(s, t, policy, traced.ctx.auto_regions > 1)
         weighed.append(Weighed(policy, None, fits.least_bytes) if isinstance(fits, MemoryBudgetError) else
@@ -341,7 +369,7 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
     rate = c.costs.flops
     _, fastest, fits = uniform["none"]
     peak = _searched(fastest).peak_bytes if fastest is not None else fits.least_bytes or float("inf")
-    moves = upgrades(costs, peak, rate)
+    moves = upgrades(costs, peak, rate) if len(uniform) == len(AUTO_POLICIES) else []  # mixes need every policy
     regions = sorted(costs["none"])
     estimates = [peak] + [m[2] for m in moves]
     first = next((n for n, e in enumerate(estimates) if budget is None or e <= budget), len(moves))
@@ -415,6 +443,8 @@ def _weigh_optimizer(s: Signature, traced: Traced, without: MemoryBudgetError, c
     weighed: dict[int, Weighed] = {}
     leveled = lambda level: s.but(optimizer=OptimizerParallel(level))
     for level in OPTIMIZER_LEVELS:
+        if not s.planning.weighs(f"optimizer={level}", bool(planned)):
+            continue
         try:
             program = _plan_signature(leveled(level), traced, False)
         except ShardingError as e:  # over the budget, or no data-parallel axis to cut over
@@ -470,12 +500,13 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
     fine = traced.fine
     in_sh = in_shardings(traced, slots, dataset, c, call)
     out_sh = out_shardings(traced, c, call)
-    planner = planner_for(c, call)
+    planning = s.planning
+    planner = planner_for(c, call, planning.time_left)
     donated = frozenset(argument_leaves(args, c.donate_argnums))
     optimizer, gather, kept, grads = None, {}, None, {}
     sharded = c.accumulation is not None and c.accumulation.shard
     if c.optimizer is not None or sharded:
-        layouts = _layouts(traced, in_sh, planner, donated, c)
+        layouts = _layouts(traced, in_sh, lambda p: planning.plan(planner, p), donated, c)
     if c.optimizer is not None:
         cut = cuts(traced, args, layouts, c, call)
         gather, grads = cut.gather, cut.grads  # level 3: the function all-gathers the cut parameters before use
@@ -506,7 +537,7 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
         """`problem` planned and built (planned again with the gradients jshard reduce-scatters cut
         where they are made, where there are any): the program and the problem it was planned for."""
         try:
-            planned = planner.plan(problem)
+            planned = planning.plan(planner, problem)
         except ShardingError as e:
             if not held:
                 raise
@@ -514,7 +545,7 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
         scattered, made = reduce_scattered(traced, planned.result, grads)  # level 2 and 3: the gradients' reduce-scatter
         if made and not problem.made:  # plan again with those gradients cut where they are made
             problem = dataclasses.replace(problem, made=made)
-            planned = planner.plan(problem)
+            planned = planning.plan(planner, problem)
             scattered, _ = reduce_scattered(traced, planned.result, grads)
         given = planned.in_shardings or [None] * len(in_sh)
         program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args,
@@ -526,7 +557,7 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
     def checked_peak(program: Program) -> tuple[Program, float]:
         """`program` with its compiled peak in its report (and, where it fits, the budget asked for,
         not the tighter estimate searched under), and that peak."""
-        found = compiled_peak(program.jitted, args, program.in_shardings)
+        found = compiled_peak(program.jitted, args, program.in_shardings, bool(program.plan.offload))
         assert program.plan.search is not None and c.memory_budget is not None  # searched, compiled under a budget
         report = dataclasses.replace(program.plan.search, compiled_peak_bytes=found)
         if found <= c.memory_budget:
@@ -551,16 +582,20 @@ def _build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: 
                         traced, Planned(None), in_sh, out_sh, devices, dataclasses.replace(c, propagation="xla"),
                         args), args)
                 return program
-            program, held = checked_peak(program)
             report = program.plan.search
-            assert report is not None and c.memory_budget is not None and problem.budget is not None  # as checked_peak's
+            assert report is not None and c.memory_budget is not None and problem.budget is not None  # searched, held
             if report.seeds and not tried:
-                # seeds that predict less but the search estimated over the budget: their compiled programs decide
+                # seeds that predict less but the search estimated over the budget: their compiled programs decide,
+                # compiled before the search's plan (kept where one fits, whether or not the plan would), deadline
+                # or not (no search: a few compiles for a plan that may be much faster)
                 tried = True
                 dearer = [status for status, seconds in report.seeds if seconds >= report.seconds]
                 found = first_fitting([status for status, seconds in report.seeds if seconds < report.seconds])
                 if found is not None:
                     return found
+            program, held = checked_peak(program)
+            report = program.plan.search
+            assert report is not None  # as checked_peak's
             if held <= c.memory_budget:
                 return program
             if problem.seeded and any(seed in report.status for seed in SEEDS):  # the search's own plans first
@@ -609,15 +644,16 @@ def _batch_axes(in_sh: list, args: tuple, c: Options) -> tuple[str, ...] | None:
     return found.pop() if len(found) == 1 and () not in found else None
 
 
-def _layouts(traced, in_sh: list, planner, donated: frozenset[int], c: Options) -> list[NamedSharding]:
+def _layouts(traced, in_sh: list, plan: Callable[[Problem], Any], donated: frozenset[int], c: Options) -> list[NamedSharding]:
     """Each argument leaf's sharding before the optimizer-parallel cut: its anchor, else the one
-    the planner gives it without the cut (else replicated, as the program would lay it out)."""
+    the planner gives it without the cut (`plan`: the session's, so each level weighed reuses it;
+    else replicated, as the program would lay it out)."""
     if all(sh is not None for sh in in_sh):
         return list(in_sh)
     try:
-        planned = planner.plan(Problem(traced, in_sh, donated, c.memory_budget))
+        planned = plan(Problem(traced, in_sh, donated, c.memory_budget))
     except MemoryBudgetError:  # the cut these layouts are for is what makes the budget fit
-        planned = planner.plan(Problem(traced, in_sh, donated, None))
+        planned = plan(Problem(traced, in_sh, donated, None))
     given = planned.in_shardings or [None] * len(in_sh)
     values = {} if planned.result is None else planned.result.values
     return [sh or g or NamedSharding(traced.mesh, to_pspec(values[v]) if v in values else PartitionSpec())

@@ -34,7 +34,11 @@ class Search:
         tightened until it fits. None: the memory of one device, estimated only (the cost model's
         device kind, else the devices present's, else on an abstract mesh no budget). Nothing
         fitting raises `jshard.MemoryBudgetError`.
-      time_limit: seconds the ILP may take; past it, the best plan found is used and the plan says so.
+      time_limit: seconds planning one input signature may take, all of it: every search and
+        weighing under a budget (recompute policies, optimizer levels, offload placements) shares
+        this deadline; past it a weighing plans no further candidate once one fits (a plan that
+        fits is still found) and the ILP stops at the best plan found; the plan says what was left
+        out (`SearchReport.skipped`).
       replay: with `"recursive"`: plan the interior layers of a run of identical layers (an
         unrolled Python loop over layers) once and replay the decision on each, as a scanned body is
         planned once; False weighs every operator on its own (slower at depth).

@@ -9,7 +9,7 @@ picks one per `Options` (`planner_for`) and treats them alike.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -116,10 +116,12 @@ class PropagationPlanner:
 
 @dataclasses.dataclass(frozen=True)
 class SearchPlanner:
-    """The strategy search (`mode="auto"`, `search="recursive"` or `"ilp"`)."""
+    """The strategy search (`mode="auto"`, `search="recursive"` or `"ilp"`); `time_left`: the seconds
+    a search may take given `Search.time_limit` (the planning session's deadline: `Planning.time_left`)."""
 
     options: Options
     call: str
+    time_left: Callable[[float], float] | None = None
 
     def plan(self, problem: Problem) -> Planned:
         t, c = problem.traced, self.options
@@ -127,9 +129,10 @@ class SearchPlanner:
         fixed = {**problem.fixed, **{v: replicated(len(v.aval.shape)) for v in consts}}
         donated = frozenset(t.invars[i] for i in problem.donated)
         names = {v: f"args{p}" for v, p in zip(t.invars, t.paths)}
+        limit = c.search.time_limit if self.time_left is None else self.time_left(c.search.time_limit)
         result, report = search(t.nodes, list(t.invars) + consts, t.outvars, fixed, t.axis_size, how=c.search.method,
                                 cost=c.costs, budget=problem.budget, donated=donated, host=problem.host, names=names,
-                                call=self.call, time_limit=c.search.time_limit, replay=c.search.replay,
+                                call=self.call, time_limit=limit, replay=c.search.replay,
                                 table=t.table, batch=[t.invars[i] for i in sorted(problem.batch)],
                                 seeded=problem.seeded, as_seeded=problem.as_seeded,
                                 compiled=problem.compiled)
@@ -150,14 +153,14 @@ class LoadedPlanner:
         return Planned(result, in_shardings=given)
 
 
-def planner_for(options: Options, call: str) -> Planner:
-    """The planner `options` ask for."""
+def planner_for(options: Options, call: str, time_left: Callable[[float], float] | None = None) -> Planner:
+    """The planner `options` ask for (`time_left`: the search's, `SearchPlanner.time_left`)."""
     if options.mode == "manual" or options.propagation == "xla":
         return XlaPlanner()
     if options.plan is not None:
         return LoadedPlanner(options.plan, call)
     if options.searching:
-        return SearchPlanner(options, call)
+        return SearchPlanner(options, call, time_left)
     return PropagationPlanner(options)
 
 

@@ -18,7 +18,7 @@ from jshard.compile._boundary import argument_leaves
 from jshard.compile._fusion import compiler_options
 from jshard.compile._options import Options
 from jshard.compile._planners import Planned
-from jshard.compile._signature import abstract
+from jshard.compile._signature import abstract, dtype_of, weak_type
 from jshard.compile._trace import Traced
 from jshard.cost import CostModel
 from jshard.hetero import Offload, offload_report, on_host_shardings, streamed
@@ -148,11 +148,18 @@ def _recompute(traced: Traced, result, donated_leaves: set[int]) -> RecomputeRep
     return recompute_report(traced.nodes, values, traced.axis_size, traced.invars, traced.outvars, donated)
 
 
-def compiled_peak(jitted: Any, args: tuple, shardings: Any = None) -> float:
+def compiled_peak(jitted: Any, args: tuple, shardings: Any = None, offload: bool = False) -> float:
     """Per-device bytes the compiled program holds at once in device memory (arguments + results +
     temporaries - donated, `jshard.audit`'s `MemoryFigures.peak_bytes`), as XLA's buffer assignment
-    reports them; arguments and results in host memory (`pinned_host`) are not the device's."""
-    return float(memory_figures(jitted.lower(*abstract(args, shardings)).compile()).peak_bytes)
+    reports them; arguments and results in host memory (`pinned_host`) are not the device's.
+
+    Lowered as a call lowers it (each argument on its planned sharding; with `offload`, as shapes),
+    so that JAX's caches give the program this compile made to the call, or to `lower().compile()`."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    given = abstract(args) if offload or shardings is None else jax.tree_util.tree_unflatten(tree, [
+        jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=s, weak_type=weak_type(x))
+        for x, s in zip(leaves, jax.tree_util.tree_leaves(shardings))])
+    return float(memory_figures(jitted.lower(*given).compile()).peak_bytes)
 
 
 def _unflattened(evaluate: Callable[..., Any], out_tree) -> Callable[..., Any]:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-REPLICATED_SHARE = 0.9
-"""The work share per device from which a plan says that (nearly) nothing is cut."""
+from jshard.search import REPLICATED_SHARE
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,6 +1,7 @@
 """Strategy search (`mode="auto"`): a strategy for every operator, by recursive bisection of the
 mesh or by an ILP (HiGHS), both over one `SearchGraph` and one solver contract (`Solved`)."""
 
+from jshard.search._graph import REPLICATED_SHARE as REPLICATED_SHARE
 from jshard.search._regions import RegionChoice as RegionChoice
 from jshard.search._regions import RegionCost as RegionCost
 from jshard.search._regions import assignment as assignment

@@ -62,6 +62,11 @@ TIE = 1e-18
 searches take the one that holds less."""
 
 
+REPLICATED_SHARE = 0.9
+"""The work share per device (`SearchGraph.work_share`, `WorkReport.share`) from which a plan cuts
+(nearly) nothing: every device computes (nearly) the whole batch."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Solved:
     """A search's answer: a choice per unit, its predicted seconds per call, its estimated per-device
@@ -550,6 +555,16 @@ class SearchGraph:
             done[i] = lines["all-reduce"].place(lines["compute"].place(arrived, compute), summed)
         lines["all-reduce"].place(lines["all-reduce"].tail, self.combined_latency(choice))
         return max((line.tail for line in lines.values()), default=0.0)
+
+    def work_share(self, choice: Sequence[Assignment]) -> float:
+        """The share of the single-device FLOPs one device does under `choice` (1.0: nothing is cut),
+        as `unit_seconds` prices the compute."""
+        whole = done = 0.0
+        for u, a in zip(self.units, choice):
+            if u.flops:
+                whole += u.weight * u.flops
+                done += u.weight * u.flops / math.prod(self.axis_size[x] for fac in u.own for x in a.get(fac, ()))
+        return done / whole if whole else 1.0
 
     def _reader(self, choice: Sequence[Assignment]) -> Callable[[int, int], Spec]:
         """`spec(k, pos, choice[k])`, looked up once per unit structure, operand and assignment

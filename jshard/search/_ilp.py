@@ -111,7 +111,7 @@ def solve(g: SearchGraph, groups: Sequence[Group], budget: float | None, time_li
             m_lo.append(-np.inf)
             m_hi.append(1.0)
         a = coo_array((m_vals, (m_rows, m_cols)), shape=(len(m_lo), n)).tocsr()
-        left = max(1.0, time_limit - (time.perf_counter() - start))
+        left = max(min(1.0, time_limit), time_limit - (time.perf_counter() - start))  # each round some time
         result = milp(np.asarray(cost), integrality=integrality, bounds=Bounds(0, 1),
                       constraints=LinearConstraint(a, m_lo, m_hi),
                       options={"time_limit": left, "disp": False, "mip_rel_gap": 1e-6})

@@ -27,12 +27,15 @@ from jshard.graph import CONSTRAINT, Node
 from jshard.propagate import Decision, Engine, Rejected, Result, charge_constraints
 from jshard.rules import OpTable, write_spec
 from jshard.search import _ilp, _recursive, _seeded
-from jshard.search._graph import Assignment, Infeasible, Joins, SearchGraph, Solved
+from jshard.search._graph import REPLICATED_SHARE, Assignment, Infeasible, Joins, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
 _KEY_SHARE = 0.01  # key operators, whose best rejected alternative a plan records: this share of the heaviest's work
+MEASURABLY = 0.1
+"""Under a budget, a plan that leaves every device (nearly) the whole work (`REPLICATED_SHARE`) is
+kept over the data-parallel plan only where it predicts at least this share less (`_split`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,10 @@ class SearchReport:
         estimated peak is over the budget, or the plan's compiled program is over it, `parallelize`
         compiles them in this order and keeps the first whose compiled program fits (the estimate
         keeps activations XLA may fuse away, and misses buffers XLA adds).
+      searches: the searches planning this signature ran (every weighing's candidates; those a
+        weighing asked for again were reused, not searched again), 0 where not counted.
+      skipped: what the weighings left out once `Search.time_limit`, which bounds the whole of
+        planning, had passed (one line), or nothing.
     """
 
     search: str
@@ -130,6 +137,8 @@ class SearchReport:
     offload: tuple[Weighed, ...] = ()
     kept: str = ""
     seeds: tuple[tuple[str, float], ...] = ()
+    searches: int = 0
+    skipped: tuple[str, ...] = ()
 
     @property
     def held_bytes(self) -> float:
@@ -154,7 +163,9 @@ class SearchReport:
                     "" if not self.optimizer else "; optimizer parallel weighed: " + ", ".join(
                         w.text() for w in self.optimizer)) + (
                     "" if not self.offload else "; offload weighed: " + ", ".join(w.text() for w in self.offload)) + (
-                    "" if not self.kept else f"; kept {self.kept}"))
+                    "" if not self.kept else f"; kept {self.kept}") + (
+                    "" if not self.searches else f"; {self.searches} searches in all") + "".join(
+                    f"; {line}" for line in self.skipped))
 
 
 def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one keyword each)
@@ -217,8 +228,10 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         raise _too_big(g, budget, names or {}, call, how)
     made = (_seeded.seeds(g, args, outvars, fixed, batch, budget)
             if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
-    fitted = (_seeded.fit_budget(g, raw, budget) for raw in made)
-    seed = min((s for s in fitted if s is not None), key=lambda s: s.seconds, default=None)
+    # the seeds moved to fit the budget, where the search weighs them (not as made, nor where nothing fits)
+    fitted = [] if as_seeded is not None or least else [s for s in (_seeded.fit_budget(g, raw, budget) for raw in made)
+                                                        if s is not None]
+    seed = min(fitted, key=lambda s: s.seconds, default=None)
     mesh_text, kept = "·".join(str(axis_size[a]) for (a,) in axes) or "1", ""
     candidates = g.candidate_count(axes[:1])
     if as_seeded is not None:
@@ -240,6 +253,8 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
             candidates = g.candidate_count(groups)
     else:
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
+    if budget is not None and as_seeded is None:
+        solved = _split(g, solved, next((s for s in fitted if s.status.startswith(_seeded.DATA_PARALLEL)), None))
     choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
     result = assemble(g, choice)
     others = () if budget is None or as_seeded is not None else _others(made, choice)
@@ -284,6 +299,22 @@ def _better(solved: Solved, seed: Solved | None) -> Solved:
                                unit_classes=solved.unit_classes, evaluations=solved.evaluations)
 
 
+def _split(g: SearchGraph, solved: Solved, data: Solved | None) -> Solved:
+    """`solved`, or the data-parallel seed (`data`, fitted to the budget) where `solved` leaves every
+    device (nearly) the whole work (`REPLICATED_SHARE`) and predicts less than `MEASURABLY` less: a
+    plan that computes the whole batch on every device is kept only where that is measurably faster
+    (the plan's `WorkReport` then says why in one line)."""
+    if data is None or data.choice == solved.choice or solved.seconds <= data.seconds * (1 - MEASURABLY):
+        return solved
+    share = g.work_share(solved.choice)
+    if share < REPLICATED_SHARE:
+        return solved
+    return dataclasses.replace(data, status=(
+        f"{data.status}: the search's plan ({solved.status}) leaves each device {share:.0%} of the work and predicts "
+        f"{_time(solved.seconds)} per call against its {_time(data.seconds)}, less than {MEASURABLY:.0%} faster"),
+        unit_classes=solved.unit_classes, evaluations=solved.evaluations)
+
+
 def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: float,
                  seed: Solved | None = None) -> tuple[Solved | None, list | None, str]:
     """The ILP's plan, never worse than the recursive search's: the recursive plan is found first
@@ -291,16 +322,22 @@ def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: f
     ILP solved once per split of the mesh into two groups, and the warm start kept where every ILP
     plan predicts more seconds, or none fits within the time limit. All are priced by one measure
     (`SearchGraph.seconds`). Returns the plan kept, the ILP's groups (None: the recursive plan's
-    levels) and why it was kept (`SearchReport.kept`)."""
+    levels) and why it was kept (`SearchReport.kept`). `time_limit` bounds the ILP's splits together
+    (what is left of planning's time limit: a split starts only while some is left)."""
+    end = time.perf_counter() + time_limit
     try:
         warm = _recursive.solve(g, axes, budget)
         warm = _better(dataclasses.replace(warm, seconds=g.seconds(warm.choice)), seed)
     except Infeasible:
         warm = seed
     best, splits, failed = None, _splits(axes), []
-    for groups in splits:
+    for n, groups in enumerate(splits):
+        left = end - time.perf_counter()
+        if left <= 0:
+            failed.append(f"the time limit passed before {len(splits) - n} of {len(splits)} splits of the mesh")
+            break
         try:
-            solved = _ilp.solve(g, groups, budget, time_limit / len(splits))
+            solved = _ilp.solve(g, groups, budget, left / (len(splits) - n))
         except Infeasible as e:
             failed.append(str(e))
             continue

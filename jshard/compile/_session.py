@@ -1,0 +1,157 @@
+"""One signature's planning as a whole: its deadline and the plans already made.
+
+`Search(time_limit=...)` bounds the whole of planning one signature, not each search: the weighings
+under a budget (offload placements, optimizer levels, recompute policies, the seeds' compiled checks)
+each search again, and each asks the `Planning` session first. `Planning.plan` makes a planner's
+answer to a `Problem` once: a weighing that asks again for a problem already planned (the
+unconstrained plan, the same placement planned and then held to the budget) reuses it. Past the
+deadline a weighing plans no further candidate once one fits, and the plan names what it left out
+(`SearchReport.skipped`); where the candidates it kept then fail the compiled check, it weighs again
+with every candidate (`Planning.to_the_end`: a plan found beats the time limit); an ILP search gets
+at most half the time left (`Planning.time_left`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from jshard._errors import MemoryBudgetError
+from jshard.compile._planners import Planned, Planner, Problem
+
+T = TypeVar("T")
+
+ILP_SHARE = 0.5
+"""The share of the planning's time left that one ILP search may take (`Planning.time_left`)."""
+
+
+@dataclasses.dataclass
+class Deadline:
+    """When planning one signature must end: `seconds` after it began, on `clock`.
+
+    Attributes:
+      seconds: the time limit (`Search.time_limit`).
+      clock: seconds from a fixed point (`time.monotonic`; tests give a deterministic one).
+    """
+
+    seconds: float
+    clock: Callable[[], float] = time.monotonic
+    start: float = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start = self.clock()
+
+    def left(self) -> float:
+        """Seconds left before the deadline (0 once it has passed)."""
+        return max(self.seconds - (self.clock() - self.start), 0.0)
+
+    @property
+    def passed(self) -> bool:
+        return self.left() <= 0.0
+
+
+@dataclasses.dataclass
+class Planning:
+    """The session of one signature's planning (`compile.build` makes one per signature).
+
+    Attributes:
+      deadline: when planning ends (`Search.time_limit` after it began).
+      searches: the planner runs made (each a search where the search plans).
+      reused: the answers taken from an earlier run of the same problem.
+      skipped: the candidates a weighing left out past the deadline, one line each.
+      forced: every candidate is weighed, deadline or not (`to_the_end`).
+    """
+
+    deadline: Deadline
+    searches: int = 0
+    reused: int = 0
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    forced: bool = False
+    _made: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, time_limit: float, clock: Callable[[], float] | None = None) -> Planning:
+        return cls(Deadline(time_limit) if clock is None else Deadline(time_limit, clock))
+
+    def time_left(self, limit: float) -> float:
+        """The time a search (the ILP) may take: `limit`, or less where the deadline comes first, and at
+        most `ILP_SHARE` of what is left (the weighings and checks after it need some)."""
+        return min(limit, ILP_SHARE * self.deadline.left())
+
+    def plan(self, planner: Planner, problem: Problem) -> Planned:
+        """`planner`'s answer to `problem`, made once per session (a raised error is raised again); a
+        planner that reads nothing but `problem` and its `options` (the search, propagation)."""
+        if not hasattr(planner, "options"):  # Shardy's (nothing to make) or a loaded plan's (read once)
+            return planner.plan(problem)
+        key = (_planner_key(planner), _problem_key(problem))
+        found = self._made.get(key)
+        if found is not None:
+            self.reused += 1
+            answer, error, _ = found
+            if error is not None:
+                raise error
+            return answer
+        self.searches += 1
+        try:
+            answer = planner.plan(problem)
+        except Exception as e:
+            self._made[key] = (None, e, problem.traced)  # the traced program held: its id stays its own
+            raise
+        self._made[key] = (answer, None, problem.traced)
+        return answer
+
+    def kept(self, key: Any, make: Callable[[], T], holds: Any = None) -> T:
+        """`make()`, made once per session per `key` (`holds`: what ids in `key` stand for, held so
+        that they stay theirs)."""
+        found = self._made.get(key)
+        if found is None:
+            found = self._made[key] = (make(), None, holds)
+        return found[0]
+
+    def weighs(self, what: str, fits: bool) -> bool:
+        """Whether a weighing plans its candidate `what`: always before the deadline, and after it
+        only while none it planned fits (`fits`: one does); a candidate left out is recorded."""
+        if self.forced or not fits or not self.deadline.passed:
+            return True
+        self.skipped.append(what)
+        return False
+
+    def to_the_end(self, weigh: Callable[[], T]) -> T:
+        """`weigh()` (a weighing); where it finds nothing that fits after leaving candidates out past
+        the deadline, `weigh()` again with every candidate weighed (the searches made are reused)."""
+        before = len(self.skipped)
+        try:
+            return weigh()
+        except MemoryBudgetError:
+            if self.forced or len(self.skipped) == before:
+                raise
+        del self.skipped[before:]  # weighed now
+        self.forced = True
+        try:
+            return weigh()
+        finally:
+            self.forced = False
+
+    def note(self) -> tuple[str, ...]:
+        """`SearchReport.skipped`: what the weighings left out, and why, or nothing."""
+        if not self.skipped:
+            return ()
+        return (f"the time limit ({self.deadline.seconds:g} s, search_time_limit) passed: not weighed: "
+                + ", ".join(dict.fromkeys(self.skipped)),)
+
+
+def _planner_key(planner: Any) -> Any:
+    """The options the search and the propagation read besides the problem (the cost model by
+    identity: one session's options share it)."""
+    options = planner.options
+    return type(planner), options.search, id(options.cost_model), options.mode
+
+
+def _problem_key(p: Problem) -> tuple:
+    """What makes two problems the same (the traced program by identity: the session holds it)."""
+    offload = None if p.offload is None else (p.offload.what, p.offload.args, tuple(sorted(p.offload.results.items())),
+                                              p.offload.resident)
+    return (id(p.traced), tuple(p.in_shardings), p.donated, p.budget, offload, tuple(p.made.items()), p.movable,
+            p.batch, p.seeded, p.as_seeded, p.compiled)
