@@ -40,7 +40,7 @@ def moved_bytes(args: Any, shardings: Any) -> float:
     received: collections.Counter = collections.Counter()
     for x, target in zip(jax.tree.leaves(args), jax.tree.leaves(shardings)):
         source = x.sharding if isinstance(x, jax.Array) else None
-        received.update(_received(np.shape(x), np.dtype(x.dtype).itemsize, source, target))
+        received.update(_received(np.shape(x), _itemsize(x.dtype), source, target))
     return float(max(received.values(), default=0))
 
 
@@ -50,8 +50,15 @@ def moved_between(arrays: Any, sources: Any, targets: Any) -> float:
     `moved_bytes` for arrays not made yet, as a plan prices what a loop will move."""
     received: collections.Counter = collections.Counter()
     for x, source, target in zip(jax.tree.leaves(arrays), jax.tree.leaves(sources), jax.tree.leaves(targets)):
-        received.update(_received(tuple(x.shape), np.dtype(x.dtype).itemsize, source, target))
+        received.update(_received(tuple(x.shape), _itemsize(x.dtype), source, target))
     return float(max(received.values(), default=0))
+
+
+def _itemsize(dtype) -> int:
+    """Bytes per element, PRNG key arrays' extended dtypes (`key<fry>`: their key data) included."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return int(dtype.itemsize)
+    return np.dtype(dtype).itemsize
 
 
 def _received(shape: tuple, itemsize: int, source, target) -> collections.Counter:
