@@ -84,6 +84,7 @@ def test_a_repository_file_that_is_gone_stops_the_build(hooks):
         hooks.on_page_markdown("# X\n\n<!-- file: NO_SUCH.md -->\n", page, None, None)
 
 
+@needs_mkdocs
 def test_links_to_the_readme_and_architecture_become_links_to_their_pages(hooks):
     assert hooks._relink("see [ARCHITECTURE.md](ARCHITECTURE.md)", "guide/x.md") == "see [ARCHITECTURE.md](../architecture.md)"
     assert hooks._relink("[README](README.md)", "troubleshooting.md") == "[README](index.md)"
