@@ -12,9 +12,12 @@ import numpy as np
 T = TypeVar("T")
 
 
-def dtype_of(x: Any) -> np.dtype:
-    """The dtype of an array, a `ShapeDtypeStruct` or a Python scalar."""
-    return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+def dtype_of(x: Any) -> Any:
+    """The dtype of an array, a `ShapeDtypeStruct` or a Python scalar, as `jax.jit` takes it: a NumPy
+    float64 or int64 argument is float32 / int32 unless `jax_enable_x64` is on (JAX 0.12 warns where a
+    `ShapeDtypeStruct` is asked for a 64-bit dtype it will not hold)."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
 
 
 def weak_type(x: Any) -> bool:
