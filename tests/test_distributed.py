@@ -203,9 +203,9 @@ from jax.experimental import multihost_utils
 multihost_utils.sync_global_devices("both here")
 print("synced", flush=True)
 if rank == 1:
-    end = time.time() + busy
+    end = time.time() + busy  # computing for `busy` s first: rank 0 waits longer, so its watchdog fires first
     while time.time() < end:
-        pass
+        continue
     time.sleep(120)
 multihost_utils.process_allgather(np.ones(2))
 """
