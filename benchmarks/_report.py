@@ -31,6 +31,7 @@ from benchmarks import (
     _predicted,
     _replay,
     _round_trip,
+    _scale,
     _search,
     _zoo,
 )
@@ -75,9 +76,18 @@ def run(settings: Settings, echo: Callable[[str], None] = print) -> list[Table]:
     return tables
 
 
-SECTIONS = ("plan_time", "memory", "accumulation", "hetero", "search", "zoo", "replay", "pipeline", "round_trip", "fusion")
+SECTIONS = ("plan_time", "memory", "accumulation", "hetero", "search", "zoo", "replay", "pipeline", "round_trip", "fusion", "scale")
 """The sections `python -m benchmarks --only NAME` regenerates alone (the others need the whole run's
 shared measurements)."""
+
+
+_ALONE: dict[str, Callable[[], Table]] = {
+    "replay": _replay.replay_table,
+    "round_trip": _round_trip.round_trip_table,
+    "fusion": _fusion.fusion_table,
+    "scale": _scale.scale_table,
+}
+"""The sections of one table that take no settings."""
 
 
 def sections(names: list[str], settings: Settings, echo: Callable[[str], None] | None = None) -> list[Table]:
@@ -99,15 +109,11 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
         elif name == "zoo":
             made = [_zoo.zoo_table(), _compiled.default_batch_table([workload(m, settings.size) for m in model_table()],
                                                                    DEVICES)]
-        elif name == "replay":
-            made = [_replay.replay_table()]
         elif name == "pipeline":
             quick = (("gpipe", 2, 4), ("zb-h1", 2, 4))  # GPipe's row first: the temp ratio's reference
             made = [_pipeline.pipeline_table(DEVICES), _pipeline_tagged.pipeline_table(cells=quick if settings.size == "quick" else _pipeline_tagged.CELLS)]
-        elif name == "round_trip":
-            made = [_round_trip.round_trip_table()]
-        elif name == "fusion":
-            made = [_fusion.fusion_table()]
+        elif name in _ALONE:
+            made = [_ALONE[name]()]
         else:
             raise ValueError(f"no section {name!r}; the sections are {SECTIONS}")
         for table in made:

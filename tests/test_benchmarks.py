@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from _tolerance import assert_close, step_terms, tolerance
 
-from benchmarks import _abstract, _compiled, _report, _search
+from benchmarks import _abstract, _compiled, _llama, _report, _scale, _search
 from benchmarks._models import model_table, workload
 from benchmarks._plans import PLANS
 from benchmarks._table import Table
@@ -218,3 +218,25 @@ def test_predicted_section_plans_the_measured_step_from_shapes(tmp_path):
     assert text.startswith(_predicted.HEADING)
     assert (f"| bfloat16 | base | 1.0 ms | {base['step_ms']:.1f} ms | {base['step_ms']:.2f}× | 0.5 ms (0.50×) |"
             in text)
+
+
+def test_scale_table_plans_jshard_and_the_published_configurations_beside_their_sources():
+    """Table 20 at a tiny size on 16 abstract devices: jshard's auto plan and each published
+    configuration jshard can express are planned, their degrees read back; the others name why not."""
+    small = dict(vocab=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=2)
+    cases = (_scale.Case(_llama.Decoder(_scale.MIXTRAL.name, seq_len=16, n_experts=4, **small), lambda n: 2 * n, "2"),
+             _scale.Case(_llama.Decoder(_scale.LLAMA_8B.name, seq_len=32, **small), lambda n: n // 4, "1/4"))
+    table = _scale.scale_table(cases, counts=(16,))
+    mine = [r for r in table.rows if r[2] == "jshard auto"]
+    assert [r[0] for r in mine] == [_scale.MIXTRAL.name, _scale.LLAMA_8B.name]
+    for row in mine:
+        assert row[-1] == "meets", row
+        cuts = [int(part.split()[-1]) for part in row[3].split(" · ")]
+        assert all(16 % c == 0 for c in cuts), row[3]
+    peers = [r for r in table.rows if r[2] != "jshard auto"]
+    assert len(peers) == len(_scale.PUBLISHED)
+    assert all(" @ " in r[8] for r in peers)  # every published row names its source's commit
+    planned = [r for r in peers if "not planned" not in r[3]]
+    assert len(planned) == sum(p.plan is not None for p in _scale.PUBLISHED)
+    assert all(r[4].endswith(" s") for r in planned)
+    assert "## 20. Plans at scale" in table.markdown()

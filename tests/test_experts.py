@@ -41,7 +41,7 @@ def _routed_by_loop(logits: np.ndarray, top_k: int, capacity: int) -> np.ndarray
 
 def test_capacity_dispatch_is_gshards_priority_and_drops_over_capacity():
     logits = np.random.default_rng(0).normal(size=(4, 8, 8)).astype(np.float32)
-    dispatch, combine = _moe._dispatch(jnp.asarray(logits), CFG.top_k, CFG.capacity)
+    dispatch, combine = _moe.capacity_dispatch(jnp.asarray(logits), CFG.top_k, CFG.capacity)
     want = _routed_by_loop(logits, CFG.top_k, CFG.capacity)
     assert_close(combine, want.astype(np.float32), terms=2)  # softmax: exp, sum, divide
     np.testing.assert_array_equal(dispatch, (want > 0).astype(np.float32))

@@ -18,6 +18,7 @@ from jshard.models._mlp import mlp_batch as mlp_batch
 from jshard.models._mlp import mlp_loss as mlp_loss
 from jshard.models._moe import MOE_RULES as MOE_RULES
 from jshard.models._moe import MoEConfig as MoEConfig
+from jshard.models._moe import capacity_dispatch as capacity_dispatch
 from jshard.models._moe import init_moe as init_moe
 from jshard.models._moe import moe_apply as moe_apply
 from jshard.models._moe import moe_batch as moe_batch

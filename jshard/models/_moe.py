@@ -131,7 +131,7 @@ def _expert_parallel(preset: Preset, n_experts: int):
     return shard(_experts, in_strategy=(tokens, weights, weights), out_strategy=(tokens,))
 
 
-def _dispatch(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+def capacity_dispatch(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array]:
     """GShard's dispatch and combine tensors `[g, s, e, c]` from router logits `[g, s, e]`: token s
     of group g goes to slot c of expert e (dispatch, 0 or 1; combine, its gate)."""
     gates, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)  # [g, s, k]
@@ -144,7 +144,7 @@ def _dispatch(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, 
 
 
 def _capacity_moe(p: dict, x: jax.Array, experts: Callable[..., jax.Array], cfg: MoEConfig) -> jax.Array:
-    dispatch, combine = _dispatch(x @ p["router"], cfg.top_k, cfg.capacity)
+    dispatch, combine = capacity_dispatch(x @ p["router"], cfg.top_k, cfg.capacity)
     out = experts(jnp.einsum("gsec,gsd->egcd", dispatch, x), p["w_in"], p["w_out"])
     return jnp.einsum("gsec,egcd->gsd", combine, out)
 
