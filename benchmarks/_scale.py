@@ -7,6 +7,7 @@ configuration planned through jshard too, so both are priced by the same cost mo
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -38,6 +39,9 @@ MIXTRAL = _llama.Decoder(
 LLAMA_8B = _llama.Decoder(
     "Llama 3 8B, 128k", vocab=128256, seq_len=131072, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, n_layers=32
 )
+LLAMA_70B = _llama.Decoder(
+    "Llama 3 70B, 128k", vocab=128256, seq_len=131072, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672, n_layers=80
+)
 
 
 class Case(NamedTuple):
@@ -51,6 +55,7 @@ class Case(NamedTuple):
 CASES = (
     Case(MIXTRAL, lambda n: 4 * n, "4 sequences per device (Megatron-LM's 256 on 64 GPUs)"),
     Case(LLAMA_8B, lambda n: n // 4, "a sequence per 4 devices (torchtitan's 2 on 8 GPUs)"),
+    Case(LLAMA_70B, lambda n: n // 8, "a sequence per 8 devices (MaxText's per_device_batch_size 0.125)"),
 )
 
 
@@ -83,8 +88,18 @@ class Published(NamedTuple):
 
 def _fsdp(cfg: _llama.Decoder, devices: int, batch: int) -> dict:
     """MaxText's `ici_fsdp_parallelism=-1`, `remat_policy=full`: the batch over every device, the
-    parameters and optimizer state cut over them and gathered before use (optimizer parallel level 3)."""
-    return {"mode": "data", "optimizer": 3, "recompute": "full"}
+    parameters and optimizer state cut over them and gathered before use (optimizer parallel level 3),
+    the activations laid out by the search under the budget (as jshard's own plan's are)."""
+    lay = js.Layout((devices,), ("fsdp",))
+    params = jax.tree.map(lambda leaf: lay(*["None"] * len(leaf.shape)), _llama.abstract_params(cfg))
+    tokens = lay("fsdp", "None")
+    return {
+        "mode": "auto",
+        "search": js.Search(memory_budget=BUDGET),
+        "optimizer": 3,
+        "recompute": "full",
+        "in_strategy": (params, None, (tokens, tokens)),
+    }
 
 
 def _expert_data(cfg: _llama.Decoder, devices: int, batch: int) -> dict:
@@ -96,7 +111,7 @@ def _expert_data(cfg: _llama.Decoder, devices: int, batch: int) -> dict:
     for w in ("w_gate", "w_up", "w_down"):
         params["layers"][w] = lay("None", "ep", "None", "None")
     tokens = lay(("dp", "ep"), "None")
-    return {"mode": "semi_auto", "optimizer": 1, "recompute": "none", "in_strategy": (params, None, (tokens, tokens))}
+    return {"mode": "semi_auto", "optimizer": 1, "recompute": None, "in_strategy": (params, None, (tokens, tokens))}
 
 
 MEGATRON_MOE = (
@@ -144,16 +159,16 @@ PUBLISHED = (
         "context parallel (the sequence cut over devices) is not on this branch",
     ),
     Published(
-        LLAMA_8B.name,
+        LLAMA_70B.name,
         "MaxText",
         "TPU v6e-256",
-        "Llama 3.1 70B: FSDP over every chip x CP 16; 0.125 sequences x 131072 per chip, remat custom with offload",
+        "FSDP over every chip x CP 16; 0.125 sequences x 131072 per chip, remat custom with offload",
         "",
         None,
         "",
         f"{MAXTEXT_TRILLIUM} (llama3_1_70b_131072; v6e-256 in benchmarks/maxtext_xpk_runner.py)",
         None,
-        "context parallel is not on this branch, and the model is the 70B",
+        "context parallel is not on this branch",
     ),
 )
 
@@ -188,44 +203,47 @@ def plan_auto(case: Case, devices: int) -> Planned:
 
 
 def plan_published(pub: Published, case: Case, devices: int) -> Planned:
-    """The published configuration's degrees planned through jshard. Without recompute, its peak is
-    the memory model's with the layers marked `full` and their values kept (`RecomputeReport.kept_peak_bytes`):
-    the program records a peak only where it recomputes something."""
+    """The published configuration's degrees planned through jshard, on this table's model and batch."""
     kw = dict(pub.plan(case.cfg, devices, case.batch(devices)))
     recompute = kw.pop("recompute")
-    made = lambda policy: js.parallelize(
-        _step(case.cfg, policy), devices=devices, donate_argnums=(0, 1), cost_model=CostModel.for_device(DEVICE), **kw
+    step = js.parallelize(
+        _step(case.cfg, recompute),
+        devices=devices,
+        donate_argnums=(0, 1),
+        cost_model=CostModel.for_device(DEVICE),
+        **kw,
     )
-    planned = _planned(made(recompute), case, devices)
-    if recompute not in (None, "none") or planned.seconds is None:
-        return planned
-    kept = _planned(made("full"), case, devices, kept=True)
-    return planned._replace(peak=kept.peak, took=planned.took + kept.took)
+    return _planned(step, case, devices)
 
 
-def _planned(step, case: Case, devices: int, kept: bool = False) -> Planned:
+def _planned(step, case: Case, devices: int) -> Planned:
     args = _llama.abstract_args(case.cfg, case.batch(devices))
     start = time.perf_counter()
     try:
         plan = step.plan(*args)
+    except js.MemoryBudgetError as e:
+        took = time.perf_counter() - start
+        policy = re.search(r"with recompute '(\w+)'", str(e))
+        least = f" (least with recompute {policy.group(1)})" if policy else ""
+        return Planned(
+            "-", None, None, e.least_bytes, took, f"no plan fits 80 GiB with any recompute policy or offload{least}"
+        )
     except Exception as e:  # a plan that fails is a row, not the end of the run
         return Planned("-", None, None, None, time.perf_counter() - start, f"failed: {error_line(e)}")
     took = time.perf_counter() - start
     report = plan.search
-    if report is not None:
-        fits = report.peak_bytes <= BUDGET
-        least = min((w.peak_bytes for w in report.recompute), default=report.peak_bytes)
-        chosen = next((w.policy for w in report.recompute if w.chosen), "-")
-        return Planned(
-            degrees(plan, case.cfg),
-            report.seconds if fits else None,
-            report.peak_bytes,
-            None if fits else least,
-            took,
-            f"recompute {chosen}; {'fits' if fits else 'over budget'}",
-        )
-    peak = None if plan.recompute is None else plan.recompute.kept_peak_bytes if kept else plan.recompute.peak_bytes
-    return Planned(degrees(plan, case.cfg), plan.work.seconds, peak, None, took, "planned")
+    if report is None:  # a peak is the search's: a propagated plan's records leave values in loop bodies out
+        return Planned(degrees(plan, case.cfg), plan.work.seconds, None, None, took, "planned; peak not estimated")
+    fits = report.peak_bytes <= BUDGET
+    chosen = next((w.policy for w in report.recompute if w.chosen), "-")
+    return Planned(
+        degrees(plan, case.cfg),
+        report.seconds if fits else None,
+        report.peak_bytes,
+        None if fits else report.peak_bytes,
+        took,
+        f"recompute {chosen}; {'fits' if fits else 'over budget'}",
+    )
 
 
 def _cuts(strategies: Sequence[Sequence[int] | None] | None, k: int = 0) -> tuple[int, ...]:
@@ -275,11 +293,9 @@ def _cell(seconds: float | None) -> str:
 
 
 def _peak(p: Planned) -> str:
-    if p.peak is None:
-        return "-"
     if p.least is not None:
         return f"no plan fits: {size(p.least)} at least"
-    return size(p.peak) + (" (over 80 GiB)" if p.peak > BUDGET else "")
+    return "not estimated" if p.peak is None else size(p.peak)
 
 
 def _target(p: Planned, published: Sequence[Planned]) -> str:
@@ -366,17 +382,23 @@ def scale_table(
             "collectives at the H100's NVLink rate on every mesh axis, compute at the measured matmul rate, the "
             "memory model's peak at top-level program points); a plan over the budget shows the least peak any "
             "recompute policy reaches. plan time: trace + search + records, wall clock, on a 2-core machine shared "
-            "with other work.",
+            "with other work; the layers are scanned (one traced layer whatever the depth), so no layer count was "
+            "cut to plan in time.",
             "degrees, read from the plan's forward operators: data = the attention scores' batch cut, tensor = "
             "their heads' cut, sequence = their queries' cut, expert = the experts' matmul's expert cut, FSDP = the "
             "stored feed-forward weight's cut over its cut in use (gathered before use); jshard's auto mode builds "
             "no pipeline stages (`jshard.Pipelining` does, given stages).",
-            "Published as planned by jshard: the peer's degrees given to `parallelize` (MaxText's FSDP: "
-            "`mode='data', optimizer=3`, full recompute; Megatron-LM's EP 8 x DP with the distributed optimizer: a "
-            "`Layout((n/8, 8), ('dp', 'ep'))` cutting the experts over ep and the batch over both, `optimizer=1`, "
-            "no recompute, and without its PP 4), on this table's model and batch. Their measured figures ran on "
-            "their own hardware and kernels (flash attention, grouped GEMMs, Float8 for torchtitan); a derived "
-            "step time is at this table's tokens per device.",
+            "Published as planned by jshard, on this table's model and batch: MaxText's FSDP is `mode='auto'` with "
+            "its layouts as anchors (every parameter and the optimizer state stored cut over all devices, "
+            "`optimizer=3`, gathered before use; the batch over all devices), full recompute, the activations laid "
+            "out by the same search under the same budget as jshard's own row; Megatron-LM's TP 1 x EP 8 x DP with "
+            "the distributed optimizer is `mode='semi_auto'` with a `Layout((n/8, 8), ('dp', 'ep'))` cutting the "
+            "experts over ep and the batch over both, `optimizer=1`, no recompute, without its PP 4 (jshard's "
+            "pipeline needs the step cut into stages): its step is the propagated plan's (`Plan.work`), and its "
+            "peak is not estimated (jshard's per-device peak is the search's memory model; a propagated plan's "
+            "records leave the values inside the scanned layer out). Their measured figures ran on their own "
+            "hardware and kernels (flash attention, grouped GEMMs, Float8 for torchtitan); a derived step time is "
+            "at this table's tokens per device.",
             "Context parallel is being built on another branch: on this one the 128k rows show what main's planner "
             "does with plain attention, whose scores `[b, kv, g, t, t]` (2 TiB per 128k sequence in float32 for "
             "32 heads) no cut of 1,024 devices brings under 80 GiB. After the merge the same harness plans them again.",
