@@ -292,6 +292,11 @@ def _cell(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.2f} s"
 
 
+def _rate(case: Case, devices: int, seconds: float | None) -> str:
+    """Model FLOP/s per device at `seconds` per step (`_llama.flops`: no recompute, no dispatch einsums)."""
+    return "-" if seconds is None else f"{_llama.flops(case.cfg, case.batch(devices)) / devices / seconds / 1e12:.0f}"
+
+
 def _peak(p: Planned) -> str:
     if p.least is not None:
         return f"no plan fits: {size(p.least)} at least"
@@ -324,6 +329,7 @@ def scale_rows(cases: Sequence[Case], counts: Sequence[int], published: Sequence
                     "jshard auto",
                     mine.degrees,
                     _cell(mine.seconds),
+                    _rate(case, devices, mine.seconds),
                     _peak(mine),
                     f"{mine.took:.1f} s",
                     "-",
@@ -339,6 +345,7 @@ def scale_rows(cases: Sequence[Case], counts: Sequence[int], published: Sequence
                         f"{pub.peer} as published, planned by jshard",
                         q.degrees if q else f"{pub.degrees} (not planned: {pub.why})",
                         _cell(q.seconds) if q else "-",
+                        _rate(case, devices, q.seconds if q else None),
                         _peak(q) if q else "-",
                         f"{q.took:.1f} s" if q else "-",
                         f"{pub.where}: {pub.measured or 'no figure published'}"
@@ -366,6 +373,7 @@ def scale_table(
             "plan",
             "degrees",
             "predicted step",
+            "model TFLOP/s / device",
             "predicted peak / device",
             "plan time",
             "published (measured)",
@@ -384,6 +392,9 @@ def scale_table(
             "recompute policy reaches. plan time: trace + search + records, wall clock, on a 2-core machine shared "
             "with other work; the layers are scanned (one traced layer whatever the depth), so no layer count was "
             "cut to plan in time.",
+            "model TFLOP/s / device: the model's FLOPs per step (3x the forward's matmuls, attention's causal half, "
+            "the experts' top-2 share; no recompute, no dispatch einsums: the convention the peers report in) over "
+            "devices x predicted step, the figure to hold beside Megatron-LM's measured 468.",
             "degrees, read from the plan's forward operators: data = the attention scores' batch cut, tensor = "
             "their heads' cut, sequence = their queries' cut, expert = the experts' matmul's expert cut, FSDP = the "
             "stored feed-forward weight's cut over its cut in use (gathered before use); jshard's auto mode builds "

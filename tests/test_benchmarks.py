@@ -235,8 +235,9 @@ def test_scale_table_plans_jshard_and_the_published_configurations_beside_their_
         assert all(16 % c == 0 for c in cuts), row[3]
     peers = [r for r in table.rows if r[2] != "jshard auto"]
     assert len(peers) == sum(p.model in (c.cfg.name for c in cases) for p in _scale.PUBLISHED)
-    assert all(" @ " in r[8] for r in peers)  # every published row names its source's commit
+    source, step = table.columns.index("status / source"), table.columns.index("predicted step")
+    assert all(" @ " in r[source] for r in peers)  # every published row names its source's commit
     planned = [r for r in peers if "not planned" not in r[3]]
     assert len(planned) == sum(p.plan is not None and p.model == _scale.MIXTRAL.name for p in _scale.PUBLISHED)
-    assert all(r[4].endswith(" s") for r in planned)
+    assert all(r[step].endswith(" s") for r in planned)
     assert "## 20. Plans at scale" in table.markdown()
