@@ -18,6 +18,7 @@ import jshard as js
 from benchmarks import _llama
 from benchmarks._compiled import error_line
 from benchmarks._table import Table, size
+from jshard import models
 from jshard.cost import CostModel
 
 BUDGET, DEVICE = 80 * 2**30, "H100"
@@ -87,18 +88,28 @@ class Published(NamedTuple):
 
 
 def _fsdp(cfg: _llama.Decoder, devices: int, batch: int) -> dict:
-    """MaxText's `ici_fsdp_parallelism=-1`, `remat_policy=full`: the batch over every device, the
-    parameters and optimizer state cut over them and gathered before use (optimizer parallel level 3),
-    the activations laid out by the search under the budget (as jshard's own plan's are)."""
+    """MaxText's `ici_fsdp_parallelism=-1`, `remat_policy=full`: the batch over every device, each
+    parameter and its Adam moments stored cut over them (their first dim past the layer axis that the
+    count divides), the search laying out the rest (gathering the weights before use, as FSDP does, or
+    not) under the budget, as jshard's own row's."""
     lay = js.Layout((devices,), ("fsdp",))
-    params = jax.tree.map(lambda leaf: lay(*["None"] * len(leaf.shape)), _llama.abstract_params(cfg))
+
+    def stored(path, leaf) -> js.Layout:
+        dims = ["None"] * len(leaf.shape)
+        first = 1 if jax.tree_util.keystr(path).startswith("['layers']") else 0
+        cut = next(i for i in range(first, len(dims)) if leaf.shape[i] % devices == 0)
+        dims[cut] = "fsdp"
+        return lay(*dims)
+
+    abstract = _llama.abstract_args(cfg, batch)
+    params = jax.tree_util.tree_map_with_path(stored, abstract[0])
     tokens = lay("fsdp", "None")
+    state = models.state_strategies(params, abstract[0], abstract[1])
     return {
         "mode": "auto",
         "search": js.Search(memory_budget=BUDGET),
-        "optimizer": 3,
         "recompute": "full",
-        "in_strategy": (params, None, (tokens, tokens)),
+        "in_strategy": (params, state, (tokens, tokens)),
     }
 
 
@@ -235,7 +246,7 @@ def _planned(step, case: Case, devices: int) -> Planned:
     if report is None:  # a peak is the search's: a propagated plan's records leave values in loop bodies out
         return Planned(degrees(plan, case.cfg), plan.work.seconds, None, None, took, "planned; peak not estimated")
     fits = report.peak_bytes <= BUDGET
-    chosen = next((w.policy for w in report.recompute if w.chosen), "-")
+    chosen = next((w.policy for w in report.recompute if w.chosen), "as marked")
     return Planned(
         degrees(plan, case.cfg),
         report.seconds if fits else None,
@@ -400,8 +411,8 @@ def scale_table(
             "stored feed-forward weight's cut over its cut in use (gathered before use); jshard's auto mode builds "
             "no pipeline stages (`jshard.Pipelining` does, given stages).",
             "Published as planned by jshard, on this table's model and batch: MaxText's FSDP is `mode='auto'` with "
-            "its layouts as anchors (every parameter and the optimizer state stored cut over all devices, "
-            "`optimizer=3`, gathered before use; the batch over all devices), full recompute, the activations laid "
+            "its layouts as anchors (every parameter and its Adam moments stored cut over all devices on their "
+            "first dim the count divides; the batch over all devices), full recompute, the activations laid "
             "out by the same search under the same budget as jshard's own row; Megatron-LM's TP 1 x EP 8 x DP with "
             "the distributed optimizer is `mode='semi_auto'` with a `Layout((n/8, 8), ('dp', 'ep'))` cutting the "
             "experts over ep and the batch over both, `optimizer=1`, no recompute, without its PP 4 (jshard's "
