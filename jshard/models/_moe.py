@@ -133,7 +133,15 @@ def _expert_parallel(preset: Preset, n_experts: int):
 
 def capacity_dispatch(logits: jax.Array, top_k: int, capacity: int) -> tuple[jax.Array, jax.Array]:
     """GShard's dispatch and combine tensors `[g, s, e, c]` from router logits `[g, s, e]`: token s
-    of group g goes to slot c of expert e (dispatch, 0 or 1; combine, its gate)."""
+    of group g goes to slot c of expert e (dispatch, 0 or 1; combine, its gate). Each token's `top_k`
+    experts take it in priority order (every token's first choice, then every second choice, in token
+    order); a choice past an expert's `capacity` slots is dropped.
+
+    Examples:
+      >>> dispatch, combine = capacity_dispatch(jnp.zeros((2, 6, 4)).at[:, :, 0].set(9.0), top_k=1, capacity=2)
+      >>> dispatch.shape, dispatch.sum(axis=(2, 3)).tolist()  # expert 0 takes the first two tokens of a group
+      ((2, 6, 4, 2), [[1.0, 1.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    """
     gates, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)  # [g, s, k]
     chosen = jax.nn.one_hot(experts, logits.shape[-1], dtype=jnp.int32)  # [g, s, k, e]
     # a slot per choice, in priority order: every token's first choice, then every second choice
