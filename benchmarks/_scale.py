@@ -243,7 +243,9 @@ def _planned(step, case: Case, devices: int) -> Planned:
         return Planned("-", None, None, None, time.perf_counter() - start, f"failed: {error_line(e)}")
     took = time.perf_counter() - start
     report = plan.search
-    if report is None:  # a peak is the search's: a propagated plan's records leave values in loop bodies out
+    if (
+        report is None
+    ):  # a peak is the search's: a propagated plan's RecomputeReport counted this model's scanned values whole
         return Planned(degrees(plan, case.cfg), plan.work.seconds, None, None, took, "planned; peak not estimated")
     fits = report.peak_bytes <= BUDGET
     chosen = next((w.policy for w in report.recompute if w.chosen), "as marked")
@@ -417,8 +419,9 @@ def scale_table(
             "the distributed optimizer is `mode='semi_auto'` with a `Layout((n/8, 8), ('dp', 'ep'))` cutting the "
             "experts over ep and the batch over both, `optimizer=1`, no recompute, without its PP 4 (jshard's "
             "pipeline needs the step cut into stages): its step is the propagated plan's (`Plan.work`), and its "
-            "peak is not estimated (jshard's per-device peak is the search's memory model; a propagated plan's "
-            "records leave the values inside the scanned layer out). Their measured figures ran on their own "
+            "peak is not estimated (jshard's per-device peak is the search's memory model; the propagated plan's "
+            "`RecomputeReport` counted the scanned layer's values whole here, 2.5 TiB per device on 256 devices, and "
+            "is not shown). Their measured figures ran on their own "
             "hardware and kernels (flash attention, grouped GEMMs, Float8 for torchtitan); a derived step time is "
             "at this table's tokens per device.",
             "Megatron-LM's row, a propagated plan priced by `Plan.work`, predicts twice the step on 1,024 devices "
