@@ -365,11 +365,10 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
         uniform[policy] = (t, fastest, fits)
     donated = argument_leaves(s.args, c.donate_argnums)
     costs = {p: region_costs(t.nodes, None if fastest is None else fastest.values, t.axis_size, t.invars, t.outvars,
-                             frozenset(t.invars[i] for i in donated)) for p, (t, fastest, _) in uniform.items()}
-    rate = c.costs.flops
+                             frozenset(t.invars[i] for i in donated), c.costs) for p, (t, fastest, _) in uniform.items()}
     _, fastest, fits = uniform["none"]
     peak = _searched(fastest).peak_bytes if fastest is not None else fits.least_bytes or float("inf")
-    moves = upgrades(costs, peak, rate) if len(uniform) == len(AUTO_POLICIES) else []  # mixes need every policy
+    moves = upgrades(costs, peak) if len(uniform) == len(AUTO_POLICIES) else []  # mixes need every policy
     regions = sorted(costs["none"])
     estimates = [peak] + [m[2] for m in moves]
     first = next((n for n, e in enumerate(estimates) if budget is None or e <= budget), len(moves))
@@ -402,7 +401,7 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
             key, program = found
             assert program.plan.search is not None  # the search planned it
             policies = (key,) * len(regions) if isinstance(key, str) else key
-            report = dataclasses.replace(program.plan.search, regions=choices(costs, policies, moves, rate),
+            report = dataclasses.replace(program.plan.search, regions=choices(costs, policies, moves),
                                          recompute=tuple(dataclasses.replace(w, chosen=key == w.policy) for w in weighed))
             return dataclasses.replace(program, plan=program.plan.replace(search=report))
     bound = all(isinstance(u[2], MemoryBudgetError) and u[2].bound for u in uniform.values())
