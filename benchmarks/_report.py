@@ -107,7 +107,7 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
         elif name == "round_trip":
             made = [_round_trip.round_trip_table()]
         elif name == "fusion":
-            made = [_fusion.fusion_table()]
+            made = [_fusion.fusion_table(), _fusion.multi_copy_table()]
         else:
             raise ValueError(f"no section {name!r}; the sections are {SECTIONS}")
         for table in made:

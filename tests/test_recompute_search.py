@@ -14,10 +14,10 @@ import jshard as js
 from jshard import models
 from jshard.cost import CostModel
 
-H100 = CostModel.for_device("H100", memory_bandwidth=None)
-"""An H100 whose operators cost their FLOPs: at this toy size (d_model 32) the roofline makes every
-operator memory-bound, and which layouts the search finds then decides more than recompute does;
-these tests weigh recompute against memory."""
+H100 = CostModel.for_device("H100")
+"""An H100 under the roofline: at this toy size (d_model 32) every operator is memory-bound, and the
+search's plans must still order the policies by their recompute (each plan the fastest of the
+search's runs: `search/_recursive.solve`)."""
 
 WHOLE = 3600.0
 """`Search(time_limit=...)` for the tests of what the weighings weigh: the time limit bounds the whole of
