@@ -65,6 +65,7 @@ def test_a_budget_between_recomputes_some_regions_not_all(layered):
     assert "none" in chosen and set(chosen) != {"none"}, report.line()
     assert not any(w.chosen for w in report.recompute)  # no policy for every region at once
     assert report.peak_bytes <= budget and report.compiled_peak_bytes <= budget
+    assert report.seeds and all(report.seconds <= seconds for _, seconds in report.seeds)  # no seed it weighed is faster
     compiled = fn.lower(*args).compile().memory_analysis()
     assert (compiled.argument_size_in_bytes + compiled.output_size_in_bytes + compiled.temp_size_in_bytes
             - compiled.alias_size_in_bytes) <= budget

@@ -72,7 +72,8 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay:
     weight λ (seconds per byte held at the peak). The run at λ = 0 descends to a local optimum of
     seconds alone; a run at λ's scale (the first plan's seconds per byte) starts the same descent on
     another landscape, and its plan may be faster too (fewer bytes held is often fewer moved): it is
-    weighed whether or not the first fits, so a budget never finds a faster plan than no budget."""
+    weighed whether or not the first fits, so a plan without a budget is never slower than the first
+    a budget weighs (the runs a budget adds, at other weights, may still find a faster one)."""
     search = _Recursive(g, levels, replay)
     choice, seconds = search.run(0.0)
     peak, t = g.peak(choice)
