@@ -52,7 +52,7 @@ from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._session import Planning
 from jshard.compile._trace import Traced, adopted, devices_for, trace
 from jshard.compile._work import with_work
-from jshard.cost import device_memory
+from jshard.cost import CostModel, device_memory
 from jshard.graph import COMM_KEPT_LABEL, RECOMPUTE_SCOPE
 from jshard.layouts import (
     FineMesh,
@@ -76,7 +76,6 @@ APART = Communication(fusion={"allreduce": {"mode": "size", "config": 0}})
 
 COPIES = (2, 4)
 """The copy counts the search weighs beside one copy (MindSpore's `MicroBatchInterleaved` takes 2)."""
-
 
 BUDGET_ROUNDS = 3
 """How many searches a `memory_budget` gets when XLA's compiled program holds more than estimated."""
@@ -438,7 +437,7 @@ def _comm_name(comm: Communication | None) -> str:
     return f"copies={comm.copies}" if comm.fusion is None else f"copies={comm.copies}, allreduce size 0"
 
 
-def _communication_chosen(program: Program, comm: Communication | None, weighed: dict, cost) -> Program:
+def _communication_chosen(program: Program, comm: Communication | None, weighed: dict, cost: CostModel) -> Program:
     """`program` with what the weighing weighed in its `CommunicationReport`, and why `comm` won."""
     plan = program.plan
     shown = tuple(dataclasses.replace(w, chosen=k == comm) for k, w in weighed.items())
