@@ -107,3 +107,13 @@ def test_the_search_prices_the_combiner_off_for_multi_copy(copies):
     assert combines(None) and combines(js.Communication(fusion={"allreduce": {"mode": "size", "config": 1}}))
     assert not combines(js.Communication(copies)) if copies > 1 else combines(js.Communication(copies))
     assert not combines(js.Communication(fusion={"allreduce": {"mode": "size", "config": 0}}))
+
+
+def test_past_the_planning_deadline_no_further_arrangement_is_weighed():
+    """The planning session's deadline bounds the weighing: once the one-copy plan fits, the others
+    are left out and the plan names them."""
+    plan = js.parallelize(_step, devices=8, mode="auto", cost_model=H100,
+                          search=js.Search(time_limit=1e-9)).plan(*_shapes(4096, 4096))
+    assert [w.policy for w in plan.communication.weighed] == ["copies=1, XLA's fusion"]
+    assert plan.communication.copies == 1
+    assert any("communication copies=2" in line for line in plan.search.skipped), plan.search.skipped
