@@ -115,5 +115,5 @@ def test_past_the_planning_deadline_no_further_arrangement_is_weighed():
     plan = js.parallelize(_step, devices=8, mode="auto", cost_model=H100,
                           search=js.Search(time_limit=1e-9)).plan(*_shapes(4096, 4096))
     assert [w.policy for w in plan.communication.weighed] == ["copies=1, XLA's fusion"]
-    assert plan.communication.copies == 1
+    assert plan.communication.copies == 1 and "the only arrangement weighed before the time limit" in plan.communication.why
     assert any("communication copies=2" in line for line in plan.search.skipped), plan.search.skipped

@@ -446,7 +446,9 @@ def _communication_chosen(program: Program, comm: Communication | None, weighed:
     if not cost.overlap and len(weighed) == 1:
         why = (f"one copy: on {device} the cost model overlaps no collective with compute, so more copies and "
                f"all-reduces kept apart would only add latency")
-    elif len(fits) == 1 and len(shown) > 1:
+    elif len(shown) == 1:
+        why = f"{_comm_name(comm)}: the only arrangement weighed before the time limit (search_time_limit) passed"
+    elif len(fits) == 1:
         why = f"{_comm_name(comm)}: the only one that fits the budget"
     else:
         chosen, one = weighed[comm], weighed.get(None)
