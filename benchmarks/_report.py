@@ -81,13 +81,13 @@ SECTIONS = ("plan_time", "memory", "accumulation", "hetero", "search", "zoo", "r
 shared measurements)."""
 
 
-_ALONE: dict[str, Callable[[], Table]] = {
-    "replay": _replay.replay_table,
-    "round_trip": _round_trip.round_trip_table,
-    "fusion": _fusion.fusion_table,
-    "scale": _scale.scale_table,
+_ALONE: dict[str, Callable[[], list[Table]]] = {
+    "replay": lambda: [_replay.replay_table()],
+    "round_trip": lambda: [_round_trip.round_trip_table()],
+    "fusion": lambda: [_fusion.fusion_table(), _fusion.multi_copy_table()],
+    "scale": lambda: [_scale.scale_table()],
 }
-"""The sections of one table that take no settings."""
+"""The sections that take no settings: their tables."""
 
 
 def sections(names: list[str], settings: Settings, echo: Callable[[str], None] | None = None) -> list[Table]:
@@ -113,7 +113,7 @@ def sections(names: list[str], settings: Settings, echo: Callable[[str], None] |
             quick = (("gpipe", 2, 4), ("zb-h1", 2, 4))  # GPipe's row first: the temp ratio's reference
             made = [_pipeline.pipeline_table(DEVICES), _pipeline_tagged.pipeline_table(cells=quick if settings.size == "quick" else _pipeline_tagged.CELLS)]
         elif name in _ALONE:
-            made = [_ALONE[name]()]
+            made = _ALONE[name]()
         else:
             raise ValueError(f"no section {name!r}; the sections are {SECTIONS}")
         for table in made:

@@ -63,7 +63,9 @@ def accumulate(grad_fn: Callable[..., Any], steps: int | None = None, *, batch_a
 
     Under `parallelize(..., communication=js.Communication(copies=n, fusion=...))` each micro-batch
     is cut again into n copies run apart (MindSpore's multi-copy), and the gradients are reduced in
-    the buckets `fusion` asks for.
+    the buckets `fusion` asks for. Under `mode="auto"` the copies run in the global view (the search
+    lays out each copy; XLA reduces the gradients), and where `communication=` is not given the
+    search weighs the copies itself (`Plan.communication` says what it chose and why).
 
     Returns:
       A function with `grad_fn`'s signature and results: floating leaves the mean over the
@@ -136,8 +138,12 @@ def _scanned(grad_fn, args: tuple, b: int, k: int, n: int, ctx, call: str):
     grad_fn = copied(grad_fn, b, n)
     if axes and _local(args, leaves, k * n, axes, ctx.mesh):
         return _reduced_once(grad_fn, args, b, k, n, axes, ctx, call)
-    if n > 1:  # a trace before the core knows the batch's axes, or none: the core refuses the last
+    if k == 1 and n == 1:  # fusion alone, where XLA reduces the gradients: nothing to run apart
+        return grad_fn(*args)
+    if n > 1 and ctx.mode != "auto":  # a trace before the core knows the batch's axes, or none: the core refuses the last
         ctx.unreduced = _unreduced_error(call, ctx, leaves, k * n)
+    # under mode="auto" the copies run in the global view: the search lays out each copy's operators
+    # (and the batch), and XLA reduces the gradients where the search's layouts leave partial sums
     total = _summed(grad_fn, args, b, k, accumulator=accumulator, call=call)
     return jax.tree.map(lambda t: t / (k * n) if jnp.issubdtype(t.dtype, jnp.inexact) else t, total)
 
@@ -342,9 +348,10 @@ def _rows_error(call: str, b: int, path: str, x, k: int, n: int = 1) -> str:
 def _unreduced_error(call: str, ctx, batch: list, parts: int) -> str:
     """Multi-copy or fusion asked for where jshard cannot reduce the gradients itself."""
     if not ctx.batch_axes:
-        why = ("the batch's rows are not cut over the same mesh axes before planning (mode='auto' plans them, or "
-               "the batch leaves' strategies differ)")
-        fix = "Use mode='data' or 'semi_auto' with the batch cut by dataset_strategy or in_strategy"
+        why = ("the batch's rows are not cut over the same mesh axes before planning (a batch leaf's strategy leaves "
+               "its rows to the planner, or the batch leaves' strategies differ)")
+        fix = ("Cut the batch's rows by dataset_strategy or in_strategy (or use mode='auto', where the copies run "
+               "in the global view)")
     else:
         ways = math.prod(ctx.mesh.shape[a] for a in ctx.batch_axes)
         shapes = ", ".join(shape_str(x.dtype, np.shape(x)) for x in batch)

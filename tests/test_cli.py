@@ -91,8 +91,12 @@ def test_plan_shows_the_search_progress_on_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stderr", terminal)
     assert main(["plan", "gpt", "--devices", "8", *SMALL_GPT]) == 0
     lines = terminal.getvalue().split("\r")
-    shown = [re.fullmatch(r"searching: level (\d) of 3 \(mesh axes (d\d)\), \d+ units\x1b\[K", line) for line in lines[1:-1]]
-    assert [m.groups() for m in shown] == [("1", "d0"), ("2", "d1"), ("3", "d2")]  # one line per level, in place
+    shown = [re.fullmatch(r"searching: level (\d) of 3 \(mesh axes (d\d)\), \d+ units(, memory weight \S+ s/byte "
+                          r"\(run \d\))?\x1b\[K", line) for line in lines[1:-1]]
+    levels = [("1", "d0"), ("2", "d1"), ("3", "d2")]
+    # one line per level, in place; the run at a memory weight (`search/_recursive.solve`) shows its weight
+    assert [m.groups()[:2] for m in shown] == levels * (len(shown) // 3) and len(shown) in (3, 6)
+    assert all(m.group(3) is None for m in shown[:3]) and all(m.group(3) for m in shown[3:])
     assert lines[0] == "" and lines[-1] == "\x1b[K"  # ... erased once planned
 
 

@@ -171,11 +171,21 @@ def test_copies_inside_accumulated_micro_batches_equal_one_device():
     assert (report.count("all-reduce"), report.bytes("all-reduce")) == (LAYERS + 1, sum(_leaf_bytes(params)))
 
 
-def test_multi_copy_is_refused_where_the_search_lays_out_the_batch():
+def test_multi_copy_is_refused_where_no_mesh_axes_cut_the_batch_before_planning():
     params, batch = _problem()
     with pytest.raises(js.ShardingError, match=r"Communication\(copies=2, fusion=None\) runs the copies.*the batch's "
-                                               r"rows are not cut over the same mesh axes before planning \(mode='auto'"):
-        js.parallelize(_step, devices=8, mode="auto", communication=2).plan(params, batch)
+                                               r"rows are not cut over the same mesh axes before planning.*mode='auto'"):
+        js.parallelize(_step, devices=8, mode="semi_auto", dataset_strategy="full_batch",
+                       communication=2).plan(params, batch)
+
+
+def test_multi_copy_under_the_search_runs_the_copies_in_the_global_view():
+    """Under mode="auto" the copies are independent chains the search lays out, the user's count kept."""
+    params, batch = _problem()
+    step = js.parallelize(_step, devices=8, mode="auto", communication=2)
+    _assert_one_device(step(params, batch), params, batch)
+    plan = step.plan(params, batch)
+    assert plan.communication.copies == 2 and not plan.communication.weighed and not plan.communication.why
 
 
 # Multi-copy under tensor parallel: the second matmul's contracted dim is cut over mp, so each copy's

@@ -135,3 +135,25 @@ def test_a_loop_body_reads_its_carry_and_writes_it_each_trip():
     nodes = flatten(closed.jaxpr)
     moved = OpTable(nodes).traffic(closed.jaxpr.outvars)
     assert sum(nodes[i].weight * b for i, b in moved.items()) == 4 * 2 * 256 * 256 * 4
+
+
+def test_recompute_prices_its_rerun_on_the_roofline():
+    """A region's recompute costs what the search prices every operator at (`compute_seconds`): its
+    rerun operators' FLOPs or their memory traffic, whichever takes longer, not its FLOPs at the peak rate."""
+    from jshard.search import region_costs
+
+    def loss(w, x):
+        with jax.named_scope("jshard_recompute_auto0_full"):
+            h = jax.checkpoint(lambda x: jnp.tanh(jnp.tanh(x @ w) * 2.0))(x)
+        return (h * h).sum()
+
+    w, x = jax.ShapeDtypeStruct((64, 64), F32), jax.ShapeDtypeStruct((256, 64), F32)
+    closed = jax.make_jaxpr(jax.grad(loss))(w, x)
+    nodes, args, outs = flatten(closed.jaxpr), closed.jaxpr.invars, closed.jaxpr.outvars
+    flops_only = CostModel(flops=1e12)
+    [peak] = region_costs(nodes, None, {}, args, outs, cost=flops_only).values()
+    assert peak.rerun_flops > 0 and peak.rerun_seconds == pytest.approx(peak.rerun_flops / 1e12)
+    bound = CostModel(flops=1e12, memory_bandwidth=1e9)  # every rerun operator memory-bound
+    [roof] = region_costs(nodes, None, {}, args, outs, cost=bound).values()
+    assert roof.rerun_flops == peak.rerun_flops
+    assert roof.rerun_seconds > 10 * peak.rerun_seconds

@@ -43,7 +43,7 @@ def test_a_session_searches_a_problem_once_and_stops_weighing_past_its_deadline(
     clock, runs = Clock(), []
 
     class Counting:  # a planner that reads its problem and options only, as the search does
-        options = types.SimpleNamespace(search=js.Search(), cost_model=None, mode="auto")
+        options = types.SimpleNamespace(search=js.Search(), cost_model=None, mode="auto", communication=None)
 
         def plan(self, problem):
             runs.append(problem)

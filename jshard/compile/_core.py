@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jshard._collector import collector_paused
@@ -41,7 +42,7 @@ from jshard.compile._boundary import (
 )
 from jshard.compile._collisions import warn_collisions
 from jshard.compile._fusion import check_fusion
-from jshard.compile._groups import OptimizerParallel
+from jshard.compile._groups import Communication, OptimizerParallel
 from jshard.compile._offload import anchored, least_streamed, offloaded, searched
 from jshard.compile._optimizer import accumulator, cuts, gathered, reduce_scattered, regathered, result_shardings
 from jshard.compile._options import Options
@@ -51,7 +52,7 @@ from jshard.compile._program import Program, build_program, compiled_peak
 from jshard.compile._session import Planning
 from jshard.compile._trace import Traced, adopted, devices_for, trace
 from jshard.compile._work import with_work
-from jshard.cost import device_memory
+from jshard.cost import CostModel, device_memory
 from jshard.graph import COMM_KEPT_LABEL, RECOMPUTE_SCOPE
 from jshard.layouts import (
     FineMesh,
@@ -64,10 +65,17 @@ from jshard.layouts import (
     spec_from_pspec,
     to_pspec,
 )
+from jshard.plan import CommunicationReport
 from jshard.search import SEEDS, SearchReport, Weighed, assignment, choices, region_costs, upgrades
 
 OPTIMIZER_LEVELS = (1, 2, 3)
 """The optimizer-parallel levels the search weighs where none is given and no plan fits without one."""
+
+APART = Communication(fusion={"allreduce": {"mode": "size", "config": 0}})
+"""The all-reduce fusion the search weighs against XLA's combiner: every all-reduce apart."""
+
+COPIES = (2, 4)
+"""The copy counts the search weighs beside one copy (MindSpore's `MicroBatchInterleaved` takes 2)."""
 
 BUDGET_ROUNDS = 3
 """How many searches a `memory_budget` gets when XLA's compiled program holds more than estimated."""
@@ -109,15 +117,17 @@ class Signature:
 
     def trace(self, fine: FineMesh, recompute: Any = "full", **context: Any) -> Traced:
         """`fn` traced again on `fine` (with another recompute choice, or the core's context); with
-        no context, once per session (every offload placement and optimizer level weighs the same
-        recompute policies of the same function, and the trace reads none of those options)."""
+        no context, once per session and communication (every offload placement and optimizer level
+        weighs the same recompute policies of the same function, and the trace reads none of those
+        options; `jshard.accumulate` reads the copies)."""
         def traced() -> Traced:
             return trace(self.fn, self.args, fine, self.devices, self.options, self.call, recompute, types=self.types,
                          **context)
 
         if context:
             return traced()
-        return self.planning.kept(("trace", id(self.fn), fine, recompute, id(self.types)), traced, (self.fn, self.types))
+        key = ("trace", id(self.fn), fine, recompute, id(self.types), self.options.communication)
+        return self.planning.kept(key, traced, (self.fn, self.types))
 
 
 def fastest_that_fits(keys: Any, seconds: Callable[[Any], Any], build: Callable[[Any], Program],
@@ -238,6 +248,16 @@ def _build_placed(s: Signature, traced: Traced, check: bool = True) -> Program:
 
 
 def _plan_signature(s: Signature, traced: Traced, check: bool = True) -> Program:
+    """The program of one traced signature: where the search plans a step that marks its gradient
+    function (`jshard.accumulate`) and `communication=` is not given, its copies and all-reduce
+    fusion weighed (`_weigh_communication`); each candidate's `policy="auto"` recompute regions each
+    given a policy."""
+    if s.options.searching and s.options.communication is None and traced.ctx.accumulated:
+        return s.planning.to_the_end(lambda: _weigh_communication(s, traced, check))
+    return _plan_regions(s, traced, check)
+
+
+def _plan_regions(s: Signature, traced: Traced, check: bool = True) -> Program:
     """The program of one traced signature, its `policy="auto"` recompute regions (when the search
     plans) each given a policy."""
     if not (s.options.searching and traced.ctx.auto_regions):
@@ -341,6 +361,109 @@ def _offload_error(device: MemoryBudgetError, weighed: dict) -> str:
             f"host link): {tried}; none fits.")
 
 
+def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Program:
+    """`mode="auto"`, no `communication=` given, the gradient function marked: the step planned as
+    traced (XLA's all-reduce combiner as it is, one copy) and, where the cost model overlaps
+    collectives with compute (`CostModel.overlap`), with the combiner off (`allreduce` size 0: each
+    all-reduce starts once its operand is made) and with `COPIES` copies where the batch's rows
+    divide: each candidate traced and searched, and the fastest by the search's predicted seconds
+    built (held to the budget as every weighing is: `fastest_that_fits`); ties keep the plan as
+    traced. Where nothing overlaps, copies and split all-reduces only add latency: they are weighed
+    only where no one-copy plan fits the budget (each copy holds the activations of `1/n` of the
+    batch). `Plan.communication` lists what was weighed and why one won."""
+    cost = s.options.costs
+    candidates: list[Communication | None] = [None]
+    if cost.overlap:
+        candidates += [APART, *_copies(s)]
+    planned: dict[Any, tuple[Signature, Traced, Program]] = {}
+    weighed: dict[Any, Weighed] = {}
+    failed: MemoryBudgetError | None = None
+
+    def weigh(comm: Communication | None) -> None:
+        nonlocal failed
+        name = _comm_name(comm)
+        if comm is not None and not s.planning.weighs(f"communication {name}", bool(planned)):
+            return
+        c = s if comm is None else s.but(communication=comm)
+        try:
+            t = traced if comm is None else c.trace(traced.fine, traced.ctx.recompute_choice)
+            program = _plan_regions(c, t, False)
+        except MemoryBudgetError as e:
+            failed = failed or e
+            weighed[comm] = Weighed(name, None, e.least_bytes)
+            return
+        except ShardingError:
+            if comm is None:
+                raise
+            return  # a copy count the step cannot take (its own accumulate steps, say): not a candidate
+        planned[comm], weighed[comm] = (c, t, program), Weighed(name, _searched(program).seconds,
+                                                                 _searched(program).peak_bytes)
+
+    for comm in candidates:
+        weigh(comm)
+    if None not in planned and not cost.overlap:  # memory may say otherwise: fewer activations per copy
+        for comm in _copies(s):
+            weigh(comm)
+    checked = check and s.options.memory_budget is not None and s.devices is not None
+
+    def built(comm) -> Program:
+        c, t, program = planned[comm]
+        return _plan_regions(c, t, True) if checked else program
+
+    def refused(comm, e: MemoryBudgetError) -> None:
+        nonlocal failed
+        failed = e
+        weighed[comm] = dataclasses.replace(weighed[comm], seconds=None, peak_bytes=e.least_bytes)
+
+    found = fastest_that_fits(planned, lambda k: _searched(planned[k][2]).seconds, built, refused)
+    if found is None:
+        assert failed is not None  # every candidate failed the budget (a failure of another kind is raised)
+        raise failed
+    return _communication_chosen(found[1], found[0], weighed, cost)
+
+
+def _copies(s: Signature) -> list[Communication]:
+    """`Communication(n)` for each of `COPIES` that divides every batch leaf's rows (with
+    `accumulation=k`, each micro-batch's)."""
+    k = 1 if s.options.accumulation is None else s.options.accumulation.steps
+    leaves = jax.tree_util.tree_leaves(s.args)
+    rows = [np.shape(leaves[i])[0] for i in batch_leaves(s.args, s.options) if np.ndim(leaves[i])]
+    return [Communication(n) for n in COPIES if rows and all(r % (k * n) == 0 for r in rows)]
+
+
+def _comm_name(comm: Communication | None) -> str:
+    if comm is None:
+        return "copies=1, XLA's fusion"
+    return f"copies={comm.copies}" if comm.fusion is None else f"copies={comm.copies}, allreduce size 0"
+
+
+def _communication_chosen(program: Program, comm: Communication | None, weighed: dict, cost: CostModel) -> Program:
+    """`program` with what the weighing weighed in its `CommunicationReport`, and why `comm` won."""
+    plan = program.plan
+    shown = tuple(dataclasses.replace(w, chosen=k == comm) for k, w in weighed.items())
+    fits = [w for w in shown if w.seconds is not None]
+    device = cost.device or "this device kind"
+    if not cost.overlap and len(weighed) == 1:
+        why = (f"one copy: on {device} the cost model overlaps no collective with compute, so more copies and "
+               f"all-reduces kept apart would only add latency")
+    elif len(shown) == 1:
+        why = f"{_comm_name(comm)}: the only arrangement weighed before the time limit (search_time_limit) passed"
+    elif len(fits) == 1:
+        why = f"{_comm_name(comm)}: the only one that fits the budget"
+    else:
+        chosen, one = weighed[comm], weighed.get(None)
+        rest = [w for k, w in weighed.items() if k != comm and w.seconds is not None]
+        runner = one if comm is not None and one is not None and one.seconds is not None else min(
+            rest, key=lambda w: w.seconds, default=None)
+        against = "" if runner is None else f" against {runner.seconds * 1e3:.4g} ms for {runner.policy}"
+        hidden = (" (one copy's collectives hidden behind another copy's compute)"
+                  if comm is not None and comm.copies > 1 else "")
+        why = f"{_comm_name(comm)}: the fastest predicted, {chosen.seconds * 1e3:.4g} ms per step{hidden}{against}"
+    report = plan.communication or CommunicationReport(1, (), ())
+    report = dataclasses.replace(report, weighed=shown, why=f"chosen by the search: {why}")
+    return dataclasses.replace(program, plan=plan.replace(communication=report))
+
+
 def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Program:
     """Chooses a recompute policy per `policy="auto"` region and builds the step so.
 
@@ -365,11 +488,10 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
         uniform[policy] = (t, fastest, fits)
     donated = argument_leaves(s.args, c.donate_argnums)
     costs = {p: region_costs(t.nodes, None if fastest is None else fastest.values, t.axis_size, t.invars, t.outvars,
-                             frozenset(t.invars[i] for i in donated)) for p, (t, fastest, _) in uniform.items()}
-    rate = c.costs.flops
+                             frozenset(t.invars[i] for i in donated), c.costs) for p, (t, fastest, _) in uniform.items()}
     _, fastest, fits = uniform["none"]
     peak = _searched(fastest).peak_bytes if fastest is not None else fits.least_bytes or float("inf")
-    moves = upgrades(costs, peak, rate) if len(uniform) == len(AUTO_POLICIES) else []  # mixes need every policy
+    moves = upgrades(costs, peak) if len(uniform) == len(AUTO_POLICIES) else []  # mixes need every policy
     regions = sorted(costs["none"])
     estimates = [peak] + [m[2] for m in moves]
     first = next((n for n, e in enumerate(estimates) if budget is None or e <= budget), len(moves))
@@ -402,7 +524,7 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
             key, program = found
             assert program.plan.search is not None  # the search planned it
             policies = (key,) * len(regions) if isinstance(key, str) else key
-            report = dataclasses.replace(program.plan.search, regions=choices(costs, policies, moves, rate),
+            report = dataclasses.replace(program.plan.search, regions=choices(costs, policies, moves),
                                          recompute=tuple(dataclasses.replace(w, chosen=key == w.policy) for w in weighed))
             return dataclasses.replace(program, plan=program.plan.replace(search=report))
     bound = all(isinstance(u[2], MemoryBudgetError) and u[2].bound for u in uniform.values())

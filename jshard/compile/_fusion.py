@@ -51,6 +51,13 @@ def compiler_options(comm: Communication | None, platform: str | None, bucketed:
     return options if platform in GPUS else {}
 
 
+def combines(comm: Communication | None) -> bool:
+    """Whether XLA's all-reduce combiner merges the program's independent all-reduces where jshard
+    does not reduce the gradients itself (`compiler_options` turns it off for multi-copy and an
+    all-reduce threshold of 0): what the search prices (`SearchGraph.combined_latency`)."""
+    return comm is None or (comm.copies == 1 and _threshold(comm.of("allreduce")) != 0)
+
+
 def check_fusion(comm: Communication | None, platform: str | None, bucketed: bool, call: str) -> None:
     """Refuses a configuration neither the backend's options nor jshard's buckets can follow.
 

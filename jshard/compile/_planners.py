@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 from jshard._errors import ShardingError
 from jshard._format import var_str
+from jshard.compile._fusion import combines
 from jshard.compile._options import Options
 from jshard.compile._trace import Traced
 from jshard.cost import Comm
@@ -135,7 +136,7 @@ class SearchPlanner:
                                 call=self.call, time_limit=limit, replay=c.search.replay,
                                 table=t.table, batch=[t.invars[i] for i in sorted(problem.batch)],
                                 seeded=problem.seeded, as_seeded=problem.as_seeded,
-                                compiled=problem.compiled)
+                                compiled=problem.compiled, combined=combines(c.communication))
         return Planned(result, report=report)
 
 

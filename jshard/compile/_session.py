@@ -144,9 +144,10 @@ class Planning:
 
 def _planner_key(planner: Any) -> Any:
     """The options the search and the propagation read besides the problem (the cost model by
-    identity: one session's options share it)."""
+    identity: one session's options share it; the communication, which says whether XLA combines
+    the all-reduces)."""
     options = planner.options
-    return type(planner), options.search, id(options.cost_model), options.mode
+    return type(planner), options.search, id(options.cost_model), options.mode, options.communication
 
 
 def _problem_key(p: Problem) -> tuple:

@@ -23,6 +23,10 @@ class CommunicationReport:
         gradients, live until they are summed (each copy's activations are 1/n of the batch's,
         as many in all as one copy of the whole batch holds).
       bucket_bytes: per device, the largest flat buffer a bucket of several leaves is copied into.
+      weighed: under `mode="auto"` with no `communication=` given, each arrangement the search
+        weighed (`copies=n`, the all-reduces apart) with its predicted seconds per step and peak,
+        the chosen one marked; empty where the user gave it.
+      why: one line: why the search chose this arrangement, or "" where the user gave it.
     """
 
     copies: int
@@ -30,6 +34,8 @@ class CommunicationReport:
     compiler_options: tuple[tuple[str, Any], ...]
     copy_bytes: int = 0
     bucket_bytes: int = 0
+    weighed: tuple[Any, ...] = ()
+    why: str = ""
 
     def line(self) -> str:
         """One line for `Plan.summary()`."""
@@ -37,5 +43,9 @@ class CommunicationReport:
         made = ("XLA's" if not self.buckets else f"{len(self.buckets)} bucket(s)"
                 + (f" of {human_bytes(max(sizes))} at most" if sizes else ", one per gradient"))
         options = ", ".join(f"{k}={v}" for k, v in self.compiler_options) or "none"
-        return (f"communication: {self.copies} cop{'y' if self.copies == 1 else 'ies'} (+{human_bytes(self.copy_bytes)} "
+        line = (f"communication: {self.copies} cop{'y' if self.copies == 1 else 'ies'} (+{human_bytes(self.copy_bytes)} "
                 f"per device); gradient all-reduces: {made}; XLA options: {options}")
+        if not self.why:
+            return line
+        tried = "; ".join(w.text() for w in self.weighed)
+        return f"{line}; {self.why}" + (f" (weighed: {tried})" if len(self.weighed) > 1 else "")

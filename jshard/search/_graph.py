@@ -169,7 +169,7 @@ class SearchGraph:
 
     def __init__(self, nodes: Sequence[Node], args: Sequence, outvars: Sequence, fixed: Mapping,
                  axis_size: Mapping[str, int], cost: CostModel | None = None, donated: frozenset = frozenset(),
-                 host: frozenset = frozenset(), table: OpTable | None = None):
+                 host: frozenset = frozenset(), table: OpTable | None = None, combined: bool = True):
         self.nodes, self.axis_size = nodes, dict(axis_size)
         self.cost = cost or CostModel()
         self.table = table or OpTable(nodes)
@@ -182,7 +182,7 @@ class SearchGraph:
             self._add_arg(v, fixed.get(v))
         for i, node in enumerate(nodes):
             self._add_node(i, node)
-        self.combinable = self._combinable()
+        self.combinable = self._combinable() if combined else frozenset()  # the combiner off: each pays its own
         self.peers: dict[tuple, list[int]] = collections.defaultdict(list)  # (loop, reduction) -> its combinable units
         for k in sorted(self.combinable):
             self.peers[self.set_key(k)].append(k)

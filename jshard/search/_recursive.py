@@ -68,11 +68,25 @@ _WAVES = 3  # ... and its rounds at most: the middle layers take the choice of t
 
 
 def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True) -> Solved:
+    """The recursive search's plan: the fastest that fits `budget` among its runs, each at a memory
+    weight λ (seconds per byte held at the peak). The run at λ = 0 descends to a local optimum of
+    seconds alone; a run at λ's scale (the first plan's seconds per byte) starts the same descent on
+    another landscape, and its plan may be faster too (fewer bytes held is often fewer moved): it is
+    weighed whether or not the first fits, so a plan without a budget is never slower than the first
+    a budget weighs (the runs a budget adds, at other weights, may still find a faster one)."""
     search = _Recursive(g, levels, replay)
     choice, seconds = search.run(0.0)
     peak, t = g.peak(choice)
     if budget is None or peak <= budget:
-        return search.solved(choice, seconds, peak, "fits" if budget else "no budget")
+        status = "fits" if budget else "no budget"
+        if peak <= 0.0:
+            return search.solved(choice, seconds, peak, status)
+        search.keep(t)
+        weighed, weighed_seconds = search.run(max(seconds, 1e-9) / peak)
+        weighed_peak, _ = g.peak(weighed)
+        if weighed_seconds < seconds and (budget is None or weighed_peak <= budget):
+            return search.solved(weighed, weighed_seconds, weighed_peak, status)
+        return search.solved(choice, seconds, peak, status)
     search.keep(t)
     low, high, best = 0.0, max(seconds, 1e-9) / peak, None  # λ's scale: the plan's seconds per byte
     growths = 0

@@ -3,9 +3,10 @@ region.
 
 Each region is priced from the step traced once per policy (`AUTO_POLICIES`, the same for every
 region): by memory, the bytes per device it holds from the forward pass into the backward pass
-(the memory model's live ranges, each value at its planned layout), and by compute, the work per
-device the backward pass runs again (its operators' FLOPs over their cut, at the cost model's
-FLOP/s). `upgrades` orders the moves from no recompute towards full recompute, each the move
+(the memory model's live ranges, each value at its planned layout), and by compute, the seconds
+per device the backward pass runs again (its operators' FLOPs and memory traffic over their cut,
+each priced on the cost model's roofline, `CostModel.compute_seconds`, as the search prices all
+compute). `upgrades` orders the moves from no recompute towards full recompute, each the move
 that lowers the estimated peak (`estimate`: the backward pass runs the regions last to first) the
 most per second of recompute; the search takes the shortest prefix whose estimate fits the budget,
 so identical layers share a policy only where the budget needs it.
@@ -20,9 +21,9 @@ import re
 from collections.abc import Mapping, Sequence
 
 from jshard._format import human_bytes
-from jshard.cost import live_ranges, value_bytes
+from jshard.cost import CostModel, live_ranges, value_bytes
 from jshard.graph import AUTO_LABEL, RECOMPUTE_SCOPE, Node
-from jshard.rules import OpTable
+from jshard.rules import MATMUL, OpTable
 
 POLICIES = ("none", "selective", "full")
 """The policies a region can get, from the least recompute to the most."""
@@ -39,11 +40,14 @@ class RegionCost:
       kept_bytes: bytes per device it holds from the forward pass into the backward pass.
       rerun_flops: FLOPs per device the backward pass runs again.
       source: where the region's first operator is (`file:line`).
+      rerun_seconds: the seconds per device the backward pass runs again (each rerun operator's
+        roofline, `CostModel.compute_seconds`).
     """
 
     kept_bytes: float
     rerun_flops: float
     source: str = ""
+    rerun_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +59,7 @@ class RegionChoice:
       source: where its first operator is.
       policy: `"none"`, `"selective"` or `"full"`.
       saved_bytes: bytes per device the policy saves against no recompute (the memory model).
-      seconds: the predicted recompute time per call (its rerun FLOPs at the cost model's FLOP/s).
+      seconds: the predicted recompute time per call (its rerun operators' rooflines).
       step: the greedy move that gave it this policy (1 the first; `upgrades`), or 0 where none did
         (no recompute, or a policy the search gave every region at once).
     """
@@ -76,10 +80,11 @@ class RegionChoice:
 
 
 def region_costs(nodes: Sequence[Node], values: Mapping | None, axis_size: Mapping[str, int], args: Sequence,
-                 outvars: Sequence, donated: frozenset = frozenset()) -> dict[int, RegionCost]:
+                 outvars: Sequence, donated: frozenset = frozenset(), cost: CostModel | None = None) -> dict[int, RegionCost]:
     """Region number -> its `RegionCost` in the flattened program `nodes`, laid out as `values`
     says (value -> `Spec`; absent: whole; `values` None: each value cut as finely as its dims
-    allow, the least the search estimates, where no plan was made).
+    allow, the least the search estimates, where no plan was made), its rerun priced on `cost`'s
+    roofline (the default `CostModel` where None).
 
     A value made at top level in the forward pass and live where the backward pass begins is the
     region's that made it (a loop's results: shared evenly among the regions inside the loop).
@@ -101,20 +106,27 @@ def region_costs(nodes: Sequence[Node], values: Mapping | None, axis_size: Mappi
             if owners and ranges.first.get(v) == i and ranges.last[v] >= start:
                 for owner in owners:
                     kept[owner] += _held(v, values, axis_size) / len(owners)
-    table = None
+    cost = cost or CostModel()
+    seconds = dict.fromkeys(kept, 0.0)
+    table, moved = None, {}
     for i, node in enumerate(nodes):
         k = regions[i]
-        if k is None or not node.remat or _RERUN not in node.scope:
+        if k is None or not node.remat or _RERUN not in node.scope or not node.outputs:
             continue
-        table = table or OpTable(nodes)
+        if table is None:
+            table = OpTable(nodes)
+            moved = table.traffic(outvars) if cost.memory_bandwidth else {}
         f = table.factors.get(i)
-        if f is not None and f.flops and node.outputs:
-            flops[k] += node.weight * f.flops / _cut(node.outputs[0], values, axis_size)
-    return {k: RegionCost(kept[k], flops[k], source.get(k, "")) for k in sorted(kept)}
+        work = 0.0 if f is None else f.flops
+        if work or moved.get(i):
+            cut = _cut(node.outputs[0], values, axis_size)
+            flops[k] += node.weight * work / cut
+            seconds[k] += node.weight * cost.compute_seconds(work / cut, moved.get(i, 0.0) / cut,
+                                                             matmul=node.primitive in MATMUL)
+    return {k: RegionCost(kept[k], flops[k], source.get(k, ""), seconds[k]) for k in sorted(kept)}
 
 
-def upgrades(costs: Mapping[str, Mapping[int, RegionCost]], peak: float,
-             flop_rate: float) -> list[tuple[int, str, float, float]]:
+def upgrades(costs: Mapping[str, Mapping[int, RegionCost]], peak: float) -> list[tuple[int, str, float, float]]:
     """The greedy moves from no recompute anywhere towards full recompute: `(region, policy,
     estimated peak after it, recompute seconds it adds)`, each the move (a region to any policy
     after its own) that lowers the estimated peak (`estimate`; `peak` the plan's with no recompute)
@@ -126,7 +138,7 @@ def upgrades(costs: Mapping[str, Mapping[int, RegionCost]], peak: float,
         for k in choice:
             for policy in POLICIES[POLICIES.index(choice[k]) + 1:]:
                 after = estimate(costs, {**choice, k: policy}, peak)
-                seconds = max(costs[policy][k].rerun_flops - costs[choice[k]][k].rerun_flops, 0.0) / flop_rate
+                seconds = max(costs[policy][k].rerun_seconds - costs[choice[k]][k].rerun_seconds, 0.0)
                 gain = (now - after) / max(seconds, 1e-15)
                 if now - after > 0 and (best is None or gain > best[0]):
                     best = (gain, k, policy, after, seconds)
@@ -160,13 +172,13 @@ def assignment(regions: Sequence[int], moves: Sequence[tuple[int, str, float, fl
 
 
 def choices(costs: Mapping[str, Mapping[int, RegionCost]], policies: Sequence[str],
-            moves: Sequence[tuple[int, str, float, float]], flop_rate: float) -> tuple[RegionChoice, ...]:
+            moves: Sequence[tuple[int, str, float, float]]) -> tuple[RegionChoice, ...]:
     """The `RegionChoice`s of the regions given `policies` (in region order), `moves` the greedy
     order they were weighed in (`upgrades`)."""
     none = costs["none"]
     step = {(k, p): n + 1 for n, (k, p, _, _) in enumerate(moves)}
     return tuple(RegionChoice(k, none[k].source, p, none[k].kept_bytes - costs[p][k].kept_bytes,
-                              costs[p][k].rerun_flops / flop_rate, step.get((k, p), 0))
+                              costs[p][k].rerun_seconds, step.get((k, p), 0))
                  for k, p in zip(sorted(none), policies))
 
 

@@ -189,6 +189,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     seeded: bool = True,
     as_seeded: str | None = None,
     compiled: bool = False,
+    combined: bool = True,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -215,13 +216,15 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
       compiled: the caller compiles the plan and holds its compiled program to `budget`: where no
         plan fits the search's estimate, the cheapest seed is returned as made (its compiled
         program decides) rather than none.
+      combined: XLA's all-reduce combiner runs (`SearchGraph.combined_latency`); False where the
+        program is compiled with it off (multi-copy, an all-reduce fusion threshold of 0).
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget` (and, with `compiled`, there is
         no seed).
     """
     start = time.perf_counter()
-    g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated, host, table)
+    g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated, host, table, combined)
     axes = [(a,) for a, n in axis_size.items() if n > 1]
     least = budget is not None and _least_peak(g) > budget
     if least and (not compiled or _boundary_peak(g) > budget):  # nothing can fit: say so before searching

@@ -1,0 +1,119 @@
+"""The search weighs multi-copy and all-reduce fusion (`mode="auto"`, no `communication=` given, the
+gradient function marked by `jshard.accumulate`): with the overlap cost model, each copy count and
+the all-reduces kept apart planned and priced like any other choice, the fastest kept and
+`Plan.communication` saying why; where nothing overlaps, one copy. The user's setting is never
+overridden."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tolerance import assert_close, step_terms
+
+import jshard as js
+from jshard.cost import CostModel
+
+H100 = CostModel.for_device("H100")
+
+
+def _loss(p, b):
+    h = b["x"]
+    for w1, w2 in p:
+        h = jnp.tanh(h @ w1) @ w2
+    return jnp.mean((h - b["y"]) ** 2)
+
+
+def _step(p, b):
+    return js.accumulate(jax.value_and_grad(_loss), 1)(p, b)
+
+
+def _shapes(width: int, rows: int):
+    """Two MLP blocks (width -> 4 width -> width) and a batch of `rows` rows, as shapes."""
+    f32 = jnp.float32
+    params = [(jax.ShapeDtypeStruct((width, 4 * width), f32), jax.ShapeDtypeStruct((4 * width, width), f32))] * 2
+    batch = {k: jax.ShapeDtypeStruct((rows, width), f32) for k in ("x", "y")}
+    return params, batch
+
+
+def _weighed(plan) -> dict[str, float | None]:
+    return {w.policy: w.seconds for w in plan.communication.weighed}
+
+
+def test_on_an_h100_the_search_runs_two_copies_where_one_hides_the_others_collectives():
+    """At width 4096 the search cuts the blocks Megatron's way (their activations all-reduced
+    between the matmuls): with two copies one copy's all-reduces run beside the other's matmuls."""
+    plan = js.parallelize(_step, devices=8, mode="auto", cost_model=H100).plan(*_shapes(4096, 4096))
+    weighed = _weighed(plan)
+    assert set(weighed) == {"copies=1, XLA's fusion", "copies=1, allreduce size 0", "copies=2", "copies=4"}
+    assert plan.communication.copies == 2
+    assert weighed["copies=2"] == min(weighed.values()) < weighed["copies=1, XLA's fusion"]
+    assert plan.search.seconds == weighed["copies=2"]
+    assert plan.work.hidden_seconds > 0.0
+    why = plan.communication.why
+    assert why.startswith("chosen by the search: copies=2: the fastest predicted") and "\n" not in why
+    assert "hidden behind another copy's compute" in why
+    assert why in " ".join(plan.summary().split())  # the summary's communication line, wrapped
+
+
+def test_where_nothing_overlaps_one_copy_is_kept_without_weighing_more():
+    plan = js.parallelize(_step, devices=8, mode="auto").plan(*_shapes(4096, 4096))
+    assert plan.communication.copies == 1
+    assert [w.policy for w in plan.communication.weighed] == ["copies=1, XLA's fusion"]
+    assert "overlaps no collective with compute" in plan.communication.why
+    assert plan.search.searches == 1
+
+
+def test_the_users_communication_is_never_overridden():
+    plan = js.parallelize(_step, devices=8, mode="auto", cost_model=H100, communication=1).plan(*_shapes(4096, 4096))
+    assert plan.communication.copies == 1 and not plan.communication.weighed
+
+
+def test_copies_the_batch_cannot_be_dealt_into_are_not_weighed():
+    plan = js.parallelize(_step, devices=8, mode="auto", cost_model=H100).plan(*_shapes(4096, 4098))
+    assert set(_weighed(plan)) == {"copies=1, XLA's fusion", "copies=1, allreduce size 0", "copies=2"}  # 4 does not divide
+
+
+@functools.cache
+def _small():
+    rng = np.random.default_rng(0)
+    width, rows = 256, 256
+    params = [(jnp.asarray(rng.normal(size=(width, 4 * width)) / 16, jnp.float32),
+               jnp.asarray(rng.normal(size=(4 * width, width)) / 32, jnp.float32)) for _ in range(2)]
+    batch = {k: jnp.asarray(rng.normal(size=(rows, width)), jnp.float32) for k in ("x", "y")}
+    return params, batch
+
+
+def test_a_chosen_multi_copy_plan_equals_one_device():
+    """The width-4096 blocks' prices at width 256: the H100 with its FLOP rates 16**3 times slower and
+    its bandwidths 16**2 times (each operator takes as long as at width 4096), so the search
+    chooses copies here too; the program it builds is compiled and run on the CPU devices."""
+    slow = dataclasses.replace(H100, flops=H100.flops / 4096, matmul_flops=H100.matmul_flops / 4096,
+                               memory_bandwidth=H100.memory_bandwidth / 256, bandwidth=H100.bandwidth / 256)
+    params, batch = _small()
+    step = js.parallelize(_step, devices=8, mode="auto", cost_model=slow)
+    assert step.plan(params, batch).communication.copies > 1
+    assert_close(step(params, batch), jax.jit(jax.value_and_grad(_loss))(params, batch),
+                 terms=step_terms(params, batch))
+
+
+@pytest.mark.parametrize("copies", [1, 2])
+def test_the_search_prices_the_combiner_off_for_multi_copy(copies):
+    """XLA's all-reduce combiner is off under multi-copy: the search pays each all-reduce's latency."""
+    from jshard.compile._fusion import combines
+
+    assert combines(None) and combines(js.Communication(fusion={"allreduce": {"mode": "size", "config": 1}}))
+    assert not combines(js.Communication(copies)) if copies > 1 else combines(js.Communication(copies))
+    assert not combines(js.Communication(fusion={"allreduce": {"mode": "size", "config": 0}}))
+
+
+def test_past_the_planning_deadline_no_further_arrangement_is_weighed():
+    """The planning session's deadline bounds the weighing: once the one-copy plan fits, the others
+    are left out and the plan names them."""
+    plan = js.parallelize(_step, devices=8, mode="auto", cost_model=H100,
+                          search=js.Search(time_limit=1e-9)).plan(*_shapes(4096, 4096))
+    assert [w.policy for w in plan.communication.weighed] == ["copies=1, XLA's fusion"]
+    assert plan.communication.copies == 1 and "the only arrangement weighed before the time limit" in plan.communication.why
+    assert any("communication copies=2" in line for line in plan.search.skipped), plan.search.skipped
