@@ -117,3 +117,21 @@ def test_past_the_planning_deadline_no_further_arrangement_is_weighed():
     assert [w.policy for w in plan.communication.weighed] == ["copies=1, XLA's fusion"]
     assert plan.communication.copies == 1 and "the only arrangement weighed before the time limit" in plan.communication.why
     assert any("communication copies=2" in line for line in plan.search.skipped), plan.search.skipped
+
+
+def test_a_saved_multi_copy_plan_loads_and_runs_as_it_was_made(tmp_path):
+    """The copies the search chose are in the plan file: `plan=Plan.load(path)` traces the step in as
+    many copies again (its operators are those copies'), so the loaded plan rebuilds the same program."""
+    slow = dataclasses.replace(H100, flops=H100.flops / 4096, matmul_flops=H100.matmul_flops / 4096,
+                               memory_bandwidth=H100.memory_bandwidth / 256, bandwidth=H100.bandwidth / 256)
+    params, batch = _small()
+    plan = js.parallelize(_step, devices=8, mode="auto", cost_model=slow).plan(params, batch)
+    assert plan.communication.copies == 2
+    plan.save(tmp_path / "plan.json")
+    step = js.parallelize(_step, devices=8, plan=js.Plan.load(tmp_path / "plan.json"))
+    again = step.plan(params, batch)
+    assert again.communication.copies == 2 and js.Plan.load(tmp_path / "plan.json").ops == plan.ops
+    assert [op.layout for op in again.ops] == [op.layout for op in plan.ops]  # the same program's operators, laid out as saved
+    assert_close(step(params, batch), jax.jit(jax.value_and_grad(_loss))(params, batch), terms=step_terms(params, batch))
+    with pytest.raises(js.ShardingError, match="made with the step's batch in 2 copies"):
+        js.parallelize(_step, devices=8, plan=js.Plan.load(tmp_path / "plan.json"), communication=4).plan(params, batch)

@@ -158,7 +158,7 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
 
 
 def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:
-    options = adopted(options, call)
+    options = _with_loaded_copies(adopted(options, call), call)
     devices = devices_for(options)
     n = options.devices if devices is None else len(devices)
     assert n is not None  # devices_for gives None only for more devices than are present
@@ -181,6 +181,28 @@ def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> 
             continue
         warn_collisions(program, slots, options, call)
         return with_work(_counted(program, planning), args, batch, slots, options, call)
+
+
+def _with_loaded_copies(options: Options, call: str) -> Options:
+    """`options` to rebuild a loaded plan the search made with multi-copy (`Plan.communication.copies`,
+    saved in the file): its operators were traced with the step's batch in that many copies, in the
+    global view `mode="auto"` traces them in, so the function is traced so again.
+
+    Raises:
+      ShardingError: `communication=` asks for another number of copies than the plan was made with.
+    """
+    plan = options.plan
+    copies = plan.communication.copies if plan is not None and plan.communication is not None else 1
+    if copies == 1:
+        return options
+    if options.communication is None:
+        return dataclasses.replace(options, communication=Communication(copies), mode="auto")
+    if options.communication.copies != copies:
+        raise ShardingError(
+            f"{call}: the loaded plan was made with the step's batch in {copies} copies (multi-copy), but "
+            f"communication= asks for {options.communication.copies}. Drop communication= to rebuild the "
+            f"plan as made, or re-plan without plan=.")
+    return options
 
 
 def _counted(program: Program, planning: Planning) -> Program:

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec
 from jshard._errors import PlanEditedWarning, ShardingError
 from jshard.cost import Comm
 from jshard.layouts import FineMesh, to_pspec
+from jshard.plan._communication import CommunicationReport
 from jshard.plan._records import OpLayout, OpRecord
 from jshard.plan._schema import FORMAT, check_plan_json
 
@@ -95,6 +96,7 @@ def to_json(plan: Any) -> dict:
         "outputs": [_pspec_json(s) for s in plan.out_specs],
         "sources": list(sources),
         "ops": ops,
+        **({"copies": plan.communication.copies} if plan.communication and plan.communication.copies > 1 else {}),
     }
 
 
@@ -182,9 +184,11 @@ def read_fields(path: str | os.PathLike, call: str, strict: bool = False) -> dic
     if data["format"] == "jshard.plan/1":
         data = _upgrade_v1(data)
     ops = tuple(_op_from_json(position, d, data["sources"], fine) for position, d in enumerate(data["ops"]))
+    copies = data.get("copies", 1)  # multi-copy's copies, which the program's operators were traced with
     return dict(fine=fine, mode=data["mode"], ops=ops, propagation=data["propagation"],
                 in_specs=tuple(map(_pspec_from_json, data["inputs"])),
-                out_specs=tuple(map(_pspec_from_json, data["outputs"])))
+                out_specs=tuple(map(_pspec_from_json, data["outputs"])),
+                communication=CommunicationReport(copies, (), ()) if copies > 1 else None)
 
 
 def _check_digest(call: str, path: str, data: dict, strict: bool) -> None:
