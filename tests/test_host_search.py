@@ -115,3 +115,20 @@ def test_host_bandwidth_per_device_kind():
     assert CostModel.for_device("GH200").host_bandwidth == 450e9  # NVLink-C2C
     assert kind_of("NVIDIA GH200 480GB")[0] == "GH200" and kind_of("NVIDIA H200")[0] == "H200"
     assert CostModel(host_bandwidth=1e9).host_seconds(3e9, 1e9) == 3.0  # full duplex: the larger way
+
+
+def test_a_plan_the_search_offloaded_loads_with_its_state_in_host_memory(gpt, tmp_path):
+    """The offload the search chose is in the plan file (`Plan.choices`): the loaded plan's program
+    keeps the same leaves in host memory, where without it the device would hold them all."""
+    step, params, state, batches, _, peak = gpt
+    budget = (peak[("optimizer",)] + peak[()]) / 2
+    plan = js.parallelize(step, devices=1, mode="auto", search=js.Search(memory_budget=budget, time_limit=WHOLE)).plan(
+        params, state, batches[0])
+    assert plan.choices == (("offload", ("optimizer",)),)
+    plan.save(tmp_path / "plan.json")
+    loaded = js.Plan.load(tmp_path / "plan.json")
+    assert loaded.choices == plan.choices
+    again = js.parallelize(step, devices=1, plan=loaded)
+    assert again.plan(params, state, batches[0]).offload.host == plan.offload.host
+    with pytest.raises(js.ShardingError, match="made with .'optimizer',. in host memory"):
+        js.parallelize(step, devices=1, plan=loaded, offload=("optimizer", "parameters")).plan(params, state, batches[0])

@@ -158,7 +158,7 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> P
 
 
 def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:
-    options = _with_loaded_copies(adopted(options, call), call)
+    options = _with_loaded_choices(adopted(options, call), call)
     devices = devices_for(options)
     n = options.devices if devices is None else len(devices)
     assert n is not None  # devices_for gives None only for more devices than are present
@@ -183,25 +183,34 @@ def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> 
         return with_work(_counted(program, planning), args, batch, slots, options, call)
 
 
-def _with_loaded_copies(options: Options, call: str) -> Options:
-    """`options` to rebuild a loaded plan the search made with multi-copy (`Plan.communication.copies`,
-    saved in the file): its operators were traced with the step's batch in that many copies, in the
-    global view `mode="auto"` traces them in, so the function is traced so again.
+def _with_loaded_choices(options: Options, call: str) -> Options:
+    """`options` to rebuild a loaded plan with what its planning chose beyond the layouts
+    (`Plan.choices`, saved in its file): multi-copy's copies (the operators were traced with the
+    step's batch in that many copies, in the global view `mode="auto"` traces them in) and the
+    state kept in host memory.
 
     Raises:
-      ShardingError: `communication=` asks for another number of copies than the plan was made with.
+      ShardingError: `communication=` or `offload=` asks for other copies or roles than the plan was
+        made with.
     """
-    plan = options.plan
-    copies = plan.communication.copies if plan is not None and plan.communication is not None else 1
-    if copies == 1:
+    if options.plan is None:
         return options
-    if options.communication is None:
-        return dataclasses.replace(options, communication=Communication(copies), mode="auto")
-    if options.communication.copies != copies:
+    chosen = dict(options.plan.choices)
+    copies, offload = chosen.get("copies", 1), tuple(chosen.get("offload", ()))
+    given = 1 if options.communication is None else options.communication.copies
+    if copies > 1 and options.communication is None:
+        options = dataclasses.replace(options, communication=Communication(copies), mode="auto")
+    elif given != copies:
         raise ShardingError(
-            f"{call}: the loaded plan was made with the step's batch in {copies} copies (multi-copy), but "
-            f"communication= asks for {options.communication.copies}. Drop communication= to rebuild the "
-            f"plan as made, or re-plan without plan=.")
+            f"{call}: the loaded plan was made with the step's batch in {copies} cop{'y' if copies == 1 else 'ies'} "
+            f"(multi-copy), but communication= asks for {given}. Drop communication= to rebuild the plan as "
+            f"made, or re-plan without plan=.")
+    if offload and options.offload is None:
+        options = dataclasses.replace(options, offload=offload)
+    elif options.offload is not None and set(options.offload) != set(offload):
+        raise ShardingError(
+            f"{call}: the loaded plan was made with {offload or 'no state'} in host memory, but offload= asks for "
+            f"{options.offload or 'none'}. Drop offload= to rebuild the plan as made, or re-plan without plan=.")
     return options
 
 

@@ -42,9 +42,8 @@ from jax.sharding import PartitionSpec
 from jshard._errors import PlanEditedWarning, ShardingError
 from jshard.cost import Comm
 from jshard.layouts import FineMesh, to_pspec
-from jshard.plan._communication import CommunicationReport
 from jshard.plan._records import OpLayout, OpRecord
-from jshard.plan._schema import FORMAT, check_plan_json
+from jshard.plan._schema import CHOICES, FORMAT, check_plan_json
 
 _SHOWN = 12
 _DERIVED = ("in_strategy", "out_strategy", "in_specs", "out_specs")
@@ -96,7 +95,7 @@ def to_json(plan: Any) -> dict:
         "outputs": [_pspec_json(s) for s in plan.out_specs],
         "sources": list(sources),
         "ops": ops,
-        **({"copies": plan.communication.copies} if plan.communication and plan.communication.copies > 1 else {}),
+        **{name: list(value) if isinstance(value, tuple) else value for name, value in plan.choices},
     }
 
 
@@ -184,11 +183,11 @@ def read_fields(path: str | os.PathLike, call: str, strict: bool = False) -> dic
     if data["format"] == "jshard.plan/1":
         data = _upgrade_v1(data)
     ops = tuple(_op_from_json(position, d, data["sources"], fine) for position, d in enumerate(data["ops"]))
-    copies = data.get("copies", 1)  # multi-copy's copies, which the program's operators were traced with
+    choices = tuple((name, tuple(data[name]) if isinstance(data[name], list) else data[name])
+                    for name in CHOICES if name in data)  # what the program was built with beyond its layouts
     return dict(fine=fine, mode=data["mode"], ops=ops, propagation=data["propagation"],
                 in_specs=tuple(map(_pspec_from_json, data["inputs"])),
-                out_specs=tuple(map(_pspec_from_json, data["outputs"])),
-                communication=CommunicationReport(copies, (), ()) if copies > 1 else None)
+                out_specs=tuple(map(_pspec_from_json, data["outputs"])), loaded_choices=choices)
 
 
 def _check_digest(call: str, path: str, data: dict, strict: bool) -> None:

@@ -97,6 +97,12 @@ class Plan:
         returns them in other layouts than it takes them; 0.0 where it returns each as taken;
         None for a loaded plan or one on an abstract mesh. `jshard.audit.moved_bytes` measures the
         same in a running loop.
+      loaded_choices: a loaded plan's `choices`, as its file holds them (`Plan.load` sets it).
+      choices (property): what the planning chose beyond the layouts that rebuilding the program needs, as
+        `(name, value)` pairs: `("copies", n)` where the step's batch runs in n > 1 copies
+        (multi-copy), `("offload", roles)` where state is kept in host memory. `save` writes them
+        and `parallelize(plan=Plan.load(path))` rebuilds with them (`parallelize`'s `communication=`
+        and `offload=` may repeat them, not contradict them).
     """
 
     mesh: Mesh | None
@@ -118,6 +124,19 @@ class Plan:
     communication: CommunicationReport | None = dataclasses.field(default=None, compare=False)
     peer: PeerReport | None = dataclasses.field(default=None, compare=False)
     round_trip: float | None = dataclasses.field(default=None, compare=False)
+    loaded_choices: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), compare=False, repr=False)
+
+    @property
+    def choices(self) -> tuple[tuple[str, Any], ...]:
+        """See the class docstring: a planned program's from its reports, a loaded plan's from its file."""
+        if self.loaded_choices:
+            return self.loaded_choices
+        made: list[tuple[str, Any]] = []
+        if self.communication is not None and self.communication.copies > 1:
+            made.append(("copies", self.communication.copies))
+        if self.offload is not None and self.offload.what:
+            made.append(("offload", tuple(self.offload.what)))
+        return tuple(made)
 
     def replace(self, **changes) -> "Plan":
         """`dataclasses.replace(self, **changes)` that leaves `ops` not yet made unmade."""
