@@ -114,7 +114,11 @@ class _Online:
     def start(q, kv: int):
         b, t, h, d = q.shape
         shape = (b, kv, h // kv, t)
-        return jnp.full(shape, _MASKED, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros((b, t, kv, h // kv, d), jnp.float32)
+        return (
+            jnp.full(shape, _MASKED, jnp.float32),
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros((b, t, kv, h // kv, d), jnp.float32),
+        )
 
     @staticmethod
     def add(state, s, v):

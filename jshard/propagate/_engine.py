@@ -38,6 +38,7 @@ from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, 
 from jshard.graph import CONSTRAINT, JSHARD_SCOPE, Node, operand_vars
 from jshard.layouts import Spec, constraint_spec, typed_spec
 from jshard.propagate._emit import Emission
+from jshard.propagate._manual import MANUAL, manual_comms, manual_seconds, manual_specs
 from jshard.rules import PER_DEVICE, Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
 
 
@@ -133,6 +134,9 @@ class Engine:
             if node.primitive == CONSTRAINT:
                 self._fix_constraint(i, node)
                 queue.extend(self._neighbours(i))
+            elif node.primitive == MANUAL:
+                self._fix_manual(i, node)
+                queue.extend(self._neighbours(i))
         waiting: list[int] = []  # a heap: the earliest waiting operator goes first
         while True:
             while queue:
@@ -170,6 +174,17 @@ class Engine:
         self.values[out] = spec
         self.why[out] = i
         self.decisions[i] = Decision((spec,), (spec,), (), 0.0, "user", None, False)
+
+    def _fix_manual(self, i: int, node: Node) -> None:
+        """A `shard_map` region: its results made in its `out_specs`, its body's collectives its cost;
+        its operands' moves into its `in_specs` are charged after the walk (`charge_constraints`)."""
+        ins, outs = manual_specs(node.eqn)
+        for v, spec in zip(node.outputs, outs):
+            self.values[v] = spec
+            self.why[v] = i
+        comms = manual_comms(node.eqn)
+        seconds = manual_seconds(comms, self.axis_size, self.cost) * node.weight
+        self.decisions[i] = Decision(ins, outs, comms, seconds, "user", None, False)
 
     def _neighbours(self, i: int) -> list[int]:
         ins, outs = self.vars[i]
