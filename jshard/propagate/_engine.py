@@ -131,11 +131,9 @@ class Engine:
             self.why[v] = "arg"
             queue.extend(i for i, _ in self.consumers[v])
         for i, node in enumerate(self.nodes):
-            if node.primitive == CONSTRAINT:
-                self._fix_constraint(i, node)
-                queue.extend(self._neighbours(i))
-            elif node.primitive == MANUAL:
-                self._fix_manual(i, node)
+            fix = {CONSTRAINT: self._fix_constraint, MANUAL: self._fix_manual}.get(node.primitive)
+            if fix is not None:  # a constraint, or a manual region laid out by its own specs
+                fix(i, node)
                 queue.extend(self._neighbours(i))
         waiting: list[int] = []  # a heap: the earliest waiting operator goes first
         while True:

@@ -1,0 +1,100 @@
+"""Context parallel (issue 34 item 2): causal grouped-query attention over a sequence cut over a
+mesh axis by a `Layout`, in its three forms (all-gather of K/V, ring of K/V, Ulysses all-to-all),
+each against one device, its compiled collectives against the plan's, the cost model's choice
+among them, and the cuts it refuses."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _tolerance import assert_close, step_terms
+
+import jshard as js
+
+B, T, D, H, KV, HD = 2, 32, 16, 8, 4, 4
+LAY = js.Layout((2, 4), ("dp", "sp"))
+SEQUENCE = LAY("dp", "sp", "None", "None")  # q [batch, length, heads, head_dim]: batch over dp, length over sp
+SP = 4
+
+
+def _step(form: str, zigzag: bool = False, strategy=SEQUENCE):
+    def loss(p, x):
+        q, k, v = (jnp.einsum("btd,dhe->bthe", x, p[w]) for w in ("wq", "wk", "wv"))
+        o = js.attention(q, k, v, causal=True, strategy=strategy, form=form, zigzag=zigzag)
+        return jnp.mean(jnp.einsum("bthe,hed->btd", o, p["wo"]) ** 2)
+
+    def step(p, x):
+        value, grads = jax.value_and_grad(loss)(p, x)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), value
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def args():
+    rng = np.random.default_rng(0)
+    shapes = {"wq": (D, H, HD), "wk": (D, KV, HD), "wv": (D, KV, HD), "wo": (H, HD, D)}
+    p = {k: jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for k, s in shapes.items()}
+    return p, jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def one_device(args):
+    return jax.jit(_step("auto"))(*args)  # outside parallelize: plain attention
+
+
+# per form: the collective kind its body runs, and its bytes per device per step (forward and
+# backward), from the sizes: one device's K or V block is [B/2, T/4, KV, HD] float32
+BLOCK = B // 2 * T // SP * KV * HD * 4
+Q_BLOCK = BLOCK * H // KV
+FORMS = {
+    # K, V all-gathered forward (result bytes), their gradients reduce-scattered backward
+    "gather": {"all-gather": 2 * SP * BLOCK, "reduce-scatter": 2 * SP * BLOCK},
+    # SP - 1 passes of K and V forward, of their gradients backward (the blocks met are kept)
+    "ring": {"collective-permute": (2 + 2) * (SP - 1) * BLOCK},
+    # q, k, v and the output traded forward, their cotangents backward
+    "ulysses": {"all-to-all": 2 * (2 * Q_BLOCK + 2 * BLOCK)},
+}
+
+
+@pytest.mark.parametrize(("form", "zigzag"), [("gather", False), ("ring", True), ("ulysses", False)])
+def test_each_form_equals_one_device_and_moves_what_the_plan_predicts(args, one_device, form, zigzag):
+    p, x = args
+    parts = js.zigzag(x, SP) if zigzag else x  # the tokens in zig-zag order: each device's causal work alike
+    par = js.parallelize(_step(form, zigzag), devices=8, in_strategy=(None, LAY("dp", "sp", "None")))
+    plan = par.plan(p, parts)
+    compiled = par.lower(p, parts).compile()
+    report = js.audit(compiled)
+    for kind, moved in FORMS[form].items():
+        assert plan.predicted_bytes(kind) == report.bytes(kind) == moved, plan.compare(report)
+    assert plan.predicted_bytes() == report.bytes(), plan.compare(report)
+    got = compiled(*jax.device_put((p, parts), plan.in_shardings))
+    # the loss is a mean over tokens: the updated weights do not depend on their order
+    assert_close(got, one_device, terms=step_terms(p, x) + 3 * T)  # + the softmax's sums, exp and divide
+
+
+def test_auto_takes_the_cost_models_form_and_says_why():
+    mha = js.context_choice((1, 32768, 32, 128), 32, {"sp": 8}, itemsize=2)
+    assert mha.form == "ulysses"  # 4 blocks traded, against 2 x 7 blocks passed or gathered
+    gqa = js.context_choice((1, 32768, 32, 128), 4, {"sp": 8}, itemsize=2)
+    assert "ulysses" in gqa.refused and gqa.form == "gather"
+    assert "4 key/value heads" in gqa.refused["ulysses"]
+    tight = js.context_choice((1, 32768, 32, 128), 4, {"sp": 8}, itemsize=2,
+                              cost=js.CostModel(memory=gqa.held["gather"] / 2))
+    assert tight.form == "ring" and "would hold more" in tight.why  # the gathered K/V do not fit
+
+
+def test_ulysses_beyond_the_kv_heads_is_refused(args):
+    p, x = args
+    lay = js.Layout((8,), ("sp",))
+    par = js.parallelize(_step("ulysses", strategy=lay("None", "sp", "None", "None")), devices=8,
+                         in_strategy=(None, lay("None", "sp", "None")))
+    with pytest.raises(js.ShardingError, match=r"form='ulysses'.*8 does not divide the 4 key/value heads.*form='ring'"):
+        par.plan(p, x)
+
+
+def test_a_cut_head_dim_is_refused(args):
+    p, x = args
+    par = js.parallelize(_step("ring", strategy=(1, 2, 1, 4)), devices=8)
+    with pytest.raises(js.ShardingError, match=r"jshard.attention: strategy .* cuts .*head_dim"):
+        par.plan(p, x)
