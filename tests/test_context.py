@@ -79,16 +79,20 @@ def test_auto_takes_the_cost_models_form_and_says_why():
     gqa = js.context_choice((1, 32768, 32, 128), 4, {"sp": 8}, itemsize=2)
     assert "ulysses" in gqa.refused and gqa.form == "gather"
     assert "4 key/value heads" in gqa.refused["ulysses"]
-    tight = js.context_choice((1, 32768, 32, 128), 4, {"sp": 8}, itemsize=2,
-                              cost=js.CostModel(memory=gqa.held["gather"] / 2))
+    tight = js.context_choice(
+        (1, 32768, 32, 128), 4, {"sp": 8}, itemsize=2, cost=js.CostModel(memory=gqa.held["gather"] / 2)
+    )
     assert tight.form == "ring" and "would hold more" in tight.why  # the gathered K/V do not fit
 
 
 def test_ulysses_beyond_the_kv_heads_is_refused(args):
     p, x = args
     lay = js.Layout((8,), ("sp",))
-    par = js.parallelize(_step("ulysses", strategy=lay("None", "sp", "None", "None")), devices=8,
-                         in_strategy=(None, lay("None", "sp", "None")))
+    par = js.parallelize(
+        _step("ulysses", strategy=lay("None", "sp", "None", "None")),
+        devices=8,
+        in_strategy=(None, lay("None", "sp", "None")),
+    )
     with pytest.raises(js.ShardingError, match=r"form='ulysses'.*8 does not divide the 4 key/value heads.*form='ring'"):
         par.plan(p, x)
 

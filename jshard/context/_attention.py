@@ -77,19 +77,18 @@ def attention(
         pos = jnp.arange(q.shape[1])
         return attend(q, k, v, pos, pos, causal, scale)
     spec = _spec(ctx, strategy, q, k)
+    sharding = NamedSharding(ctx.mesh, spec)
+    q, k, v = place(q, sharding), place(k, sharding), place(v, sharding)
     sequence = _axes(spec[1])
-    if not sequence:
+    if not sequence:  # nothing to run context parallel: XLA lays the attention out from its operands
         pos = jnp.arange(q.shape[1])
-        return place(
-            attend(*(place(x, NamedSharding(ctx.mesh, spec)) for x in (q, k, v)), pos, pos, causal, scale),
-            NamedSharding(ctx.mesh, spec),
-        )
+        return place(attend(q, k, v, pos, pos, causal, scale), sharding)
     parts = math.prod(ctx.mesh.shape[a] for a in sequence)
     shape = _local_shape(q, k, spec, ctx.mesh.shape, parts)
     chosen = _form(form, shape, sequence, ctx, zigzag, spec, q)
     body = functools.partial(FORMS[chosen], axes=sequence, parts=parts, causal=causal, scale=scale, zigzag_order=zigzag)
     run = jax.shard_map(body, mesh=ctx.mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
-    return run(*(place(x, NamedSharding(ctx.mesh, spec)) for x in (q, k, v)))
+    return run(q, k, v)
 
 
 def context_choice(

@@ -50,10 +50,8 @@ def unzigzag(x: jax.Array, parts: int, axis: int = 1) -> jax.Array:
       [0, 1, 2, 3, 4, 5, 6, 7]
     """
     chunks = jnp.split(x, 2 * parts, axis=axis)
-    ordered = [None] * (2 * parts)
-    for i in range(parts):
-        ordered[i], ordered[2 * parts - 1 - i] = chunks[2 * i], chunks[2 * i + 1]
-    return jnp.concatenate(ordered, axis=axis)
+    stored = [c for i in range(parts) for c in (i, 2 * parts - 1 - i)]  # the chunk each stored slot holds
+    return jnp.concatenate([chunks[stored.index(c)] for c in range(2 * parts)], axis=axis)
 
 
 def positions(device, length: int, parts: int, zigzag_order: bool) -> jax.Array:

@@ -4,14 +4,13 @@ and any user's `shard_map` move), each weighted by the trip counts of the loops 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 
-import numpy as np
 from jax.extend import core as jcore
 
-from jshard.cost import Comm, CostModel
+from jshard.cost import Comm, CostModel, value_bytes
 from jshard.layouts import Spec, spec_from_pspec
+from jshard.rules import shape_of
 
 MANUAL = "shard_map"
 """The primitive a `jax.shard_map` region leaves in a jaxpr."""
@@ -31,8 +30,8 @@ _KINDS = {
 
 def manual_specs(eqn: jcore.JaxprEqn) -> tuple[tuple[Spec, ...], tuple[Spec, ...]]:
     """The region's operands' and results' layouts, as its `in_specs` and `out_specs` say."""
-    ins = tuple(spec_from_pspec(p, len(v.aval.shape)) for p, v in zip(eqn.params["in_specs"], eqn.invars))
-    outs = tuple(spec_from_pspec(p, len(v.aval.shape)) for p, v in zip(eqn.params["out_specs"], eqn.outvars))
+    ins = tuple(spec_from_pspec(p, len(shape_of(v))) for p, v in zip(eqn.params["in_specs"], eqn.invars))
+    outs = tuple(spec_from_pspec(p, len(shape_of(v))) for p, v in zip(eqn.params["out_specs"], eqn.outvars))
     return ins, outs
 
 
@@ -53,7 +52,7 @@ def _collectives(jaxpr: jcore.Jaxpr, weight: int) -> Iterator[Comm]:
             axes = eqn.params.get("axis_name", eqn.params.get("axes", ()))
             axes = (axes,) if isinstance(axes, str) else tuple(axes)
             moved = eqn.outvars if kind == "all-gather" else eqn.invars
-            size = sum(math.prod(v.aval.shape) * np.dtype(v.aval.dtype).itemsize for v in moved)
+            size = sum(value_bytes(v) for v in moved)
             for _ in range(weight):
                 yield Comm(kind, float(size), axes)
             continue
