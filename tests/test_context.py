@@ -102,3 +102,53 @@ def test_a_cut_head_dim_is_refused(args):
     par = js.parallelize(_step("ring", strategy=(1, 2, 1, 4)), devices=8)
     with pytest.raises(js.ShardingError, match=r"jshard.attention: strategy .* cuts .*head_dim"):
         par.plan(p, x)
+
+
+def _einsum_step(p, x):
+    """One layer of grouped-query attention as users write it: einsums, a causal mask, softmax."""
+
+    def loss(p, x):
+        q, k, v = (jnp.einsum("btd,dhe->bthe", x, p[w]) for w in ("wq", "wk", "wv"))
+        b, t, h, d = q.shape
+        kv = k.shape[2]
+        s = jnp.einsum("blkgd,bmkd->bkglm", q.reshape(b, t, kv, h // kv, d), k) / np.sqrt(d)
+        w = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9), axis=-1)
+        o = jnp.einsum("bkglm,bmkd->blkgd", w, v).reshape(b, t, h, d)
+        return jnp.mean(jnp.einsum("bthe,hed->btd", o, p["wo"]) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(p, x)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), value
+
+
+def test_the_search_cuts_the_sequence_where_nothing_else_fits():
+    """One sequence of 512 tokens, 2 query heads sharing 1 key/value head: the batch cannot be cut,
+    the heads at most 2 ways, and the [512, 512] scores of each head dominate the memory. Under a
+    budget of 30% of one device's compiled peak, the search cuts the queries' sequence 8 ways (the
+    keys and values whole on every device: context parallel), fits, and equals one device."""
+    rng = np.random.default_rng(0)
+    shapes = {"wq": (16, 2, 16), "wk": (16, 1, 16), "wv": (16, 1, 16), "wo": (2, 16, 16)}
+    p = {k: jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for k, s in shapes.items()}
+    x = jnp.asarray(rng.normal(size=(1, 512, 16)), jnp.float32)
+    one = jax.jit(_einsum_step).lower(p, x).compile()
+    budget = int(0.3 * js.audit(one).memory.peak_bytes)
+    par = js.parallelize(_einsum_step, devices=8, mode="auto", search=js.Search(memory_budget=budget))
+    plan = par.plan(p, x)
+    scores = next(op for op in plan.ops if op.primitive == "dot_general" and sorted(map(len, op.in_strategy)) == [4, 5])
+    queries = next(s for s in scores.in_strategy if len(s) == 5)  # [batch, length, kv_heads, group, head_dim]
+    assert queries[1] == 8 and scores.origin == "searched"  # the queries' sequence cut 8 ways
+    compiled = par.lower(p, x).compile()
+    report = js.audit(compiled)
+    assert report.memory.peak_bytes <= budget
+    assert plan.predicted_bytes() == report.bytes(), plan.compare(report)
+    heads = js.Layout((2, 4), ("mp", "r"))  # the heads cut as far as they go: tensor parallel does not fit
+    megatron = js.parallelize(
+        _einsum_step,
+        devices=8,
+        in_strategy=(
+            {"wq": heads("None", "mp", "None"), "wk": None, "wv": None, "wo": heads("mp", "None", "None")},
+            heads("None", "None", "None"),
+        ),
+    )
+    assert js.audit(megatron.lower(p, x).compile()).memory.peak_bytes > budget
+    got = compiled(*jax.device_put((p, x), plan.in_shardings))
+    assert_close(got, one(p, x), terms=step_terms(p, x) + 3 * 512)
