@@ -152,3 +152,16 @@ def test_the_search_cuts_the_sequence_where_nothing_else_fits():
     assert js.audit(megatron.lower(p, x).compile()).memory.peak_bytes > budget
     got = compiled(*jax.device_put((p, x), plan.in_shardings))
     assert_close(got, one(p, x), terms=step_terms(p, x) + 3 * 512)
+
+
+def test_the_search_plans_around_a_ring_and_explain_names_the_region(args):
+    """Under `mode="auto"` the attention's region keeps its specs; the search lays out the rest,
+    and the ring's collective-permutes are priced as compiled."""
+    p, x = args
+    par = js.parallelize(_step("ring"), devices=8, mode="auto", in_strategy=(None, LAY("dp", "sp", "None")))
+    plan = par.plan(p, x)
+    region = next(op for op in plan.ops if op.primitive == "shard_map" and not op.backward)
+    assert region.in_strategy == ((2, 4, 1, 1),) * 3
+    assert "a manual region (jax.shard_map" in plan.explain(region.index)
+    report = js.audit(par.lower(p, x).compile())
+    assert plan.predicted_bytes("collective-permute") == report.bytes("collective-permute") > 0

@@ -40,6 +40,9 @@ def explain(plan, op) -> str:
             shown = [f"#{i} {plan.ops[i].primitive}" for i in reversed(chain[:_MAX_CHAIN]) if isinstance(i, int)]
             more = f"... {len(chain) - _MAX_CHAIN} more ... -> " if len(chain) > _MAX_CHAIN else ""
             lines.append("  through: " + more + " -> ".join(shown))
+    if op.primitive == "shard_map":
+        lines.append("  a manual region (jax.shard_map, as jshard.attention runs a cut sequence's attention in): its "
+                     "operands and results laid out by its own specs, the collectives its body runs priced as written")
     if op.comms:
         paid = "; ".join(f"{k} of {human_bytes(b)} over {'×'.join(a)}" for k, b, a in op.comms)
         lines.append(f"  cost paid: {paid} ({op.seconds * 1e6:.8g} us predicted)" + _hidden(plan, op))

@@ -174,15 +174,19 @@ class Engine:
         self.decisions[i] = Decision((spec,), (spec,), (), 0.0, "user", None, False)
 
     def _fix_manual(self, i: int, node: Node) -> None:
-        """A `shard_map` region: its results made in its `out_specs`, its body's collectives its cost;
-        its operands' moves into its `in_specs` are charged after the walk (`charge_constraints`)."""
+        self.decisions[i] = self.manual(i, node)
+
+    def manual(self, i: int, node: Node) -> Decision:
+        """A `shard_map` region's decision: its results made in its `out_specs` (recorded as the
+        values' layouts), its body's collectives its cost; its operands' moves into its
+        `in_specs` are charged after the walk (`charge_constraints`)."""
         ins, outs = manual_specs(node.eqn)
         for v, spec in zip(node.outputs, outs):
             self.values[v] = spec
             self.why[v] = i
         comms = manual_comms(node.eqn)
         seconds = manual_seconds(comms, self.axis_size, self.cost) * node.weight
-        self.decisions[i] = Decision(ins, outs, comms, seconds, "user", None, False)
+        return Decision(ins, outs, comms, seconds, "user", None, False)
 
     def _neighbours(self, i: int) -> list[int]:
         ins, outs = self.vars[i]

@@ -47,6 +47,7 @@ from jshard.cost import (
 )
 from jshard.graph import CONSTRAINT, NESTED, Node
 from jshard.layouts import Spec, constraint_spec
+from jshard.propagate import MANUAL, manual_specs
 from jshard.rules import Factors, OpTable, expressible, shape_of, write_spec
 
 Assignment = dict  # factor id -> mesh axes (major to minor)
@@ -219,6 +220,10 @@ class SearchGraph:
             self._unit(Unit(i, None, Factors((), (), ()), (), (0, 1), node.weight, 0.0, {0: spec, 1: spec}))
             return
         operands = ins + outs
+        if node.primitive == MANUAL:  # a shard_map region: its operands in its own specs
+            specs = dict(enumerate(sum(manual_specs(node.eqn), ())))
+            self._unit(Unit(i, None, Factors((), (), ()), (), tuple(range(len(operands))), node.weight, 0.0, specs))
+            return
         if i in e.unruled:  # no rule: every operand whole, as the engine leaves it
             fixed = {k: tuple(() for _ in shape_of(v)) for k, v in enumerate(operands)}
             self._unit(Unit(i, None, Factors((), (), ()), (), tuple(range(len(operands))), node.weight, 0.0, fixed))
