@@ -3,6 +3,8 @@ mesh axis by a `Layout`, in its three forms (all-gather of K/V, ring of K/V, Uly
 each against one device, its compiled collectives against the plan's, the cost model's choice
 among them, and the cuts it refuses."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,3 +167,29 @@ def test_the_search_plans_around_a_ring_and_explain_names_the_region(args):
     assert "a manual region (jax.shard_map" in plan.explain(region.index)
     report = js.audit(par.lower(p, x).compile())
     assert plan.predicted_bytes("collective-permute") == report.bytes("collective-permute") > 0
+
+
+def test_the_reference_gpt_runs_its_attention_context_parallel():
+    """`GPTConfig(kv_heads=2, context=...)`: the reference GPT's grouped-query attention through
+    `jshard.attention`, its sequence cut 8 ways (ring); one train step equals one device (the
+    einsum attention of `context=None`), and its collective-permutes are those predicted."""
+    import optax
+
+    from jshard import models
+
+    cfg = models.GPTConfig(seq_len=16, d_model=32, n_heads=4, kv_heads=2, n_layers=1, d_ff=64)
+    ring = dataclasses.replace(cfg, context=(1, 8, 1, 1), context_form="ring")
+    opt = optax.sgd(0.1)
+    params = models.init_gpt(cfg, jax.random.key(0))
+    batch = models.copy_task_batch(np.random.default_rng(0), cfg, 2)
+    step = models.make_train_step(lambda p, b: models.gpt_loss(p, b, ring), opt)
+    par = js.parallelize(step, devices=8, in_strategy=(None, None, ((1, 8),) * 2 + ((1, 8),)))
+    plan = par.plan(params, opt.init(params), batch)
+    compiled = par.lower(params, opt.init(params), batch).compile()
+    report = js.audit(compiled)
+    assert plan.predicted_bytes("collective-permute") == report.bytes("collective-permute") > 0
+    got = compiled(*jax.device_put((params, opt.init(params), batch), plan.in_shardings))
+    want = jax.jit(models.make_train_step(lambda p, b: models.gpt_loss(p, b, cfg), opt))(
+        params, opt.init(params), batch
+    )
+    assert_close(got, want, terms=step_terms(params, batch) + 3 * cfg.seq_len)
