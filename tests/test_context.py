@@ -75,7 +75,15 @@ def test_each_form_equals_one_device_and_moves_what_the_plan_predicts(args, one_
     assert_close(got, one_device, terms=step_terms(p, x) + 3 * T)  # + the softmax's sums, exp and divide
 
 
-def test_auto_takes_the_cost_models_form_and_says_why():
+def test_auto_takes_the_cost_models_form_and_explain_says_why(args):
+    p, x = args
+    par = js.parallelize(_step("auto"), devices=8, in_strategy=(None, LAY("dp", "sp", "None")))
+    plan = par.plan(p, x)
+    region = next(op for op in plan.ops if op.primitive == "shard_map" and not op.backward)
+    assert "jshard.attention(form='auto'): gather: " in plan.explain(region.index)  # tiny blocks: fewest latencies
+
+
+def test_the_choice_weighs_bytes_heads_and_memory():
     mha = js.context_choice((1, 32768, 32, 128), 32, {"sp": 8}, itemsize=2)
     assert mha.form == "ulysses"  # 4 blocks traded, against 2 x 7 blocks passed or gathered
     gqa = js.context_choice((1, 32768, 32, 128), 4, {"sp": 8}, itemsize=2)
@@ -164,7 +172,8 @@ def test_the_search_plans_around_a_ring_and_explain_names_the_region(args):
     plan = par.plan(p, x)
     region = next(op for op in plan.ops if op.primitive == "shard_map" and not op.backward)
     assert region.in_strategy == ((2, 4, 1, 1),) * 3
-    assert "a manual region (jax.shard_map" in plan.explain(region.index)
+    why = plan.explain(region.index)
+    assert "a manual region (jax.shard_map" in why and "set by the user: jshard.attention(form='ring')" in why
     report = js.audit(par.lower(p, x).compile())
     assert plan.predicted_bytes("collective-permute") == report.bytes("collective-permute") > 0
 

@@ -15,10 +15,11 @@ from jax.sharding import PartitionSpec as P
 from jshard import _context
 from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
+from jshard._source import caller
 from jshard.context._choose import AttentionShape, ContextChoice, choose, refusal
 from jshard.context._forms import FORMS, attend
 from jshard.cost import CostModel
-from jshard.layouts import check_divides, layout_of, place
+from jshard.layouts import TensorLayout, check_divides, layout_of, place
 
 _CALL = "jshard.attention"
 
@@ -76,19 +77,23 @@ def attention(
     if ctx is None or strategy is None or ctx.mode == "data":
         pos = jnp.arange(q.shape[1])
         return attend(q, k, v, pos, pos, causal, scale)
-    spec = _spec(ctx, strategy, q, k)
+    layout, spec = _spec(ctx, strategy, q, k)
     sharding = NamedSharding(ctx.mesh, spec)
-    q, k, v = place(q, sharding), place(k, sharding), place(v, sharding)
     sequence = _axes(spec[1])
     if not sequence:  # nothing to run context parallel: XLA lays the attention out from its operands
+        q, k, v = place(q, sharding), place(k, sharding), place(v, sharding)
         pos = jnp.arange(q.shape[1])
         return place(attend(q, k, v, pos, pos, causal, scale), sharding)
     parts = math.prod(ctx.mesh.shape[a] for a in sequence)
-    shape = _local_shape(q, k, spec, ctx.mesh.shape, parts)
-    chosen = _form(form, shape, sequence, ctx, zigzag, spec, q)
+    chosen, why = _form(form, _local_shape(q, k, spec, ctx.mesh.shape, parts), sequence, ctx, zigzag, spec, q)
     body = functools.partial(FORMS[chosen], axes=sequence, parts=parts, causal=causal, scale=scale, zigzag_order=zigzag)
     run = jax.shard_map(body, mesh=ctx.mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
-    return run(q, k, v)
+    scope = ctx.next_scope()
+    with jax.named_scope(scope):  # the region's record names the form and why (`Plan.explain`)
+        out = run(place(q, sharding), place(k, sharding), place(v, sharding))
+    name = f"jshard.attention(form={form!r}): {why}"
+    ctx.annotations.append(_context.Annotation(scope, name, caller(), (layout,) * 3, (layout,)))
+    return out
 
 
 def context_choice(
@@ -128,7 +133,7 @@ def _check_shapes(q, k, v) -> None:
         )
 
 
-def _spec(ctx, strategy, q, k) -> P:
+def _spec(ctx, strategy, q, k) -> tuple[TensorLayout, P]:
     op = f"attention of q {shape_str(q.dtype, q.shape)}"
     layout = layout_of(strategy, ctx.device_count, call=_CALL, op=op, what="strategy")
     check_divides(layout, q.shape, call=_CALL, op=op, what="strategy", dtype=q.dtype)
@@ -145,7 +150,7 @@ def _spec(ctx, strategy, q, k) -> P:
             )
             + ". Cut the batch, the sequence or the heads (by a divisor of the key/value heads) instead."
         )
-    return spec
+    return layout, spec
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -164,11 +169,13 @@ def _local_shape(q, k, spec: P, sizes, parts: int) -> AttentionShape:
     )
 
 
-def _form(form: str, shape: AttentionShape, sequence, ctx, zigzag: bool, spec: P, q) -> str:
+def _form(form: str, shape: AttentionShape, sequence, ctx, zigzag: bool, spec: P, q) -> tuple[str, str]:
+    """The form to run, and why."""
     if form not in ("auto", *FORMS):
         raise ValueError(f"{_CALL}: form={form!r}; pass 'auto', 'gather', 'ring' or 'ulysses'.")
     if form == "auto":
-        return choose(shape, sequence, dict(ctx.mesh.shape), ctx.cost or CostModel(), zigzag).form
+        choice = choose(shape, sequence, dict(ctx.mesh.shape), ctx.cost or CostModel(), zigzag)
+        return choice.form, choice.why
     parts = math.prod(ctx.mesh.shape[a] for a in sequence)
     why = refusal(form, shape, parts, zigzag)
     if why is not None:
@@ -181,4 +188,4 @@ def _form(form: str, shape: AttentionShape, sequence, ctx, zigzag: bool, spec: P
             f"{_CALL}: form={form!r} on q {shape_str(q.dtype, q.shape)} with strategy {spec} "
             f"(the sequence cut {parts} ways over {', '.join(sequence)}): {why}. To fix: {fix}."
         )
-    return form
+    return form, f"{form}, as the call names it"

@@ -19,7 +19,8 @@ def explain(plan, op) -> str:
     lines = [f"op #{op.index} {op.primitive} ({where})"]
     lines.append(f"  strategy: in {strategies_str(op.in_strategy)} -> out {strategies_str(op.out_strategy)}; origin {op.origin}")
     if op.origin == "user" and op.annotation:
-        lines.append(f"  set by the user: jshard.shard({op.annotation}) at {source_str(op.source)}")
+        call = op.annotation if op.annotation.startswith("jshard.") else f"jshard.shard({op.annotation})"
+        lines.append(f"  set by the user: {call} at {source_str(op.source)}")
     elif op.origin == "model":
         lines.append(f"  set by the model: its own sharding of this result at {source_str(op.source)} (a with_sharding_constraint, "
                      f"a logical constraint, or its type on Explicit mesh axes)")
