@@ -93,6 +93,10 @@ def test_the_choice_weighs_bytes_heads_and_memory():
         (1, 32768, 32, 128), 4, {"sp": 8}, itemsize=2, cost=js.CostModel(memory=gqa.held["gather"] / 2)
     )
     assert tight.form == "ring" and "would hold more" in tight.why  # the gathered K/V do not fit
+    h100 = js.CostModel.for_device("H100")  # collectives overlap compute: each ring pass hides behind a block
+    long = js.context_choice((1, 131072, 32, 128), 8, {"sp": 8}, itemsize=2, cost=h100)
+    short = js.context_choice((1, 8192, 32, 128), 8, {"sp": 8}, itemsize=2, cost=h100)
+    assert (long.form, short.form) == ("ring", "ulysses")
 
 
 def test_ulysses_beyond_the_kv_heads_is_refused(args):

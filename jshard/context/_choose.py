@@ -80,7 +80,9 @@ def choose(
     shape: AttentionShape, axes: tuple[str, ...], axis_size: Mapping[str, int], cost: CostModel, zigzag: bool = False
 ) -> ContextChoice:
     """The form of least predicted seconds among those whose keys and values fit `cost.memory`
-    (all of them where it is None); a tie within 2% goes to the form holding less.
+    (all of them where it is None); a tie within 2% goes to the form holding less. Where the cost
+    model overlaps collectives with compute (`CostModel.overlap`, a GPU's), each of the ring's
+    passes runs beside the block before it, and only what the block's compute does not hide counts.
 
     Examples:
       >>> mha = AttentionShape(batch=1, length=32768, heads=32, kv_heads=32, head_dim=128, itemsize=2)
@@ -99,6 +101,10 @@ def choose(
     }
     held = {f: b for f, b in held.items() if f not in refused}
     seconds = {f: sum(cost.time(c, axis_size) for c in comms(f, shape, axes, parts)) for f in held}
+    if "ring" in seconds and cost.overlap:  # each pass runs beside the block before it: what shows is the rest
+        block = cost.compute_seconds(_block_flops(shape, parts) / (2 if zigzag else 1), matmul=True)
+        step = seconds["ring"] / (parts - 1)
+        seconds["ring"] = (parts - 1) * max(step - block, 2 * cost.group_latency(axes))
     fits = [f for f in held if cost.memory is None or held[f] <= cost.memory] or list(held)
     best = min(seconds[f] for f in fits)
     form = min((f for f in fits if seconds[f] <= 1.02 * best), key=lambda f: held[f])
@@ -110,3 +116,10 @@ def choose(
         + "".join(f"; not {f}: {w}" for f, w in refused.items())
     )
     return ContextChoice(form, seconds, held, refused, why)
+
+
+def _block_flops(shape: AttentionShape, parts: int) -> float:
+    """The floating-point work of one device's queries on one block of keys and values: scores and
+    weighted values, two products of `length / parts` rows by `length / parts` columns per head."""
+    rows = shape.length / parts
+    return 4 * shape.batch * rows * rows * shape.heads * shape.head_dim
