@@ -25,7 +25,6 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh
 
 from jshard import _context
-from jshard._compat import partial_eval
 from jshard._distributed import host_major
 from jshard._errors import ShardingError
 from jshard.compile._options import Options
@@ -200,7 +199,7 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
             f"{call}: accumulation={steps}, but the function calls no jshard.accumulate, so jshard cannot tell "
             f"which part of it makes the gradients. Wrap the gradient function in the step: loss, grads = "
             f"jshard.accumulate(jax.value_and_grad(loss_fn))(params, batch); or drop accumulation=.")
-    closed = distinct_calls(_live(closed))
+    closed = distinct_calls(closed)
     out_paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
     return Traced(closed, flatten(closed.jaxpr), ctx, leaves, treedef, paths,
                   [x for _, x in out_paths], out_tree, [jax.tree_util.keystr(p) for p, _ in out_paths])
@@ -215,12 +214,3 @@ def _priced(options):
     """The options' cost model, its memory the search's budget where one is given."""
     budget = options.memory_budget
     return options.costs if budget is None else dataclasses.replace(options.costs, memory=budget)
-
-
-def _live(closed):
-    """`closed` without the equations no result needs (a `jax.grad`'s unused primal loss, the
-    count of maxima `reduce_max`'s derivative makes and `stop_gradient` drops): XLA removes them,
-    so neither planning nor the predicted collectives count them. Every argument is kept."""
-    n = len(closed.jaxpr.outvars)
-    jaxpr, _ = partial_eval.dce_jaxpr(closed.jaxpr, [True] * n, instantiate=True)
-    return closed.replace(jaxpr=jaxpr) if jaxpr is not closed.jaxpr else closed

@@ -10,7 +10,7 @@ equations follow it as nodes marked with the enclosing primitive.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 from jax.extend import core as jcore
@@ -266,3 +266,21 @@ def _collect(jaxpr, env, inside, weight, nodes, outer=None, loop=-1):
                 body_env: dict = {}
                 _collect(body, body_env, eqn.primitive.name, inner, nodes, remat, here)
                 node.bodies.append((list(body.invars), [resolve(body_env, v) for v in body.outvars]))
+
+
+def dead_nodes(nodes: Sequence[Node], outputs: Collection) -> set[int]:
+    """The top-level operators no result of the program needs (`outputs`: its result values): a
+    `jax.grad`'s unused primal loss, the count of maxima a `reduce_max`'s derivative makes and
+    drops. XLA removes them, so nothing they would move is moved. Operators inside loop and branch
+    bodies, and those with effects, are never dead."""
+    live = {v for v in outputs if isinstance(v, jcore.Var)}
+    dead = set()
+    for i in range(len(nodes) - 1, -1, -1):
+        node = nodes[i]
+        if node.inside:
+            continue
+        if node.eqn.effects or node.bodies or any(v in live for v in node.outputs):
+            live.update(v for v in operand_vars(node)[0] if isinstance(v, jcore.Var))
+        else:
+            dead.add(i)
+    return dead

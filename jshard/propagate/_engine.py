@@ -35,7 +35,7 @@ from typing import NamedTuple
 from jax.extend import core as jcore
 
 from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, stages
-from jshard.graph import CONSTRAINT, JSHARD_SCOPE, Node, operand_vars
+from jshard.graph import CONSTRAINT, JSHARD_SCOPE, Node, dead_nodes, operand_vars
 from jshard.layouts import Spec, constraint_spec, typed_spec
 from jshard.propagate._emit import Emission
 from jshard.propagate._manual import MANUAL, manual_comms, manual_seconds, manual_specs
@@ -164,6 +164,7 @@ class Engine:
         # An operator that decided priced its output's way into a constraint; an argument, or
         # another constraint (one `shard` call's output into the next one's input), did not.
         charge_constraints(self.nodes, result, self.axis_size, self.cost, priced=self._priced)
+        unpriced_dead(self.nodes, result, outputs)
         return result
 
     def _fix_constraint(self, i: int, node: Node) -> None:
@@ -828,3 +829,11 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
 _REDUCTIONS = ("all-reduce", "reduce-scatter")
 """The collectives that sum an operator's partial results (`Decision.comms`): its constrained outputs
 are what they make."""
+
+
+def unpriced_dead(nodes: Sequence[Node], result: Result, outputs: Collection) -> None:
+    """The operators no result needs (`graph.dead_nodes`) cost nothing: XLA removes them."""
+    for i in dead_nodes(nodes, outputs):
+        d = result.decisions.get(i)
+        if d is not None and d.comms:
+            result.decisions[i] = dataclasses.replace(d, comms=(), seconds=0.0)

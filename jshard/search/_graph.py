@@ -171,7 +171,7 @@ class SearchGraph:
     def __init__(self, nodes: Sequence[Node], args: Sequence, outvars: Sequence, fixed: Mapping,
                  axis_size: Mapping[str, int], cost: CostModel | None = None, donated: frozenset = frozenset(),
                  host: frozenset = frozenset(), table: OpTable | None = None):
-        self.nodes, self.axis_size = nodes, dict(axis_size)
+        self.nodes, self.axis_size, self.outvars = nodes, dict(axis_size), outvars
         self.cost = cost or CostModel()
         self.table = table or OpTable(nodes)
         self.units: list[Unit] = []

@@ -24,7 +24,7 @@ from jshard._errors import MemoryBudgetError, ShardingError
 from jshard._format import human_bytes, var_str
 from jshard.cost import CostModel, array_of, value_bytes
 from jshard.graph import CONSTRAINT, Node
-from jshard.propagate import MANUAL, Decision, Engine, Rejected, Result, charge_constraints
+from jshard.propagate import MANUAL, Decision, Engine, Rejected, Result, charge_constraints, unpriced_dead
 from jshard.rules import OpTable, write_spec
 from jshard.search import _ilp, _recursive, _seeded
 from jshard.search._graph import REPLICATED_SHARE, Assignment, Infeasible, Joins, SearchGraph, Solved
@@ -432,6 +432,7 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
     values.update(e.values)  # the manual regions' results
     result = Result(decisions, values, set(e.unruled))
     charge_constraints(nodes, result, g.axis_size, e.cost)  # each operator above priced its inputs only
+    unpriced_dead(nodes, result, g.outvars)
     return result
 
 
