@@ -206,3 +206,36 @@ def test_the_reference_gpt_runs_its_attention_context_parallel():
         params, opt.init(params), batch
     )
     assert_close(got, want, terms=step_terms(params, batch) + 3 * cfg.seq_len)
+
+
+def test_einsum_attention_under_a_sequence_cut_moves_what_the_plan_predicts():
+    """Grouped-query attention as einsums under a `shard` call that cuts q, k, v's sequence 8
+    ways: the engine gathers the queries and keeps the keys' cut (the scores cut by key), and
+    predicts the compiled bytes; `reduce_max`'s derivative counts the maxima into a value
+    `stop_gradient` drops, whose all-reduce XLA removes and the plan no longer counts."""
+    rng = np.random.default_rng(0)
+    shapes = {"wq": (32, 8, 8), "wk": (32, 2, 8), "wv": (32, 2, 8), "wo": (8, 8, 32)}
+    p = {k: jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for k, s in shapes.items()}
+    x = jnp.asarray(rng.normal(size=(2, 64, 32)), jnp.float32)
+
+    def attention(q, k, v):
+        b, t, h, d = q.shape
+        s = jnp.einsum("blkgd,bmkd->bkglm", q.reshape(b, t, k.shape[2], -1, d), k) / np.sqrt(d)
+        w = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9), axis=-1)
+        return jnp.einsum("bkglm,bmkd->blkgd", w, v).reshape(b, t, h, d)
+
+    def step(p, x):
+        def loss(p, x):
+            q, k, v = (jnp.einsum("btd,dhe->bthe", x, p[w]) for w in ("wq", "wk", "wv"))
+            o = js.shard(attention, in_strategy=((1, 8, 1, 1),) * 3)(q, k, v)
+            return jnp.mean(jnp.einsum("bthe,hed->btd", o, p["wo"]) ** 2)
+
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p, x))  # the loss itself unused
+
+    par = js.parallelize(step, devices=8, in_strategy=(None, (1, 8, 1)))
+    plan = par.plan(p, x)
+    compiled = par.lower(p, x).compile()
+    report = js.audit(compiled)
+    assert plan.predicted() == {k: b for k, (_, b) in report.by_kind().items()}, plan.compare(report)
+    got = compiled(*jax.device_put((p, x), plan.in_shardings))
+    assert_close(got, jax.jit(step)(p, x), terms=step_terms(p, x) + 3 * 64)
