@@ -52,8 +52,9 @@ Q_BLOCK = BLOCK * H // KV
 FORMS = {
     # K, V all-gathered forward (result bytes), their gradients reduce-scattered backward
     "gather": {"all-gather": 2 * SP * BLOCK, "reduce-scatter": 2 * SP * BLOCK},
-    # SP - 1 passes of K and V forward, of their gradients backward (the blocks met are kept)
-    "ring": {"collective-permute": (2 + 2) * (SP - 1) * BLOCK},
+    # SP - 1 passes of K and V forward; backward the same again beside their gradients, which
+    # take one pass more, home (each device keeps its own blocks only)
+    "ring": {"collective-permute": ((2 + 2 + 2) * (SP - 1) + 2) * BLOCK},
     # q, k, v and the output traded forward, their cotangents backward
     "ulysses": {"all-to-all": 2 * (2 * Q_BLOCK + 2 * BLOCK)},
 }

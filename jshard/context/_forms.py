@@ -18,6 +18,9 @@ masked half of every block from another device (what the zig-zag order balances)
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,29 +137,57 @@ class _Online:
         return (o / jnp.moveaxis(l, 3, 1)[..., None]).reshape(q.shape).astype(q.dtype)
 
 
+class _Ring(NamedTuple):
+    """A ring's static settings (hashable: the custom VJP's non-differentiable argument)."""
+
+    axes: Axes
+    parts: int
+    causal: bool
+    scale: float
+    zigzag_order: bool
+
+    @property
+    def balanced(self) -> bool:
+        return self.causal and self.zigzag_order
+
+    def passed(self, xs):
+        """`xs` sent on to the next device of the ring."""
+        return tuple(jax.lax.ppermute(x, self.axes, [(i, (i + 1) % self.parts) for i in range(self.parts)]) for x in xs)
+
+
 def ring(q, k, v, *, axes: Axes, parts: int, causal: bool, scale: float, zigzag_order: bool) -> jax.Array:
-    """Keys and values passed around the ring, `parts - 1` collective-permutes of each."""
-    me, length = jax.lax.axis_index(axes), q.shape[1] * parts
-    q_pos = positions(me, length, parts, zigzag_order)
-    pass_on = [(i, (i + 1) % parts) for i in range(parts)]
-    balanced = causal and zigzag_order
+    """Keys and values passed around the ring: forward, `parts - 1` collective-permutes of each;
+    backward, the same passes again, beside the keys' and values' gradients, which travel with
+    their block and one pass more, home. Each device keeps its own blocks only (the backward
+    recomputes each block's weights from the saved log-sum-exp, as flash attention does)."""
+    return _ring(q, k, v, _Ring(axes, parts, causal, scale, zigzag_order))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ring(q, k, v, cfg: _Ring) -> jax.Array:
+    return _ring_forward(q, k, v, cfg)[0]
+
+
+def _ring_forward(q, k, v, cfg: _Ring):
+    """The output and each query row's log-sum-exp of its scores `[b, kv, g, tq]`."""
+    me, length = jax.lax.axis_index(cfg.axes), q.shape[1] * cfg.parts
+    q_pos = positions(me, length, cfg.parts, cfg.zigzag_order)
 
     def block(state, kv, source):
         k_blk, v_blk = kv
-        if balanced:
-            return _zigzag_block(state, q, k_blk, v_blk, me, source, scale)
-        s = _masked(_scores(q, k_blk, scale), q_pos, positions(source, length, parts, zigzag_order), causal)
-        return _Online.add(state, s, v_blk)
+        if cfg.balanced:
+            return _zigzag_block(state, q, k_blk, v_blk, me, source, cfg.scale)
+        k_pos = positions(source, length, cfg.parts, cfg.zigzag_order)
+        return _Online.add(state, _masked(_scores(q, k_blk, cfg.scale), q_pos, k_pos, cfg.causal), v_blk)
 
     def step(carry, i):
         state, kv = carry
-        state = block(state, kv, (me - i) % parts)
-        kv = tuple(jax.lax.ppermute(x, axes, pass_on) for x in kv)
-        return (state, kv), None
+        return (block(state, kv, (me - i) % cfg.parts), cfg.passed(kv)), None
 
     state = _Online.start(q, k.shape[2])
-    (state, kv), _ = jax.lax.scan(step, (state, (k, v)), jnp.arange(parts - 1))
-    return _Online.result(block(state, kv, (me - parts + 1) % parts), q)
+    (state, kv), _ = jax.lax.scan(step, (state, (k, v)), jnp.arange(cfg.parts - 1))
+    state = block(state, kv, (me - cfg.parts + 1) % cfg.parts)
+    return _Online.result(state, q), state[0] + jnp.log(state[1])
 
 
 def _zigzag_block(state, q, k, v, me, source, scale: float):
@@ -182,6 +213,90 @@ def _zigzag_block(state, q, k, v, me, source, scale: float):
 
     branch = jnp.where(source == me, 0, jnp.where(source < me, 1, 2))
     return jax.lax.switch(branch, (own, earlier, later), state)
+
+
+def _ring_fwd(q, k, v, cfg: _Ring):
+    out, lse = _ring_forward(q, k, v, cfg)
+    return out, (q, k, v, out, lse)
+
+
+def _ring_bwd(cfg: _Ring, saved, dout):
+    q, k, v, out, lse = saved
+    b, t, h, d = q.shape
+    kv = k.shape[2]
+    grouped = lambda x: x.reshape(b, t, kv, h // kv, d).astype(jnp.float32)  # noqa: E731
+    rows = _Rows(grouped(q), grouped(dout), lse, jnp.einsum("bqkgd,bqkgd->bkgq", grouped(dout), grouped(out)))
+    me, length = jax.lax.axis_index(cfg.axes), t * cfg.parts
+    q_pos = positions(me, length, cfg.parts, cfg.zigzag_order)
+
+    def block(kv_blk, source):
+        if cfg.balanced:
+            return _zigzag_grads(rows, *kv_blk, me, source, cfg.scale)
+        k_pos = positions(source, length, cfg.parts, cfg.zigzag_order)
+        return _grads(rows, *kv_blk, cfg.scale, (q_pos, k_pos) if cfg.causal else None)
+
+    def step(carry, i):
+        dq, kv_blk, dkv = carry
+        gq, gk, gv = block(kv_blk, (me - i) % cfg.parts)
+        return (dq + gq, cfg.passed(kv_blk), cfg.passed((dkv[0] + gk, dkv[1] + gv))), None
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    start = (jnp.zeros_like(rows.q), (k, v), (zeros, zeros))
+    (dq, kv_blk, dkv), _ = jax.lax.scan(step, start, jnp.arange(cfg.parts - 1))
+    gq, gk, gv = block(kv_blk, (me - cfg.parts + 1) % cfg.parts)
+    dk, dv = cfg.passed((dkv[0] + gk, dkv[1] + gv))  # home: each block's gradients to its own device
+    return (dq + gq).reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+class _Rows(NamedTuple):
+    """One device's query rows as the backward reads them (grouped `[b, t, kv, g, d]`, float32):
+    queries, the output's cotangent, the scores' log-sum-exp and `sum(dout * out)` per row."""
+
+    q: jax.Array
+    dout: jax.Array
+    lse: jax.Array
+    delta: jax.Array
+
+    def half(self, upper: bool):
+        """The rows of one of the two chunks a zig-zag device holds."""
+        n = self.q.shape[1] // 2
+        cut = slice(n, None) if upper else slice(None, n)
+        return _Rows(self.q[:, cut], self.dout[:, cut], self.lse[..., cut], self.delta[..., cut])
+
+
+def _grads(rows: _Rows, k, v, scale: float, mask):
+    """The gradients of the rows' attention to one block of keys `k` and values `v`: `(dq, dk, dv)`."""
+    s = jnp.einsum("bqkgd,bskd->bkgqs", rows.q, k, preferred_element_type=jnp.float32) * scale
+    if mask is not None:
+        s = _masked(s, *mask, True)
+    p = jnp.exp(s - rows.lse[..., None])
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", p, rows.dout)
+    ds = p * (jnp.einsum("bqkgd,bskd->bkgqs", rows.dout, v.astype(jnp.float32)) - rows.delta[..., None]) * scale
+    return jnp.einsum("bkgqs,bskd->bqkgd", ds, k.astype(jnp.float32)), jnp.einsum("bkgqs,bqkgd->bskd", ds, rows.q), dv
+
+
+def _zigzag_grads(rows: _Rows, k, v, me, source, scale: float):
+    """`_zigzag_block`'s three cases, backward: the same halves of the block."""
+    half = k.shape[1] // 2
+
+    def own():
+        pos = jnp.arange(2 * half) % half + jnp.where(jnp.arange(2 * half) < half, 0, 2 * half)
+        return _grads(rows, k, v, scale, (pos, pos))
+
+    def earlier():
+        dq, dk, dv = _grads(rows, k[:, :half], v[:, :half], scale, None)
+        pad = [(0, 0), (0, half), (0, 0), (0, 0)]
+        return dq, jnp.pad(dk, pad), jnp.pad(dv, pad)
+
+    def later():
+        dq, dk, dv = _grads(rows.half(True), k, v, scale, None)
+        return jnp.pad(dq, [(0, 0), (half, 0), (0, 0), (0, 0), (0, 0)]), dk, dv
+
+    branch = jnp.where(source == me, 0, jnp.where(source < me, 1, 2))
+    return jax.lax.switch(branch, (own, earlier, later))
 
 
 FORMS = {"gather": gathered, "ring": ring, "ulysses": ulysses}
