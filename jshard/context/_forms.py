@@ -271,7 +271,8 @@ def _grads(rows: _Rows, k, v, scale: float, mask):
     """The gradients of the rows' attention to one block of keys `k` and values `v`: `(dq, dk, dv)`."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", rows.q, k, preferred_element_type=jnp.float32) * scale
     if mask is not None:
-        s = _masked(s, *mask, True)
+        q_pos, k_pos = mask
+        s = _masked(s, q_pos, k_pos, True)
     p = jnp.exp(s - rows.lse[..., None])
     dv = jnp.einsum("bkgqs,bqkgd->bskd", p, rows.dout)
     ds = p * (jnp.einsum("bqkgd,bskd->bkgqs", rows.dout, v.astype(jnp.float32)) - rows.delta[..., None]) * scale
