@@ -257,3 +257,21 @@ def test_the_ring_holds_less_than_the_gather():
         par = js.parallelize(step, devices=8, in_strategy=(None, lay("None", "sp", "None")))
         peaks[form] = js.audit(par.lower(p, x).compile()).memory.peak_bytes
     assert peaks["ring"] < peaks["gather"] / 2, peaks
+
+
+@pytest.mark.parametrize("form", ["ring", "auto"])
+def test_a_zigzag_order_the_sequence_cannot_hold_is_refused(args, form):
+    p, _ = args
+    x = jnp.zeros((B, 36, D), jnp.float32)  # 36 tokens over 4 devices: 9 each, no two equal chunks
+    par = js.parallelize(_step(form, zigzag=True), devices=8, in_strategy=(None, LAY("dp", "sp", "None")))
+    with pytest.raises(
+        js.ShardingError, match=r"zig-zag order cuts the sequence into 8 chunks, which do not divide 36"
+    ):
+        par.plan(p, x)
+
+
+def test_an_unknown_form_is_named(args):
+    p, x = args
+    par = js.parallelize(_step("flash"), devices=8, in_strategy=(None, LAY("dp", "sp", "None")))
+    with pytest.raises(ValueError, match=r"form='flash'; pass 'auto', 'gather', 'ring' or 'ulysses'"):
+        par.plan(p, x)

@@ -173,10 +173,12 @@ def _form(form: str, shape: AttentionShape, sequence, ctx, zigzag: bool, spec: P
     """The form to run, and why."""
     if form not in ("auto", *FORMS):
         raise ValueError(f"{_CALL}: form={form!r}; pass 'auto', 'gather', 'ring' or 'ulysses'.")
-    if form == "auto":
+    parts = math.prod(ctx.mesh.shape[a] for a in sequence)
+    if form == "auto" and all(refusal(f, shape, parts, zigzag) for f in FORMS):
+        form = "gather"  # every form refused: the gather's reason is the one every form shares
+    elif form == "auto":
         choice = choose(shape, sequence, dict(ctx.mesh.shape), ctx.cost or CostModel(), zigzag)
         return choice.form, choice.why
-    parts = math.prod(ctx.mesh.shape[a] for a in sequence)
     why = refusal(form, shape, parts, zigzag)
     if why is not None:
         fix = (
