@@ -23,6 +23,9 @@ from jshard.layouts import TensorLayout, check_divides, layout_of, place
 
 _CALL = "jshard.attention"
 
+Strategy = tuple[int, ...] | TensorLayout | None
+"""The queries' layout: a strategy tuple or a `Layout` of their four dims, or None."""
+
 
 @api_boundary
 def attention(
@@ -31,7 +34,7 @@ def attention(
     v: jax.Array,
     *,
     causal: bool = False,
-    strategy=None,
+    strategy: Strategy = None,
     form: str = "auto",
     zigzag: bool = False,
     scale: float | None = None,
@@ -48,7 +51,9 @@ def attention(
     whose keys and values fit the memory (`jshard.context_choice` says why).
 
     Args:
-      q, k, v: queries, keys, values.
+      q: queries `[batch, length, heads, head_dim]`.
+      k: keys `[batch, length, kv_heads, head_dim]`.
+      v: values, shaped as `k`.
       causal: each position attends to itself and the positions before it.
       strategy: `q`'s layout, a strategy tuple or a `Layout` of its four dims (batch, sequence,
         heads, head_dim: the last must stay whole); `k` and `v` take the same. None: no layout of
