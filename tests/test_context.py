@@ -76,6 +76,20 @@ def test_each_form_equals_one_device_and_moves_what_the_plan_predicts(args, one_
     assert_close(got, one_device, terms=step_terms(p, x) + 3 * T)  # + the softmax's sums, exp and divide
 
 
+def test_the_zigzag_ring_in_bfloat16_equals_one_device_within_bfloat16s_tolerance(args):
+    """bfloat16 weights and tokens: the ring accumulates its softmax in float32 as the one-device
+    attention does, and the step equals one device's within bfloat16's rounding of the step. (Its
+    bytes are not compared: XLA:CPU widens bfloat16 collectives to float32, twice the plan's.)"""
+    p, x = jax.tree.map(lambda a: a.astype(jnp.bfloat16), args)
+    par = js.parallelize(_step("ring", True), devices=8, in_strategy=(None, LAY("dp", "sp", "None")))
+    got, want = (
+        jax.tree.map(lambda a: a.astype(jnp.float32), r)
+        for r in (par(p, js.zigzag(x, SP)), jax.jit(_step("auto"))(p, x))
+    )
+    widen = int(jnp.finfo(jnp.bfloat16).eps / jnp.finfo(jnp.float32).eps)  # np.finfo knows no bfloat16
+    assert_close(got, want, dtype=np.float32, terms=(step_terms(p, x) + 3 * T) * widen)
+
+
 def test_auto_takes_the_cost_models_form_and_explain_says_why(args):
     p, x = args
     par = js.parallelize(_step("auto"), devices=8, in_strategy=(None, LAY("dp", "sp", "None")))
