@@ -76,6 +76,21 @@ def test_each_form_equals_one_device_and_moves_what_the_plan_predicts(args, one_
     assert_close(got, one_device, terms=step_terms(p, x) + 3 * T)  # + the softmax's sums, exp and divide
 
 
+def test_a_ring_over_the_sequence_beside_tensor_parallel_heads_equals_one_device(args, one_device):
+    """The heads cut 2 ways (tensor parallel, a divisor of the 4 key/value heads) and the sequence
+    4 ways: each ring runs over its heads' devices."""
+    p, x = args
+    lay = js.Layout((2, 4), ("tp", "sp"))
+    step = _step("ring", strategy=lay("None", "sp", "tp", "None"))
+    par = js.parallelize(step, devices=8, in_strategy=(None, lay("None", "sp", "None")))
+    plan = par.plan(p, x)
+    compiled = par.lower(p, x).compile()
+    report = js.audit(compiled)
+    assert plan.predicted_bytes() == report.bytes() and report.bytes("collective-permute") > 0, plan.compare(report)
+    got = compiled(*jax.device_put((p, x), plan.in_shardings))
+    assert_close(got, one_device, terms=step_terms(p, x) + 3 * T)
+
+
 def test_the_zigzag_ring_in_bfloat16_equals_one_device_within_bfloat16s_tolerance(args):
     """bfloat16 weights and tokens: the ring accumulates its softmax in float32 as the one-device
     attention does, and the step equals one device's within bfloat16's rounding of the step. (Its
