@@ -238,21 +238,28 @@ def test_the_reference_gpt_runs_its_attention_context_parallel():
     assert_close(got, want, terms=step_terms(params, batch) + 3 * cfg.seq_len)
 
 
-def test_einsum_attention_under_a_sequence_cut_moves_what_the_plan_predicts():
-    """Grouped-query attention as einsums under a `shard` call that cuts q, k, v's sequence 8
-    ways: the engine gathers the queries and keeps the keys' cut (the scores cut by key), and
-    predicts the compiled bytes; `reduce_max`'s derivative counts the maxima into a value
-    `stop_gradient` drops, whose all-reduce XLA removes and the plan no longer counts."""
+def _einsums(q, k, v):
+    b, t, h, d = q.shape
+    s = jnp.einsum("blkgd,bmkd->bkglm", q.reshape(b, t, k.shape[2], -1, d), k) / np.sqrt(d)
+    w = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9), axis=-1)
+    return jnp.einsum("bkglm,bmkd->blkgd", w, v).reshape(b, t, h, d)
+
+
+def _dot_product_attention(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("attention", [_einsums, _dot_product_attention], ids=["einsums", "dot_product_attention"])
+def test_attention_as_users_write_it_under_a_sequence_cut_moves_what_the_plan_predicts(attention):
+    """Grouped-query attention as einsums, or `jax.nn.dot_product_attention`, under a `shard`
+    call that cuts q, k, v's sequence 8 ways: the engine gathers the queries and keeps the keys'
+    cut (the scores cut by key), and predicts the compiled bytes; `reduce_max`'s derivative counts
+    the maxima into a value `stop_gradient` drops, whose all-reduce XLA removes and the plan no
+    longer counts."""
     rng = np.random.default_rng(0)
     shapes = {"wq": (32, 8, 8), "wk": (32, 2, 8), "wv": (32, 2, 8), "wo": (8, 8, 32)}
     p = {k: jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for k, s in shapes.items()}
     x = jnp.asarray(rng.normal(size=(2, 64, 32)), jnp.float32)
-
-    def attention(q, k, v):
-        b, t, h, d = q.shape
-        s = jnp.einsum("blkgd,bmkd->bkglm", q.reshape(b, t, k.shape[2], -1, d), k) / np.sqrt(d)
-        w = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9), axis=-1)
-        return jnp.einsum("bkglm,bmkd->blkgd", w, v).reshape(b, t, h, d)
 
     def step(p, x):
         def loss(p, x):
