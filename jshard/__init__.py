@@ -39,6 +39,10 @@ from jshard.compile import Fusion as Fusion
 from jshard.compile import OptimizerParallel as OptimizerParallel
 from jshard.compile import Pipelining as Pipelining
 from jshard.compile import Search as Search
+from jshard.context import attention as attention
+from jshard.context import context_choice as context_choice
+from jshard.context import unzigzag as unzigzag
+from jshard.context import zigzag as zigzag
 from jshard.cost import CostModel as CostModel
 from jshard.hetero import offload_names as offload_names
 from jshard.hetero import on_host as on_host
@@ -50,7 +54,7 @@ from jshard.plan import OpRecord as OpRecord
 from jshard.plan import Plan as Plan
 
 # Operators' source lines should name the user's code, not jshard's wrappers.
-for _wrapper in ("_accumulate.py", "hetero", "_shard.py", "_params.py", "_parallelize.py", "_recompute.py", _os.path.join("propagate", "_emit.py"),
+for _wrapper in ("_accumulate.py", "hetero", "_shard.py", "context", "_params.py", "_parallelize.py", "_recompute.py", _os.path.join("propagate", "_emit.py"),
                  _os.path.join("plan", "_plan.py"), "compile"):
     _source_info_util.register_exclusion(_os.path.join(_os.path.dirname(__file__), _wrapper))
 
@@ -95,7 +99,9 @@ __all__ = [
     "TensorLayout",
     "Visualization",
     "accumulate",
+    "attention",
     "audit",
+    "context_choice",
     "init",
     "offload_names",
     "on_host",
@@ -104,5 +110,7 @@ __all__ = [
     "recompute",
     "shard",
     "simulate_devices",
+    "unzigzag",
     "visualize",
+    "zigzag",
 ]

@@ -61,6 +61,8 @@ class TraceContext:
     emits for them, as `(leaves, dtype name, bytes per device or None)`, and `copy_bytes` the bytes
     multi-copy holds beyond one copy (the other copies' gradients before their sum); `unreduced`
     why the copies could not be reduced once by jshard in this trace (the error the core raises).
+    `cost` is the `CostModel` the plan is priced with, its `memory` the search's budget where one
+    is given: what `jshard.attention(form="auto")` weighs its forms with.
     """
 
     call: str
@@ -81,6 +83,7 @@ class TraceContext:
     buckets: list[tuple[int, str, int | None]] = dataclasses.field(default_factory=list)
     copy_bytes: int = 0
     unreduced: str | None = None
+    cost: Any = None
 
     @property
     def device_count(self) -> int:

@@ -9,7 +9,6 @@ Outside a trace it is the plain function, and says so once (`ShardNotAppliedWarn
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -29,7 +28,7 @@ from jshard._params import (
     lookup_dims,
     scatter_dims,
 )
-from jshard._source import display_file
+from jshard._source import caller
 from jshard.layouts import (
     NotRefined,
     TensorLayout,
@@ -102,10 +101,10 @@ def shard(
         ctx = _context.current()
         if ctx is None and not warned and jax.device_count() > 1:
             warned.append(True)
-            warnings.warn(_not_applied_warning(call, _caller()), ShardNotAppliedWarning, stacklevel=2)
+            warnings.warn(_not_applied_warning(call, caller()), ShardNotAppliedWarning, stacklevel=2)
         if ctx is None or ctx.mode == "data":
             return fn(*args, **kwargs)
-        source = _caller()
+        source = caller()
         return _Call(ctx, fn, name, call, source).run(ins, outs, plan, args, kwargs)
 
     sharded.in_strategy, sharded.out_strategy = ins, outs
@@ -138,13 +137,6 @@ def _broadcast_shape(shapes) -> tuple[int, ...]:
         return tuple(np.broadcast_shapes(*shapes))
     except ValueError:
         return ()
-
-
-def _caller() -> str:
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(("jshard._", "functools")):
-        frame = frame.f_back
-    return "?" if frame is None else f"{display_file(frame.f_code.co_filename).rsplit('/', 1)[-1]}:{frame.f_lineno}"
 
 
 class _Call:

@@ -56,3 +56,11 @@ def display_file(path: str) -> str:
 def _ipython():
     ipython = sys.modules.get("IPython")
     return None if ipython is None else ipython.get_ipython()
+
+
+def caller(skipped: tuple[str, ...] = ("jshard._", "jshard.context", "functools")) -> str:
+    """`file:line` of the innermost frame outside the modules named `skipped*`: the user's call."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(skipped):
+        frame = frame.f_back
+    return "?" if frame is None else f"{display_file(frame.f_code.co_filename).rsplit('/', 1)[-1]}:{frame.f_lineno}"

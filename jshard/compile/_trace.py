@@ -179,7 +179,7 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
              for x, t in zip(leaves, types)]
     ctx = _context.TraceContext(call, fine, mesh, options.mode, accumulation_steps=steps, accumulator=accumulator,
                                 batch_axes=batch_axes, recompute=options.recompute, recompute_choice=recompute,
-                                communication=options.communication)
+                                communication=options.communication, cost=_priced(options))
     with _context.tracing(ctx), _users_mesh(options.mesh):
         try:
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
@@ -210,3 +210,7 @@ def _users_mesh(mesh: Mesh | None):
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
+def _priced(options):
+    """The options' cost model, its memory the search's budget where one is given."""
+    budget = options.memory_budget
+    return options.costs if budget is None else dataclasses.replace(options.costs, memory=budget)

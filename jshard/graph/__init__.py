@@ -12,6 +12,7 @@ from jshard.graph._graph import RECOMPUTE_SCOPE as RECOMPUTE_SCOPE
 from jshard.graph._graph import REMAT as REMAT
 from jshard.graph._graph import KeepComm as KeepComm
 from jshard.graph._graph import Node as Node
+from jshard.graph._graph import dead_nodes as dead_nodes
 from jshard.graph._graph import distinct_calls as distinct_calls
 from jshard.graph._graph import flatten as flatten
 from jshard.graph._graph import inline_equations as inline_equations

@@ -10,7 +10,7 @@ equations follow it as nodes marked with the enclosing primitive.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 from jax.extend import core as jcore
@@ -266,3 +266,29 @@ def _collect(jaxpr, env, inside, weight, nodes, outer=None, loop=-1):
                 body_env: dict = {}
                 _collect(body, body_env, eqn.primitive.name, inner, nodes, remat, here)
                 node.bodies.append((list(body.invars), [resolve(body_env, v) for v in body.outvars]))
+
+
+def dead_nodes(nodes: Sequence[Node], outputs: Collection) -> set[int]:
+    """The top-level operators no result of the program needs: a `jax.grad`'s primal loss, the
+    count of maxima a `reduce_max`'s derivative makes and drops, and what only they use. XLA
+    removes them, so nothing they would move is moved. A result a call returns is known outside
+    the call by another variable (inlining maps it): a result nobody uses whose type is that of
+    such a program result counts as needed. Operators inside loop and branch bodies, and those
+    with effects, are never dead."""
+    users: dict = {}
+    for i, node in enumerate(nodes):
+        for v in operand_vars(node)[0]:
+            if isinstance(v, jcore.Var):
+                users.setdefault(v, set()).add(i)
+    kept = {v for v in outputs if isinstance(v, jcore.Var)}
+    made = {v for node in nodes for v in node.outputs}
+    returned = {v.aval for v in kept if v not in made}  # results of inlined calls, by type
+    dead: set[int] = set()
+    for i in range(len(nodes) - 1, -1, -1):
+        node = nodes[i]
+        if node.inside or node.eqn.effects or node.bodies:
+            continue
+        if all(v not in kept and users.get(v, set()) <= dead and (v in users or v.aval not in returned)
+               for v in node.outputs):
+            dead.add(i)
+    return dead

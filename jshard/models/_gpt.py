@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jshard._recompute import recompute
+from jshard.context import attention
 from jshard.models._presets import Preset
 from jshard.pipeline import Pipeline, pipeline_stage
 
@@ -30,7 +31,11 @@ BOS, SEP, EOS = 0, 1, 2
 class GPTConfig:
     """The reference GPT's sizes. `scan` stacks the blocks under `lax.scan`; `recompute` marks each
     block `jshard.recompute(block, policy=recompute)` (`"full"`, `"selective"`, `"auto"`: the search
-    decides under `parallelize(mode="auto")`), None: not marked."""
+    decides under `parallelize(mode="auto")`), None: not marked. `kv_heads`: grouped-query
+    attention's key/value heads (None: `n_heads`, multi-head). `context`: the queries' strategy
+    `[batch, seq, heads, head_dim]` for `jshard.attention`, whose sequence cut runs the attention
+    context parallel in `context_form` (`"auto"`, `"gather"`, `"ring"`, `"ulysses"`); None: the
+    attention as einsums and a softmax, laid out by the plan."""
 
     vocab: int = 32
     seq_len: int = 16
@@ -40,6 +45,9 @@ class GPTConfig:
     d_ff: int = 256
     scan: bool = False
     recompute: str | None = None
+    kv_heads: int | None = None
+    context: tuple[int, ...] | None = None
+    context_form: str = "auto"
 
 
 def gpt_split_problems(cfg: GPTConfig, preset: Preset, batch: int) -> list[str]:
@@ -78,9 +86,10 @@ def init_gpt(cfg: GPTConfig, key: jax.Array) -> dict:
     dense = lambda a, b: jax.random.normal(next(keys), (a, b), jnp.float32) / np.sqrt(a)
     norm = lambda: {"scale": jnp.ones((cfg.d_model,), jnp.float32), "bias": jnp.zeros((cfg.d_model,), jnp.float32)}
     d = cfg.d_model
+    kv = d // cfg.n_heads * (cfg.kv_heads or cfg.n_heads)
     layers = [
         {
-            "ln1": norm(), "wq": dense(d, d), "wk": dense(d, d), "wv": dense(d, d), "wo": dense(d, d),
+            "ln1": norm(), "wq": dense(d, d), "wk": dense(d, kv), "wv": dense(d, kv), "wo": dense(d, d),
             "ln2": norm(), "w_up": dense(d, cfg.d_ff), "w_down": dense(cfg.d_ff, d),
         }
         for _ in range(cfg.n_layers)
@@ -106,14 +115,23 @@ def _matmul(preset: Preset | None, kind: str):
     return jnp.matmul if preset is None else preset.matmul(kind, 3)
 
 
-def _attention(p: dict, x: jax.Array, n_heads: int, preset: Preset | None) -> jax.Array:
+def _attention(p: dict, x: jax.Array, cfg: GPTConfig, preset: Preset | None) -> jax.Array:
     b, t, d = x.shape
-    col = _matmul(preset, "column")
-    q, k, v = (col(x, p[w]).reshape(b, t, n_heads, d // n_heads) for w in ("wq", "wk", "wv"))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // n_heads)  # a Python float: keeps bf16 scores bf16
+    col, hd = _matmul(preset, "column"), d // cfg.n_heads
+    q, k, v = (col(x, p[w]).reshape(b, t, -1, hd) for w in ("wq", "wk", "wv"))
+    if cfg.context is not None:
+        out = attention(q, k, v, causal=True, strategy=cfg.context, form=cfg.context_form).reshape(b, t, d)
+        return _matmul(preset, "row")(out, p["wo"])
     causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
-    weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+    if k.shape[2] == cfg.n_heads:
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)  # a Python float: keeps bf16 scores bf16
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
+    else:  # grouped-query: each key/value head serves a group of query heads
+        grouped = q.reshape(b, t, k.shape[2], -1, hd)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k) / math.sqrt(hd)
+        weights = jax.nn.softmax(jnp.where(causal[None], scores, -1e9), axis=-1)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", weights, v).reshape(b, t, d)
     return _matmul(preset, "row")(out, p["wo"])
 
 
@@ -123,7 +141,7 @@ def _feed_forward(p: dict, x: jax.Array, preset: Preset | None) -> jax.Array:
 
 
 def _block(p: dict, x: jax.Array, cfg: GPTConfig, preset: Preset | None) -> jax.Array:
-    x = x + _attention(p, layer_norm(x, p["ln1"]), cfg.n_heads, preset)
+    x = x + _attention(p, layer_norm(x, p["ln1"]), cfg, preset)
     return x + _feed_forward(p, layer_norm(x, p["ln2"]), preset)
 
 

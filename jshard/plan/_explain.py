@@ -19,7 +19,8 @@ def explain(plan, op) -> str:
     lines = [f"op #{op.index} {op.primitive} ({where})"]
     lines.append(f"  strategy: in {strategies_str(op.in_strategy)} -> out {strategies_str(op.out_strategy)}; origin {op.origin}")
     if op.origin == "user" and op.annotation:
-        lines.append(f"  set by the user: jshard.shard({op.annotation}) at {source_str(op.source)}")
+        call = op.annotation if op.annotation.startswith("jshard.") else f"jshard.shard({op.annotation})"
+        lines.append(f"  set by the user: {call} at {source_str(op.source)}")
     elif op.origin == "model":
         lines.append(f"  set by the model: its own sharding of this result at {source_str(op.source)} (a with_sharding_constraint, "
                      f"a logical constraint, or its type on Explicit mesh axes)")
@@ -40,6 +41,9 @@ def explain(plan, op) -> str:
             shown = [f"#{i} {plan.ops[i].primitive}" for i in reversed(chain[:_MAX_CHAIN]) if isinstance(i, int)]
             more = f"... {len(chain) - _MAX_CHAIN} more ... -> " if len(chain) > _MAX_CHAIN else ""
             lines.append("  through: " + more + " -> ".join(shown))
+    if op.primitive == "shard_map":
+        lines.append("  a manual region (jax.shard_map, as jshard.attention runs a cut sequence's attention in): its "
+                     "operands and results laid out by its own specs, the collectives its body runs priced as written")
     if op.comms:
         paid = "; ".join(f"{k} of {human_bytes(b)} over {'×'.join(a)}" for k, b, a in op.comms)
         lines.append(f"  cost paid: {paid} ({op.seconds * 1e6:.8g} us predicted)" + _hidden(plan, op))

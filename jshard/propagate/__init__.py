@@ -12,6 +12,10 @@ from jshard.propagate._engine import WeighedLayout as WeighedLayout
 from jshard.propagate._engine import charge_constraints as charge_constraints
 from jshard.propagate._engine import emission_of as emission_of
 from jshard.propagate._engine import propagate as propagate
+from jshard.propagate._engine import unpriced_dead as unpriced_dead
 from jshard.propagate._global import propagate_globally as propagate_globally
+from jshard.propagate._manual import MANUAL as MANUAL
+from jshard.propagate._manual import manual_comms as manual_comms
+from jshard.propagate._manual import manual_specs as manual_specs
 from jshard.propagate._priced import Priced as Priced
 from jshard.propagate._priced import priced as priced

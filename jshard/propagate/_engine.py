@@ -35,9 +35,10 @@ from typing import NamedTuple
 from jax.extend import core as jcore
 
 from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, stages
-from jshard.graph import CONSTRAINT, JSHARD_SCOPE, Node, operand_vars
+from jshard.graph import CONSTRAINT, JSHARD_SCOPE, Node, dead_nodes, operand_vars
 from jshard.layouts import Spec, constraint_spec, typed_spec
 from jshard.propagate._emit import Emission
+from jshard.propagate._manual import MANUAL, manual_comms, manual_seconds, manual_specs
 from jshard.rules import PER_DEVICE, Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
 
 
@@ -130,8 +131,9 @@ class Engine:
             self.why[v] = "arg"
             queue.extend(i for i, _ in self.consumers[v])
         for i, node in enumerate(self.nodes):
-            if node.primitive == CONSTRAINT:
-                self._fix_constraint(i, node)
+            fix = {CONSTRAINT: self._fix_constraint, MANUAL: self._fix_manual}.get(node.primitive)
+            if fix is not None:  # a constraint, or a manual region laid out by its own specs
+                fix(i, node)
                 queue.extend(self._neighbours(i))
         waiting: list[int] = []  # a heap: the earliest waiting operator goes first
         while True:
@@ -162,6 +164,7 @@ class Engine:
         # An operator that decided priced its output's way into a constraint; an argument, or
         # another constraint (one `shard` call's output into the next one's input), did not.
         charge_constraints(self.nodes, result, self.axis_size, self.cost, priced=self._priced)
+        unpriced_dead(self.nodes, result, outputs)
         return result
 
     def _fix_constraint(self, i: int, node: Node) -> None:
@@ -170,6 +173,21 @@ class Engine:
         self.values[out] = spec
         self.why[out] = i
         self.decisions[i] = Decision((spec,), (spec,), (), 0.0, "user", None, False)
+
+    def _fix_manual(self, i: int, node: Node) -> None:
+        self.decisions[i] = self.manual(i, node)
+
+    def manual(self, i: int, node: Node) -> Decision:
+        """A `shard_map` region's decision: its results made in its `out_specs` (recorded as the
+        values' layouts), its body's collectives its cost; its operands' moves into its
+        `in_specs` are charged after the walk (`charge_constraints`)."""
+        ins, outs = manual_specs(node.eqn)
+        for v, spec in zip(node.outputs, outs):
+            self.values[v] = spec
+            self.why[v] = i
+        comms = manual_comms(node.eqn)
+        seconds = manual_seconds(comms, self.axis_size, self.cost) * node.weight
+        return Decision(ins, outs, comms, seconds, "user", None, False)
 
     def _neighbours(self, i: int) -> list[int]:
         ins, outs = self.vars[i]
@@ -811,3 +829,11 @@ def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, i
 _REDUCTIONS = ("all-reduce", "reduce-scatter")
 """The collectives that sum an operator's partial results (`Decision.comms`): its constrained outputs
 are what they make."""
+
+
+def unpriced_dead(nodes: Sequence[Node], result: Result, outputs: Collection) -> None:
+    """The operators no result needs (`graph.dead_nodes`) cost nothing: XLA removes them."""
+    for i in dead_nodes(nodes, outputs):
+        d = result.decisions.get(i)
+        if d is not None and d.comms:
+            result.decisions[i] = dataclasses.replace(d, comms=(), seconds=0.0)

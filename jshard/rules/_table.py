@@ -51,7 +51,7 @@ class OpTable:
                 self.factors[i] = _factors_of(fn, node.eqn)
             elif all(not shape_of(v) for v in ins + outs):
                 self.factors[i] = Factors(tuple(() for _ in ins), tuple(() for _ in outs), ())  # scalars: nothing to cut
-            elif node.primitive != CONSTRAINT:
+            elif node.primitive not in (CONSTRAINT, "shard_map"):  # a manual region: laid out by its specs
                 self.unruled.add(i)
 
     def traffic(self, outputs: Collection = ()) -> dict[int, float]:

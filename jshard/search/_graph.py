@@ -47,6 +47,7 @@ from jshard.cost import (
 )
 from jshard.graph import CONSTRAINT, NESTED, Node
 from jshard.layouts import Spec, constraint_spec
+from jshard.propagate import MANUAL, manual_specs
 from jshard.rules import Factors, OpTable, expressible, shape_of, write_spec
 
 Assignment = dict  # factor id -> mesh axes (major to minor)
@@ -170,7 +171,7 @@ class SearchGraph:
     def __init__(self, nodes: Sequence[Node], args: Sequence, outvars: Sequence, fixed: Mapping,
                  axis_size: Mapping[str, int], cost: CostModel | None = None, donated: frozenset = frozenset(),
                  host: frozenset = frozenset(), table: OpTable | None = None, combined: bool = True):
-        self.nodes, self.axis_size = nodes, dict(axis_size)
+        self.nodes, self.axis_size, self.outvars = nodes, dict(axis_size), outvars
         self.cost = cost or CostModel()
         self.table = table or OpTable(nodes)
         self.units: list[Unit] = []
@@ -219,6 +220,10 @@ class SearchGraph:
             self._unit(Unit(i, None, Factors((), (), ()), (), (0, 1), node.weight, 0.0, {0: spec, 1: spec}))
             return
         operands = ins + outs
+        if node.primitive == MANUAL:  # a shard_map region: its operands in its own specs
+            specs = dict(enumerate(sum(manual_specs(node.eqn), ())))
+            self._unit(Unit(i, None, Factors((), (), ()), (), tuple(range(len(operands))), node.weight, 0.0, specs))
+            return
         if i in e.unruled:  # no rule: every operand whole, as the engine leaves it
             fixed = {k: tuple(() for _ in shape_of(v)) for k, v in enumerate(operands)}
             self._unit(Unit(i, None, Factors((), (), ()), (), tuple(range(len(operands))), node.weight, 0.0, fixed))

@@ -24,7 +24,7 @@ from jshard._errors import MemoryBudgetError, ShardingError
 from jshard._format import human_bytes, var_str
 from jshard.cost import CostModel, array_of, value_bytes
 from jshard.graph import CONSTRAINT, Node
-from jshard.propagate import Decision, Engine, Rejected, Result, charge_constraints
+from jshard.propagate import MANUAL, Decision, Engine, Rejected, Result, charge_constraints, unpriced_dead
 from jshard.rules import OpTable, write_spec
 from jshard.search import _ilp, _recursive, _seeded
 from jshard.search._graph import REPLICATED_SHARE, Assignment, Infeasible, Joins, SearchGraph, Solved
@@ -384,6 +384,7 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
     for v, k in g.arg_unit.items():
         values[v] = g.spec(k, 0, choice[k])
     merged: dict[int, tuple] = {}
+    manual: dict[int, Decision] = {}
     alike: dict[tuple[int, int], tuple] = {}  # (ids of factors, assignment) -> (picked, out_specs), both held
     for i, units in g.node_units.items():
         a = choice[units[0]]
@@ -393,6 +394,9 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         if node.primitive == CONSTRAINT:
             values[node.outputs[0]] = g.units[units[0]].fixed[1]
             merged[i] = (a, None)
+            continue
+        if node.primitive == MANUAL:  # a shard_map region: laid out by its own specs, as the engine lays it out
+            manual[i] = e.manual(i, node)
             continue
         if i in e.unruled:
             continue
@@ -427,8 +431,11 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
             decision = made[(id(found), id(rejected))] = Decision(in_specs, out_specs, comms, seconds, "searched",
                                                                   rejected, implied)
         decisions[i] = decision
+    decisions.update(manual)
+    values.update(e.values)  # the manual regions' results
     result = Result(decisions, values, set(e.unruled))
     charge_constraints(nodes, result, g.axis_size, e.cost)  # each operator above priced its inputs only
+    unpriced_dead(nodes, result, g.outvars)
     return result
 
 
