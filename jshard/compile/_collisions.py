@@ -2,9 +2,10 @@
 operator takes them together, directly or through operators that carry one argument's cuts to
 their result (elementwise ones, casts, reshapes: `tanh((2.0 * x) @ w)` as `tanh(x @ w)`).
 
-Arguments are followed through the operators of
-one of them alone whose results stay cut as it is (`_followed`), so the tokens meet the first matmul's
-kernel through the embedding lookup and the norm a transformer puts between them.
+Each argument is also followed through any other operator whose results the plan keeps cut over
+its mesh axes (`_followed`), so the tokens meet every layer's kernels through the embedding lookup,
+the norms and the residual sums a transformer puts between them. Every pair of leaves given the same
+two tuples is one warning.
 
 A lone strategy tuple is its own device matrix (repeated calculation appended as its last axis),
 so its cuts take the mesh's major axes: `(2, 1)` for an input and `(1, 4)` for a kernel put the

@@ -29,6 +29,10 @@ loss). Each alternative is one propagation from the anchors sharing the `OpTable
 the engine's choices of operators met in the same layouts; a program with nothing to weigh costs
 one propagation. The alternatives weighed, with their predicted seconds, are `Result.weighed`
 (`OpRecord.weighed` in the `Plan`, shown by `Plan.explain`).
+
+Last, memory is weighed with time (`_weigh_peak`): a value held at the predicted peak per device
+(the memory model, `cost.live_ranges`) that is made coarser than a user takes it is tried made in
+that finer layout, and kept where the peak drops for at most `_PEAK_TIME` of the program's seconds.
 """
 
 from __future__ import annotations
