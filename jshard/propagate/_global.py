@@ -202,17 +202,18 @@ def _peak(runs: _Runs, result: Result, ranges) -> float:
 def _coarser_at_peak(runs: _Runs, result: Result, ranges) -> list[tuple]:
     """`(value, finer layout, bytes saved)` for each value made by an operator, held at the predicted
     peak and taken by a user in a layout that refines the one it is made in (each dim's axes kept,
-    major first, more added), the most saved first."""
+    major first, more added), the most saved first; none that a loop, branch or remat region makes
+    or takes."""
     live = ranges.live_bytes(_held(runs, result, ranges))
     if not len(live):
         return []
     t = int(live.argmax())
     found = []
     for v in ranges.live_at(t, [v for v in ranges.first if v in runs.table.producer and v not in runs.outputs]):
-        have = result.values.get(v)
-        if have is None:
-            continue
-        for j, pos in runs.table.consumers.get(v, ()):
+        have, users = result.values.get(v), runs.table.consumers.get(v, ())
+        if have is None or any(runs.nodes[j].bodies for j in (runs.table.producer[v], *(j for j, _ in users))):
+            continue  # a loop's, branch's or remat region's value: its body's layouts follow it
+        for j, pos in users:
             d = result.decisions.get(j)
             want = None if d is None else d.in_specs[pos]
             if want is not None and want != have and all(w[: len(h)] == h for h, w in zip(have, want)):
