@@ -223,7 +223,7 @@ def mirrored(traced: Traced, given: set[int], left: set[int]) -> dict[int, int]:
         groups.setdefault(kind, []).append(prefix)
     found: dict[int, int] = {}
     used: list[tuple] = []
-    for prefixes in sorted(groups.values(), key=lambda ps: len(ps[0])):
+    for prefixes in sorted(groups.values(), key=lambda ps: min(map(len, ps))):
         sources = [p for p in prefixes if any(i in given for _, i in below[p]) and not _inside(p, used)]
         for p in (p for p in prefixes if sources and not _inside(p, used)):
             source = sources[0]
