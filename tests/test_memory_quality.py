@@ -199,3 +199,75 @@ def test_moments_mirror_the_parameters_they_follow_but_layers_do_not_mirror_each
     assert mirrored(traced, given={1}, left={0, 2, 3, 4, 5, 6, 7, 8}) == {6: 1}  # mu's layer-0 kernel only
     assert mirrored(traced, given={1, 3}, left={0, 2, 4, 5, 6, 7, 8}) == {6: 1, 8: 3}
     assert mirrored(traced, given={1}, left={0, 2, 3}) == {}  # the second layer is no mirror of the first
+
+
+@functools.cache
+def _vit():
+    """`(state, images, labels, train_step)`: a 2-layer ViT of width 64 on 16x16 images, AdamW."""
+    config = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=128, num_labels=10,
+                                    qkv_bias=False)  # a key bias has a zero gradient (softmax is shift-invariant):
+    # Adam turns its rounding noise into updates that differ with every summation order
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = transformers.FlaxViTForImageClassification(config, seed=0)
+    state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params,
+                                          tx=optax.adamw(1e-3, eps=1e-3))
+    rng = np.random.default_rng(0)
+    images, labels = rng.standard_normal((8, 3, 16, 16)).astype(np.float32), rng.integers(0, 10, 8).astype(np.int32)
+
+    def train_step(state, images, labels):
+        def loss_fn(params):
+            logits = state.apply_fn(pixel_values=images, params=params, train=False)[0]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return state, images, labels, train_step
+
+
+def _vit_megatron(state, column, row):
+    """`column` at the query, key, value and first MLP kernels of each layer, `row` at the two output ones."""
+
+    def given(path, _):
+        names = _names(path)
+        if names[0] != "params" or "kernel" not in names or "layer" not in names:
+            return None
+        return column if {"query", "key", "value", "intermediate"} & set(names) else row if "output" in names else None
+
+    return jax.tree_util.tree_map_with_path(given, state)
+
+
+def test_vit_tuples_warn_and_the_proposed_layout_peaks_within_the_expert(rank_promotion):
+    state, images, labels, train_step = _vit()
+    apart = js.parallelize(train_step, devices=8, in_strategy=(_vit_megatron(state, (1, 4), (4, 1)), (2, 1, 1, 1), (2,)))
+    with pytest.warns(js.LayoutCollisionWarning) as caught:
+        plan = apart.plan(state, images, labels)
+    messages = [str(w.message) for w in caught if w.category is js.LayoutCollisionWarning]
+    # the images against the column and the row kernels; the labels against them in the backward pass
+    assert sum("in_strategy[1]=(2, 1, 1, 1) and in_strategy[0].params" in m for m in messages) == 2, messages
+    assert all("lay = jshard.Layout((2, 4), ('m0', 'm1'))" in m for m in messages), messages
+    specs = dict(zip((jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)), plan.in_specs))
+    kernels = [k for k in specs if k.startswith(".params") and "['layer']" in k and k.endswith("['kernel']")]
+    assert len(kernels) == 12 and all(specs[k.replace(".params", ".opt_state[0].mu")] == specs[k] != P() for k in kernels)
+
+    mesh = jax.make_mesh((2, 4), ("dp", "mp"))
+    specs = _vit_megatron(state, P(None, "mp"), P("mp", None))
+
+    def sharding(path, _):
+        names = _names(path)
+        moment = next((names.index(m) for m in ("mu", "nu") if m in names), None)
+        found = _at(specs, path) if names[0] == "params" else None if moment is None else _at(specs.params, path[moment + 1:])
+        return NamedSharding(mesh, found or P())
+
+    shardings, rows = jax.tree_util.tree_map_with_path(sharding, state), NamedSharding(mesh, P("dp"))
+    expert = jax.jit(train_step, in_shardings=(shardings, rows, rows), out_shardings=(shardings, None))
+    lay = js.Layout((2, 4), ("m0", "m1"))
+    shared = js.parallelize(train_step, devices=8, in_strategy=(
+        _vit_megatron(state, lay("None", "m1"), lay("m1", "None")), lay("m0", "None", "None", "None"), lay("m0")))
+    compiled = shared.lower(state, images, labels).compile()
+    assert _peak(compiled) <= (1 + EXPERT_SLACK) * _peak(expert.lower(state, images, labels).compile())
+    want = jax.device_get(one_device(train_step, state, images, labels))
+    got = jax.device_get(compiled(*jax.device_put((state, images, labels), compiled.input_shardings[0])))
+    assert_close(got, want, terms=step_terms(state.params, (images, labels)))

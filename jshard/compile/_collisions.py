@@ -260,7 +260,7 @@ def _collision_message(hits: list[Collision], slots, paths, n: int, call: str) -
     more = ""
     if len(hits) > 1:
         leaves = sorted({f"in_strategy{paths[i]}" for h in hits for i in (h.first, h.second)} - {name_a, name_b})
-        more = (f" {len(hits) - 1} more pairs of leaves given these two tuples collide so ({', '.join(leaves[:3])}"
+        more = (f" {len(hits) - 1} more {'pair' if len(hits) == 2 else 'pairs'} of leaves given these two tuples collide so ({', '.join(leaves[:3])}"
                 f"{', ...' if len(leaves) > 3 else ''}): the cost is over all {len(hits)} pairs, and each leaf takes "
                 f"the Layout call of the tuple it was given.")
     return (f"{call}: {name_a}={a} and {name_b}={b} are lone tuples, each its own device matrix, so both "
