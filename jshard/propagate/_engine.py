@@ -127,7 +127,7 @@ class Engine:
         self.moved = self.table.traffic(outputs) if self.cost.memory_bandwidth else {}
         for v, spec in anchors.items():
             self.values[v] = spec
-            self.why[v] = "arg"
+            self.why[v] = "peak" if v in self.producer else "arg"  # a value made finer for the memory peak
             queue.extend(i for i, _ in self.consumers[v])
         for i, node in enumerate(self.nodes):
             if node.primitive == CONSTRAINT:
