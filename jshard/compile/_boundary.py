@@ -6,8 +6,10 @@ and `auto`, the sharding an array was placed on over that mesh, as `jax.jit` tak
 argument's); the sharding of a `shard` call or a model's constraint it flows straight into
 (`semi_auto`, `auto`); the dataset policy where it is the batch (`dataset_anchors`: a tuple
 `dataset_strategy` has one entry per batch leaf); else it is left to the planner (`semi_auto`,
-`auto` with jshard's engine) or replicated. A result takes its `out_strategy`, or is left to the
-planner.
+`auto` with jshard's engine) or replicated. A leaf left so that mirrors a leaf `in_strategy` cuts
+(`mirrored`: optax's `mu` and `nu` beside the parameters they follow) takes that leaf's sharding,
+as MindSpore lays out a parameter's optimizer state as the parameter. A result takes its
+`out_strategy`, or is left to the planner.
 """
 
 from __future__ import annotations
@@ -188,8 +190,52 @@ def in_shardings(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot]
     """Each argument leaf's `NamedSharding`, or None where the planner decides it (`dataset`: the
     batch leaves' slots from `dataset_anchors`)."""
     anchors = boundary_anchors(traced, call)
-    return [_in_sharding(traced, path, x, slot, anchors.get(v), dataset.get(i), options, call)
-            for i, (path, x, slot, v) in enumerate(zip(traced.paths, traced.leaves, slots, traced.invars))]
+    found = [_in_sharding(traced, path, x, slot, anchors.get(v), dataset.get(i), options, call)
+             for i, (path, x, slot, v) in enumerate(zip(traced.paths, traced.leaves, slots, traced.invars))]
+    if options.mode == "manual":
+        return found
+    left = {i for i, (x, slot, v) in enumerate(zip(traced.leaves, slots, traced.invars))
+            if slot is None and i not in dataset and v not in anchors and model_anchor(traced, v, x, options) is None}
+    given = {i for i, slot in enumerate(slots) if slot is not None and found[i] is not None
+             and not found[i].is_fully_replicated}
+    for i, j in mirrored(traced, given, left).items():
+        found[i] = found[j]
+    return found
+
+
+def mirrored(traced: Traced, given: set[int], left: set[int]) -> dict[int, int]:
+    """Leaf `i` of `left` -> the leaf of `given` it mirrors: a subtree of the arguments whose leaves
+    are all `left` has the tree, the key paths below it and the shapes and dtypes of another
+    subtree holding `given` leaves (optax's `mu`, `nu`, a momentum or an average of the parameters:
+    `TrainState.opt_state[0].mu` beside `TrainState.params`), and its leaf at the same key path
+    below is mirrored to a given one. The largest subtrees are matched first; subtrees inside a
+    matched one are not matched again, and siblings (two layers of one model) are parts, not
+    mirrors."""
+    args = jax.tree_util.tree_unflatten(traced.treedef, traced.leaves)
+    keyed = [path for path, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    below: dict[tuple, list[tuple[tuple, int]]] = {}
+    for i, path in enumerate(keyed):
+        for k in range(len(path)):
+            below.setdefault(path[:k], []).append((path[k:], i))
+    groups: dict[tuple, list[tuple]] = {}
+    for prefix, leaves in below.items():
+        kind = tuple((rest, np.shape(traced.leaves[i]), str(dtype_of(traced.leaves[i]))) for rest, i in leaves)
+        groups.setdefault(kind, []).append(prefix)
+    found: dict[int, int] = {}
+    used: list[tuple] = []
+    for prefixes in sorted(groups.values(), key=lambda ps: min(map(len, ps))):
+        sources = [p for p in prefixes if any(i in given for _, i in below[p]) and not _inside(p, used)]
+        for p in (p for p in prefixes if sources and not _inside(p, used)):
+            source = sources[0]
+            if p[:-1] == source[:-1] or not all(i in left and i not in found for _, i in below[p]):
+                continue
+            found.update({i: j for (_, i), (_, j) in zip(below[p], below[source]) if j in given})
+            used += [p, source]
+    return found
+
+
+def _inside(prefix: tuple, subtrees: list[tuple]) -> bool:
+    return any(prefix[: len(p)] == p for p in subtrees)
 
 
 def dataset_defaulted(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options) -> frozenset[int]:

@@ -2,6 +2,11 @@
 operator takes them together, directly or through operators that carry one argument's cuts to
 their result (elementwise ones, casts, reshapes: `tanh((2.0 * x) @ w)` as `tanh(x @ w)`).
 
+Each argument is also followed through any other operator whose results the plan keeps cut over
+its mesh axes (`_followed`), so the tokens meet every layer's kernels through the embedding lookup,
+the norms and the residual sums a transformer puts between them. Every pair of leaves given the same
+two tuples is one warning.
+
 A lone strategy tuple is its own device matrix (repeated calculation appended as its last axis),
 so its cuts take the mesh's major axes: `(2, 1)` for an input and `(1, 4)` for a kernel put the
 input's rows and the kernel's columns both on the major axis of 2 devices. The operator that takes
@@ -50,36 +55,43 @@ class Collision(NamedTuple):
 
 
 def collisions(program: Program, slots, c: Options) -> list[Collision]:
-    """The collisions of `program`'s tuple-given arguments (`slots`: the `in_strategy` slots)."""
+    """The collisions of `program`'s tuple-given arguments (`slots`: the `in_strategy` slots),
+    wherever values that stand for them (`_followed`) meet."""
     traced, result = program.traced, program.result
     given = {} if traced is None or result is None else {
         v: i for i, (v, slot) in enumerate(zip(traced.invars, slots)) if _is_tuple(slot) and v in result.values}
     if len(given) < 2:
         return []
     assert traced is not None and result is not None  # else nothing is given
-    given = _followed(traced.nodes, given, result.values)
+    reach = _followed(traced.nodes, given, result.values)
+    cut = {i: _axes(result.values[v]) for v, i in given.items()}
     found: dict[tuple[int, int], Collision] = {}
     for k, node in enumerate(traced.nodes):
         decision = result.decisions.get(k)
         ins = [] if decision is None else [(j, v) for j, v in enumerate(operand_vars(node)[0])
-                                           if isinstance(v, jcore.Var) and v in given]
+                                           if isinstance(v, jcore.Var) and v in reach]
         for a, (ja, va) in enumerate(ins):
             assert decision is not None  # else no inputs
             for jb, vb in ins[a + 1:]:
-                pair, specs = (given[va], given[vb]), (result.values[va], result.values[vb])
-                if pair[0] == pair[1]:  # one argument reaching an operator twice (x * x)
-                    continue
+                specs = (result.values[va], result.values[vb])
                 shared = _axes(specs[0]) & _axes(specs[1])
-                if va is vb or not shared or not _shareable(slots[pair[0]], slots[pair[1]], traced.fine.device_count):
+                pairs = [(x, y) for x in reach[va] for y in reach[vb] if x != y and x not in reach[vb]
+                         and y not in reach[va] and shared & cut[x] & cut[y]
+                         and _shareable(slots[x], slots[y], traced.fine.device_count)]
+                if va is vb or not pairs:
                     continue
                 moved = [m for j, v, spec in ((ja, va, specs[0]), (jb, vb, specs[1])) if decision.in_specs[j] != spec
                          for m in redistribution(*array_of(v), spec, decision.in_specs[j], traced.axis_size,
                                                  c.costs.alltoall)]
-                if moved:
-                    nbytes = node.weight * sum(m.bytes for m in moved)
-                    seconds = node.weight * sum(c.costs.time(m, traced.axis_size) for m in moved)
+                if not moved:
+                    continue
+                nbytes = node.weight * sum(m.bytes for m in moved)
+                seconds = node.weight * sum(c.costs.time(m, traced.axis_size) for m in moved)
+                for met in pairs:
+                    pair = met if met[::-1] not in found else met[::-1]  # one entry per pair, in the order first met
                     old = found.get(pair)
-                    found[pair] = (Collision(*pair, tuple(sorted(shared)), node.primitive, node.source, nbytes, seconds)
+                    axes = tuple(sorted(shared & cut[pair[0]] & cut[pair[1]]))
+                    found[pair] = (Collision(*pair, axes, node.primitive, node.source, nbytes, seconds)
                                    if old is None else old._replace(bytes=old.bytes + nbytes, seconds=old.seconds + seconds))
     return list(found.values())
 
@@ -93,16 +105,30 @@ CARRIED = frozenset({
 scalar or a constant), casts, reshapes and transposes."""
 
 
-def _followed(nodes, given: dict, values) -> dict:
-    """`given` (value -> argument leaf) with the values each argument reaches through `CARRIED`
-    operators of it alone (`(2.0 * x) @ w`: the product stands for `x`), laid out as it is."""
-    out = dict(given)
+def _followed(nodes, given: dict, values, cutting: bool = True) -> dict:
+    """Value -> the argument leaves it stands for: `given` (value -> argument leaf) each its own,
+    and the values the arguments reach, laid out as they are: through a `CARRIED` operator of one
+    of them alone (`(2.0 * x) @ w`: the product stands for `x`), and through any other operator for
+    each argument whose mesh axes the plan keeps cutting its results (an embedding lookup of
+    tokens cut by rows, a norm, a residual sum: the activations every layer's matmuls take stand
+    for the tokens); without `cutting`, through `CARRIED` operators only."""
+    out = {v: frozenset({i}) for v, i in given.items()}
+    cut = {i: _axes(values[v]) for v, i in given.items() if v in values}
     for node in nodes:
-        if node.primitive not in CARRIED or node.bodies:
+        if node.bodies or not all(v in values for v in node.outputs):
             continue
-        sources = {out[v] for v in node.inputs if isinstance(v, jcore.Var) and v in out}
-        if len(sources) == 1 and all(v in values for v in node.outputs):
-            out.update(dict.fromkeys(node.outputs, sources.pop()))
+        sources = frozenset().union(*(out[v] for v in node.inputs if isinstance(v, jcore.Var) and v in out))
+        if not sources:
+            continue
+        if node.primitive in CARRIED and len(sources) == 1:
+            kept = sources
+        elif not cutting:
+            continue
+        else:
+            made = set().union(*(_axes(values[v]) for v in node.outputs))
+            kept = frozenset(i for i in sources if made & cut.get(i, set()))
+        if kept:
+            out.update(dict.fromkeys(node.outputs, kept))
     return out
 
 
@@ -153,8 +179,8 @@ def gathered(program: Program, c: Options) -> list[Gathered]:
     if traced is None or result is None:
         return []
     sources = _cut_sources(program)
-    keys = {v: v for v in sources}
-    reach = _followed(traced.nodes, keys, result.values)
+    reach = {v: min(origins, key=list(sources).index) for v, origins in
+             _followed(traced.nodes, {v: v for v in sources}, result.values, cutting=False).items()}
     found: dict = {}
     for k, node in enumerate(traced.nodes):
         decision = result.decisions.get(k)
@@ -185,13 +211,17 @@ def gathered(program: Program, c: Options) -> list[Gathered]:
 
 
 def warn_collisions(program: Program, slots, c: Options, call: str) -> None:
-    """Warns (`LayoutCollisionWarning`) once per colliding pair of tuple-given arguments, and once
-    per `parameter_plan` cut that the plan all-gathers where it is used."""
+    """Warns (`LayoutCollisionWarning`) once per pair of colliding tuples (every pair of argument
+    leaves given those two tuples named in one warning), and once per `parameter_plan` cut that the
+    plan all-gathers where it is used."""
     if program.traced is None:
         return
     paths, n = program.traced.paths, program.traced.fine.device_count
+    alike: dict[tuple, list[Collision]] = {}
     for hit in collisions(program, slots, c):
-        warnings.warn(_collision_message(hit, slots, paths, n, call), LayoutCollisionWarning, stacklevel=2)
+        alike.setdefault((slots[hit.first], slots[hit.second]), []).append(hit)
+    for hits in alike.values():
+        warnings.warn(_collision_message(hits, slots, paths, n, call), LayoutCollisionWarning, stacklevel=2)
     for cut in gathered(program, c):
         warnings.warn(_gathered_message(cut, call), LayoutCollisionWarning, stacklevel=2)
 
@@ -220,14 +250,24 @@ def _shareable(first: tuple[int, ...], second: tuple[int, ...], n: int) -> bool:
     return n % product == 0
 
 
-def _collision_message(hit: Collision, slots, paths, n: int, call: str) -> str:
+def _collision_message(hits: list[Collision], slots, paths, n: int, call: str) -> str:
+    """One warning for `hits`, pairs of leaves given the same two tuples: the first pair named, the
+    others counted (their leaves given the same `Layout` call), the cost summed over all."""
+    hit = hits[0]
     a, b = slots[hit.first], slots[hit.second]
     name_a, name_b = f"in_strategy{paths[hit.first]}", f"in_strategy{paths[hit.second]}"
+    nbytes, seconds = sum(h.bytes for h in hits), sum(h.seconds for h in hits)
+    more = ""
+    if len(hits) > 1:
+        leaves = sorted({f"in_strategy{paths[i]}" for h in hits for i in (h.first, h.second)} - {name_a, name_b})
+        more = (f" {len(hits) - 1} more {'pair' if len(hits) == 2 else 'pairs'} of leaves given these two tuples collide so ({', '.join(leaves[:3])}"
+                f"{', ...' if len(leaves) > 3 else ''}): the cost is over all {len(hits)} pairs, and each leaf takes "
+                f"the Layout call of the tuple it was given.")
     return (f"{call}: {name_a}={a} and {name_b}={b} are lone tuples, each its own device matrix, so both "
             f"cut onto mesh axis {', '.join(hit.axes)}; {hit.primitive} at {source_str(hit.source)} takes them "
-            f"together and XLA redistributes one first: predicted {human_bytes(hit.bytes)} per device per call "
-            f"({hit.seconds * 1e6:.3g} us). Give both one Layout, as one shard call's strategy {(a, b)} would: "
-            f"{_suggestion(a, b, n, name_a, name_b)}.")
+            f"together and XLA redistributes one first: predicted {human_bytes(nbytes)} per device per call "
+            f"({seconds * 1e6:.3g} us). Give both one Layout, as one shard call's strategy {(a, b)} would: "
+            f"{_suggestion(a, b, n, name_a, name_b)}.{more}")
 
 
 def _suggestion(a: tuple[int, ...], b: tuple[int, ...], n: int, name_a: str, name_b: str) -> str:

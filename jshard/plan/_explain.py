@@ -70,7 +70,7 @@ def _details(op) -> list[str]:
     if op.note:
         lines.append(f"  differs from MindSpore: {op.note}")
     if op.weighed:
-        lines.append(f"  argument layouts weighed for the whole program (bandwidth and compute): {op.weighed}")
+        lines.append(f"  layouts weighed for the whole program (bandwidth and compute; a value at the memory peak: made finer): {op.weighed}")
     return lines
 
 
@@ -98,7 +98,7 @@ def _recompute(plan, op) -> str:
 
 def _chain(plan, op) -> list:
     """Operator indices from `op` back to its anchor; the last entry is the anchor (an index, or
-    `"arg"`/`"user"`)."""
+    `"arg"`/`"user"`/`"peak"`)."""
     chain: list = [op.index]
     seen = {op.index}
     current = op
@@ -121,6 +121,9 @@ def _anchor(plan, anchor) -> str:
     if anchor == "arg":
         return ("an argument whose layout is fixed (in_strategy, a shard call's input, the model's own "
                 "placement on your mesh, or the batch)")
+    if anchor == "peak":
+        return ("a value held at the predicted memory peak, made as a user of it takes it (weighed over the whole "
+                "program: less memory per device for at most 1% more predicted time)")
     if anchor == "user":
         return "a sharding constraint of a jshard.shard call"
     if anchor == "model":

@@ -128,7 +128,7 @@ class Engine:
         self.moved = self.table.traffic(outputs) if self.cost.memory_bandwidth else {}
         for v, spec in anchors.items():
             self.values[v] = spec
-            self.why[v] = "arg"
+            self.why[v] = "peak" if v in self.producer else "arg"  # a value made finer for the memory peak
             queue.extend(i for i, _ in self.consumers[v])
         for i, node in enumerate(self.nodes):
             fix = {CONSTRAINT: self._fix_constraint, MANUAL: self._fix_manual}.get(node.primitive)

@@ -29,6 +29,10 @@ loss). Each alternative is one propagation from the anchors sharing the `OpTable
 the engine's choices of operators met in the same layouts; a program with nothing to weigh costs
 one propagation. The alternatives weighed, with their predicted seconds, are `Result.weighed`
 (`OpRecord.weighed` in the `Plan`, shown by `Plan.explain`).
+
+Last, memory is weighed with time (`_weigh_peak`): a value held at the predicted peak per device
+(the memory model, `cost.live_ranges`) that is made coarser than a user takes it is tried made in
+that finer layout, and kept where the peak drops for at most `_PEAK_TIME` of the program's seconds.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import dataclasses
 import math
 from collections.abc import Collection, Mapping, Sequence
 
-from jshard.cost import CostModel, value_bytes
+from jshard.cost import CostModel, array_of, live_ranges, local_bytes, value_bytes
 from jshard.graph import CONSTRAINT, Node
 from jshard.layouts import Spec, constraint_spec
 from jshard.propagate._engine import Engine, Result, WeighedLayout, share_moves
@@ -149,8 +153,74 @@ def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, 
                                               and not runs.cheaper(best, result)):
                 best, have, fixed = result, spec, {**fixed, v: spec}
         weighed[v] = tuple(w._replace(chosen=w.spec == have) for w in tried)
+    best = _weigh_peak(runs, best, fixed, moved, [*anchors, *free], weighed)
     best.weighed = weighed
     return best
+
+
+_PEAK_TRIALS = 4
+"""The most values `_weigh_peak` weighs made finer: each is one more propagation."""
+_PEAK_SHARE = 0.01
+"""The least share of the predicted peak a value made finer must save to be weighed."""
+_PEAK_TIME = 0.01
+"""The most share of the whole program's predicted seconds a lower peak may cost, all trials together."""
+
+
+def _weigh_peak(runs: _Runs, best: Result, fixed: dict, moved: dict, args: Sequence, weighed: dict) -> Result:
+    """Memory weighed with time: the values held at the plan's predicted peak (the memory model's
+    live bytes per device, `cost.live_ranges`) that are made coarser than a user of theirs takes them
+    (a loss's gradient scattered into the whole vocabulary, then sliced by the output head's
+    backward pass) weighed made in that user's finer layout, the most bytes saved first, each one
+    propagation with the value fixed so; an alternative is taken where its peak is lower and the
+    whole program's predicted seconds, all such alternatives together, grow by at most `_PEAK_TIME`:
+    the neighbours it moves reduce a slice rather than the whole (a few bytes of all-reduce) while
+    every device stops holding and computing all of it."""
+    ranges = live_ranges(runs.nodes, args, list(runs.outputs))
+    peak, allowed = _peak(runs, best, ranges), (1 + _PEAK_TIME) * runs.seconds(best)
+    tried = 0
+    for v, finer, saved in _coarser_at_peak(runs, best, ranges):
+        if tried == _PEAK_TRIALS or saved < _PEAK_SHARE * peak:
+            break
+        tried += 1
+        trial = runs.run({**fixed, v: finer}, moved)
+        if runs.seconds(trial) <= allowed and (trial_peak := _peak(runs, trial, ranges)) < peak:
+            weighed[v] = (WeighedLayout(best.values[v], runs.seconds(best), "propagated", False),
+                          WeighedLayout(finer, runs.seconds(trial), "made as its user takes it, at the peak", True))
+            best, peak, fixed = trial, trial_peak, {**fixed, v: finer}
+    return best
+
+
+def _held(runs: _Runs, result: Result, ranges) -> dict:
+    return {v: local_bytes(*array_of(v), result.values[v], runs.axis_size) for v in ranges.first if v in result.values}
+
+
+def _peak(runs: _Runs, result: Result, ranges) -> float:
+    live = ranges.live_bytes(_held(runs, result, ranges))
+    return float(live.max()) if len(live) else 0.0
+
+
+def _coarser_at_peak(runs: _Runs, result: Result, ranges) -> list[tuple]:
+    """`(value, finer layout, bytes saved)` for each value made by an operator, held at the predicted
+    peak and taken by a user in a layout that refines the one it is made in (each dim's axes kept,
+    major first, more added), the most saved first; none that a loop, branch or remat region makes
+    or takes."""
+    live = ranges.live_bytes(_held(runs, result, ranges))
+    if not len(live):
+        return []
+    t = int(live.argmax())
+    found = []
+    for v in ranges.live_at(t, [v for v in ranges.first if v in runs.table.producer and v not in runs.outputs]):
+        have, users = result.values.get(v), runs.table.consumers.get(v, ())
+        if have is None or any(runs.nodes[j].bodies for j in (runs.table.producer[v], *(j for j, _ in users))):
+            continue  # a loop's, branch's or remat region's value: its body's layouts follow it
+        for j, pos in users:
+            d = result.decisions.get(j)
+            want = None if d is None else d.in_specs[pos]
+            if want is not None and want != have and all(w[: len(h)] == h for h, w in zip(have, want)):
+                saved = local_bytes(*array_of(v), have, runs.axis_size) - local_bytes(*array_of(v), want, runs.axis_size)
+                found.append((v, want, saved))
+                break
+    return sorted(found, key=lambda f: -f[2])
 
 
 def _fewer_bytes(v, spec: Spec, have: Spec | None, axis_size: Mapping[str, int]) -> bool:
