@@ -32,8 +32,8 @@ from benchmarks._table import Table, size
 from tests.clients import eqx_style_vit, linen_lm, linen_resnet, loop_gpt, nnx_gqa, one_device
 
 IMPORTED = {"hf_llama": "hf_llama", "hf_llama_tuples": "hf_llama", "hf_vit": "hf_vit", "hf_vit_tuples": "hf_vit"}
-"""The zoo's models imported unmodified from transformers, each the client module (`tests/clients/`)
-it comes from: `hf_llama` anchored by one shared `Layout`, `hf_llama_tuples` by strategy tuples given
+"""The zoo's models imported unmodified from transformers, each the client module (`tests/clients/`,
+whose `MODEL` is the class it imports) it comes from: `hf_llama` anchored by one shared `Layout`, `hf_llama_tuples` by strategy tuples given
 apart (the same rules, the same expert). Measured where transformers (the `test` extra) is installed."""
 VARIANTS = {"hf_llama_tuples": "hf_llama", "hf_vit_tuples": "hf_vit"}
 """A zoo model that is another's step with other anchors: its expert and reference are that model's."""
@@ -204,17 +204,17 @@ def misses(row: Row, expert: Row, shardy: Row) -> list[str]:
     slack = 1 + EXPERT_SLACK
     got, out = row.audit.bytes(), []
     if shardy.audit is not None and got > shardy.audit.bytes():
-        out.append("bytes than Shardy")
+        out.append("bytes > Shardy")
     if expert.audit is not None and got > slack * expert.audit.bytes():
-        out.append(f"bytes than {slack:g}x the expert")
+        out.append(f"bytes > {slack:g}x expert")
     if expert.audit is not None and row.audit.memory.peak_bytes > slack * expert.audit.memory.peak_bytes:
-        out.append(f"peak than {slack:g}x the expert")
+        out.append(f"peak > {slack:g}x expert")
     return out
 
 
 def _target(row: Row, expert: Row, shardy: Row) -> str:
     missed = misses(row, expert, shardy)
-    return f"{WORSE}: more {', '.join(missed)}" if missed else "meets"
+    return f"{WORSE}: {', '.join(missed)}" if missed else "meets"
 
 
 def _loop_gpt() -> Case:
@@ -295,8 +295,8 @@ def _imported(name: str) -> Case:
     shared = name not in VARIANTS
     strategies = module.strategies(state, shared)
     anchors = "one shared `Layout`" if shared else "strategy tuples given apart"
-    return Case(name, f"transformers `{module.__name__.rsplit('.', 1)[-1]}` imported unmodified, Megatron rules by "
-                f"path regex as {anchors}", _allow_rank_promotion, module.train_step,
+    return Case(name, f"transformers' `{module.MODEL.__name__}` imported unmodified, Megatron rules by path regex as "
+                f"{anchors}", _allow_rank_promotion, module.train_step,
                 {"given": (state, batch), "default": (state, batch)},
                 {"given": {"devices": 8, "in_strategy": (strategies, module.batch_strategy(shared))},
                  "default": {"devices": 8, "in_strategy": (strategies, None)}},

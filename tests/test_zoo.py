@@ -125,8 +125,10 @@ def test_zoo_table_marks_every_missed_target():
     assert len(jshard_rows) == len(CONFIGS) and len(table.rows) == len(TESTED) + 2 * len(CONFIGS)
     for row, (name, layout) in zip(jshard_rows, CONFIGS):
         assert row[0] == name and row[2] == layout
-        missed = any((name, layout) in m for m in (MISSES, SHARDY_MISSES, PEAK_MISSES))
-        assert row[-1].startswith(_zoo.WORSE) == missed, row
+        missed = {what: (name, layout) in m for what, m in
+                  (("bytes > Shardy", SHARDY_MISSES), ("bytes > 1.05x expert", MISSES), ("peak > 1.05x expert", PEAK_MISSES))}
+        assert row[-1].startswith(_zoo.WORSE) == any(missed.values()), row
+        assert all((what in row[-1]) == miss for what, miss in missed.items()), row
         assert row[9].endswith(" equal"), row
     assert "WORSE" not in "".join(cell for row in table.rows if row[3] != "jshard" for cell in row)
 

@@ -28,6 +28,8 @@ from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
 import jshard as js
 
+MODEL = FlaxLlamaForCausalLM
+"""The model class, as transformers ships it."""
 DP, MP = 2, 4
 MESH_SHAPE, MESH_AXES = (DP, MP), ("dp", "mp")
 VOCAB, WIDTH, HIDDEN, LAYERS, HEADS, KV_HEADS, LENGTH, ROWS = 256, 64, 128, 2, 4, 2, 16, 8
@@ -56,7 +58,7 @@ def create(rows: int = ROWS):
         num_key_value_heads=KV_HEADS,
         max_position_embeddings=2 * LENGTH,
     )
-    model = FlaxLlamaForCausalLM(config, seed=0)
+    model = MODEL(config, seed=0)
     state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params, tx=optax.adamw(1e-3))
     ids = np.random.default_rng(0).integers(0, VOCAB, (rows, LENGTH)).astype(np.int32)
     return state, {"input_ids": ids, "labels": ids}

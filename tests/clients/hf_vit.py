@@ -29,6 +29,8 @@ from transformers import FlaxViTForImageClassification, ViTConfig
 
 import jshard as js
 
+MODEL = FlaxViTForImageClassification
+"""The model class, as transformers ships it."""
 DP, MP = 2, 4
 MESH_SHAPE, MESH_AXES = (DP, MP), ("dp", "mp")
 SIZE, PATCH, CHANNELS, WIDTH, HIDDEN, LAYERS, HEADS, CLASSES, ROWS = 16, 4, 3, 64, 128, 2, 4, 10, 8
@@ -57,7 +59,7 @@ def create(rows: int = ROWS):
         num_labels=CLASSES,
         qkv_bias=False,
     )
-    model = FlaxViTForImageClassification(config, seed=0)
+    model = MODEL(config, seed=0)
     state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params, tx=optax.adamw(1e-3))
     data = np.random.default_rng(0)
     pixels = data.normal(size=(rows, CHANNELS, SIZE, SIZE)).astype(np.float32)
