@@ -32,9 +32,10 @@ from benchmarks._table import Table, size
 from tests.clients import eqx_style_vit, linen_lm, linen_resnet, loop_gpt, nnx_gqa, one_device
 
 IMPORTED = {"hf_llama": "hf_llama", "hf_llama_tuples": "hf_llama", "hf_vit": "hf_vit", "hf_vit_tuples": "hf_vit"}
-"""The zoo's models imported unmodified from transformers, each the client module (`tests/clients/`,
-whose `MODEL` is the class it imports) it comes from: `hf_llama` anchored by one shared `Layout`, `hf_llama_tuples` by strategy tuples given
-apart (the same rules, the same expert). Measured where transformers (the `test` extra) is installed."""
+"""The zoo's models imported unmodified from transformers, each the client module it comes from
+(`tests/clients/`, whose `MODEL` is the class it imports): `hf_llama` anchored by one shared `Layout`,
+`hf_llama_tuples` by strategy tuples given apart (the same rules, the same expert). Measured where
+transformers (the `test` extra) is installed."""
 VARIANTS = {"hf_llama_tuples": "hf_llama", "hf_vit_tuples": "hf_vit"}
 """A zoo model that is another's step with other anchors: its expert and reference are that model's."""
 LAYOUTS = {"loop_gpt": ("given", "default"), "linen_lm": ("given", "default"), "nnx_gqa": ("given",),
