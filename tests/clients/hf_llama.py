@@ -10,13 +10,12 @@ MaxText's logical rules): Megatron partition rules matched by regex on each para
 `("dp", "mp")` mesh of 2 x 4: the embedding cut by vocabulary, the query, key, value, gate and up
 projections and the output head by columns over `mp`, the attention output and down projections by
 rows, the norms whole; the optimizer state by the same rules (its paths end in the parameters'),
-the batch by rows over `dp`, under a plain `jax.jit` (EasyLM's `match_partition_rules`).
+the batch by rows over `dp`, under a plain `jax.jit` (EasyLM's `match_partition_rules`, in
+`partition_rules.py`).
 
 jshard takes the same rules on the parameters (`in_strategy` at the params' place in the
 `TrainState`), in either of its two forms: strategy tuples given apart (`(1, 4)`: each its own
 device matrix) or one shared `Layout((2, 4), ("dp", "mp"))`."""
-
-import re
 
 import jax
 import numpy as np
@@ -26,12 +25,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
-import jshard as js
+from tests.clients import partition_rules
+from tests.clients.partition_rules import make_mesh as make_mesh
 
 MODEL = FlaxLlamaForCausalLM
 """The model class, as transformers ships it."""
-DP, MP = 2, 4
-MESH_SHAPE, MESH_AXES = (DP, MP), ("dp", "mp")
 VOCAB, WIDTH, HIDDEN, LAYERS, HEADS, KV_HEADS, LENGTH, ROWS = 256, 64, 128, 2, 4, 2, 16, 8
 
 PARTITION_RULES = (
@@ -75,52 +73,21 @@ def train_step(state, batch):
     return state.apply_gradients(grads=grad), {"loss": loss}
 
 
-def match_partition_rules(rules, tree):
-    """EasyLM's: each leaf's rule value, by the first regex found in its path (scalars: whole)."""
-
-    def rule_of(path, leaf):
-        if np.ndim(leaf) == 0:
-            return P()
-        name = jax.tree_util.keystr(path, simple=True, separator="/")
-        return next(value for pattern, value in rules if re.search(pattern, name))
-
-    return jax.tree_util.tree_map_with_path(rule_of, tree)
-
-
-def make_mesh(devices=None):
-    devices = jax.devices()[: DP * MP] if devices is None else devices
-    return jax.make_mesh(MESH_SHAPE, MESH_AXES, devices=devices)
-
-
 def expert_shardings(mesh, state):
     """The whole `TrainState` (parameters and AdamW's moments) by `PARTITION_RULES`, the batch by rows."""
-    specs = match_partition_rules(PARTITION_RULES, state)
     batch = NamedSharding(mesh, P("dp", None))
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs), {"input_ids": batch, "labels": batch}
+    return partition_rules.shardings(mesh, PARTITION_RULES, state), {"input_ids": batch, "labels": batch}
 
 
 def strategies(state, shared: bool):
-    """`PARTITION_RULES` as jshard's `in_strategy` for `(state, batch)`: on the parameters only, as
-    strategy tuples given apart (`shared=False`) or calls of one `Layout` over the mesh's axes; the
-    batch cut by rows over `dp` (`batch_strategy`)."""
-    sizes = dict(zip(MESH_AXES, MESH_SHAPE))
-    layout = js.Layout(MESH_SHAPE, MESH_AXES)
-
-    def strategy(spec: P, leaf):
-        axes = tuple(spec) + (None,) * (np.ndim(leaf) - len(spec))
-        if shared:
-            return layout(*(axis or "None" for axis in axes))
-        return tuple(sizes[axis] if axis else 1 for axis in axes)
-
-    params = jax.tree.map(
-        strategy, match_partition_rules(PARTITION_RULES, state.params), state.params, is_leaf=lambda x: isinstance(x, P)
-    )
-    return state.replace(params=params, opt_state=None, step=None)
+    """`PARTITION_RULES` as jshard's `in_strategy` for the state: on the parameters, as calls of one
+    shared `Layout` (`shared`) or strategy tuples given apart."""
+    return partition_rules.strategies(PARTITION_RULES, state, shared)
 
 
 def batch_strategy(shared: bool):
-    """The batch's rows cut over `dp`: a tuple, or the shared `Layout`'s call."""
-    cut = js.Layout(MESH_SHAPE, MESH_AXES)("dp", "None") if shared else (DP, 1)
+    """The batch's rows cut over `dp`, in the parameters' form."""
+    cut = partition_rules.strategy(P("dp"), 2, shared)
     return {"input_ids": cut, "labels": cut}
 
 

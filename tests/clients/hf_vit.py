@@ -17,8 +17,6 @@ the optimizer state by the same rules and the images and labels by rows over `dp
 `jax.jit`. jshard takes the same rules on the parameters, as tuples given apart or as one shared
 `Layout((2, 4), ("dp", "mp"))`."""
 
-import re
-
 import jax
 import numpy as np
 import optax
@@ -27,12 +25,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from transformers import FlaxViTForImageClassification, ViTConfig
 
-import jshard as js
+from tests.clients import partition_rules
+from tests.clients.partition_rules import make_mesh as make_mesh
 
 MODEL = FlaxViTForImageClassification
 """The model class, as transformers ships it."""
-DP, MP = 2, 4
-MESH_SHAPE, MESH_AXES = (DP, MP), ("dp", "mp")
 SIZE, PATCH, CHANNELS, WIDTH, HIDDEN, LAYERS, HEADS, CLASSES, ROWS = 16, 4, 3, 64, 128, 2, 4, 10, 8
 
 PARTITION_RULES = (
@@ -79,56 +76,24 @@ def train_step(state, batch):
     return state.apply_gradients(grads=grad), {"loss": loss}
 
 
-def match_partition_rules(rules, tree):
-    """EasyLM's: each leaf's rule value, by the first regex found in its path (scalars: whole)."""
-
-    def rule_of(path, leaf):
-        if np.ndim(leaf) == 0:
-            return P()
-        name = jax.tree_util.keystr(path, simple=True, separator="/")
-        return next(value for pattern, value in rules if re.search(pattern, name))
-
-    return jax.tree_util.tree_map_with_path(rule_of, tree)
-
-
-def make_mesh(devices=None):
-    devices = jax.devices()[: DP * MP] if devices is None else devices
-    return jax.make_mesh(MESH_SHAPE, MESH_AXES, devices=devices)
-
-
 def expert_shardings(mesh, state):
     """The whole `TrainState` (parameters and AdamW's moments) by `PARTITION_RULES`, the batch by rows."""
-    specs = match_partition_rules(PARTITION_RULES, state)
-    return (
-        jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs),
-        {"pixel_values": NamedSharding(mesh, P("dp")), "labels": NamedSharding(mesh, P("dp"))},
-    )
+    rows = NamedSharding(mesh, P("dp"))
+    return partition_rules.shardings(mesh, PARTITION_RULES, state), {"pixel_values": rows, "labels": rows}
 
 
 def strategies(state, shared: bool):
-    """`PARTITION_RULES` as jshard's `in_strategy` for the state: on the parameters only, as strategy
-    tuples given apart (`shared=False`) or calls of one `Layout` over the mesh's axes."""
-    sizes = dict(zip(MESH_AXES, MESH_SHAPE))
-    layout = js.Layout(MESH_SHAPE, MESH_AXES)
-
-    def strategy(spec: P, leaf):
-        axes = tuple(spec) + (None,) * (np.ndim(leaf) - len(spec))
-        if shared:
-            return layout(*(axis or "None" for axis in axes))
-        return tuple(sizes[axis] if axis else 1 for axis in axes)
-
-    params = jax.tree.map(
-        strategy, match_partition_rules(PARTITION_RULES, state.params), state.params, is_leaf=lambda x: isinstance(x, P)
-    )
-    return state.replace(params=params, opt_state=None, step=None)
+    """`PARTITION_RULES` as jshard's `in_strategy` for the state: on the parameters, as calls of one
+    shared `Layout` (`shared`) or strategy tuples given apart."""
+    return partition_rules.strategies(PARTITION_RULES, state, shared)
 
 
 def batch_strategy(shared: bool):
-    """The images' and labels' rows cut over `dp`: tuples, or the shared `Layout`'s calls."""
-    layout = js.Layout(MESH_SHAPE, MESH_AXES)
-    if shared:
-        return {"pixel_values": layout("dp", "None", "None", "None"), "labels": layout("dp")}
-    return {"pixel_values": (DP, 1, 1, 1), "labels": (DP,)}
+    """The images' and labels' rows cut over `dp`, in the parameters' form."""
+    return {
+        "pixel_values": partition_rules.strategy(P("dp"), 4, shared),
+        "labels": partition_rules.strategy(P("dp"), 1, shared),
+    }
 
 
 def terms() -> int:

@@ -53,6 +53,10 @@ def strategies(rules, state, shared: bool):
     """`rules` as jshard's `in_strategy` for a `TrainState`: on the parameters only (the optimizer
     state and step left to the planner), each leaf's `strategy`."""
     specs = match_partition_rules(rules, state.params)
-    params = jax.tree.map(lambda spec, leaf: strategy(spec, np.ndim(leaf), shared), specs, state.params,
-                          is_leaf=lambda x: isinstance(x, P))
+    params = jax.tree.map(
+        lambda spec, leaf: strategy(spec, np.ndim(leaf), shared),
+        specs,
+        state.params,
+        is_leaf=lambda x: isinstance(x, P),
+    )
     return state.replace(params=params, opt_state=None, step=None)
