@@ -199,7 +199,7 @@ def _ratio(got: float, other: Row, peak: bool = False) -> str:
     return f"{got / theirs:.3f}" if theirs else ("1.000" if got == 0 else "inf")
 
 
-def misses(row: Row, expert: Row, shardy: Row) -> list[str]:
+def _misses(row: Row, expert: Row, shardy: Row) -> list[str]:
     """The targets jshard's `row` misses against the `expert`'s and `shardy`'s rows, each as its cell
     names it (none: meets every one)."""
     slack = 1 + EXPERT_SLACK
@@ -214,7 +214,7 @@ def misses(row: Row, expert: Row, shardy: Row) -> list[str]:
 
 
 def _target(row: Row, expert: Row, shardy: Row) -> str:
-    missed = misses(row, expert, shardy)
+    missed = _misses(row, expert, shardy)
     return f"{WORSE}: {', '.join(missed)}" if missed else "meets"
 
 
