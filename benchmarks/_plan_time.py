@@ -61,7 +61,7 @@ class Case:
 def cases(size: str, devices: int) -> list[Case]:
     """The reference models at `size`, the zoo's models, and the other client models."""
     out = [_reference(w, devices) for w in (workload(m, size) for m in model_table())]
-    out += [_zoo_case(name) for name in _zoo.MODELS]
+    out += [_zoo_case(name) for name in _zoo.MODELS if name not in _zoo.VARIANTS]  # one per step: the Layout form
     out += _clients()
     return out
 

@@ -1,9 +1,11 @@
-"""The zoo (issue 15, items 2 and 7): models jshard was not shaped on, written as their authors write
-them (`tests/clients/`), each run by `benchmarks/_zoo.py` as its expert plan, jshard and Shardy from
-the model's own anchors, with the batch's layout given or left default. Every program equals one
-device; jshard moves at most Shardy's bytes and at most 1.05x the expert's. Where a target does not
-hold today the test is a strict xfail naming the measured ratio (`python -m benchmarks --only zoo`
-writes the same figures into BENCHMARKS.md).
+"""The zoo (issue 15, items 2 and 7; issue 32, item 5): models jshard was not shaped on, written as
+their authors write them (`tests/clients/`) or imported unmodified from transformers (its Flax
+Llama and ViT, anchored by one shared `Layout` or by tuples given apart), each run by
+`benchmarks/_zoo.py` as its expert plan, jshard and Shardy from the model's own anchors, with the
+batch's layout given or left default. Every program equals one device; jshard moves at most
+Shardy's bytes and at most 1.05x the expert's, and peaks at most 1.05x the expert's peak. Where a
+target does not hold today the test is a strict xfail naming the measured ratio (`python -m
+benchmarks --only zoo` writes the same figures into BENCHMARKS.md).
 
 One compile per model, layout and plan, shared by every test through `_zoo.measure`'s cache."""
 
@@ -19,16 +21,50 @@ import jshard as js
 from benchmarks import _zoo
 from benchmarks._compiled import EXPERT_SLACK
 
-TESTED = ("loop_gpt", "linen_lm", "nnx_gqa", "eqx_vit")
-"""The zoo's models held to the targets here; linen_resnet (data parallel, its bytes held to its
-expert's in test_clients.py) is measured by the benchmark alone, to keep the suite short."""
-CONFIGS = [(name, layout) for name in TESTED for layout in _zoo.LAYOUTS[name]]
-"""Each model with each batch layout it has (nnx_gqa: given only)."""
+pytestmark = pytest.mark.filterwarnings("ignore::jshard.LayoutCollisionWarning")
+"""hf_*_tuples give their partition rules as tuples apart, as a user may; where two of them collide
+jshard warns (proposing the shared `Layout`, which is hf_* itself): the zoo measures what the plan
+it runs costs."""
 
-MISSES: dict[tuple[str, str], str] = {}
-"""The expert targets measured missed today, each with its ratio (jshard's bytes over the expert's) as
-the reason of a strict xfail: none since global propagation (loop_gpt was 1.41x / 1.74x, linen_lm
-with the batch left default 1.21x)."""
+TESTED = tuple(name for name in ("loop_gpt", "linen_lm", "nnx_gqa", "eqx_vit", "hf_llama", "hf_llama_tuples",
+                                 "hf_vit", "hf_vit_tuples") if name in _zoo.LAYOUTS)
+"""The zoo's models held to the targets here (the transformers ones where the `test` extra is
+installed); linen_resnet (data parallel, its bytes held to its expert's in test_clients.py) is
+measured by the benchmark alone, to keep the suite short."""
+LAYOUTS = {**_zoo.LAYOUTS, **{name: ("given",) for name in _zoo.VARIANTS if name in _zoo.LAYOUTS}}
+"""The batch layouts tested per model: the benchmark's, but the tuples-apart variants with the batch
+given only (their rows with it left default are in table 15), to keep the suite short."""
+CONFIGS = [(name, layout) for name in TESTED for layout in LAYOUTS[name]]
+"""Each model with each batch layout it is tested with (nnx_gqa: given only)."""
+
+MISSES: dict[tuple[str, str], str] = {
+    ("hf_llama", "given"): "1.139x the expert's bytes",
+    ("hf_llama", "default"): "1.302x the expert's bytes",
+    ("hf_llama_tuples", "given"): "1.862x the expert's bytes",
+    ("hf_vit", "default"): "1.536x the expert's bytes",
+    ("hf_vit_tuples", "given"): "1.891x the expert's bytes",
+}
+"""The expert's bytes target measured missed today, each with its ratio (jshard's bytes over the
+expert's) as the reason of a strict xfail (loop_gpt was 1.41x / 1.74x and linen_lm with the batch
+left default 1.21x before global propagation)."""
+SHARDY_MISSES: dict[tuple[str, str], str] = {
+    ("hf_llama", "given"): "1.139x Shardy's bytes (Shardy's equal the expert's)",
+    ("hf_llama_tuples", "given"): "1.019x Shardy's bytes",
+}
+"""The same for Shardy's bytes from the same anchors."""
+PEAK_MISSES: dict[tuple[str, str], str] = {
+    ("hf_llama", "given"): "1.248x the expert's peak",
+    ("hf_llama", "default"): "1.298x the expert's peak",
+    ("hf_llama_tuples", "given"): "2.006x the expert's peak (AdamW's moments left whole)",
+    ("hf_vit_tuples", "given"): "1.740x the expert's peak (AdamW's moments left whole)",
+}
+"""The same for the expert's peak memory per device (issue 32: "peak <= 1.05x the expert where the
+expert fits"; every expert fits the simulated devices)."""
+
+
+def _strict(configs, missed):
+    return [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=missed[c])) if c in missed else c
+            for c in configs]
 
 
 def _row(name: str, layout: str, plan: str) -> _zoo.Row:
@@ -51,26 +87,24 @@ def test_zoo_model_equals_one_device_under_every_plan(config):
         assert_close(_row(name, layout, plan).outputs, case.reference, terms=terms, err_msg=f"{name} {layout} {plan}")
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
+@pytest.mark.parametrize("config", _strict(CONFIGS, SHARDY_MISSES), ids=_ids)
 def test_zoo_jshard_moves_at_most_shardys_bytes_from_the_same_anchors(config):
     ours, shardy = (_row(*config, plan).audit.bytes() for plan in ("jshard", "shardy"))
-    assert ours <= shardy
+    assert ours <= shardy, f"{ours / shardy:.3f}x Shardy"
 
 
-@pytest.mark.parametrize("config", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=MISSES[c])) if c in MISSES else c for c in CONFIGS],
-    ids=_ids)
+@pytest.mark.parametrize("config", _strict(CONFIGS, MISSES), ids=_ids)
 def test_zoo_jshard_moves_at_most_the_experts_bytes(config):
     name, layout = config
     ours, expert = _row(name, layout, "jshard").audit.bytes(), _row(name, "given", "expert").audit.bytes()
     assert ours <= (1 + EXPERT_SLACK) * expert, f"{ours / expert:.3f}x the expert"
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=_ids)
-def test_zoo_jshard_peaks_within_the_experts_peak(config):
-    # issue 32: loop_gpt peaked 1.136x the expert (its loss's gradient scattered into the whole vocabulary)
+@pytest.mark.parametrize("config", _strict(CONFIGS, PEAK_MISSES), ids=_ids)
+def test_zoo_jshard_peaks_at_most_the_experts_peak(config):
     name, layout = config
-    ours, expert = (_row(name, lay, plan).audit.memory.peak_bytes for lay, plan in ((layout, "jshard"), ("given", "expert")))
+    ours = _row(name, layout, "jshard").audit.memory.peak_bytes
+    expert = _row(name, "given", "expert").audit.memory.peak_bytes
     assert ours <= (1 + EXPERT_SLACK) * expert, f"{ours / expert:.3f}x the expert's peak"
 
 
@@ -84,13 +118,16 @@ def test_zoo_linen_lm_holds_no_more_temporaries_than_shardy_and_the_expert(layou
         assert ours <= _row("linen_lm", layout, plan).audit.memory.temp_bytes, plan
 
 def test_zoo_table_marks_every_missed_target():
-    table = _zoo.zoo_table(TESTED, search=False)
+    table = _zoo.zoo_table(TESTED, search=False, layouts=LAYOUTS)
     jshard_rows = [row for row in table.rows if row[3] == "jshard"]
     assert len(jshard_rows) == len(CONFIGS) and len(table.rows) == len(TESTED) + 2 * len(CONFIGS)
     for row, (name, layout) in zip(jshard_rows, CONFIGS):
         assert row[0] == name and row[2] == layout
-        assert row[-1].startswith(_zoo.WORSE) == ((name, layout) in MISSES), row
-        assert row[8].endswith(" equal"), row
+        missed = {what: (name, layout) in m for what, m in
+                  (("bytes > Shardy", SHARDY_MISSES), ("bytes > 1.05x expert", MISSES), ("peak > 1.05x expert", PEAK_MISSES))}
+        assert row[-1].startswith(_zoo.WORSE) == any(missed.values()), row
+        assert all((what in row[-1]) == miss for what, miss in missed.items()), row
+        assert row[9].endswith(" equal"), row
     assert "WORSE" not in "".join(cell for row in table.rows if row[3] != "jshard" for cell in row)
 
 

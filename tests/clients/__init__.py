@@ -1,7 +1,10 @@
 """Client code: small models written the way Flax's own examples write them, for jshard to run as is.
 
 Each module holds one model and its train step as a Flax user writes them (Linen `nn.Module` with
-`TrainState`, or NNX modules with `nnx.Rngs`), kept small so that every mode compiles quickly.
+`TrainState`, or NNX modules with `nnx.Rngs`), kept small so that every mode compiles quickly. The
+`hf_*` modules import their model unmodified from Hugging Face transformers (pinned in the `test`
+extra; random weights from a small config, nothing downloaded) and write only what its users write
+around it: the train step, and (`hf_llama`, `hf_vit`) the partition rules of their expert plan.
 `one_device` runs the reference (`jax.jit` on one device); each model's `terms()` is the term count
 `tests/_tolerance.py`'s `assert_close` compares a parallelized step's results with it at.
 """
