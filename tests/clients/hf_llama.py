@@ -17,7 +17,6 @@ jshard takes the same rules on the parameters (`in_strategy` at the params' plac
 `TrainState`), in either of its two forms: strategy tuples given apart (`(1, 4)`: each its own
 device matrix) or one shared `Layout((2, 4), ("dp", "mp"))`."""
 
-import jax
 import numpy as np
 import optax
 from flax.training import train_state
@@ -26,6 +25,10 @@ from jax.sharding import PartitionSpec as P
 from transformers import FlaxLlamaForCausalLM, LlamaConfig
 
 from tests.clients import partition_rules
+
+# run_clm_flax's step serves any causal LM: the same loss and train step as GPT-2's
+from tests.clients.hf_gpt2 import loss_fn as loss_fn
+from tests.clients.hf_gpt2 import train_step as train_step
 from tests.clients.partition_rules import make_mesh as make_mesh
 
 MODEL = FlaxLlamaForCausalLM
@@ -60,17 +63,6 @@ def create(rows: int = ROWS):
     state = train_state.TrainState.create(apply_fn=model.__call__, params=model.params, tx=optax.adamw(1e-3))
     ids = np.random.default_rng(0).integers(0, VOCAB, (rows, LENGTH)).astype(np.int32)
     return state, {"input_ids": ids, "labels": ids}
-
-
-def loss_fn(apply_fn, params, batch):
-    logits = apply_fn(input_ids=batch["input_ids"], params=params, train=False)[0]
-    shift_logits, shift_labels = logits[..., :-1, :], batch["labels"][..., 1:]
-    return optax.softmax_cross_entropy(shift_logits, jax.nn.one_hot(shift_labels, shift_logits.shape[-1])).mean()
-
-
-def train_step(state, batch):
-    loss, grad = jax.value_and_grad(lambda params: loss_fn(state.apply_fn, params, batch))(state.params)
-    return state.apply_gradients(grads=grad), {"loss": loss}
 
 
 def expert_shardings(mesh, state):
