@@ -135,3 +135,13 @@ def test_a_saved_multi_copy_plan_loads_and_runs_as_it_was_made(tmp_path):
     assert_close(step(params, batch), jax.jit(jax.value_and_grad(_loss))(params, batch), terms=step_terms(params, batch))
     with pytest.raises(js.ShardingError, match="made with the step's batch in 2 copies"):
         js.parallelize(_step, devices=8, plan=js.Plan.load(tmp_path / "plan.json"), communication=4).plan(params, batch)
+
+
+def test_a_saved_plan_of_given_copies_loads_in_its_own_mode(tmp_path):
+    """`mode="data"` runs given copies in a data-parallel manual region, not auto's global view: the
+    loaded plan is traced in the mode it was made in."""
+    params, batch = _small()
+    js.parallelize(_step, devices=8, mode="data", communication=2).plan(params, batch).save(tmp_path / "plan.json")
+    step = js.parallelize(_step, devices=8, plan=js.Plan.load(tmp_path / "plan.json"))
+    assert step.plan(params, batch).choices == (("copies", 2),)
+    assert_close(step(params, batch), jax.jit(jax.value_and_grad(_loss))(params, batch), terms=step_terms(params, batch))

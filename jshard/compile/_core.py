@@ -186,8 +186,9 @@ def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> 
 def _with_loaded_choices(options: Options, call: str) -> Options:
     """`options` to rebuild a loaded plan with what its planning chose beyond the layouts
     (`Plan.choices`, saved in its file): multi-copy's copies (the operators were traced with the
-    step's batch in that many copies, in the global view `mode="auto"` traces them in) and the
-    state kept in host memory.
+    step's batch in that many copies, in the form the plan's mode traces them in: `mode="auto"`'s
+    global view, or the data-parallel manual region of the other modes) and the state kept in host
+    memory.
 
     Raises:
       ShardingError: `communication=` or `offload=` asks for other copies or roles than the plan was
@@ -199,7 +200,7 @@ def _with_loaded_choices(options: Options, call: str) -> Options:
     copies, offload = chosen.get("copies", 1), tuple(chosen.get("offload", ()))
     given = 1 if options.communication is None else options.communication.copies
     if copies > 1 and options.communication is None:
-        options = dataclasses.replace(options, communication=Communication(copies), mode="auto")
+        options = dataclasses.replace(options, communication=Communication(copies), mode=options.plan.mode)
     elif given != copies:
         raise ShardingError(
             f"{call}: the loaded plan was made with the step's batch in {copies} cop{'y' if copies == 1 else 'ies'} "
