@@ -38,6 +38,7 @@ def attention(
     form: str = "auto",
     zigzag: bool = False,
     scale: float | None = None,
+    block: int | None = None,
 ) -> jax.Array:
     """Dot-product attention of `q` `[batch, length, heads, head_dim]` on `k`, `v`
     `[batch, length, kv_heads, head_dim]` (grouped-query where `kv_heads < heads`), as
@@ -49,6 +50,12 @@ def attention(
     they arrive) or `"ulysses"` (heads traded for sequence by all-to-all; its degree must divide
     the key/value heads). `form="auto"` takes the one the cost model predicts fastest among those
     whose keys and values fit the memory (`jshard.context_choice` says why).
+
+    Long keys are attended a tile of `block` keys at a time (memory-efficient attention: the
+    softmax accumulated online, the backward recomputing each tile's weights), so a device holds
+    one tile's scores `[batch, kv_heads, heads / kv_heads, its queries, block]` rather than all of
+    them; the result is the same within the dtype's rounding. In the ring, each block that arrives
+    is taken a tile at a time.
 
     Args:
       q: queries `[batch, length, heads, head_dim]`.
@@ -63,13 +70,18 @@ def attention(
         (`jshard.zigzag`), which balances a causal mask's work: each device then skips the same
         masked half of every ring block.
       scale: the scores' factor; default `1 / sqrt(head_dim)`.
+      block: keys per tile; it must divide the keys each device attends at once (the sequence;
+        the ring's: the sequence over the devices that cut it, half that with `zigzag` and
+        `causal`). None: tiles of 1024 keys where those keys are more than 1024 and a multiple
+        of it, else the keys whole (the scores held whole, as small cases always were).
 
     Returns:
       `[batch, length, heads, head_dim]`, laid out as `strategy`.
 
     Raises:
       ShardingError: a cut of the head_dim, a strategy that does not divide the shapes, or a form
-        that cannot run on this cut (Ulysses over more devices than key/value heads).
+        that cannot run on this cut (Ulysses over more devices than key/value heads), or a `block`
+        that does not divide the keys each device attends.
 
     Examples:
       >>> q = jnp.ones((1, 8, 4, 2)); kv = jnp.ones((1, 8, 2, 2))
@@ -80,18 +92,28 @@ def attention(
     _check_shapes(q, k, v)
     ctx = _context.current()
     if ctx is None or strategy is None or ctx.mode == "data":
+        _check_block(block, q, q.shape[1], "the sequence")
         pos = jnp.arange(q.shape[1])
-        return attend(q, k, v, pos, pos, causal, scale)
+        return attend(q, k, v, pos, pos, causal, scale, block)
     layout, spec = _spec(ctx, strategy, q, k)
     sharding = NamedSharding(ctx.mesh, spec)
     sequence = _axes(spec[1])
     if not sequence:  # nothing to run context parallel: XLA lays the attention out from its operands
+        _check_block(block, q, q.shape[1], "the sequence")
         q, k, v = place(q, sharding), place(k, sharding), place(v, sharding)
         pos = jnp.arange(q.shape[1])
-        return place(attend(q, k, v, pos, pos, causal, scale), sharding)
+        return place(attend(q, k, v, pos, pos, causal, scale, block), sharding)
     parts = math.prod(ctx.mesh.shape[a] for a in sequence)
     chosen, why = _form(form, _local_shape(q, k, spec, ctx.mesh.shape, parts), sequence, ctx, zigzag, spec, q)
-    body = functools.partial(FORMS[chosen], axes=sequence, parts=parts, causal=causal, scale=scale, zigzag_order=zigzag)
+    if chosen == "ring":
+        halved = causal and zigzag
+        keys = q.shape[1] // parts // (2 if halved else 1)
+        _check_block(block, q, keys, f"the ring's blocks (the sequence over {parts} devices{', halved' * halved})")
+    else:
+        _check_block(block, q, q.shape[1], "the sequence")
+    body = functools.partial(
+        FORMS[chosen], axes=sequence, parts=parts, causal=causal, scale=scale, zigzag_order=zigzag, block=block
+    )
     run = jax.shard_map(body, mesh=ctx.mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
     scope = ctx.next_scope()
     with jax.named_scope(scope):  # the region's record names the form and why (`Plan.explain`)
@@ -120,6 +142,15 @@ def context_choice(
     b, t, h, d = q_shape
     shape = AttentionShape(b, t, h, kv_heads, d, itemsize)
     return choose(shape, tuple(sequence), sequence, cost or CostModel(), zigzag)
+
+
+def _check_block(block: int | None, q, keys: int, what: str) -> None:
+    if block is not None and (not isinstance(block, int) or block < 1 or keys % block):
+        raise ShardingError(
+            f"{_CALL}: block={block!r} on q {shape_str(q.dtype, q.shape)}: each device attends {keys} keys at "
+            f"once ({what}), which tiles of {block} do not divide. Pass a positive divisor of {keys}, or "
+            "block=None (tiles of 1024 where they divide, else the keys whole)."
+        )
 
 
 def _check_shapes(q, k, v) -> None:

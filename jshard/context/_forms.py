@@ -84,27 +84,124 @@ def _masked(s: jax.Array, q_pos, k_pos, causal: bool) -> jax.Array:
     return jnp.where(q_pos[:, None] >= k_pos[None, :], s, _MASKED) if causal else s
 
 
-def attend(q, k, v, q_pos, k_pos, causal: bool, scale: float) -> jax.Array:
-    """Plain attention of `q` on `k`, `v` (grouped-query), masked by positions where `causal`."""
+TILE = 1024
+"""The keys per tile where `jshard.attention`'s `block` is None and the keys are longer than this
+and a multiple of it: shorter keys (or a length it does not divide) are attended whole."""
+
+
+def tile_of(block: int | None, keys: int) -> int | None:
+    """The keys per tile that attention over `keys` keys takes for `block` (None: `TILE` where the
+    keys are longer than it and a multiple of it), or None: the keys whole."""
+    if block is None:
+        return TILE if keys > TILE and keys % TILE == 0 else None
+    return block if block < keys else None
+
+
+def attend(q, k, v, q_pos, k_pos, causal: bool, scale: float, block: int | None = None) -> jax.Array:
+    """Attention of `q` on `k`, `v` (grouped-query), masked by positions where `causal`: plain where
+    `tile_of(block, keys)` is None, else tiled (`_tiled`: the scores of `tile` keys at a time)."""
+    tile = tile_of(block, k.shape[1])
+    if tile is not None:
+        return _tiled(q, k, v, q_pos, k_pos, _Tiles(causal, scale, tile))
     w = jax.nn.softmax(_masked(_scores(q, k, scale), q_pos, k_pos, causal), axis=-1)
     b, t, h, d = q.shape
     return _values(w, v).reshape(b, t, h, d).astype(q.dtype)
 
 
-def gathered(q, k, v, *, axes: Axes, parts: int, causal: bool, scale: float, zigzag_order: bool) -> jax.Array:
+class _Tiles(NamedTuple):
+    """Tiled attention's static settings (the custom VJP's non-differentiable argument)."""
+
+    causal: bool
+    scale: float
+    tile: int
+
+    def mask(self, q_pos, k_pos):
+        return (q_pos, k_pos) if self.causal else None
+
+
+def _in_tiles(tile: int, *xs):
+    """`xs` (keys, values `[b, t, kv, d]`; positions `[t]`) cut on their sequence dim into tiles of
+    `tile`, the tiles stacked on a new leading dim (what `lax.scan` steps over)."""
+
+    def cut(x):
+        axis = 0 if x.ndim == 1 else 1
+        shape = (*x.shape[:axis], x.shape[axis] // tile, tile, *x.shape[axis + 1 :])
+        return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+    return tuple(cut(x) for x in xs)
+
+
+def _taken(state, q, k, v, scale: float, mask, tile: int | None):
+    """`_Online.add` of `q`'s scores on keys `k` (masked by `mask`, `(q_pos, k_pos)` or None), a
+    tile of `tile` keys at a time where `tile` is not None: each tile's scores live only in its step."""
+    if tile is None or tile >= k.shape[1] or k.shape[1] % tile:
+        s = _scores(q, k, scale)
+        return _Online.add(state, s if mask is None else _masked(s, *mask, True), v)
+    k_pos = jnp.zeros(k.shape[1], jnp.int32) if mask is None else jnp.broadcast_to(mask[1], (k.shape[1],))
+
+    def step(state, kvp):
+        k_t, v_t, p_t = kvp
+        return _taken(state, q, k_t, v_t, scale, None if mask is None else (mask[0], p_t), None), None
+
+    return jax.lax.scan(step, state, _in_tiles(tile, k, v, k_pos))[0]
+
+
+def _grads_tiled(rows: _Rows, k, v, scale: float, mask, tile: int | None):
+    """`_grads`, a tile of `tile` keys at a time where `tile` is not None: `dq` summed over the
+    tiles, `dk`, `dv` each tile's own."""
+    if tile is None or tile >= k.shape[1] or k.shape[1] % tile:
+        return _grads(rows, k, v, scale, mask)
+    k_pos = jnp.zeros(k.shape[1], jnp.int32) if mask is None else jnp.broadcast_to(mask[1], (k.shape[1],))
+
+    def step(dq, kvp):
+        k_t, v_t, p_t = kvp
+        gq, gk, gv = _grads(rows, k_t, v_t, scale, None if mask is None else (mask[0], p_t))
+        return dq + gq, (gk, gv)
+
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(rows.q), _in_tiles(tile, k, v, k_pos))
+    whole = lambda x: jnp.moveaxis(x, 0, 1).reshape(k.shape)  # noqa: E731
+    return dq, whole(dk), whole(dv)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _tiled(q, k, v, q_pos, k_pos, cfg: _Tiles) -> jax.Array:
+    """Memory-efficient attention (Rabe and Staats; flash attention's schedule without its kernel):
+    the keys and values taken a tile at a time with the softmax accumulated online, forward and
+    backward, the backward recomputing each tile's weights from the saved log-sum-exp, so no more
+    than one tile's scores `[b, kv, g, t, tile]` are ever held, not all `[b, kv, g, t, t]`."""
+    return _tiled_fwd(q, k, v, q_pos, k_pos, cfg)[0]
+
+
+def _tiled_fwd(q, k, v, q_pos, k_pos, cfg: _Tiles):
+    state = _taken(_Online.start(q, k.shape[2]), q, k, v, cfg.scale, cfg.mask(q_pos, k_pos), cfg.tile)
+    out = _Online.result(state, q)
+    return out, (q, k, v, q_pos, k_pos, out, state[0] + jnp.log(state[1]))
+
+
+def _tiled_bwd(cfg: _Tiles, saved, dout):
+    q, k, v, q_pos, k_pos, out, lse = saved
+    rows = _rows(q, dout, out, lse, k.shape[2])
+    dq, dk, dv = _grads_tiled(rows, k, v, cfg.scale, cfg.mask(q_pos, k_pos), cfg.tile)
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def gathered(q, k, v, *, axes: Axes, parts: int, causal: bool, scale: float, zigzag_order: bool, block=None):
     """Queries on their run; keys and values all-gathered over `axes`."""
     me, length = jax.lax.axis_index(axes), q.shape[1] * parts
     k, v = (jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v))
     every = jnp.concatenate([positions(i, length, parts, zigzag_order) for i in range(parts)])
-    return attend(q, k, v, positions(me, length, parts, zigzag_order), every, causal, scale)
+    return attend(q, k, v, positions(me, length, parts, zigzag_order), every, causal, scale, block)
 
 
-def ulysses(q, k, v, *, axes: Axes, parts: int, causal: bool, scale: float, zigzag_order: bool) -> jax.Array:
+def ulysses(q, k, v, *, axes: Axes, parts: int, causal: bool, scale: float, zigzag_order: bool, block=None):
     """Heads for sequence by all-to-all, attention over the whole sequence, then back."""
     length = q.shape[1] * parts
     q, k, v = (jax.lax.all_to_all(x, axes, 2, 1, tiled=True) for x in (q, k, v))
     every = jnp.concatenate([positions(i, length, parts, zigzag_order) for i in range(parts)])
-    out = attend(q, k, v, every, every, causal, scale)
+    out = attend(q, k, v, every, every, causal, scale, block)
     return jax.lax.all_to_all(out, axes, 1, 2, tiled=True)
 
 
@@ -145,6 +242,7 @@ class _Ring(NamedTuple):
     causal: bool
     scale: float
     zigzag_order: bool
+    tile: int | None
 
     @property
     def balanced(self) -> bool:
@@ -155,12 +253,14 @@ class _Ring(NamedTuple):
         return tuple(jax.lax.ppermute(x, self.axes, [(i, (i + 1) % self.parts) for i in range(self.parts)]) for x in xs)
 
 
-def ring(q, k, v, *, axes: Axes, parts: int, causal: bool, scale: float, zigzag_order: bool) -> jax.Array:
+def ring(q, k, v, *, axes: Axes, parts: int, causal: bool, scale: float, zigzag_order: bool, block=None):
     """Keys and values passed around the ring: forward, `parts - 1` collective-permutes of each;
     backward, the same passes again, beside the keys' and values' gradients, which travel with
     their block and one pass more, home. Each device keeps its own blocks only (the backward
-    recomputes each block's weights from the saved log-sum-exp, as flash attention does)."""
-    return _ring(q, k, v, _Ring(axes, parts, causal, scale, zigzag_order))
+    recomputes each block's weights from the saved log-sum-exp, as flash attention does). Where
+    `tile_of(block, ...)` of a block's keys is not None, each block is taken a tile at a time."""
+    tile = tile_of(block, k.shape[1] // 2 if causal and zigzag_order else k.shape[1])
+    return _ring(q, k, v, _Ring(axes, parts, causal, scale, zigzag_order, tile))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -176,9 +276,9 @@ def _ring_forward(q, k, v, cfg: _Ring):
     def block(state, kv, source):
         k_blk, v_blk = kv
         if cfg.balanced:
-            return _zigzag_block(state, q, k_blk, v_blk, me, source, cfg.scale)
+            return _zigzag_block(state, q, k_blk, v_blk, me, source, cfg.scale, cfg.tile)
         k_pos = positions(source, length, cfg.parts, cfg.zigzag_order)
-        return _Online.add(state, _masked(_scores(q, k_blk, cfg.scale), q_pos, k_pos, cfg.causal), v_blk)
+        return _taken(state, q, k_blk, v_blk, cfg.scale, (q_pos, k_pos) if cfg.causal else None, cfg.tile)
 
     def step(carry, i):
         state, kv = carry
@@ -190,7 +290,7 @@ def _ring_forward(q, k, v, cfg: _Ring):
     return _Online.result(state, q), state[0] + jnp.log(state[1])
 
 
-def _zigzag_block(state, q, k, v, me, source, scale: float):
+def _zigzag_block(state, q, k, v, me, source, scale: float, tile: int | None):
     """One block of a causal ring in zig-zag order. Device i holds chunks (i, 2n-1-i): its own
     block is causal within; a block from device j < i is seen whole by both its query chunks
     through its first key chunk only (its second comes after both); one from j > i is seen whole
@@ -199,16 +299,15 @@ def _zigzag_block(state, q, k, v, me, source, scale: float):
 
     def own(state):
         pos = jnp.arange(q.shape[1]) % half + jnp.where(jnp.arange(q.shape[1]) < half, 0, 2 * half)
-        s = _masked(_scores(q, k, scale), pos, pos, True)
-        return _Online.add(state, s, v)
+        return _taken(state, q, k, v, scale, (pos, pos), tile)
 
     def earlier(state):
-        return _Online.add(state, _scores(q, k[:, :half], scale), v[:, :half])
+        return _taken(state, q, k[:, :half], v[:, :half], scale, None, tile)
 
     def later(state):
         m, l, o = state
         low = (m[..., :half], l[..., :half], o[:, :half])
-        high = _Online.add((m[..., half:], l[..., half:], o[:, half:]), _scores(q[:, half:], k, scale), v)
+        high = _taken((m[..., half:], l[..., half:], o[:, half:]), q[:, half:], k, v, scale, None, tile)
         return tuple(jnp.concatenate([a, b], axis=-1 if i < 2 else 1) for i, (a, b) in enumerate(zip(low, high)))
 
     branch = jnp.where(source == me, 0, jnp.where(source < me, 1, 2))
@@ -222,18 +321,15 @@ def _ring_fwd(q, k, v, cfg: _Ring):
 
 def _ring_bwd(cfg: _Ring, saved, dout):
     q, k, v, out, lse = saved
-    b, t, h, d = q.shape
-    kv = k.shape[2]
-    grouped = lambda x: x.reshape(b, t, kv, h // kv, d).astype(jnp.float32)  # noqa: E731
-    rows = _Rows(grouped(q), grouped(dout), lse, jnp.einsum("bqkgd,bqkgd->bkgq", grouped(dout), grouped(out)))
-    me, length = jax.lax.axis_index(cfg.axes), t * cfg.parts
+    rows = _rows(q, dout, out, lse, k.shape[2])
+    me, length = jax.lax.axis_index(cfg.axes), q.shape[1] * cfg.parts
     q_pos = positions(me, length, cfg.parts, cfg.zigzag_order)
 
     def block(kv_blk, source):
         if cfg.balanced:
-            return _zigzag_grads(rows, *kv_blk, me, source, cfg.scale)
+            return _zigzag_grads(rows, *kv_blk, me, source, cfg.scale, cfg.tile)
         k_pos = positions(source, length, cfg.parts, cfg.zigzag_order)
-        return _grads(rows, *kv_blk, cfg.scale, (q_pos, k_pos) if cfg.causal else None)
+        return _grads_tiled(rows, *kv_blk, cfg.scale, (q_pos, k_pos) if cfg.causal else None, cfg.tile)
 
     def step(carry, i):
         dq, kv_blk, dkv = carry
@@ -267,6 +363,14 @@ class _Rows(NamedTuple):
         return _Rows(self.q[:, cut], self.dout[:, cut], self.lse[..., cut], self.delta[..., cut])
 
 
+def _rows(q, dout, out, lse, kv: int) -> _Rows:
+    """The `_Rows` of queries `q` `[b, t, h, d]`, their output `out`, its cotangent `dout` and the
+    scores' log-sum-exp `lse` over `kv` key/value heads."""
+    b, t, h, d = q.shape
+    grouped = lambda x: x.reshape(b, t, kv, h // kv, d).astype(jnp.float32)  # noqa: E731
+    return _Rows(grouped(q), grouped(dout), lse, jnp.einsum("bqkgd,bqkgd->bkgq", grouped(dout), grouped(out)))
+
+
 def _grads(rows: _Rows, k, v, scale: float, mask):
     """The gradients of the rows' attention to one block of keys `k` and values `v`: `(dq, dk, dv)`."""
     s = jnp.einsum("bqkgd,bskd->bkgqs", rows.q, k, preferred_element_type=jnp.float32) * scale
@@ -279,21 +383,21 @@ def _grads(rows: _Rows, k, v, scale: float, mask):
     return jnp.einsum("bkgqs,bskd->bqkgd", ds, k.astype(jnp.float32)), jnp.einsum("bkgqs,bqkgd->bskd", ds, rows.q), dv
 
 
-def _zigzag_grads(rows: _Rows, k, v, me, source, scale: float):
+def _zigzag_grads(rows: _Rows, k, v, me, source, scale: float, tile: int | None):
     """`_zigzag_block`'s three cases, backward: the same halves of the block."""
     half = k.shape[1] // 2
 
     def own():
         pos = jnp.arange(2 * half) % half + jnp.where(jnp.arange(2 * half) < half, 0, 2 * half)
-        return _grads(rows, k, v, scale, (pos, pos))
+        return _grads_tiled(rows, k, v, scale, (pos, pos), tile)
 
     def earlier():
-        dq, dk, dv = _grads(rows, k[:, :half], v[:, :half], scale, None)
+        dq, dk, dv = _grads_tiled(rows, k[:, :half], v[:, :half], scale, None, tile)
         pad = [(0, 0), (0, half), (0, 0), (0, 0)]
         return dq, jnp.pad(dk, pad), jnp.pad(dv, pad)
 
     def later():
-        dq, dk, dv = _grads(rows.half(True), k, v, scale, None)
+        dq, dk, dv = _grads_tiled(rows.half(True), k, v, scale, None, tile)
         return jnp.pad(dq, [(0, 0), (half, 0), (0, 0), (0, 0), (0, 0)]), dk, dv
 
     branch = jnp.where(source == me, 0, jnp.where(source < me, 1, 2))
