@@ -43,6 +43,8 @@ class Decoder:
     top_k: int = 2
     capacity_factor: float = 1.25
     rope_theta: float = 500_000.0
+    context: tuple[int, ...] | js.TensorLayout | None = None
+    context_form: str = "auto"
 
     @property
     def head_dim(self) -> int:
@@ -120,17 +122,12 @@ def _rope(x: jax.Array, theta: float) -> jax.Array:
 
 def _attention(p: dict, x: jax.Array, cfg: Decoder) -> jax.Array:
     b, t, _ = x.shape
-    kv, g, hd = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    q = _rope((x @ p["wq"]).reshape(b, t, cfg.n_heads, hd), cfg.rope_theta).reshape(b, t, kv, g, hd)
-    k = _rope((x @ p["wk"]).reshape(b, t, kv, hd), cfg.rope_theta)
-    v = (x @ p["wv"]).reshape(b, t, kv, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) / math.sqrt(hd)
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    weights = jax.nn.softmax(jnp.where(causal[None, None, None], scores.astype(jnp.float32), -1e9), axis=-1).astype(
-        x.dtype
-    )
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(b, t, cfg.n_heads * hd)
-    return out @ p["wo"]
+    hd = cfg.head_dim
+    q = _rope((x @ p["wq"]).reshape(b, t, cfg.n_heads, hd), cfg.rope_theta)
+    k = _rope((x @ p["wk"]).reshape(b, t, cfg.n_kv_heads, hd), cfg.rope_theta)
+    v = (x @ p["wv"]).reshape(b, t, cfg.n_kv_heads, hd)
+    out = js.attention(q, k, v, causal=True, strategy=cfg.context, form=cfg.context_form)
+    return out.reshape(b, t, cfg.n_heads * hd) @ p["wo"]
 
 
 def _swiglu(p: dict, x: jax.Array) -> jax.Array:

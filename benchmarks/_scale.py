@@ -7,6 +7,7 @@ configuration planned through jshard too, so both are priced by the same cost mo
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -87,30 +88,40 @@ class Published(NamedTuple):
     why: str = ""
 
 
-def _fsdp(cfg: _llama.Decoder, devices: int, batch: int) -> dict:
-    """MaxText's `ici_fsdp_parallelism=-1`, `remat_policy=full`: the batch over every device, each
-    parameter and its Adam moments stored cut over them (their first dim past the layer axis that the
-    count divides), the search laying out the rest (gathering the weights before use, as FSDP does, or
-    not) under the budget, as jshard's own row's."""
-    lay = js.Layout((devices,), ("fsdp",))
+def _fsdp(cfg: _llama.Decoder, devices: int, batch: int, context: int = 1) -> dict:
+    """MaxText's `ici_fsdp_parallelism=-1`, `remat_policy=full` (with `context` > 1, torchtitan's and
+    MaxText's FSDP x CP: the sequence cut `context` ways, the batch over the rest): each parameter and
+    its Adam moments stored cut over every device (their first dim past the layer axis that the count
+    divides), the batch over every device (or the devices beside the sequence's cut), the search
+    laying out the rest (gathering the weights before use, as FSDP does, or not) under the budget, as
+    jshard's own row's."""
+    lay = js.Layout((devices // context, context), ("fsdp", "cp"))
+    every = ("fsdp", "cp")
 
     def stored(path, leaf) -> js.Layout:
         dims = ["None"] * len(leaf.shape)
         first = 1 if jax.tree_util.keystr(path).startswith("['layers']") else 0
         cut = next(i for i in range(first, len(dims)) if leaf.shape[i] % devices == 0)
-        dims[cut] = "fsdp"
+        dims[cut] = every
         return lay(*dims)
 
     abstract = _llama.abstract_args(cfg, batch)
     params = jax.tree_util.tree_map_with_path(stored, abstract[0])
-    tokens = lay("fsdp", "None")
+    tokens = lay(every, "None") if context == 1 else lay("fsdp", "cp")
     state = models.state_strategies(params, abstract[0], abstract[1])
     return {
         "mode": "auto",
         "search": js.Search(memory_budget=BUDGET),
         "recompute": "full",
+        "context": None if context == 1 else lay("fsdp", "cp", "None", "None"),
         "in_strategy": (params, state, (tokens, tokens)),
     }
+
+
+def _fsdp_cp(context: int) -> Callable[[_llama.Decoder, int, int], dict]:
+    """`_fsdp` with the sequence cut `context` ways (context parallel, the attention's form the cost
+    model's: `jshard.attention(form='auto')`)."""
+    return lambda cfg, devices, batch: _fsdp(cfg, devices, batch, context)
 
 
 def _expert_data(cfg: _llama.Decoder, devices: int, batch: int) -> dict:
@@ -122,7 +133,13 @@ def _expert_data(cfg: _llama.Decoder, devices: int, batch: int) -> dict:
     for w in ("w_gate", "w_up", "w_down"):
         params["layers"][w] = lay("None", "ep", "None", "None")
     tokens = lay(("dp", "ep"), "None")
-    return {"mode": "semi_auto", "optimizer": 1, "recompute": None, "in_strategy": (params, None, (tokens, tokens))}
+    return {
+        "mode": "semi_auto",
+        "optimizer": 1,
+        "recompute": None,
+        "context": None,
+        "in_strategy": (params, None, (tokens, tokens)),
+    }
 
 
 MEGATRON_MOE = (
@@ -166,8 +183,7 @@ PUBLISHED = (
         131072 / 4 / 1071,
         "131072 / 4 tokens per GPU / 1,071 tokens/s",
         TORCHTITAN_H100,
-        None,
-        "context parallel (the sequence cut over devices) is not on this branch",
+        _fsdp_cp(4),
     ),
     Published(
         LLAMA_70B.name,
@@ -178,8 +194,7 @@ PUBLISHED = (
         None,
         "",
         f"{MAXTEXT_TRILLIUM} (llama3_1_70b_131072; v6e-256 in benchmarks/maxtext_xpk_runner.py)",
-        None,
-        "context parallel is not on this branch",
+        _fsdp_cp(16),
     ),
 )
 
@@ -200,8 +215,18 @@ def _step(cfg: _llama.Decoder, recompute: str | None):
     return _llama.train_step(cfg, recompute)
 
 
+def context_cut(case: Case, devices: int) -> tuple[int, ...] | None:
+    """jshard's own row's attention strategy: None (the search lays the attention out) where the
+    batch covers the devices; else the batch cut over its sequences and the sequence over the devices
+    it leaves, the least context-parallel degree with a device per part of the work."""
+    batch = case.batch(devices)
+    return None if batch >= devices else (batch, devices // batch, 1, 1)
+
+
 def plan_auto(case: Case, devices: int) -> Planned:
-    """jshard's own plan: `mode="auto"` under the H100 budget, the recompute policy the search's."""
+    """jshard's own plan: `mode="auto"` under the H100 budget, the recompute policy the search's,
+    the attention's strategy `context_cut`'s."""
+    case = case._replace(cfg=dataclasses.replace(case.cfg, context=context_cut(case, devices)))
     step = js.parallelize(
         _step(case.cfg, "auto"),
         devices=devices,
@@ -217,6 +242,7 @@ def plan_published(pub: Published, case: Case, devices: int) -> Planned:
     """The published configuration's degrees planned through jshard, on this table's model and batch."""
     kw = dict(pub.plan(case.cfg, devices, case.batch(devices)))
     recompute = kw.pop("recompute")
+    case = case._replace(cfg=dataclasses.replace(case.cfg, context=kw.pop("context")))
     step = js.parallelize(
         _step(case.cfg, recompute),
         devices=devices,
@@ -269,8 +295,7 @@ def degrees(plan: js.Plan, cfg: _llama.Decoder) -> str:
     tensor (their heads' cut), sequence (their queries' cut), expert (the experts' matmul's expert
     cut), and FSDP (how many ways the stored feed-forward weight is cut beyond its cut in use)."""
     forward = [op for op in plan.ops if op.primitive == "dot_general" and not op.backward and not op.recomputed]
-    scores = next(op for op in forward if len(_cuts(op.out_strategy)) == 5 and "_attention" in op.source)
-    batch, kv, g, q, _ = _cuts(scores.out_strategy)
+    batch, heads, q = _attention_cuts(plan)
     shape = f"[{cfg.n_experts},{cfg.d_model},{cfg.d_ff}]" if cfg.n_experts else f"[{cfg.d_model},{cfg.d_ff}]"
     ffn = next(
         op
@@ -282,11 +307,28 @@ def degrees(plan: js.Plan, cfg: _llama.Decoder) -> str:
     for c in weight:
         used *= c
     stored = plan.device_count // _replicas(plan, "w_up")
-    parts = [f"data {batch}", f"FSDP {max(stored // used, 1)}", f"tensor {kv * g}"]
+    parts = [f"data {batch}", f"FSDP {max(stored // used, 1)}", f"tensor {heads}"]
     if cfg.n_experts:
         parts.append(f"expert {weight[0]}")
     parts += [f"sequence {q}", "pipeline 1"]
     return " · ".join(parts)
+
+
+def _attention_cuts(plan: js.Plan) -> tuple[int, int, int]:
+    """`(batch, heads, sequence)` cuts of the attention: its region's queries' where it runs context
+    parallel (a `shard_map`), else its scores' `[b, kv, g, t, tile]` (the first forward product)."""
+    for op in plan.ops:
+        if op.primitive == "shard_map" and not op.backward and "_attention" in op.source and len(_cuts(op.in_strategy)) == 4:
+            b, t, h, _ = _cuts(op.in_strategy)
+            return b, h, t
+    scores = next(
+        op
+        for op in plan.ops
+        if op.primitive == "dot_general" and not op.backward and len(_cuts(op.out_strategy)) == 5
+        and ("_attention" in op.source or "_forms" in op.source)
+    )
+    b, kv, g, t, _ = _cuts(scores.out_strategy)
+    return b, kv * g, t
 
 
 def _replicas(plan: js.Plan, name: str) -> int:

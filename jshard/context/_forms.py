@@ -136,14 +136,30 @@ def _taken(state, q, k, v, scale: float, mask, tile: int | None):
     tile of `tile` keys at a time where `tile` is not None: each tile's scores live only in its step."""
     if tile is None or tile >= k.shape[1] or k.shape[1] % tile:
         s = _scores(q, k, scale)
-        return _Online.add(state, s if mask is None else _masked(s, *mask, True), v)
+        return _Online.add(state, s if mask is None else s + _bias(*mask)[None, None, None], v)
     k_pos = jnp.zeros(k.shape[1], jnp.int32) if mask is None else jnp.broadcast_to(mask[1], (k.shape[1],))
+    mask = None if mask is None else (_varying(mask[0], q), mask[1])
 
     def step(state, kvp):
         k_t, v_t, p_t = kvp
         return _taken(state, q, k_t, v_t, scale, None if mask is None else (mask[0], p_t), None), None
 
     return jax.lax.scan(step, state, _in_tiles(tile, k, v, k_pos))[0]
+
+
+def _bias(q_pos, k_pos) -> jax.Array:
+    """`[tq, tk]`: 0 where a query may see a key, `_MASKED` where the causal mask hides it (added
+    to the scores rather than selected, so nothing of the scores' full shape is made from the
+    positions alone)."""
+    return jnp.where(q_pos[:, None] >= k_pos[None, :], 0.0, _MASKED).astype(jnp.float32)
+
+
+def _varying(pos: jax.Array, x: jax.Array) -> jax.Array:
+    """`pos` plus a zero read from `x`. Positions are constants (iotas and `axis_index`); under
+    `jax.checkpoint` inside a `lax.scan` (a recomputed layer), JAX's partial evaluation keeps
+    what is made of constants alone as residuals and hoists them out of the loop: every tile's
+    mask, O(length^2) bytes. Made of `x`, the masks are recomputed with the scores instead."""
+    return pos + jnp.isnan(x[(0,) * x.ndim]).astype(pos.dtype) * 0
 
 
 def _grads_tiled(rows: _Rows, k, v, scale: float, mask, tile: int | None):

@@ -16,6 +16,8 @@ from jshard.propagate._engine import unpriced_dead as unpriced_dead
 from jshard.propagate._global import propagate_globally as propagate_globally
 from jshard.propagate._manual import MANUAL as MANUAL
 from jshard.propagate._manual import manual_comms as manual_comms
+from jshard.propagate._manual import manual_flops as manual_flops
+from jshard.propagate._manual import manual_seconds as manual_seconds
 from jshard.propagate._manual import manual_specs as manual_specs
 from jshard.propagate._priced import Priced as Priced
 from jshard.propagate._priced import priced as priced

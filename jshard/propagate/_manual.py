@@ -1,9 +1,11 @@
 """A manual region (`jax.shard_map`): its operands taken and its results made in its own specs, and
 the collectives its body runs priced as written (what `jshard.attention`'s context-parallel forms
-and any user's `shard_map` move), each weighted by the trip counts of the loops around it."""
+and any user's `shard_map` move), each weighted by the trip counts of the loops around it; its
+body's matrix products are its compute (`manual_flops`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 
 from jax.extend import core as jcore
@@ -39,6 +41,31 @@ def manual_comms(eqn: jcore.JaxprEqn) -> tuple[Comm, ...]:
     """Each collective of the region's body, once per run of the region: payload bytes per device
     in the audit's convention (an all-gather's result, every other kind's operands)."""
     return tuple(_collectives(eqn.params["jaxpr"], 1))
+
+
+def manual_flops(eqn: jcore.JaxprEqn) -> float:
+    """The floating-point work of the region's matrix products per device, per run of the region:
+    its body's `dot_general`s at their local shapes, each weighted by the trip counts of the loops
+    inside the body (a branch: its costliest). Elementwise work is left out (a body's products
+    dominate: attention's)."""
+    return _flops(eqn.params["jaxpr"])
+
+
+def _flops(jaxpr: jcore.Jaxpr) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = shape_of(eqn.invars[0])
+            total += 2.0 * math.prod(shape_of(eqn.outvars[0])) * math.prod(lhs[i] for i in contract)
+            continue
+        branches = eqn.params.get("branches", ())
+        if branches:
+            total += max(_flops(b.jaxpr if hasattr(b, "jaxpr") else b) for b in branches)
+            continue
+        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        total += times * sum(_flops(sub) for sub in _bodies(eqn))
+    return total
 
 
 def manual_seconds(comms: tuple[Comm, ...], axis_size: Mapping[str, int], cost: CostModel) -> float:

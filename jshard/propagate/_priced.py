@@ -12,6 +12,7 @@ from jax.extend import core as jcore
 from jshard.cost import CostModel, Timeline
 from jshard.graph import Node
 from jshard.propagate._engine import Decision, Result
+from jshard.propagate._manual import MANUAL, manual_flops
 from jshard.rules import OpTable
 
 _AFTER = frozenset({"all-reduce"})
@@ -67,6 +68,12 @@ def priced(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], 
         decision = result.decisions.get(i)
         if decision is not None:
             comm += decision.seconds
+        if node.primitive == MANUAL:  # its body's products, at one device's shapes
+            work = node.weight * manual_flops(node.eqn)
+            flops, device = flops + work * math.prod(axis_size.values()), device + work
+            seconds[i] = node.weight * cost.compute_seconds(work / node.weight, matmul=True) if work else 0.0
+            compute += seconds[i]
+            continue
         f = table.factors.get(i)
         if f is None or i in result.unruled or not (f.flops or i in moved):
             continue

@@ -47,7 +47,7 @@ from jshard.cost import (
 )
 from jshard.graph import CONSTRAINT, NESTED, Node
 from jshard.layouts import Spec, constraint_spec
-from jshard.propagate import MANUAL, manual_specs
+from jshard.propagate import MANUAL, manual_comms, manual_flops, manual_seconds, manual_specs
 from jshard.rules import Factors, OpTable, expressible, shape_of, write_spec
 
 Assignment = dict  # factor id -> mesh axes (major to minor)
@@ -102,6 +102,8 @@ class Unit:
       traffic: the device-memory bytes it moves per run once fused (`OpTable.traffic`), on one
         device holding everything.
       matmul: whether it runs on the matrix units (`CostModel.matmul_flops`).
+      region: a manual region's (`shard_map`) own collectives' seconds per run, its body's as
+        written (`jshard.propagate.manual_comms`); 0 for any other unit.
     """
 
     node: int
@@ -114,6 +116,7 @@ class Unit:
     fixed: dict | None = None
     traffic: float = 0.0
     matmul: bool = False
+    region: float = 0.0
 
     @property
     def free(self) -> bool:
@@ -222,7 +225,10 @@ class SearchGraph:
         operands = ins + outs
         if node.primitive == MANUAL:  # a shard_map region: its operands in its own specs
             specs = dict(enumerate(sum(manual_specs(node.eqn), ())))
-            self._unit(Unit(i, None, Factors((), (), ()), (), tuple(range(len(operands))), node.weight, 0.0, specs))
+            flops = manual_flops(node.eqn)  # per device already: the body's shapes are local
+            region = manual_seconds(manual_comms(node.eqn), self.axis_size, self.cost)
+            self._unit(Unit(i, None, Factors((), (), ()), (), tuple(range(len(operands))), node.weight, flops, specs,
+                            matmul=True, region=region))
             return
         if i in e.unruled:  # no rule: every operand whole, as the engine leaves it
             fixed = {k: tuple(() for _ in shape_of(v)) for k, v in enumerate(operands)}
@@ -408,8 +414,9 @@ class SearchGraph:
         """Unit `k`'s own cost under `a` as `(partial sums, compute)` (`unit_seconds`), each
         weighted by how often it runs."""
         u = self.units[k]
-        if not u.free:
-            return 0.0, 0.0
+        if not u.free:  # a manual region's work is its body's, per device as written
+            compute = self.cost.compute_seconds(u.flops, 0.0, u.matmul) if u.flops else 0.0
+            return u.weight * u.region, u.weight * compute
         f = u.factors
         summed = compute = 0.0
         partial = self.partial_sums(k, a)
@@ -565,8 +572,12 @@ class SearchGraph:
         """The share of the single-device FLOPs one device does under `choice` (1.0: nothing is cut),
         as `unit_seconds` prices the compute."""
         whole = done = 0.0
+        devices = math.prod(self.axis_size.values())
         for u, a in zip(self.units, choice):
-            if u.flops:
+            if u.flops and not u.free:  # a manual region: its body's flops are one device's
+                whole += u.weight * u.flops * devices
+                done += u.weight * u.flops
+            elif u.flops:
                 whole += u.weight * u.flops
                 done += u.weight * u.flops / math.prod(self.axis_size[x] for fac in u.own for x in a.get(fac, ()))
         return done / whole if whole else 1.0
