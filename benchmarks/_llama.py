@@ -2,8 +2,12 @@
 attention, SwiGLU feed-forward or a Mixtral-style mixture of SwiGLU experts, its layers stacked under
 `lax.scan`, each marked `jshard.recompute(policy="auto")` so the search chooses what to keep.
 
-What differs from the real models: attention is written plainly (the scores `[b, kv, g, t, t]` are
-materialized, where the peers run a flash kernel that holds none); the experts take GShard's
+What differs from the real models: attention is `jshard.attention(causal=True)` (grouped-query;
+`Decoder.context`, its strategy, may cut the sequence: context parallel), computed in tiles of 1024
+keys with the softmax online and the backward recomputing each tile (flash attention's schedule
+written in JAX, where the peers run a fused kernel: cuDNN, Pallas, or torch's SDPA), except
+Mixtral's 4,096-token attention, taken whole (`attention_block=4096`, the scores held: it fits);
+the experts take GShard's
 capacity-based dispatch (`jshard.models.capacity_dispatch`, each sequence a group, capacity factor
 1.25: tokens over capacity dropped, as MaxText's `mixtral_8x7b_dropped`), where Megatron's run is
 dropless; no load-balancing loss; parameters and Adam state in float32, the layers computing in
@@ -29,7 +33,10 @@ COMPUTE = jnp.bfloat16
 @dataclasses.dataclass(frozen=True, slots=True)
 class Decoder:
     """A Llama-class decoder's sizes; `n_experts` > 0 makes each feed-forward a mixture of that many
-    SwiGLU experts, `top_k` of them per token (Mixtral)."""
+    SwiGLU experts, `top_k` of them per token (Mixtral). `context`: the queries' strategy
+    `[batch, seq, heads, head_dim]` for `jshard.attention` (None: none of its own), run in
+    `context_form` where it cuts the sequence; `attention_block`: its keys per tile (None: its
+    default, tiles of 1024 past 1024 keys; `seq_len`: the keys whole, plain attention)."""
 
     name: str
     vocab: int
@@ -45,6 +52,7 @@ class Decoder:
     rope_theta: float = 500_000.0
     context: tuple[int, ...] | js.TensorLayout | None = None
     context_form: str = "auto"
+    attention_block: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -126,7 +134,7 @@ def _attention(p: dict, x: jax.Array, cfg: Decoder) -> jax.Array:
     q = _rope((x @ p["wq"]).reshape(b, t, cfg.n_heads, hd), cfg.rope_theta)
     k = _rope((x @ p["wk"]).reshape(b, t, cfg.n_kv_heads, hd), cfg.rope_theta)
     v = (x @ p["wv"]).reshape(b, t, cfg.n_kv_heads, hd)
-    out = js.attention(q, k, v, causal=True, strategy=cfg.context, form=cfg.context_form)
+    out = js.attention(q, k, v, causal=True, strategy=cfg.context, form=cfg.context_form, block=cfg.attention_block)
     return out.reshape(b, t, cfg.n_heads * hd) @ p["wo"]
 
 

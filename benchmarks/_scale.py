@@ -37,6 +37,7 @@ MIXTRAL = _llama.Decoder(
     n_experts=8,
     top_k=2,
     rope_theta=1e6,
+    attention_block=4096,
 )
 LLAMA_8B = _llama.Decoder(
     "Llama 3 8B, 128k", vocab=128256, seq_len=131072, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, n_layers=32
@@ -314,13 +315,16 @@ def degrees(plan: js.Plan, cfg: _llama.Decoder) -> str:
     return " · ".join(parts)
 
 
-def _attention_cuts(plan: js.Plan) -> tuple[int, int, int]:
+def _attention_cuts(plan: js.Plan) -> tuple[int, int, int | str]:
     """`(batch, heads, sequence)` cuts of the attention: its region's queries' where it runs context
-    parallel (a `shard_map`), else its scores' `[b, kv, g, t, tile]` (the first forward product)."""
+    parallel (a `shard_map`; the sequence with the form `jshard.attention` took), else its scores'
+    `[b, kv, g, t, tile]` (the first forward product)."""
     for op in plan.ops:
-        if op.primitive == "shard_map" and not op.backward and "_attention" in op.source and len(_cuts(op.in_strategy)) == 4:
-            b, t, h, _ = _cuts(op.in_strategy)
-            return b, h, t
+        if op.primitive == "shard_map" and not op.backward and "_attention" in op.source:
+            if len(_cuts(op.in_strategy)) == 4:
+                b, t, h, _ = _cuts(op.in_strategy)
+                form = re.search(r"\): (\w+)", op.annotation or "")
+                return b, h, f"{t} ({form.group(1)})" if form else t
     scores = next(
         op
         for op in plan.ops
@@ -441,7 +445,15 @@ def scale_table(
             "jshard auto: `jshard.parallelize(step, devices=n, mode='auto', search=js.Search(memory_budget='80GiB'), "
             "cost_model=CostModel.for_device('H100'))` of the Adam train step, on shapes only (an abstract mesh; "
             "nothing compiled), each layer `jshard.recompute(policy='auto')`: the search weighs none, selective and "
-            "full recompute and keeps the fastest plan that fits. predicted step / peak: the search's (alpha-beta "
+            "full recompute and keeps the fastest plan that fits. On the 128k rows, where the batch (a sequence per "
+            "4 or 8 devices) does not cover the devices, the harness, not the search, gives `jshard.attention` a "
+            "strategy: the batch cut over its sequences and the sequence over the devices left (`context_cut`: "
+            "sequence 4 for the 8B, 8 for the 70B, the least context-parallel degree that leaves no device idle); "
+            "the search lays out everything else (FSDP, heads, the logits, recompute) and `form='auto'` takes the "
+            "cost model's form. The search does not choose a manual region's cut: with `strategy=None` it cuts "
+            "the tiled attention's queries itself (a gather in its global view) and its plan fits, but on 256 "
+            "devices it predicted 158 s for the 8B step (sequence 16, tensor 4; measured on this branch before the "
+            "harness took `context_cut`, not in this table). predicted step / peak: the search's (alpha-beta "
             "collectives at the H100's NVLink rate on every mesh axis, compute at the measured matmul rate, the "
             "memory model's peak at top-level program points); a plan over the budget shows the least peak any "
             "recompute policy reaches. plan time: trace + search + records, wall clock, on a 2-core machine shared "
@@ -454,7 +466,13 @@ def scale_table(
             "their heads' cut, sequence = their queries' cut, expert = the experts' matmul's expert cut, FSDP = the "
             "stored feed-forward weight's cut over its cut in use (gathered before use); jshard's auto mode builds "
             "no pipeline stages (`jshard.Pipelining` does, given stages).",
-            "Published as planned by jshard, on this table's model and batch: MaxText's FSDP is `mode='auto'` with "
+            "Published as planned by jshard, on this table's model and batch: torchtitan's FSDP 2 x CP 4 (on 8 "
+            "GPUs) and MaxText's FSDP x CP 16 are `mode='auto'` with a `Layout((n/cp, cp), ('fsdp', 'cp'))`: "
+            "every parameter and its Adam moments stored cut over all n devices (both peers shard over the "
+            "context axis too), the tokens' batch over fsdp and their sequence over cp, `jshard.attention`'s "
+            "strategy the same cut (`form='auto'`), full recompute (torchtitan's full activation checkpointing; "
+            "MaxText's custom remat with offload taken as full), the search laying out the rest under the same "
+            "budget. MaxText's FSDP (Mixtral) is `mode='auto'` with "
             "its layouts as anchors (every parameter and its Adam moments stored cut over all devices on their "
             "first dim the count divides; the batch over all devices), full recompute, the activations laid "
             "out by the same search under the same budget as jshard's own row; Megatron-LM's TP 1 x EP 8 x DP with "
@@ -470,8 +488,14 @@ def scale_table(
             "as on 256 at the same tokens per device: its FLOPs per device stay 1/n of the step's and its collectives' "
             "seconds stay level, but its compute term (each operator's roofline, memory traffic included) doubles; "
             "not investigated here. jshard's own row and MaxText's, both searched, stay level.",
-            "Context parallel is being built on another branch: on this one the 128k rows show what main's planner "
-            "does with plain attention, whose scores `[b, kv, g, t, t]` (2 TiB per 128k sequence in float32 for "
-            "32 heads) no cut of 1,024 devices brings under 80 GiB. After the merge the same harness plans them again.",
+            "Attention's memory: plain attention's scores `[b, kv, g, t, t]` (2 TiB per 128k sequence in float32 for "
+            "32 heads) fit no plan (648-661 GiB per device at least before this table moved to tiled attention). "
+            "Tiled, a device holds one tile's scores `[b, kv, g, its queries, 1024]`: 4 GiB in float32 for the 8B "
+            "at sequence 4 (32 heads, 32,768 queries), and the backward's few arrays of that shape beside it. The "
+            "memory model's peak counts values at top-level program points: what lives inside the scanned layer "
+            "(these tiles, a layer's feed-forward intermediates) is not in the predicted peak, so a plan at 72-79 "
+            "GiB may need a smaller `block` to fit compiled. A manual region (the context-parallel attention) is "
+            "priced by its body's collectives and matrix products per device (before this table's change, its "
+            "matrix products were priced at zero).",
         ),
     )

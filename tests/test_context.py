@@ -19,10 +19,10 @@ SEQUENCE = LAY("dp", "sp", "None", "None")  # q [batch, length, heads, head_dim]
 SP = 4
 
 
-def _step(form: str, zigzag: bool = False, strategy=SEQUENCE):
+def _step(form: str, zigzag: bool = False, strategy=SEQUENCE, block=None):
     def loss(p, x):
         q, k, v = (jnp.einsum("btd,dhe->bthe", x, p[w]) for w in ("wq", "wk", "wv"))
-        o = js.attention(q, k, v, causal=True, strategy=strategy, form=form, zigzag=zigzag)
+        o = js.attention(q, k, v, causal=True, strategy=strategy, form=form, zigzag=zigzag, block=block)
         return jnp.mean(jnp.einsum("bthe,hed->btd", o, p["wo"]) ** 2)
 
     def step(p, x):
@@ -311,3 +311,74 @@ def test_an_unknown_form_is_named(args):
     par = js.parallelize(_step("flash"), devices=8, in_strategy=(None, LAY("dp", "sp", "None")))
     with pytest.raises(ValueError, match=r"form='flash'; pass 'auto', 'gather', 'ring' or 'ulysses'"):
         par.plan(p, x)
+
+
+@pytest.mark.parametrize(("form", "zigzag"), [("none", False), ("gather", False), ("ring", True), ("ulysses", False)])
+def test_tiled_attention_equals_one_device(args, one_device, form, zigzag):
+    """`block=4`: the keys taken 4 at a time (the softmax online, the backward recomputing each
+    tile), with no sequence cut (`strategy=None`, one device) and inside each form (the zig-zag
+    ring's half-blocks of 4 keys in one tile): one train step equals one device's plain attention."""
+    p, x = args
+    if form == "none":
+        got = jax.jit(_step("auto", strategy=None, block=4))(p, x)
+    else:
+        x_in = js.zigzag(x, SP) if zigzag else x
+        par = js.parallelize(
+            _step(form, zigzag, block=4), devices=8, mode="semi_auto", in_strategy=(None, LAY("dp", "sp", "None"))
+        )
+        got = par(p, x_in)
+    assert_close(got, one_device, terms=step_terms(p, x) + 3 * T)
+
+
+def test_tiled_attention_holds_one_tile_of_scores():
+    """One sequence of 1024 tokens on one device: plain attention holds the [1024, 1024] scores of
+    each head (forward, and their weights for the backward); tiles of 128 keys hold one tile's. The
+    compiled train step's peak is under half the plain one's."""
+    rng = np.random.default_rng(0)
+    shapes = {"wq": (16, 2, 8), "wk": (16, 2, 8), "wv": (16, 2, 8), "wo": (2, 8, 16)}
+    p = {k: jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for k, s in shapes.items()}
+    x = jnp.asarray(rng.normal(size=(1, 1024, 16)), jnp.float32)
+    peaks = {
+        block: js.audit(jax.jit(_step("auto", strategy=None, block=block)).lower(p, x).compile()).memory.peak_bytes
+        for block in (1024, 128)
+    }
+    assert peaks[128] < peaks[1024] / 2, peaks
+
+
+def test_a_recomputed_scanned_layer_keeps_no_tile_masks():
+    """Under `jshard.recompute` in a `lax.scan` (a model's layers), the tiles' causal masks are
+    recomputed with their scores: the differentiated program keeps nothing of length^2 elements
+    (made of positions alone, JAX's partial evaluation would hoist every tile's mask out of the loop
+    as a residual)."""
+    t = 256
+
+    def loss(x):
+        def layer(h, _):
+            q = h.reshape(1, t, 2, 8)
+            o = js.recompute(lambda q: js.attention(q, q[:, :, :1], q[:, :, :1], causal=True, block=32))(q)
+            return o.reshape(h.shape), None
+
+        return jnp.sum(jax.lax.scan(layer, x, None, length=2)[0] ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(jnp.ones((1, t, 16), jnp.float32))
+    sizes = [int(np.prod(v.aval.shape)) for e in jaxpr.eqns for v in e.outvars if hasattr(v.aval, "shape")]
+    assert max(sizes) < t * t, max(sizes)
+
+
+def test_a_block_that_does_not_divide_is_refused(args):
+    p, x = args
+    par = js.parallelize(_step("ring", block=3), devices=8, in_strategy=(None, LAY("dp", "sp", "None")))
+    with pytest.raises(js.ShardingError, match=r"block=3 .* each device attends 8 keys at once \(the ring's blocks"):
+        par.plan(p, x)
+
+
+def test_a_manual_regions_matmuls_are_priced(args):
+    """The ring's region is priced by its body's matrix products per device (`Plan.work`): the
+    plan's FLOPs are those of the same step with its attention laid out by the search, less the
+    softmax's elementwise work the region's price leaves out (unpriced, the region counted none)."""
+    p, x = args
+    ring = js.parallelize(_step("ring"), devices=8, in_strategy=(None, LAY("dp", "sp", "None"))).plan(p, x)
+    plain = js.parallelize(_step("auto", strategy=None), devices=8, in_strategy=(None, LAY("dp", "sp", "None")))
+    want = plain.plan(p, x).work.flops
+    assert 0.8 * want <= ring.work.flops <= want, (ring.work.flops, want)
+    assert ring.work.device_flops < ring.work.flops / 4
