@@ -103,7 +103,8 @@ def attend(q, k, v, q_pos, k_pos, causal: bool, scale: float, block: int | None 
     tile = tile_of(block, k.shape[1])
     if tile is not None:
         return _tiled(q, k, v, q_pos, k_pos, _Tiles(causal, scale, tile))
-    w = jax.nn.softmax(_masked(_scores(q, k, scale), q_pos, k_pos, causal), axis=-1)
+    s = _scores(q, k, scale)
+    w = jax.nn.softmax(s + _bias(_varying(q_pos, q), k_pos)[None, None, None] if causal else s, axis=-1)
     b, t, h, d = q.shape
     return _values(w, v).reshape(b, t, h, d).astype(q.dtype)
 
@@ -158,8 +159,10 @@ def _varying(pos: jax.Array, x: jax.Array) -> jax.Array:
     """`pos` plus a zero read from `x`. Positions are constants (iotas and `axis_index`); under
     `jax.checkpoint` inside a `lax.scan` (a recomputed layer), JAX's partial evaluation keeps
     what is made of constants alone as residuals and hoists them out of the loop: every tile's
-    mask, O(length^2) bytes. Made of `x`, the masks are recomputed with the scores instead."""
-    return pos + jnp.isnan(x[(0,) * x.ndim]).astype(pos.dtype) * 0
+    mask, O(length^2) bytes. Made of `x`, the masks are recomputed with the scores instead. The zero
+    is a reduction of all of `x` (a scalar all-reduce where `x` is cut, where a slice of one element
+    would gather it), which XLA folds away (an integer times zero)."""
+    return pos + jnp.isnan(x).any().astype(pos.dtype) * 0
 
 
 def _grads_tiled(rows: _Rows, k, v, scale: float, mask, tile: int | None):
