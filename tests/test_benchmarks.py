@@ -222,7 +222,8 @@ def test_predicted_section_plans_the_measured_step_from_shapes(tmp_path):
 
 def test_scale_table_plans_jshard_and_the_published_configurations_beside_their_sources():
     """Table 20 at a tiny size on 16 abstract devices: jshard's auto plan and each published
-    configuration jshard can express are planned, their degrees read back; the others name why not."""
+    configuration jshard can express are planned (the Llama's with its sequence cut: context
+    parallel), their degrees read back; the others name why not."""
     small = dict(vocab=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, n_layers=2)
     cases = (_scale.Case(_llama.Decoder(_scale.MIXTRAL.name, seq_len=16, n_experts=4, **small), lambda n: 2 * n, "2"),
              _scale.Case(_llama.Decoder(_scale.LLAMA_8B.name, seq_len=32, **small), lambda n: n // 4, "1/4"))
@@ -231,13 +232,15 @@ def test_scale_table_plans_jshard_and_the_published_configurations_beside_their_
     assert [r[0] for r in mine] == [_scale.MIXTRAL.name, _scale.LLAMA_8B.name]
     for row in mine:
         assert row[-1] == "meets", row
-        cuts = [int(part.split()[-1]) for part in row[3].split(" · ")]
+        cuts = [int(part.split()[1]) for part in row[3].split(" · ")]
         assert all(16 % c == 0 for c in cuts), row[3]
     peers = [r for r in table.rows if r[2] != "jshard auto"]
     assert len(peers) == sum(p.model in (c.cfg.name for c in cases) for p in _scale.PUBLISHED)
     source, step = table.columns.index("status / source"), table.columns.index("predicted step")
     assert all(" @ " in r[source] for r in peers)  # every published row names its source's commit
     planned = [r for r in peers if "not planned" not in r[3]]
-    assert len(planned) == sum(p.plan is not None and p.model == _scale.MIXTRAL.name for p in _scale.PUBLISHED)
+    assert len(planned) == sum(p.plan is not None and p.model in (c.cfg.name for c in cases) for p in _scale.PUBLISHED)
+    llama = next(r for r in mine if r[0] == _scale.LLAMA_8B.name)
+    assert "sequence 4 (" in llama[3], llama[3]  # a sequence per 4 devices: context parallel, its form named
     assert all(r[step].endswith(" s") for r in planned)
     assert "## 20. Plans at scale" in table.markdown()
