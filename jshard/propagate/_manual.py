@@ -47,7 +47,12 @@ def manual_flops(eqn: jcore.JaxprEqn) -> float:
     """The floating-point work of the region's matrix products per device, per run of the region:
     its body's `dot_general`s at their local shapes, each weighted by the trip counts of the loops
     inside the body (a branch: its costliest). Elementwise work is left out (a body's products
-    dominate: attention's)."""
+    dominate: attention's). A region manual over some of the mesh's axes only (`jshard.accumulate`'s
+    micro-batch loop, a pipeline's stages) is 0, as before: its body's shapes are cut only over
+    those, and XLA lays out the rest of its work inside, which jshard does not plan."""
+    mesh, manual = eqn.params.get("mesh"), eqn.params.get("newly_manual_axes")
+    if mesh is not None and manual is not None and any(n > 1 and a not in manual for a, n in mesh.shape.items()):
+        return 0.0
     return _flops(eqn.params["jaxpr"])
 
 
