@@ -17,7 +17,10 @@ broadcast of a vector cut over the channels, where the activations it meets are 
 batch: the vector is gathered, not the activation moved); then an operator that made a value
 whole where every user slices it one way makes it in that layout where nothing more moves (a
 dropout mask's random bits drawn from a scalar key, an embedding gradient scattered from updates
-gathered over the batch).
+gathered over the batch); last, partial sums are summed again into their users' layout, as that
+walk back has cut those users finer (an embedding gradient through the optimizer's elementwise
+update into a parameter cut over the vocabulary: its users made whole from it before the walk back,
+in the parameter's cut after it, so it all-reduces its slice, not the table).
 The greedy walk's choices for free arguments and a default-cut batch are weighed again over the
 whole program by `propagate_globally` (`_global.py`).
 """
@@ -160,7 +163,7 @@ class Engine:
         self._sum_into_users(kept)
         self._made_as_used(kept)
         self._cut_at_source(kept)
-        self._sum_into_users(kept)
+        self._sum_into_users(kept)  # the users the walk back cut finer: their partial sums summed so
         result = Result(self.decisions, self.values, self.unruled)
         # An operator that decided priced its output's way into a constraint; an argument, or
         # another constraint (one `shard` call's output into the next one's input), did not.

@@ -18,7 +18,9 @@ to 13 all-reduces where its operators' sums number over 40).
 First the batch arguments laid out by the default dataset policy are weighed left where they arrive
 against moved there once at the start into the layouts the anchors propagate to them: all of them,
 and each alone (a ResNet's images best left where they arrive, its labels moved to the layout the
-classifier's loss takes them in). Then each free
+classifier's loss takes them in); and all of them cut over the mesh axes no anchor uses, the data
+axes the parameters' layouts leave free (`_data_cut`: Megatron layouts over `mp` leave the batch
+`dp`, where the default cuts it over every device and the anchors alone propagate nothing to it). Then each free
 argument that a contraction or lookup takes (directly or through a transpose, reshape or cast)
 while that operator, holding at least 1% of the program's work, repeats over some of the anchors'
 mesh-axis groups, is weighed cut over each such group on each dim; arguments one after another,
