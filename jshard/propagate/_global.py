@@ -20,10 +20,10 @@ against moved there once at the start into the layouts the anchors propagate to 
 and each alone (a ResNet's images best left where they arrive, its labels moved to the layout the
 classifier's loss takes them in); and all of them cut over the mesh axes no anchor uses, the data
 axes the parameters' layouts leave free (`_data_cut`: Megatron layouts over `mp` leave the batch
-`dp`, where the default cuts it over every device and the anchors alone propagate nothing to it). Then each free
-argument that a contraction or lookup takes (directly or through a transpose, reshape or cast)
-while that operator, holding at least 1% of the program's work, repeats over some of the anchors'
-mesh-axis groups, is weighed cut over each such group on each dim; arguments one after another,
+`dp`, where the default cuts it over every device and the anchors alone propagate nothing to it).
+Then each free argument that a contraction or lookup takes (directly or through a transpose,
+reshape or cast) while that operator, holding at least 1% of the program's work, repeats over some
+of the anchors' mesh-axis groups, is weighed cut over each such group on each dim; arguments one after another,
 the biggest first, each keeping the layout of least cost, an alternative taken only where the
 operators it lays out otherwise cost at least 2% less under it (`_Runs.cheaper`: 2% of what changes,
 not of the whole program, whose gradient all-reduce both alternatives pay would hide a cheaper
