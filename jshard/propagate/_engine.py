@@ -17,7 +17,10 @@ broadcast of a vector cut over the channels, where the activations it meets are 
 batch: the vector is gathered, not the activation moved); then an operator that made a value
 whole where every user slices it one way makes it in that layout where nothing more moves (a
 dropout mask's random bits drawn from a scalar key, an embedding gradient scattered from updates
-gathered over the batch).
+gathered over the batch); last, partial sums are summed again into their users' layout, as that
+walk back has cut those users finer (an embedding gradient through the optimizer's elementwise
+update into a parameter cut over the vocabulary: its users made whole from it before the walk back,
+in the parameter's cut after it, so it all-reduces its slice, not the table).
 The greedy walk's choices for free arguments and a default-cut batch are weighed again over the
 whole program by `propagate_globally` (`_global.py`).
 """
@@ -160,6 +163,7 @@ class Engine:
         self._sum_into_users(kept)
         self._made_as_used(kept)
         self._cut_at_source(kept)
+        self._sum_into_users(kept)  # the users the walk back cut finer: their partial sums summed so
         result = Result(self.decisions, self.values, self.unruled)
         # An operator that decided priced its output's way into a constraint; an argument, or
         # another constraint (one `shard` call's output into the next one's input), did not.
@@ -455,10 +459,12 @@ class Engine:
         return a
 
     def _refines(self, f: Factors, a, finer, out_specs, wanted) -> bool:
-        """Whether assignment `finer` only adds cuts to `a`, lays the outputs out as `wanted`, a
-        finer layout of `out_specs` (each dim keeps its axes, major first), and uses no mesh axis
-        twice where factors meet."""
-        if any(finer[g] != axes for g, axes in a.items()) or not expressible(f, finer, self.axis_size):
+        """Whether assignment `finer` only adds cuts to `a` (each factor keeps its axes, major first,
+        and may take more after them: a gradient cut over `mp_0` as its users cut it over `(mp_0,
+        mp_1)`), lays the outputs out as `wanted`, a finer layout of `out_specs` (each dim keeps its
+        axes, major first), and uses no mesh axis twice where factors meet."""
+        if (any(finer[g][: len(axes)] != axes for g, axes in a.items())
+                or not expressible(f, finer, self.axis_size)):
             return False
         if any(t[: len(s)] != s for old, new in zip(out_specs, wanted) for s, t in zip(old, new)):
             return False
@@ -569,11 +575,10 @@ class Engine:
         return True
 
     def _candidates(self, f: Factors, known) -> list[dict]:
-        reads = []
-        for k, spec, _ in known:
-            a = read_assignment(f.operands[k], spec, f.sizes, self.axis_size)
-            if a is not None:
-                reads.append(a)
+        # A layout the operator cannot take as it is (a dim it needs whole arrives cut: the half a
+        # rotary embedding slices off a key cut over its head dim) still says how to cut the rest:
+        # only that dim is gathered, not the whole operand.
+        reads = [read_assignment(f.operands[k], spec, f.sizes, self.axis_size, kept=True) for k, spec, _ in known]
         merged: dict = reads[0] if len(reads) == 1 else {}
         yielded: list[dict] = []
         if len(reads) > 1:

@@ -18,10 +18,12 @@ to 13 all-reduces where its operators' sums number over 40).
 First the batch arguments laid out by the default dataset policy are weighed left where they arrive
 against moved there once at the start into the layouts the anchors propagate to them: all of them,
 and each alone (a ResNet's images best left where they arrive, its labels moved to the layout the
-classifier's loss takes them in). Then each free
-argument that a contraction or lookup takes (directly or through a transpose, reshape or cast)
-while that operator, holding at least 1% of the program's work, repeats over some of the anchors'
-mesh-axis groups, is weighed cut over each such group on each dim; arguments one after another,
+classifier's loss takes them in); and all of them cut over the mesh axes no anchor uses, the data
+axes the parameters' layouts leave free (`_data_cut`: Megatron layouts over `mp` leave the batch
+`dp`, where the default cuts it over every device and the anchors alone propagate nothing to it).
+Then each free argument that a contraction or lookup takes (directly or through a transpose,
+reshape or cast) while that operator, holding at least 1% of the program's work, repeats over some
+of the anchors' mesh-axis groups, is weighed cut over each such group on each dim; arguments one after another,
 the biggest first, each keeping the layout of least cost, an alternative taken only where the
 operators it lays out otherwise cost at least 2% less under it (`_Runs.cheaper`: 2% of what changes,
 not of the whole program, whose gradient all-reduce both alternatives pay would hide a cheaper
@@ -239,20 +241,43 @@ def _weigh_moves(runs: _Runs, best: Result, fixed: dict, arrive: dict) -> tuple[
     loose = {v: s for v, s in fixed.items() if v not in arrive}
     left = runs.run(loose).values
     wanted = {v: left[v] for v, spec in arrive.items() if left.get(v, spec) != spec}
-    if not wanted:
+    subsets = [wanted, *([{v: s} for v, s in wanted.items()] if len(wanted) > 1 else [])] if wanted else []
+    data = _data_cut(runs.nodes, loose.values(), arrive)
+    if data and data not in subsets:
+        subsets.append(data)
+    if not subsets:
         return best, fixed, {}, {}
-    subsets = [wanted, *([{v: s} for v, s in wanted.items()] if len(wanted) > 1 else [])]
     trials = [(sub, runs.run({**fixed, **sub}, {v: arrive[v] for v in sub})) for sub in subsets]
     gains = [(sub, trial) for sub, trial in trials if runs.cheaper(trial, best)]
     sub, trial = min(gains or trials, key=lambda t: runs.seconds(t[1]))
     take = bool(gains)
-    weighed = {v: (WeighedLayout(arrive[v], runs.seconds(best), "as it arrives", not (take and v in sub)),
-                   WeighedLayout(wanted[v], min(runs.seconds(t) for s, t in trials if v in s),
-                                 "moved once at the start", take and v in sub))
-               for v in wanted}
+    weighed = {}
+    for v in dict.fromkeys(v for s in subsets for v in s):
+        tried = [WeighedLayout(arrive[v], runs.seconds(best), "as it arrives", not (take and v in sub))]
+        for spec, how in ((wanted.get(v), "moved once at the start"), (data.get(v), _DATA_CUT)):
+            seconds = [runs.seconds(t) for s, t in trials if s.get(v) == spec]
+            if spec is not None and seconds:
+                tried.append(WeighedLayout(spec, min(seconds), how, take and sub.get(v) == spec))
+        weighed[v] = tuple(tried)
     if not take:
         return best, fixed, {}, weighed
     return trial, {**fixed, **sub}, {v: arrive[v] for v in sub}, weighed
+
+
+_DATA_CUT = "moved once at the start, cut over the axes the anchors leave free"
+
+
+def _data_cut(nodes: Sequence[Node], specs: Collection[Spec], arrive: dict) -> dict:
+    """The default-cut batch arrays (`arrive`) each cut over the mesh axes no anchor (`specs`, and
+    the program's constraints) uses, where those are fewer than it arrives cut over: the data axes
+    the parameters' layouts leave (a Megatron layout over `mp`: the batch over `dp` alone, as the
+    expert lays it, where the default cuts it over every device and the model-parallel operators
+    then re-lay each activation). Empty where no anchor cuts anything or every axis is used."""
+    used = {a for axes in _groups(nodes, specs) for a in axes}
+    if not used:
+        return {}
+    cut = {v: tuple(tuple(a for a in axes if a not in used) for axes in spec) for v, spec in arrive.items()}
+    return {v: spec for v, spec in cut.items() if spec != arrive[v] and any(spec)}
 
 
 def _groups(nodes: Sequence[Node], specs: Collection[Spec]) -> list[tuple[str, ...]]:

@@ -125,11 +125,16 @@ def whole(v) -> tuple[DimFactors, ...]:
     return tuple(() for _ in shape_of(v))
 
 
-def read_assignment(dims: Sequence[DimFactors], spec: Spec, sizes: Sequence[int], axis_size: Mapping[str, int]):
+def read_assignment(dims: Sequence[DimFactors], spec: Spec, sizes: Sequence[int], axis_size: Mapping[str, int],
+                    kept: bool = False):
     """The factor axes an operand laid out by `spec` implies; None where `spec` cannot be read so.
 
     A dim's axes go to its factors major first: a factor takes axes while their product divides its
     size, and only a factor cut completely lets the rest spill to the next (minor) one.
+
+    With `kept`, a dim whose factors cannot take all its axes (a dim the operator needs whole, as a
+    slice's sliced dim, arriving cut) keeps those they took and leaves the rest: the layout the
+    operator takes the operand in by gathering that dim alone, every other dim's cut kept.
     """
     out: dict[int, tuple[str, ...]] = {}
     for factors, axes in zip(dims, spec):
@@ -142,7 +147,7 @@ def read_assignment(dims: Sequence[DimFactors], spec: Spec, sizes: Sequence[int]
                 out[f] = tuple(taken)
             if axes and math.prod(axis_size[a] for a in taken) != sizes[f]:
                 break
-        if axes:
+        if axes and not kept:
             return None
     return out
 
