@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from jax.extend import core as jcore
@@ -190,6 +190,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     as_seeded: str | None = None,
     compiled: bool = False,
     combined: bool = True,
+    passed: Callable[[], bool] | None = None,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -218,6 +219,8 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         program decides) rather than none.
       combined: XLA's all-reduce combiner runs (`SearchGraph.combined_latency`); False where the
         program is compiled with it off (multi-copy, an all-reduce fusion threshold of 0).
+      passed: whether the planning's deadline (`Search.time_limit`) has passed: the recursive
+        search then makes no further run once it has a plan that fits (`_recursive.solve`).
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget` (and, with `compiled`, there is
@@ -243,7 +246,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
     elif how == "recursive":
         try:
-            solved = _better(_recursive.solve(g, axes, budget, replay), seed)
+            solved = _better(_recursive.solve(g, axes, budget, replay, passed), seed)
         except Infeasible:
             solved = (_unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how)) if seed is None else
                       dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget"))

@@ -20,6 +20,8 @@ import collections
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from jshard.cost import value_bytes
 from jshard.graph import CONSTRAINT
 from jshard.layouts import Spec, replicated
@@ -29,6 +31,7 @@ from jshard.search._graph import Assignment, SearchGraph, Solved
 
 _MOVES = 256  # `fitted`: moves at most
 _SWEEPS = 4  # `polished`: sweeps over the units at most
+_NEAR = 1e-9  # `_Peak`: within this share of the budget, the peak is read again from the whole choice
 
 PROPAGATED = "the plan propagated from the anchors"
 """`SearchReport.status`'s start where a search kept the propagated plan."""
@@ -161,7 +164,7 @@ def polished(g: SearchGraph, choice: list[Assignment], budget: float) -> list[As
     """`choice` improved by single moves (`moves`), unit after unit in program order, while one
     lowers the predicted seconds and keeps the estimated peak within `budget`; `_SWEEPS` sweeps at
     most."""
-    joins = g.joins(choice)
+    joins, peak = g.joins(choice), _Peak(g, choice)
     for _ in range(_SWEEPS):
         better = False
         for k, u in enumerate(g.units):
@@ -172,15 +175,59 @@ def polished(g: SearchGraph, choice: list[Assignment], budget: float) -> list[As
             for seconds, _, a in tried:
                 if seconds >= now * (1 - 1e-9) or not g.expressible(k, a):
                     break
-                kept, choice[k] = choice[k], a
-                if g.peak(choice)[0] <= budget:
+                if peak.fits(k, a, budget):
+                    peak.move(k, a)
                     joins.moved(k, a)
                     better = True
                     break
-                choice[k] = kept
         if not better:
             break
     return choice
+
+
+class _Peak:
+    """The estimated peak (`SearchGraph.peak`) of `choice` as its units move one at a time: the bytes
+    live at each program point, kept, each move adding the change in the bytes of the values its
+    unit lays out over their live ranges (`SearchGraph.peak` of every trial move was most of
+    `polished`'s time). Within `_NEAR` of the budget, where the sums' rounding could tell, the peak
+    is read again from the whole choice, so each answer is the one `SearchGraph.peak` gives."""
+
+    def __init__(self, g: SearchGraph, choice: list[Assignment]):
+        self.g, self.choice = g, choice
+        self.made: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) it lays out
+        for v in g.memory_values:
+            k, pos = g.makers[v]
+            self.made[k].append((pos, v))
+        self.live = g.live_bytes({v: self._bytes(k, pos, v, choice[k]) for k, made in self.made.items()
+                                  for pos, v in made})
+
+    def _bytes(self, k: int, pos: int, v, a: Assignment) -> float:
+        return value_bytes(v) / math.prod(self.g.axis_size[x] for axes in self.g.spec(k, pos, a) for x in axes)
+
+    def _moved(self, k: int, a: Assignment) -> np.ndarray:
+        live = self.live.copy()
+        for pos, v in self.made.get(k, ()):
+            change = self._bytes(k, pos, v, a) - self._bytes(k, pos, v, self.choice[k])
+            if change:
+                live[self.g.first[v]:self.g.last[v] + 1] += change
+        return live
+
+    def fits(self, k: int, a: Assignment, budget: float) -> bool:
+        """Whether the estimated peak fits `budget` with unit `k` moved to `a`."""
+        peak = float(self._moved(k, a).max()) if k in self.made else float(self.live.max())
+        if abs(peak - budget) > _NEAR * budget:
+            return peak <= budget
+        kept, self.choice[k] = self.choice[k], a
+        try:
+            return self.g.peak(self.choice)[0] <= budget
+        finally:
+            self.choice[k] = kept
+
+    def move(self, k: int, a: Assignment) -> None:
+        """Unit `k` moved to `a` (in the choice too)."""
+        if k in self.made:
+            self.live = self._moved(k, a)
+        self.choice[k] = a
 
 
 def moves(g: SearchGraph, k: int, mine: Assignment) -> list[Assignment]:
