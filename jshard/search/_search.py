@@ -232,7 +232,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     least = budget is not None and _least_peak(g) > budget
     if least and (not compiled or _boundary_peak(g) > budget):  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
-    made = (_seeded.seeds(g, args, outvars, fixed, batch, budget)
+    made = (_seeded.seeds(g, args, outvars, fixed, batch, budget, only=as_seeded)
             if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
     # the seeds moved to fit the budget, where the search weighs them (not as made, nor where nothing fits)
     fitted = [] if as_seeded is not None or least else [s for s in (_seeded.fit_budget(g, raw, budget) for raw in made)

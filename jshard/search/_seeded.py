@@ -44,22 +44,24 @@ SEEDS = (PROPAGATED, DATA_PARALLEL, FULLY_SHARDED)
 
 
 def seeds(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence,
-          budget: float | None) -> list[Solved]:
+          budget: float | None, only: str | None = None) -> list[Solved]:
     """The plan propagated from the anchors (`propagated`, as propagated) and, under a `budget`, the
     expert plans around them (`experts`: not without one, where they would add seconds to planning
     a deep unrolled step: 5.3 s of the 96-layer GPT-3-shaped step on 1024 devices), each as made
-    (its estimated peak may be over `budget`: `fit_budget` moves it)."""
-    found = [propagated(g, args, outvars, fixed, budget, fit=False),
-             *(experts(g, args, outvars, fixed, batch) if budget is not None else ())]
+    (its estimated peak may be over `budget`: `fit_budget` moves it); `only`: the one of that status
+    alone (a seed asked for as made: `search(as_seeded=...)`), where it is made."""
+    found = [propagated(g, args, outvars, fixed, budget, fit=False) if only in (None, PROPAGATED) else None,
+             *(experts(g, args, outvars, fixed, batch, only) if budget is not None and only != PROPAGATED else ())]
     return [s for s in found if s is not None]
 
 
-def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence) -> list[Solved]:
+def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence,
+            only: str | None = None) -> list[Solved]:
     """The data-parallel and the fully-sharded plan around the anchors (`fixed`, kept): the `batch`
     arguments' rows cut over every mesh axis (as many, major first, as divide them), the other
     arguments whole (`DATA_PARALLEL`) or each cut over every mesh axis on its largest dim they
     divide (`FULLY_SHARDED`, ZeRO-3), and every operator propagated from there; none where no batch
-    array is cut (no batch, or its rows divide by no mesh axis)."""
+    array is cut (no batch, or its rows divide by no mesh axis); `only`: the one of that status alone."""
     rows = {v: _rows(v, g.axis_size) for v in batch if v not in fixed and shape_of(v)}
     rows = {v: spec for v, spec in rows.items() if spec[0]}
     if not any(axes for v in batch if v in fixed for axes in fixed[v]) and not rows:
@@ -67,6 +69,8 @@ def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, b
     state = [v for v in args if v not in fixed and v not in rows and shape_of(v)]
     found = []
     for status, lay in ((DATA_PARALLEL, _whole), (FULLY_SHARDED, _largest_dim)):
+        if only not in (None, status):
+            continue
         anchors = {**fixed, **rows, **{v: lay(v, g.axis_size) for v in state}}
         result = propagate_globally(g.nodes, anchors, [], g.axis_size, g.cost, outputs=outvars)
         choice = choice_of(g, result)
@@ -130,9 +134,28 @@ def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[
     """`choice` moved one unit at a time until its estimated peak fits `budget`, or None where no
     move lowers it: each time, of the units laying out the values held at the peak, the move
     (`moves`: one mesh axis to another factor, off the unit, or onto it) that adds the fewest
-    seconds (`SearchGraph.local_seconds`) per byte it saves there."""
+    seconds (`SearchGraph.local_seconds`) per byte it saves there. A unit's moves and the bytes
+    each holds are found once (one unit moves per step: the others' stand)."""
     choice = list(choice)
     joins = g.joins(choice)
+    moved: dict[tuple[int, int], tuple[Assignment, list[Assignment]]] = {}  # (unit, id of its choice) -> `moves`
+
+    def moves_of(k: int) -> list[Assignment]:
+        key = (k, id(choice[k]))
+        found = moved.get(key)
+        if found is None:
+            found = moved[key] = (choice[k], moves(g, k, choice[k]))  # the choice held: its id stays its own
+        return found[1]
+
+    kept: dict[tuple, float] = {}  # (unit, values, id of an assignment `moved` holds) -> `_held`
+
+    def held_by(k: int, values: tuple, a: Assignment) -> float:
+        key = (k, values, id(a))
+        found = kept.get(key)
+        if found is None:
+            found = kept[key] = _held(g, k, values, a)
+        return found
+
     for _ in range(_MOVES):
         peak, t = g.peak(choice)
         if peak <= budget:
@@ -143,10 +166,11 @@ def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[
             if g.units[k].free:
                 held[k].append((pos, v))
         best = None
-        for k, values in held.items():
+        for k, listed in held.items():
+            values = tuple(listed)
             now, before = g.local_seconds(k, choice[k], choice, joins), _held(g, k, values, choice[k])
-            for a in moves(g, k, choice[k]):
-                saved = before - _held(g, k, values, a)
+            for a in moves_of(k):
+                saved = before - held_by(k, values, a)
                 if saved <= 0 or not g.expressible(k, a):
                     continue
                 added = max(g.local_seconds(k, a, choice, joins) - now, 0.0)
