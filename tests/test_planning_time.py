@@ -106,3 +106,31 @@ def test_past_the_deadline_a_weighing_that_then_fits_nothing_weighs_every_candid
 
     assert planning.to_the_end(weigh) == ["a", "b"]
     assert planning.skipped == [] and not planning.forced  # weighed after all: nothing left out
+
+
+def test_past_the_deadline_the_recursive_search_stops_once_a_plan_fits(gpt, monkeypatch):
+    """The time limit bounds the search inside a weighing too: past the deadline the recursive search
+    makes no further run once a plan fits (no bisection of its memory weight), counted by its runs."""
+    from jshard.search import _recursive
+
+    step, args, peaks = gpt
+    budget = (peaks["none"] + peaks["selective"]) / 2
+    made = []
+    init = _recursive._Recursive.__init__
+
+    def counted(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(_recursive._Recursive, "__init__", counted)
+    runs = {}
+    for limit in (3600.0, 0.0):
+        made.clear()
+        plan = js.parallelize(step, devices=16, mode="auto", cost_model=H100,
+                              search=js.Search(memory_budget=budget, time_limit=limit)).plan(*args).search
+        runs[limit] = [r.runs for r in made]
+        assert plan.peak_bytes <= budget
+    whole, bounded = runs[3600.0], runs[0.0]
+    # the first search fits unweighted: its run at the memory price's scale is left out; the second's
+    # budget binds: the same runs until one fits, then no bisection; then the weighing stops
+    assert bounded == [whole[0] - 1, whole[1] - _recursive._BISECTIONS], runs

@@ -118,11 +118,14 @@ class PropagationPlanner:
 @dataclasses.dataclass(frozen=True)
 class SearchPlanner:
     """The strategy search (`mode="auto"`, `search="recursive"` or `"ilp"`); `time_left`: the seconds
-    a search may take given `Search.time_limit` (the planning session's deadline: `Planning.time_left`)."""
+    a search may take given `Search.time_limit` (the planning session's deadline: `Planning.time_left`);
+    `passed`: whether that deadline has passed (the recursive search then stops weighing once a plan
+    fits)."""
 
     options: Options
     call: str
     time_left: Callable[[float], float] | None = None
+    passed: Callable[[], bool] | None = None
 
     def plan(self, problem: Problem) -> Planned:
         t, c = problem.traced, self.options
@@ -136,7 +139,7 @@ class SearchPlanner:
                                 call=self.call, time_limit=limit, replay=c.search.replay,
                                 table=t.table, batch=[t.invars[i] for i in sorted(problem.batch)],
                                 seeded=problem.seeded, as_seeded=problem.as_seeded,
-                                compiled=problem.compiled, combined=combines(c.communication))
+                                compiled=problem.compiled, combined=combines(c.communication), passed=self.passed)
         return Planned(result, report=report)
 
 
@@ -154,14 +157,15 @@ class LoadedPlanner:
         return Planned(result, in_shardings=given)
 
 
-def planner_for(options: Options, call: str, time_left: Callable[[float], float] | None = None) -> Planner:
-    """The planner `options` ask for (`time_left`: the search's, `SearchPlanner.time_left`)."""
+def planner_for(options: Options, call: str, time_left: Callable[[float], float] | None = None,
+                passed: Callable[[], bool] | None = None) -> Planner:
+    """The planner `options` ask for (`time_left`, `passed`: the search's, `SearchPlanner`'s)."""
     if options.mode == "manual" or options.propagation == "xla":
         return XlaPlanner()
     if options.plan is not None:
         return LoadedPlanner(options.plan, call)
     if options.searching:
-        return SearchPlanner(options, call, time_left)
+        return SearchPlanner(options, call, time_left, passed)
     return PropagationPlanner(options)
 
 

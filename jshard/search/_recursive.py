@@ -67,19 +67,25 @@ _MARGIN = 1  # ... the boundary check: layers beside those decided on their own 
 _WAVES = 3  # ... and its rounds at most: the middle layers take the choice of the layers beside them
 
 
-def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True) -> Solved:
+def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True,
+          passed: Callable[[], bool] | None = None) -> Solved:
     """The recursive search's plan: the fastest that fits `budget` among its runs, each at a memory
     weight λ (seconds per byte held at the peak). The run at λ = 0 descends to a local optimum of
-    seconds alone; a run at λ's scale (the first plan's seconds per byte) starts the same descent on
-    another landscape, and its plan may be faster too (fewer bytes held is often fewer moved): it is
-    weighed whether or not the first fits, so a plan without a budget is never slower than the first
-    a budget weighs (the runs a budget adds, at other weights, may still find a faster one)."""
+    seconds alone; where the cost model prices memory traffic (`CostModel.memory_bandwidth`: fewer
+    bytes held is often fewer moved), a run at λ's scale (the first plan's seconds per byte) starts
+    the same descent on another landscape, and its plan may be faster too: it is weighed whether or
+    not the first fits, so a plan without a budget is never slower than the first a budget weighs
+    (the runs a budget adds, at other weights, may still find a faster one). Where traffic is not
+    priced, held bytes cost nothing moved, and that run, which doubled the search, is left out.
+    Once `passed()` (the planning's deadline, `Search.time_limit`) and a plan fits, no further run
+    is made: neither that one nor the bisection of λ."""
+    stop = passed or (lambda: False)
     search = _Recursive(g, levels, replay)
     choice, seconds = search.run(0.0)
     peak, t = g.peak(choice)
     if budget is None or peak <= budget:
         status = "fits" if budget else "no budget"
-        if peak <= 0.0:
+        if peak <= 0.0 or not g.cost.memory_bandwidth or stop():
             return search.solved(choice, seconds, peak, status)
         search.keep(t)
         weighed, weighed_seconds = search.run(max(seconds, 1e-9) / peak)
@@ -101,6 +107,8 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay:
     if best is None:
         raise Infeasible(f"the most memory-bound plan found holds {peak:.0f} bytes per device")
     for _ in range(_BISECTIONS):  # a plan's seconds need not grow with λ: the fastest that fits is kept
+        if stop():
+            break
         mid = (low + high) / 2
         choice, seconds = search.run(mid)
         peak, _ = g.peak(choice)

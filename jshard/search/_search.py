@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from jax.extend import core as jcore
@@ -190,6 +190,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     as_seeded: str | None = None,
     compiled: bool = False,
     combined: bool = True,
+    passed: Callable[[], bool] | None = None,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -218,6 +219,8 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         program decides) rather than none.
       combined: XLA's all-reduce combiner runs (`SearchGraph.combined_latency`); False where the
         program is compiled with it off (multi-copy, an all-reduce fusion threshold of 0).
+      passed: whether the planning's deadline (`Search.time_limit`) has passed: the recursive
+        search then makes no further run once it has a plan that fits (`_recursive.solve`).
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget` (and, with `compiled`, there is
@@ -229,7 +232,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     least = budget is not None and _least_peak(g) > budget
     if least and (not compiled or _boundary_peak(g) > budget):  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
-    made = (_seeded.seeds(g, args, outvars, fixed, batch, budget)
+    made = (_seeded.seeds(g, args, outvars, fixed, batch, budget, only=as_seeded)
             if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
     # the seeds moved to fit the budget, where the search weighs them (not as made, nor where nothing fits)
     fitted = [] if as_seeded is not None or least else [s for s in (_seeded.fit_budget(g, raw, budget) for raw in made)
@@ -243,7 +246,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
     elif how == "recursive":
         try:
-            solved = _better(_recursive.solve(g, axes, budget, replay), seed)
+            solved = _better(_recursive.solve(g, axes, budget, replay, passed), seed)
         except Infeasible:
             solved = (_unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how)) if seed is None else
                       dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget"))

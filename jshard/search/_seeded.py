@@ -20,6 +20,8 @@ import collections
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from jshard.cost import value_bytes
 from jshard.graph import CONSTRAINT
 from jshard.layouts import Spec, replicated
@@ -29,6 +31,7 @@ from jshard.search._graph import Assignment, SearchGraph, Solved
 
 _MOVES = 256  # `fitted`: moves at most
 _SWEEPS = 4  # `polished`: sweeps over the units at most
+_NEAR = 1e-9  # `_Peak`: within this share of the budget, the peak is read again from the whole choice
 
 PROPAGATED = "the plan propagated from the anchors"
 """`SearchReport.status`'s start where a search kept the propagated plan."""
@@ -41,22 +44,24 @@ SEEDS = (PROPAGATED, DATA_PARALLEL, FULLY_SHARDED)
 
 
 def seeds(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence,
-          budget: float | None) -> list[Solved]:
+          budget: float | None, only: str | None = None) -> list[Solved]:
     """The plan propagated from the anchors (`propagated`, as propagated) and, under a `budget`, the
     expert plans around them (`experts`: not without one, where they would add seconds to planning
     a deep unrolled step: 5.3 s of the 96-layer GPT-3-shaped step on 1024 devices), each as made
-    (its estimated peak may be over `budget`: `fit_budget` moves it)."""
-    found = [propagated(g, args, outvars, fixed, budget, fit=False),
-             *(experts(g, args, outvars, fixed, batch) if budget is not None else ())]
+    (its estimated peak may be over `budget`: `fit_budget` moves it); `only`: the one of that status
+    alone (a seed asked for as made: `search(as_seeded=...)`), where it is made."""
+    found = [propagated(g, args, outvars, fixed, budget, fit=False) if only in (None, PROPAGATED) else None,
+             *(experts(g, args, outvars, fixed, batch, only) if budget is not None and only != PROPAGATED else ())]
     return [s for s in found if s is not None]
 
 
-def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence) -> list[Solved]:
+def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence,
+            only: str | None = None) -> list[Solved]:
     """The data-parallel and the fully-sharded plan around the anchors (`fixed`, kept): the `batch`
     arguments' rows cut over every mesh axis (as many, major first, as divide them), the other
     arguments whole (`DATA_PARALLEL`) or each cut over every mesh axis on its largest dim they
     divide (`FULLY_SHARDED`, ZeRO-3), and every operator propagated from there; none where no batch
-    array is cut (no batch, or its rows divide by no mesh axis)."""
+    array is cut (no batch, or its rows divide by no mesh axis); `only`: the one of that status alone."""
     rows = {v: _rows(v, g.axis_size) for v in batch if v not in fixed and shape_of(v)}
     rows = {v: spec for v, spec in rows.items() if spec[0]}
     if not any(axes for v in batch if v in fixed for axes in fixed[v]) and not rows:
@@ -64,6 +69,8 @@ def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, b
     state = [v for v in args if v not in fixed and v not in rows and shape_of(v)]
     found = []
     for status, lay in ((DATA_PARALLEL, _whole), (FULLY_SHARDED, _largest_dim)):
+        if only not in (None, status):
+            continue
         anchors = {**fixed, **rows, **{v: lay(v, g.axis_size) for v in state}}
         result = propagate_globally(g.nodes, anchors, [], g.axis_size, g.cost, outputs=outvars)
         choice = choice_of(g, result)
@@ -127,9 +134,28 @@ def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[
     """`choice` moved one unit at a time until its estimated peak fits `budget`, or None where no
     move lowers it: each time, of the units laying out the values held at the peak, the move
     (`moves`: one mesh axis to another factor, off the unit, or onto it) that adds the fewest
-    seconds (`SearchGraph.local_seconds`) per byte it saves there."""
+    seconds (`SearchGraph.local_seconds`) per byte it saves there. A unit's moves and the bytes
+    each holds are found once (one unit moves per step: the others' stand)."""
     choice = list(choice)
     joins = g.joins(choice)
+    moved: dict[tuple[int, int], tuple[Assignment, list[Assignment]]] = {}  # (unit, id of its choice) -> `moves`
+
+    def moves_of(k: int) -> list[Assignment]:
+        key = (k, id(choice[k]))
+        found = moved.get(key)
+        if found is None:
+            found = moved[key] = (choice[k], moves(g, k, choice[k]))  # the choice held: its id stays its own
+        return found[1]
+
+    kept: dict[tuple, float] = {}  # (unit, values, id of an assignment `moved` holds) -> `_held`
+
+    def held_by(k: int, values: tuple, a: Assignment) -> float:
+        key = (k, values, id(a))
+        found = kept.get(key)
+        if found is None:
+            found = kept[key] = _held(g, k, values, a)
+        return found
+
     for _ in range(_MOVES):
         peak, t = g.peak(choice)
         if peak <= budget:
@@ -140,10 +166,11 @@ def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[
             if g.units[k].free:
                 held[k].append((pos, v))
         best = None
-        for k, values in held.items():
+        for k, listed in held.items():
+            values = tuple(listed)
             now, before = g.local_seconds(k, choice[k], choice, joins), _held(g, k, values, choice[k])
-            for a in moves(g, k, choice[k]):
-                saved = before - _held(g, k, values, a)
+            for a in moves_of(k):
+                saved = before - held_by(k, values, a)
                 if saved <= 0 or not g.expressible(k, a):
                     continue
                 added = max(g.local_seconds(k, a, choice, joins) - now, 0.0)
@@ -161,7 +188,7 @@ def polished(g: SearchGraph, choice: list[Assignment], budget: float) -> list[As
     """`choice` improved by single moves (`moves`), unit after unit in program order, while one
     lowers the predicted seconds and keeps the estimated peak within `budget`; `_SWEEPS` sweeps at
     most."""
-    joins = g.joins(choice)
+    joins, peak = g.joins(choice), _Peak(g, choice)
     for _ in range(_SWEEPS):
         better = False
         for k, u in enumerate(g.units):
@@ -172,15 +199,59 @@ def polished(g: SearchGraph, choice: list[Assignment], budget: float) -> list[As
             for seconds, _, a in tried:
                 if seconds >= now * (1 - 1e-9) or not g.expressible(k, a):
                     break
-                kept, choice[k] = choice[k], a
-                if g.peak(choice)[0] <= budget:
+                if peak.fits(k, a, budget):
+                    peak.move(k, a)
                     joins.moved(k, a)
                     better = True
                     break
-                choice[k] = kept
         if not better:
             break
     return choice
+
+
+class _Peak:
+    """The estimated peak (`SearchGraph.peak`) of `choice` as its units move one at a time: the bytes
+    live at each program point, kept, each move adding the change in the bytes of the values its
+    unit lays out over their live ranges (`SearchGraph.peak` of every trial move was most of
+    `polished`'s time). Within `_NEAR` of the budget, where the sums' rounding could tell, the peak
+    is read again from the whole choice, so each answer is the one `SearchGraph.peak` gives."""
+
+    def __init__(self, g: SearchGraph, choice: list[Assignment]):
+        self.g, self.choice = g, choice
+        self.made: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) it lays out
+        for v in g.memory_values:
+            k, pos = g.makers[v]
+            self.made[k].append((pos, v))
+        self.live = g.live_bytes({v: self._bytes(k, pos, v, choice[k]) for k, made in self.made.items()
+                                  for pos, v in made})
+
+    def _bytes(self, k: int, pos: int, v, a: Assignment) -> float:
+        return value_bytes(v) / math.prod(self.g.axis_size[x] for axes in self.g.spec(k, pos, a) for x in axes)
+
+    def _moved(self, k: int, a: Assignment) -> np.ndarray:
+        live = self.live.copy()
+        for pos, v in self.made.get(k, ()):
+            change = self._bytes(k, pos, v, a) - self._bytes(k, pos, v, self.choice[k])
+            if change:
+                live[self.g.first[v]:self.g.last[v] + 1] += change
+        return live
+
+    def fits(self, k: int, a: Assignment, budget: float) -> bool:
+        """Whether the estimated peak fits `budget` with unit `k` moved to `a`."""
+        peak = float(self._moved(k, a).max()) if k in self.made else float(self.live.max())
+        if abs(peak - budget) > _NEAR * budget:
+            return peak <= budget
+        kept, self.choice[k] = self.choice[k], a
+        try:
+            return self.g.peak(self.choice)[0] <= budget
+        finally:
+            self.choice[k] = kept
+
+    def move(self, k: int, a: Assignment) -> None:
+        """Unit `k` moved to `a` (in the choice too)."""
+        if k in self.made:
+            self.live = self._moved(k, a)
+        self.choice[k] = a
 
 
 def moves(g: SearchGraph, k: int, mine: Assignment) -> list[Assignment]:
