@@ -216,18 +216,9 @@ def _step(cfg: _llama.Decoder, recompute: str | None):
     return _llama.train_step(cfg, recompute)
 
 
-def context_cut(case: Case, devices: int) -> tuple[int, ...] | None:
-    """jshard's own row's attention strategy: None (the search lays the attention out) where the
-    batch covers the devices; else the batch cut over its sequences and the sequence over the devices
-    it leaves, the least context-parallel degree with a device per part of the work."""
-    batch = case.batch(devices)
-    return None if batch >= devices else (batch, devices // batch, 1, 1)
-
-
 def plan_auto(case: Case, devices: int) -> Planned:
     """jshard's own plan: `mode="auto"` under the H100 budget, the recompute policy the search's,
-    the attention's strategy `context_cut`'s."""
-    case = case._replace(cfg=dataclasses.replace(case.cfg, context=context_cut(case, devices)))
+    the attention given no strategy (the planning weighs its context-parallel cut)."""
     step = js.parallelize(
         _step(case.cfg, "auto"),
         devices=devices,
@@ -282,7 +273,8 @@ def _planned(step, case: Case, devices: int) -> Planned:
         report.peak_bytes,
         None if fits else report.peak_bytes,
         took,
-        f"recompute {chosen}; {'fits' if fits else 'over budget'}",
+        f"recompute {chosen}; {'fits' if fits else 'over budget'}" + (
+            f"; context parallel {report.context_cut} chosen by the search" if (report.context_cut or 1) > 1 else ""),
     )
 
 

@@ -62,7 +62,10 @@ class TraceContext:
     multi-copy holds beyond one copy (the other copies' gradients before their sum); `unreduced`
     why the copies could not be reduced once by jshard in this trace (the error the core raises).
     `cost` is the `CostModel` the plan is priced with, its `memory` the search's budget where one
-    is given: what `jshard.attention(form="auto")` weighs its forms with.
+    is given: what `jshard.attention(form="auto")` weighs its forms with. `context_cut` is the
+    sequence cut `jshard.attention` calls that give no strategy take under `mode="auto"` (None:
+    none); `open_attention` records each such call's `(batch rows, length)`, which the planning
+    weighs context-parallel cuts for.
     """
 
     call: str
@@ -84,6 +87,8 @@ class TraceContext:
     copy_bytes: int = 0
     unreduced: str | None = None
     cost: Any = None
+    context_cut: int | None = None
+    open_attention: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def device_count(self) -> int:

@@ -382,3 +382,53 @@ def test_a_manual_regions_matmuls_are_priced(args):
     want = plain.plan(p, x).work.flops
     assert 0.8 * want <= ring.work.flops <= want, (ring.work.flops, want)
     assert ring.work.device_flops < ring.work.flops / 4
+
+
+def test_the_search_weighs_context_parallel_for_attention_without_a_strategy(tmp_path):
+    """One sequence of 2048 tokens through `jshard.attention` with no strategy (tiled attention):
+    under a budget of 30% of one device's compiled peak, no plan without a sequence cut fits, so
+    the planning weighs the calls cut 8 ways (context parallel, the smallest cut that leaves no
+    device idle beside one batch row), chooses it, and the compiled program fits and equals one
+    device. The saved plan carries the cut: loaded, it rebuilds the same operators."""
+    rng = np.random.default_rng(0)
+    shapes = {"wq": (16, 2, 8), "wk": (16, 2, 8), "wv": (16, 2, 8), "wo": (2, 8, 16)}
+    p = {k: jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for k, s in shapes.items()}
+    x = jnp.asarray(rng.normal(size=(1, 2048, 16)), jnp.float32)
+    step = _step("auto", strategy=None)
+    one = jax.jit(step).lower(p, x).compile()
+    budget = int(0.3 * js.audit(one).memory.peak_bytes)
+    par = js.parallelize(step, devices=8, mode="auto", search=js.Search(memory_budget=budget))
+    plan = par.plan(p, x)
+    assert plan.search.context_cut == 8 and plan.choices == (("context", 8),)
+    assert [(w.policy, w.seconds is not None, w.chosen) for w in plan.search.context] == [
+        ("no sequence cut", False, False), ("sequence cut 8 ways", True, True)]
+    assert "context parallel weighed for jshard.attention without a strategy: no sequence cut: no plan fits" in (
+        plan.summary())
+    compiled = par.lower(p, x).compile()
+    assert js.audit(compiled).memory.peak_bytes <= budget
+    got = compiled(*jax.device_put((p, x), plan.in_shardings))
+    assert_close(got, one(p, x), terms=step_terms(p, x) + 3 * 2048)
+    plan.save(tmp_path / "plan.json")
+    again = js.parallelize(step, devices=8, mode="auto", plan=js.Plan.load(tmp_path / "plan.json")).plan(p, x)
+    assert again.choices == (("context", 8),)
+    assert [op.layout for op in again.ops] == [op.layout for op in plan.ops]
+
+
+def test_a_short_attention_without_a_strategy_weighs_no_cut(args):
+    """Keys within one tile: the planning weighs no sequence cut and traces the step no more often
+    than with the attention's layout given."""
+    traces = []
+
+    def counted(strategy):
+        inner = _step("auto", strategy=strategy)
+
+        def step(p, x):
+            traces.append(strategy)
+            return inner(p, x)
+
+        return step
+
+    plans = {s: js.parallelize(counted(s), devices=8, mode="auto").plan(*args) for s in (None, (2, 1, 1, 1))}
+    assert plans[None].search.context == () and plans[None].search.context_cut is None
+    assert plans[None].choices == ()
+    assert traces.count(None) == traces.count((2, 1, 1, 1))

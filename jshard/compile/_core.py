@@ -126,7 +126,8 @@ class Signature:
 
         if context:
             return traced()
-        key = ("trace", id(self.fn), fine, recompute, id(self.types), self.options.communication)
+        key = ("trace", id(self.fn), fine, recompute, id(self.types), self.options.communication,
+               self.options.context_cut)
         return self.planning.kept(key, traced, (self.fn, self.types))
 
 
@@ -180,6 +181,8 @@ def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> 
             needed.append((e.matrix, e.who, e.names))
             continue
         warn_collisions(program, slots, options, call)
+        if options.context_cut is not None and options.plan is not None:  # rebuilt as loaded: saved so again
+            program = dataclasses.replace(program, plan=program.plan.replace(loaded_choices=options.plan.choices))
         return with_work(_counted(program, planning), args, batch, slots, options, call)
 
 
@@ -198,6 +201,8 @@ def _with_loaded_choices(options: Options, call: str) -> Options:
         return options
     chosen = dict(options.plan.choices)
     copies, offload = chosen.get("copies", 1), tuple(chosen.get("offload", ()))
+    if chosen.get("context", 1) > 1:  # strategy=None attention calls traced with the sequence cut so
+        options = dataclasses.replace(options, context_cut=chosen["context"], mode=options.plan.mode)
     given = 1 if options.communication is None else options.communication.copies
     if copies > 1 and options.communication is None:
         options = dataclasses.replace(options, communication=Communication(copies), mode=options.plan.mode)
@@ -248,9 +253,77 @@ def _build_on(fn, args, fine: FineMesh, named: dict, devices, slots, dataset, c:
                 raise e
     budget, budget_from = _budget(c, devices)
     s = Signature(fn, args, devices, slots, dataset, c, call, budget, budget_from, types, planning)
-    if c.searching and c.offload is None and budget is not None:
-        return planning.to_the_end(lambda: _weigh_offload(s, traced))
+    if c.searching and c.context_cut is None and _context_cuts(traced):
+        return planning.to_the_end(lambda: _weigh_context(s, traced))
+    return _placed(s, traced)
+
+
+def _placed(s: Signature, traced: Traced) -> Program:
+    """Plans and builds one traced signature; under a budget the search may meet, with the state's
+    placement weighed where `offload` is not given."""
+    if s.options.searching and s.options.offload is None and s.budget is not None:
+        return s.planning.to_the_end(lambda: _weigh_offload(s, traced))
     return _build_placed(s, traced)
+
+
+CONTEXT_CUTS = 3
+"""How many context-parallel cuts `_weigh_context` weighs at most: the smallest power of two that
+leaves no device idle beside the batch's rows, and its doublings."""
+
+
+def _context_cuts(traced: Traced) -> list[int]:
+    """The sequence cuts weighed for the trace's `jshard.attention` calls without a strategy whose
+    keys are past one tile (`TraceContext.open_attention`): powers of two dividing the devices and
+    every such call's length, from the smallest that leaves no device idle beside the fewest batch
+    rows, `CONTEXT_CUTS` of them; none where there are no such calls."""
+    calls, n = traced.ctx.open_attention, traced.fine.device_count
+    if not calls:
+        return []
+    least = max(2, n // min(b for b, _ in calls))
+    cuts = [least << i for i in range(CONTEXT_CUTS)]
+    return [k for k in cuts if k <= n and n % k == 0 and all(t % k == 0 for _, t in calls)]
+
+
+def _weigh_context(s: Signature, traced: Traced) -> Program:
+    """`mode="auto"` and `jshard.attention` calls that give no strategy over keys past one tile: the
+    step traced with those calls' sequence cut by each of `_context_cuts` (context parallel, the form
+    chosen as `form` says) and without a cut, each searched; the fastest predicted that fits the
+    budget built (`fastest_that_fits`). `SearchReport.context` lists what was weighed, `context_cut`
+    the cut chosen."""
+    planned: dict[int, tuple[Signature, Traced, Program]] = {}
+    weighed: dict[int, Weighed] = {}
+    for k in [1, *_context_cuts(traced)]:
+        if k > 1 and not s.planning.weighs(f"context parallel {k}", bool(planned)):
+            continue
+        c = s.but(context_cut=k)
+        try:
+            t = traced if k == 1 else c.trace(traced.fine, traced.ctx.recompute_choice)
+            program = _build_placed(c, t, False)
+        except MemoryBudgetError as e:
+            weighed[k] = Weighed(_context_name(k), None, e.least_bytes)
+            continue
+        except ShardingError:
+            if k == 1:
+                raise
+            continue  # a cut the calls cannot take (a `block` that does not divide its keys): not a candidate
+        planned[k], weighed[k] = (c, t, program), Weighed(_context_name(k), _searched(program).seconds,
+                                                          _searched(program).peak_bytes)
+
+    def refused(k, e: MemoryBudgetError) -> None:
+        weighed[k] = dataclasses.replace(weighed[k], seconds=None, peak_bytes=e.least_bytes)
+
+    found = fastest_that_fits(planned, lambda k: _searched(planned[k][2]).seconds,
+                              lambda k: _placed(*planned[k][:2]), refused)
+    if found is None:  # none fits without offload: the step as written, its state's placement weighed
+        return _placed(s.but(context_cut=1), traced)
+    shown = tuple(dataclasses.replace(w, chosen=k == found[0]) for k, w in weighed.items())
+    plan = found[1].plan
+    report = dataclasses.replace(_searched(found[1]), context=shown, context_cut=found[0])
+    return dataclasses.replace(found[1], plan=plan.replace(search=report))
+
+
+def _context_name(k: int) -> str:
+    return "no sequence cut" if k == 1 else f"sequence cut {k} ways"
 
 
 def _typed_trace(fn, args, fine: FineMesh, devices, c: Options, call: str, types, slots, dataset) -> tuple[Traced, Any]:

@@ -68,6 +68,10 @@ class Options:
     communication: Communication | None = None
     offload: tuple[str, ...] | None = None
     recompute: Any = None
+    context_cut: int | None = None
+    """Not a keyword: the sequence cut `jshard.attention` calls that give no strategy take in this
+    trace (set per candidate by the planning's weighing, `_weigh_context`, or from a loaded plan's
+    `("context", n)`); None: none."""
 
     @classmethod
     def create(cls, call: str = "jshard.parallelize", *, donate_argnums: int | Sequence[int] = (),
@@ -300,5 +304,5 @@ def _check_static_strategy(call: str, c: Options) -> None:
                 f"Give None there.")
 
 
-_FIELDS = frozenset(f.name for f in dataclasses.fields(Options))
+_FIELDS = frozenset(f.name for f in dataclasses.fields(Options)) - {"context_cut"}
 """The keywords `Options.create` passes through; any other is an old spelling `regroup` moves."""

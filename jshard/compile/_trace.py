@@ -179,7 +179,8 @@ def trace(fn: Callable[..., Any], args: tuple, fine: FineMesh, devices: list | N
              for x, t in zip(leaves, types)]
     ctx = _context.TraceContext(call, fine, mesh, options.mode, accumulation_steps=steps, accumulator=accumulator,
                                 batch_axes=batch_axes, recompute=options.recompute, recompute_choice=recompute,
-                                communication=options.communication, cost=_priced(options))
+                                communication=options.communication, cost=_priced(options),
+                                context_cut=options.context_cut)
     with _context.tracing(ctx), _users_mesh(options.mesh):
         try:
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)

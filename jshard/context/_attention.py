@@ -17,7 +17,7 @@ from jshard._errors import ShardingError, api_boundary
 from jshard._format import shape_str
 from jshard._source import caller
 from jshard.context._choose import AttentionShape, ContextChoice, choose, refusal
-from jshard.context._forms import FORMS, attend
+from jshard.context._forms import FORMS, TILE, attend
 from jshard.cost import CostModel
 from jshard.layouts import TensorLayout, check_divides, layout_of, place
 
@@ -91,6 +91,8 @@ def attention(
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     _check_shapes(q, k, v)
     ctx = _context.current()
+    if ctx is not None and strategy is None and ctx.mode == "auto":
+        strategy = _open_cut(ctx, q)
     if ctx is None or strategy is None or ctx.mode == "data":
         _check_block(block, q, q.shape[1], "the sequence")
         pos = jnp.arange(q.shape[1])
@@ -142,6 +144,21 @@ def context_choice(
     b, t, h, d = q_shape
     shape = AttentionShape(b, t, h, kv_heads, d, itemsize)
     return choose(shape, tuple(sequence), sequence, cost or CostModel(), zigzag)
+
+
+def _open_cut(ctx, q) -> tuple[int, ...] | None:
+    """A strategy=None call under `mode="auto"`: recorded for the planning's weighing of context
+    parallel (`TraceContext.open_attention`, where its keys are past one tile), and the strategy the
+    weighing's candidate gives it (`TraceContext.context_cut`): the sequence cut that many ways, the
+    batch over the devices left where its rows divide; None (no strategy) where the cut does not
+    divide the sequence."""
+    batch, length = q.shape[:2]
+    if length > TILE:
+        ctx.open_attention.append((batch, length))
+    n = ctx.context_cut
+    if n is None or n < 2 or length % n or ctx.device_count % n:
+        return None
+    return (math.gcd(batch, ctx.device_count // n), n, 1, 1)
 
 
 def _check_block(block: int | None, q, keys: int, what: str) -> None:

@@ -100,7 +100,8 @@ class Plan:
       loaded_choices: a loaded plan's `choices`, as its file holds them (`Plan.load` sets it).
       choices (property): what the planning chose beyond the layouts that rebuilding the program needs, as
         `(name, value)` pairs: `("copies", n)` where the step's batch runs in n > 1 copies
-        (multi-copy), `("offload", roles)` where state is kept in host memory. `save` writes them
+        (multi-copy), `("offload", roles)` where state is kept in host memory, `("context", n)` where
+        the search cut the sequence of `jshard.attention` calls without a strategy n ways. `save` writes them
         and `parallelize(plan=Plan.load(path))` rebuilds with them (`parallelize`'s `communication=`
         and `offload=` may repeat them, not contradict them).
     """
@@ -136,6 +137,8 @@ class Plan:
             made.append(("copies", self.communication.copies))
         if self.offload is not None and self.offload.what:
             made.append(("offload", tuple(self.offload.what)))
+        if self.search is not None and (self.search.context_cut or 1) > 1:
+            made.append(("context", self.search.context_cut))
         return tuple(made)
 
     def replace(self, **changes) -> "Plan":

@@ -52,9 +52,9 @@ difference from MindSpore's operator (`OpRecord.note`), and the `shard` cuts it 
 (`OpRecord.gathered`)."""
 _PLAN = {
     "format": str, "mode": str, "propagation": str, "mesh": {"sizes": [int], "names": [str]},
-    "inputs": [_PSPEC], "outputs": [_PSPEC], "sources": [str], "ops": [_OP_V2], "?copies": int, "?offload": [str], "?digest": str,
+    "inputs": [_PSPEC], "outputs": [_PSPEC], "sources": [str], "ops": [_OP_V2], "?copies": int, "?offload": [str], "?context": int, "?digest": str,
 }
-CHOICES = ("copies", "offload")
+CHOICES = ("copies", "offload", "context")
 """`Plan.choices`' names, each a key of the file where the plan made that choice."""
 _PLAN_V1 = dict(_PLAN, ops=[{**{k.lstrip("?"): v for k, v in _OP.items()}, "source": str}])
 del _PLAN_V1["sources"]

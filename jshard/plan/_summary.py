@@ -45,6 +45,8 @@ def header_lines(plan) -> list[str]:
         lines.append(plan.peer.line())
     if plan.search is not None:
         lines.append(plan.search.line())
+    if plan.search is not None and plan.search.context_line() is not None:
+        lines.append(plan.search.context_line())
     if plan.optimizer is not None:
         lines.append(plan.optimizer.line())
     if plan.recompute is not None:

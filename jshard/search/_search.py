@@ -42,7 +42,8 @@ kept over the data-parallel plan only where it predicts at least this share less
 class Weighed:
     """One choice the search weighed: a recompute policy for `jshard.recompute(policy="auto")`
     regions (`SearchReport.recompute`), an optimizer-parallel level (`SearchReport.optimizer`), or
-    the state kept in host memory (`SearchReport.offload`).
+    the state kept in host memory (`SearchReport.offload`), or a sequence cut of `jshard.attention`
+    calls without a strategy (`SearchReport.context`).
 
     Attributes:
       policy: the recompute policy (`"none"`, `"selective"`, `"full"`), `"optimizer=<level>"`,
@@ -114,6 +115,9 @@ class SearchReport:
         keeps activations XLA may fuse away, and misses buffers XLA adds).
       searches: the searches planning this signature ran (every weighing's candidates; those a
         weighing asked for again were reused, not searched again), 0 where not counted.
+      context: where `mode="auto"` steps call `jshard.attention` without a strategy over keys past
+        one tile, each sequence cut weighed for those calls (`Weighed`: no cut, and context
+        parallel over 2, 4, ... devices); `context_cut` the cut chosen (1: none), else None.
       skipped: what the weighings left out once `Search.time_limit`, which bounds the whole of
         planning, had passed (one line), or nothing.
     """
@@ -139,12 +143,21 @@ class SearchReport:
     seeds: tuple[tuple[str, float], ...] = ()
     searches: int = 0
     skipped: tuple[str, ...] = ()
+    context: tuple[Weighed, ...] = ()
+    context_cut: int | None = None
 
     @property
     def held_bytes(self) -> float:
         """What the plan holds per device, as far as known: the compiled program's peak where it was
         compiled (`compiled_peak_bytes`), else the search's estimate (`peak_bytes`)."""
         return self.peak_bytes if self.compiled_peak_bytes is None else self.compiled_peak_bytes
+
+    def context_line(self) -> str | None:
+        """`Plan.summary`'s line on the sequence cuts weighed (`context`), None where none was."""
+        if not self.context:
+            return None
+        return "context parallel weighed for jshard.attention without a strategy: " + "; ".join(
+            w.text() for w in self.context)
 
     def line(self) -> str:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
