@@ -274,7 +274,8 @@ def _planned(step, case: Case, devices: int) -> Planned:
         None if fits else report.peak_bytes,
         took,
         f"recompute {chosen}; {'fits' if fits else 'over budget'}" + (
-            f"; context parallel {report.context_cut} chosen by the search" if (report.context_cut or 1) > 1 else ""),
+            "" if not report.context else f"; sequence {report.context_cut} chosen by the search of "
+            + ", ".join(w.policy.split()[1] for w in report.context) + " weighed"),
     )
 
 

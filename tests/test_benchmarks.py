@@ -245,6 +245,6 @@ def test_scale_table_plans_jshard_and_the_published_configurations_beside_their_
     llama = next(r for r in mine if r[0] == _scale.LLAMA_8B.name)
     cut = re.search(r"sequence (\d+) \(", llama[3])  # run context parallel, its form named
     assert cut and int(cut[1]) in (4, 8, 16), llama[3]  # the search's cut: at least the 4 that leaves no device idle
-    assert f"context parallel {cut[1]} chosen by the search" in llama[source], llama
+    assert f"sequence {cut[1]} chosen by the search of 1, " in llama[source], llama
     assert all(r[step].endswith(" s") for r in planned)
     assert "## 20. Plans at scale" in table.markdown()

@@ -401,8 +401,8 @@ def test_the_search_weighs_context_parallel_for_attention_without_a_strategy(tmp
     plan = par.plan(p, x)
     assert plan.search.context_cut == 8 and plan.choices == (("context", 8),)
     assert [(w.policy, w.seconds is not None, w.chosen) for w in plan.search.context] == [
-        ("no sequence cut", False, False), ("sequence cut 8 ways", True, True)]
-    assert "context parallel weighed for jshard.attention without a strategy: no sequence cut: no plan fits" in (
+        ("sequence 1 (no cut)", False, False), ("sequence 8", True, True)]
+    assert "context parallel weighed for jshard.attention without a strategy: sequence 1 (no cut): no plan fits" in (
         plan.summary())
     compiled = par.lower(p, x).compile()
     assert js.audit(compiled).memory.peak_bytes <= budget

@@ -289,11 +289,13 @@ def _weigh_context(s: Signature, traced: Traced) -> Program:
     step traced with those calls' sequence cut by each of `_context_cuts` (context parallel, the form
     chosen as `form` says) and without a cut, each searched; the fastest predicted that fits the
     budget built (`fastest_that_fits`). `SearchReport.context` lists what was weighed, `context_cut`
-    the cut chosen."""
+    the cut chosen. The least cut is weighed first, then no cut, then the larger ones: past
+    `Search.time_limit` (`Planning.weighs`) the step has been planned with every device busy."""
     planned: dict[int, tuple[Signature, Traced, Program]] = {}
     weighed: dict[int, Weighed] = {}
-    for k in [1, *_context_cuts(traced)]:
-        if k > 1 and not s.planning.weighs(f"context parallel {k}", bool(planned)):
+    cuts = _context_cuts(traced)
+    for k in [*cuts[:1], 1, *cuts[1:]]:
+        if not s.planning.weighs(f"context parallel {k}", bool(planned)):
             continue
         c = s.but(context_cut=k)
         try:
@@ -316,14 +318,14 @@ def _weigh_context(s: Signature, traced: Traced) -> Program:
                               lambda k: _placed(*planned[k][:2]), refused)
     if found is None:  # none fits without offload: the step as written, its state's placement weighed
         return _placed(s.but(context_cut=1), traced)
-    shown = tuple(dataclasses.replace(w, chosen=k == found[0]) for k, w in weighed.items())
+    shown = tuple(dataclasses.replace(weighed[k], chosen=k == found[0]) for k in sorted(weighed))
     plan = found[1].plan
     report = dataclasses.replace(_searched(found[1]), context=shown, context_cut=found[0])
     return dataclasses.replace(found[1], plan=plan.replace(search=report))
 
 
 def _context_name(k: int) -> str:
-    return "no sequence cut" if k == 1 else f"sequence cut {k} ways"
+    return f"sequence {k}" + (" (no cut)" if k == 1 else "")
 
 
 def _typed_trace(fn, args, fine: FineMesh, devices, c: Options, call: str, types, slots, dataset) -> tuple[Traced, Any]:
