@@ -197,15 +197,16 @@ def _with_loaded_choices(options: Options, call: str) -> Options:
       ShardingError: `communication=` or `offload=` asks for other copies or roles than the plan was
         made with.
     """
-    if options.plan is None:
+    plan = options.plan
+    if plan is None:
         return options
-    chosen = dict(options.plan.choices)
+    chosen = dict(plan.choices)
     copies, offload = chosen.get("copies", 1), tuple(chosen.get("offload", ()))
     if chosen.get("context", 1) > 1:  # strategy=None attention calls traced with the sequence cut so
-        options = dataclasses.replace(options, context_cut=chosen["context"], mode=options.plan.mode)
+        options = dataclasses.replace(options, context_cut=chosen["context"], mode=plan.mode)
     given = 1 if options.communication is None else options.communication.copies
     if copies > 1 and options.communication is None:
-        options = dataclasses.replace(options, communication=Communication(copies), mode=options.plan.mode)
+        options = dataclasses.replace(options, communication=Communication(copies), mode=plan.mode)
     elif given != copies:
         raise ShardingError(
             f"{call}: the loaded plan was made with the step's batch in {copies} cop{'y' if copies == 1 else 'ies'} "
