@@ -5,14 +5,13 @@ body's matrix products are its compute (`manual_flops`)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 
 from jax.extend import core as jcore
 
 from jshard.cost import Comm, CostModel, value_bytes
 from jshard.layouts import Spec, spec_from_pspec
-from jshard.rules import shape_of
+from jshard.rules import RULES, shape_of
 
 MANUAL = "shard_map"
 """The primitive a `jax.shard_map` region leaves in a jaxpr."""
@@ -59,10 +58,8 @@ def manual_flops(eqn: jcore.JaxprEqn) -> float:
 def _flops(jaxpr: jcore.Jaxpr) -> float:
     total = 0.0
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = shape_of(eqn.invars[0])
-            total += 2.0 * math.prod(shape_of(eqn.outvars[0])) * math.prod(lhs[i] for i in contract)
+        if eqn.primitive.name == "dot_general":  # its rule's FLOPs, at the body's local shapes
+            total += float(RULES["dot_general"](eqn).flops)
             continue
         branches = eqn.params.get("branches", ())
         if branches:

@@ -226,7 +226,7 @@ class _Peak:
                                   for pos, v in made})
 
     def _bytes(self, k: int, pos: int, v, a: Assignment) -> float:
-        return value_bytes(v) / math.prod(self.g.axis_size[x] for axes in self.g.spec(k, pos, a) for x in axes)
+        return _held(self.g, k, ((pos, v),), a)
 
     def _moved(self, k: int, a: Assignment) -> np.ndarray:
         live = self.live.copy()
