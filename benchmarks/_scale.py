@@ -440,7 +440,7 @@ def scale_table(
             "nothing compiled), each layer `jshard.recompute(policy='auto')`: the search weighs none, selective and "
             "full recompute and keeps the fastest plan that fits. On the 128k rows, where the batch (a sequence per "
             "4 or 8 devices) does not cover the devices, `jshard.attention` is given no strategy and the planning "
-            "weighs its context-parallel cut (`compile/_core._weigh_context`): the least cut that leaves no device "
+            "weighs its context-parallel cut (`compile/_weigh.weigh_context`): the least cut that leaves no device "
             "idle (sequence 4 for the 8B, 8 for the 70B) first, then no cut (the search cutting the tiled attention "
             "in its global view), then two and four times the least, as the 60 s planning time limit allows, each "
             "traced and searched, the fastest predicted that fits kept; the status names the cuts weighed and the "

@@ -70,7 +70,7 @@ class Options:
     recompute: Any = None
     context_cut: int | None = None
     """Not a keyword: the sequence cut `jshard.attention` calls that give no strategy take in this
-    trace (set per candidate by the planning's weighing, `_weigh_context`, or from a loaded plan's
+    trace (set per candidate by the planning's weighing, `_weigh.weigh_context`, or from a loaded plan's
     `("context", n)`); None: none."""
 
     @classmethod
