@@ -372,6 +372,19 @@ def test_a_block_that_does_not_divide_is_refused(args):
         par.plan(p, x)
 
 
+def test_auto_weighs_no_ring_its_block_does_not_divide(args, one_device):
+    """`form="auto"` with `block=16`: the ring's blocks of 8 keys (32 over 4 devices) cannot take
+    tiles of 16, so the ring is not weighed (its refusal named in the region's why) and another
+    form runs, equal to one device; `form="ring"` with the same block is refused (above)."""
+    p, x = args
+    par = js.parallelize(_step("auto", block=16), devices=8, mode="semi_auto", in_strategy=(None, LAY("dp", "sp", "None")))
+    plan = par.plan(p, x)
+    region = next(op for op in plan.ops if op.primitive == "shard_map" and not op.backward)
+    assert "not ring: the ring's blocks of 8 keys do not divide into the call's tiles of block=16" in plan.explain(
+        region.index)
+    assert_close(par(p, x), one_device, terms=step_terms(p, x) + 3 * T)
+
+
 def test_a_manual_regions_matmuls_are_priced(args):
     """The ring's region is priced by its body's matrix products per device (`Plan.work`): the
     plan's FLOPs are those of the same step with its attention laid out by the search, less the

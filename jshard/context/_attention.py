@@ -72,8 +72,9 @@ def attention(
       scale: the scores' factor; default `1 / sqrt(head_dim)`.
       block: keys per tile; it must divide the keys each device attends at once (the sequence;
         the ring's: the sequence over the devices that cut it, half that with `zigzag` and
-        `causal`). None: tiles of 1024 keys where those keys are more than 1024 and a multiple
-        of it, else the keys whole (the scores held whole, as small cases always were).
+        `causal`; `form="auto"` does not weigh a ring whose blocks it does not divide). None:
+        tiles of 1024 keys where those keys are more than 1024 and a multiple of it, else the
+        keys whole (the scores held whole, as small cases always were).
 
     Returns:
       `[batch, length, heads, head_dim]`, laid out as `strategy`.
@@ -106,7 +107,8 @@ def attention(
         pos = jnp.arange(q.shape[1])
         return place(attend(q, k, v, pos, pos, causal, scale, block), sharding)
     parts = math.prod(ctx.mesh.shape[a] for a in sequence)
-    chosen, why = _form(form, _local_shape(q, k, spec, ctx.mesh.shape, parts), sequence, ctx, zigzag, spec, q)
+    chosen, why = _form(form, _local_shape(q, k, spec, ctx.mesh.shape, parts), sequence, ctx, zigzag, spec, q,
+                        block, causal and zigzag)
     if chosen == "ring":
         halved = causal and zigzag
         keys = q.shape[1] // parts // (2 if halved else 1)
@@ -222,15 +224,17 @@ def _local_shape(q, k, spec: P, sizes, parts: int) -> AttentionShape:
     )
 
 
-def _form(form: str, shape: AttentionShape, sequence, ctx, zigzag: bool, spec: P, q) -> tuple[str, str]:
-    """The form to run, and why."""
+def _form(form: str, shape: AttentionShape, sequence, ctx, zigzag: bool, spec: P, q, block: int | None,  # noqa: PLR0913
+          halved: bool) -> tuple[str, str]:
+    """The form to run, and why: `form="auto"` weighs only the forms that can run (`refusal`: a
+    ring whose blocks the call's `block` does not divide is not weighed)."""
     if form not in ("auto", *FORMS):
         raise ValueError(f"{_CALL}: form={form!r}; pass 'auto', 'gather', 'ring' or 'ulysses'.")
     parts = math.prod(ctx.mesh.shape[a] for a in sequence)
-    if form == "auto" and all(refusal(f, shape, parts, zigzag) for f in FORMS):
+    if form == "auto" and all(refusal(f, shape, parts, zigzag, block, halved) for f in FORMS):
         form = "gather"  # every form refused: the gather's reason is the one every form shares
     elif form == "auto":
-        choice = choose(shape, sequence, dict(ctx.mesh.shape), ctx.cost or CostModel(), zigzag)
+        choice = choose(shape, sequence, dict(ctx.mesh.shape), ctx.cost or CostModel(), zigzag, block, halved)
         return choice.form, choice.why
     why = refusal(form, shape, parts, zigzag)
     if why is not None:

@@ -64,8 +64,11 @@ def comms(form: str, shape: AttentionShape, axes: tuple[str, ...], parts: int) -
     return [Comm("all-to-all", q, axes)] * 2 + [Comm("all-to-all", kv, axes)] * 2
 
 
-def refusal(form: str, shape: AttentionShape, parts: int, zigzag: bool) -> str | None:
-    """Why `form` cannot run over `parts` devices, or None."""
+def refusal(form: str, shape: AttentionShape, parts: int, zigzag: bool, block: int | None = None,
+            halved: bool = False) -> str | None:
+    """Why `form` cannot run over `parts` devices, or None (`block`: the call's tile of keys, which
+    must divide the ring's blocks, the sequence over `parts` and halved where `halved`, the zig-zag
+    order of a causal mask)."""
     if form == "ulysses" and shape.kv_heads % parts:
         return (
             f"Ulysses cuts the heads {parts} ways, but {parts} does not divide the {shape.kv_heads} "
@@ -73,16 +76,26 @@ def refusal(form: str, shape: AttentionShape, parts: int, zigzag: bool) -> str |
         )
     if zigzag and shape.length % (2 * parts):
         return f"the zig-zag order cuts the sequence into {2 * parts} chunks, which do not divide {shape.length}"
+    keys = shape.length // parts // (2 if halved else 1)
+    if form == "ring" and block is not None and keys % block:
+        return f"the ring's blocks of {keys} keys do not divide into the call's tiles of block={block} keys"
     return None
 
 
 def choose(
-    shape: AttentionShape, axes: tuple[str, ...], axis_size: Mapping[str, int], cost: CostModel, zigzag: bool = False
+    shape: AttentionShape,
+    axes: tuple[str, ...],
+    axis_size: Mapping[str, int],
+    cost: CostModel,
+    zigzag: bool = False,
+    block: int | None = None,
+    halved: bool = False,
 ) -> ContextChoice:
     """The form of least predicted seconds among those whose keys and values fit `cost.memory`
     (all of them where it is None); a tie within 2% goes to the form holding less. Where the cost
     model overlaps collectives with compute (`CostModel.overlap`, a GPU's), each of the ring's
     passes runs beside the block before it, and only what the block's compute does not hide counts.
+    A form `refusal` refuses (`block`, `halved`: as it takes them) is not weighed.
 
     Examples:
       >>> mha = AttentionShape(batch=1, length=32768, heads=32, kv_heads=32, head_dim=128, itemsize=2)
@@ -93,7 +106,7 @@ def choose(
       'gather'
     """
     parts = math.prod(axis_size[a] for a in axes)
-    refused = {f: why for f in ("gather", "ring", "ulysses") if (why := refusal(f, shape, parts, zigzag))}
+    refused = {f: why for f in ("gather", "ring", "ulysses") if (why := refusal(f, shape, parts, zigzag, block, halved))}
     held = {
         "gather": 2 * shape.block(1, shape.kv_heads),
         "ring": 4 * shape.block(parts, shape.kv_heads),
