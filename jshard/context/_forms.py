@@ -135,17 +135,27 @@ def _in_tiles(tile: int, *xs):
 def _taken(state, q, k, v, scale: float, mask, tile: int | None):
     """`_Online.add` of `q`'s scores on keys `k` (masked by `mask`, `(q_pos, k_pos)` or None), a
     tile of `tile` keys at a time where `tile` is not None: each tile's scores live only in its step."""
-    if tile is None or tile >= k.shape[1] or k.shape[1] % tile:
+    tiles = _key_tiles(k, v, mask, tile)
+    if tiles is None:
         s = _scores(q, k, scale)
         return _Online.add(state, s if mask is None else s + _bias(*mask)[None, None, None], v)
-    k_pos = jnp.zeros(k.shape[1], jnp.int32) if mask is None else jnp.broadcast_to(mask[1], (k.shape[1],))
     mask = None if mask is None else (_varying(mask[0], q), mask[1])
 
     def step(state, kvp):
         k_t, v_t, p_t = kvp
         return _taken(state, q, k_t, v_t, scale, None if mask is None else (mask[0], p_t), None), None
 
-    return jax.lax.scan(step, state, _in_tiles(tile, k, v, k_pos))[0]
+    return jax.lax.scan(step, state, tiles)[0]
+
+
+def _key_tiles(k, v, mask, tile: int | None):
+    """`k`, `v` and their positions (`mask[1]`, zeros without a mask) cut into tiles of `tile` keys
+    (`_in_tiles`), what the tiled forward and backward scan over; None where the keys are taken
+    whole (no tile, or one that does not cut them into several)."""
+    if tile is None or tile >= k.shape[1] or k.shape[1] % tile:
+        return None
+    k_pos = jnp.zeros(k.shape[1], jnp.int32) if mask is None else jnp.broadcast_to(mask[1], (k.shape[1],))
+    return _in_tiles(tile, k, v, k_pos)
 
 
 def _bias(q_pos, k_pos) -> jax.Array:
@@ -168,16 +178,16 @@ def _varying(pos: jax.Array, x: jax.Array) -> jax.Array:
 def _grads_tiled(rows: _Rows, k, v, scale: float, mask, tile: int | None):
     """`_grads`, a tile of `tile` keys at a time where `tile` is not None: `dq` summed over the
     tiles, `dk`, `dv` each tile's own."""
-    if tile is None or tile >= k.shape[1] or k.shape[1] % tile:
+    tiles = _key_tiles(k, v, mask, tile)
+    if tiles is None:
         return _grads(rows, k, v, scale, mask)
-    k_pos = jnp.zeros(k.shape[1], jnp.int32) if mask is None else jnp.broadcast_to(mask[1], (k.shape[1],))
 
     def step(dq, kvp):
         k_t, v_t, p_t = kvp
         gq, gk, gv = _grads(rows, k_t, v_t, scale, None if mask is None else (mask[0], p_t))
         return dq + gq, (gk, gv)
 
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(rows.q), _in_tiles(tile, k, v, k_pos))
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(rows.q), tiles)
     whole = lambda x: jnp.moveaxis(x, 0, 1).reshape(k.shape)  # noqa: E731
     return dq, whole(dk), whole(dv)
 
