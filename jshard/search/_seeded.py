@@ -218,7 +218,7 @@ class _Local:
     at a time (`moved`): each kept until the unit or one at the other end of its edges moves, the
     only units it reads. A unit under an assignment that opens combined all-reduce sets (a lone
     latency, which reads every unit of its set through `joins`) is priced afresh each time. The
-    trial moves of `fitted` and `polished` were most of a budgeted search's time (47 of 67 s planning
+    trial moves of `fitted` and `polished` were most of a budgeted search's time (49 of 67 s planning
     the 128k-token Llama 3 8B on 256 devices), each move changing the price of a few units only."""
 
     def __init__(self, g: SearchGraph, choice: Sequence[Assignment], joins: Joins):
