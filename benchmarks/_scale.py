@@ -261,10 +261,10 @@ def _planned(step, case: Case, devices: int) -> Planned:
         return Planned("-", None, None, None, time.perf_counter() - start, f"failed: {error_line(e)}")
     took = time.perf_counter() - start
     report = plan.search
-    if (
-        report is None
-    ):  # a peak is the search's: a propagated plan's RecomputeReport counted this model's scanned values whole
-        return Planned(degrees(plan, case.cfg), plan.work.seconds, None, None, took, "planned; peak not estimated")
+    if report is None:  # a propagated plan: its peak is the same memory model's, read by `Plan.work`
+        fits = plan.work.peak_bytes <= BUDGET
+        return Planned(degrees(plan, case.cfg), plan.work.seconds, plan.work.peak_bytes, None, took,
+                       f"propagated; {'fits' if fits else 'over budget'}")
     fits = report.peak_bytes <= BUDGET
     chosen = next((w.policy for w in report.recompute if w.chosen), "as marked")
     return Planned(
