@@ -495,5 +495,18 @@ def scale_table(
             "(`rules.FUSION`). A manual region (the context-parallel attention) is "
             "priced by its body's collectives and matrix products per device (before this table's change, its "
             "matrix products were priced at zero).",
+            "Loop bodies in the peak: before the memory model counted them (this table at 348ccfc), every peak here "
+            "was the values live at top-level program points. The 128k Llama rows' peaks do not move: each is at "
+            "the loss head (the logits `[tokens, 128256]` in float32 and what the loss makes of them, at the top "
+            "level), and the layer scan's points stay below it with their bodies counted (8B at sequence 4 on 256 "
+            "devices: 20.0 GiB at the forward scan, 10.1 GiB of it its body's, and 27.0 GiB at the backward "
+            "scan, 18.0 GiB its body's, beside 72.23 GiB at the head; MaxText's 70B at sequence 16: 54.2 and 63.0 "
+            "GiB, 10.0 and 17.9 of it the bodies', beside 79.40). Mixtral's rows rise (MaxText's on 256 devices "
+            "from 14.48 to 32.05 GiB: each layer's experts' and attention's temporaries), and the search, weighing "
+            "the bodies' values too, now keeps expert 4 at 38.96 GiB where it kept expert 8 at 14.48, at the same "
+            "5.90 s, 0.4% slower than MaxText's anchors planned by the same search (5.88 s): the target column "
+            "says so. Megatron-LM's propagated plan now has a peak: about 937 GiB per device, far over 80 GiB "
+            "(no recompute, and without its 4 pipeline stages every layer's activations of 4 sequences are kept "
+            "at once), so its 4.43 s is no plan that fits, and the target column does not weigh it.",
         ),
     )
