@@ -28,7 +28,8 @@ class RecomputeReport:
         values, so the operators making only those are not run again, and the peaks here leave
         those kept values out.
       peak_bytes: the memory model's peak per device (`cost.live_ranges`: the values live at once
-        between top-level operators, each at its planned layout) of the program as planned: a
+        between top-level operators, and at a loop's point what its body holds at once, each at its
+        planned layout) of the program as planned: a
         value a region recomputes is held from its run in the backward pass to its last use.
       kept_peak_bytes: the same with each recomputed value held instead from its forward run (the
         latest forward operator of the same source line and primitive not matched yet, as the
