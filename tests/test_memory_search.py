@@ -182,7 +182,8 @@ def test_a_loop_bodys_own_peak_is_counted_at_the_loop(step):
     fall short by at least one hidden buffer (the forward body holds one, the backward's three);
     counted, the model is within half of one, so no hidden-sized buffer is missed or counted twice
     (everything else, a few `[ROWS, WIDTH]` and `[WIDTH, HIDDEN]` arrays, is less than half of one).
-    The same holds for the search's estimate of its plan on 8 devices against the compiled plan."""
+    The same holds on 8 devices for a searched plan's estimate and a propagated one's against the
+    compiled plans, at their per-device hidden buffer."""
     from jshard.cost import LiveRanges, live_ranges, value_bytes
     from jshard.graph import flatten
     from jshard.rules import FUSION
@@ -199,8 +200,11 @@ def test_a_loop_bodys_own_peak_is_counted_at_the_loop(step):
     assert top_level <= one_device - HIDDEN_BYTES
     assert abs(ranges.live_bytes(held).max() - one_device) < HIDDEN_BYTES / 2
 
-    fn = js.parallelize(step, devices=8, mode="auto")
-    plan = fn.plan(ws, x)
-    hidden = next(op for op in plan.ops if op.primitive == "dot_general" and op.out_shapes[0].endswith(f"[{ROWS},{HIDDEN}]"))
-    cut = math.prod(hidden.out_strategy[0])
-    assert abs(plan.search.peak_bytes - js.audit(fn.lower(ws, x).compile()).memory.peak_bytes) < HIDDEN_BYTES / cut / 2
+    for mode in ("auto", "semi_auto"):  # searched, and propagated (`Plan.work.peak_bytes`: the same model)
+        fn = js.parallelize(step, devices=8, mode=mode)
+        plan = fn.plan(ws, x)
+        assert mode != "auto" or plan.work.peak_bytes == plan.search.peak_bytes
+        hidden = next(op for op in plan.ops if op.primitive == "dot_general" and op.out_shapes[0].endswith(f"[{ROWS},{HIDDEN}]"))
+        cut = math.prod(hidden.out_strategy[0])
+        compiled = js.audit(fn.lower(ws, x).compile()).memory.peak_bytes
+        assert abs(plan.work.peak_bytes - compiled) < HIDDEN_BYTES / cut / 2, mode
