@@ -15,7 +15,11 @@ body's peak at that loop's point), the largest body's (a `while`'s condition or 
 branch) counted once whatever the trip count, as XLA runs one iteration's temporaries at a time. What
 the loop carries in and out is its operands and results, counted at the top level already. One
 attention tile's scores in a scanned layer, and the backward pass's temporaries beside them, are
-held this way.
+held this way. Inside a body, buffers follow XLA's fusion (`Fusion`, given by the caller as
+`jshard.rules.FUSION`): a fusible result read only by fusible operators holds none (its operands
+live to where the fused kernel runs), and an elementwise result takes over an operand that dies
+there; at the top level each value keeps its own buffer to its last use. A manual region's
+(`shard_map`) body, in per-device shapes, adds its own peak at its point by the same rules.
 """
 
 from __future__ import annotations
