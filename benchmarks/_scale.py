@@ -502,10 +502,11 @@ def scale_table(
             "devices: 20.0 GiB at the forward scan, 10.1 GiB of it its body's, and 27.0 GiB at the backward "
             "scan, 18.0 GiB its body's, beside 72.23 GiB at the head; MaxText's 70B at sequence 16: 54.2 and 63.0 "
             "GiB, 10.0 and 17.9 of it the bodies', beside 79.40). Mixtral's rows rise (MaxText's on 256 devices "
-            "from 14.48 to 32.05 GiB: each layer's experts' and attention's temporaries), and the search, weighing "
-            "the bodies' values too, now keeps expert 4 at 38.96 GiB where it kept expert 8 at 14.48, at the same "
-            "5.90 s, 0.4% slower than MaxText's anchors planned by the same search (5.88 s): the target column "
-            "says so. Megatron-LM's propagated plan now has a peak: about 937 GiB per device, far over 80 GiB "
+            "from 14.48 to 32.05 GiB: each layer's experts' and attention's temporaries). jshard auto's Mixtral plan "
+            "varied between two runs of this table under the machine's load: on 256 devices expert 8 at 32.05 GiB "
+            "and 5.88 s here, expert 4 at 38.96 GiB and 5.90 s in the run before; on 1,024 expert 4 at 37.43 GiB "
+            "and 5.90 s in both, 0.4% slower than MaxText's anchors planned by the same search (5.88 s): the "
+            "target column says so. Megatron-LM's propagated plan now has a peak: about 937 GiB per device, far over 80 GiB "
             "(no recompute, and without its 4 pipeline stages every layer's activations of 4 sequences are kept "
             "at once), so its 4.43 s is no plan that fits, and the target column does not weigh it.",
         ),
