@@ -261,10 +261,10 @@ def _planned(step, case: Case, devices: int) -> Planned:
         return Planned("-", None, None, None, time.perf_counter() - start, f"failed: {error_line(e)}")
     took = time.perf_counter() - start
     report = plan.search
-    if (
-        report is None
-    ):  # a peak is the search's: a propagated plan's RecomputeReport counted this model's scanned values whole
-        return Planned(degrees(plan, case.cfg), plan.work.seconds, None, None, took, "planned; peak not estimated")
+    if report is None:  # a propagated plan: its peak is the same memory model's, read by `Plan.work`
+        fits = plan.work.peak_bytes <= BUDGET
+        return Planned(degrees(plan, case.cfg), plan.work.seconds, plan.work.peak_bytes, None, took,
+                       f"propagated; {'fits' if fits else 'over budget'}")
     fits = report.peak_bytes <= BUDGET
     chosen = next((w.policy for w in report.recompute if w.chosen), "as marked")
     return Planned(
@@ -447,7 +447,9 @@ def scale_table(
             "one chosen. The search lays out everything else (FSDP, heads, the logits, recompute) and "
             "`form='auto'` takes the cost model's form. predicted step / peak: the search's (alpha-beta "
             "collectives at the H100's NVLink rate on every mesh axis, compute at the measured matmul rate, the "
-            "memory model's peak at top-level program points); a plan over the budget shows the least peak any "
+            "memory model's peak: the values live at each top-level program point and, at a loop's point (the "
+            "scanned layers, forward and backward; the attention's tiles; a context-parallel region), what its "
+            "body holds at once, once whatever the trip count); a plan over the budget shows the least peak any "
             "recompute policy reaches. plan time: trace + search + records, wall clock, on a 2-core machine shared "
             "with other work; the layers are scanned (one traced layer whatever the depth), so no layer count was "
             "cut to plan in time.",
@@ -470,10 +472,8 @@ def scale_table(
             "out by the same search under the same budget as jshard's own row; Megatron-LM's TP 1 x EP 8 x DP with "
             "the distributed optimizer is `mode='semi_auto'` with a `Layout((n/8, 8), ('dp', 'ep'))` cutting the "
             "experts over ep and the batch over both, `optimizer=1`, no recompute, without its PP 4 (jshard's "
-            "pipeline needs the step cut into stages): its step is the propagated plan's (`Plan.work`), and its "
-            "peak is not estimated (jshard's per-device peak is the search's memory model; the propagated plan's "
-            "`RecomputeReport` counted the scanned layer's values whole, 2.5 TiB per device on 256 devices when last "
-            "read, before the hoisted mask of the next note was removed; not read again, and not shown). Their "
+            "pipeline needs the step cut into stages): its step and peak are the propagated plan's (`Plan.work`, "
+            "the peak by the same memory model as the search's, `Plan.work.peak_bytes`). Their "
             "measured figures ran on their own "
             "hardware and kernels (flash attention, grouped GEMMs, Float8 for torchtitan); a derived step time is "
             "at this table's tokens per device.",
@@ -482,9 +482,7 @@ def scale_table(
             "recomputed layer scan as loop-invariant residuals, broadcast to the whole batch's scores "
             "`[b, kv, g, t, t]`; the propagated plan left them uncut, and their memory traffic grew with the global "
             "batch. `jshard.attention` now adds the mask as a bias made from positions tied to the queries, which "
-            "JAX recomputes inside the layer: the row stays level. (The propagated plan's peak, which counted "
-            "those residuals, is still not shown, and the target column weighs only published plans whose peak is "
-            "estimated: this row's 4.43 s, without recompute, may not fit.) The Mixtral rows moved with the "
+            "JAX recomputes inside the layer: the row stays level. The Mixtral rows moved with the "
             "attention's rewrite (jshard auto on 256 devices 5.25 s and 16.29 GiB before): `jshard.attention` "
             "multiplies the weights by the values in float32 where the old model's code did in bfloat16, and the "
             "mask is no longer a residual; the parts were not separated.",
@@ -492,10 +490,24 @@ def scale_table(
             "32 heads) fit no plan (648-661 GiB per device at least before this table moved to tiled attention). "
             "Tiled, a device holds one tile's scores `[b, kv, g, its queries, 1024]`: 4 GiB in float32 for the 8B "
             "at sequence 4 (32 heads, 32,768 queries), and the backward's few arrays of that shape beside it. The "
-            "memory model's peak counts values at top-level program points: what lives inside the scanned layer "
-            "(these tiles, a layer's feed-forward intermediates) is not in the predicted peak, so a plan at 72-79 "
-            "GiB may need a smaller `block` to fit compiled. A manual region (the context-parallel attention) is "
+            "memory model counts them: a loop's body (the scanned layer, the tiles' loop inside it, the "
+            "context-parallel region) adds at its point what it holds at once, its buffers as XLA fuses them "
+            "(`rules.FUSION`). A manual region (the context-parallel attention) is "
             "priced by its body's collectives and matrix products per device (before this table's change, its "
             "matrix products were priced at zero).",
+            "Loop bodies in the peak: before the memory model counted them (this table at 348ccfc), every peak here "
+            "was the values live at top-level program points. The 128k Llama rows' peaks do not move: each is at "
+            "the loss head (the logits `[tokens, 128256]` in float32 and what the loss makes of them, at the top "
+            "level), and the layer scan's points stay below it with their bodies counted (8B at sequence 4 on 256 "
+            "devices: 20.0 GiB at the forward scan, 10.1 GiB of it its body's, and 27.0 GiB at the backward "
+            "scan, 18.0 GiB its body's, beside 72.23 GiB at the head; MaxText's 70B at sequence 16: 54.2 and 63.0 "
+            "GiB, 10.0 and 17.9 of it the bodies', beside 79.40). Mixtral's rows rise (MaxText's on 256 devices "
+            "from 14.48 to 32.05 GiB: each layer's experts' and attention's temporaries). jshard auto's Mixtral plan "
+            "varied between two runs of this table under the machine's load: on 256 devices expert 8 at 32.05 GiB "
+            "and 5.88 s here, expert 4 at 38.96 GiB and 5.90 s in the run before; on 1,024 expert 4 at 37.43 GiB "
+            "and 5.90 s in both, 0.4% slower than MaxText's anchors planned by the same search (5.88 s): the "
+            "target column says so. Megatron-LM's propagated plan now has a peak: about 937 GiB per device, far over 80 GiB "
+            "(no recompute, and without its 4 pipeline stages every layer's activations of 4 sequences are kept "
+            "at once), so its 4.43 s is no plan that fits, and the target column does not weigh it.",
         ),
     )

@@ -1,18 +1,18 @@
-"""The work stage: how much of the single-device work each device does under the built plan and,
-where it is nearly all of it, the data-parallel plan of the same traced program priced beside it
-(`WorkReport`). The data-parallel plan reuses the trace and the operator table: one propagation
-from its anchors, nothing compiled."""
+"""The work stage: how much of the single-device work each device does under the built plan, the
+memory model's peak per device of it and, where it is nearly all of the work, the data-parallel plan
+of the same traced program priced beside it (`WorkReport`). The data-parallel plan reuses the trace
+and the operator table: one propagation from its anchors, nothing compiled."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from jshard._errors import ShardingError
-from jshard.compile._boundary import dataset_anchors, in_shardings
+from jshard.compile._boundary import argument_leaves, dataset_anchors, in_shardings
 from jshard.compile._options import Options
 from jshard.compile._planners import Problem
 from jshard.compile._program import Program
-from jshard.plan import WorkReport, numbered
+from jshard.plan import WorkReport, numbered, planned_peak
 from jshard.propagate import Engine, priced
 from jshard.rules import OpTable
 
@@ -29,9 +29,12 @@ def with_work(program: Program, args: tuple, batch: set[int], slots, c: Options,
     if not here.flops:
         return program
     number = numbered(traced.nodes) if here.hidden else {}
+    donated = frozenset(traced.invars[i] for i in argument_leaves(args, c.donate_argnums))
     report = WorkReport(traced.fine.device_count, here.flops, here.device_flops, here.comm_seconds,
                         here.compute_seconds, c.mode, hidden_seconds=here.hidden_seconds,
-                        hidden_ops=tuple((number[i], s) for i, s in here.hidden.items() if i in number))
+                        hidden_ops=tuple((number[i], s) for i, s in here.hidden.items() if i in number),
+                        peak_bytes=planned_peak(traced.nodes, result.values, traced.axis_size, traced.invars,
+                                                traced.outvars, donated))
     if report.replicated and c.mode != "data":
         report = _data_parallel(report, traced, table, args, batch, slots, c, call)
     return dataclasses.replace(program, plan=program.plan.replace(work=report))

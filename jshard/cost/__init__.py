@@ -11,6 +11,7 @@ from jshard.cost._collectives import stages as stages
 from jshard.cost._devices import DEVICE_KINDS as DEVICE_KINDS
 from jshard.cost._devices import DeviceKind as DeviceKind
 from jshard.cost._devices import device_memory as device_memory
+from jshard.cost._memory import Fusion as Fusion
 from jshard.cost._memory import LiveRanges as LiveRanges
 from jshard.cost._memory import array_of as array_of
 from jshard.cost._memory import itemsize as itemsize

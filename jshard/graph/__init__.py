@@ -6,6 +6,7 @@ from jshard.graph._graph import COMM_KEPT_LABEL as COMM_KEPT_LABEL
 from jshard.graph._graph import CONSTRAINT as CONSTRAINT
 from jshard.graph._graph import INLINE as INLINE
 from jshard.graph._graph import JSHARD_SCOPE as JSHARD_SCOPE
+from jshard.graph._graph import MANUAL as MANUAL
 from jshard.graph._graph import NESTED as NESTED
 from jshard.graph._graph import PARAMETER_SCOPE as PARAMETER_SCOPE
 from jshard.graph._graph import RECOMPUTE_SCOPE as RECOMPUTE_SCOPE

@@ -24,6 +24,9 @@ NESTED = frozenset({"scan", "while", "cond"})
 RECOMPUTE_SCOPE = "jshard_recompute_"
 """The name scope `jshard.recompute` runs a function in, followed by its policy's name
 (`jshard_recompute_selective`): how a `Plan` tells its operators from a bare `jax.checkpoint`'s."""
+MANUAL = "shard_map"
+"""The primitive a `jax.shard_map` region leaves in a jaxpr (its body, in per-device shapes, stays
+inside its equation)."""
 CONSTRAINT = "sharding_constraint"
 """The primitive `jax.lax.with_sharding_constraint` (and so `jshard.shard`) leaves in a jaxpr."""
 JSHARD_SCOPE = "jshard_"
@@ -78,6 +81,8 @@ class Node:
         equation's, so that the recomputation in the backward pass counts as backward.
       loop: the index of the enclosing loop or branch node (the computation XLA compiles it in),
         -1 at top level.
+      body: which of the enclosing node's `bodies` it belongs to (a `while`'s condition 0 and body
+        1, a `cond`'s branches in order); 0 at top level.
       primitive: the equation's primitive's name (read once: every stage reads it per node).
     """
 
@@ -91,6 +96,7 @@ class Node:
     bodies: list = dataclasses.field(default_factory=list)
     remat: str = ""
     loop: int = -1
+    body: int = 0
     primitive: str = dataclasses.field(init=False)
 
     def __post_init__(self):
@@ -243,7 +249,7 @@ def _source(eqn, callers) -> str:
     return user_source(eqn.source_info)
 
 
-def _collect(jaxpr, env, inside, weight, nodes, outer=None, loop=-1):
+def _collect(jaxpr, env, inside, weight, nodes, outer=None, loop=-1, body=0):
     for eqn, env_now, callers, remat, prefix in _inlined(jaxpr, env, (), outer,
                                                          outer and outer.source_info.name_stack):
         info = eqn.source_info
@@ -258,14 +264,15 @@ def _collect(jaxpr, env, inside, weight, nodes, outer=None, loop=-1):
             weight,
             remat="" if remat is None else remat_policy_name(remat.params.get("policy")),
             loop=loop,
+            body=body,
         )
         nodes.append(node)
         if eqn.primitive.name in NESTED:
             inner, here = weight * eqn.params.get("length", 1), len(nodes) - 1
-            for body in nested_jaxprs(eqn):
+            for b, sub in enumerate(nested_jaxprs(eqn)):
                 body_env: dict = {}
-                _collect(body, body_env, eqn.primitive.name, inner, nodes, remat, here)
-                node.bodies.append((list(body.invars), [resolve(body_env, v) for v in body.outvars]))
+                _collect(sub, body_env, eqn.primitive.name, inner, nodes, remat, here, b)
+                node.bodies.append((list(sub.invars), [resolve(body_env, v) for v in sub.outvars]))
 
 
 def dead_nodes(nodes: Sequence[Node], outputs: Collection) -> set[int]:

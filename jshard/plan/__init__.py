@@ -11,6 +11,7 @@ from jshard.plan._plan import Later as Later
 from jshard.plan._plan import Plan as Plan
 from jshard.plan._plan import load as load
 from jshard.plan._recompute import RecomputeReport as RecomputeReport
+from jshard.plan._recompute import planned_peak as planned_peak
 from jshard.plan._recompute import recompute_report as recompute_report
 from jshard.plan._records import ORIGINS as ORIGINS
 from jshard.plan._records import OpLayout as OpLayout

@@ -12,6 +12,7 @@ from jshard._format import human_bytes
 from jshard.cost import LiveRanges, live_ranges, value_bytes
 from jshard.graph import Node
 from jshard.plan._records import recompute_regions
+from jshard.rules import FUSION
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -27,7 +28,8 @@ class RecomputeReport:
         values, so the operators making only those are not run again, and the peaks here leave
         those kept values out.
       peak_bytes: the memory model's peak per device (`cost.live_ranges`: the values live at once
-        between top-level operators, each at its planned layout) of the program as planned: a
+        between top-level operators, and at a loop's point what its body holds at once, each at its
+        planned layout) of the program as planned: a
         value a region recomputes is held from its run in the backward pass to its last use.
       kept_peak_bytes: the same with each recomputed value held instead from its forward run (the
         latest forward operator of the same source line and primitive not matched yet, as the
@@ -60,9 +62,7 @@ def recompute_report(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[
     regions, rerun = recompute_regions(nodes)
     if not regions:
         return None
-    ranges = live_ranges(nodes, args, outvars, donated)
-    held = {v: value_bytes(v) / math.prod(axis_size[a] for axes in values.get(v, ()) for a in axes)
-            for v in ranges.first}
+    ranges, held = _planned(nodes, values, axis_size, args, outvars, donated)
     first = dict(ranges.first)
     forward: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
     for i, node in enumerate(nodes):
@@ -78,7 +78,23 @@ def recompute_report(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[
     counts = collections.Counter(regions.values())
     again = collections.Counter(regions[i] for i in rerun if i in regions)
     return RecomputeReport(tuple((name, counts[name], again[name]) for name in sorted(counts)),
-                           _peak(ranges, held), _peak(LiveRanges(first, ranges.last, ranges.end), held))
+                           _peak(ranges, held), _peak(LiveRanges(first, ranges.last, ranges.end, ranges.bodies), held))
+
+
+def planned_peak(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[str, int], args: Sequence,
+                 outvars: Sequence, donated: frozenset = frozenset()) -> float:
+    """The memory model's peak per device (`cost.live_ranges`, a loop's body's own peak at its point)
+    of a flattened program as planned; its arguments as `recompute_report` takes them."""
+    return _peak(*_planned(nodes, values, axis_size, args, outvars, donated))
+
+
+def _planned(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[str, int], args: Sequence,
+             outvars: Sequence, donated: frozenset) -> tuple[LiveRanges, dict]:
+    """The program's live ranges and the bytes per device of each value under its planned `Spec`."""
+    ranges = live_ranges(nodes, args, outvars, donated, fusion=FUSION)
+    held = {v: value_bytes(v) / math.prod(axis_size[a] for axes in values.get(v, ()) for a in axes)
+            for v in ranges.values()}
+    return ranges, held
 
 
 def _peak(ranges: LiveRanges, held: Mapping) -> float:

@@ -32,6 +32,8 @@ class WorkReport:
         them (`CostModel.overlap`); 0 where it does not.
       hidden_ops: `(OpRecord.index, seconds)` per operator whose collectives run beside compute:
         the seconds of them the device computes through (`hidden`, what `Plan.explain` says).
+      peak_bytes: the memory model's peak per device of the plan as built (`plan.planned_peak`: what
+        `SearchReport.peak_bytes` is for a searched plan, here for every plan jshard lays out).
     """
 
     devices: int
@@ -46,6 +48,7 @@ class WorkReport:
     hidden_seconds: float = 0.0
     data_hidden_seconds: float = 0.0
     hidden_ops: tuple[tuple[int, float], ...] = ()
+    peak_bytes: float | None = None
 
     def hidden(self, op: int) -> float:
         """Seconds of operator `op`'s (its `OpRecord.index`) collectives that run beside compute."""

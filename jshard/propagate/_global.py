@@ -48,7 +48,7 @@ from jshard.graph import CONSTRAINT, Node
 from jshard.layouts import Spec, constraint_spec
 from jshard.propagate._engine import Engine, Result, WeighedLayout, share_moves
 from jshard.propagate._priced import devices_over
-from jshard.rules import OpTable, shape_of
+from jshard.rules import FUSION, OpTable, shape_of
 
 _BETTER = 0.98
 """An alternative is taken where the operators it lays out otherwise cost, under it, below this share
@@ -177,7 +177,7 @@ def _weigh_peak(runs: _Runs, best: Result, fixed: dict, moved: dict, args: Seque
     whole program's predicted seconds, all such alternatives together, grow by at most `_PEAK_TIME`:
     the neighbours it moves reduce a slice rather than the whole (a few bytes of all-reduce) while
     every device stops holding and computing all of it."""
-    ranges = live_ranges(runs.nodes, args, list(runs.outputs))
+    ranges = live_ranges(runs.nodes, args, list(runs.outputs), fusion=FUSION)
     peak, allowed = _peak(runs, best, ranges), (1 + _PEAK_TIME) * runs.seconds(best)
     tried = 0
     for v, finer, saved in _coarser_at_peak(runs, best, ranges):
@@ -193,7 +193,7 @@ def _weigh_peak(runs: _Runs, best: Result, fixed: dict, moved: dict, args: Seque
 
 
 def _held(runs: _Runs, result: Result, ranges) -> dict:
-    return {v: local_bytes(*array_of(v), result.values[v], runs.axis_size) for v in ranges.first if v in result.values}
+    return {v: local_bytes(*array_of(v), result.values[v], runs.axis_size) for v in ranges.values() if v in result.values}
 
 
 def _peak(runs: _Runs, result: Result, ranges) -> float:

@@ -10,11 +10,9 @@ from collections.abc import Iterator, Mapping
 from jax.extend import core as jcore
 
 from jshard.cost import Comm, CostModel, value_bytes
+from jshard.graph import MANUAL as MANUAL  # the primitive this module prices, named where the graph is read
 from jshard.layouts import Spec, spec_from_pspec
 from jshard.rules import RULES, shape_of
-
-MANUAL = "shard_map"
-"""The primitive a `jax.shard_map` region leaves in a jaxpr."""
 
 _KINDS = {
     "ppermute": "collective-permute",

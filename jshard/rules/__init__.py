@@ -33,4 +33,5 @@ from jshard.rules._fallbacks import FALLBACKS as FALLBACKS
 from jshard.rules._misc import PER_DEVICE as PER_DEVICE
 from jshard.rules._table import OpTable as OpTable
 from jshard.rules._table import neighbours_of as neighbours_of
+from jshard.rules._traffic import FUSION as FUSION
 from jshard.rules._traffic import MATMUL as MATMUL

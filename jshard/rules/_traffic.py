@@ -30,7 +30,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from jax.extend import core as jcore
 
-from jshard.cost import value_bytes
+from jshard.cost import Fusion, value_bytes
 from jshard.graph import CONSTRAINT, Node
 from jshard.rules._elementwise import ELEMENTWISE
 from jshard.rules._reduce import REDUCTIONS
@@ -42,6 +42,11 @@ FUSIBLE = frozenset(ELEMENTWISE) - {"optimization_barrier"} | {
     "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "reshape", "concatenate", "pad", "slice",
     "dynamic_slice", "rev", "iota", CONSTRAINT}
 """Operators XLA fuses into one kernel with their consumers."""
+
+FUSION = Fusion(FUSIBLE, frozenset(ELEMENTWISE) - {"optimization_barrier"})
+"""The memory model's view of the same fusion in a loop body (`jshard.cost.live_ranges`): a fusible
+operator's result read only by fusible operators holds no buffer; an elementwise one writes into an
+operand that dies there."""
 
 _REDUCING = FUSIBLE | set(REDUCTIONS) | {"argmax", "argmin", "reduce"}
 """Operators that take a fusible producer into their kernel."""

@@ -17,8 +17,9 @@ update) is *combinable*, pays its all-reduces' bandwidth alone, and the plan pay
 set of them (`SearchGraph.combined_latency`); the others pay each all-reduce's latency, as a chain
 of dependent all-reduces (a Megatron layer's) runs one after another. Memory is per device: at each
 top-level program point, the arguments, the function's results and every value made before the point
-and used after it (activations kept for the backward pass, gradients awaiting the update), each at
-its local size under the layout chosen for it.
+and used after it (activations kept for the backward pass, gradients awaiting the update), and at a
+loop's point its body's own peak (`jshard.cost.LiveRanges`), each value at its local size under the
+layout chosen for it.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from jshard.cost import (
 from jshard.graph import CONSTRAINT, NESTED, Node
 from jshard.layouts import Spec, constraint_spec
 from jshard.propagate import MANUAL, manual_comms, manual_flops, manual_seconds, manual_specs
-from jshard.rules import Factors, OpTable, expressible, shape_of, write_spec
+from jshard.rules import FUSION, Factors, OpTable, expressible, shape_of, write_spec
 
 Assignment = dict  # factor id -> mesh axes (major to minor)
 Group = tuple[str, ...]  # mesh axes that a search step hands out together
@@ -602,14 +603,15 @@ class SearchGraph:
     def _memory_model(self, args, outvars, donated, host) -> None:
         """The program's live ranges (`jshard.cost.live_ranges`; `host`: the arguments and results
         kept in host memory between steps) and, for each value held, the unit that lays it out."""
-        self.ranges = live_ranges(self.nodes, args, outvars, donated, host)
+        self.ranges = live_ranges(self.nodes, args, outvars, donated, host, FUSION)
         self.first, self.last, self.end = self.ranges.first, self.ranges.last, self.ranges.end
         # value -> `(unit, operand position)` that lays it out where it is made: its first maker
         self.makers = {v: (k, pos) for v, ((_, k, pos), *_) in self.producers.items()}
-        self.memory_values = [v for v in self.first if v in self.makers]
+        self.memory_values = [v for v in self.ranges.values() if v in self.makers]
 
     def live_bytes(self, value_bytes: Mapping) -> np.ndarray:
-        """Bytes live at each top-level program point, given each memory value's bytes."""
+        """Bytes live at each top-level program point, given each memory value's bytes (a loop's
+        point with its body's peak: `LiveRanges.transient`)."""
         return self.ranges.live_bytes(value_bytes)
 
     def peak(self, choice: Sequence[Assignment]) -> tuple[float, int]:

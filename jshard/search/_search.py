@@ -538,7 +538,7 @@ def _least(g: SearchGraph) -> dict:
 
 def _boundary(g: SearchGraph, least: Mapping) -> dict:
     """Of `least` (memory value -> bytes), the arguments and results."""
-    return {v: b for v, b in least.items() if v in g.arg_unit or g.last[v] == g.end}
+    return {v: b for v, b in least.items() if v in g.arg_unit or g.last.get(v) == g.end}
 
 
 def _boundary_peak(g: SearchGraph) -> float:

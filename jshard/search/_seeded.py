@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jshard.cost import value_bytes
+from jshard.cost import LiveRanges, value_bytes
 from jshard.graph import CONSTRAINT
 from jshard.layouts import Spec, replicated
 from jshard.propagate import Result, propagate_globally
@@ -249,9 +249,10 @@ class _Local:
 class _Peak:
     """The estimated peak (`SearchGraph.peak`) of `choice` as its units move one at a time: the bytes
     live at each program point, kept, each move adding the change in the bytes of the values its
-    unit lays out over their live ranges (`SearchGraph.peak` of every trial move was most of
-    `polished`'s time). Within `_NEAR` of the budget, where the sums' rounding could tell, the peak
-    is read again from the whole choice, so each answer is the one `SearchGraph.peak` gives."""
+    unit lays out over their live ranges, and for those a loop's body makes, the change in that
+    loop's body peak (`LiveRanges.transient`) at its point (`SearchGraph.peak` of every trial move was
+    most of `polished`'s time). Within `_NEAR` of the budget, where the sums' rounding could tell, the
+    peak is read again from the whole choice, so each answer is the one `SearchGraph.peak` gives."""
 
     def __init__(self, g: SearchGraph, choice: list[Assignment]):
         self.g, self.choice = g, choice
@@ -259,23 +260,34 @@ class _Peak:
         for v in g.memory_values:
             k, pos = g.makers[v]
             self.made[k].append((pos, v))
-        self.live = g.live_bytes({v: self._bytes(k, pos, v, choice[k]) for k, made in self.made.items()
-                                  for pos, v in made})
+        self.loops = _loops(g.ranges)  # a loop body's value -> its loop's top-level point
+        self.held = {v: self._bytes(k, pos, v, choice[k]) for k, made in self.made.items() for pos, v in made}
+        self.live = g.live_bytes(self.held)
 
     def _bytes(self, k: int, pos: int, v, a: Assignment) -> float:
         return _held(self.g, k, ((pos, v),), a)
 
-    def _moved(self, k: int, a: Assignment) -> np.ndarray:
-        live = self.live.copy()
+    def _moved(self, k: int, a: Assignment) -> tuple[np.ndarray, dict]:
+        """The live bytes with unit `k` moved to `a`, and the values whose bytes change -> their new bytes."""
+        live, changed, loops = self.live.copy(), {}, set()
         for pos, v in self.made.get(k, ()):
-            change = self._bytes(k, pos, v, a) - self._bytes(k, pos, v, self.choice[k])
-            if change:
-                live[self.g.first[v]:self.g.last[v] + 1] += change
-        return live
+            now = self._bytes(k, pos, v, a)
+            if now == self.held[v]:
+                continue
+            changed[v] = now
+            if v in self.loops:
+                loops.add(self.loops[v])
+            else:
+                live[self.g.first[v]:self.g.last[v] + 1] += now - self.held[v]
+        if loops:
+            after = collections.ChainMap(changed, self.held)
+            for t in loops:
+                live[t] += self.g.ranges.transient(t, after) - self.g.ranges.transient(t, self.held)
+        return live, changed
 
     def fits(self, k: int, a: Assignment, budget: float) -> bool:
         """Whether the estimated peak fits `budget` with unit `k` moved to `a`."""
-        peak = float(self._moved(k, a).max()) if k in self.made else float(self.live.max())
+        peak = float(self._moved(k, a)[0].max()) if k in self.made else float(self.live.max())
         if abs(peak - budget) > _NEAR * budget:
             return peak <= budget
         kept, self.choice[k] = self.choice[k], a
@@ -287,8 +299,14 @@ class _Peak:
     def move(self, k: int, a: Assignment) -> None:
         """Unit `k` moved to `a` (in the choice too)."""
         if k in self.made:
-            self.live = self._moved(k, a)
+            self.live, changed = self._moved(k, a)
+            self.held.update(changed)
         self.choice[k] = a
+
+
+def _loops(ranges: LiveRanges) -> dict:
+    """Each value a loop or branch body makes (nested ones' too) -> that loop's top-level point."""
+    return {v: t for t, bodies in ranges.bodies.items() for body in bodies for v in body.values()}
 
 
 def moves(g: SearchGraph, k: int, mine: Assignment) -> list[Assignment]:
