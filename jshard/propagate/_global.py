@@ -242,7 +242,7 @@ def _weigh_moves(runs: _Runs, best: Result, fixed: dict, arrive: dict) -> tuple[
     left = runs.run(loose).values
     wanted = {v: left[v] for v, spec in arrive.items() if left.get(v, spec) != spec}
     subsets = [wanted, *([{v: s} for v, s in wanted.items()] if len(wanted) > 1 else [])] if wanted else []
-    data = _data_cut(runs.nodes, loose.values(), arrive)
+    data = _data_cut(runs.nodes, loose.values(), arrive, runs.axis_size)
     if data and data not in subsets:
         subsets.append(data)
     if not subsets:
@@ -267,7 +267,7 @@ def _weigh_moves(runs: _Runs, best: Result, fixed: dict, arrive: dict) -> tuple[
 _DATA_CUT = "moved once at the start, cut over the axes the anchors leave free"
 
 
-def _data_cut(nodes: Sequence[Node], specs: Collection[Spec], arrive: dict) -> dict:
+def _data_cut(nodes: Sequence[Node], specs: Collection[Spec], arrive: dict, axis_size: Mapping[str, int]) -> dict:
     """The default-cut batch arrays (`arrive`) each cut over the mesh axes no anchor (`specs`, and
     the program's constraints) uses, where those are fewer than it arrives cut over: the data axes
     the parameters' layouts leave (a Megatron layout over `mp`: the batch over `dp` alone, as the
@@ -276,8 +276,30 @@ def _data_cut(nodes: Sequence[Node], specs: Collection[Spec], arrive: dict) -> d
     used = {a for axes in _groups(nodes, specs) for a in axes}
     if not used:
         return {}
-    cut = {v: tuple(tuple(a for a in axes if a not in used) for axes in spec) for v, spec in arrive.items()}
+    cut = {v: _refilled(spec, used, axis_size) for v, spec in arrive.items()}
     return {v: spec for v, spec in cut.items() if spec != arrive[v] and any(spec)}
+
+
+def _refilled(spec: Spec, used: set, axis_size: Mapping[str, int]) -> Spec:
+    """`spec` without the axes in `used`, each dim cut again to its count over axes neither `used`
+    nor `spec` holds, where they make it up (a batch given `(2, 1)` on the major axis, the
+    parameters' tuples on the two major ones: the rows moved onto the minor axis); without them
+    where they do not."""
+    free = [a for a in axis_size if a not in used and all(a not in axes for axes in spec)]
+    out = []
+    for axes in spec:
+        kept = tuple(a for a in axes if a not in used)
+        need = math.prod(axis_size[a] for a in axes) // math.prod(axis_size[a] for a in kept)
+        added = []
+        for a in free:
+            if 1 < need and need % axis_size[a] == 0:
+                added.append(a)
+                need //= axis_size[a]
+        if need == 1 and added:
+            free = [a for a in free if a not in added]
+            kept = (*kept, *added)
+        out.append(kept)
+    return tuple(out)
 
 
 def _groups(nodes: Sequence[Node], specs: Collection[Spec]) -> list[tuple[str, ...]]:
