@@ -166,6 +166,17 @@ def zoo_table(models: tuple[str, ...] = MODELS, search: bool = True, layouts: di
          "hf_*: rows over dp in the parameters' form); default: the batch left to jshard's dataset strategy. "
          "nnx_gqa creates its batch sharded on Explicit axes and linen_resnet's expert is data parallel, so they "
          "have no default row.",
+         "hf_*_tuples: each tuple is its own device matrix, the repeat appended minor (MindSpore's repeated "
+         "calculation), so the kernels' `(1, 4)` take the mesh's two major axes and the batch's `(2, 1)` the major "
+         "one: they collide (jshard warns, `LayoutCollisionWarning`, proposing the shared `Layout` of hf_*). Both "
+         "cuts are kept as given: the arguments, the parameters' updates and AdamW's moments (laid out as their "
+         "parameters) stay in them. With the batch given, jshard moves the batch once at the start onto the minor "
+         "axis the kernels leave (a collective-permute of half of it) and runs Megatron on the kernels' own "
+         "layout, so it meets the expert's bytes and peak; Shardy, propagating the collision, redistributes "
+         "kernels at every matrix product. With the batch default, the default cut (rank order over the 8 "
+         "devices) reaches that minor axis through a collective-permute of one device's rows before the "
+         "all-gather hf_* also makes (3 KiB on hf_vit, 1.052x its expert where hf_vit is 1.041x): rank r "
+         "holds rows block r, and the blocks a minor-axis half needs lie on the other half's devices.",
          f"target: {WORSE} where jshard moves more than Shardy or more than {slack} the expert, or its peak is more "
          f"than {slack} the expert's (what it misses named).",
          f"loss vs 1 device: relative difference of the step's loss from the same step on one device (equal: at "

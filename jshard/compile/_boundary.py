@@ -239,15 +239,24 @@ def _inside(prefix: tuple, subtrees: list[tuple]) -> bool:
 
 
 def dataset_defaulted(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot], options: Options) -> frozenset[int]:
-    """The batch leaves laid out by the default dataset policy alone (`"data_parallel"`, in
-    `semi_auto` with jshard's propagation): no `in_strategy`, model sharding or `shard` call fixes
-    them, so the planner may move them once at the start into the layout the anchors want."""
+    """The batch leaves the planner may move once at the start into the layout the anchors want (in
+    `semi_auto` with jshard's propagation, under `"data_parallel"`): those the default dataset policy
+    alone lays out (no `in_strategy`, model sharding or `shard` call fixes them), and those given a
+    strategy tuple that cuts their rows alone (`(2, 1)`). A lone tuple is its own device matrix, its
+    cut on the mesh's major axes, where the parameters' tuples put theirs too; the batch arrives as
+    the user cut it and is moved once where that is cheaper than every matrix product
+    redistributing it (a `Layout`, whose axes the user chose, binds)."""
     if options.mode != "semi_auto" or options.propagation == "xla" or options.dataset_strategy != "data_parallel":
         return frozenset()
     anchors = boundary_anchors(traced, "")
     return frozenset(i for i, (x, slot, v) in enumerate(zip(traced.leaves, slots, traced.invars))
-                     if i in dataset and slot is None and v not in anchors
+                     if i in dataset and (slot is None or _rows_tuple(slot)) and v not in anchors
                      and model_anchor(traced, v, x, options) is None)
+
+
+def _rows_tuple(slot: Slot) -> bool:
+    """Whether `slot` is a strategy tuple that cuts dim 0 alone (a `PartitionSpec` is a tuple too)."""
+    return type(slot) is tuple and len(slot) > 0 and slot[0] > 1 and all(n == 1 for n in slot[1:])
 
 
 def out_shardings(traced: Traced, options: Options, call: str) -> list:

@@ -52,6 +52,7 @@ class Collision(NamedTuple):
     source: str
     bytes: float
     seconds: float
+    moved: int | None = None
 
 
 def collisions(program: Program, slots, c: Options) -> list[Collision]:
@@ -63,8 +64,11 @@ def collisions(program: Program, slots, c: Options) -> list[Collision]:
     if len(given) < 2:
         return []
     assert traced is not None and result is not None  # else nothing is given
-    reach = _followed(traced.nodes, given, result.values)
-    cut = {i: _axes(result.values[v]) for v, i in given.items()}
+    moved = _moved(result, given)
+    values = {**result.values, **moved}  # a batch moved once at the start, followed as its users take it
+    reach = _followed(traced.nodes, given, values)
+    cut = {i: _axes(result.values[v]) for v, i in given.items()}  # as given: a moved batch as it arrives
+    arrived = {given[v] for v in moved}
     found: dict[tuple[int, int], Collision] = {}
     for k, node in enumerate(traced.nodes):
         decision = result.decisions.get(k)
@@ -73,27 +77,47 @@ def collisions(program: Program, slots, c: Options) -> list[Collision]:
         for a, (ja, va) in enumerate(ins):
             assert decision is not None  # else no inputs
             for jb, vb in ins[a + 1:]:
-                specs = (result.values[va], result.values[vb])
+                specs = (values[va], values[vb])
                 shared = _axes(specs[0]) & _axes(specs[1])
                 pairs = [(x, y) for x in reach[va] for y in reach[vb] if x != y and x not in reach[vb]
-                         and y not in reach[va] and shared & cut[x] & cut[y]
+                         and y not in reach[va] and (shared if arrived.isdisjoint((x, y)) else cut[x]) & cut[x] & cut[y]
                          and _shareable(slots[x], slots[y], traced.fine.device_count)]
                 if va is vb or not pairs:
                     continue
-                moved = [m for j, v, spec in ((ja, va, specs[0]), (jb, vb, specs[1])) if decision.in_specs[j] != spec
-                         for m in redistribution(*array_of(v), spec, decision.in_specs[j], traced.axis_size,
-                                                 c.costs.alltoall)]
-                if not moved:
-                    continue
-                nbytes = node.weight * sum(m.bytes for m in moved)
-                seconds = node.weight * sum(c.costs.time(m, traced.axis_size) for m in moved)
+                moved_here = [m for j, v, spec in ((ja, va, specs[0]), (jb, vb, specs[1]))
+                              if decision.in_specs[j] != spec
+                              for m in redistribution(*array_of(v), spec, decision.in_specs[j], traced.axis_size,
+                                                      c.costs.alltoall)]
                 for met in pairs:
                     pair = met if met[::-1] not in found else met[::-1]  # one entry per pair, in the order first met
                     old = found.get(pair)
-                    axes = tuple(sorted(shared & cut[pair[0]] & cut[pair[1]]))
-                    found[pair] = (Collision(*pair, axes, node.primitive, node.source, nbytes, seconds)
-                                   if old is None else old._replace(bytes=old.bytes + nbytes, seconds=old.seconds + seconds))
+                    batch = next((v for v, i in given.items() if v in moved and i in pair), None)
+                    start = [] if batch is None else redistribution(*array_of(batch), result.values[batch],
+                                                                    moved[batch], traced.axis_size, c.costs.alltoall)
+                    if start and old is None:  # the collision is the batch's move, once per call
+                        found[pair] = Collision(*pair, tuple(sorted(cut[pair[0]] & cut[pair[1]])),
+                                                node.primitive, node.source, sum(m.bytes for m in start),
+                                                sum(c.costs.time(m, traced.axis_size) for m in start), given[batch])
+                    elif not start and moved_here:
+                        nbytes = node.weight * sum(m.bytes for m in moved_here)
+                        seconds = node.weight * sum(c.costs.time(m, traced.axis_size) for m in moved_here)
+                        axes = tuple(sorted(shared & cut[pair[0]] & cut[pair[1]]))
+                        found[pair] = (Collision(*pair, axes, node.primitive, node.source, nbytes, seconds)
+                                       if old is None else old._replace(bytes=old.bytes + nbytes,
+                                                                        seconds=old.seconds + seconds))
     return list(found.values())
+
+
+def _moved(result, given: dict) -> dict:
+    """Given argument -> the layout the plan moves it into once at the start (global propagation's
+    weighed layout chosen for it, where that is not as it arrives)."""
+    out = {}
+    for v in given:
+        chosen = [w for w in result.weighed.get(v, ()) if getattr(w, "chosen", False)]
+        if chosen and chosen[0].how != "as it arrives" and chosen[0].spec != result.values[v]:
+            out[v] = chosen[0].spec
+    return out
+
 
 
 CARRIED = frozenset({
@@ -256,18 +280,31 @@ def _collision_message(hits: list[Collision], slots, paths, n: int, call: str) -
     hit = hits[0]
     a, b = slots[hit.first], slots[hit.second]
     name_a, name_b = f"in_strategy{paths[hit.first]}", f"in_strategy{paths[hit.second]}"
-    nbytes, seconds = sum(h.bytes for h in hits), sum(h.seconds for h in hits)
+    # a batch moved once at the start is one move, whichever pairs it resolves
+    nbytes, seconds = ((hit.bytes, hit.seconds) if hit.moved is not None else
+                       (sum(h.bytes for h in hits), sum(h.seconds for h in hits)))
     more = ""
     if len(hits) > 1:
         leaves = sorted({f"in_strategy{paths[i]}" for h in hits for i in (h.first, h.second)} - {name_a, name_b})
         more = (f" {len(hits) - 1} more {'pair' if len(hits) == 2 else 'pairs'} of leaves given these two tuples collide so ({', '.join(leaves[:3])}"
-                f"{', ...' if len(leaves) > 3 else ''}): the cost is over all {len(hits)} pairs, and each leaf takes "
+                f"{', ...' if len(leaves) > 3 else ''}): the cost is {'one move for' if hit.moved is not None else 'over'} all {len(hits)} pairs, and each leaf takes "
                 f"the Layout call of the tuple it was given.")
     return (f"{call}: {name_a}={a} and {name_b}={b} are lone tuples, each its own device matrix, so both "
             f"cut onto mesh axis {', '.join(hit.axes)}; {hit.primitive} at {source_str(hit.source)} takes them "
-            f"together and XLA redistributes one first: predicted {human_bytes(nbytes)} per device per call "
+            f"together and {_resolved(hit, slots, paths)}: predicted {human_bytes(nbytes)} per device per call "
             f"({seconds * 1e6:.3g} us). Give both one Layout, as one shard call's strategy {(a, b)} would: "
             f"{_suggestion(a, b, n, name_a, name_b)}.{more}")
+
+
+def _resolved(hit: Collision, slots, paths) -> str:
+    """What the plan does about collision `hit`: XLA redistributes one of the two where they meet,
+    or (`hit.moved`, the batch leaf) jshard moves the batch once at the start onto mesh axes the
+    other leaves free."""
+    if hit.moved is None:
+        return "XLA redistributes one first"
+    other = hit.second if hit.moved == hit.first else hit.first
+    return (f"jshard moves in_strategy{paths[hit.moved]} once at the start, as it arrives cut "
+            f"{slots[hit.moved]}, onto mesh axes in_strategy{paths[other]} leaves free")
 
 
 def _suggestion(a: tuple[int, ...], b: tuple[int, ...], n: int, name_a: str, name_b: str) -> str:

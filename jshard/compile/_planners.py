@@ -37,8 +37,8 @@ class Problem:
     (None: the planner decides), which argument leaves are donated, the memory budget, the state
     kept in host memory between steps (`Offload`, or None), values made in the program whose
     layout is fixed too (value -> `Spec`: a gradient jshard reduce-scatters itself), the argument
-    leaves whose fixed layout is the default dataset cut, which the program may move once at the
-    start (`dataset_defaulted`), the batch's argument leaves (`batch`: the search's data-parallel
+    leaves whose fixed layout is the default dataset cut or a lone strategy tuple, which the program
+    may move once at the start (`dataset_defaulted`), the batch's argument leaves (`batch`: the search's data-parallel
     and fully-sharded seeds cut their rows), whether the search weighs its seeds (`seeded`: the plan
     propagated from the anchors, and those plans around them; off once a kept seed's compiled
     program has not fit the budget), which seed it returns as made (`as_seeded`: its status, for
@@ -102,7 +102,7 @@ class XlaPlanner:
 @dataclasses.dataclass(frozen=True)
 class PropagationPlanner:
     """jshard's propagation engine (MindSpore's `sharding_propagation`), its free arguments' and
-    default-cut batch's layouts chosen for the whole program (`propagate_globally`)."""
+    movable batch's layouts chosen for the whole program (`propagate_globally`)."""
 
     options: Options
 

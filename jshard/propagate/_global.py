@@ -15,12 +15,16 @@ one kind over one group (the backward pass's gradient all-reduces), so an altern
 more, smaller collectives is not slower by their count (the expert Megatron plan of a GPT compiles
 to 13 all-reduces where its operators' sums number over 40).
 
-First the batch arguments laid out by the default dataset policy are weighed left where they arrive
-against moved there once at the start into the layouts the anchors propagate to them: all of them,
-and each alone (a ResNet's images best left where they arrive, its labels moved to the layout the
-classifier's loss takes them in); and all of them cut over the mesh axes no anchor uses, the data
-axes the parameters' layouts leave free (`_data_cut`: Megatron layouts over `mp` leave the batch
-`dp`, where the default cuts it over every device and the anchors alone propagate nothing to it).
+First the batch arguments laid out by the default dataset policy, or given a lone strategy tuple, are
+weighed left where they arrive against moved there once at the start into the layouts the anchors
+propagate to them: all of them, and each alone (a ResNet's images best left where they arrive, its
+labels moved to the layout the classifier's loss takes them in); and all of them cut over the mesh
+axes no anchor uses, the data axes the parameters' layouts leave free (`_data_cut`: Megatron layouts
+over `mp` leave the batch `dp`, where the default cuts it over every device and the anchors alone
+propagate nothing to it). A batch cut the anchors collide with keeps its count there, on the axes
+they leave (`_refilled`: rows given `(2, 1)` and kernels `(1, 4)`, each tuple its own device matrix,
+cut the major mesh axis both; the rows are moved once onto the minor one, where every matrix
+product would otherwise redistribute a kernel or an activation each step).
 Then each free argument that a contraction or lookup takes (directly or through a transpose,
 reshape or cast) while that operator, holding at least 1% of the program's work, repeats over some
 of the anchors' mesh-axis groups, is weighed cut over each such group on each dim; arguments one after another,
@@ -128,8 +132,8 @@ def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, 
                        lean: bool = False) -> Result:
     """Propagation from `anchors` (var -> `Spec`), with the layouts of the `free` arguments (vars no
     anchor fixes) and of the `movable` ones (anchored vars a program may move once at the start:
-    the batch on the default dataset cut) chosen for the least predicted cost of the whole program;
-    see the module docstring. `outputs`: the program's results. With `lean` (a search under a memory
+    the batch on the default dataset cut, or given a lone strategy tuple) chosen for the least
+    predicted cost of the whole program; see the module docstring. `outputs`: the program's results. With `lean` (a search under a memory
     budget), a free argument's layout that costs within the cost model's error of the best (neither
     `_Runs.cheaper` than the other) and holds the argument in fewer bytes per device is taken too:
     the tied embedding cut by vocabulary, as the head takes it, rather than whole on every device."""
@@ -232,7 +236,7 @@ def _fewer_bytes(v, spec: Spec, have: Spec | None, axis_size: Mapping[str, int])
 
 
 def _weigh_moves(runs: _Runs, best: Result, fixed: dict, arrive: dict) -> tuple[Result, dict, dict, dict]:
-    """The default-cut batch arrays (`arrive`: argument -> the layout it arrives in) weighed left
+    """The movable batch arrays (`arrive`: argument -> the layout it arrives in) weighed left
     where they arrive against moved once at the start into the layouts the other anchors propagate
     to them: all of them moved, and each alone (an image batch best left where it arrives while its
     labels move to the layout the loss takes them in); of those `_Runs.cheaper` than leaving them,
@@ -242,7 +246,7 @@ def _weigh_moves(runs: _Runs, best: Result, fixed: dict, arrive: dict) -> tuple[
     left = runs.run(loose).values
     wanted = {v: left[v] for v, spec in arrive.items() if left.get(v, spec) != spec}
     subsets = [wanted, *([{v: s} for v, s in wanted.items()] if len(wanted) > 1 else [])] if wanted else []
-    data = _data_cut(runs.nodes, loose.values(), arrive)
+    data = _data_cut(runs.nodes, loose.values(), arrive, runs.axis_size)
     if data and data not in subsets:
         subsets.append(data)
     if not subsets:
@@ -267,17 +271,40 @@ def _weigh_moves(runs: _Runs, best: Result, fixed: dict, arrive: dict) -> tuple[
 _DATA_CUT = "moved once at the start, cut over the axes the anchors leave free"
 
 
-def _data_cut(nodes: Sequence[Node], specs: Collection[Spec], arrive: dict) -> dict:
-    """The default-cut batch arrays (`arrive`) each cut over the mesh axes no anchor (`specs`, and
-    the program's constraints) uses, where those are fewer than it arrives cut over: the data axes
-    the parameters' layouts leave (a Megatron layout over `mp`: the batch over `dp` alone, as the
-    expert lays it, where the default cuts it over every device and the model-parallel operators
-    then re-lay each activation). Empty where no anchor cuts anything or every axis is used."""
+def _data_cut(nodes: Sequence[Node], specs: Collection[Spec], arrive: dict, axis_size: Mapping[str, int]) -> dict:
+    """The movable batch arrays (`arrive`) each cut over the mesh axes no anchor (`specs`, and the
+    program's constraints) uses, where that differs from how it arrives: the data axes the
+    parameters' layouts leave (a Megatron layout over `mp`: the batch over `dp` alone, as the expert
+    lays it, where the default cuts it over every device and the model-parallel operators then
+    re-lay each activation; a batch given on an axis the parameters' tuples cut: the same count on
+    the axes they leave, `_refilled`). Empty where no anchor cuts anything or every axis is used."""
     used = {a for axes in _groups(nodes, specs) for a in axes}
     if not used:
         return {}
-    cut = {v: tuple(tuple(a for a in axes if a not in used) for axes in spec) for v, spec in arrive.items()}
+    cut = {v: _refilled(spec, used, axis_size) for v, spec in arrive.items()}
     return {v: spec for v, spec in cut.items() if spec != arrive[v] and any(spec)}
+
+
+def _refilled(spec: Spec, used: set, axis_size: Mapping[str, int]) -> Spec:
+    """`spec` without the axes in `used`, each dim cut again to its count over axes neither `used`
+    nor `spec` holds, where they make it up (a batch given `(2, 1)` on the major axis, the
+    parameters' tuples on the two major ones: the rows moved onto the minor axis); without them
+    where they do not."""
+    free = [a for a in axis_size if a not in used and all(a not in axes for axes in spec)]
+    out = []
+    for axes in spec:
+        kept = tuple(a for a in axes if a not in used)
+        need = math.prod(axis_size[a] for a in axes) // math.prod(axis_size[a] for a in kept)
+        added = []
+        for a in free:
+            if 1 < need and need % axis_size[a] == 0:
+                added.append(a)
+                need //= axis_size[a]
+        if need == 1 and added:
+            free = [a for a in free if a not in added]
+            kept = (*kept, *added)
+        out.append(kept)
+    return tuple(out)
 
 
 def _groups(nodes: Sequence[Node], specs: Collection[Spec]) -> list[tuple[str, ...]]:
