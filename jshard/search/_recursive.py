@@ -39,6 +39,7 @@ plan fits, else the least λ found by growing and bisection whose plan fits, whi
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
@@ -502,6 +503,48 @@ class _Shared:
         return found
 
 
+class _Eliminated:
+    """A level's eliminations (`_Level._eliminate`) as recorded, for a level barred from it to
+    replay (`_Level._replay`).
+
+    Attributes:
+      start / tables_built: the level's own costs and tables as built (`_Level._whole`).
+      steps: per step, the unit eliminated and its neighbours then (none, one or two), in order.
+      at: per eliminated unit (not one of a single candidate), its step.
+      used: per table (by its ends), the step that folded it.
+      inputs: per step, the unit's costs and its tables (`[c_k, c_neighbour]`) it folded.
+      unary_parts / table_parts: per unit's costs, per table, the parts added to it as built, in
+        order: `(step, array)`, step -1 for a table of a unit with a single candidate.
+      record_of: per step of one or two neighbours, its index in `records`.
+      unary, tables, nbrs, picks, records, core: the level once eliminated.
+    """
+
+    def __init__(self, whole: tuple[list, list]):
+        self.start, self.tables_built = whole[0], dict(whole[1])
+        self.steps: list[tuple[int, list[int]]] = []
+        self.at: dict[int, int] = {}
+        self.used: dict[tuple[int, int], int] = {}
+        self.inputs: list[tuple[np.ndarray, ...]] = []
+        self.unary_parts: dict[int, list] = collections.defaultdict(list)
+        self.table_parts: dict[tuple[int, int], list] = collections.defaultdict(list)
+        self.record_of: dict[int, int] = {}
+
+    @staticmethod
+    def summed(parts: Sequence[tuple[int, np.ndarray]], found: np.ndarray | None,
+               redone: dict[int, tuple]) -> np.ndarray:
+        """`found` (None: no table yet) with `parts` added in their order, as eliminating added them;
+        a step's part read from `redone` where it was folded again."""
+        for n, part in parts:
+            part = redone[n][0] if n in redone else part
+            found = part if found is None else found + part
+        assert found is not None  # a table folded had a part at least
+        return found
+
+    def close(self, level: _Level, core: list[int]) -> None:
+        self.unary, self.tables, self.nbrs = list(level.unary), dict(level.tables), level.nbrs
+        self.picks, self.records, self.core = dict(level.picks), list(level.records), core
+
+
 class _Level:
     """One level as a pairwise energy: `unary[k][c]`, unit `k`'s own seconds and λ·bytes kept under
     its candidate `c`, plus one table `[c_a, c_b]` of redistribution seconds per pair of
@@ -565,6 +608,8 @@ class _Level:
         self._whole = (list(unary), list(tables.items()))  # what `energy` reads: eliminating consumes them
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
+        self._eliminated: _Eliminated | None = None  # recorded by `_eliminate`
+        self._replays: _Eliminated | None = None  # ... or replayed (`barring`)
         self.classes = self.evaluations = 0  # the core's distinct units and their cost evaluations
 
     def barring(self, barred: Barred) -> _Level:
@@ -576,8 +621,9 @@ class _Level:
         other.__dict__.update(self.__dict__)
         unary, tables = self._whole
         other.unary, other.tables = list(unary), dict(tables)
+        other._replays = self._eliminated  # where this level was eliminated: replayed, not redone
         other.nbrs = collections.defaultdict(set)
-        for a, b in other.tables:
+        for a, b in other.tables if other._replays is None else ():
             other.nbrs[a].add(b)
             other.nbrs[b].add(a)
         other._bar(barred)
@@ -674,13 +720,22 @@ class _Level:
         return [self.picks[k] for k in range(len(self.cands))]
 
     def _eliminate(self) -> list[int]:
-        gone: set[int] = set()
+        """The eliminations (the class docstring's): units with one candidate, one neighbour or two
+        fold into their neighbours, recorded (`_Eliminated`) so that a level barred from it replays
+        them on its changed costs alone (`_replay`); returns the core left."""
         self._folds = self._shared.folds
+        if self._replays is not None:
+            return self._replay(self._replays)
+        gone: set[int] = set()
+        done = self._eliminated = _Eliminated(self._whole)
+        steps, inputs, unary_parts, table_parts = done.steps, done.inputs, done.unary_parts, done.table_parts
         tables, nbrs, unary, records, fold = self.tables, self.nbrs, self.unary, self.records, self._fold
         for k, cands in enumerate(self.cands):
             if len(cands) == 1:  # nothing to decide: its tables become its neighbours' own costs
                 for j in nbrs[k]:
-                    unary[j] = unary[j] + (tables[(j, k)][:, 0] if j < k else tables[(k, j)][0])
+                    part = tables[(j, k)][:, 0] if j < k else tables[(k, j)][0]
+                    unary[j] = unary[j] + part
+                    unary_parts[j].append((-1, part))  # from a table as built: the same in a barred level
                     del tables[(j, k) if j < k else (k, j)]
                     nbrs[j].discard(k)
                 nbrs[k].clear()
@@ -693,26 +748,105 @@ class _Level:
             if k in gone or len(around) > 2:
                 continue
             ends = sorted(around)
+            n = done.at[k] = len(steps)
+            steps.append((k, ends))
             if not ends:
                 self.picks[k] = int(unary[k].argmin())
+                inputs.append((unary[k],))
             elif len(ends) == 1:
                 (j,) = ends
-                least, best = fold(k, tables.pop((k, j)) if k < j else tables.pop((j, k)).T)
+                done.used[(k, j) if k < j else (j, k)] = n
+                t = tables.pop((k, j)) if k < j else tables.pop((j, k)).T
+                inputs.append((unary[k], t))
+                least, best = fold(k, t)
                 unary[j] = unary[j] + least
+                unary_parts[j].append((n, least))
+                done.record_of[n] = len(records)
                 records.append((k, "one", j, best))
                 nbrs[j].discard(k)
             else:
                 a, b = ends
-                least, best = fold(k, tables.pop((k, a)) if k < a else tables.pop((a, k)).T,
-                                   tables.pop((k, b)) if k < b else tables.pop((b, k)).T)
+                done.used[(k, a) if k < a else (a, k)] = done.used[(k, b) if k < b else (b, k)] = n
+                ta = tables.pop((k, a)) if k < a else tables.pop((a, k)).T
+                tb = tables.pop((k, b)) if k < b else tables.pop((b, k)).T
+                inputs.append((unary[k], ta, tb))
+                least, best = fold(k, ta, tb)
+                done.record_of[n] = len(records)
                 records.append((k, "two", a, b, best))
+                table_parts[(a, b)].append((n, least))
                 nbrs[a].discard(k)
                 nbrs[b].discard(k)
                 self._add(a, b, least)
             around.clear()
             gone.add(k)
             queue.extend(ends)
-        return [k for k in range(len(self.cands)) if k not in gone]
+        core = [k for k in range(len(self.cands)) if k not in gone]
+        done.close(self, core)
+        return core
+
+    def _replay(self, done: _Eliminated) -> list[int]:
+        """The eliminations `done` recorded on a level this one was barred from, replayed where this
+        level's own costs differ from that one's (`_bar`'s tolls): only the steps a changed cost
+        reaches are folded again, each slot's parts summed again in the recorded order, so the core,
+        its costs and tables and the eliminated units' answers are those eliminating afresh gives.
+        A level's combined sets are few and tried one after another (`_Recursive._closed`): a
+        barred level changes a few classes of thousands."""
+        start = self.unary  # as built, with the tolls
+        unary, tables = list(done.unary), dict(done.tables)
+        self.unary, self.tables, self.nbrs = unary, tables, done.nbrs
+        self.picks, self.records = dict(done.picks), list(done.records)
+        redone: dict[int, tuple] = {}  # step -> its outputs, folded again
+        unary_now: dict[int, np.ndarray] = {}
+        tables_now: dict[tuple[int, int], np.ndarray] = {}
+
+        def unary_of(u: int) -> np.ndarray:
+            if u not in unary_now:
+                unary_now[u] = unary[u] = done.summed(done.unary_parts.get(u, ()), start[u], redone)
+            return unary_now[u]
+
+        def table_of(key: tuple[int, int]) -> np.ndarray:
+            if key not in tables_now:
+                found = tables_now[key] = done.summed(done.table_parts.get(key, ()), done.tables_built.get(key), redone)
+                if key in tables:
+                    tables[key] = found
+            return tables_now[key]
+
+        changed = {u for u, (now, was) in enumerate(zip(start, done.start)) if now is not was}
+        stale: set[tuple[int, int]] = set()
+        heap = [done.at[u] for u in changed if u in done.at]
+        heapq.heapify(heap)
+        while heap:
+            n = heapq.heappop(heap)
+            if n in redone:
+                continue
+            k, ends = done.steps[n]
+            recorded = done.inputs[n]
+            uk = unary_of(k) if k in changed else recorded[0]
+            if not ends:
+                redone[n] = (None,)
+                self.picks[k] = int(uk.argmin())
+                continue
+            given = []
+            for j, t in zip(ends, recorded[1:]):
+                key = (k, j) if k < j else (j, k)
+                given.append(t if key not in stale else table_of(key) if k < j else table_of(key).T)
+            unary[k] = uk
+            least, best = redone[n] = self._fold(k, *given)
+            if len(ends) == 1:
+                self.records[done.record_of[n]] = (k, "one", ends[0], best)
+                changed.add(ends[0])
+                follow = done.at.get(ends[0])
+            else:
+                self.records[done.record_of[n]] = (k, "two", ends[0], ends[1], best)
+                stale.add((ends[0], ends[1]))
+                follow = done.used.get((ends[0], ends[1]))
+            if follow is not None:
+                heapq.heappush(heap, follow)
+        for u in changed:
+            unary_of(u)
+        for key in stale:
+            table_of(key)
+        return list(done.core)
 
     def _fold(self, k: int, *tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Unit `k` eliminated between one or two neighbours (`tables`, `[c_k, c_neighbour]`): its
