@@ -474,6 +474,14 @@ class _Shared:
         self.moves: dict[tuple, np.ndarray] = {}  # (edge's value, both ends' (kind, operand)) -> the edge's table
         self.own: dict[tuple, np.ndarray] = {}  # (kind, bytes it keeps) -> its unary
         self.folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `_Level._fold`'s, by the arrays' bytes
+        # The core's classes and cost evaluations (`_Level._prepare_core`), by contents: a level
+        # barred from another (`_Recursive._closed`) or its boundary check holds mostly the same
+        # arrays, so its core reads what the levels before it evaluated.
+        self.contents: dict[tuple, int] = {}  # an array's shape and bytes -> its id
+        self.seen: dict[tuple[int, bool], tuple[np.ndarray, int]] = {}  # (id(), transposed) -> the array, held, and its id
+        self.classes: dict[tuple, int] = {}  # a core unit's contents -> its class
+        self.locals: dict[tuple, tuple[np.ndarray, int, tuple, tuple[bool, ...]]] = {}  # `_Level._local`'s
+        self.pairs: dict[tuple, tuple[int, int] | None] = {}  # `_Level._pair`'s
 
     def kinds(self, units: Sequence[int]) -> list[int]:
         """Each unit's kind. A base assignment is one of few dicts (the candidates picked), all held by
@@ -707,7 +715,7 @@ class _Level:
                 other = self._believed(core)
                 self._improve(core, other, set(), pairs=True)
                 choice = min((choice, other), key=self._energy)
-            self.evaluations = len(self._locals) + len(self._pairs)
+            self.evaluations = len(self._locals) + len(self._pairs) - self._known
             self.picks.update(choice)
         for record in reversed(self.records):
             k, how, *rest = record
@@ -897,24 +905,24 @@ class _Level:
         self._ids = {k: tuple(sorted(nbrs[k])) for k in core}
         self.around = {k: [(j, tables[(k, j)] if k < j else tables[(j, k)].T) for j in ids]  # `_table`, inlined
                        for k, ids in self._ids.items()}
-        contents: dict[tuple, int] = {}  # an array's shape and bytes -> its id
-        seen: dict[tuple[int, bool], int] = {}  # (a held array's id(), transposed) -> the above, read once per array
+        shared = self._shared
+        contents, seen = shared.contents, shared.seen
 
         def content(t: np.ndarray, transposed: bool = False) -> int:
             found = seen.get((id(t), transposed))
             if found is None:
                 x = t.T if transposed else t
-                found = seen[(id(t), transposed)] = contents.setdefault((x.shape, x.tobytes()), len(contents))
-            return found
+                found = seen[(id(t), transposed)] = (t, contents.setdefault((x.shape, x.tobytes()), len(contents)))
+            return found[1]
 
         self._table_class = [content(t) for t in tables.values()]
-        classes: dict[tuple, int] = {}
+        classes = shared.classes
         self._class = {k: classes.setdefault(
             (content(self.unary[k]), tuple(content(tables[(k, j)]) if k < j else content(tables[(j, k)], True)
                                            for j in self._ids[k])), len(classes))
             for k in core}
-        self._locals: dict[tuple, tuple[np.ndarray, int, tuple, tuple[bool, ...]]] = {}
-        self._pairs: dict[tuple, tuple[int, int] | None] = {}
+        self._locals, self._pairs = shared.locals, shared.pairs
+        self._known = len(self._locals) + len(self._pairs)  # evaluated before: `evaluations` counts what this adds
         n = len(self.cands)
         self._offset = np.zeros(n, int)
         self._offset[core] = np.cumsum([0] + [len(self.unary[k]) for k in core[:-1]])
@@ -958,7 +966,7 @@ class _Level:
         choice = self._believed(core)
         self._improve(core, choice, set(), pairs=True)
         best = min(best, (self._energy(choice), choice), key=lambda t: t[0])
-        self.evaluations = len(self._locals) + len(self._pairs)
+        self.evaluations = len(self._locals) + len(self._pairs) - self._known
         return best[1]
 
     def _believed(self, core: list[int]) -> dict[int, int]:
@@ -981,19 +989,26 @@ class _Level:
         src = np.array([at[a] for (a, _), _ in pairs] + [at[b] for (_, b), _ in pairs])
         dst = np.concatenate([src[n_pairs:], src[:n_pairs]])
         tables = np.full((width, width, 2 * n_pairs), far)  # [src's candidate, dst's candidate, message]
+        shapes: dict[tuple, list[int]] = collections.defaultdict(list)  # filled per shape, not per table
         for n, (_, t) in enumerate(pairs):
-            tables[:t.shape[0], :t.shape[1], n] = t
-            tables[:t.shape[1], :t.shape[0], n + n_pairs] = t.T
+            shapes[t.shape].append(n)
+        for (rows, columns), ns in shapes.items():
+            block = np.stack([pairs[n][1] for n in ns], axis=-1)
+            tables[:rows, :columns, ns] = block
+            tables[:columns, :rows, np.array(ns) + n_pairs] = block.transpose(1, 0, 2)
         back = np.concatenate([np.arange(n_pairs) + n_pairs, np.arange(n_pairs)])  # the reverse message
         told = np.zeros((width, 2 * n_pairs))  # message n: from unit src[n] to unit dst[n], per dst's candidate
+        bins = (dst + len(core) * np.arange(width)[:, None]).ravel()  # [dst's candidate, dst]: one bincount
+        joint = np.empty_like(tables)
 
         def believed(told: np.ndarray) -> np.ndarray:  # each unit's own costs and all it was told
-            return unary + np.stack([np.bincount(dst, weights=row, minlength=len(core)) for row in told])
+            return unary + np.bincount(bins, weights=told.ravel(), minlength=unary.size).reshape(unary.shape)
 
         for _ in range(_BELIEFS):
-            sent = ((believed(told)[:, src] - told[:, back])[:, None, :] + tables).min(0)  # least over src's
+            np.add((believed(told).take(src, axis=1) - told.take(back, axis=1))[:, None, :], tables, out=joint)
+            sent = joint.min(0)  # least over src's candidates
             sent -= sent.min(0)
-            done = np.allclose(sent, told, rtol=1e-12, atol=0.0)
+            done = bool((np.abs(sent - told) <= 1e-12 * np.abs(told)).all())  # `np.allclose(rtol=1e-12, atol=0)`: all finite
             told = sent
             if done:
                 break
