@@ -614,6 +614,7 @@ class _Level:
             nbrs[u].add(v)
             nbrs[v].add(u)
         self._whole = (list(unary), list(tables.items()))  # what `energy` reads: eliminating consumes them
+        self._flat_whole: tuple | None = None  # ... as flat arrays, once read
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
         self._eliminated: _Eliminated | None = None  # recorded by `_eliminate`
@@ -635,7 +636,7 @@ class _Level:
             other.nbrs[a].add(b)
             other.nbrs[b].add(a)
         other._bar(barred)
-        other._whole = (list(other.unary), list(other.tables.items()))
+        other._whole, other._flat_whole = (list(other.unary), list(other.tables.items())), None
         other.picks, other.records, other.classes, other.evaluations = {}, [], 0, 0
         return other
 
@@ -668,9 +669,21 @@ class _Level:
         return self.search.weight(self.reps[c])
 
     def energy(self, picks: Sequence[int]) -> float:
-        """The level's energy under `picks` (one per class): own costs and tables, as built."""
-        unary, tables = self._whole
-        return sum(u[p] for u, p in zip(unary, picks)) + sum(t[picks[a], picks[b]] for (a, b), t in tables)
+        """The level's energy under `picks` (one per class): own costs and tables, as built, each
+        summed in order (`np.cumsum` adds one entry after another, as `sum` does)."""
+        if self._flat_whole is None:  # read once per level: `_Recursive._closed` weighs it per set tried
+            unary, tables = self._whole
+            starts = np.cumsum([0] + [len(u) for u in unary[:-1]])
+            shapes = [t.shape for _, t in tables]
+            self._flat_whole = (np.concatenate(unary), starts, np.array([a for (a, _), _ in tables], int),
+                                np.array([b for (_, b), _ in tables], int),
+                                np.cumsum([0] + [r * c for r, c in shapes[:-1]]).astype(int),
+                                np.array([c for _, c in shapes], int),
+                                np.concatenate([t.ravel() for _, t in tables]) if tables else np.zeros(0))
+        flat, starts, a, b, offset, width, flat_tables = self._flat_whole
+        picked = np.asarray(picks)
+        total = np.cumsum(flat[starts + picked])[-1]
+        return total + np.cumsum(flat_tables[offset + picked[a] * width + picked[b]])[-1] if len(a) else total
 
     def _unary(self, c: int, kind: int, lam: float) -> np.ndarray:
         """Class `c`'s first unit's own seconds and λ·bytes it keeps at the peak, under each candidate."""
