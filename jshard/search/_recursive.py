@@ -524,7 +524,8 @@ class _Eliminated:
       unary_parts / table_parts: per unit's costs, per table, the parts added to it as built, in
         order: `(step, array)`, step -1 for a table of a unit with a single candidate.
       record_of: per step of one or two neighbours, its index in `records`.
-      unary, tables, nbrs, picks, records, core: the level once eliminated.
+      unary, tables, nbrs, picks, records, core: the level once eliminated; table_at: each of its
+        tables' place in `tables`; prepared: its core as `_Level._prepare_core` made it.
     """
 
     def __init__(self, whole: tuple[list, list]):
@@ -536,6 +537,7 @@ class _Eliminated:
         self.unary_parts: dict[int, list] = collections.defaultdict(list)
         self.table_parts: dict[tuple[int, int], list] = collections.defaultdict(list)
         self.record_of: dict[int, int] = {}
+        self.prepared: tuple | None = None
 
     @staticmethod
     def summed(parts: Sequence[tuple[int, np.ndarray]], found: np.ndarray | None,
@@ -550,7 +552,8 @@ class _Eliminated:
 
     def close(self, level: _Level, core: list[int]) -> None:
         self.unary, self.tables, self.nbrs = list(level.unary), dict(level.tables), level.nbrs
-        self.picks, self.records, self.core = dict(level.picks), list(level.records), core
+        self.picks, self.records, self.core, self.core_set = dict(level.picks), list(level.records), core, set(core)
+        self.table_at = {key: n for n, key in enumerate(level.tables)}
 
 
 class _Level:
@@ -619,6 +622,7 @@ class _Level:
         self.records: list[tuple] = []
         self._eliminated: _Eliminated | None = None  # recorded by `_eliminate`
         self._replays: _Eliminated | None = None  # ... or replayed (`barring`)
+        self._touched: tuple[set[int], set[tuple[int, int]]] = (set(), set())  # ... and what that changed in the core
         self.classes = self.evaluations = 0  # the core's distinct units and their cost evaluations
 
     def barring(self, barred: Barred) -> _Level:
@@ -867,6 +871,7 @@ class _Level:
             unary_of(u)
         for key in stale:
             table_of(key)
+        self._touched = (changed & done.core_set, stale & tables.keys())  # what `_prepare_core` reads again
         return list(done.core)
 
     def _fold(self, k: int, *tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -913,29 +918,21 @@ class _Level:
 
     def _prepare_core(self, core: list[int]) -> None:
         """The core's neighbourhoods, each unit's class (its own costs and tables, as bytes) and
-        the flat arrays `_energy` reads."""
+        the flat arrays `_energy` reads; a replayed level's (`_replay`) patched from its level's
+        where its costs or tables changed."""
+        shared = self._shared
+        self._locals, self._pairs = shared.locals, shared.pairs
+        self._known = len(self._locals) + len(self._pairs)  # evaluated before: `evaluations` counts what this adds
+        self._picked = np.zeros(len(self.cands), int)
+        if self._replays is not None and self._replays.prepared is not None:
+            self._patch_core(self._replays)
+            return
         tables, nbrs = self.tables, self.nbrs
         self._ids = {k: tuple(sorted(nbrs[k])) for k in core}
         self.around = {k: [(j, tables[(k, j)] if k < j else tables[(j, k)].T) for j in ids]  # `_table`, inlined
                        for k, ids in self._ids.items()}
-        shared = self._shared
-        contents, seen = shared.contents, shared.seen
-
-        def content(t: np.ndarray, transposed: bool = False) -> int:
-            found = seen.get((id(t), transposed))
-            if found is None:
-                x = t.T if transposed else t
-                found = seen[(id(t), transposed)] = (t, contents.setdefault((x.shape, x.tobytes()), len(contents)))
-            return found[1]
-
-        self._table_class = [content(t) for t in tables.values()]
-        classes = shared.classes
-        self._class = {k: classes.setdefault(
-            (content(self.unary[k]), tuple(content(tables[(k, j)]) if k < j else content(tables[(j, k)], True)
-                                           for j in self._ids[k])), len(classes))
-            for k in core}
-        self._locals, self._pairs = shared.locals, shared.pairs
-        self._known = len(self._locals) + len(self._pairs)  # evaluated before: `evaluations` counts what this adds
+        self._table_class = [self._content(t) for t in tables.values()]
+        self._class = {k: self._class_of(k) for k in core}
         n = len(self.cands)
         self._offset = np.zeros(n, int)
         self._offset[core] = np.cumsum([0] + [len(self.unary[k]) for k in core[:-1]])
@@ -945,7 +942,46 @@ class _Level:
         self._flat_tables = np.concatenate([t.ravel() for t in tables]) if tables else np.zeros(0)
         self._ends = (np.array([a for a, _ in self.tables], int), np.array([b for _, b in self.tables], int),
                       np.cumsum([0] + sizes[:-1]).astype(int), np.array([t.shape[1] for t in tables], int))
-        self._picked = np.zeros(n, int)
+        if self._eliminated is not None and self._replays is None:  # for the levels barred from this one
+            self._eliminated.prepared = (self._ids, self.around, self._table_class, self._class, self._offset,
+                                         self._flat, self._flat_tables, self._ends)
+
+    def _patch_core(self, done: _Eliminated) -> None:
+        """`_prepare_core` for a replayed level: its level's core (`done.prepared`) with the costs
+        and tables the replay changed (`_touched`) read again, and the classes of the units they reach."""
+        ids, around, table_class, classes, self._offset, flat, flat_tables, self._ends = done.prepared
+        self._ids, self.around, self._table_class, self._class = ids, dict(around), list(table_class), dict(classes)
+        self._flat, self._flat_tables = flat.copy(), flat_tables.copy()
+        units, stale = self._touched
+        tables, offset, starts = self.tables, self._offset, self._ends[2]
+        for key in stale:
+            n, t = done.table_at[key], tables[key]
+            self._table_class[n] = self._content(t)
+            self._flat_tables[starts[n]:starts[n] + t.size] = t.ravel()
+        for k in units:
+            self._flat[offset[k]:offset[k] + len(self.unary[k])] = self.unary[k]
+        for k in units | {k for key in stale for k in key}:
+            self.around[k] = [(j, tables[(k, j)] if k < j else tables[(j, k)].T) for j in ids[k]]
+            self._class[k] = self._class_of(k)
+
+    def _content(self, t: np.ndarray, transposed: bool = False) -> int:
+        """The id of array `t`'s (transposed) shape and bytes, among the level's and those on its base
+        (`_Shared`), read once per array held."""
+        seen = self._shared.seen
+        found = seen.get((id(t), transposed))
+        if found is None:
+            x = t.T if transposed else t
+            contents = self._shared.contents
+            found = seen[(id(t), transposed)] = (t, contents.setdefault((x.shape, x.tobytes()), len(contents)))
+        return found[1]
+
+    def _class_of(self, k: int) -> int:
+        """Core unit `k`'s class: its own costs' and its tables' contents."""
+        tables, content = self.tables, self._content
+        classes = self._shared.classes
+        key = (content(self.unary[k]), tuple(content(tables[(k, j)]) if k < j else content(tables[(j, k)], True)
+                                             for j in self._ids[k]))
+        return classes.setdefault(key, len(classes))
 
     def _search_core(self, core: list[int]) -> dict[int, int]:
         if not core:
