@@ -28,7 +28,7 @@ layers beside the middle is carried into it (the middle takes their choice and i
 `_WAVES` rounds at most, the lowest energy kept), as weighing every unit alone carries it layer by
 layer; so the check too is flat in the number of layers. It weighs the same units on the same
 base, so it reads what the replayed level computed (`_Shared`: candidates, layouts, edge tables,
-own costs, folds) rather than pricing the program again.
+own costs, folds, the core's classes and cost evaluations) rather than pricing the program again.
 
 A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
 plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
@@ -629,7 +629,8 @@ class _Level:
         """A level on this one's base with the combined sets `barred[0]` barred by the toll
         `barred[1]` on each candidate of a class that joins one: its own costs and tables as built
         (`_whole`, before eliminating) copied, not rebuilt, as `_Recursive._closed` tries set after
-        set on one level."""
+        set on one level; where this level was eliminated, the copy replays its eliminations and
+        patches its core where the tolls reach (`_replay`, `_patch_core`) rather than redoing them."""
         other = object.__new__(_Level)
         other.__dict__.update(self.__dict__)
         unary, tables = self._whole
