@@ -950,6 +950,7 @@ class _Level:
     def _patch_core(self, done: _Eliminated) -> None:
         """`_prepare_core` for a replayed level: its level's core (`done.prepared`) with the costs
         and tables the replay changed (`_touched`) read again, and the classes of the units they reach."""
+        assert done.prepared is not None  # `_prepare_core` calls this only then
         ids, around, table_class, classes, self._offset, flat, flat_tables, self._ends = done.prepared
         self._ids, self.around, self._table_class, self._class = ids, dict(around), list(table_class), dict(classes)
         self._flat, self._flat_tables = flat.copy(), flat_tables.copy()
