@@ -3,6 +3,7 @@ search's per-unit work (candidates, layouts, costs, redistribution tables), as a
 planned once."""
 
 import gc
+import itertools
 
 import jax
 import numpy as np
@@ -197,11 +198,12 @@ def test_runs_are_found_as_periods_of_the_units_colours():
 def test_weighing_a_class_once_picks_what_weighing_each_unit_picks(layouts_computed, monkeypatch):
     """The same plan with every core unit its own class (nothing shared between identical layers)."""
     original = recursive._Level._prepare_core
+    fresh = itertools.count()  # ids no other core's unit or table holds (levels share their evaluations)
 
     def unshared(level, core):
         original(level, core)
-        level._class = {k: n for n, k in enumerate(core)}
-        level._table_class = list(range(len(level.tables)))
+        level._class = {k: next(fresh) for k in core}
+        level._table_class = [next(fresh) for _ in level.tables]
 
     monkeypatch.setattr(recursive._Level, "_prepare_core", unshared)
     alone = _plan(2)

@@ -28,7 +28,7 @@ layers beside the middle is carried into it (the middle takes their choice and i
 `_WAVES` rounds at most, the lowest energy kept), as weighing every unit alone carries it layer by
 layer; so the check too is flat in the number of layers. It weighs the same units on the same
 base, so it reads what the replayed level computed (`_Shared`: candidates, layouts, edge tables,
-own costs, folds) rather than pricing the program again.
+own costs, folds, the core's classes and cost evaluations) rather than pricing the program again.
 
 A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
 plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
@@ -39,6 +39,7 @@ plan fits, else the least λ found by growing and bisection whose plan fits, whi
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
@@ -473,6 +474,14 @@ class _Shared:
         self.moves: dict[tuple, np.ndarray] = {}  # (edge's value, both ends' (kind, operand)) -> the edge's table
         self.own: dict[tuple, np.ndarray] = {}  # (kind, bytes it keeps) -> its unary
         self.folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `_Level._fold`'s, by the arrays' bytes
+        # The core's classes and cost evaluations (`_Level._prepare_core`), by contents: a level
+        # barred from another (`_Recursive._closed`) or its boundary check holds mostly the same
+        # arrays, so its core reads what the levels before it evaluated.
+        self.contents: dict[tuple, int] = {}  # an array's shape and bytes -> its id
+        self.seen: dict[tuple[int, bool], tuple[np.ndarray, int]] = {}  # (id(), transposed) -> the array, held, and its id
+        self.classes: dict[tuple, int] = {}  # a core unit's contents -> its class
+        self.locals: dict[tuple, tuple[np.ndarray, int, tuple, tuple[bool, ...]]] = {}  # `_Level._local`'s
+        self.pairs: dict[tuple, tuple[int, int] | None] = {}  # `_Level._pair`'s
 
     def kinds(self, units: Sequence[int]) -> list[int]:
         """Each unit's kind. A base assignment is one of few dicts (the candidates picked), all held by
@@ -500,6 +509,51 @@ class _Shared:
         if found is None:
             found = self.specs[key] = [self.g.spec(k, key[1], a) for a in self._cands[key[0]]]
         return found
+
+
+class _Eliminated:
+    """A level's eliminations (`_Level._eliminate`) as recorded, for a level barred from it to
+    replay (`_Level._replay`).
+
+    Attributes:
+      start / tables_built: the level's own costs and tables as built (`_Level._whole`).
+      steps: per step, the unit eliminated and its neighbours then (none, one or two), in order.
+      at: per eliminated unit (not one of a single candidate), its step.
+      used: per table (by its ends), the step that folded it.
+      inputs: per step, the unit's costs and its tables (`[c_k, c_neighbour]`) it folded.
+      unary_parts / table_parts: per unit's costs, per table, the parts added to it as built, in
+        order: `(step, array)`, step -1 for a table of a unit with a single candidate.
+      record_of: per step of one or two neighbours, its index in `records`.
+      unary, tables, nbrs, picks, records, core: the level once eliminated; table_at: each of its
+        tables' place in `tables`; prepared: its core as `_Level._prepare_core` made it.
+    """
+
+    def __init__(self, whole: tuple[list, list]):
+        self.start, self.tables_built = whole[0], dict(whole[1])
+        self.steps: list[tuple[int, list[int]]] = []
+        self.at: dict[int, int] = {}
+        self.used: dict[tuple[int, int], int] = {}
+        self.inputs: list[tuple[np.ndarray, ...]] = []
+        self.unary_parts: dict[int, list] = collections.defaultdict(list)
+        self.table_parts: dict[tuple[int, int], list] = collections.defaultdict(list)
+        self.record_of: dict[int, int] = {}
+        self.prepared: tuple | None = None
+
+    @staticmethod
+    def summed(parts: Sequence[tuple[int, np.ndarray]], found: np.ndarray | None,
+               redone: dict[int, tuple]) -> np.ndarray:
+        """`found` (None: no table yet) with `parts` added in their order, as eliminating added them;
+        a step's part read from `redone` where it was folded again."""
+        for n, part in parts:
+            part = redone[n][0] if n in redone else part
+            found = part if found is None else found + part
+        assert found is not None  # a table folded had a part at least
+        return found
+
+    def close(self, level: _Level, core: list[int]) -> None:
+        self.unary, self.tables, self.nbrs = list(level.unary), dict(level.tables), level.nbrs
+        self.picks, self.records, self.core, self.core_set = dict(level.picks), list(level.records), core, set(core)
+        self.table_at = {key: n for n, key in enumerate(level.tables)}
 
 
 class _Level:
@@ -563,25 +617,31 @@ class _Level:
             nbrs[u].add(v)
             nbrs[v].add(u)
         self._whole = (list(unary), list(tables.items()))  # what `energy` reads: eliminating consumes them
+        self._flat_whole: tuple | None = None  # ... as flat arrays, once read
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
+        self._eliminated: _Eliminated | None = None  # recorded by `_eliminate`
+        self._replays: _Eliminated | None = None  # ... or replayed (`barring`)
+        self._touched: tuple[set[int], set[tuple[int, int]]] = (set(), set())  # ... and what that changed in the core
         self.classes = self.evaluations = 0  # the core's distinct units and their cost evaluations
 
     def barring(self, barred: Barred) -> _Level:
         """A level on this one's base with the combined sets `barred[0]` barred by the toll
         `barred[1]` on each candidate of a class that joins one: its own costs and tables as built
         (`_whole`, before eliminating) copied, not rebuilt, as `_Recursive._closed` tries set after
-        set on one level."""
+        set on one level; where this level was eliminated, the copy replays its eliminations and
+        patches its core where the tolls reach (`_replay`, `_patch_core`) rather than redoing them."""
         other = object.__new__(_Level)
         other.__dict__.update(self.__dict__)
         unary, tables = self._whole
         other.unary, other.tables = list(unary), dict(tables)
+        other._replays = self._eliminated  # where this level was eliminated: replayed, not redone
         other.nbrs = collections.defaultdict(set)
-        for a, b in other.tables:
+        for a, b in other.tables if other._replays is None else ():
             other.nbrs[a].add(b)
             other.nbrs[b].add(a)
         other._bar(barred)
-        other._whole = (list(other.unary), list(other.tables.items()))
+        other._whole, other._flat_whole = (list(other.unary), list(other.tables.items())), None
         other.picks, other.records, other.classes, other.evaluations = {}, [], 0, 0
         return other
 
@@ -614,9 +674,21 @@ class _Level:
         return self.search.weight(self.reps[c])
 
     def energy(self, picks: Sequence[int]) -> float:
-        """The level's energy under `picks` (one per class): own costs and tables, as built."""
-        unary, tables = self._whole
-        return sum(u[p] for u, p in zip(unary, picks)) + sum(t[picks[a], picks[b]] for (a, b), t in tables)
+        """The level's energy under `picks` (one per class): own costs and tables, as built, each
+        summed in order (`np.cumsum` adds one entry after another, as `sum` does)."""
+        if self._flat_whole is None:  # read once per level: `_Recursive._closed` weighs it per set tried
+            unary, tables = self._whole
+            starts = np.cumsum([0] + [len(u) for u in unary[:-1]])
+            shapes = [t.shape for _, t in tables]
+            self._flat_whole = (np.concatenate(unary), starts, np.array([a for (a, _), _ in tables], int),
+                                np.array([b for (_, b), _ in tables], int),
+                                np.cumsum([0] + [r * c for r, c in shapes[:-1]]).astype(int),
+                                np.array([c for _, c in shapes], int),
+                                np.concatenate([t.ravel() for _, t in tables]) if tables else np.zeros(0))
+        flat, starts, a, b, offset, width, flat_tables = self._flat_whole
+        picked = np.asarray(picks)
+        total = np.cumsum(flat[starts + picked])[-1]
+        return total + np.cumsum(flat_tables[offset + picked[a] * width + picked[b]])[-1] if len(a) else total
 
     def _unary(self, c: int, kind: int, lam: float) -> np.ndarray:
         """Class `c`'s first unit's own seconds and λ·bytes it keeps at the peak, under each candidate."""
@@ -661,7 +733,7 @@ class _Level:
                 other = self._believed(core)
                 self._improve(core, other, set(), pairs=True)
                 choice = min((choice, other), key=self._energy)
-            self.evaluations = len(self._locals) + len(self._pairs)
+            self.evaluations = len(self._locals) + len(self._pairs) - self._known
             self.picks.update(choice)
         for record in reversed(self.records):
             k, how, *rest = record
@@ -674,13 +746,22 @@ class _Level:
         return [self.picks[k] for k in range(len(self.cands))]
 
     def _eliminate(self) -> list[int]:
-        gone: set[int] = set()
+        """The eliminations (the class docstring's): units with one candidate, one neighbour or two
+        fold into their neighbours, recorded (`_Eliminated`) so that a level barred from it replays
+        them on its changed costs alone (`_replay`); returns the core left."""
         self._folds = self._shared.folds
+        if self._replays is not None:
+            return self._replay(self._replays)
+        gone: set[int] = set()
+        done = self._eliminated = _Eliminated(self._whole)
+        steps, inputs, unary_parts, table_parts = done.steps, done.inputs, done.unary_parts, done.table_parts
         tables, nbrs, unary, records, fold = self.tables, self.nbrs, self.unary, self.records, self._fold
         for k, cands in enumerate(self.cands):
             if len(cands) == 1:  # nothing to decide: its tables become its neighbours' own costs
                 for j in nbrs[k]:
-                    unary[j] = unary[j] + (tables[(j, k)][:, 0] if j < k else tables[(k, j)][0])
+                    part = tables[(j, k)][:, 0] if j < k else tables[(k, j)][0]
+                    unary[j] = unary[j] + part
+                    unary_parts[j].append((-1, part))  # from a table as built: the same in a barred level
                     del tables[(j, k) if j < k else (k, j)]
                     nbrs[j].discard(k)
                 nbrs[k].clear()
@@ -693,26 +774,106 @@ class _Level:
             if k in gone or len(around) > 2:
                 continue
             ends = sorted(around)
+            n = done.at[k] = len(steps)
+            steps.append((k, ends))
             if not ends:
                 self.picks[k] = int(unary[k].argmin())
+                inputs.append((unary[k],))
             elif len(ends) == 1:
                 (j,) = ends
-                least, best = fold(k, tables.pop((k, j)) if k < j else tables.pop((j, k)).T)
+                done.used[(k, j) if k < j else (j, k)] = n
+                t = tables.pop((k, j)) if k < j else tables.pop((j, k)).T
+                inputs.append((unary[k], t))
+                least, best = fold(k, t)
                 unary[j] = unary[j] + least
+                unary_parts[j].append((n, least))
+                done.record_of[n] = len(records)
                 records.append((k, "one", j, best))
                 nbrs[j].discard(k)
             else:
                 a, b = ends
-                least, best = fold(k, tables.pop((k, a)) if k < a else tables.pop((a, k)).T,
-                                   tables.pop((k, b)) if k < b else tables.pop((b, k)).T)
+                done.used[(k, a) if k < a else (a, k)] = done.used[(k, b) if k < b else (b, k)] = n
+                ta = tables.pop((k, a)) if k < a else tables.pop((a, k)).T
+                tb = tables.pop((k, b)) if k < b else tables.pop((b, k)).T
+                inputs.append((unary[k], ta, tb))
+                least, best = fold(k, ta, tb)
+                done.record_of[n] = len(records)
                 records.append((k, "two", a, b, best))
+                table_parts[(a, b)].append((n, least))
                 nbrs[a].discard(k)
                 nbrs[b].discard(k)
                 self._add(a, b, least)
             around.clear()
             gone.add(k)
             queue.extend(ends)
-        return [k for k in range(len(self.cands)) if k not in gone]
+        core = [k for k in range(len(self.cands)) if k not in gone]
+        done.close(self, core)
+        return core
+
+    def _replay(self, done: _Eliminated) -> list[int]:
+        """The eliminations `done` recorded on a level this one was barred from, replayed where this
+        level's own costs differ from that one's (`_bar`'s tolls): only the steps a changed cost
+        reaches are folded again, each slot's parts summed again in the recorded order, so the core,
+        its costs and tables and the eliminated units' answers are those eliminating afresh gives.
+        A level's combined sets are few and tried one after another (`_Recursive._closed`): a
+        barred level changes a few classes of thousands."""
+        start = self.unary  # as built, with the tolls
+        unary, tables = list(done.unary), dict(done.tables)
+        self.unary, self.tables, self.nbrs = unary, tables, done.nbrs
+        self.picks, self.records = dict(done.picks), list(done.records)
+        redone: dict[int, tuple] = {}  # step -> its outputs, folded again
+        unary_now: dict[int, np.ndarray] = {}
+        tables_now: dict[tuple[int, int], np.ndarray] = {}
+
+        def unary_of(u: int) -> np.ndarray:
+            if u not in unary_now:
+                unary_now[u] = unary[u] = done.summed(done.unary_parts.get(u, ()), start[u], redone)
+            return unary_now[u]
+
+        def table_of(key: tuple[int, int]) -> np.ndarray:
+            if key not in tables_now:
+                found = tables_now[key] = done.summed(done.table_parts.get(key, ()), done.tables_built.get(key), redone)
+                if key in tables:
+                    tables[key] = found
+            return tables_now[key]
+
+        changed = {u for u, (now, was) in enumerate(zip(start, done.start)) if now is not was}
+        stale: set[tuple[int, int]] = set()
+        heap = [done.at[u] for u in changed if u in done.at]
+        heapq.heapify(heap)
+        while heap:
+            n = heapq.heappop(heap)
+            if n in redone:
+                continue
+            k, ends = done.steps[n]
+            recorded = done.inputs[n]
+            uk = unary_of(k) if k in changed else recorded[0]
+            if not ends:
+                redone[n] = (None,)
+                self.picks[k] = int(uk.argmin())
+                continue
+            given = []
+            for j, t in zip(ends, recorded[1:]):
+                key = (k, j) if k < j else (j, k)
+                given.append(t if key not in stale else table_of(key) if k < j else table_of(key).T)
+            unary[k] = uk
+            least, best = redone[n] = self._fold(k, *given)
+            if len(ends) == 1:
+                self.records[done.record_of[n]] = (k, "one", ends[0], best)
+                changed.add(ends[0])
+                follow = done.at.get(ends[0])
+            else:
+                self.records[done.record_of[n]] = (k, "two", ends[0], ends[1], best)
+                stale.add((ends[0], ends[1]))
+                follow = done.used.get((ends[0], ends[1]))
+            if follow is not None:
+                heapq.heappush(heap, follow)
+        for u in changed:
+            unary_of(u)
+        for key in stale:
+            table_of(key)
+        self._touched = (changed & done.core_set, stale & tables.keys())  # what `_prepare_core` reads again
+        return list(done.core)
 
     def _fold(self, k: int, *tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Unit `k` eliminated between one or two neighbours (`tables`, `[c_k, c_neighbour]`): its
@@ -758,29 +919,21 @@ class _Level:
 
     def _prepare_core(self, core: list[int]) -> None:
         """The core's neighbourhoods, each unit's class (its own costs and tables, as bytes) and
-        the flat arrays `_energy` reads."""
+        the flat arrays `_energy` reads; a replayed level's (`_replay`) patched from its level's
+        where its costs or tables changed."""
+        shared = self._shared
+        self._locals, self._pairs = shared.locals, shared.pairs
+        self._known = len(self._locals) + len(self._pairs)  # evaluated before: `evaluations` counts what this adds
+        self._picked = np.zeros(len(self.cands), int)
+        if self._replays is not None and self._replays.prepared is not None:
+            self._patch_core(self._replays)
+            return
         tables, nbrs = self.tables, self.nbrs
         self._ids = {k: tuple(sorted(nbrs[k])) for k in core}
         self.around = {k: [(j, tables[(k, j)] if k < j else tables[(j, k)].T) for j in ids]  # `_table`, inlined
                        for k, ids in self._ids.items()}
-        contents: dict[tuple, int] = {}  # an array's shape and bytes -> its id
-        seen: dict[tuple[int, bool], int] = {}  # (a held array's id(), transposed) -> the above, read once per array
-
-        def content(t: np.ndarray, transposed: bool = False) -> int:
-            found = seen.get((id(t), transposed))
-            if found is None:
-                x = t.T if transposed else t
-                found = seen[(id(t), transposed)] = contents.setdefault((x.shape, x.tobytes()), len(contents))
-            return found
-
-        self._table_class = [content(t) for t in tables.values()]
-        classes: dict[tuple, int] = {}
-        self._class = {k: classes.setdefault(
-            (content(self.unary[k]), tuple(content(tables[(k, j)]) if k < j else content(tables[(j, k)], True)
-                                           for j in self._ids[k])), len(classes))
-            for k in core}
-        self._locals: dict[tuple, tuple[np.ndarray, int, tuple, tuple[bool, ...]]] = {}
-        self._pairs: dict[tuple, tuple[int, int] | None] = {}
+        self._table_class = [self._content(t) for t in tables.values()]
+        self._class = {k: self._class_of(k) for k in core}
         n = len(self.cands)
         self._offset = np.zeros(n, int)
         self._offset[core] = np.cumsum([0] + [len(self.unary[k]) for k in core[:-1]])
@@ -790,7 +943,47 @@ class _Level:
         self._flat_tables = np.concatenate([t.ravel() for t in tables]) if tables else np.zeros(0)
         self._ends = (np.array([a for a, _ in self.tables], int), np.array([b for _, b in self.tables], int),
                       np.cumsum([0] + sizes[:-1]).astype(int), np.array([t.shape[1] for t in tables], int))
-        self._picked = np.zeros(n, int)
+        if self._eliminated is not None and self._replays is None:  # for the levels barred from this one
+            self._eliminated.prepared = (self._ids, self.around, self._table_class, self._class, self._offset,
+                                         self._flat, self._flat_tables, self._ends)
+
+    def _patch_core(self, done: _Eliminated) -> None:
+        """`_prepare_core` for a replayed level: its level's core (`done.prepared`) with the costs
+        and tables the replay changed (`_touched`) read again, and the classes of the units they reach."""
+        assert done.prepared is not None  # `_prepare_core` calls this only then
+        ids, around, table_class, classes, self._offset, flat, flat_tables, self._ends = done.prepared
+        self._ids, self.around, self._table_class, self._class = ids, dict(around), list(table_class), dict(classes)
+        self._flat, self._flat_tables = flat.copy(), flat_tables.copy()
+        units, stale = self._touched
+        tables, offset, starts = self.tables, self._offset, self._ends[2]
+        for key in stale:
+            n, t = done.table_at[key], tables[key]
+            self._table_class[n] = self._content(t)
+            self._flat_tables[starts[n]:starts[n] + t.size] = t.ravel()
+        for k in units:
+            self._flat[offset[k]:offset[k] + len(self.unary[k])] = self.unary[k]
+        for k in units | {k for key in stale for k in key}:
+            self.around[k] = [(j, tables[(k, j)] if k < j else tables[(j, k)].T) for j in ids[k]]
+            self._class[k] = self._class_of(k)
+
+    def _content(self, t: np.ndarray, transposed: bool = False) -> int:
+        """The id of array `t`'s (transposed) shape and bytes, among the level's and those on its base
+        (`_Shared`), read once per array held."""
+        seen = self._shared.seen
+        found = seen.get((id(t), transposed))
+        if found is None:
+            x = t.T if transposed else t
+            contents = self._shared.contents
+            found = seen[(id(t), transposed)] = (t, contents.setdefault((x.shape, x.tobytes()), len(contents)))
+        return found[1]
+
+    def _class_of(self, k: int) -> int:
+        """Core unit `k`'s class: its own costs' and its tables' contents."""
+        tables, content = self.tables, self._content
+        classes = self._shared.classes
+        key = (content(self.unary[k]), tuple(content(tables[(k, j)]) if k < j else content(tables[(j, k)], True)
+                                             for j in self._ids[k]))
+        return classes.setdefault(key, len(classes))
 
     def _search_core(self, core: list[int]) -> dict[int, int]:
         if not core:
@@ -824,7 +1017,7 @@ class _Level:
         choice = self._believed(core)
         self._improve(core, choice, set(), pairs=True)
         best = min(best, (self._energy(choice), choice), key=lambda t: t[0])
-        self.evaluations = len(self._locals) + len(self._pairs)
+        self.evaluations = len(self._locals) + len(self._pairs) - self._known
         return best[1]
 
     def _believed(self, core: list[int]) -> dict[int, int]:
@@ -847,19 +1040,26 @@ class _Level:
         src = np.array([at[a] for (a, _), _ in pairs] + [at[b] for (_, b), _ in pairs])
         dst = np.concatenate([src[n_pairs:], src[:n_pairs]])
         tables = np.full((width, width, 2 * n_pairs), far)  # [src's candidate, dst's candidate, message]
+        shapes: dict[tuple, list[int]] = collections.defaultdict(list)  # filled per shape, not per table
         for n, (_, t) in enumerate(pairs):
-            tables[:t.shape[0], :t.shape[1], n] = t
-            tables[:t.shape[1], :t.shape[0], n + n_pairs] = t.T
+            shapes[t.shape].append(n)
+        for (rows, columns), ns in shapes.items():
+            block = np.stack([pairs[n][1] for n in ns], axis=-1)
+            tables[:rows, :columns, ns] = block
+            tables[:columns, :rows, np.array(ns) + n_pairs] = block.transpose(1, 0, 2)
         back = np.concatenate([np.arange(n_pairs) + n_pairs, np.arange(n_pairs)])  # the reverse message
         told = np.zeros((width, 2 * n_pairs))  # message n: from unit src[n] to unit dst[n], per dst's candidate
+        bins = (dst + len(core) * np.arange(width)[:, None]).ravel()  # [dst's candidate, dst]: one bincount
+        joint = np.empty_like(tables)
 
         def believed(told: np.ndarray) -> np.ndarray:  # each unit's own costs and all it was told
-            return unary + np.stack([np.bincount(dst, weights=row, minlength=len(core)) for row in told])
+            return unary + np.bincount(bins, weights=told.ravel(), minlength=unary.size).reshape(unary.shape)
 
         for _ in range(_BELIEFS):
-            sent = ((believed(told)[:, src] - told[:, back])[:, None, :] + tables).min(0)  # least over src's
+            np.add((believed(told).take(src, axis=1) - told.take(back, axis=1))[:, None, :], tables, out=joint)
+            sent = joint.min(0)  # least over src's candidates
             sent -= sent.min(0)
-            done = np.allclose(sent, told, rtol=1e-12, atol=0.0)
+            done = bool((np.abs(sent - told) <= 1e-12 * np.abs(told)).all())  # `np.allclose(rtol=1e-12, atol=0)`: all finite
             told = sent
             if done:
                 break
