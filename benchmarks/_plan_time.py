@@ -190,7 +190,11 @@ def plan_time_table(timings: list[Timing]) -> Table:
             "(the seeds, data parallel among them, weighed under it); auto, tight: `memory_budget` "
             f"{TIGHT:g}x the unbudgeted search's estimated peak, which binds: the weighings (recompute, optimizer "
             "levels, offload) and, the devices being present, the compiled checks of the plans against the budget "
-            "(XLA compiles inside planning) are all in the figure.",
+            "(XLA compiles inside planning) are all in the figure. The check of the plan kept compiles the "
+            "program its calls run (`Program.compiled`): the first call compiles nothing more, so that compile "
+            "is the one `jax.jit` makes too, not extra work. Offload placements whose least seconds (the step's "
+            "work split evenly over the devices plus their least streaming) cannot beat the plan on the device are "
+            "not searched (`SearchReport.skipped` names them).",
             "`jax.clear_caches()` before every measurement (untimed), after one untimed warm-up of each; rounds of "
             "one of each in rotating order; times: medians; ratios: median of the per-round ratios (taken side by "
             "side in one run: the machine is shared, so only the ratios compare).",

@@ -8,7 +8,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jshard.audit import Audit, Collective, MemoryFigures, audit, read_collectives
-from jshard.compile._program import compiled_peak
+from jshard.compile._program import compiled_held
 
 F32 = 4
 MESH = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
@@ -115,7 +115,7 @@ def test_memory_figures_are_xla_memory_analysis(contracted):
 @pytest.mark.parametrize("donate", [(), (0,)], ids=["kept", "donated"])
 def test_host_memory_arguments_and_results_are_off_the_device_peak(donate):
     """A `pinned_host` state (an offloaded optimizer's) and the result it becomes: XLA:CPU counts both
-    with the device's buffers and reports no host bytes; the audit and `compiled_peak` take them out
+    with the device's buffers and reports no host bytes; the audit and `compiled_held` take them out
     alike, donated or not."""
     host = NamedSharding(MESH, P("a", "b"), memory_kind="pinned_host")
     step = jax.jit(lambda state, x: (state * 2, x @ x.T), in_shardings=(host, spec(None, "b")),
@@ -132,7 +132,7 @@ def test_host_memory_arguments_and_results_are_off_the_device_peak(donate):
     assert memory.output_bytes == stats.output_size_in_bytes - state
     assert memory.alias_bytes == 0
     held = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
-    assert memory.peak_bytes == held - memory.host_bytes == compiled_peak(step, args)
+    assert memory.peak_bytes == held - memory.host_bytes == compiled_held(step, args)[1]
     assert "host memory per device: argument 256 B, output 256 B" in audit(compiled).summary()
 
 

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from _compiles import compiles
 from _loop import run_steps
 from _tolerance import assert_close, step_terms
 
@@ -132,3 +133,31 @@ def test_a_plan_the_search_offloaded_loads_with_its_state_in_host_memory(gpt, tm
     assert again.plan(params, state, batches[0]).offload.host == plan.offload.host
     with pytest.raises(js.ShardingError, match="made with .'optimizer',. in host memory"):
         js.parallelize(step, devices=1, plan=loaded, offload=("optimizer", "parameters")).plan(params, state, batches[0])
+
+
+def test_placements_that_cannot_beat_the_device_plan_are_not_planned(gpt):
+    """Where the budget binds but no plan with the state in host memory can beat the plan on the
+    device (the step's work split evenly over every device plus the least streaming, over the host
+    link, is not below its seconds), no placement is searched; the plan says which and why, and
+    the device plan's compiled program is held to the budget as ever, and is what the first call
+    runs (its compile is the call's, not one more)."""
+    step, params, state, batches, (_, _, ref_losses), _ = gpt
+    slow = CostModel(host_bandwidth=1e3)  # streaming costs more than any step
+    free = js.parallelize(step, devices=8, mode="auto", cost_model=slow).plan(params, state, batches[0]).search
+    budget = 0.8 * free.peak_bytes
+    auto = js.parallelize(step, devices=8, mode="auto", cost_model=slow, search=js.Search(memory_budget=budget,
+                                                                                           time_limit=WHOLE))
+    plan = auto.plan(params, state, batches[0])
+    assert plan.search.status != "fits" and plan.offload is None  # the budget binds; the state stays
+    assert plan.search.searches == 1 and plan.search.offload == ()
+    assert plan.search.compiled_peak_bytes <= budget
+    (line,) = plan.search.skipped
+    assert line.startswith("offload not weighed, no plan with it can beat the plan on the device (")
+    assert "optimizer (at least " in line and "optimizer+parameters (at least " in line
+    assert "the work split over 8 devices" in line and line in plan.search.line()
+    jax.clear_caches()  # the executable is the program's own, not JAX's cache's
+    args = jax.device_put((params, state, batches[0]), plan.in_shardings)  # placed outside the count
+    with compiles() as called:
+        loss = auto(*args)[2]
+    assert len(called) == 0
+    assert_close(loss, ref_losses[0], dtype=np.float32, terms=step_terms(params, batches[0]))

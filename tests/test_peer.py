@@ -3,11 +3,10 @@ anchors both compiled, the one moving fewer collective bytes kept and run, the p
 won and by how much. Each case compiles each plan once: the weighing's compile of the kept plan is
 the one its first call reuses; `propagation="jshard"` (the default) compiles once."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import pytest
+from _compiles import compiles
 from _programs import Program, Step
 from _tolerance import assert_close, step_terms
 from clients import loop_gpt, one_device
@@ -19,22 +18,6 @@ SHARDY_CHEAPER = Program(shape=(2, 16), steps=(Step(kind="scan", param="dot", ex
                          mode="semi_auto", dataset="data_parallel", in_strategy=((1, 2), (1, 4)))
 """A scanned matmul whose carry and weight the user cuts apart (found by tests/_programs.py's random
 programs): Shardy's plan moves 96 B per device, jshard's 128 B."""
-
-
-@contextlib.contextmanager
-def compiles():
-    """Counts XLA's backend compiles inside the block: yields a list whose length is the count."""
-    seen: list[float] = []
-
-    def listen(event: str, seconds: float, **_) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen.append(seconds)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield seen
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def test_shardy_cheaper_is_kept_and_equals_one_device():

@@ -21,8 +21,9 @@ from jshard.compile._optimizer import roles, updating
 from jshard.compile._options import Options
 from jshard.compile._signature import dtype_of
 from jshard.compile._trace import Traced
-from jshard.cost import itemsize
+from jshard.cost import CostModel, itemsize
 from jshard.hetero import HostTable, Offload, check_fits, table_sharding
+from jshard.propagate import Result, priced
 from jshard.search import finest_cut
 
 SEARCHED = (("optimizer",), ("optimizer", "parameters"))
@@ -46,6 +47,13 @@ def least_streamed(traced: Traced, args: tuple, options: Options, what: tuple[st
     ids = _state(traced, (params if "parameters" in what else set()) | (state if "optimizer" in what else set()))
     return sum(math.prod(np.shape(traced.leaves[i])) * itemsize(dtype_of(traced.leaves[i]))
                / finest_cut(np.shape(traced.leaves[i]), traced.axis_size) for i in ids)
+
+
+def least_seconds(traced: Traced, cost: CostModel) -> float:
+    """Seconds per step no plan of `traced` beats: its work (`Plan.work`'s pricing: each operator on
+    the cost model's roofline) split evenly over every device, nothing communicated."""
+    work = priced(traced.nodes, Result({}, {}, set()), traced.axis_size, cost, traced.table, traced.outvars)
+    return work.compute_seconds / traced.fine.device_count
 
 
 def _state(traced: Traced, ids) -> set[int]:

@@ -33,8 +33,8 @@ class Program:
     only), the argument shardings (a pytree like the arguments) calls place their inputs on, and
     the planned layout of each value of the traced program (value -> `Spec`; empty: XLA's), and
     the traced program and the planner's `Result` it was built from (None: XLA propagates), and
-    its executable where building it compiled it already (`propagation="best"`: calls run it
-    instead of compiling `jitted` again)."""
+    its executable where building it compiled it already (`propagation="best"`, or a budget's
+    compiled check: calls run it instead of compiling `jitted` again)."""
 
     plan: Plan
     jitted: Any
@@ -148,18 +148,19 @@ def _recompute(traced: Traced, result, donated_leaves: set[int]) -> RecomputeRep
     return recompute_report(traced.nodes, values, traced.axis_size, traced.invars, traced.outvars, donated)
 
 
-def compiled_peak(jitted: Any, args: tuple, shardings: Any = None, offload: bool = False) -> float:
-    """Per-device bytes the compiled program holds at once in device memory (arguments + results +
-    temporaries - donated, `jshard.audit`'s `MemoryFigures.peak_bytes`), as XLA's buffer assignment
-    reports them; arguments and results in host memory (`pinned_host`) are not the device's.
-
-    Lowered as a call lowers it (each argument on its planned sharding; with `offload`, as shapes),
-    so that JAX's caches give the program this compile made to the call, or to `lower().compile()`."""
+def compiled_held(jitted: Any, args: tuple, shardings: Any = None, offload: bool = False) -> tuple[Any, float]:
+    """`jitted` compiled for `args`, and the per-device bytes it holds at once in device memory
+    (arguments + results + temporaries - donated, `jshard.audit`'s `MemoryFigures.peak_bytes`), as
+    XLA's buffer assignment reports them; arguments and results in host memory (`pinned_host`) are
+    not the device's. Lowered as a call lowers it (each argument on its planned sharding; with
+    `offload`, as shapes): the executable is the one a call runs (`Program.compiled`: a budget's
+    compiled check compiles what the first call would otherwise)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     given = abstract(args) if offload or shardings is None else jax.tree_util.tree_unflatten(tree, [
         jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=s, weak_type=weak_type(x))
         for x, s in zip(leaves, jax.tree_util.tree_leaves(shardings))])
-    return float(memory_figures(jitted.lower(*given).compile()).peak_bytes)
+    executable = jitted.lower(*given).compile()
+    return executable, float(memory_figures(executable).peak_bytes)
 
 
 def _unflattened(evaluate: Callable[..., Any], out_tree) -> Callable[..., Any]:

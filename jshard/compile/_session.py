@@ -62,6 +62,8 @@ class Planning:
       reused: the answers taken from an earlier run of the same problem.
       skipped: the candidates a weighing left out past the deadline, one line each.
       forced: every candidate is weighed, deadline or not (`to_the_end`).
+      passed_over: the candidates a weighing did not plan because none could beat the plan it kept
+        (a lower bound of their seconds over its predicted seconds), one line per weighing.
     """
 
     deadline: Deadline
@@ -69,6 +71,7 @@ class Planning:
     reused: int = 0
     skipped: list[str] = dataclasses.field(default_factory=list)
     forced: bool = False
+    passed_over: list[str] = dataclasses.field(default_factory=list)
     _made: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @classmethod
@@ -118,6 +121,12 @@ class Planning:
         self.skipped.append(what)
         return False
 
+    def bounded(self, line: str) -> None:
+        """Records `line` (`passed_over`), where there is one: candidates a weighing left out because
+        none could beat the plan it kept."""
+        if line and line not in self.passed_over:
+            self.passed_over.append(line)
+
     def to_the_end(self, weigh: Callable[[], T]) -> T:
         """`weigh()` (a weighing); where it finds nothing that fits after leaving candidates out past
         the deadline, `weigh()` again with every candidate weighed (the searches made are reused)."""
@@ -136,10 +145,10 @@ class Planning:
 
     def note(self) -> tuple[str, ...]:
         """`SearchReport.skipped`: what the weighings left out, and why, or nothing."""
-        if not self.skipped:
-            return ()
-        return (f"the time limit ({self.deadline.seconds:g} s, search_time_limit) passed: not weighed: "
-                + ", ".join(dict.fromkeys(self.skipped)),)
+        late = () if not self.skipped else (
+            f"the time limit ({self.deadline.seconds:g} s, search_time_limit) passed: not weighed: "
+            + ", ".join(dict.fromkeys(self.skipped)),)
+        return (*late, *self.passed_over)
 
 
 def _planner_key(planner: Any) -> Any:

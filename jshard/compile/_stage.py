@@ -31,7 +31,7 @@ from jshard.compile._optimizer import accumulator, cuts, gathered, reduce_scatte
 from jshard.compile._options import Options
 from jshard.compile._peer import weigh_peer
 from jshard.compile._planners import Planned, Problem, PropagationPlanner, planner_for
-from jshard.compile._program import Program, build_program, compiled_peak
+from jshard.compile._program import Program, build_program, compiled_held
 from jshard.compile._session import Planning
 from jshard.compile._trace import Traced, trace
 from jshard.graph import COMM_KEPT_LABEL, RECOMPUTE_SCOPE
@@ -180,13 +180,14 @@ def build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: b
 
     def checked_peak(program: Program) -> tuple[Program, float]:
         """`program` with its compiled peak in its report (and, where it fits, the budget asked for,
-        not the tighter estimate searched under), and that peak."""
-        found = compiled_peak(program.jitted, args, program.in_shardings, bool(program.plan.offload))
+        not the tighter estimate searched under) and its executable (what calls run: the check's
+        compile is the first call's), and that peak."""
+        executable, found = compiled_held(program.jitted, args, program.in_shardings, bool(program.plan.offload))
         assert program.plan.search is not None and c.memory_budget is not None  # searched, compiled under a budget
         report = dataclasses.replace(program.plan.search, compiled_peak_bytes=found)
         if found <= c.memory_budget:
             report = dataclasses.replace(report, budget=budget)
-        return dataclasses.replace(program, plan=program.plan.replace(search=report)), found
+        return dataclasses.replace(program, plan=program.plan.replace(search=report), compiled=executable), found
 
     def first_fitting(statuses: list[str]) -> Program | None:
         """Of the seeds `statuses`, in order, the first whose compiled program fits the budget."""

@@ -26,7 +26,7 @@ from jshard.compile._boundary import (
     batch_leaves,
 )
 from jshard.compile._groups import Communication, OptimizerParallel
-from jshard.compile._offload import least_streamed, searched
+from jshard.compile._offload import least_seconds, least_streamed, searched
 from jshard.compile._program import Program
 from jshard.compile._stage import Signature, build_traced, fastest_that_fits, search_report
 from jshard.compile._trace import Traced
@@ -147,22 +147,23 @@ def _plan_regions(s: Signature, traced: Traced, check: bool = True) -> Program:
     return s.planning.to_the_end(lambda: _weigh_recompute(s, traced, check))
 
 
-def _weigh_offload(s: Signature, traced: Traced) -> Program:
+def _weigh_offload(s: Signature, traced: Traced) -> Program:  # noqa: C901  (the device first, the placements, those left out)
     """`mode="auto"` under a budget, no `offload=` given: plans the step with the state on the device;
     where the budget binds (the search gave up speed, or recompute, to fit it: `_binds`), plans it
-    again with each of `SEARCHED` in host memory whose streaming alone (`least_streamed` on the host
-    link) does not cost more than the plan on the device, each priced with its streaming
+    again with each of `SEARCHED` in host memory, each priced with its streaming
     (`CostModel.host_seconds`), and builds the fastest that fits (with `memory_budget` and devices
-    present: whose compiled program fits), its `SearchReport.offload` listing what was weighed."""
+    present: whose compiled program fits), its `SearchReport.offload` listing what was weighed.
+    A placement that cannot beat the plan on the device (`_offload_bounds`: the work split evenly
+    over every device plus the least streaming, not below its seconds) is not planned unless the
+    plan on the device fails its compiled check; `SearchReport.skipped` says so."""
     c, args = s.options, s.args
     assert s.budget is not None  # weighed only to meet a budget
     checked = c.memory_budget is not None and s.devices is not None
-    cost = c.costs
     weighed: dict[tuple[str, ...], Weighed] = {}
     planned: dict[tuple[str, ...], Program] = {}
     errors: dict[tuple[str, ...], MemoryBudgetError] = {}
     place = lambda what, check: _build_placed(s.but(offload=what), traced, check)
-    choices = searched(traced, args, c)
+    choices, beaten, bounds = searched(traced, args, c), [], {}
     try:
         device = place((), False)
     except MemoryBudgetError as e:
@@ -171,36 +172,77 @@ def _weigh_offload(s: Signature, traced: Traced) -> Program:
         search = device.plan.search
         assert search is not None  # the search planned it
         weighed[()], planned[()] = Weighed("none", search.seconds, search.peak_bytes), device
-        least = lambda what: least_streamed(traced, args, c, what)
-        choices = [what for what in choices if cost.host_seconds(least(what), least(what)) < search.seconds]
-        if not _binds(search) or not choices:  # on the device, unhindered (or streaming alone costs more)
+        bounds = _offload_bounds(traced, args, c, choices)
+        beaten = [what for what in choices if bounds[what][0] >= search.seconds]
+        choices = [what for what in choices if what not in beaten]
+        if not _binds(search) or not choices:  # on the device, unhindered (or no placement can beat it)
             try:
-                return place((), True) if checked else device
-            except MemoryBudgetError as e:
+                program = place((), True) if checked else device
+                if _binds(search):
+                    s.planning.bounded(_bounded_note(beaten, bounds, search.seconds, traced.fine.device_count))
+                return program
+            except MemoryBudgetError as e:  # the placements weighed after all: the plan on the device does not fit
                 weighed[()], errors[()] = Weighed("none", None, e.least_bytes), e
                 del planned[()]
-                choices = searched(traced, args, c)
-    for what in choices:
+                choices, beaten = choices + beaten, []
+
+    def weigh(what: tuple[str, ...]) -> None:
         if not s.planning.weighs(f"offload {_offload_name(what)}", bool(planned)):
-            continue
+            return
         try:
             program = place(what, False)
         except MemoryBudgetError as e:
             weighed[what], errors[what] = Weighed(_offload_name(what), None, e.least_bytes), e
-            continue
+            return
         assert program.plan.offload is not None and program.plan.search is not None  # offloaded by the search
         host, search = program.plan.offload.seconds, program.plan.search
         weighed[what], planned[what] = Weighed(_offload_name(what), search.seconds + host, search.peak_bytes,
                                                host_seconds=host), program
+
     def refused(what, e: MemoryBudgetError) -> None:
         weighed[what], errors[what] = dataclasses.replace(weighed[what], seconds=None, peak_bytes=e.least_bytes), e
 
+    for what in choices:
+        weigh(what)
+    built: dict[tuple[str, ...], Program] = {}
     found = fastest_that_fits(planned, lambda w: weighed[w].seconds,
-                              lambda w: place(w, True) if checked else planned[w], refused)
+                              lambda w: built.get(w) or (place(w, True) if checked else planned[w]), refused)
+    if beaten and () in weighed and weighed[()].seconds is None:  # their bound beat only the plan on the device
+        for what in beaten:
+            weigh(what)
+        if found is not None:
+            built[found[0]] = found[1]  # built already: held to the budget again at no cost
+        found = fastest_that_fits([w for w in planned if weighed[w].seconds is not None],
+                                  lambda w: weighed[w].seconds,
+                                  lambda w: built.get(w) or (place(w, True) if checked else planned[w]), refused)
+    elif beaten:
+        s.planning.bounded(_bounded_note(beaten, bounds, search_report(planned[()]).seconds, traced.fine.device_count))
     if found is not None:
         return _offload_chosen(found[1], found[0], weighed, s.budget, s.budget_from)
     least_peak = min((w.peak_bytes for w in weighed.values() if w.peak_bytes is not None), default=None)
     raise MemoryBudgetError(_offload_error(errors[()], weighed), least_peak) from None
+
+
+def _offload_bounds(traced: Traced, args: tuple, c, choices: list) -> dict[tuple[str, ...], tuple[float, float, float]]:
+    """Per placement of `choices`, the fewest seconds per step any plan with it takes: the step's
+    work split evenly over every device with nothing communicated (`least_seconds`), plus its
+    least streaming (`least_streamed`, on the host link): `(bound, work, streaming)`."""
+    work, cost = least_seconds(traced, c.costs), c.costs
+    streaming = {what: cost.host_seconds(least_streamed(traced, args, c, what), least_streamed(traced, args, c, what))
+                 for what in choices}
+    return {what: (work + streaming[what], work, streaming[what]) for what in choices}
+
+
+def _bounded_note(beaten: list, bounds: dict, seconds: float, n: int) -> str:
+    """`SearchReport.skipped`'s line for the placements `_weigh_offload` did not plan: none can beat
+    the plan on the device (`seconds`), by their `_offload_bounds`; empty where there are none."""
+    if not beaten:
+        return ""
+    each = ", ".join(f"{_offload_name(what)} (at least {bounds[what][0] * 1e3:.4g} ms: the work split over {n} "
+                     f"devices {bounds[what][1] * 1e3:.4g} ms, the least streaming {bounds[what][2] * 1e3:.4g} ms)"
+                     for what in beaten)
+    return (f"offload not weighed, no plan with it can beat the plan on the device "
+            f"({seconds * 1e3:.4g} ms per step): {each}")
 
 
 def _binds(search) -> bool:
