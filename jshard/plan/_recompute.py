@@ -78,7 +78,7 @@ def recompute_report(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[
     counts = collections.Counter(regions.values())
     again = collections.Counter(regions[i] for i in rerun if i in regions)
     return RecomputeReport(tuple((name, counts[name], again[name]) for name in sorted(counts)),
-                           _peak(ranges, held), _peak(LiveRanges(first, ranges.last, ranges.end, ranges.bodies), held))
+                           _peak(ranges, held), _peak(dataclasses.replace(ranges, first=first), held))
 
 
 def planned_peak(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[str, int], args: Sequence,

@@ -676,6 +676,8 @@ class _Level:
     def energy(self, picks: Sequence[int]) -> float:
         """The level's energy under `picks` (one per class): own costs and tables, as built, each
         summed in order (`np.cumsum` adds one entry after another, as `sum` does)."""
+        if not len(picks):  # no unit: nothing to sum (the flat arrays need one)
+            return 0.0
         if self._flat_whole is None:  # read once per level: `_Recursive._closed` weighs it per set tried
             unary, tables = self._whole
             starts = np.cumsum([0] + [len(u) for u in unary[:-1]])
