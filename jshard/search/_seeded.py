@@ -263,12 +263,14 @@ class _Peak:
         self.loops = _loops(g.ranges)  # a loop body's value -> its loop's top-level point
         self.held = {v: self._bytes(k, pos, v, choice[k]) for k, made in self.made.items() for pos, v in made}
         self.live = g.live_bytes(self.held)
+        self.transient = {t: g.ranges.transient(t, self.held) for t in g.ranges.bodies}  # each loop's body peak
 
     def _bytes(self, k: int, pos: int, v, a: Assignment) -> float:
         return _held(self.g, k, ((pos, v),), a)
 
-    def _moved(self, k: int, a: Assignment) -> tuple[np.ndarray, dict]:
-        """The live bytes with unit `k` moved to `a`, and the values whose bytes change -> their new bytes."""
+    def _moved(self, k: int, a: Assignment) -> tuple[np.ndarray, dict, dict]:
+        """The live bytes with unit `k` moved to `a`, the values whose bytes change -> their new bytes,
+        and the loops whose body peak changes -> their new one."""
         live, changed, loops = self.live.copy(), {}, set()
         for pos, v in self.made.get(k, ()):
             now = self._bytes(k, pos, v, a)
@@ -279,11 +281,13 @@ class _Peak:
                 loops.add(self.loops[v])
             else:
                 live[self.g.first[v]:self.g.last[v] + 1] += now - self.held[v]
+        transient = {}
         if loops:
             after = collections.ChainMap(changed, self.held)
             for t in loops:
-                live[t] += self.g.ranges.transient(t, after) - self.g.ranges.transient(t, self.held)
-        return live, changed
+                transient[t] = self.g.ranges.transient(t, after)
+                live[t] += transient[t] - self.transient[t]
+        return live, changed, transient
 
     def fits(self, k: int, a: Assignment, budget: float) -> bool:
         """Whether the estimated peak fits `budget` with unit `k` moved to `a`."""
@@ -299,8 +303,9 @@ class _Peak:
     def move(self, k: int, a: Assignment) -> None:
         """Unit `k` moved to `a` (in the choice too)."""
         if k in self.made:
-            self.live, changed = self._moved(k, a)
+            self.live, changed, transient = self._moved(k, a)
             self.held.update(changed)
+            self.transient.update(transient)
         self.choice[k] = a
 
 
