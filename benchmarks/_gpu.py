@@ -39,10 +39,12 @@ PEAKS = {"TF32": 494.7, "BF16": 989.4, "FP32": 66.9}
 _DTYPES = ("float32", "bfloat16")
 QUICK = ("bfloat16 only, the reference GPT at 8 layers, d_model 4096, 32 heads, d_ff 16384, seq_len 1024, "
          "batch 8 (1.9 B parameters: large enough that its matmuls, not its elementwise work, set the step "
-         "time), variants base, offload and recompute, 4 rounds of 4 steps, a 420 s budget")
-VARIANTS = ("base", "offload", "recompute")
-"""In the order `--quick` runs them: the offload's first call compiles a new program (94.6 s on an
-H100 at 2026-11-27), the recompute's mostly reuses the base step's autotuned kernels (12 s)."""
+         "time), variants cudnn then base, 4 rounds of 4 steps, a 250 s budget (base is not started past it)")
+VARIANTS = ("base", "cudnn", "offload", "recompute")
+QUICK_VARIANTS = ("cudnn", "base")
+"""`--quick` runs these, in this order: each first call compiles a new program (about 95 s on an H100 at
+2026-11-27 for base or offload; the recompute's mostly reuses the base step's autotuned kernels, 12 s),
+so the device command's 560 s hold two variants."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,8 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=10, help="back-to-back steps per program per round")
     p.add_argument("--variants", default="base",
-                   help="comma-separated: base (the step), recompute (every block `jshard.recompute`d), offload "
-                        "(jshard with `offload=(\"optimizer\",)` beside the base step under jax.jit)")
+                   help="comma-separated: base (the step), cudnn (the attention through "
+                        "`jax.nn.dot_product_attention(implementation=\"cudnn\")`), recompute (every block "
+                        "`jshard.recompute`d), offload (jshard with `offload=(\"optimizer\",)` beside the base step "
+                        "under jax.jit)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip the variants not yet started once this many seconds have passed")
     p.add_argument("--quick", action="store_true",
@@ -79,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup, args.rounds, args.steps = 1, 2, 2
     if args.quick:
         args.layers, args.d_model, args.heads, args.d_ff, args.seq, args.batch, args.vocab = 8, 4096, 32, 16384, 1024, 8, 32768
-        args.dtypes, args.variants, args.warmup, args.rounds, args.steps = "bfloat16", ",".join(VARIANTS), 2, 4, 4
-        args.budget_s = 420.0 if args.budget_s is None else args.budget_s
+        args.dtypes, args.variants, args.warmup, args.rounds, args.steps = "bfloat16", ",".join(QUICK_VARIANTS), 2, 4, 4
+        args.budget_s = 250.0 if args.budget_s is None else args.budget_s
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {', '.join(VARIANTS)}")
@@ -114,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault("skipped", []).append(f"{dtype} {variant}: past the {args.budget_s:.0f} s budget")
                 print(f"skipped {dtype} {variant}: past the budget", flush=True)
                 continue
-            run = measure(config, batch_size, dtype, args.warmup, args.rounds, args.steps, results, variant, jitted)
+            try:
+                run = measure(config, batch_size, dtype, args.warmup, args.rounds, args.steps, results, variant, jitted)
+            except Exception as e:  # a variant that cannot run here (no cuDNN) is a result; the next still runs
+                run = {"dtype": dtype, "variant": variant, "programs": {}, "error": _error(f"{dtype} {variant}", e)}
             results["runs"].append(run)
             args.out.write_text(json.dumps(results, indent=1))  # after each run: a later crash keeps it
             print(json.dumps({k: v for k, v in run.items() if k != "programs"}), flush=True)
@@ -156,8 +163,9 @@ def measure(cfg, batch_size: int, dtype: str, warmup: int, rounds: int, steps: i
     """jshard's program and the hand-written one for `variant` at `dtype`: first calls, losses, XLA's
     FLOPs, jshard's predicted step time, then the alternating rounds.
 
-    `variant`: `"base"` (the step), `"recompute"` (every block `jshard.recompute`d, full policy, under
-    both programs) or `"offload"` (jshard with `offload=("optimizer",)`, Adam's state in host memory,
+    `variant`: `"base"` (the step), `"cudnn"` (the step with the attention through
+    `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused flash attention, under both
+    programs), `"recompute"` (every block `jshard.recompute`d, full policy, under both programs) or `"offload"` (jshard with `offload=("optimizer",)`, Adam's state in host memory,
     beside the base step under `jax.jit`). `jitted` caches `jax.jit` programs by step across calls."""
     import jax
     import jax.numpy as jnp
@@ -169,7 +177,8 @@ def measure(cfg, batch_size: int, dtype: str, warmup: int, rounds: int, steps: i
 
     jitted = {} if jitted is None else jitted
     base = jitted.setdefault(("step", cfg), gpt_step(cfg))
-    step = gpt_step(dataclasses.replace(cfg, recompute="full")) if variant == "recompute" else base
+    changed = {"recompute": {"recompute": "full"}, "cudnn": {"attention_implementation": "cudnn"}}.get(variant)
+    step = gpt_step(dataclasses.replace(cfg, **changed)) if changed else base
     params = jax.tree.map(lambda x: x.astype(dtype), models.init_gpt(cfg, jax.random.key(0)))
     opt_state = optax.adam(1e-4).init(params)
     batch = models.copy_task_batch(np.random.default_rng(0), cfg, batch_size)
@@ -478,6 +487,12 @@ def _run_notes(run: dict, r: dict) -> list[str]:
                      f"({'within' if run['loss_ok'] else 'OUTSIDE'} {run['loss_tolerance']:.0e})")
     if run.get("error"):
         notes.append(f"{tag}: error: {run['error'].splitlines()[0][:400]}")
+    if run.get("variant") == "cudnn":
+        c = r["config"]
+        half = 6 * c["n_layers"] * c["d_model"] * c["seq_len"] * r["tokens_per_step"]
+        notes.append(f"{tag}: the formula counts the attention's full S×S scores, as the einsums compute them; "
+                     f"cuDNN's kernel skips the tiles the causal mask covers, {half / 1e12:.3f} TFLOP/step "
+                     f"({half / r['model_flops_per_step']:.1%} of the formula) it does not compute")
     lowered = {name: p["xla_flops"] for name, p in run["programs"].items() if p.get("xla_flops")}
     compiled = {name: p["xla_flops_compiled"] for name, p in run["programs"].items() if p.get("xla_flops_compiled")}
     parts = []
@@ -537,7 +552,10 @@ def gpu_section(path: Path = RESULTS) -> str:
         f"vocab {c['vocab']}, seq_len {c['seq_len']}, batch {c['batch']}; {r['params']:,} parameters, Adam; "
         f"{r['tokens_per_step']:,} tokens/step",
         "- programs: `jshard.parallelize(step, devices=1, mode=\"data\", donate_argnums=(0, 1))` and "
-        "`jax.jit(step, donate_argnums=(0, 1))`, the same train step and inputs; variant recompute: every block "
+        "`jax.jit(step, donate_argnums=(0, 1))`, the same train step and inputs; variant cudnn: the attention "
+        "through `jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=\"cudnn\")` "
+        "(`GPTConfig.attention_implementation`: cuDNN's fused flash attention) under both, base: as einsums and a "
+        "softmax over the masked S×S scores; variant recompute: every block "
         "`jshard.recompute`d (full) under both; variant offload: jshard with `offload=(\"optimizer\",)` (Adam's "
         "state in host memory) beside the base step under `jax.jit`. predicted: jshard's own step time for its "
         "plan (`Plan.work`, and `Plan.offload`'s host-link time), on `CostModel.for_device` of the device",

@@ -35,7 +35,9 @@ class GPTConfig:
     attention's key/value heads (None: `n_heads`, multi-head). `context`: the queries' strategy
     `[batch, seq, heads, head_dim]` for `jshard.attention`, whose sequence cut runs the attention
     context parallel in `context_form` (`"auto"`, `"gather"`, `"ring"`, `"ulysses"`); None: the
-    attention as einsums and a softmax, laid out by the plan."""
+    attention as einsums and a softmax, laid out by the plan, or, with `attention_implementation`
+    (`"xla"`, `"cudnn"`: cuDNN's fused flash attention on NVIDIA GPUs), as
+    `jax.nn.dot_product_attention(..., is_causal=True, implementation=attention_implementation)`."""
 
     vocab: int = 32
     seq_len: int = 16
@@ -48,6 +50,7 @@ class GPTConfig:
     kv_heads: int | None = None
     context: tuple[int, ...] | None = None
     context_form: str = "auto"
+    attention_implementation: str | None = None
 
 
 def gpt_split_problems(cfg: GPTConfig, preset: Preset, batch: int) -> list[str]:
@@ -122,6 +125,9 @@ def _attention(p: dict, x: jax.Array, cfg: GPTConfig, preset: Preset | None) -> 
     if cfg.context is not None:
         out = attention(q, k, v, causal=True, strategy=cfg.context, form=cfg.context_form).reshape(b, t, d)
         return _matmul(preset, "row")(out, p["wo"])
+    if cfg.attention_implementation is not None:
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention_implementation)
+        return _matmul(preset, "row")(out.reshape(b, t, d), p["wo"])
     causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
     if k.shape[2] == cfg.n_heads:
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)  # a Python float: keeps bf16 scores bf16

@@ -35,7 +35,8 @@ from jshard.graph import CONSTRAINT, Node
 from jshard.rules._elementwise import ELEMENTWISE
 from jshard.rules._reduce import REDUCTIONS
 
-MATMUL = frozenset({"dot_general", "conv_general_dilated"})
+MATMUL = frozenset({"dot_general", "conv_general_dilated", "dot_product_attention_fwd_wrapper",
+                    "dot_product_attention_bwd_wrapper"})
 """Operators that run on the matrix units (`CostModel.matmul_flops`)."""
 
 FUSIBLE = frozenset(ELEMENTWISE) - {"optimization_barrier"} | {
