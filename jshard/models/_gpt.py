@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ class GPTConfig:
     kv_heads: int | None = None
     context: tuple[int, ...] | None = None
     context_form: str = "auto"
-    attention_implementation: str | None = None
+    attention_implementation: Literal["xla", "cudnn"] | None = None
 
 
 def gpt_split_problems(cfg: GPTConfig, preset: Preset, batch: int) -> list[str]:
