@@ -3,6 +3,7 @@ weighings under a budget share one deadline, a problem planned twice is searched
 deadline no weighing plans a further candidate once one fits, the plan naming what it left out.
 Measured by counting searches and by a deterministic clock, never by the wall clock."""
 
+import re
 import types
 
 import jax
@@ -58,7 +59,7 @@ def test_a_session_searches_a_problem_once_and_stops_weighing_past_its_deadline(
     clock.now += 10.0
     assert planning.weighs("optimizer=2", fits=False)  # past it: only while none fits
     assert not planning.weighs("optimizer=3", fits=True)
-    assert planning.note() == ("the time limit (10 s, search_time_limit) passed: not weighed: optimizer=3",)
+    assert planning.note() == ("the time limit (10 s, search_time_limit) stopped the planning: not weighed: optimizer=3",)
     assert planning.time_left(60.0) == 0.0
 
 
@@ -90,7 +91,10 @@ def test_a_time_limit_bounds_the_whole_planning_not_each_search(gpt):
     assert weighed == ["none", "selective", "full"][:len(weighed)] and len(weighed) < 3
     assert [w.seconds is not None for w in bounded.recompute] == [False] * (len(weighed) - 1) + [True]  # the first that fits
     left_out = ", ".join(f"recompute {p!r}" for p in ["none", "selective", "full"][len(weighed):])
-    assert bounded.skipped == (f"the time limit (0 s, search_time_limit) passed: not weighed: {left_out}",)
+    # no plan is complete at 0 s: the first complete one is kept, and the line says by how much the limit was passed
+    assert len(bounded.skipped) == 1 and re.fullmatch(
+        r"the time limit \(0 s, search_time_limit\) passed by [0-9.e+-]+ s \(no plan was complete before it, the "
+        rf"first complete one kept\): not weighed: {re.escape(left_out)}", bounded.skipped[0]), bounded.skipped
     assert bounded.skipped[0] in bounded.line()
     assert bounded.peak_bytes <= budget and whole.peak_bytes <= budget
 
