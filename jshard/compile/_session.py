@@ -36,9 +36,10 @@ ILP_SHARE = 0.5
 """The share of the planning's time left that one ILP search may take (`Planning.time_left`)."""
 
 RESERVE_FACTOR = 3
-"""The time a deadline keeps back for what follows its last check, in the longest build measured
-(`Planning.built`): a candidate past its last check built, the kept plan built again, its records
-priced (`Plan.work`); and, where the kept plan is held to the budget compiled, the longest compile."""
+"""The time a deadline keeps back for what follows its last check, in the longest tail measured
+(`Planning.built`: a candidate's work from its last check to its program built, or compiled): the
+search stopped finishing its unit of work, the kept plan built again, its records priced and the
+session released."""
 
 
 class Stopped(Exception):
@@ -102,7 +103,8 @@ class Planning:
     passed_over: list[str] = dataclasses.field(default_factory=list)
     completed: float | None = None
     _made: dict = dataclasses.field(default_factory=dict, repr=False)
-    _longest: dict = dataclasses.field(default_factory=lambda: {False: 0.0, True: 0.0}, repr=False)  # by `compiled`
+    _checked: float = -float("inf")  # when `check` was last read, on the deadline's clock
+    _tail: float = 0.0  # the longest tail `built` measured
     _optional: int = 0  # candidates being planned that their weighing may drop (`candidate`)
 
     @classmethod
@@ -118,6 +120,7 @@ class Planning:
         """Read between units of work (the search's runs, levels and moves, a stage's traces and
         searches): raises `Stopped` where the deadline has passed and what is planned now is a
         candidate its weighing may leave out (it holds one that fits: `candidate`)."""
+        self._checked = self.deadline.clock()
         if self._optional and not self.forced and self.deadline.passed:
             raise Stopped
 
@@ -138,14 +141,15 @@ class Planning:
         finally:
             self._optional -= 1
 
-    def built(self, seconds: float, compiled: bool = False) -> None:
-        """A candidate's program and plan were built (`compiled`: its compiled check made) in `seconds`,
-        measured: the deadline keeps back `RESERVE_FACTOR` times the longest build, and the longest
-        compile, for what follows its last check."""
-        self._longest[compiled] = max(self._longest[compiled], seconds)
-        self.deadline.reserve = RESERVE_FACTOR * self._longest[False] + self._longest[True]
-        if self.completed is None and not compiled:
-            self.completed = self.deadline.elapsed()
+    def built(self, since: float) -> None:
+        """A candidate's program was built, or compiled, by work begun at `since` (on the deadline's
+        clock): its tail, from the later of `since` and the last check to now, measured, the deadline
+        keeps back `RESERVE_FACTOR` times the longest tail for what follows its last check."""
+        now = self.deadline.clock()
+        self._tail = max(self._tail, now - max(since, self._checked))
+        self.deadline.reserve = RESERVE_FACTOR * self._tail
+        if self.completed is None:
+            self.completed = now - self.deadline.start
 
     def plan(self, planner: Planner, problem: Problem) -> Planned:
         """`planner`'s answer to `problem`, made once per session (a raised error is raised again, but

@@ -163,6 +163,7 @@ def build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: b
     def attempt(problem: Problem) -> tuple[Program, Problem]:
         """`problem` planned and built (planned again with the gradients jshard reduce-scatters cut
         where they are made, where there are any): the program and the problem it was planned for."""
+        start = planning.deadline.clock()
         try:
             planned = planning.plan(planner, problem)
         except ShardingError as e:
@@ -175,13 +176,12 @@ def build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: b
             planned = planning.plan(planner, problem)
             scattered, _ = reduce_scattered(traced, planned.result, grads)
         given = planned.in_shardings or [None] * len(in_sh)
-        start = planning.deadline.clock()
         program = build_program(traced, planned, [sh or g for sh, g in zip(in_sh, given)], out_sh, devices, c, args,
                                 rewrite, offload, scattered)
         report = planned.report and dataclasses.replace(planned.report, budget_from=budget_from)
         shown = optimizer and dataclasses.replace(optimizer, reduce_scattered=len(scattered))
         program = dataclasses.replace(program, plan=program.plan.replace(optimizer=shown, search=report))
-        planning.built(planning.deadline.clock() - start)
+        planning.built(start)
         return program, problem
 
     def checked_peak(program: Program) -> tuple[Program, float]:
@@ -190,7 +190,7 @@ def build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: b
         compile is the first call's), and that peak."""
         start = planning.deadline.clock()
         executable, found = compiled_held(program.jitted, args, program.in_shardings, bool(program.plan.offload))
-        planning.built(planning.deadline.clock() - start, compiled=True)
+        planning.built(start)
         assert program.plan.search is not None and c.memory_budget is not None  # searched, compiled under a budget
         report = dataclasses.replace(program.plan.search, compiled_peak_bytes=found)
         if found <= c.memory_budget:
