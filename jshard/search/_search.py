@@ -118,8 +118,10 @@ class SearchReport:
       context: where `mode="auto"` steps call `jshard.attention` without a strategy over keys past
         one tile, each sequence cut weighed for those calls (`Weighed`: no cut, and context
         parallel over 2, 4, ... devices); `context_cut` the cut chosen (1: none), else None.
-      skipped: what the weighings left out once `Search.time_limit`, which bounds the whole of
-        planning, had passed (one line), or nothing.
+      skipped: one line where `Search.time_limit`, which bounds the whole of planning, stopped it:
+        the candidates the weighings left out (those stopped while planned say so), and, where the
+        planning passed the limit (no plan was complete before it), by how much; and one line per
+        weighing that left candidates out because none could beat its plan; or nothing.
     """
 
     search: str
