@@ -1,7 +1,10 @@
 """`Search(time_limit=...)` bounds the whole of planning one signature (issue 32 item 3): the
 weighings under a budget share one deadline, a problem planned twice is searched once, and past the
-deadline no weighing plans a further candidate once one fits, the plan naming what it left out.
-Measured by counting searches and by a deterministic clock, never by the wall clock."""
+deadline no weighing plans a further candidate once one fits, the plan naming what it left out; a
+candidate planned when the deadline passes is stopped between the search's levels where its weighing
+holds one that fits, and dropped whole (the plan kept runs, equal to one device), else finished and
+the overrun said. Measured by counting searches and by a deterministic clock (`Planning.of` given a
+`Clock` the test moves), never by the wall clock."""
 
 import re
 import types
