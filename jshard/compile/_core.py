@@ -56,12 +56,14 @@ from jshard.layouts import (
 
 def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:
     """The `Program` of `fn` for the signature of `args` (on the user's mesh where there is one:
-    `mesh=`, or the one `jax.set_mesh` made current)."""
+    `mesh=`, or the one `jax.set_mesh` made current). `Search.time_limit` counts from here: the
+    trace, every weighing and search, and building the plan all fall within it (`Planning`)."""
+    planning = Planning.of(options.search.time_limit)  # one clock for the whole of planning this signature
     with collector_paused():
-        return _build(fn, args, options, call)
+        return _build(fn, args, options, call, planning)
 
 
-def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:
+def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str, planning: Planning) -> Program:
     options = _with_loaded_choices(adopted(options, call), call)
     devices = devices_for(options)
     n = options.devices if devices is None else len(devices)
@@ -73,7 +75,6 @@ def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> 
         cut = {i: slot for i, slot in dataset.items() if slots[i] is None}  # in_strategy comes first
         check_micro_batches(args, batch, cut, options.accumulation.steps, n, call)
     needed = _boundary_matrices(options, slots, dataset, args, n, call)
-    planning = Planning.of(options.search.time_limit)  # bounds the whole of planning this signature
     while True:
         fine, named = _fine_mesh(options, n, needed, call)
         try:
@@ -86,7 +87,7 @@ def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> 
         warn_collisions(program, slots, options, call)
         if options.context_cut is not None and options.plan is not None:  # rebuilt as loaded: saved so again
             program = dataclasses.replace(program, plan=program.plan.replace(loaded_choices=options.plan.choices))
-        return with_work(_counted(program, planning), args, batch, slots, options, call)
+        return _counted(with_work(program, args, batch, slots, options, call), planning)
 
 
 def _with_loaded_choices(options: Options, call: str) -> Options:
@@ -125,7 +126,8 @@ def _with_loaded_choices(options: Options, call: str) -> Options:
 
 
 def _counted(program: Program, planning: Planning) -> Program:
-    """`program` with the session's searches and what its weighings left out in its `SearchReport`."""
+    """`program` with the session's searches, what its weighings left out and by how much it passed its
+    time limit, where it did, in its `SearchReport`: read last, when the plan is built."""
     search = program.plan.search
     if search is None:
         return program

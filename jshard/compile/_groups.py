@@ -34,11 +34,16 @@ class Search:
         tightened until it fits. None: the memory of one device, estimated only (the cost model's
         device kind, else the devices present's, else on an abstract mesh no budget). Nothing
         fitting raises `jshard.MemoryBudgetError`.
-      time_limit: seconds planning one input signature may take, all of it: every search and
-        weighing under a budget (recompute policies, optimizer levels, offload placements) shares
-        this deadline; past it a weighing plans no further candidate once one fits (a plan that
-        fits is still found) and the ILP stops at the best plan found; the plan says what was left
-        out (`SearchReport.skipped`).
+      time_limit: seconds planning one input signature may take, all of it, counted from when
+        `parallelize` first meets the signature (before tracing): tracing, every search and
+        weighing (sequence cuts, recompute policies, optimizer levels, offload placements,
+        communication) and building the plan share this deadline. Near it a weighing starts no
+        further candidate once one fits, and stops the one it is planning between units of work
+        (the search's levels and moves, traces), dropping it whole: the plan kept is always one
+        built whole, with time kept back to build it (measured on this planning's builds). Where
+        no plan is complete when it passes, the first complete one is finished. The ILP stops at
+        the best plan found. The plan says what was left out and by how much the limit was passed,
+        where it was (`SearchReport.skipped`).
       replay: with `"recursive"`: plan the interior layers of a run of identical layers (an
         unrolled Python loop over layers) once and replay the decision on each, as a scanned body is
         planned once; False weighs every operator on its own (slower at depth).

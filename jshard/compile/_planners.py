@@ -120,12 +120,14 @@ class SearchPlanner:
     """The strategy search (`mode="auto"`, `search="recursive"` or `"ilp"`); `time_left`: the seconds
     a search may take given `Search.time_limit` (the planning session's deadline: `Planning.time_left`);
     `passed`: whether that deadline has passed (the recursive search then stops weighing once a plan
-    fits)."""
+    fits); `check`: read between the search's units of work, raises where the planning stops the
+    plan searched (`Planning.check`)."""
 
     options: Options
     call: str
     time_left: Callable[[float], float] | None = None
     passed: Callable[[], bool] | None = None
+    check: Callable[[], None] | None = None
 
     def plan(self, problem: Problem) -> Planned:
         t, c = problem.traced, self.options
@@ -139,7 +141,8 @@ class SearchPlanner:
                                 call=self.call, time_limit=limit, replay=c.search.replay,
                                 table=t.table, batch=[t.invars[i] for i in sorted(problem.batch)],
                                 seeded=problem.seeded, as_seeded=problem.as_seeded,
-                                compiled=problem.compiled, combined=combines(c.communication), passed=self.passed)
+                                compiled=problem.compiled, combined=combines(c.communication), passed=self.passed,
+                                check=self.check)
         return Planned(result, report=report)
 
 
@@ -158,14 +161,14 @@ class LoadedPlanner:
 
 
 def planner_for(options: Options, call: str, time_left: Callable[[float], float] | None = None,
-                passed: Callable[[], bool] | None = None) -> Planner:
-    """The planner `options` ask for (`time_left`, `passed`: the search's, `SearchPlanner`'s)."""
+                passed: Callable[[], bool] | None = None, check: Callable[[], None] | None = None) -> Planner:
+    """The planner `options` ask for (`time_left`, `passed`, `check`: the search's, `SearchPlanner`'s)."""
     if options.mode == "manual" or options.propagation == "xla":
         return XlaPlanner()
     if options.plan is not None:
         return LoadedPlanner(options.plan, call)
     if options.searching:
-        return SearchPlanner(options, call, time_left, passed)
+        return SearchPlanner(options, call, time_left, passed, check)
     return PropagationPlanner(options)
 
 

@@ -84,7 +84,10 @@ class Signature:
         """`fn` traced again on `fine` (with another recompute choice, or the core's context); with
         no context, once per session and communication (every offload placement and optimizer level
         weighs the same recompute policies of the same function, and the trace reads none of those
-        options; `jshard.accumulate` reads the copies)."""
+        options; `jshard.accumulate` reads the copies). A trace is a unit of work: the planning's
+        deadline is checked before it (`Planning.check`)."""
+        self.planning.check()
+
         def traced() -> Traced:
             return trace(self.fn, self.args, fine, self.devices, self.options, self.call, recompute, types=self.types,
                          **context)
@@ -125,7 +128,7 @@ def build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: b
     in_sh = in_shardings(traced, slots, dataset, c, call)
     out_sh = out_shardings(traced, c, call)
     planning = s.planning
-    planner = planner_for(c, call, planning.time_left, lambda: planning.deadline.passed)
+    planner = planner_for(c, call, planning.time_left, lambda: planning.deadline.passed, planning.check)
     donated = frozenset(argument_leaves(args, c.donate_argnums))
     optimizer, gather, kept, grads = None, {}, None, {}
     sharded = c.accumulation is not None and c.accumulation.shard
@@ -160,6 +163,7 @@ def build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: b
     def attempt(problem: Problem) -> tuple[Program, Problem]:
         """`problem` planned and built (planned again with the gradients jshard reduce-scatters cut
         where they are made, where there are any): the program and the problem it was planned for."""
+        start = planning.deadline.clock()
         try:
             planned = planning.plan(planner, problem)
         except ShardingError as e:
@@ -176,13 +180,17 @@ def build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: b
                                 rewrite, offload, scattered)
         report = planned.report and dataclasses.replace(planned.report, budget_from=budget_from)
         shown = optimizer and dataclasses.replace(optimizer, reduce_scattered=len(scattered))
-        return dataclasses.replace(program, plan=program.plan.replace(optimizer=shown, search=report)), problem
+        program = dataclasses.replace(program, plan=program.plan.replace(optimizer=shown, search=report))
+        planning.built(start)
+        return program, problem
 
     def checked_peak(program: Program) -> tuple[Program, float]:
         """`program` with its compiled peak in its report (and, where it fits, the budget asked for,
         not the tighter estimate searched under) and its executable (what calls run: the check's
         compile is the first call's), and that peak."""
+        start = planning.deadline.clock()
         executable, found = compiled_held(program.jitted, args, program.in_shardings, bool(program.plan.offload))
+        planning.built(start)
         assert program.plan.search is not None and c.memory_budget is not None  # searched, compiled under a budget
         report = dataclasses.replace(program.plan.search, compiled_peak_bytes=found)
         if found <= c.memory_budget:

@@ -82,22 +82,24 @@ def weigh_context(s: Signature, traced: Traced) -> Program:
     planned: dict[int, tuple[Signature, Traced, Program]] = {}
     weighed: dict[int, Weighed] = {}
     cuts = context_cuts(traced)
-    for k in [*cuts[:1], 1, *cuts[1:]]:
-        if not s.planning.weighs(f"context parallel {k}", bool(planned)):
-            continue
+
+    def weigh(k: int) -> None:
         c = s.but(context_cut=k)
         try:
             t = traced if k == 1 else c.trace(traced.fine, traced.ctx.recompute_choice)
             program = _build_placed(c, t, False)
         except MemoryBudgetError as e:
             weighed[k] = Weighed(_context_name(k), None, e.least_bytes)
-            continue
+            return
         except ShardingError:
             if k == 1:
                 raise
-            continue  # a cut the calls cannot take (a `block` that does not divide its keys): not a candidate
+            return  # a cut the calls cannot take (a `block` that does not divide its keys): not a candidate
         planned[k], weighed[k] = (c, t, program), Weighed(_context_name(k), search_report(program).seconds,
                                                           search_report(program).peak_bytes)
+
+    for k in [*cuts[:1], 1, *cuts[1:]]:
+        s.planning.candidate(f"context parallel {k}", bool(planned), lambda: weigh(k))
 
     def refused(k, e: MemoryBudgetError) -> None:
         weighed[k] = dataclasses.replace(weighed[k], seconds=None, peak_bytes=e.least_bytes)
@@ -186,9 +188,7 @@ def _weigh_offload(s: Signature, traced: Traced) -> Program:  # noqa: C901  (the
                 del planned[()]
                 choices, beaten = choices + beaten, []
 
-    def weigh(what: tuple[str, ...]) -> None:
-        if not s.planning.weighs(f"offload {_offload_name(what)}", bool(planned)):
-            return
+    def planned_with(what: tuple[str, ...]) -> None:
         try:
             program = place(what, False)
         except MemoryBudgetError as e:
@@ -198,6 +198,9 @@ def _weigh_offload(s: Signature, traced: Traced) -> Program:  # noqa: C901  (the
         host, search = program.plan.offload.seconds, program.plan.search
         weighed[what], planned[what] = Weighed(_offload_name(what), search.seconds + host, search.peak_bytes,
                                                host_seconds=host), program
+
+    def weigh(what: tuple[str, ...]) -> None:
+        s.planning.candidate(f"offload {_offload_name(what)}", bool(planned), lambda: planned_with(what))
 
     def refused(what, e: MemoryBudgetError) -> None:
         weighed[what], errors[what] = dataclasses.replace(weighed[what], seconds=None, peak_bytes=e.least_bytes), e
@@ -304,10 +307,14 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
     failed: MemoryBudgetError | None = None
 
     def weigh(comm: Communication | None) -> None:
+        if comm is None:
+            planned_with(comm)
+        else:
+            s.planning.candidate(f"communication {_comm_name(comm)}", bool(planned), lambda: planned_with(comm))
+
+    def planned_with(comm: Communication | None) -> None:
         nonlocal failed
         name = _comm_name(comm)
-        if comm is not None and not s.planning.weighs(f"communication {name}", bool(planned)):
-            return
         c = s if comm is None else s.but(communication=comm)
         try:
             t = traced if comm is None else c.trace(traced.fine, traced.ctx.recompute_choice)
@@ -401,15 +408,17 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
     c, budget = s.options, s.budget
     uniform: dict[str, tuple[Traced, Program, Program | MemoryBudgetError]] = {}
     weighed: list[Weighed] = []
-    for policy in AUTO_POLICIES:
-        if not s.planning.weighs(f"recompute {policy!r}", any(not isinstance(u[2], MemoryBudgetError)
-                                                               for u in uniform.values())):
-            continue
+
+    def weigh(policy: str) -> None:
         t = traced if policy == traced.ctx.recompute_choice else s.trace(traced.fine, policy)
         fastest, fits = _fitting(s, t, policy, traced.ctx.auto_regions > 1)
         weighed.append(Weighed(policy, None, fits.least_bytes) if isinstance(fits, MemoryBudgetError) else
                        Weighed(policy, search_report(fits).seconds, search_report(fits).peak_bytes))
         uniform[policy] = (t, fastest, fits)
+
+    for policy in AUTO_POLICIES:
+        s.planning.candidate(f"recompute {policy!r}", any(not isinstance(u[2], MemoryBudgetError) for u in uniform.values()),
+                             lambda: weigh(policy))
     donated = argument_leaves(s.args, c.donate_argnums)
     costs = {p: region_costs(t.nodes, None if fastest is None else fastest.values, t.axis_size, t.invars, t.outvars,
                              frozenset(t.invars[i] for i in donated), c.costs) for p, (t, fastest, _) in uniform.items()}
@@ -425,12 +434,12 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
         candidates = {p: (u[0], u[2]) for p, u in uniform.items()
                       if not isinstance(u[2], MemoryBudgetError) and p not in tried}
         if len(set(choice)) > 1:
-            t = s.trace(traced.fine, choice)
-            _, fits = _fitting(s, t, choice, True)
-            if isinstance(fits, MemoryBudgetError):
-                failed = fits
-            else:
-                candidates[choice] = (t, fits)
+            mixed = s.planning.candidate("recompute per region", bool(candidates),
+                                         lambda: _mixed(s, traced, choice))
+            if isinstance(mixed, MemoryBudgetError):
+                failed = mixed
+            elif mixed is not None:
+                candidates[choice] = mixed
 
         def held(key) -> Program:  # XLA's buffers held to the budget
             tried.add(key)
@@ -455,6 +464,14 @@ def _weigh_recompute(s: Signature, traced: Traced, check: bool = True) -> Progra
     raise MemoryBudgetError(_recompute_error(s.call, budget, s.budget_from, weighed, traced.fine.device_count),
                             min((w.peak_bytes for w in weighed if w.peak_bytes is not None), default=None),
                             bound) from failed
+
+
+def _mixed(s: Signature, traced: Traced, choice: tuple) -> tuple[Traced, Program] | MemoryBudgetError:
+    """The step traced with a policy per region (`choice`) and planned under the budget, or why
+    nothing fits so."""
+    t = s.trace(traced.fine, choice)
+    _, fits = _fitting(s, t, choice, True)
+    return fits if isinstance(fits, MemoryBudgetError) else (t, fits)
 
 
 def _fitting(s: Signature, t: Traced, policy, fastest_first: bool) -> tuple[Program, Program | MemoryBudgetError]:
@@ -488,16 +505,18 @@ def _weigh_optimizer(s: Signature, traced: Traced, without: MemoryBudgetError, c
     planned: dict[int, Program] = {}
     weighed: dict[int, Weighed] = {}
     leveled = lambda level: s.but(optimizer=OptimizerParallel(level))
-    for level in OPTIMIZER_LEVELS:
-        if not s.planning.weighs(f"optimizer={level}", bool(planned)):
-            continue
+
+    def weigh(level: int) -> None:
         try:
             program = _plan_signature(leveled(level), traced, False)
         except ShardingError as e:  # over the budget, or no data-parallel axis to cut over
             weighed[level] = Weighed(f"optimizer={level}", None, getattr(e, "least_bytes", None))
-            continue
+            return
         planned[level] = program
         weighed[level] = Weighed(f"optimizer={level}", search_report(program).seconds, search_report(program).peak_bytes)
+
+    for level in OPTIMIZER_LEVELS:
+        s.planning.candidate(f"optimizer={level}", bool(planned), lambda: weigh(level))
     checked = check and s.options.memory_budget is not None and s.devices is not None
     failed = without
 

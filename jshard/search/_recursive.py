@@ -69,7 +69,7 @@ _WAVES = 3  # ... and its rounds at most: the middle layers take the choice of t
 
 
 def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True,
-          passed: Callable[[], bool] | None = None) -> Solved:
+          passed: Callable[[], bool] | None = None, check: Callable[[], None] | None = None) -> Solved:
     """The recursive search's plan: the fastest that fits `budget` among its runs, each at a memory
     weight λ (seconds per byte held at the peak). The run at λ = 0 descends to a local optimum of
     seconds alone; where the cost model prices memory traffic (`CostModel.memory_bandwidth`: fewer
@@ -79,9 +79,10 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay:
     (the runs a budget adds, at other weights, may still find a faster one). Where traffic is not
     priced, held bytes cost nothing moved, and that run, which doubled the search, is left out.
     Once `passed()` (the planning's deadline, `Search.time_limit`) and a plan fits, no further run
-    is made: neither that one nor the bisection of λ."""
+    is made: neither that one nor the bisection of λ. `check()` is read before each level of each
+    run (it raises where the planning stops this search)."""
     stop = passed or (lambda: False)
-    search = _Recursive(g, levels, replay)
+    search = _Recursive(g, levels, replay, check)
     choice, seconds = search.run(0.0)
     peak, t = g.peak(choice)
     if budget is None or peak <= budget:
@@ -122,8 +123,10 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay:
 
 
 class _Recursive:
-    def __init__(self, g: SearchGraph, levels: Sequence[Group], replay: bool = True):
+    def __init__(self, g: SearchGraph, levels: Sequence[Group], replay: bool = True,
+                 check: Callable[[], None] | None = None):
         self.g, self.levels, self.replay = g, list(levels), replay
+        self.check = check or (lambda: None)
         replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at a peak
         self.kept_bytes: dict[int, tuple] = {}  # unit -> (operand position, bytes) of the above: what its unary reads
@@ -165,6 +168,7 @@ class _Recursive:
                           self.ties.replayed, len(self.g.units), self.ties.runs, len(self.ties.reps))
         base: list[Assignment] = [{} for _ in self.g.units]
         for n, group in enumerate(self.levels):
+            self.check()
             weighing = f", memory weight {lam:.3g} s/byte (run {self.runs})" if lam else ""
             _log.info("searching: level %d of %d (mesh axes %s), %d units%s", n + 1, len(self.levels),
                       "·".join(group), len(self.g.units), weighing)

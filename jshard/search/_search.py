@@ -118,8 +118,10 @@ class SearchReport:
       context: where `mode="auto"` steps call `jshard.attention` without a strategy over keys past
         one tile, each sequence cut weighed for those calls (`Weighed`: no cut, and context
         parallel over 2, 4, ... devices); `context_cut` the cut chosen (1: none), else None.
-      skipped: what the weighings left out once `Search.time_limit`, which bounds the whole of
-        planning, had passed (one line), or nothing.
+      skipped: one line where `Search.time_limit`, which bounds the whole of planning, stopped it:
+        the candidates the weighings left out (those stopped while planned say so), and, where the
+        planning passed the limit (no plan was complete before it), by how much; and one line per
+        weighing that left candidates out because none could beat its plan; or nothing.
     """
 
     search: str
@@ -204,6 +206,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     compiled: bool = False,
     combined: bool = True,
     passed: Callable[[], bool] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -234,6 +237,8 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         program is compiled with it off (multi-copy, an all-reduce fusion threshold of 0).
       passed: whether the planning's deadline (`Search.time_limit`) has passed: the recursive
         search then makes no further run once it has a plan that fits (`_recursive.solve`).
+      check: read between the search's units of work (a seed's moves, the recursive search's
+        levels): raises, out of the search, where the planning stops it (`Planning.check`).
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget` (and, with `compiled`, there is
@@ -248,8 +253,8 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     made = (_seeded.seeds(g, args, outvars, fixed, batch, budget, only=as_seeded)
             if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
     # the seeds moved to fit the budget, where the search weighs them (not as made, nor where nothing fits)
-    fitted = [] if as_seeded is not None or least else [s for s in (_seeded.fit_budget(g, raw, budget) for raw in made)
-                                                        if s is not None]
+    fitted = [] if as_seeded is not None or least else [
+        s for s in (_seeded.fit_budget(g, raw, budget, check) for raw in made) if s is not None]
     seed = min(fitted, key=lambda s: s.seconds, default=None)
     mesh_text, kept = "·".join(str(axis_size[a]) for (a,) in axes) or "1", ""
     candidates = g.candidate_count(axes[:1])
@@ -259,12 +264,12 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
     elif how == "recursive":
         try:
-            solved = _better(_recursive.solve(g, axes, budget, replay, passed), seed)
+            solved = _better(_recursive.solve(g, axes, budget, replay, passed, check), seed)
         except Infeasible:
             solved = (_unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how)) if seed is None else
                       dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget"))
     elif how == "ilp":
-        solved, groups, kept = _ilp_or_warm(g, axes, budget, time_limit, seed)
+        solved, groups, kept = _ilp_or_warm(g, axes, budget, time_limit, seed, passed, check)
         if solved is None:
             solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
         elif groups is not None:
@@ -334,23 +339,27 @@ def _split(g: SearchGraph, solved: Solved, data: Solved | None) -> Solved:
         unit_classes=solved.unit_classes, evaluations=solved.evaluations)
 
 
-def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: float,
-                 seed: Solved | None = None) -> tuple[Solved | None, list | None, str]:
+def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: float, seed: Solved | None = None,
+                 passed: Callable[[], bool] | None = None,
+                 check: Callable[[], None] | None = None) -> tuple[Solved | None, list | None, str]:
     """The ILP's plan, never worse than the recursive search's: the recursive plan is found first
     (the warm start; the cheapest seed that fits, `seed`, where that predicts less), the
     ILP solved once per split of the mesh into two groups, and the warm start kept where every ILP
     plan predicts more seconds, or none fits within the time limit. All are priced by one measure
     (`SearchGraph.seconds`). Returns the plan kept, the ILP's groups (None: the recursive plan's
     levels) and why it was kept (`SearchReport.kept`). `time_limit` bounds the ILP's splits together
-    (what is left of planning's time limit: a split starts only while some is left)."""
+    (what is left of planning's time limit: a split starts only while some is left); `passed` and
+    `check` are the warm start's (`_recursive.solve`), `check` read before each split too."""
     end = time.perf_counter() + time_limit
     try:
-        warm = _recursive.solve(g, axes, budget)
+        warm = _recursive.solve(g, axes, budget, passed=passed, check=check)
         warm = _better(dataclasses.replace(warm, seconds=g.seconds(warm.choice)), seed)
     except Infeasible:
         warm = seed
     best, splits, failed = None, _splits(axes), []
     for n, groups in enumerate(splits):
+        if check is not None:
+            check()
         left = end - time.perf_counter()
         if left <= 0:
             failed.append(f"the time limit passed before {len(splits) - n} of {len(splits)} splits of the mesh")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -117,20 +117,24 @@ def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping
     return fit_budget(g, solved, budget) if fit else solved
 
 
-def fit_budget(g: SearchGraph, solved: Solved, budget: float | None) -> Solved | None:
+def fit_budget(g: SearchGraph, solved: Solved, budget: float | None,
+               check: Callable[[], None] | None = None) -> Solved | None:
     """`solved` (a seed) where its estimated peak fits `budget`, else moved to fit it
-    (`fitted`, then `polished`), or None where no move fits it."""
+    (`fitted`, then `polished`), or None where no move fits it; `check()` read before each move and
+    each unit polished (it raises where the planning stops the search)."""
     if budget is None or solved.peak <= budget:
         return solved
-    choice = fitted(g, solved.choice, budget)
+    check = check or (lambda: None)
+    choice = fitted(g, solved.choice, budget, check)
     if choice is None:
         return None
-    choice = polished(g, choice, budget)
+    choice = polished(g, choice, budget, check)
     peak, _ = g.peak(choice)
     return Solved(choice, g.seconds(choice), peak, f"{solved.status}, moved to fit the budget")
 
 
-def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[Assignment] | None:
+def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float,
+           check: Callable[[], None] = lambda: None) -> list[Assignment] | None:
     """`choice` moved one unit at a time until its estimated peak fits `budget`, or None where no
     move lowers it: each time, of the units laying out the values held at the peak, the move
     (`moves`: one mesh axis to another factor, off the unit, or onto it) that adds the fewest
@@ -158,6 +162,7 @@ def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[
         return found
 
     for _ in range(_MOVES):
+        check()
         peak, t = g.peak(choice)
         if peak <= budget:
             return choice
@@ -186,7 +191,8 @@ def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float) -> list[
     return None
 
 
-def polished(g: SearchGraph, choice: list[Assignment], budget: float) -> list[Assignment]:
+def polished(g: SearchGraph, choice: list[Assignment], budget: float,
+             check: Callable[[], None] = lambda: None) -> list[Assignment]:
     """`choice` improved by single moves (`moves`), unit after unit in program order, while one
     lowers the predicted seconds and keeps the estimated peak within `budget`; `_SWEEPS` sweeps at
     most."""
@@ -197,6 +203,7 @@ def polished(g: SearchGraph, choice: list[Assignment], budget: float) -> list[As
         for k, u in enumerate(g.units):
             if not u.free:
                 continue
+            check()
             now = local.seconds(k, choice[k])
             tried = sorted((local.seconds(k, a), n, a) for n, a in enumerate(moves(g, k, choice[k])))
             for seconds, _, a in tried:
