@@ -27,7 +27,6 @@ micro-batch's gradient is reduce-scattered into that cut (MindSpore's
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -193,13 +192,21 @@ def _unrecorded(make: Callable[[], Any]) -> Any:
     ctx = _context.current()
     if ctx is None:
         return make()
-    before = [copy.copy(getattr(ctx, f.name)) for f in dataclasses.fields(ctx)]
+    before = _records(ctx)
     made = make()
-    if all(getattr(ctx, f.name) == was for f, was in zip(dataclasses.fields(ctx), before)):
+    if _records(ctx) == before:
         return made
     for f, was in zip(dataclasses.fields(ctx), before):
-        setattr(ctx, f.name, was)
+        if isinstance(was, list):
+            getattr(ctx, f.name)[:] = was  # in place: the list is the context's own
+        else:
+            setattr(ctx, f.name, was)
     return None
+
+
+def _records(ctx) -> list:
+    """The trace context's fields, its lists copied."""
+    return [list(v) if isinstance(v, list) else v for v in (getattr(ctx, f.name) for f in dataclasses.fields(ctx))]
 
 
 def _local(args: tuple, batch: list, k: int, axes: tuple[str, ...], mesh) -> bool:
