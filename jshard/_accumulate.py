@@ -27,6 +27,7 @@ micro-batch's gradient is reduce-scattered into that cut (MindSpore's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
 from jshard import _context
@@ -152,19 +154,59 @@ def copied(grad_fn: Callable[..., Any], b: int, n: int) -> Callable[..., Any]:
     """`grad_fn` run on n copies of its batch argument `b`'s rows (row `i * n + j` goes to copy j,
     as `_micro` deals micro-batches), each in its own name scope `jshard_copy<j>` and reading none
     of the others' values, and their results summed (MindSpore's `MicroBatchInterleaved`); n = 1:
-    `grad_fn` itself."""
+    `grad_fn` itself. The copies' shapes are one's: `grad_fn` is traced once and its trace run n
+    times (`_traced_once`), unless tracing it records something in the trace context (a `shard`
+    call, a recompute region), which each copy must record for itself."""
     if n == 1:
         return grad_fn
 
     def run(*args):
         micro, tree = _micro(args, b, n)
-        outs = []
+
+        def one_copy(batch):
+            return grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:])
+
+        outs, again = [], None
         for j in range(n):
             with jax.named_scope(f"{COPY_SCOPE}{j}"):
-                outs.append(grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, [x[j] for x in micro]), *args[b + 1:]))
+                batch = [x[j] for x in micro]
+                if j == 0:
+                    again = _unrecorded(lambda: _traced_once(one_copy, batch)[0])
+                outs.append(one_copy(batch) if again is None else again(batch))
         return jax.tree.map(lambda *xs: functools.reduce(jnp.add, xs), *outs)
 
     return run
+
+
+def _traced_once(fn: Callable[[list], Any], example: list) -> tuple[Callable[[list], Any], Any]:
+    """`fn` (of a list of arrays) traced once on `example`: a function that runs that trace on
+    arrays of the same types, its equations made in the caller's trace with their name scopes and
+    source lines as traced; and the shapes of `fn`'s results."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)(example)
+    tree = jax.tree_util.tree_structure(shapes)
+    return lambda leaves: jax.tree_util.tree_unflatten(tree, jcore.jaxpr_as_fun(closed)(*leaves)), shapes
+
+
+def _unrecorded(make: Callable[[], Any]) -> Any:
+    """`make()`, where it records nothing in the trace context; else None, the context as it was."""
+    ctx = _context.current()
+    if ctx is None:
+        return make()
+    before = _records(ctx)
+    made = make()
+    if _records(ctx) == before:
+        return made
+    for f, was in zip(dataclasses.fields(ctx), before):
+        if isinstance(was, list):
+            getattr(ctx, f.name)[:] = was  # in place: the list is the context's own
+        else:
+            setattr(ctx, f.name, was)
+    return None
+
+
+def _records(ctx) -> list:
+    """The trace context's fields, its lists copied."""
+    return [list(v) if isinstance(v, list) else v for v in (getattr(ctx, f.name) for f in dataclasses.fields(ctx))]
 
 
 def _local(args: tuple, batch: list, k: int, axes: tuple[str, ...], mesh) -> bool:
@@ -277,13 +319,14 @@ def _summed(grad_fn, args: tuple, b: int, k: int, step: Callable[[Any], Any] | N
         return out if step is None else step(out)
 
     if k == 1:
-        return _constrainer(jax.eval_shape(one, [x[0] for x in micro]), accumulator, call)(one([x[0] for x in micro]))
+        out = one([x[0] for x in micro])
+        return _constrainer(out, accumulator, call)(out)
 
-    shapes = jax.eval_shape(one, [x[0] for x in micro])
+    again, shapes = _traced_once(one, [x[0] for x in micro])  # once: the loop's body and the carry's shapes
     constrain = _constrainer(shapes, accumulator, call)
 
     def body(total, batch):
-        return constrain(jax.tree.map(jnp.add, total, one(batch))), None
+        return constrain(jax.tree.map(jnp.add, total, again(batch))), None
 
     zeros = constrain(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
     total, _ = jax.lax.scan(body, zeros, micro)

@@ -145,3 +145,40 @@ def test_a_saved_plan_of_given_copies_loads_in_its_own_mode(tmp_path):
     step = js.parallelize(_step, devices=8, plan=js.Plan.load(tmp_path / "plan.json"))
     assert step.plan(params, batch).choices == (("copies", 2),)
     assert_close(step(params, batch), jax.jit(jax.value_and_grad(_loss))(params, batch), terms=step_terms(params, batch))
+
+
+def test_the_weighing_traces_the_gradient_function_once_per_copy_count():
+    """Weighing the four arrangements of an accumulated step traces the loss three times: once for
+    one copy (the micro-batch loop's body and its carry's shapes from one trace), none more for the
+    all-reduces apart (the fusion changes no trace), once for each of 2 and 4 copies (one copy's
+    trace run in each); each arrangement is searched once, and the plan is that of one trace each."""
+    traced = []
+
+    def loss(p, b):
+        traced.append(b["x"].shape)
+        return _loss(p, b)
+
+    def step(p, b):
+        return js.accumulate(jax.value_and_grad(loss))(p, b)
+
+    plan = js.parallelize(step, devices=8, mode="auto", cost_model=H100, accumulation=4).plan(*_shapes(256, 256))
+    assert len(plan.communication.weighed) == 4 and plan.search.searches == 4
+    assert traced == [(64, 256), (32, 256), (16, 256)]  # a micro-batch of 256 / 4 rows, in 1, 2 and 4 copies
+
+
+def test_copies_whose_trace_records_in_the_trace_context_are_each_traced():
+    """A copy that records something while traced (here a `jshard.recompute(policy="auto")` region)
+    is traced once per copy, each recording its own (the search gives each region its own policy)."""
+    traced = []
+
+    def loss(p, b):
+        traced.append(b["x"].shape)
+        return js.recompute(_loss, policy="auto")(p, b)
+
+    def step(p, b):
+        return js.accumulate(jax.value_and_grad(loss))(p, b)
+
+    plan = js.parallelize(step, devices=8, mode="auto", communication=2, accumulation=2).plan(*_shapes(256, 256))
+    assert plan.communication.copies == 2
+    assert traced[:3] == [(64, 256)] * 3  # the trace to reuse, left, then each copy's own
+    assert len(plan.search.regions) == 2

@@ -94,9 +94,20 @@ class Signature:
 
         if context:
             return traced()
-        key = ("trace", id(self.fn), fine, recompute, id(self.types), self.options.communication,
+        key = ("trace", id(self.fn), fine, recompute, id(self.types), communication_read(self.options),
                self.options.context_cut)
         return self.planning.kept(key, traced, (self.fn, self.types))
+
+
+def communication_read(options: Options) -> Any:
+    """What a trace with no batch axes given (`build_traced` traces again with them) reads of
+    `communication=`: the copies `jshard.accumulate` runs, and where `accumulation` gives no loop
+    whether there is a `communication` (alone, it makes one micro-batch of a step that gives no
+    count); not the all-reduce fusion, which it reads only where it reduces the gradients itself.
+    Two options alike in this trace the same program."""
+    comm, accumulation = options.communication, options.accumulation
+    copies = 1 if comm is None else comm.copies
+    return copies if accumulation is not None and accumulation.steps > 1 else (copies, comm is None)
 
 
 def fastest_that_fits(keys: Any, seconds: Callable[[Any], Any], build: Callable[[Any], Program],

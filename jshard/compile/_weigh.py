@@ -28,7 +28,7 @@ from jshard.compile._boundary import (
 from jshard.compile._groups import Communication, OptimizerParallel
 from jshard.compile._offload import least_seconds, least_streamed, searched
 from jshard.compile._program import Program
-from jshard.compile._stage import Signature, build_traced, fastest_that_fits, search_report
+from jshard.compile._stage import Signature, build_traced, communication_read, fastest_that_fits, search_report
 from jshard.compile._trace import Traced
 from jshard.cost import CostModel
 from jshard.plan import CommunicationReport
@@ -293,9 +293,9 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
     traced (XLA's all-reduce combiner as it is, one copy) and, where the cost model overlaps
     collectives with compute (`CostModel.overlap`), with the combiner off (`allreduce` size 0: each
     all-reduce starts once its operand is made) and with `COPIES` copies where the batch's rows
-    divide: each candidate traced and searched, and the fastest by the search's predicted seconds
-    built (held to the budget as every weighing is: `fastest_that_fits`); ties keep the plan as
-    traced. Where nothing overlaps, copies and split all-reduces only add latency: they are weighed
+    divide: each candidate traced (the fusion alone changes no trace: `communication_read`) and
+    searched, and the fastest by the search's predicted seconds built (held to the budget as every
+    weighing is: `fastest_that_fits`); ties keep the plan as traced. Where nothing overlaps, copies and split all-reduces only add latency: they are weighed
     only where no one-copy plan fits the budget (each copy holds the activations of `1/n` of the
     batch). `Plan.communication` lists what was weighed and why one won."""
     cost = s.options.costs
@@ -317,7 +317,8 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
         name = _comm_name(comm)
         c = s if comm is None else s.but(communication=comm)
         try:
-            t = traced if comm is None else c.trace(traced.fine, traced.ctx.recompute_choice)
+            alike = communication_read(c.options) == communication_read(s.options)  # the all-reduce fusion alone
+            t = traced if alike else c.trace(traced.fine, traced.ctx.recompute_choice)
             program = _plan_regions(c, t, False)
         except MemoryBudgetError as e:
             failed = failed or e
