@@ -214,8 +214,9 @@ def test_weighing_a_class_once_picks_what_weighing_each_unit_picks(layouts_compu
 
 def test_the_boundary_check_reads_what_the_replayed_level_computed(monkeypatch):
     """The boundary check (every unit its own class) weighs the replayed level's units on the same
-    base: it reads the tables that level computed (`_Shared`) instead of pricing the edges again, and
-    plans what a boundary check that computes everything afresh plans (deterministic counts)."""
+    base: it reads the tables that level computed (`_Shared`, and the search's tables by layouts,
+    `_Recursive.tables`) instead of pricing the edges again, and plans what levels that compute
+    everything afresh plan (deterministic counts)."""
     priced = [0]
     edge_seconds = search_graph.SearchGraph.edge_seconds
 
@@ -229,6 +230,7 @@ def test_the_boundary_check_reads_what_the_replayed_level_computed(monkeypatch):
     original = recursive._Level.__init__
 
     def afresh(level, search, group, base, lam, ties, like=None, barred=(frozenset(), 0.0)):
+        search.tables, search.layout_lists = {}, {}  # no table made before is read
         original(level, search, group, base, lam, ties, barred=barred)
 
     monkeypatch.setattr(recursive._Level, "__init__", afresh)

@@ -66,6 +66,7 @@ _ROUNDS = 2  # ... runs found on the units' structure refined by their neighbour
 _PERIODS = 16  # ... among the commonest periods
 _MARGIN = 1  # ... the boundary check: layers beside those decided on their own at each end, each on its own too
 _WAVES = 3  # ... and its rounds at most: the middle layers take the choice of the layers beside them
+_UNSEEN = object()  # a key not yet in a cache whose values may be None
 
 
 def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True,
@@ -1119,11 +1120,16 @@ class _Level:
                             dirty.append(j)
             if not pairs:
                 return
-            local = {k: self._local(k, choice) for k in core}  # each against all its neighbours
+            local = {k: known.get((classes[k], tuple(map(picked, ids[k])))) or self._local(k, choice)
+                     for k in core}  # each against all its neighbours
+            pair_moves, table_class = self._pairs, self._table_class
             for n, ((a, b), t) in enumerate(self.tables.items()):
                 if a in keep or b in keep:
                     continue
-                move = self._pair(n, t, local[a], local[b], choice[a], choice[b])
+                la, lb, pa, pb = local[a], local[b], choice[a], choice[b]
+                move = pair_moves.get((table_class[n], la[2], lb[2], pa, pb), _UNSEEN)  # `_pair`, inlined where known
+                if move is _UNSEEN:
+                    move = self._pair(n, t, la, lb, pa, pb)
                 if move is not None:
                     choice[a], choice[b] = move
                     moved = {j for j, _ in self.around[a] + self.around[b]} | {a, b}
