@@ -240,6 +240,34 @@ def test_the_boundary_check_reads_what_the_replayed_level_computed(monkeypatch):
     assert fresh.ops == shared.ops and fresh.in_specs == shared.in_specs and fresh.out_specs == shared.out_specs
 
 
+def test_an_edge_table_is_made_once_per_value_and_layouts(monkeypatch):
+    """An edge's table of redistribution seconds reads only the value and the two lists of layouts its
+    ends give it, so units of other kinds, on other levels, that give the same lists read the one
+    table (`_Recursive.tables`): fewer tables made than the levels ask for, and the plan of levels
+    that make each table afresh (deterministic counts)."""
+    asked, made = [0], [0]
+    table, init = recursive._Shared.table, recursive._Level.__init__
+
+    def counting(shared, *args):
+        asked[0] += 1
+        before = len(shared._tables)
+        found = table(shared, *args)
+        made[0] += len(shared._tables) - before
+        return found
+
+    monkeypatch.setattr(recursive._Shared, "table", counting)
+    shared = _plan(4)
+    assert 0 < made[0] < asked[0]
+
+    def afresh(level, search, *args, **kwargs):
+        search.tables, search.layout_lists = {}, {}  # no table made before is read
+        init(level, search, *args, **kwargs)
+
+    monkeypatch.setattr(recursive._Level, "__init__", afresh)
+    fresh = _plan(4)
+    assert fresh.search.seconds == shared.search.seconds and fresh.ops == shared.ops
+
+
 def test_the_boundary_check_is_flat_in_depth(replayed):
     """The boundary check after replay weighs each unit on its own except the middle layers of the
     long runs, one class per position as in the replay: at twice the depth, twice the units and

@@ -1095,9 +1095,10 @@ class _Level:
         """The pinned units, then the others in program order, each against those decided before
         it: a cut made upstream flows down the program."""
         choice = dict(pinned)
+        known, classes, ids, picked = self._locals, self._class, self._ids, choice.get
         for k in core:
-            if k not in choice:
-                choice[k] = self._local(k, choice)[1]
+            if k not in choice:  # `_local`, its cache read inline
+                choice[k] = (known.get((classes[k], tuple(map(picked, ids[k])))) or self._local(k, choice))[1]
         return choice
 
     def _improve(self, core: list[int], choice: dict[int, int], keep: set[int], pairs: bool) -> None:
