@@ -214,8 +214,9 @@ def test_weighing_a_class_once_picks_what_weighing_each_unit_picks(layouts_compu
 
 def test_the_boundary_check_reads_what_the_replayed_level_computed(monkeypatch):
     """The boundary check (every unit its own class) weighs the replayed level's units on the same
-    base: it reads the tables that level computed (`_Shared`) instead of pricing the edges again, and
-    plans what a boundary check that computes everything afresh plans (deterministic counts)."""
+    base: it reads the tables that level computed (`_Shared`, and the search's tables by layouts,
+    `_Recursive.tables`) instead of pricing the edges again, and plans what levels that compute
+    everything afresh plan (deterministic counts)."""
     priced = [0]
     edge_seconds = search_graph.SearchGraph.edge_seconds
 
@@ -229,6 +230,7 @@ def test_the_boundary_check_reads_what_the_replayed_level_computed(monkeypatch):
     original = recursive._Level.__init__
 
     def afresh(level, search, group, base, lam, ties, like=None, barred=(frozenset(), 0.0)):
+        search.tables, search.layout_lists = {}, {}  # no table made before is read
         original(level, search, group, base, lam, ties, barred=barred)
 
     monkeypatch.setattr(recursive._Level, "__init__", afresh)
@@ -236,6 +238,34 @@ def test_the_boundary_check_reads_what_the_replayed_level_computed(monkeypatch):
     assert 0 < shared_priced < priced[0]
     assert fresh.search.seconds == shared.search.seconds
     assert fresh.ops == shared.ops and fresh.in_specs == shared.in_specs and fresh.out_specs == shared.out_specs
+
+
+def test_an_edge_table_is_made_once_per_value_and_layouts(monkeypatch):
+    """An edge's table of redistribution seconds reads only the value and the two lists of layouts its
+    ends give it, so units of other kinds, on other levels, that give the same lists read the one
+    table (`_Recursive.tables`): fewer tables made than the levels ask for, and the plan of levels
+    that make each table afresh (deterministic counts)."""
+    asked, made = [0], [0]
+    table, init = recursive._Shared.table, recursive._Level.__init__
+
+    def counting(shared, *args):
+        asked[0] += 1
+        before = len(shared._tables)
+        found = table(shared, *args)
+        made[0] += len(shared._tables) - before
+        return found
+
+    monkeypatch.setattr(recursive._Shared, "table", counting)
+    shared = _plan(4)
+    assert 0 < made[0] < asked[0]
+
+    def afresh(level, search, *args, **kwargs):
+        search.tables, search.layout_lists = {}, {}  # no table made before is read
+        init(level, search, *args, **kwargs)
+
+    monkeypatch.setattr(recursive._Level, "__init__", afresh)
+    fresh = _plan(4)
+    assert fresh.search.seconds == shared.search.seconds and fresh.ops == shared.ops
 
 
 def test_the_boundary_check_is_flat_in_depth(replayed):

@@ -178,15 +178,33 @@ def redistribution(
 
     Without `alltoall` (MindSpore's `enable_alltoall` off), a move that would take an all-to-all
     all-gathers the axes that change dim first (`gathered_layout`), then goes on from there.
+
+    The route does not depend on the value's shape: it is found once per pair of layouts and mesh
+    (`_route`), and each collective's payload is the value's bytes over the cut of the layout it moves.
     """
-    comms, at = [], src
+    if src == dst:
+        return []
+    total = math.prod(shape) * itemsize
+    return [Comm(kind, total / cut, axes) for kind, cut, axes in _route(src, dst, tuple(axis_size.items()), alltoall)]
+
+
+_Moved = tuple[str, Spec, tuple[str, ...]]
+"""One collective of a route: its kind, the layout whose one device's slice it moves, its mesh axes."""
+
+
+@functools.lru_cache(maxsize=65536)
+def _route(src: Spec, dst: Spec, sizes: tuple[tuple[str, int], ...],
+           alltoall: bool) -> tuple[tuple[str, int, tuple[str, ...]], ...]:
+    """`redistribution`'s collectives from `src` to `dst` on a mesh of `sizes`, each as its kind,
+    the cut of the layout it moves (its payload: the value's bytes over it) and its axes."""
+    axis_size, moved, at = dict(sizes), [], src
     for stage in stages(src, dst, axis_size, alltoall):
-        comms += _step(shape, itemsize, at, stage, axis_size)
+        moved += _step(at, stage, axis_size)
         at = stage
-    return comms
+    return tuple((kind, math.prod(axis_size[a] for axes in layout for a in axes), axes) for kind, layout, axes in moved)
 
 
-def _step(shape, itemsize, src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> list[Comm]:
+def _step(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> list[_Moved]:
     """One stage's collectives, as XLA's SPMD partitioner moves it.
 
     Where `dst` cuts every dim into a multiple of `src`'s slices, a device whose `src` axes lead its
@@ -204,7 +222,7 @@ def _step(shape, itemsize, src: Spec, dst: Spec, axis_size: Mapping[str, int]) -
         if all(t[: len(s)] == s for s, t in zip(src, dst)):
             return []
         changed = tuple(dict.fromkeys(a for s, t in zip(src, dst) if s != t for a in s + t))
-        return [Comm("collective-permute", local_bytes(shape, itemsize, dst, axis_size), changed)]
+        return [("collective-permute", dst, changed)]
     where_src = {a: d for d, axes in enumerate(src) for a in axes}
     where_dst = {a: d for d, axes in enumerate(dst) for a in axes}
     dropped = tuple(a for a in where_src if a not in where_dst)
@@ -213,34 +231,34 @@ def _step(shape, itemsize, src: Spec, dst: Spec, axis_size: Mapping[str, int]) -
             # Every dim keeps a cut dividing its own: XLA permutes the slices to devices grouped as
             # `dst` groups them (the moved axes in their new dims), then all-gathers the extra cuts.
             changed = tuple(dict.fromkeys(a for s, t in zip(src, dst) if t != s[: len(t)] for a in t))
-            permute = Comm("collective-permute", local_bytes(shape, itemsize, src, axis_size), changed)
-            return [permute, *_coarsen(shape, itemsize, src, dst, dropped, axis_size)]
-        comms, kept = [], list(src)  # axes dropped from the minor ends of their dims
+            permute: _Moved = ("collective-permute", src, changed)
+            return [permute, *_coarsen(src, dst, dropped, axis_size)]
+        comms: list[_Moved] = []
+        kept = list(src)  # axes dropped from the minor ends of their dims
         for d in reversed(range(len(src))):
             gone = tuple(a for a in src[d] if a in dropped)
             if gone:
                 kept[d] = tuple(a for a in src[d] if a not in dropped)
-                comms.append(Comm("all-gather", local_bytes(shape, itemsize, kept, axis_size), gone))
+                comms.append(("all-gather", tuple(kept), gone))
         return comms
-    swaps = _all_to_alls(shape, itemsize, src, dst, axis_size) if not dropped and set(where_dst) == set(where_src) else None
+    swaps = _all_to_alls(src, dst, axis_size) if not dropped and set(where_dst) == set(where_src) else None
     if swaps is None:  # `stages` makes no other step
         raise AssertionError(f"jshard.cost: {src} -> {dst} is no step of `stages`; price it with `redistribution`")
     return swaps
 
 
-def _all_to_alls(shape, itemsize, src: Spec, dst: Spec, axis_size) -> list[Comm] | None:
+def _all_to_alls(src: Spec, dst: Spec, axis_size) -> list[_Moved] | None:
     """Between layouts of the same axes: one all-to-all per step of `_walk`, then a
     collective-permute where the axes stand otherwise than in `dst`; None where the walk does not
     reach `dst`'s cuts."""
     walk = _walk(src, dst, axis_size)
     if walk is None:
         return None
-    payload = local_bytes(shape, itemsize, src, axis_size)
-    comms = [Comm("all-to-all", payload, group) for _, group in walk]
+    comms: list[_Moved] = [("all-to-all", src, group) for _, group in walk]
     cur = walk[-1][0] if walk else src
     if cur != tuple(dst):
         changed = tuple(dict.fromkeys(a for c, d in zip(cur, dst) if c != d for a in (*c, *d)))
-        comms.append(Comm("collective-permute", payload, changed))
+        comms.append(("collective-permute", src, changed))
     return comms
 
 
@@ -269,7 +287,7 @@ def _walk(src: Spec, dst: Spec, axis_size) -> list[tuple[Spec, tuple[str, ...]]]
     return steps
 
 
-def _coarsen(shape, itemsize, src: Spec, dst: Spec, dropped, axis_size) -> list[Comm]:
+def _coarsen(src: Spec, dst: Spec, dropped, axis_size) -> list[_Moved]:
     """The all-gathers from `src` down to `dst`, whose every dim's cut divides `src`'s: one dim at a
     time, the minor dim first, each over the dropped axes (else `src`'s own) that make up its ratio."""
     cut = lambda axes: math.prod(axis_size[a] for a in axes)
@@ -284,7 +302,7 @@ def _coarsen(shape, itemsize, src: Spec, dst: Spec, dropped, axis_size) -> list[
                 group.append(a)
         free = [a for a in free if a not in group]
         kept[d] = dst[d]
-        comms.append(Comm("all-gather", local_bytes(shape, itemsize, kept, axis_size), tuple(group)))
+        comms.append(("all-gather", tuple(kept), tuple(group)))
     return comms
 
 
@@ -316,7 +334,7 @@ def _without_all_to_all(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> S
 def _takes_all_to_all(src: Spec, dst: Spec, sizes: tuple[tuple[str, int], ...]) -> bool:
     """Whether the move from `src` to `dst` (all-to-alls on) has an all-to-all, priced once per
     pair and mesh: the route is the same for every shape."""
-    return any(c.kind == "all-to-all" for c in redistribution((1,) * len(src), 1, src, dst, dict(sizes)))
+    return any(kind == "all-to-all" for kind, _, _ in _route(src, dst, sizes, True))
 
 
 def stages(src: Spec, dst: Spec, axis_size: Mapping[str, int], alltoall: bool = True) -> list[Spec]:

@@ -66,6 +66,7 @@ _ROUNDS = 2  # ... runs found on the units' structure refined by their neighbour
 _PERIODS = 16  # ... among the commonest periods
 _MARGIN = 1  # ... the boundary check: layers beside those decided on their own at each end, each on its own too
 _WAVES = 3  # ... and its rounds at most: the middle layers take the choice of the layers beside them
+_UNSEEN = object()  # a key not yet in a cache whose values may be None
 
 
 def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True,
@@ -138,6 +139,8 @@ class _Recursive:
         degree = np.bincount(np.concatenate([self.edge_ends[0], self.edge_ends[2]]), minlength=len(g.units)).tolist()
         self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         self._kept_values: set = set()
+        self.layout_lists: dict[tuple, int] = {}  # a list of layouts (one per candidate) -> its id
+        self.tables: dict[tuple[int, int, int], np.ndarray] = {}  # (edge's value, both ends' layout lists) -> its table
         self.keep(int(replicated.argmax()))
         self.runs = 0
         self.ties: _Ties | None = None  # the classes of units decided as one, for the values kept now
@@ -469,12 +472,14 @@ class _Shared:
     boundary check (every unit its own class) weigh the same units on the same base, so the second
     reads what the first computed."""
 
-    def __init__(self, g: SearchGraph, group: Group, base: list[Assignment]):
-        self.g, self.group, self.base = g, group, base
+    def __init__(self, search: _Recursive, group: Group, base: list[Assignment]):
+        self.g, self.group, self.base = search.g, group, base
+        self._layout_lists, self._tables = search.layout_lists, search.tables
         self._kinds: dict[tuple, int] = {}
         self._by_id: dict[tuple[int, int], int] = {}  # (unit structure, id() of its base assignment) -> kind
         self._cands: dict[int, list[Assignment]] = {}  # kind -> its candidates
         self.specs: dict[tuple[int, int], list] = {}  # (kind, operand) -> its layout under each candidate
+        self._specs_id: dict[tuple[int, int], int] = {}  # ... and that list's id (`_Recursive.layout_lists`)
         self.moves: dict[tuple, np.ndarray] = {}  # (edge's value, both ends' (kind, operand)) -> the edge's table
         self.own: dict[tuple, np.ndarray] = {}  # (kind, bytes it keeps) -> its unary
         self.folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `_Level._fold`'s, by the arrays' bytes
@@ -512,6 +517,26 @@ class _Shared:
         found = self.specs.get(key)
         if found is None:
             found = self.specs[key] = [self.g.spec(k, key[1], a) for a in self._cands[key[0]]]
+        return found
+
+    def table(self, i: int, value: int, k: int, mine: tuple[int, int], j: int, theirs: tuple[int, int]) -> np.ndarray:
+        """Edge `i`'s table of redistribution seconds (its `value`, `_Recursive.edge_values`), from unit
+        `k` (of kind and operand `mine`) to unit `j` (`theirs`), indexed by their candidates. A table
+        reads only the value and the two lists of layouts, so units of other kinds, on this level or
+        another, that give the same lists share it (`_Recursive.tables`): made once per search."""
+        key = (value, self._layouts_id(k, mine), self._layouts_id(j, theirs))
+        found = self._tables.get(key)
+        if found is None:
+            g, e = self.g, self.g.edges[i]
+            found = self._tables[key] = np.array([[g.edge_seconds(e, x, y) for y in self.specs[theirs]]
+                                                  for x in self.specs[mine]])
+        return found
+
+    def _layouts_id(self, k: int, key: tuple[int, int]) -> int:
+        found = self._specs_id.get(key)
+        if found is None:
+            lists = self._layout_lists
+            found = self._specs_id[key] = lists.setdefault(tuple(self.specs_of(k, key)), len(lists))
         return found
 
 
@@ -587,7 +612,7 @@ class _Level:
         self.reps, count = ties.reps, ties.count
         # Units of one structure on one base (identical layers) share their candidates, costs and
         # tables; `like` (a level on the same base, axes and λ) lends what it computed of them.
-        shared = self._shared = _Shared(g, group, base) if like is None else like._shared
+        shared = self._shared = _Shared(search, group, base) if like is None else like._shared
         kinds = shared.kinds(self.reps)
         self.cands = [shared.candidates(k, kind) for k, kind in zip(self.reps, kinds)]
         own, kept = shared.own, search.kept_bytes
@@ -606,9 +631,7 @@ class _Level:
             key = (value, (kinds[u], pu), (kinds[v], pv))
             table = moves.get(key)
             if table is None:
-                e = g.edges[i]
-                mine, theirs = shared.specs_of(self.reps[u], key[1]), shared.specs_of(self.reps[v], key[2])
-                table = moves[key] = np.array([[g.edge_seconds(e, x, y) for y in theirs] for x in mine])
+                table = moves[key] = shared.table(i, value, self.reps[u], key[1], self.reps[v], key[2])
             if times > 1:
                 table = table * times
             if u == v:  # both ends take the class's one pick
@@ -1076,9 +1099,10 @@ class _Level:
         """The pinned units, then the others in program order, each against those decided before
         it: a cut made upstream flows down the program."""
         choice = dict(pinned)
+        known, classes, ids, picked = self._locals, self._class, self._ids, choice.get
         for k in core:
-            if k not in choice:
-                choice[k] = self._local(k, choice)[1]
+            if k not in choice:  # `_local`, its cache read inline
+                choice[k] = (known.get((classes[k], tuple(map(picked, ids[k])))) or self._local(k, choice))[1]
         return choice
 
     def _improve(self, core: list[int], choice: dict[int, int], keep: set[int], pairs: bool) -> None:
@@ -1101,11 +1125,16 @@ class _Level:
                             dirty.append(j)
             if not pairs:
                 return
-            local = {k: self._local(k, choice) for k in core}  # each against all its neighbours
+            local = {k: known.get((classes[k], tuple(map(picked, ids[k])))) or self._local(k, choice)
+                     for k in core}  # each against all its neighbours
+            pair_moves, table_class = self._pairs, self._table_class
             for n, ((a, b), t) in enumerate(self.tables.items()):
                 if a in keep or b in keep:
                     continue
-                move = self._pair(n, t, local[a], local[b], choice[a], choice[b])
+                la, lb, pa, pb = local[a], local[b], choice[a], choice[b]
+                move = pair_moves.get((table_class[n], la[2], lb[2], pa, pb), _UNSEEN)  # `_pair`, inlined where known
+                if move is _UNSEEN:
+                    move = self._pair(n, t, la, lb, pa, pb)
                 if move is not None:
                     choice[a], choice[b] = move
                     moved = {j for j, _ in self.around[a] + self.around[b]} | {a, b}
