@@ -289,7 +289,7 @@ class Program:
             c, i = mine["chunk"], mine["micro"]
             branches = [self._settled(functools.partial(b, running=running)) for b in kinds]
             out = running.switch(mine["code"], branches, ops.read(carry, c, i), c, i)
-            return self._pass(ops.write(carry, c, i, out), out, mine, permutes, directions)
+            return self._pass(ops.write(carry, c, i, out, running), out, mine, permutes, directions)
 
         return scan_ticks(self.schedule, table[:, 0], carry, tick)
 
@@ -563,14 +563,17 @@ class _Ops:
                 "y": _at(carry["yout"], c, i), "res": [_at(b, c, i) for b in carry["res"]],
                 "g_rest": carry["g_rest"], "g_chunks": carry["g_chunks"]}
 
-    def write(self, carry, c, i, out) -> dict:
+    def write(self, carry, c, i, out, running) -> dict:
+        """`carry` with this tick's results written back; the output and residual slots only where
+        a forward runs here (elsewhere every branch hands back what it read)."""
         carry = dict(carry)
         if "out" in carry:
             carry["out"] = jax.tree.map(lambda b, o: _replace(b, i, o, 0), carry["out"], out["out_i"])
             return carry
-        carry["yout"] = _put(carry["yout"], c, i, out["y"])
-        carry["res"] = [_put(b, c, i, r) for b, r in zip(carry["res"], out["res"])]
-        carry["loss"] = carry["loss"] + out["loss"]
+        if running.vstages(FORWARD):
+            carry["yout"] = _put(carry["yout"], c, i, out["y"])
+            carry["res"] = [_put(b, c, i, r) for b, r in zip(carry["res"], out["res"])]
+            carry["loss"] = carry["loss"] + out["loss"]
         carry["g_rest"], carry["g_chunks"] = out["g_rest"], out["g_chunks"]
         return carry
 
