@@ -436,7 +436,8 @@ def _bounded_loops(needed: list[frozenset], cover, stages: int, bound: float) ->
 # `_cheapest_loops`' weights (send, permute) for one-chunk schedules: a send outweighs any number of
 # permutes, a permute any loop structure (GPipe, 1F1B, zero bubble). Interleaved (`_bounded_loops`)
 # lets a stage send up to `_SLACK` times what must cross: its ticks seldom repeat, so exact pairs
-# would take 38 loops at S = 4, M = 16 and 49 at S = 2, and each loop body compiles the whole tick.
+# would take 38 loops at S = 4, M = 16 and 49 at S = 2, and each loop body compiles the operations its
+# ticks run (`running`).
 _EXACT, _SLACK = (1e6, 1e3), 1.1
 
 

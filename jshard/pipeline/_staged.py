@@ -2,7 +2,8 @@
 
 The stacked form (`_engine.py`) runs one layer function on every stage; a cut step's stages differ
 (stage 0 the embedding and two layers, the last the head and the loss), so here every forward or
-backward tick is a `lax.switch` on the stage index over per-stage bodies, and the values of
+backward tick is a `lax.switch` on the stage index over the bodies of the stages that run it at
+that tick (`_ticks.Running`: a fill tick compiles the first stages' forwards only), and the values of
 differing shapes are packed as one flat buffer per dtype:
 
 - **parameters where they are used**: stage `k`'s parameter leaves (`Cut.params[k]`) packed into
