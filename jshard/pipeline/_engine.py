@@ -14,9 +14,9 @@ tick table (`_schedule.py`); each stage gets its own column of it from `shard_ma
 the ticks (`_ticks.scan_ticks`), and at each tick a `lax.switch` runs the stage's operation: idle,
 a forward, or a backward of one micro-batch on one chunk (with zero bubble, a backward's
 input-gradient part `B` or its parameter-gradient part `W`), over only the operations some stage
-runs at that tick (`Running`: a fill tick compiles no backward, a drain tick no forward). Then `ppermute`s pass forward outputs to the next stage
-and input gradients to the previous one; what arrives is written into per-chunk slot buffers
-(slot = micro-batch mod slots).
+runs at that tick (`_ticks.Running`: a fill tick compiles no backward, a drain tick no forward).
+Then `ppermute`s pass forward outputs to the next stage and input gradients to the previous one;
+what arrives is written into per-chunk slot buffers (slot = micro-batch mod slots).
 
 Only what crosses moves. Each permute carries only the `(source, target)` pairs whose source
 sends at that tick (`Schedule.permutes`): no permute where nothing crosses, one where every stage
@@ -610,7 +610,8 @@ class _Ops:
 
     def _input(self, view, c, i, vstages):
         mb = self._mb(i)
-        return self._on(vstages, 0, c, lambda: self.pipe.first(self.first_params, mb), lambda: view["x"], self.specs.act)
+        first = lambda: self.pipe.first(self.first_params, mb)
+        return self._on(vstages, 0, c, first, lambda: view["x"], self.specs.act)
 
     def forward(self, view, c, i, running):
         """Runs chunk `c` on micro-batch `i` under `jax.vjp`, keeping its residuals and output; on
@@ -618,8 +619,8 @@ class _Ops:
         vstages = running.vstages(FORWARD)
         stored, y, _ = _residuals(self.run, self.chunk(c), self._input(view, c, i, vstages))
         mb = self._mb(i)
-        loss = self._on(vstages, self.last_vstage, c, lambda: self.pipe.last(self.last_params, y, mb).astype(jnp.float32),
-                        lambda: jnp.zeros((), jnp.float32), _P())
+        last = lambda: self.pipe.last(self.last_params, y, mb).astype(jnp.float32)
+        loss = self._on(vstages, self.last_vstage, c, last, lambda: jnp.zeros((), jnp.float32), _P())
         return self._result(view, y=y, res=stored, loss=loss, send=y)
 
     def _output_gradient(self, view, c, i, vstages):
