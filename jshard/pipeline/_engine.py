@@ -10,12 +10,13 @@ gradients are all-reduced once per step rather than once per micro-batch. So are
 `jshard.shard` tuples cut the micro-batch's rows over and no parameter over (data parallel written
 as strategies, found as for a step cut by tags: `_parallel._manual_rows`); the strategies drop
 those axes inside (`_pin` too), and the tensor-parallel axes stay automatic. The schedule is a static
-tick table (`_schedule.py`); each stage gets its own column of it from `shard_map`, `lax.scan`s
-walk the ticks, and at each tick a `lax.switch` runs the stage's operation: idle, a forward, or
-a backward of one micro-batch on one chunk (with zero bubble, a backward's input-gradient part
-`B` or its parameter-gradient part `W`). Then `ppermute`s pass forward outputs to the next stage
-and input gradients to the previous one; what arrives is written into per-chunk slot buffers
-(slot = micro-batch mod slots).
+tick table (`_schedule.py`); each stage gets its own column of it from `shard_map`, loops walk
+the ticks (`_ticks.scan_ticks`), and at each tick a `lax.switch` runs the stage's operation: idle,
+a forward, or a backward of one micro-batch on one chunk (with zero bubble, a backward's
+input-gradient part `B` or its parameter-gradient part `W`), over only the operations some stage
+runs at that tick (`_ticks.Running`: a fill tick compiles no backward, a drain tick no forward).
+Then `ppermute`s pass forward outputs to the next stage and input gradients to the previous one;
+what arrives is written into per-chunk slot buffers (slot = micro-batch mod slots).
 
 Only what crosses moves. Each permute carries only the `(source, target)` pairs whose source
 sends at that tick (`Schedule.permutes`): no permute where nothing crosses, one where every stage
@@ -77,7 +78,8 @@ from jshard import _context
 from jshard.pipeline._cut import without_axes
 from jshard.pipeline._inner import propagated
 from jshard.pipeline._model import Pipeline, stack_length
-from jshard.pipeline._schedule import Schedule
+from jshard.pipeline._schedule import BACKWARD, FORWARD, WEIGHTS, Schedule
+from jshard.pipeline._ticks import scan_ticks, take
 
 STAGE = "stage"
 
@@ -280,14 +282,14 @@ class Program:
         read this stage's slots, run its operation (a `switch` over small per-tick values only, so
         the buffers stay in place), write the slots, and permute what crosses at that tick."""
         fields = self._fields()
-        branches = [self._settled(b) for b in (ops.forward_branches() if self.schedule.forward_only
-                                               else ops.train_branches())]
+        kinds = ops.forward_branches() if self.schedule.forward_only else ops.train_branches()
 
-        def tick(carry, row, permutes):
+        def tick(carry, row, permutes, running):
             mine = dict(zip(fields, row))
             c, i = mine["chunk"], mine["micro"]
-            out = jax.lax.switch(mine["code"], branches, ops.read(carry, c, i), c, i)
-            return self._pass(ops.write(carry, c, i, out), out, mine, permutes, directions)
+            branches = [self._settled(functools.partial(b, running=running)) for b in kinds]
+            out = running.switch(mine["code"], branches, ops.read(carry, c, i), c, i)
+            return self._pass(ops.write(carry, c, i, out, running), out, mine, permutes, directions)
 
         return scan_ticks(self.schedule, table[:, 0], carry, tick)
 
@@ -404,23 +406,6 @@ class Replicated:
 _EVERYWHERE = Replicated(None)
 
 
-def scan_ticks(schedule: Schedule, table: jax.Array, carry: Any, tick: Callable) -> Any:
-    """Runs `tick(carry, row, permutes)` over `schedule`'s ticks: one `fori_loop` per segment
-    (`Schedule.segments`), whose body holds the segment's pattern of ticks, each handed its row of
-    this stage's `[ticks, fields]` table and its permute patterns (`Schedule.permutes`). Rows are
-    read in place (a sliced table is a copy), and the loops hand one carry on (no buffer copied)."""
-    for start, repeats, pattern in schedule.segments():
-
-        def body(r, carry, start=start, pattern=pattern):
-            for k, permutes in enumerate(pattern):
-                row = jax.lax.dynamic_index_in_dim(table, start + r * len(pattern) + k, 0, keepdims=False)
-                carry = tick(carry, row, permutes)
-            return carry
-
-        carry = jax.lax.fori_loop(0, repeats, body, carry)
-    return carry
-
-
 def _pin(tree, specs):
     """Constrains each leaf of `tree` to its spec over the current (stage-manual) mesh, less its
     manual axes (data axes manual too: each device's rows are its own); with no automatic axes
@@ -487,14 +472,32 @@ class _PullbackShape:
         return jax.tree.unflatten(self.tree, [next(it) if k is None else params[k] for k in self.param_of])
 
 
+def _replace(a: jax.Array, i: jax.Array, value: jax.Array, axis: int) -> jax.Array:
+    """`a` with its entry `i` along `axis` set to `value` (`take`'s inverse, one `dynamic_update_slice`)."""
+    return jax.lax.dynamic_update_index_in_dim(a, value, i, axis, allow_negative_indices=False)
+
+
+def _slot(buf, c, i):
+    """The start of chunk `c`'s slot of micro-batch `i` in `buf` (`[v, slots, ...]`, slot = micro-batch
+    mod slots): both indices non-negative (`take`)."""
+    return (c, jax.lax.rem(i, buf.shape[1])) + (0,) * (buf.ndim - 2)
+
+
+def _at(buf, c, i):
+    """Chunk `c`'s slot of micro-batch `i` in `buf` (`_slot`)."""
+    sizes = (1, 1, *buf.shape[2:])
+    return jax.lax.dynamic_slice(buf, _slot(buf, c, i), sizes, allow_negative_indices=False).reshape(buf.shape[2:])
+
+
+def _put(buf, c, i, value):
+    """`buf` with chunk `c`'s slot of micro-batch `i` set to `value` (`_slot`)."""
+    return jax.lax.dynamic_update_slice(buf, value[None, None], _slot(buf, c, i), allow_negative_indices=False)
+
+
 def _receive(buf, value, mine, prefix):
-    """Writes `value` into `buf[chunk, micro % slots]` where this stage received something."""
-    c, slot = mine[f"{prefix}_chunk"], mine[f"{prefix}_micro"] % buf.shape[1]
-    return _put(buf, c, slot, jnp.where(mine[f"{prefix}_valid"] > 0, value, buf[c, slot]))
-
-
-def _put(buf, c, slot, value):
-    return jax.lax.dynamic_update_index_in_dim(buf, jax.lax.dynamic_update_index_in_dim(buf[c], value, slot, 0), c, 0)
+    """Writes `value` into chunk `c`'s slot of micro-batch `i` where this stage received something."""
+    c, i = mine[f"{prefix}_chunk"], mine[f"{prefix}_micro"]
+    return _put(buf, c, i, jnp.where(mine[f"{prefix}_valid"] > 0, value, _at(buf, c, i)))
 
 
 def _unmicro(a, lead):
@@ -508,9 +511,10 @@ class _Ops:
 
     Three top-level branches (idle, forward, backward; idle and forward for inference) keep the
     compiled program small; whether a forward starts from `first` or a backward from `last`
-    depends on the virtual stage (`chunk * S + stage`) and is a small `cond` inside the branch.
-    Every branch returns the same dict: what to write back to this tick's slots, the loss and
-    gradient increments, and what to send each way.
+    depends on the virtual stage (`chunk * S + stage`) and is a small `cond` inside the branch
+    (`_on`: none where the tick's `Running` says only one side runs). Every branch returns the same
+    dict: what to write back to this tick's slots, the loss and gradient increments, and what to
+    send each way.
     """
 
     def __init__(self, program: Program, ends, chunks, micro, act, run):
@@ -534,39 +538,42 @@ class _Ops:
     def _vstage(self, c):
         return c * self.s + self.stage
 
-    def _cond(self, pred, yes, no, specs):
-        """`lax.cond` whose two results are pinned to `specs` (branches must agree on shardings)."""
-        return jax.lax.cond(pred, lambda: _pin(yes(), specs), lambda: _pin(no(), specs))
+    def _on(self, vstages, target, c, yes, no, specs):
+        """`yes()` on virtual stage `target`, else `no()`, each result pinned to `specs` (a `cond`'s
+        branches must agree on shardings): a `lax.cond` only where the tick's operation of this
+        kind runs on `target` and on another virtual stage (`vstages`, from its `Running`)."""
+        if target not in vstages:
+            return _pin(no(), specs)
+        if vstages == [target]:
+            return _pin(yes(), specs)
+        return jax.lax.cond(self._vstage(c) == target, lambda: _pin(yes(), specs), lambda: _pin(no(), specs))
 
     def chunk(self, c):
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, c, 0, keepdims=False), self.chunks)
+        return jax.tree.map(lambda a: take(a, c, 0), self.chunks)
 
     def _mb(self, i):
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 1, keepdims=False), self.micro)
+        return jax.tree.map(lambda a: take(a, i, 1), self.micro)
 
     # --- the slots of one tick ---
 
-    @staticmethod
-    def _at(buf, c, i):
-        return buf[c, i % buf.shape[1]]
-
     def read(self, carry, c, i) -> dict:
         if "out" in carry:
-            return {"x": self._at(carry["xin"], c, i),
-                    "out_i": jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, i, 0, keepdims=False), carry["out"])}
-        return {"x": self._at(carry["xin"], c, i), "g": self._at(carry["gin"], c, i),
-                "y": self._at(carry["yout"], c, i), "res": [self._at(b, c, i) for b in carry["res"]],
+            return {"x": _at(carry["xin"], c, i), "out_i": jax.tree.map(lambda b: take(b, i, 0), carry["out"])}
+        return {"x": _at(carry["xin"], c, i), "g": _at(carry["gin"], c, i),
+                "y": _at(carry["yout"], c, i), "res": [_at(b, c, i) for b in carry["res"]],
                 "g_rest": carry["g_rest"], "g_chunks": carry["g_chunks"]}
 
-    def write(self, carry, c, i, out) -> dict:
+    def write(self, carry, c, i, out, running) -> dict:
+        """`carry` with this tick's results written back; the output and residual slots only where
+        a forward runs here (elsewhere every branch hands back what it read)."""
         carry = dict(carry)
         if "out" in carry:
-            carry["out"] = jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, i, 0), carry["out"], out["out_i"])
+            carry["out"] = jax.tree.map(lambda b, o: _replace(b, i, o, 0), carry["out"], out["out_i"])
             return carry
-        slot = i % carry["yout"].shape[1]
-        carry["yout"] = _put(carry["yout"], c, slot, out["y"])
-        carry["res"] = [_put(b, c, slot, r) for b, r in zip(carry["res"], out["res"])]
-        carry["loss"] = carry["loss"] + out["loss"]
+        if running.vstages(FORWARD):
+            carry["yout"] = _put(carry["yout"], c, i, out["y"])
+            carry["res"] = [_put(b, c, i, r) for b, r in zip(carry["res"], out["res"])]
+            carry["loss"] = carry["loss"] + out["loss"]
         carry["g_rest"], carry["g_chunks"] = out["g_rest"], out["g_chunks"]
         return carry
 
@@ -592,30 +599,31 @@ class _Ops:
         branch, so no gradient-sized increment leaves it: a two-tick loop body keeps none live)."""
         out = {}
         if g_chunk is not None:
-            out["g_chunks"] = jax.tree.map(lambda acc, g: jax.lax.dynamic_update_index_in_dim(acc, acc[c] + g, c, 0),
+            out["g_chunks"] = jax.tree.map(lambda acc, g: _replace(acc, c, take(acc, c, 0) + g, 0),
                                            view["g_chunks"], g_chunk)
         if g_rest is not None:
             out["g_rest"] = jax.tree.map(jnp.add, view["g_rest"], g_rest)
         return out
 
-    def idle(self, view, c, i):
+    def idle(self, view, c, i, running):
         return self._result(view)
 
-    def _input(self, view, c, i):
+    def _input(self, view, c, i, vstages):
         mb = self._mb(i)
-        return self._cond(self._vstage(c) == 0, lambda: self.pipe.first(self.first_params, mb), lambda: view["x"], self.specs.act)
+        first = lambda: self.pipe.first(self.first_params, mb)
+        return self._on(vstages, 0, c, first, lambda: view["x"], self.specs.act)
 
-    def forward(self, view, c, i):
+    def forward(self, view, c, i, running):
         """Runs chunk `c` on micro-batch `i` under `jax.vjp`, keeping its residuals and output; on
         the last virtual stage adds `last`'s loss."""
-        stored, y, _ = _residuals(self.run, self.chunk(c), self._input(view, c, i))
+        vstages = running.vstages(FORWARD)
+        stored, y, _ = _residuals(self.run, self.chunk(c), self._input(view, c, i, vstages))
         mb = self._mb(i)
-        loss = self._cond(self._vstage(c) == self.last_vstage,
-                          lambda: self.pipe.last(self.last_params, y, mb).astype(jnp.float32),
-                          lambda: jnp.zeros((), jnp.float32), _P())
+        last = lambda: self.pipe.last(self.last_params, y, mb).astype(jnp.float32)
+        loss = self._on(vstages, self.last_vstage, c, last, lambda: jnp.zeros((), jnp.float32), _P())
         return self._result(view, y=y, res=stored, loss=loss, send=y)
 
-    def _output_gradient(self, view, c, i):
+    def _output_gradient(self, view, c, i, vstages):
         """`(g_rest, g_y)`: the gradient of the chunk's output, received or (on the last virtual
         stage) `last`'s, and `last`'s gradient of the shared parameters (zero elsewhere)."""
         mb, zero_rest = self._mb(i), lambda: jax.tree.map(jnp.zeros_like, view["g_rest"])
@@ -625,37 +633,38 @@ class _Ops:
             g_rest, g_y = pull(jnp.full(loss.shape, 1.0 / self.m, loss.dtype))
             return self.held.row(g_rest, "last"), g_y
 
-        return self._cond(self._vstage(c) == self.last_vstage, from_last, lambda: (zero_rest(), view["g"]),
-                          (self.grad_specs, self.specs.act))
+        return self._on(vstages, self.last_vstage, c, from_last, lambda: (zero_rest(), view["g"]),
+                        (self.grad_specs, self.specs.act))
 
-    def backward(self, view, c, i, weights=True):
+    def backward(self, view, c, i, running, weights=True):
         """Applies the stored pullback of (chunk `c`, micro-batch `i`) to its output's gradient; on
         virtual stage 0 also differentiates `first`. With `weights=False` (zero bubble's `B`) only
         the input's gradient: the parameters' is left to `weights` (XLA drops the unused half)."""
-        mb = self._mb(i)
-        g_rest, g_y = self._output_gradient(view, c, i)
+        mb, vstages = self._mb(i), running.vstages(BACKWARD)
+        g_rest, g_y = self._output_gradient(view, c, i, vstages)
         g_chunk, g_x = self.pullback.rebuild(self.chunk(c), view["res"])(g_y)
-        g_first = self._cond(
-            self._vstage(c) == 0,
+        g_first = self._on(
+            vstages, 0, c,
             lambda: self.held.row(jax.vjp(lambda r: self.pipe.first(r, mb), self.first_params)[1](g_x)[0], "first"),
             lambda: jax.tree.map(jnp.zeros_like, view["g_rest"]), self.grad_specs)
         added = self._added(view, c, g_chunk if weights else None, jax.tree.map(jnp.add, g_rest, g_first))
         return self._result(view, **added, send=g_x)
 
-    def weights(self, view, c, i):
+    def weights(self, view, c, i, running):
         """Zero bubble's `W`: the gradient of chunk `c`'s parameters for micro-batch `i`, from the
         residuals and the output's gradient its `B` left in their slots (on the last virtual stage
         `last`'s gradient is taken again; its shared-parameter part was counted at the `B`)."""
-        _, g_y = self._output_gradient(view, c, i)
+        _, g_y = self._output_gradient(view, c, i, running.vstages(WEIGHTS))
         g_chunk, _ = self.pullback.rebuild(self.chunk(c), view["res"])(g_y)
         return self._result(view, **self._added(view, c, g_chunk))
 
-    def idle_inference(self, view, c, i):
+    def idle_inference(self, view, c, i, running):
         return {"out_i": view["out_i"], "send": self._zero()}
 
-    def infer(self, view, c, i):
-        y = self.run(self.chunk(c), self._input(view, c, i))
+    def infer(self, view, c, i, running):
+        vstages = running.vstages(FORWARD)
+        y = self.run(self.chunk(c), self._input(view, c, i, vstages))
         specs = jax.tree.map(lambda _: self.specs.act, view["out_i"])
-        out_i = self._cond(self._vstage(c) == self.last_vstage, lambda: self.pipe.head(self.last_params, y),
-                           lambda: view["out_i"], specs)
+        out_i = self._on(vstages, self.last_vstage, c, lambda: self.pipe.head(self.last_params, y),
+                         lambda: view["out_i"], specs)
         return {"out_i": out_i, "send": y}

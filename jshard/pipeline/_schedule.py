@@ -127,6 +127,19 @@ class Schedule:
                     out[t, s] = op.vstage // self.stages if name == "chunk" else op.micro
         return out
 
+    def running(self, ticks: Sequence[int]) -> frozenset[tuple[int, int]]:
+        """`(code, vstage)` of every operation some stage runs at one of `ticks` (`(IDLE, -1)` where
+        a stage idles): all that a program's loop body position over those ticks can be asked to
+        run (`Running`), so it compiles only those operations.
+
+        Examples:
+          >>> s = build_schedule("1f1b", stages=2, micro_batches=2)
+          >>> sorted(s.running([0])), sorted(s.running([4, 5]))  # the fill's first tick, the drain
+          ([(0, -1), (1, 0)], [(0, -1), (2, 0), (2, 1)])
+        """
+        return frozenset((IDLE, -1) if op is None else (_KIND_CODE[op.kind], op.vstage)
+                         for t in ticks for op in self.ops[t])
+
     def receives(self, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What arrives at each stage at the end of each tick from its neighbour: `(valid, chunk,
         micro)`, each `[ticks, stages]` int32. `kind="F"`: activations from the previous virtual
@@ -423,7 +436,8 @@ def _bounded_loops(needed: list[frozenset], cover, stages: int, bound: float) ->
 # `_cheapest_loops`' weights (send, permute) for one-chunk schedules: a send outweighs any number of
 # permutes, a permute any loop structure (GPipe, 1F1B, zero bubble). Interleaved (`_bounded_loops`)
 # lets a stage send up to `_SLACK` times what must cross: its ticks seldom repeat, so exact pairs
-# would take 38 loops at S = 4, M = 16 and 49 at S = 2, and each loop body compiles the whole tick.
+# would take 38 loops at S = 4, M = 16 and 49 at S = 2, and each loop body compiles the operations its
+# ticks run (`running`).
 _EXACT, _SLACK = (1e6, 1e3), 1.1
 
 

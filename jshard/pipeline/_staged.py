@@ -2,7 +2,8 @@
 
 The stacked form (`_engine.py`) runs one layer function on every stage; a cut step's stages differ
 (stage 0 the embedding and two layers, the last the head and the loss), so here every forward or
-backward tick is a `lax.switch` on the stage index over per-stage bodies, and the values of
+backward tick is a `lax.switch` on the stage index over the bodies of the stages that run it at
+that tick (`_ticks.Running`: a fill tick compiles the first stages' forwards only), and the values of
 differing shapes are packed as one flat buffer per dtype:
 
 - **parameters where they are used**: stage `k`'s parameter leaves (`Cut.params[k]`) packed into
@@ -59,10 +60,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jshard.pipeline._cut import Cut, spec_axes
-from jshard.pipeline._engine import STAGE, scan_ticks
+from jshard.pipeline._engine import STAGE
 from jshard.pipeline._inner import CutClass, StageLayouts, from_rows, stage_layouts, stage_vjp, stored, to_rows
 from jshard.pipeline._schedule import BACKWARD, FORWARD, IDLE, WEIGHTS, Schedule
 from jshard.pipeline._split import SplitBackward
+from jshard.pipeline._ticks import scan_ticks, select
 
 Buffers = dict[str, jax.Array]
 """One 1-D (or `[..., width]`) array per dtype name."""
@@ -387,14 +389,14 @@ class StagedProgram:
                 carry["hand"] = _zeros(v * n["hand"], ticks.hw)
             branches = [ticks.idle, ticks.forward, ticks.input_grad, ticks.weights]
 
-        def tick(carry, row, permutes):
+        def tick(carry, row, permutes, running):
             kind, i, c = row[0], row[1], row[6]
             at = {name: _slot(c, i, k) for name, k in n.items()}
             view = {"x": _at(carry["xin"], at["xin"]), "res": _at(carry["res"], at["res"]),
                     "g_in": _at(carry["gin"], at["gin"]), "g": carry["g"], "c": c}
             if "hand" in carry:
                 view["hand"] = _at(carry["hand"], at["hand"])
-            out = jax.lax.switch(kind, branches, view, i)
+            out = running.switch(kind, [functools.partial(b, running=running) for b in branches], view, i)
             carry = dict(carry)
             carry["res"] = _put(carry["res"], at["res"], out["res"])
             if "hand" in carry:
@@ -530,8 +532,14 @@ class _Ticks:
         (`_laid`), the parameter gradients' sum `g` laid out as the packed parameters (`place`)."""
         return {**_laid({name: x for name, x in tree.items() if name != "g"}), "g": self.p.place(tree["g"])}
 
-    def idle(self, view, i):
+    def idle(self, view, i, running):
         return self._result(view)
+
+    def _at_stage(self, view, code, running, at):
+        """`at(k)` for this tick's (virtual) stage `k`, over the stages that run operation `code` here
+        (`Running`): a fill tick compiles the first stages' bodies only."""
+        stages = running.vstages(code)
+        return select(self._vstage(view), stages, {k: (lambda k=k: at(k)) for k in stages})
 
     def _vstage(self, view):
         """The (virtual) stage this device runs at this tick: chunk `c` of stage `s` is `c·S + s`."""
@@ -575,7 +583,7 @@ class _Ticks:
         res = jax.eval_shape(probe, _zeros(None, self.bw))
         return found["tree"], found["param_of"], res
 
-    def forward(self, view, i):
+    def forward(self, view, i, running):
         """Runs the stage on micro-batch `i` under `jax.vjp`, storing its residuals; sends its
         outputs on, or (the last stage) adds its loss."""
         view = self._hold(view)
@@ -587,9 +595,9 @@ class _Ticks:
                 return self._result(view, res=res, loss=outs[0].astype(jnp.float32))
             return self._result(view, res=res, send_f=self.bf[k].pack(outs, self.bw))
 
-        return jax.lax.switch(self._vstage(view), [lambda k=k: at(k) for k in range(self.cut.stages)])
+        return self._at_stage(view, FORWARD, running, at)
 
-    def backward(self, view, i):
+    def backward(self, view, i, running):
         """Rebuilds the stored pullback of micro-batch `i`, applies it to the gradient received
         (the last stage: the loss's `1 / M`), and sends the input gradient back."""
         view = self._hold(view)
@@ -607,7 +615,7 @@ class _Ticks:
             send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
             return self._result(view, g=self._add(view["g"], k, g_params), send_b=send_b)
 
-        return jax.lax.switch(self._vstage(view), [lambda k=k: at(k) for k in range(self.cut.stages)])
+        return self._at_stage(view, BACKWARD, running, at)
 
     # --- zero bubble: the backward split into `B` and `W` (`_split.py`) ---
 
@@ -632,7 +640,7 @@ class _Ticks:
         cot = [self.cut.loss_aval] if k == self.cut.stages - 1 else list(self.gf[k].avals)
         return SplitBackward.of(bwd, [params_k, list(stored), cot], n_params=len(params_k))
 
-    def input_grad(self, view, i):
+    def input_grad(self, view, i, running):
         """Zero bubble's `B`: the input gradient of micro-batch `i`, sent back, and the handoff its
         `W` reads stored; the parameters' gradient is left to `weights`. The handoff goes into the
         micro-batch's residual slot, re-packed with the residuals the `W` reads (`after_b`: the
@@ -648,9 +656,9 @@ class _Ticks:
                 return self._result(view, send_b=send_b, res=res)
             return self._result(view, send_b=send_b, hand=self.hf[k].pack(hand, self.hw))
 
-        return jax.lax.switch(self._vstage(view), [lambda k=k: at(k) for k in range(self.cut.stages)])
+        return self._at_stage(view, BACKWARD, running, at)
 
-    def weights(self, view, i):
+    def weights(self, view, i, running):
         """Zero bubble's `W`: the parameters' gradient of micro-batch `i`, from the residuals and the
         received gradient still in their slots and the handoff its `B` stored, added to the sum."""
 
@@ -666,7 +674,7 @@ class _Ticks:
             g_params = self.splits[k].weight_grad([params_k, res, cot], after[len(self.kept[k]):])
             return self._result(view, g=self._add(view["g"], k, g_params))
 
-        return jax.lax.switch(self._vstage(view), [lambda k=k: at(k) for k in range(self.cut.stages)])
+        return self._at_stage(view, WEIGHTS, running, at)
 
 
 def _micro(batch, m: int):
