@@ -57,6 +57,8 @@ _log = logging.getLogger("jshard.search")
 
 _GROWTHS = 24
 _BISECTIONS = 6
+_STALE = 2  # ... fewer: the bisection stops after this many runs in a row that find no new plan
+_SATURATED = 100.0  # growth stops where the plan stands still and its bytes over the budget weigh this many times its seconds
 _PASSES = 4
 _ROOTS = 4  # the heaviest units tried with each candidate, one after another, per level
 _BELIEFS = 32  # the core's min-sum message passing: rounds at most
@@ -95,30 +97,54 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay:
             return search.solved(weighed, weighed_seconds, weighed_peak, status)
         return search.solved(choice, seconds, peak, status)
     search.keep(t)
-    low, high, best = 0.0, max(seconds, 1e-9) / peak, None  # λ's scale: the plan's seconds per byte
-    growths = 0
+    seen = {(seconds, peak)}  # the plans found, as (seconds, peak)
+    low, best = _grown(g, search, budget, max(seconds, 1e-9) / peak, seen)  # λ's scale: the plan's seconds per byte
+    seconds, choice, peak, lam = _bisected(g, search, budget, low, best, stop, seen)
+    return search.solved(choice, seconds, peak, f"memory weight {lam:.3g} s/byte to fit the budget")
+
+
+def _grown(g: SearchGraph, search: _Recursive, budget: float, high: float, seen: set) -> tuple[float, tuple]:
+    """λ grown from `high` (four times each time) until the plan fits `budget`: the last λ whose plan
+    did not fit and `(seconds, choice, peak, λ)` of the first that does. Where the plan stands still
+    while the bytes over the budget already weigh `_SATURATED` times its seconds, more weight only
+    breaks ties: no plan fits (`Infeasible`), rather than `_GROWTHS` runs more of the same plan. Each
+    plan found joins `seen`."""
+    low, growths, last = 0.0, 0, None
     while growths < _GROWTHS:
         choice, seconds = search.run(high)
         peak, t = g.peak(choice)
+        seen.add((seconds, peak))
         if peak <= budget:
-            best = (seconds, choice, peak, high)
+            return low, (seconds, choice, peak, high)
+        if search.keep(t):  # new values held at this plan's peak are weighed at the same λ first
+            continue
+        if (seconds, peak) == last and high * (peak - budget) >= _SATURATED * seconds:
             break
-        if not search.keep(t):  # new values held at this plan's peak are weighed at the same λ first
-            low, high, growths = high, high * 4, growths + 1
-    if best is None:
-        raise Infeasible(f"the most memory-bound plan found holds {peak:.0f} bytes per device")
-    for _ in range(_BISECTIONS):  # a plan's seconds need not grow with λ: the fastest that fits is kept
-        if stop():
+        low, high, growths, last = high, high * 4, growths + 1, (seconds, peak)
+    raise Infeasible(f"the most memory-bound plan found holds {peak:.0f} bytes per device")
+
+
+def _bisected(g: SearchGraph, search: _Recursive, budget: float, low: float, best: tuple,
+              stop: Callable[[], bool], seen: set) -> tuple:
+    """λ bisected between `low` (its plan over `budget`) and `best`'s (it fits), the fastest plan
+    that fits kept (a plan's seconds need not grow with λ); `_BISECTIONS` runs at most, fewer where
+    `_STALE` runs in a row find no plan not in `seen` (the plans found before: the bisection has
+    narrowed onto the step between two plans it knows), or once `stop()` (the planning's deadline)."""
+    high, stale = best[3], 0
+    for _ in range(_BISECTIONS):
+        if stop() or stale >= _STALE:
             break
         mid = (low + high) / 2
         choice, seconds = search.run(mid)
         peak, _ = g.peak(choice)
+        stale = stale + 1 if (seconds, peak) in seen else 0
+        seen.add((seconds, peak))
+        search.bisections += 1
         if peak <= budget:
             high, best = mid, min(best, (seconds, choice, peak, mid), key=lambda b: b[0])
         else:
             low = mid
-    seconds, choice, peak, lam = best
-    return search.solved(choice, seconds, peak, f"memory weight {lam:.3g} s/byte to fit the budget")
+    return best
 
 
 class _Recursive:
@@ -136,13 +162,13 @@ class _Recursive:
         self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         self._kept_values: set = set()
         self.keep(int(replicated.argmax()))
-        self.runs = 0
+        self.runs = self.bisections = 0  # runs made, and of them the bisection's of λ
         self.ties: _Ties | None = None  # the classes of units decided as one, for the values kept now
         self.checks: _Ties | None = None  # ... and those of the boundary check: each unit its own but long runs' middles
         self.unit_classes = self.evaluations = 0  # summed over levels and runs (`SearchReport`)
 
     def solved(self, choice: list[Assignment], seconds: float, peak: float, status: str) -> Solved:
-        return Solved(choice, seconds, peak, status, self.unit_classes, self.evaluations)
+        return Solved(choice, seconds, peak, status, self.unit_classes, self.evaluations, self.runs)
 
     def keep(self, t: int) -> bool:
         """Weighs (with λ) the values held at program point `t` too; whether any was new."""

@@ -97,6 +97,8 @@ class SearchReport:
       evaluations: the recursive search's cost evaluations in the core (a unit's cost per candidate
         against its neighbours' picks, a pair's joint move), each computed once per class and picks,
         summed over its levels and runs; does not grow with an unrolled loop's depth. None for the ILP.
+      runs: the recursive search's runs, each a descent at one memory weight (without a budget one or
+        two; under one that binds, its growth and bisection). None for the ILP.
       recompute: with `jshard.recompute(policy="auto")` regions, each policy weighed for all of
         them at once (`Weighed`).
       regions: with such regions, the policy each got (`RegionChoice`): the least recompute whose
@@ -136,6 +138,7 @@ class SearchReport:
     recompute: tuple[Weighed, ...] = ()
     unit_classes: int | None = None
     evaluations: int | None = None
+    runs: int | None = None
     regions: tuple[RegionChoice, ...] = ()
     optimizer: tuple[Weighed, ...] = ()
     offload: tuple[Weighed, ...] = ()
@@ -279,7 +282,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     others = () if budget is None or as_seeded is not None else _others(made, choice)
     report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
                           candidates, time.perf_counter() - start, unit_classes=solved.unit_classes,
-                          evaluations=solved.evaluations, kept=kept, seeds=others)
+                          evaluations=solved.evaluations, runs=solved.runs, kept=kept, seeds=others)
     return result, report
 
 
@@ -315,7 +318,7 @@ def _better(solved: Solved, seed: Solved | None) -> Solved:
         return solved
     return dataclasses.replace(seed, status=f"{seed.status}: it predicts {_time(seed.seconds)} per call, the recursive "
                                f"search's plan {_time(solved.seconds)} ({solved.status})",
-                               unit_classes=solved.unit_classes, evaluations=solved.evaluations)
+                               unit_classes=solved.unit_classes, evaluations=solved.evaluations, runs=solved.runs)
 
 
 def _split(g: SearchGraph, solved: Solved, data: Solved | None) -> Solved:
@@ -331,7 +334,7 @@ def _split(g: SearchGraph, solved: Solved, data: Solved | None) -> Solved:
     return dataclasses.replace(data, status=(
         f"{data.status}: the search's plan ({solved.status}) leaves each device {share:.0%} of the work and predicts "
         f"{_time(solved.seconds)} per call against its {_time(data.seconds)}, less than {MEASURABLY:.0%} faster"),
-        unit_classes=solved.unit_classes, evaluations=solved.evaluations)
+        unit_classes=solved.unit_classes, evaluations=solved.evaluations, runs=solved.runs)
 
 
 def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: float,
