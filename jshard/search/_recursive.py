@@ -166,6 +166,7 @@ class _Recursive:
         self.ties: _Ties | None = None  # the classes of units decided as one, for the values kept now
         self.checks: _Ties | None = None  # ... and those of the boundary check: each unit its own but long runs' middles
         self.unit_classes = self.evaluations = 0  # summed over levels and runs (`SearchReport`)
+        self.shared: dict[Group, _Shared] = {}  # per level's axes, what its last level shares with the next run's
 
     def solved(self, choice: list[Assignment], seconds: float, peak: float, status: str) -> Solved:
         return Solved(choice, seconds, peak, status, self.unit_classes, self.evaluations, self.runs)
@@ -491,18 +492,24 @@ class _Shared:
     boundary check (every unit its own class) weigh the same units on the same base, so the second
     reads what the first computed."""
 
-    def __init__(self, g: SearchGraph, group: Group, base: list[Assignment]):
+    def __init__(self, g: SearchGraph, group: Group, base: list[Assignment], lam: float, past: _Shared | None = None):
         self.g, self.group, self.base = g, group, base
-        self._kinds: dict[tuple, int] = {}
         self._by_id: dict[tuple[int, int], int] = {}  # (unit structure, id() of its base assignment) -> kind
+        if past is not None:  # the same axes in an earlier run: all but its base and λ's costs read again
+            self.__dict__.update({k: v for k, v in past.__dict__.items() if k not in ("base", "_by_id", "own")})
+            self.own = self._own.setdefault(lam, {})
+            return
+        self._kinds: dict[tuple, int] = {}  # (unit structure, base assignment's items) -> kind
         self._cands: dict[int, list[Assignment]] = {}  # kind -> its candidates
         self.specs: dict[tuple[int, int], list] = {}  # (kind, operand) -> its layout under each candidate
         self.moves: dict[tuple, np.ndarray] = {}  # (edge's value, both ends' (kind, operand)) -> the edge's table
-        self.own: dict[tuple, np.ndarray] = {}  # (kind, bytes it keeps) -> its unary
+        self._own: dict[float, dict] = {}  # λ -> `own`
+        self.own: dict[tuple, np.ndarray] = self._own.setdefault(lam, {})  # (kind, bytes it keeps) -> its unary
         self.folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `_Level._fold`'s, by the arrays' bytes
         # The core's classes and cost evaluations (`_Level._prepare_core`), by contents: a level
-        # barred from another (`_Recursive._closed`) or its boundary check holds mostly the same
-        # arrays, so its core reads what the levels before it evaluated.
+        # barred from another (`_Recursive._closed`), its boundary check or the same axes' level of a
+        # later run (another λ, or another base) holds mostly the same arrays, so its core reads what
+        # the levels before it evaluated.
         self.contents: dict[tuple, int] = {}  # an array's shape and bytes -> its id
         self.seen: dict[tuple[int, bool], tuple[np.ndarray, int]] = {}  # (id(), transposed) -> the array, held, and its id
         self.classes: dict[tuple, int] = {}  # a core unit's contents -> its class
@@ -609,7 +616,8 @@ class _Level:
         self.reps, count = ties.reps, ties.count
         # Units of one structure on one base (identical layers) share their candidates, costs and
         # tables; `like` (a level on the same base, axes and λ) lends what it computed of them.
-        shared = self._shared = _Shared(g, group, base) if like is None else like._shared
+        shared = self._shared = _Shared(g, group, base, lam, search.shared.get(group)) if like is None else like._shared
+        search.shared[group] = shared
         kinds = shared.kinds(self.reps)
         self.cands = [shared.candidates(k, kind) for k, kind in zip(self.reps, kinds)]
         own, kept = shared.own, search.kept_bytes
