@@ -207,6 +207,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     compiled: bool = False,
     combined: bool = True,
     passed: Callable[[], bool] | None = None,
+    memo: _seeded.Memo | None = None,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -237,6 +238,8 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         program is compiled with it off (multi-copy, an all-reduce fusion threshold of 0).
       passed: whether the planning's deadline (`Search.time_limit`) has passed: the recursive
         search then makes no further run once it has a plan that fits (`_recursive.solve`).
+      memo: where the seeds' propagations are kept across the searches of one planning session
+        (`_seeded.Memo`), or None.
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget` (and, with `compiled`, there is
@@ -248,7 +251,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     least = budget is not None and _least_peak(g) > budget
     if least and (not compiled or _boundary_peak(g) > budget):  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
-    made = (_seeded.seeds(g, args, outvars, fixed, batch, budget, only=as_seeded)
+    made = (_seeded.seeds(g, args, outvars, fixed, batch, budget, only=as_seeded, memo=memo)
             if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
     # the seeds moved to fit the budget, where the search weighs them (not as made, nor where nothing fits)
     fitted = [] if as_seeded is not None or least else [s for s in (_seeded.fit_budget(g, raw, budget) for raw in made)
