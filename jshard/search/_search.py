@@ -89,6 +89,9 @@ class SearchReport:
       planning_seconds: the search's own time.
       compiled_peak_bytes: with a budget and devices present, what the compiled program holds per
         device (XLA's memory analysis), else None.
+      compile_seconds: with them, the seconds XLA took to compile that program, else None: its
+        executable is the one calls run (`Program.compiled`), the compile a first call would make,
+        so it is part of planning's time but not planning's own work.
       budget_from: where the budget came from: `"memory_budget"`, or the device whose memory it is
         (`parallelize` without `memory_budget`).
       unit_classes: the recursive search's distinct units of the heuristic core, summed over its
@@ -134,6 +137,7 @@ class SearchReport:
     candidates: int
     planning_seconds: float
     compiled_peak_bytes: float | None = None
+    compile_seconds: float | None = None
     budget_from: str = "memory_budget"
     recompute: tuple[Weighed, ...] = ()
     unit_classes: int | None = None
