@@ -495,6 +495,7 @@ class _Shared:
     def __init__(self, g: SearchGraph, group: Group, base: list[Assignment], lam: float, past: _Shared | None = None):
         self.g, self.group, self.base = g, group, base
         self._by_id: dict[tuple[int, int], int] = {}  # (unit structure, id() of its base assignment) -> kind
+        self.own: dict[tuple, np.ndarray]  # (kind, bytes it keeps) -> its unary, at λ
         if past is not None:  # the same axes in an earlier run: all but its base and λ's costs read again
             self.__dict__.update({k: v for k, v in past.__dict__.items() if k not in ("base", "_by_id", "own")})
             self.own = self._own.setdefault(lam, {})
@@ -504,7 +505,7 @@ class _Shared:
         self.specs: dict[tuple[int, int], list] = {}  # (kind, operand) -> its layout under each candidate
         self.moves: dict[tuple, np.ndarray] = {}  # (edge's value, both ends' (kind, operand)) -> the edge's table
         self._own: dict[float, dict] = {}  # λ -> `own`
-        self.own: dict[tuple, np.ndarray] = self._own.setdefault(lam, {})  # (kind, bytes it keeps) -> its unary
+        self.own = self._own.setdefault(lam, {})
         self.folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `_Level._fold`'s, by the arrays' bytes
         # The core's classes and cost evaluations (`_Level._prepare_core`), by contents: a level
         # barred from another (`_Recursive._closed`), its boundary check or the same axes' level of a
