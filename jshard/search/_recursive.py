@@ -32,7 +32,8 @@ own costs, folds, the core's classes and cost evaluations) rather than pricing t
 
 A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
 plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
-plan fits, else the least λ found by growing and bisection whose plan fits, which moves the plan from replicated parameters to cut ones
+plan fits, else the least λ found by growing and bisection (`_grown`, `_bisected`: each ends once
+it learns nothing new) whose plan fits, which moves the plan from replicated parameters to cut ones
 (FSDP-style or tensor-parallel) as far as the budget needs.
 """
 
