@@ -137,12 +137,12 @@ def test_past_the_deadline_the_recursive_search_stops_once_a_plan_fits(gpt, monk
         made.clear()
         plan = js.parallelize(step, devices=16, mode="auto", cost_model=H100,
                               search=js.Search(memory_budget=budget, time_limit=limit)).plan(*args).search
-        runs[limit] = [r.runs for r in made]
+        runs[limit] = [(r.runs, r.bisections) for r in made]
         assert plan.peak_bytes <= budget
     whole, bounded = runs[3600.0], runs[0.0]
     # the first search fits unweighted: its run at the memory price's scale is left out; the second's
     # budget binds: the same runs until one fits, then no bisection; then the weighing stops
-    assert bounded == [whole[0] - 1, whole[1] - _recursive._BISECTIONS], runs
+    assert whole[1][1] > 0 and bounded == [(whole[0][0] - 1, 0), (whole[1][0] - whole[1][1], 0)], runs
 
 
 def test_a_candidate_its_weighing_may_drop_stops_at_the_deadline_less_the_time_kept_back():

@@ -196,3 +196,27 @@ def test_search_meets_the_fsdp_plan_where_data_parallel_does_not_fit():
     assert found.memory.peak_bytes <= budget
     ref = jax.jit(w.step(None))(*args)[2]
     assert_close(step(*args)[2], ref, terms=step_terms(w.params, w.batch, backward=False))
+
+
+def test_the_budgeted_search_stops_bisecting_once_it_finds_no_new_plan(monkeypatch):
+    """Under a budget that binds, the recursive search's bisection of its memory weight ends after
+    `_STALE` runs in a row that find no plan it had not found (issue 32: planning in compile time):
+    fewer runs than bisecting `_BISECTIONS` times, and the same plan, which fits (estimated and
+    compiled). Counted by `SearchReport.runs`."""
+    from jshard.search import _recursive
+
+    step, args = _step(*MODELS["mlp"])
+    free = js.parallelize(step, devices=8, mode="auto").plan(*args).search
+    budget = 0.8 * free.peak_bytes
+
+    def planned():
+        return js.parallelize(step, devices=8, mode="auto", search=js.Search(memory_budget=budget)).plan(*args).search
+
+    stale = planned()
+    monkeypatch.setattr(_recursive, "_STALE", _recursive._BISECTIONS + 1)  # never stale: every bisection made
+    every = planned()
+    assert "memory weight" in every.status and every.runs > 2, every.line()  # the budget binds: grown, bisected
+    assert stale.runs < every.runs, (stale.line(), every.line())
+    assert (stale.seconds, stale.peak_bytes, stale.status) == (every.seconds, every.peak_bytes, every.status)
+    assert stale.peak_bytes <= budget and stale.compiled_peak_bytes <= budget
+    assert stale.compile_seconds is not None and stale.compile_seconds > 0

@@ -28,7 +28,7 @@ from jshard.layouts import FineMesh, constraint_spec, replicated, spec_from_pspe
 from jshard.plan import Plan
 from jshard.propagate import Decision, Result, propagate_globally
 from jshard.rules import shape_of
-from jshard.search import SearchReport, search
+from jshard.search import Memo, SearchReport, search
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,13 +121,15 @@ class SearchPlanner:
     a search may take given `Search.time_limit` (the planning session's deadline: `Planning.time_left`);
     `passed`: whether that deadline has passed (the recursive search then stops weighing once a plan
     fits); `check`: read between the search's units of work, raises where the planning stops the
-    plan searched (`Planning.check`)."""
+    plan searched (`Planning.check`); `memo`: the session's store, where the searches keep their
+    seeds' propagations (`Planning.kept`)."""
 
     options: Options
     call: str
     time_left: Callable[[float], float] | None = None
     passed: Callable[[], bool] | None = None
     check: Callable[[], None] | None = None
+    memo: Memo | None = None
 
     def plan(self, problem: Problem) -> Planned:
         t, c = problem.traced, self.options
@@ -142,7 +144,7 @@ class SearchPlanner:
                                 table=t.table, batch=[t.invars[i] for i in sorted(problem.batch)],
                                 seeded=problem.seeded, as_seeded=problem.as_seeded,
                                 compiled=problem.compiled, combined=combines(c.communication), passed=self.passed,
-                                check=self.check)
+                                check=self.check, memo=self.memo)
         return Planned(result, report=report)
 
 
@@ -161,14 +163,16 @@ class LoadedPlanner:
 
 
 def planner_for(options: Options, call: str, time_left: Callable[[float], float] | None = None,
-                passed: Callable[[], bool] | None = None, check: Callable[[], None] | None = None) -> Planner:
-    """The planner `options` ask for (`time_left`, `passed`, `check`: the search's, `SearchPlanner`'s)."""
+                passed: Callable[[], bool] | None = None, check: Callable[[], None] | None = None,
+                memo: Memo | None = None) -> Planner:
+    """The planner `options` ask for (`time_left`, `passed`, `check`, `memo`: the search's,
+    `SearchPlanner`'s)."""
     if options.mode == "manual" or options.propagation == "xla":
         return XlaPlanner()
     if options.plan is not None:
         return LoadedPlanner(options.plan, call)
     if options.searching:
-        return SearchPlanner(options, call, time_left, passed, check)
+        return SearchPlanner(options, call, time_left, passed, check, memo)
     return PropagationPlanner(options)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -139,7 +140,8 @@ def build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: b
     in_sh = in_shardings(traced, slots, dataset, c, call)
     out_sh = out_shardings(traced, c, call)
     planning = s.planning
-    planner = planner_for(c, call, planning.time_left, lambda: planning.deadline.passed, planning.check)
+    planner = planner_for(c, call, planning.time_left, lambda: planning.deadline.passed, planning.check,
+                          planning.kept)
     donated = frozenset(argument_leaves(args, c.donate_argnums))
     optimizer, gather, kept, grads = None, {}, None, {}
     sharded = c.accumulation is not None and c.accumulation.shard
@@ -196,14 +198,15 @@ def build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: b
         return program, problem
 
     def checked_peak(program: Program) -> tuple[Program, float]:
-        """`program` with its compiled peak in its report (and, where it fits, the budget asked for,
-        not the tighter estimate searched under) and its executable (what calls run: the check's
-        compile is the first call's), and that peak."""
-        start = planning.deadline.clock()
+        """`program` with its compiled peak and the compile's seconds in its report (and, where it
+        fits, the budget asked for, not the tighter estimate searched under) and its executable (what
+        calls run: the check's compile is the first call's), and that peak."""
+        start, began = planning.deadline.clock(), time.perf_counter()
         executable, found = compiled_held(program.jitted, args, program.in_shardings, bool(program.plan.offload))
+        took = time.perf_counter() - began
         planning.built(start)
         assert program.plan.search is not None and c.memory_budget is not None  # searched, compiled under a budget
-        report = dataclasses.replace(program.plan.search, compiled_peak_bytes=found)
+        report = dataclasses.replace(program.plan.search, compiled_peak_bytes=found, compile_seconds=took)
         if found <= c.memory_budget:
             report = dataclasses.replace(report, budget=budget)
         return dataclasses.replace(program, plan=program.plan.replace(search=report), compiled=executable), found

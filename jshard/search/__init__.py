@@ -18,3 +18,4 @@ from jshard.search._seeded import DATA_PARALLEL as DATA_PARALLEL
 from jshard.search._seeded import FULLY_SHARDED as FULLY_SHARDED
 from jshard.search._seeded import PROPAGATED as PROPAGATED
 from jshard.search._seeded import SEEDS as SEEDS
+from jshard.search._seeded import Memo as Memo

@@ -73,7 +73,7 @@ REPLICATED_SHARE = 0.9
 class Solved:
     """A search's answer: a choice per unit, its predicted seconds per call, its estimated per-device
     peak and how the search ended; the recursive search's work (`SearchReport.unit_classes`,
-    `SearchReport.evaluations`), None for the ILP."""
+    `SearchReport.evaluations`, `SearchReport.runs`), None for the ILP."""
 
     choice: list[Assignment]
     seconds: float
@@ -81,6 +81,7 @@ class Solved:
     status: str
     unit_classes: int | None = None
     evaluations: int | None = None
+    runs: int | None = None
 
 
 class Infeasible(Exception):

@@ -32,7 +32,8 @@ own costs, folds, the core's classes and cost evaluations) rather than pricing t
 
 A memory budget sets λ (seconds per byte) on the values held at the peak (at first the replicated
 plan's peak; where a plan's peak falls elsewhere, the values held there join them): zero when the
-plan fits, else the least λ found by growing and bisection whose plan fits, which moves the plan from replicated parameters to cut ones
+plan fits, else the least λ found by growing and bisection (`_grown`, `_bisected`: each ends once
+it learns nothing new) whose plan fits, which moves the plan from replicated parameters to cut ones
 (FSDP-style or tensor-parallel) as far as the budget needs.
 """
 
@@ -57,6 +58,8 @@ _log = logging.getLogger("jshard.search")
 
 _GROWTHS = 24
 _BISECTIONS = 6
+_STALE = 2  # ... fewer: the bisection stops after this many runs in a row that find no new plan
+_SATURATED = 100.0  # growth stops where the plan stands still and its bytes over the budget weigh this many times its seconds
 _PASSES = 4
 _ROOTS = 4  # the heaviest units tried with each candidate, one after another, per level
 _BELIEFS = 32  # the core's min-sum message passing: rounds at most
@@ -97,30 +100,54 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay:
             return search.solved(weighed, weighed_seconds, weighed_peak, status)
         return search.solved(choice, seconds, peak, status)
     search.keep(t)
-    low, high, best = 0.0, max(seconds, 1e-9) / peak, None  # λ's scale: the plan's seconds per byte
-    growths = 0
+    seen = {(seconds, peak)}  # the plans found, as (seconds, peak)
+    low, best = _grown(g, search, budget, max(seconds, 1e-9) / peak, seen)  # λ's scale: the plan's seconds per byte
+    seconds, choice, peak, lam = _bisected(g, search, budget, low, best, stop, seen)
+    return search.solved(choice, seconds, peak, f"memory weight {lam:.3g} s/byte to fit the budget")
+
+
+def _grown(g: SearchGraph, search: _Recursive, budget: float, high: float, seen: set) -> tuple[float, tuple]:
+    """λ grown from `high` (four times each time) until the plan fits `budget`: the last λ whose plan
+    did not fit and `(seconds, choice, peak, λ)` of the first that does. Where the plan stands still
+    while the bytes over the budget already weigh `_SATURATED` times its seconds, more weight only
+    breaks ties: no plan fits (`Infeasible`), rather than `_GROWTHS` runs more of the same plan. Each
+    plan found joins `seen`."""
+    low, growths, last = 0.0, 0, None
     while growths < _GROWTHS:
         choice, seconds = search.run(high)
         peak, t = g.peak(choice)
+        seen.add((seconds, peak))
         if peak <= budget:
-            best = (seconds, choice, peak, high)
+            return low, (seconds, choice, peak, high)
+        if search.keep(t):  # new values held at this plan's peak are weighed at the same λ first
+            continue
+        if (seconds, peak) == last and high * (peak - budget) >= _SATURATED * seconds:
             break
-        if not search.keep(t):  # new values held at this plan's peak are weighed at the same λ first
-            low, high, growths = high, high * 4, growths + 1
-    if best is None:
-        raise Infeasible(f"the most memory-bound plan found holds {peak:.0f} bytes per device")
-    for _ in range(_BISECTIONS):  # a plan's seconds need not grow with λ: the fastest that fits is kept
-        if stop():
+        low, high, growths, last = high, high * 4, growths + 1, (seconds, peak)
+    raise Infeasible(f"the most memory-bound plan found holds {peak:.0f} bytes per device")
+
+
+def _bisected(g: SearchGraph, search: _Recursive, budget: float, low: float, best: tuple,
+              stop: Callable[[], bool], seen: set) -> tuple:
+    """λ bisected between `low` (its plan over `budget`) and `best`'s (it fits), the fastest plan
+    that fits kept (a plan's seconds need not grow with λ); `_BISECTIONS` runs at most, fewer where
+    `_STALE` runs in a row find no plan not in `seen` (the plans found before: the bisection has
+    narrowed onto the step between two plans it knows), or once `stop()` (the planning's deadline)."""
+    high, stale = best[3], 0
+    for _ in range(_BISECTIONS):
+        if stop() or stale >= _STALE:
             break
         mid = (low + high) / 2
         choice, seconds = search.run(mid)
         peak, _ = g.peak(choice)
+        stale = stale + 1 if (seconds, peak) in seen else 0
+        seen.add((seconds, peak))
+        search.bisections += 1
         if peak <= budget:
             high, best = mid, min(best, (seconds, choice, peak, mid), key=lambda b: b[0])
         else:
             low = mid
-    seconds, choice, peak, lam = best
-    return search.solved(choice, seconds, peak, f"memory weight {lam:.3g} s/byte to fit the budget")
+    return best
 
 
 class _Recursive:
@@ -142,13 +169,14 @@ class _Recursive:
         self.layout_lists: dict[tuple, int] = {}  # a list of layouts (one per candidate) -> its id
         self.tables: dict[tuple[int, int, int], np.ndarray] = {}  # (edge's value, both ends' layout lists) -> its table
         self.keep(int(replicated.argmax()))
-        self.runs = 0
+        self.runs = self.bisections = 0  # runs made, and of them the bisection's of λ
         self.ties: _Ties | None = None  # the classes of units decided as one, for the values kept now
         self.checks: _Ties | None = None  # ... and those of the boundary check: each unit its own but long runs' middles
         self.unit_classes = self.evaluations = 0  # summed over levels and runs (`SearchReport`)
+        self.shared: dict[Group, _Shared] = {}  # per level's axes, what its last level shares with the next run's
 
     def solved(self, choice: list[Assignment], seconds: float, peak: float, status: str) -> Solved:
-        return Solved(choice, seconds, peak, status, self.unit_classes, self.evaluations)
+        return Solved(choice, seconds, peak, status, self.unit_classes, self.evaluations, self.runs)
 
     def keep(self, t: int) -> bool:
         """Weighs (with λ) the values held at program point `t` too; whether any was new."""
@@ -472,20 +500,28 @@ class _Shared:
     boundary check (every unit its own class) weigh the same units on the same base, so the second
     reads what the first computed."""
 
-    def __init__(self, search: _Recursive, group: Group, base: list[Assignment]):
+    def __init__(self, search: _Recursive, group: Group, base: list[Assignment], lam: float,
+                 past: _Shared | None = None):
         self.g, self.group, self.base = search.g, group, base
-        self._layout_lists, self._tables = search.layout_lists, search.tables
-        self._kinds: dict[tuple, int] = {}
         self._by_id: dict[tuple[int, int], int] = {}  # (unit structure, id() of its base assignment) -> kind
+        self.own: dict[tuple, np.ndarray]  # (kind, bytes it keeps) -> its unary, at λ
+        if past is not None:  # the same axes in an earlier run: all but its base and λ's costs read again
+            self.__dict__.update({k: v for k, v in past.__dict__.items() if k not in ("base", "_by_id", "own")})
+            self.own = self._own.setdefault(lam, {})
+            return
+        self._layout_lists, self._tables = search.layout_lists, search.tables  # the search's: every run's
+        self._kinds: dict[tuple, int] = {}  # (unit structure, base assignment's items) -> kind
         self._cands: dict[int, list[Assignment]] = {}  # kind -> its candidates
         self.specs: dict[tuple[int, int], list] = {}  # (kind, operand) -> its layout under each candidate
         self._specs_id: dict[tuple[int, int], int] = {}  # ... and that list's id (`_Recursive.layout_lists`)
         self.moves: dict[tuple, np.ndarray] = {}  # (edge's value, both ends' (kind, operand)) -> the edge's table
-        self.own: dict[tuple, np.ndarray] = {}  # (kind, bytes it keeps) -> its unary
+        self._own: dict[float, dict] = {}  # λ -> `own`
+        self.own = self._own.setdefault(lam, {})
         self.folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `_Level._fold`'s, by the arrays' bytes
         # The core's classes and cost evaluations (`_Level._prepare_core`), by contents: a level
-        # barred from another (`_Recursive._closed`) or its boundary check holds mostly the same
-        # arrays, so its core reads what the levels before it evaluated.
+        # barred from another (`_Recursive._closed`), its boundary check or the same axes' level of a
+        # later run (another λ, or another base) holds mostly the same arrays, so its core reads what
+        # the levels before it evaluated.
         self.contents: dict[tuple, int] = {}  # an array's shape and bytes -> its id
         self.seen: dict[tuple[int, bool], tuple[np.ndarray, int]] = {}  # (id(), transposed) -> the array, held, and its id
         self.classes: dict[tuple, int] = {}  # a core unit's contents -> its class
@@ -612,7 +648,9 @@ class _Level:
         self.reps, count = ties.reps, ties.count
         # Units of one structure on one base (identical layers) share their candidates, costs and
         # tables; `like` (a level on the same base, axes and λ) lends what it computed of them.
-        shared = self._shared = _Shared(search, group, base) if like is None else like._shared
+        shared = self._shared = (_Shared(search, group, base, lam, search.shared.get(group)) if like is None
+                                 else like._shared)
+        search.shared[group] = shared
         kinds = shared.kinds(self.reps)
         self.cands = [shared.candidates(k, kind) for k, kind in zip(self.reps, kinds)]
         own, kept = shared.own, search.kept_bytes

@@ -89,6 +89,9 @@ class SearchReport:
       planning_seconds: the search's own time.
       compiled_peak_bytes: with a budget and devices present, what the compiled program holds per
         device (XLA's memory analysis), else None.
+      compile_seconds: with them, the seconds XLA took to compile that program, else None: its
+        executable is the one calls run (`Program.compiled`), the compile a first call would make,
+        so it is part of planning's time but not planning's own work.
       budget_from: where the budget came from: `"memory_budget"`, or the device whose memory it is
         (`parallelize` without `memory_budget`).
       unit_classes: the recursive search's distinct units of the heuristic core, summed over its
@@ -97,6 +100,8 @@ class SearchReport:
       evaluations: the recursive search's cost evaluations in the core (a unit's cost per candidate
         against its neighbours' picks, a pair's joint move), each computed once per class and picks,
         summed over its levels and runs; does not grow with an unrolled loop's depth. None for the ILP.
+      runs: the recursive search's runs, each a descent at one memory weight (without a budget one or
+        two; under one that binds, its growth and bisection). None for the ILP.
       recompute: with `jshard.recompute(policy="auto")` regions, each policy weighed for all of
         them at once (`Weighed`).
       regions: with such regions, the policy each got (`RegionChoice`): the least recompute whose
@@ -134,10 +139,12 @@ class SearchReport:
     candidates: int
     planning_seconds: float
     compiled_peak_bytes: float | None = None
+    compile_seconds: float | None = None
     budget_from: str = "memory_budget"
     recompute: tuple[Weighed, ...] = ()
     unit_classes: int | None = None
     evaluations: int | None = None
+    runs: int | None = None
     regions: tuple[RegionChoice, ...] = ()
     optimizer: tuple[Weighed, ...] = ()
     offload: tuple[Weighed, ...] = ()
@@ -207,6 +214,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     combined: bool = True,
     passed: Callable[[], bool] | None = None,
     check: Callable[[], None] | None = None,
+    memo: _seeded.Memo | None = None,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -239,6 +247,8 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         search then makes no further run once it has a plan that fits (`_recursive.solve`).
       check: read between the search's units of work (a seed's moves, the recursive search's
         levels): raises, out of the search, where the planning stops it (`Planning.check`).
+      memo: where the seeds' propagations are kept across the searches of one planning session
+        (`_seeded.Memo`), or None.
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget` (and, with `compiled`, there is
@@ -250,7 +260,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     least = budget is not None and _least_peak(g) > budget
     if least and (not compiled or _boundary_peak(g) > budget):  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
-    made = (_seeded.seeds(g, args, outvars, fixed, batch, budget, only=as_seeded)
+    made = (_seeded.seeds(g, args, outvars, fixed, batch, budget, only=as_seeded, memo=memo)
             if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
     # the seeds moved to fit the budget, where the search weighs them (not as made, nor where nothing fits)
     fitted = [] if as_seeded is not None or least else [
@@ -284,7 +294,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     others = () if budget is None or as_seeded is not None else _others(made, choice)
     report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
                           candidates, time.perf_counter() - start, unit_classes=solved.unit_classes,
-                          evaluations=solved.evaluations, kept=kept, seeds=others)
+                          evaluations=solved.evaluations, runs=solved.runs, kept=kept, seeds=others)
     return result, report
 
 
@@ -320,7 +330,7 @@ def _better(solved: Solved, seed: Solved | None) -> Solved:
         return solved
     return dataclasses.replace(seed, status=f"{seed.status}: it predicts {_time(seed.seconds)} per call, the recursive "
                                f"search's plan {_time(solved.seconds)} ({solved.status})",
-                               unit_classes=solved.unit_classes, evaluations=solved.evaluations)
+                               unit_classes=solved.unit_classes, evaluations=solved.evaluations, runs=solved.runs)
 
 
 def _split(g: SearchGraph, solved: Solved, data: Solved | None) -> Solved:
@@ -336,7 +346,7 @@ def _split(g: SearchGraph, solved: Solved, data: Solved | None) -> Solved:
     return dataclasses.replace(data, status=(
         f"{data.status}: the search's plan ({solved.status}) leaves each device {share:.0%} of the work and predicts "
         f"{_time(solved.seconds)} per call against its {_time(data.seconds)}, less than {MEASURABLY:.0%} faster"),
-        unit_classes=solved.unit_classes, evaluations=solved.evaluations)
+        unit_classes=solved.unit_classes, evaluations=solved.evaluations, runs=solved.runs)
 
 
 def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: float, seed: Solved | None = None,

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,22 +42,27 @@ FULLY_SHARDED = "the fully-sharded plan"
 """`SearchReport.status`'s start where a search kept the fully-sharded plan (`experts`)."""
 SEEDS = (PROPAGATED, DATA_PARALLEL, FULLY_SHARDED)
 """The plans a search weighs beside its own (`seeds`)."""
+Memo = Callable[[Hashable, Callable[[], Result], Any], Result]
+"""A planning session's store (`compile`'s `Planning.kept`: one cost model): `memo(key, make, holds)`
+is `make()` made once per key, `holds` (what ids in `key` stand for) held meanwhile. The searches of one traced program that its weighings make (each
+offload placement, say) propagate the same seeds: the graphs differ in their memory model only."""
 
 
 def seeds(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence,
-          budget: float | None, only: str | None = None) -> list[Solved]:
+          budget: float | None, only: str | None = None, memo: Memo | None = None) -> list[Solved]:
     """The plan propagated from the anchors (`propagated`, as propagated) and, under a `budget`, the
     expert plans around them (`experts`: not without one, where they would add seconds to planning
     a deep unrolled step: 5.3 s of the 96-layer GPT-3-shaped step on 1024 devices), each as made
     (its estimated peak may be over `budget`: `fit_budget` moves it); `only`: the one of that status
-    alone (a seed asked for as made: `search(as_seeded=...)`), where it is made."""
-    found = [propagated(g, args, outvars, fixed, budget, fit=False) if only in (None, PROPAGATED) else None,
-             *(experts(g, args, outvars, fixed, batch, only) if budget is not None and only != PROPAGATED else ())]
+    alone (a seed asked for as made: `search(as_seeded=...)`), where it is made; `memo`: where the
+    propagations are kept (`Memo`), if anywhere."""
+    found = [propagated(g, args, outvars, fixed, budget, fit=False, memo=memo) if only in (None, PROPAGATED) else None,
+             *(experts(g, args, outvars, fixed, batch, only, memo) if budget is not None and only != PROPAGATED else ())]
     return [s for s in found if s is not None]
 
 
 def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence,
-            only: str | None = None) -> list[Solved]:
+            only: str | None = None, memo: Memo | None = None) -> list[Solved]:
     """The data-parallel and the fully-sharded plan around the anchors (`fixed`, kept): the `batch`
     arguments' rows cut over every mesh axis (as many, major first, as divide them), the other
     arguments whole (`DATA_PARALLEL`) or each cut over every mesh axis on its largest dim they
@@ -72,7 +78,8 @@ def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, b
         if only not in (None, status):
             continue
         anchors = {**fixed, **rows, **{v: lay(v, g.axis_size) for v in state}}
-        result = propagate_globally(g.nodes, anchors, [], g.axis_size, g.cost, outputs=outvars)
+        result = _kept(memo, (status, g, anchors, (), False), lambda: propagate_globally(
+            g.nodes, anchors, [], g.axis_size, g.cost, outputs=outvars))
         choice = choice_of(g, result)
         found.append(Solved(choice, g.seconds(choice), g.peak(choice)[0], status))
     return found
@@ -100,21 +107,33 @@ def _largest_dim(v, axis_size: Mapping[str, int]) -> Spec:
 
 
 def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping,
-               budget: float | None, fit: bool = True) -> Solved | None:
+               budget: float | None, fit: bool = True, memo: Memo | None = None) -> Solved | None:
     """The plan propagated from the anchors (`fixed` arguments and the program's sharding
     constraints) as a choice per unit, its seconds and peak, moved to fit `budget` where it does not
     (`fit_budget`; with `fit` False, as propagated whatever its estimated peak); None where the
-    program has no anchor that cuts an array, or no move fits it."""
+    program has no anchor that cuts an array, or no move fits it; `memo`: as `seeds`'."""
     cut = any(axes for spec in fixed.values() for axes in spec)  # a whole array anchors nothing
     if not cut and not any(node.primitive == CONSTRAINT for node in g.nodes):
         return None
     free = [v for v in args if v not in fixed and shape_of(v)]
     # under a budget, of the free arguments' layouts whose seconds tie, the one of fewest bytes
-    result = propagate_globally(g.nodes, fixed, free, g.axis_size, g.cost, outputs=outvars, lean=budget is not None)
+    lean = budget is not None
+    result = _kept(memo, (PROPAGATED, g, fixed, tuple(free), lean), lambda: propagate_globally(
+        g.nodes, fixed, free, g.axis_size, g.cost, outputs=outvars, lean=lean))
     choice = choice_of(g, result)
     peak, _ = g.peak(choice)
     solved = Solved(choice, g.seconds(choice), peak, PROPAGATED)
     return fit_budget(g, solved, budget) if fit else solved
+
+
+def _kept(memo: Memo | None, key: tuple, make: Callable[[], Result]) -> Result:
+    """`make()`, through `memo` where there is one: `key` is `(status, graph, anchors, free,
+    lean)`, the graph standing for its program (its nodes, by identity) and mesh."""
+    if memo is None:
+        return make()
+    status, g, anchors, free, lean = key
+    return memo(("seed", status, id(g.nodes), tuple(g.axis_size.items()), frozenset(anchors.items()), free, lean),
+                make, g.nodes)
 
 
 def fit_budget(g: SearchGraph, solved: Solved, budget: float | None,
