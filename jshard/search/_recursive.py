@@ -43,6 +43,7 @@ import collections
 import heapq
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -69,7 +70,7 @@ _ROUNDS = 2  # ... runs found on the units' structure refined by their neighbour
 _PERIODS = 16  # ... among the commonest periods
 _MARGIN = 1  # ... the boundary check: layers beside those decided on their own at each end, each on its own too
 _WAVES = 3  # ... and its rounds at most: the middle layers take the choice of the layers beside them
-_UNSEEN = object()  # a key not yet in a cache whose values may be None
+_UNSEEN: Any = object()  # a key not yet in a cache whose values may be None
 
 
 def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True,
