@@ -77,3 +77,16 @@ def test_cudnn_attention_is_planned_cut_not_gathered(cudnn_traceable):
     assert len(fused) == 2 and all(r.ruled and not r.comms for r in fused)
     assert all(r.in_specs[0][0] is not None for r in fused)  # each device attends its own rows
     assert plan.predicted_bytes() == 256 * 256 * 2 + 4  # the weight's gradient and the loss all-reduced, nothing gathered
+
+
+def test_cudnn_grouped_query_attention_keeps_the_heads_whole(cudnn_traceable):
+    """The kernel's partitioning refuses queries, keys and values cut apart, and grouped-query
+    attention's key/value heads cannot take the queries' cut: only the batch is cut."""
+    q, kv = jnp.ones((8, 128, 4, 64), jnp.bfloat16), jnp.ones((8, 128, 2, 64), jnp.bfloat16)
+    loss = lambda q, kv: jax.nn.dot_product_attention(q, kv, kv, implementation="cudnn").astype(jnp.float32).sum()
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(q, kv)  # differentiated: the kernels' primitives in the open
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_product_attention_fwd_wrapper"]
+    f = RULES[eqn.primitive.name](eqn)
+    (batch,) = (i for i, size in enumerate(f.sizes) if size == 8)
+    assert f.inputs[0] == f.inputs[1] == f.inputs[2] == ((batch,), (), (), ())
+    assert f.flops == 4 * 8 * 4 * 128 * 128 * 64  # no mask: every tile

@@ -3,7 +3,8 @@ implementation="cudnn")` calls on NVIDIA GPUs: its forward and backward primitiv
 
 Each batch row and each head attends on its own, so the batch dim and the heads may be cut (XLA
 partitions the kernel over them: JAX registers it with `custom_partitioning`); the sequence and
-the head_dim stay whole. Grouped-query attention (fewer key/value heads than query heads) keeps
+the head_dim stay whole. The queries, keys and values are cut alike (the kernel's partitioning
+refuses them cut apart), so grouped-query attention (fewer key/value heads than query heads) keeps
 the heads whole. Operands are told apart by shape: queries-like `[batch, length, heads, head_dim]`
 (the queries, the output and its cotangent, the queries' gradient), keys-like `[batch, keys,
 kv_heads, head_dim]`, the softmax statistics `[batch, heads, length]`; anything else (a bias, a
@@ -33,12 +34,12 @@ def fused_attention(eqn: jcore.JaxprEqn) -> Factors:
     if len(q) != 4 or len(k) != 4 or eqn.params.get("layout") != BTNH:
         return b.build([_whole(v) for v in eqn.invars], [_whole(v) for v in eqn.outvars])
     (batch, length, heads, head_dim), (_, keys, kv_heads, _) = q, k
-    n, h = b.new(batch), b.new(heads)
-    shared = h if kv_heads == heads else None
+    n = b.new(batch)
+    h: DimFactors = (b.new(heads),) if kv_heads == heads else ()  # cut only where q, k and v can share it
     forms: dict[tuple[int, ...], tuple[DimFactors, ...]] = {
-        (batch, heads, length): ((n,), (h,), ()),
-        (batch, keys, kv_heads, head_dim): ((n,), (), (shared,) if shared is not None else (), ()),
-        (batch, length, heads, head_dim): ((n,), (), (h,), ()),
+        (batch, heads, length): ((n,), h, ()),
+        (batch, keys, kv_heads, head_dim): ((n,), (), h, ()),
+        (batch, length, heads, head_dim): ((n,), (), h, ()),
     }  # the queries' form last: where queries and keys are alike, theirs wins
 
     def of(v) -> tuple[DimFactors, ...]:
