@@ -295,9 +295,9 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
     all-reduce starts once its operand is made) and with `COPIES` copies where the batch's rows
     divide: each candidate traced (the fusion alone changes no trace: `communication_read`) and
     searched, and the fastest by the search's predicted seconds built (held to the budget as every
-    weighing is: `fastest_that_fits`); ties keep the plan as traced. Where nothing overlaps, copies and split all-reduces only add latency: they are weighed
-    only where no one-copy plan fits the budget (each copy holds the activations of `1/n` of the
-    batch). `Plan.communication` lists what was weighed and why one won."""
+    weighing is: `fastest_that_fits`); ties keep the plan as traced. Where nothing overlaps, copies
+    and split all-reduces only add latency: they are weighed only where no one-copy plan fits the
+    budget (each copy holds the activations of `1/n` of the batch). `Plan.communication` lists what was weighed and why one won."""
     cost = s.options.costs
     candidates: list[Communication | None] = [None]
     if cost.overlap:

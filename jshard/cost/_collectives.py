@@ -162,8 +162,12 @@ def _finer(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> bool:
 
 def local_bytes(shape: Sequence[int], itemsize: int, spec: Spec, axis_size: Mapping[str, int]) -> float:
     """Bytes of one device's slice of a value laid out by `spec`."""
-    cut = math.prod(axis_size[a] for axes in spec for a in axes)
-    return math.prod(shape) * itemsize / cut
+    return math.prod(shape) * itemsize / _slices(spec, axis_size)
+
+
+def _slices(spec: Spec, axis_size: Mapping[str, int]) -> int:
+    """How many slices `spec` cuts a value into (the mesh axes it cuts over, multiplied)."""
+    return math.prod(axis_size[a] for axes in spec for a in axes)
 
 
 def redistribution(
@@ -201,7 +205,7 @@ def _route(src: Spec, dst: Spec, sizes: tuple[tuple[str, int], ...],
     for stage in stages(src, dst, axis_size, alltoall):
         moved += _step(at, stage, axis_size)
         at = stage
-    return tuple((kind, math.prod(axis_size[a] for axes in layout for a in axes), axes) for kind, layout, axes in moved)
+    return tuple((kind, _slices(layout, axis_size), axes) for kind, layout, axes in moved)
 
 
 def _step(src: Spec, dst: Spec, axis_size: Mapping[str, int]) -> list[_Moved]:

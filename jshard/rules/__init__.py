@@ -4,8 +4,8 @@ The contract a rule keeps (written where rules register, in `_factors.py`): a ru
 equation and returns its `Factors` (every operand dim as a product of factors; dims sharing a
 factor are cut alike; `reduced` factors leave partial sums); it never looks at a mesh. One family
 per module: dot, elementwise, reduce, shape ops, gather/scatter, conv, window, control flow, PRNG
-keys, batched linear algebra and FFT, cuDNN's fused attention, misc. `FALLBACKS` names the primitives no rule covers and why.
-Importing this package registers every family.
+keys, batched linear algebra and FFT, cuDNN's fused attention, misc. `FALLBACKS` names the
+primitives no rule covers and why. Importing this package registers every family.
 """
 
 from jshard.rules import _attention as _attention  # noqa: F401  (each family registers its rules on import)

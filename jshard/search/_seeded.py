@@ -44,8 +44,9 @@ SEEDS = (PROPAGATED, DATA_PARALLEL, FULLY_SHARDED)
 """The plans a search weighs beside its own (`seeds`)."""
 Memo = Callable[[Hashable, Callable[[], Result], Any], Result]
 """A planning session's store (`compile`'s `Planning.kept`: one cost model): `memo(key, make, holds)`
-is `make()` made once per key, `holds` (what ids in `key` stand for) held meanwhile. The searches of one traced program that its weighings make (each
-offload placement, say) propagate the same seeds: the graphs differ in their memory model only."""
+is `make()` made once per key, `holds` (what ids in `key` stand for) held meanwhile. The searches
+of one traced program that its weighings make (each offload placement, say) propagate the same
+seeds: the graphs differ in their memory model only."""
 
 
 def seeds(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, batch: Sequence,
@@ -78,7 +79,7 @@ def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, b
         if only not in (None, status):
             continue
         anchors = {**fixed, **rows, **{v: lay(v, g.axis_size) for v in state}}
-        result = _kept(memo, (status, g, anchors, (), False), lambda: propagate_globally(
+        result = _kept(memo, g, status, anchors, (), False, lambda: propagate_globally(
             g.nodes, anchors, [], g.axis_size, g.cost, outputs=outvars))
         choice = choice_of(g, result)
         found.append(Solved(choice, g.seconds(choice), g.peak(choice)[0], status))
@@ -118,7 +119,7 @@ def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping
     free = [v for v in args if v not in fixed and shape_of(v)]
     # under a budget, of the free arguments' layouts whose seconds tie, the one of fewest bytes
     lean = budget is not None
-    result = _kept(memo, (PROPAGATED, g, fixed, tuple(free), lean), lambda: propagate_globally(
+    result = _kept(memo, g, PROPAGATED, fixed, tuple(free), lean, lambda: propagate_globally(
         g.nodes, fixed, free, g.axis_size, g.cost, outputs=outvars, lean=lean))
     choice = choice_of(g, result)
     peak, _ = g.peak(choice)
@@ -126,12 +127,13 @@ def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping
     return fit_budget(g, solved, budget) if fit else solved
 
 
-def _kept(memo: Memo | None, key: tuple, make: Callable[[], Result]) -> Result:
-    """`make()`, through `memo` where there is one: `key` is `(status, graph, anchors, free,
-    lean)`, the graph standing for its program (its nodes, by identity) and mesh."""
+def _kept(memo: Memo | None, g: SearchGraph, status: str, anchors: Mapping, free: tuple, lean: bool,
+          make: Callable[[], Result]) -> Result:
+    """`make()`, the seed `status` propagated on `g` from `anchors` (`free`, `lean`: as
+    `propagate_globally` takes them), through `memo` where there is one: keyed by the graph's
+    program (its nodes, by identity, held meanwhile) and mesh."""
     if memo is None:
         return make()
-    status, g, anchors, free, lean = key
     return memo(("seed", status, id(g.nodes), tuple(g.axis_size.items()), frozenset(anchors.items()), free, lean),
                 make, g.nodes)
 
