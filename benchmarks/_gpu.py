@@ -39,7 +39,9 @@ PEAKS = {"TF32": 494.7, "BF16": 989.4, "FP32": 66.9}
 _DTYPES = ("float32", "bfloat16")
 QUICK = ("bfloat16 only, the reference GPT at 8 layers, d_model 4096, 32 heads, d_ff 16384, seq_len 1024, "
          "batch 8 (1.9 B parameters: large enough that its matmuls, not its elementwise work, set the step "
-         "time), variants cudnn then base, 4 rounds of 4 steps, a 250 s budget (base is not started past it)")
+         "time), the residual stream's gradient fenced (`GPTConfig(fence_grads=True)`), variants cudnn then base, "
+         "4 rounds of 4 steps, a 250 s budget (base is not started past it)")
+FENCED = "the residual stream's gradient fenced (`GPTConfig(fence_grads=True)`, under both programs), "
 VARIANTS = ("base", "cudnn", "offload", "recompute")
 QUICK_VARIANTS = ("cudnn", "base")
 """`--quick` runs these, in this order: each first call compiles a new program (about 95 s on an H100 at
@@ -59,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--scan", action="store_true", help="the scanned stack (GPTConfig(scan=True))")
+    p.add_argument("--fence-grads", action="store_true",
+                   help="the residual stream's gradient made whole at each residual add (GPTConfig(fence_grads=True))")
     p.add_argument("--dtypes", default=",".join(_DTYPES), help="comma-separated: float32, bfloat16")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per program after the first call")
     p.add_argument("--rounds", type=int, default=7)
@@ -84,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.layers, args.d_model, args.heads, args.d_ff, args.seq, args.batch, args.vocab = 8, 4096, 32, 16384, 1024, 8, 32768
         args.dtypes, args.variants, args.warmup, args.rounds, args.steps = "bfloat16", ",".join(QUICK_VARIANTS), 2, 4, 4
+        args.fence_grads = True
         args.budget_s = 250.0 if args.budget_s is None else args.budget_s
     unknown = set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
@@ -137,7 +142,8 @@ def _config(args):
     from jshard import models
 
     cfg = models.GPTConfig(vocab=args.vocab, seq_len=args.seq, d_model=args.d_model, n_heads=args.heads,
-                           n_layers=args.layers, d_ff=args.d_ff, scan=args.scan)
+                           n_layers=args.layers, d_ff=args.d_ff, scan=args.scan,
+                           fence_grads=args.fence_grads)
     return cfg, args.batch
 
 
@@ -153,7 +159,8 @@ def _sizes(cfg, batch: int) -> dict[str, Any]:
     tokens = batch * cfg.seq_len
     flops = 6 * n * tokens + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len * tokens
     config = {"vocab": cfg.vocab, "seq_len": cfg.seq_len, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
-              "n_layers": cfg.n_layers, "d_ff": cfg.d_ff, "scan": cfg.scan, "batch": batch, "optimizer": "adam"}
+              "n_layers": cfg.n_layers, "d_ff": cfg.d_ff, "scan": cfg.scan, "fence_grads": cfg.fence_grads,
+              "batch": batch, "optimizer": "adam"}
     return {"config": config, "params": total, "flop_params": n, "tokens_per_step": tokens,
             "model_flops_per_step": flops, "flops_formula": FLOPS_FORMULA}
 
@@ -548,6 +555,7 @@ def gpu_section(path: Path = RESULTS) -> str:
         f"(jaxlib {r.get('jaxlib', '?')}), jshard commit {r.get('jshard_commit', '?')}.",
         "",
         f"- model: the reference GPT (`jshard.models`, {'scanned' if c['scan'] else 'unrolled'} blocks), "
+        f"{FENCED if c.get('fence_grads') else ''}"
         f"{c['n_layers']} layers, d_model {c['d_model']}, {c['n_heads']} heads, d_ff {c['d_ff']}, "
         f"vocab {c['vocab']}, seq_len {c['seq_len']}, batch {c['batch']}; {r['params']:,} parameters, Adam; "
         f"{r['tokens_per_step']:,} tokens/step",

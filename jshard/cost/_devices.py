@@ -38,9 +38,10 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
     # then the matmul rate and memory bandwidth. The H100's are measured on one H100 SXM 80GB
     # (benchmarks/gpu_results.json: a bf16 8192^3 product under jax.jit, 711 TFLOP/s, 72% of the peak;
     # a jitted elementwise pass over 1 GiB, 2504 GB/s read + written, 75% of the 3.35 TB/s data
-    # sheet); the others' are their data sheets' (peak and HBM bandwidth), not yet measured.
+    # sheet); the H200's on one H200 (2026-11-28, `python -m benchmarks._gpu --quick`: 653 TFLOP/s, 66%;
+    # 3079 GB/s, 64% of 4.8 TB/s); the others' are their data sheets' (peak and HBM bandwidth), not yet measured.
     "H100": DeviceKind(989e12, 450e9, 80.0 * GiB, 64e9, 711e12, 2504e9),
-    "H200": DeviceKind(989e12, 450e9, 141e9, 64e9, 989e12, 4.8e12),
+    "H200": DeviceKind(989e12, 450e9, 141e9, 64e9, 653e12, 3079e9),
     "A100": DeviceKind(312e12, 300e9, 80.0 * GiB, 32e9, 312e12, 2.039e12),
     "GH200": DeviceKind(989e12, 450e9, 96e9, 450e9, 989e12, 4.0e12),
 }

@@ -38,7 +38,10 @@ class GPTConfig:
     context parallel in `context_form` (`"auto"`, `"gather"`, `"ring"`, `"ulysses"`); None: the
     attention as einsums and a softmax, laid out by the plan, or, with `attention_implementation`
     (`"xla"`, `"cudnn"`: cuDNN's fused flash attention on NVIDIA GPUs), as
-    `jax.nn.dot_product_attention(..., is_causal=True, implementation=attention_implementation)`."""
+    `jax.nn.dot_product_attention(..., is_causal=True, implementation=attention_implementation)`.
+    `fence_grads`: the residual stream's gradient is made whole at each residual add (`fence`): the
+    same values; on GPUs, XLA's fusion otherwise recomputes the gradient's chain of layer norms
+    through every later block in each of its consumers (`benchmarks._gpu_profile`)."""
 
     vocab: int = 32
     seq_len: int = 16
@@ -52,6 +55,7 @@ class GPTConfig:
     context: tuple[int, ...] | None = None
     context_form: str = "auto"
     attention_implementation: Literal["xla", "cudnn"] | None = None
+    fence_grads: bool = False
 
 
 def gpt_split_problems(cfg: GPTConfig, preset: Preset, batch: int) -> list[str]:
@@ -147,8 +151,30 @@ def _feed_forward(p: dict, x: jax.Array, preset: Preset | None) -> jax.Array:
     return _matmul(preset, "row")(h, p["w_down"])
 
 
+@jax.custom_vjp
+def fence(x: jax.Array) -> jax.Array:
+    """`x` itself; its gradient passes `lax.optimization_barrier`, so the compiler computes that
+    gradient once, as one array, instead of fusing the computation that makes it into each of its
+    consumers (XLA's GPU backend does, through a chain of blocks' layer norms: each block's
+    gradient recomputed from every later block's, quadratic in depth)."""
+    return x
+
+
+def _fence_forward(x: jax.Array) -> tuple[jax.Array, None]:
+    return x, None
+
+
+def _fence_backward(_, g: jax.Array) -> tuple[jax.Array]:
+    return (jax.lax.optimization_barrier(g),)
+
+
+fence.defvjp(_fence_forward, _fence_backward)
+
+
 def _block(p: dict, x: jax.Array, cfg: GPTConfig, preset: Preset | None) -> jax.Array:
-    x = x + _attention(p, layer_norm(x, p["ln1"]), cfg, preset)
+    held = fence if cfg.fence_grads else (lambda v: v)
+    x = held(x)
+    x = held(x + _attention(p, layer_norm(x, p["ln1"]), cfg, preset))
     return x + _feed_forward(p, layer_norm(x, p["ln2"]), preset)
 
 
