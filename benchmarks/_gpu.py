@@ -621,7 +621,21 @@ def gpu_section(path: Path = RESULTS) -> str:
         "trace (+ jshard's plan) + compile + one step.",
     ]
     lines += [f"- {n}" for n in notes]
+    profile = path.parent / "gpu_profile.json"
+    if profile.exists():
+        lines.append(f"- {profile_note(json.loads(profile.read_text()))}")
     return "\n".join(lines) + "\n"
+
+
+def profile_note(p: dict[str, Any]) -> str:
+    """One line on the kernels of a profiled step (`benchmarks/gpu_profile.json`, written by
+    `python -m benchmarks._gpu_profile`)."""
+    kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in p["by_kind_ms"].items() if ms >= 0.5)
+    largest = p["top"][0]["name"] if p["top"] else "-"
+    return (f"where the step's kernels go (`{p['command']}`, {p['device']}, jax {p['jax']}, attention {p['attention']}, "
+            f"the residual stream's gradient {'fenced' if p.get('fence_grads') else 'not fenced'}): "
+            f"{p['kernel_ms_per_step']:.1f} ms of kernels per step ({p['step_ms_unprofiled']:.1f} ms unprofiled), "
+            f"by kind, ms: {kinds}; largest kernel {largest}. {p.get('finding', '')}").rstrip()
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="a small model: checks the script on a CPU")
     p.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"))
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--fence-grads", action="store_true", help="GPTConfig(fence_grads=True)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
 
     import jax
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         dict(vocab=32768, seq_len=1024, d_model=4096, n_heads=32, n_layers=8, d_ff=16384)
     batch_size = 4 if args.tiny else 8
     cfg = models.GPTConfig(**size)
-    cfg = dataclasses.replace(cfg, attention_implementation=args.attention)
+    cfg = dataclasses.replace(cfg, attention_implementation=args.attention, fence_grads=args.fence_grads)
     step = jax.jit(gpt_step(cfg), donate_argnums=(0, 1))
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), models.init_gpt(cfg, jax.random.key(0)))
     opt_state = optax.adam(1e-4).init(params)
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if not found:  # the device's processes are named otherwise: say which names there were
         names = sorted({e.get("args", {}).get("name", "") for e in trace["traceEvents"] if e.get("ph") == "M"})
         print(f"no kernels on processes named like {device!r}; processes: {names[:40]}", flush=True)
-    out = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "config": size, "batch": batch_size,
+    out = {"command": " ".join(["python -m benchmarks._gpu_profile", *(sys.argv[1:] if argv is None else argv)]),
+           "device": jax.devices()[0].device_kind, "fence_grads": args.fence_grads, "jax": jax.__version__, "config": size, "batch": batch_size,
            "attention": args.attention, "step_ms_unprofiled": step_ms, **summary(found, args.steps)}
     (args.out / "profile.json").write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k != "top"}, indent=1))

@@ -35,7 +35,8 @@ def predict(gpu: dict[str, Any]) -> dict[str, Any]:
 
     c = gpu["config"]
     cfg = models.GPTConfig(vocab=c["vocab"], seq_len=c["seq_len"], d_model=c["d_model"], n_heads=c["n_heads"],
-                           n_layers=c["n_layers"], d_ff=c["d_ff"], scan=c["scan"])
+                           n_layers=c["n_layers"], d_ff=c["d_ff"], scan=c["scan"],
+                           fence_grads=c.get("fence_grads", False))
     kind = next(k for k in ("H100", "H200", "A100", "GH200") if k in gpu["device"])
     cost = jshard.CostModel.for_device(kind)
     shapes = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)

@@ -70,7 +70,7 @@ def test_gpu_section_renders_from_results_json(tmp_path):
 
     import jax.numpy as jnp
 
-    from benchmarks import _gpu
+    from benchmarks import _gpu, _gpu_profile
 
     assert _gpu.gpu_section(tmp_path / "missing.json") == ""
     assert _gpu.dot_flops(lambda a, b: (a @ b).sum(), jnp.ones((4, 8)), jnp.ones((8, 2))) == {"float32 x float32": 128.0}
@@ -103,6 +103,31 @@ def test_gpu_section_renders_from_results_json(tmp_path):
     assert "compute 60.00 ms (60.00 TFLOP), collectives 0.00 ms, host link 4.00 ms" in text
     assert "python -m benchmarks._gpu --out x.json" in text and "2026-01-01" in text and "jax 0.11.2" in text
     assert "6·N·T + 12·L·d·S·T" in text
+    assert "where the step's kernels go" not in text  # no gpu_profile.json beside it
+    profile = {"command": "python -m benchmarks._gpu_profile --out d", "device": "NVIDIA H100 80GB HBM3", "jax": "0.11.2",
+               "attention": "cudnn", "fence_grads": False, "step_ms_unprofiled": 81.0,
+               **_gpu_profile.summary({"nvjet_gemm_a": (100_000.0, 20), "loop_add_fusion": (30_000.0, 40),
+                                       "cudnn_sdpa_fprop": (10_000.0, 2)}, steps=2)}
+    assert profile["kernel_ms_per_step"] == 70.0 and profile["by_kind_ms"] == {"matmul": 50.0, "elementwise fusion": 15.0,
+                                                                              "attention": 5.0}
+    (tmp_path / "gpu_profile.json").write_text(json.dumps(profile))
+    assert ("70.0 ms of kernels per step (81.0 ms unprofiled), by kind, ms: matmul 50.0, elementwise fusion 15.0, "
+            "attention 5.0; largest kernel nvjet_gemm_a") in _gpu.gpu_section(path)
+
+
+def test_gpu_profile_sums_the_device_kernels_of_a_chrome_trace():
+    from benchmarks import _gpu_profile
+
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "fusion_12", "dur": 5.0}, {"ph": "X", "pid": 1, "name": "fusion_12", "dur": 7.0},
+        {"ph": "X", "pid": 1, "name": "sm90_xmma_gemm_bf16", "dur": 20.0},
+        {"ph": "X", "pid": 2, "name": "PjRtStreamExecutorLoadedExecutable::Execute", "dur": 99.0}]}
+    assert _gpu_profile.kernels(trace, "/device:GPU") == {"fusion_12": (12.0, 2), "sm90_xmma_gemm_bf16": (20.0, 1)}
+    assert [_gpu_profile.kind(n) for n in ("cudnn_generated_fort_native_sdpa", "input_reduce_fusion_2",
+                                           "input_scatter_fusion", "memcpy128", "loop_add_fusion_12", "nccl")] == \
+        ["attention", "reduction fusion", "scatter / gather", "copy / transpose", "elementwise fusion", "other"]
 
 
 def test_search_rows_fit_their_budgets_and_render(mlp_rows):

@@ -123,3 +123,20 @@ def test_gpt_rules_cut_the_matrix_dims_of_stacked_weights():
     assert layouts["wq"] == layouts["w_up"] == preset.layout("None", "None", "mp")
     assert layouts["wo"] == layouts["w_down"] == preset.layout("None", "mp", "None")
     assert layouts["ln1"]["scale"] == preset.layout("None", "None")
+
+
+def test_fenced_gradients_are_the_same_values_and_plan_under_auto():
+    """`GPTConfig(fence_grads=True)`: the residual stream's gradient passes an optimization barrier at
+    each residual add (two per block) and nothing else changes: the same gradients, bit for bit under
+    `jax.jit`, and a plan under `mode="auto"` that equals one device."""
+    cfg = models.GPTConfig(n_layers=2)
+    fenced = dataclasses.replace(cfg, fence_grads=True)
+    params = models.init_gpt(cfg, jax.random.key(0))
+    batch = models.copy_task_batch(np.random.default_rng(0), cfg, 8)
+    grad = lambda c: jax.grad(lambda p, b: models.gpt_loss(p, b, c))
+    jaxpr = str(jax.make_jaxpr(grad(fenced))(params, batch))
+    assert jaxpr.count("optimization_barrier") == 2 * cfg.n_layers
+    plain, held = jax.jit(grad(cfg))(params, batch), jax.jit(grad(fenced))(params, batch)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(held)))
+    parallel = js.parallelize(grad(fenced), devices=8, mode="auto")(params, batch)
+    assert_close(parallel, held, terms=step_terms(params, batch))
