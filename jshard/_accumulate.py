@@ -304,10 +304,14 @@ def _micro(args: tuple, b: int, k: int) -> tuple[list, Any]:
 
 
 def _shapes(grad_fn, args: tuple, b: int, k: int):
-    """The shapes of `grad_fn`'s results on one micro-batch."""
-    micro, tree = _micro(args, b, k)
-    return jax.eval_shape(lambda batch: grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:]),
-                          [x[0] for x in micro])
+    """The shapes of `grad_fn`'s results on one micro-batch (cut inside the shape trace, so that the
+    cut leaves no unused equation in the caller's trace)."""
+
+    def first(batch):
+        micro, tree = _micro((batch,), 0, k)
+        return grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, [x[0] for x in micro]), *args[b + 1:])
+
+    return jax.eval_shape(first, args[b])
 
 
 def _summed(grad_fn, args: tuple, b: int, k: int, step: Callable[[Any], Any] | None = None, accumulator=None,
