@@ -230,26 +230,28 @@ def _reduced_once(grad_fn, args: tuple, b: int, k: int, n: int, axes: tuple[str,
     ways = math.prod(mesh.shape[a] for a in axes)
     in_specs = tuple(jax.tree.map(lambda _, i=i: PartitionSpec(axes) if i == b else PartitionSpec(), a)
                      for i, a in enumerate(args))
-    shapes = _shapes(grad_fn, args, b, k)
+    # the results' shapes ahead of the loop only where they are needed before it (the copies' bytes, the
+    # accumulator's cut, which lays out the loop's results): else `grad_fn` is traced once, in the loop
+    shapes = _shapes(grad_fn, args, b, k) if n > 1 or accumulator is not None else None
     if n > 1:  # the other copies' gradients, live until summed
         ctx.copy_bytes = (n - 1) * sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
-    cuts = _cuts(shapes, accumulator, call) if accumulator is not None else [None] * len(jax.tree.leaves(shapes))
-    dims = [_scatter_dim(sh, axes) for sh in cuts]
-    tree = jax.tree_util.tree_structure(shapes)
+    dims = None if accumulator is None else [_scatter_dim(sh, axes) for sh in _cuts(shapes, accumulator, call)]
 
     def scatter(out):  # each micro-batch's gradients the accumulator cuts
+        leaves, tree = jax.tree_util.tree_flatten(out)
         leaves = [x if d is None else jax.lax.psum_scatter(x, axes, scatter_dimension=d, tiled=True)
-                  for x, d in zip(jax.tree.leaves(out), dims)]
+                  for x, d in zip(leaves, dims)]
         return jax.tree_util.tree_unflatten(tree, leaves)
 
     def local(*shards):
-        total = jax.tree.leaves(_summed(grad_fn, shards, b, k, step=scatter))
-        kept = [i for i, d in enumerate(dims) if d is None]
+        out = _summed(grad_fn, shards, b, k, step=None if dims is None else scatter)
+        total, tree = jax.tree_util.tree_flatten(out)
+        kept = [i for i, d in enumerate(dims or [None] * len(total)) if d is None]
         if ctx.communication is None:
             summed = [jax.lax.psum(total[i], axes) for i in kept]
         else:  # flattening a leaf another mesh axis cuts would gather it: there, one all-reduce per leaf
             whole = all(size == 1 for a, size in mesh.shape.items() if a not in axes)
-            grads = _gradient_leaves(shapes, args[0])
+            grads = _gradient_leaves(out, args[0])  # the parameters' gradients: their shapes are the same here
             summed, ctx.buckets[:] = bucketed([total[i] for i in kept], axes, ctx.communication.of("allreduce"),
                                               whole, call, grads and [kept.index(i) for i in grads if i in kept])
         leaves = list(total)
@@ -258,9 +260,10 @@ def _reduced_once(grad_fn, args: tuple, b: int, k: int, n: int, axes: tuple[str,
         return jax.tree_util.tree_unflatten(tree, [t / (k * n * ways) if jnp.issubdtype(t.dtype, jnp.inexact) else t
                                                    for t in leaves])
 
-    out_specs = jax.tree_util.tree_unflatten(tree, [
-        PartitionSpec() if d is None else PartitionSpec(*(axes if i == d else None for i in range(len(s.shape))))
-        for s, d in zip(jax.tree.leaves(shapes), dims)])
+    out_specs = PartitionSpec() if dims is None else jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(shapes),
+        [PartitionSpec() if d is None else PartitionSpec(*(axes if i == d else None for i in range(len(s.shape))))
+         for s, d in zip(jax.tree.leaves(shapes), dims)])  # a lone spec: every result replicated
     # check_vma off: the carry starts invariant (zeros) and takes each device's own sums
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=frozenset(axes),
                          check_vma=False)(*args)
@@ -301,10 +304,14 @@ def _micro(args: tuple, b: int, k: int) -> tuple[list, Any]:
 
 
 def _shapes(grad_fn, args: tuple, b: int, k: int):
-    """The shapes of `grad_fn`'s results on one micro-batch."""
-    micro, tree = _micro(args, b, k)
-    return jax.eval_shape(lambda batch: grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, batch), *args[b + 1:]),
-                          [x[0] for x in micro])
+    """The shapes of `grad_fn`'s results on one micro-batch (cut inside the shape trace, so that the
+    cut leaves no unused equation in the caller's trace)."""
+
+    def first(batch):
+        micro, tree = _micro((batch,), 0, k)
+        return grad_fn(*args[:b], jax.tree_util.tree_unflatten(tree, [x[0] for x in micro]), *args[b + 1:])
+
+    return jax.eval_shape(first, args[b])
 
 
 def _summed(grad_fn, args: tuple, b: int, k: int, step: Callable[[Any], Any] | None = None, accumulator=None,

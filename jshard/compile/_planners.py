@@ -112,7 +112,7 @@ class PropagationPlanner:
         free = [v for v in t.invars if v not in anchors]
         movable = [t.invars[i] for i in problem.movable]
         return Planned(propagate_globally(t.nodes, anchors, free, t.axis_size, self.options.costs,
-                                          outputs=t.outvars, movable=movable))
+                                          outputs=t.outvars, movable=movable, table=t.table))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,9 +64,10 @@ class _Runs:
     """Propagations of one program from varying anchors, sharing its `OpTable` and the engine's
     choices of operators met in the same layouts."""
 
-    def __init__(self, nodes: Sequence[Node], axis_size: Mapping[str, int], cost: CostModel, outputs: Collection):
+    def __init__(self, nodes: Sequence[Node], axis_size: Mapping[str, int], cost: CostModel, outputs: Collection,
+                 table: OpTable | None = None):
         self.nodes, self.axis_size, self.cost, self.outputs = nodes, axis_size, cost, outputs
-        self.table = OpTable(nodes)
+        self.table = table or OpTable(nodes)
         self.moved = self.table.traffic(outputs) if cost.memory_bandwidth else {}
         self.streamed = dataclasses.replace(cost, latency=0.0, axes={a: (bw, 0.0) for a, (bw, _) in cost.axes.items()})
         self.memo: dict = {}
@@ -129,15 +130,17 @@ class _Runs:
 
 def propagate_globally(nodes: Sequence[Node], anchors: Mapping, free: Sequence, axis_size: Mapping[str, int],
                        cost: CostModel | None = None, outputs: Collection = (), movable: Collection = (),
-                       lean: bool = False) -> Result:
+                       lean: bool = False, table: OpTable | None = None) -> Result:
     """Propagation from `anchors` (var -> `Spec`), with the layouts of the `free` arguments (vars no
     anchor fixes) and of the `movable` ones (anchored vars a program may move once at the start:
     the batch on the default dataset cut, or given a lone strategy tuple) chosen for the least
     predicted cost of the whole program; see the module docstring. `outputs`: the program's results. With `lean` (a search under a memory
     budget), a free argument's layout that costs within the cost model's error of the best (neither
     `_Runs.cheaper` than the other) and holds the argument in fewer bytes per device is taken too:
-    the tied embedding cut by vocabulary, as the head takes it, rather than whole on every device."""
-    runs = _Runs(nodes, axis_size, cost or CostModel(), outputs)
+    the tied embedding cut by vocabulary, as the head takes it, rather than whole on every device.
+    `table`: the nodes' `OpTable` where one is at hand (the traced program's, which the search graph
+    reads too: its factors and memory traffic are then read once per program, not once per call)."""
+    runs = _Runs(nodes, axis_size, cost or CostModel(), outputs, table)
     fixed = dict(anchors)
     best = runs.run(fixed)
     weighed: dict = {}

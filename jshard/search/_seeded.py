@@ -80,7 +80,7 @@ def experts(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping, b
             continue
         anchors = {**fixed, **rows, **{v: lay(v, g.axis_size) for v in state}}
         result = _kept(memo, g, status, anchors, (), False, lambda: propagate_globally(
-            g.nodes, anchors, [], g.axis_size, g.cost, outputs=outvars))
+            g.nodes, anchors, [], g.axis_size, g.cost, outputs=outvars, table=g.table))
         choice = choice_of(g, result)
         found.append(Solved(choice, g.seconds(choice), g.peak(choice)[0], status))
     return found
@@ -120,7 +120,7 @@ def propagated(g: SearchGraph, args: Sequence, outvars: Sequence, fixed: Mapping
     # under a budget, of the free arguments' layouts whose seconds tie, the one of fewest bytes
     lean = budget is not None
     result = _kept(memo, g, PROPAGATED, fixed, tuple(free), lean, lambda: propagate_globally(
-        g.nodes, fixed, free, g.axis_size, g.cost, outputs=outvars, lean=lean))
+        g.nodes, fixed, free, g.axis_size, g.cost, outputs=outvars, lean=lean, table=g.table))
     choice = choice_of(g, result)
     peak, _ = g.peak(choice)
     solved = Solved(choice, g.seconds(choice), peak, PROPAGATED)
