@@ -288,3 +288,35 @@ def test_a_sequence_cut_stopped_at_the_deadline_leaves_the_plan_kept_whole_and_e
         "the time limit (60 s, search_time_limit) stopped the planning: not weighed: context parallel 1 (stopped while "
         "planned)",)
     assert_close(par(*args), jax.jit(step)(*args), terms=step_terms(*args) + 3 * 2048)
+
+
+def test_a_pipelines_stages_plan_on_one_deadline(clock, monkeypatch):
+    """`mode="auto"` with a pipeline plans each stage through `compile.build`; the time limit bounds
+    the step's planning, not each stage's. The first stage's planning takes 100 s of a 10 s limit
+    (the clock moved when its build returns): the second stage's search starts past the deadline,
+    and its report says by how much (on a clock of its own, it started afresh and said nothing)."""
+    from jshard.pipeline import _stagesearch
+
+    build = _stagesearch.build
+
+    def slow(*args, **kwargs):
+        program = build(*args, **kwargs)
+        clock.now += 100.0
+        return program
+
+    monkeypatch.setattr(_stagesearch, "build", slow)
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=(16, 16)) / 4, jnp.float32) for _ in range(4)]
+    batch = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x ** 2)
+
+    step = js.parallelize(loss, devices=8, mode="auto", pipeline=js.Pipelining(stages=2, micro_batches=2),
+                          search=js.Search(time_limit=10.0))
+    first, second = step.program(params, batch).cut.plans
+    late = "the time limit (10 s, search_time_limit) passed by"
+    assert not any(line.startswith(late) for line in first.search.skipped)
+    assert f"{late} 90 s (no plan was complete before it, the first complete one kept)" in second.search.skipped

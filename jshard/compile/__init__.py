@@ -20,6 +20,7 @@ from jshard.compile._planners import Planned as Planned
 from jshard.compile._planners import Planner as Planner
 from jshard.compile._planners import Problem as Problem
 from jshard.compile._program import Program as Program
+from jshard.compile._session import Planning as Planning
 from jshard.compile._signature import SignatureCache as SignatureCache
 from jshard.compile._signature import abstract as abstract
 from jshard.compile._signature import dtype_of as dtype_of

@@ -54,11 +54,14 @@ from jshard.layouts import (
 )
 
 
-def build(fn: Callable[..., Any], args: tuple, options: Options, call: str) -> Program:
+def build(fn: Callable[..., Any], args: tuple, options: Options, call: str,
+          planning: Planning | None = None) -> Program:
     """The `Program` of `fn` for the signature of `args` (on the user's mesh where there is one:
     `mesh=`, or the one `jax.set_mesh` made current). `Search.time_limit` counts from here: the
-    trace, every weighing and search, and building the plan all fall within it (`Planning`)."""
-    planning = Planning.of(options.search.time_limit)  # one clock for the whole of planning this signature
+    trace, every weighing and search, and building the plan all fall within it (`Planning`); or,
+    given `planning` (a pipeline's stage: `Planning.sharing`), from when that planning began."""
+    if planning is None:
+        planning = Planning.of(options.search.time_limit)  # one clock for the whole of planning this signature
     with collector_paused():
         return _build(fn, args, options, call, planning)
 

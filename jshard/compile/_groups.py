@@ -37,7 +37,8 @@ class Search:
       time_limit: seconds planning one input signature may take, all of it, counted from when
         `parallelize` first meets the signature (before tracing): tracing, every search and
         weighing (sequence cuts, recompute policies, optimizer levels, offload placements,
-        communication) and building the plan share this deadline. Near it a weighing starts no
+        communication) and building the plan share this deadline, as a pipeline's stages, each
+        searched on its own devices, share it with the cut. Near it a weighing starts no
         further candidate once one fits, and stops the one it is planning between units of work
         (the search's levels and moves, traces), dropping it whole: the plan kept is always one
         built whole, with time kept back to build it (measured on this planning's builds). Where

@@ -1,7 +1,9 @@
 """One signature's planning as a whole: its deadline and the plans already made.
 
 `Search(time_limit=...)` bounds the whole of planning one signature, not each search: one clock,
-started when `compile.build` meets the signature (before it traces), is read by every stage. The
+started when `compile.build` meets the signature (before it traces), is read by every stage. A
+pipeline plans each of its stages through `compile.build` in a session of its own on the step's
+one deadline (`Planning.sharing`), started when the pipeline meets the signature. The
 weighings (sequence cuts, offload placements, optimizer levels, communication, recompute policies,
 the seeds' compiled checks) each search again, and each asks the `Planning` session first.
 `Planning.plan` makes a planner's answer to a `Problem` once: a weighing that asks again for a
@@ -111,6 +113,12 @@ class Planning:
     def of(cls, time_limit: float, clock: Callable[[], float] | None = None) -> Planning:
         return cls(Deadline(time_limit) if clock is None else Deadline(time_limit, clock))
 
+    def sharing(self) -> Planning:
+        """A session of its own (searches, notes, plans made) on this one's deadline: a part of one
+        planning planned apart (a pipeline's stage, `compile.build` once each), so that the time
+        limit bounds the whole and not each part."""
+        return Planning(self.deadline)
+
     def time_left(self, limit: float) -> float:
         """The time a search (the ILP) may take: `limit`, or less where the deadline comes first, and at
         most `ILP_SHARE` of what is left (the weighings and checks after it need some)."""
@@ -144,10 +152,11 @@ class Planning:
     def built(self, since: float) -> None:
         """A candidate's program was built, or compiled, by work begun at `since` (on the deadline's
         clock): its tail, from the later of `since` and the last check to now, measured, the deadline
-        keeps back `RESERVE_FACTOR` times the longest tail for what follows its last check."""
+        keeps back `RESERVE_FACTOR` times the longest tail for what follows its last check (the
+        longest any session on it measured: `sharing`)."""
         now = self.deadline.clock()
         self._tail = max(self._tail, now - max(since, self._checked))
-        self.deadline.reserve = RESERVE_FACTOR * self._tail
+        self.deadline.reserve = max(self.deadline.reserve, RESERVE_FACTOR * self._tail)
         if self.completed is None:
             self.completed = now - self.deadline.start
 

@@ -25,6 +25,7 @@ from jshard._errors import DeviceCountError, ShardingError, api_boundary
 from jshard._format import shape_str
 from jshard.compile import (
     Options,
+    Planning,
     SignatureCache,
     abstract,
     dtype_of,
@@ -526,13 +527,14 @@ class Staged:
         return len(ctx.annotations)
 
     def _build(self, params, batch) -> _StagedEntry:
+        planning = Planning.of(self.options.search.time_limit)  # one clock for the step's planning, every stage's
         c, data_axes = self.pipeline, self._data_axes(params, batch)
         _check_batch(self.call, batch, c.micro_batches, self._size(data_axes))
         leaves, treedef = jax.tree_util.tree_flatten(abstract(params))
         _check_float_params(self.call, params)
-        staged = self._cut(abstract(params), self._micro(batch, data_axes))
+        staged = self._cut(abstract(params), self._micro(batch, data_axes), planning)
         if not data_axes and self.options.mode != "auto":
-            data_axes, staged = self._rows_cut(params, batch, staged)
+            data_axes, staged = self._rows_cut(params, batch, staged, planning)
         sched = build_schedule(c.schedule, stages=c.stages, micro_batches=c.micro_batches, virtual=c.virtual_stages)
         program = StagedProgram(staged, sched, self.mesh, tuple(leaves), data_axes)
         packed_sh = {name: NamedSharding(self.mesh, spec) for name, spec in program.specs().items()}
@@ -557,17 +559,18 @@ class Staged:
     def _size(self, axes: tuple[str, ...]) -> int:
         return int(np.prod([self.mesh.shape[a] for a in axes]))
 
-    def _rows_cut(self, params, batch, staged) -> tuple[tuple[str, ...], Any]:
+    def _rows_cut(self, params, batch, staged, planning: Planning) -> tuple[tuple[str, ...], Any]:
         """Data parallel written as `jshard.shard` strategies inside the stages (`_manual_rows`),
         with the cut traced again on one device's rows; `((), staged)` where none."""
         axes, again = _manual_rows(self.call, self.mesh, self.inner.names, self.pipeline.micro_batches, staged, batch,
-                                   set(), lambda axes: self._cut(abstract(params), self._micro(batch, axes)))
+                                   set(), lambda axes: self._cut(abstract(params), self._micro(batch, axes), planning))
         return (axes, again) if axes else ((), staged)
 
-    def _cut(self, params, micro):
+    def _cut(self, params, micro, planning: Planning):
         """The cut of `fn` on one device's micro-batch, its `jshard.shard` calls traced over one
         stage's devices: their strategies hold inside every stage (`Cut.run` binds them over the
-        stage's own axes)."""
+        stage's own axes); under `mode="auto"` each stage's strategy searched on `planning`'s
+        deadline."""
         stage_mesh = Mesh(self.mesh.devices[0], self.inner.names)
         ctx = _context.TraceContext(self.call, self.inner, stage_mesh, "semi_auto", recompute=self.options.recompute)
         c = self.pipeline
@@ -591,7 +594,7 @@ class Staged:
                 f"{ctx.annotations[0].source}) inside its stages. Use mode='semi_auto' to keep those strategies, or "
                 f"drop the shard calls to have them searched."
             )
-        return searched(self.call, staged, self.options, self.inner, jax.tree.leaves(params), micro)
+        return searched(self.call, staged, self.options, self.inner, jax.tree.leaves(params), micro, planning)
 
 
 def _manual_rows(call: str, mesh: Mesh, names, micro_batches: int, found: Cut, batch, taken: set,

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from jshard._errors import ShardingError
 from jshard._format import human_bytes
-from jshard.compile import Options, build
+from jshard.compile import Options, Planning, build
 from jshard.layouts import FineMesh
 from jshard.pipeline._cut import Cut, spec_axes
 from jshard.pipeline._schedule import Schedule, build_schedule
@@ -68,9 +68,12 @@ class SearchedCut(Cut):
         return emit(closed, emission, jax.sharding.get_abstract_mesh())(*params_k, *batch, *inputs)
 
 
-def searched(call: str, cut: Cut, options: Options, inner: FineMesh, params_avals: list, micro: Any) -> SearchedCut:
+def searched(call: str, cut: Cut, options: Options, inner: FineMesh, params_avals: list, micro: Any,
+             planning: Planning) -> SearchedCut:
     """`cut` with each stage's strategy searched over `inner`'s devices (see the module docstring);
-    `params_avals` are the parameter leaves, `micro` one micro-batch's shapes."""
+    `params_avals` are the parameter leaves, `micro` one micro-batch's shapes. Every stage's
+    planning, each search again under a larger reserve included, runs on `planning`'s one deadline
+    (`Search.time_limit` bounds the step's planning, not each stage's)."""
     batch = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(micro)]
     inputs = [[]] + [[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in b] for b in cut.boundary]
     c = options.pipeline
@@ -90,7 +93,7 @@ def searched(call: str, cut: Cut, options: Options, inner: FineMesh, params_aval
             f"{human_bytes(extra + grads)}, or hold fewer micro-batches in flight "
             f"({'smaller micro-batches' if c.schedule == '1f1b' else 'schedule=1f1b'})."
         )
-    search = lambda held: _search_stages(call, cut, options, inner, params_avals, batch, inputs, held)
+    search = lambda held: _search_stages(call, cut, options, inner, params_avals, batch, inputs, held, planning)
     if budget is None:
         plans, emitted = search(extra)
         grads = gradient_bytes(cut, plans, params_avals, schedule.virtual)
@@ -111,10 +114,11 @@ _RESERVES = 3
 """How many times the stages are searched at most, each under the gradient sums the last one's plans need."""
 
 
-def _search_stages(call: str, cut: Cut, options: Options, inner: FineMesh, params_avals: list, batch: list,
-                   inputs: list, held: int) -> tuple[list[Plan], list]:
+def _search_stages(call: str, cut: Cut, options: Options, inner: FineMesh, params_avals: list, batch: list,  # noqa: PLR0913
+                   inputs: list, held: int, planning: Planning) -> tuple[list[Plan], list]:
     """Each stage's plan and emission, searched over `inner`'s devices under the step's
-    `memory_budget` less the `held` bytes the pipeline holds per device outside the stage's program."""
+    `memory_budget` less the `held` bytes the pipeline holds per device outside the stage's program,
+    each in a session of its own on `planning`'s deadline (`Planning.sharing`)."""
     budget = options.memory_budget
     # no host offload weighed: the pipeline keeps each stage's packed state on its devices
     stage_options = dataclasses.replace(options, pipeline=None, devices=inner.device_count, batch_argnums=(1,),
@@ -126,7 +130,7 @@ def _search_stages(call: str, cut: Cut, options: Options, inner: FineMesh, param
         run = lambda p, b, x, k=k: cut.run(k, p, b, x)
         where = f"{call} (stage {k}" + (f"; memory_budget less the pipeline's {human_bytes(held)} outside it)"
                                          if budget is not None else ")")
-        program = build(run, (params_k, batch, inputs[k]), stage_options, where)
+        program = build(run, (params_k, batch, inputs[k]), stage_options, where, planning.sharing())
         assert program.traced is not None and program.result is not None  # a program built by the search has both
         _check_mesh(call, k, program.traced.mesh, inner)
         mesh = program.traced.mesh
