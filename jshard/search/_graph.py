@@ -44,6 +44,7 @@ from jshard.cost import (
     local_bytes,
     paired,
     redistribution,
+    slice_counter,
     value_bytes,
 )
 from jshard.graph import CONSTRAINT, NESTED, Node
@@ -617,9 +618,8 @@ class SearchGraph:
 
     def peak(self, choice: Sequence[Assignment]) -> tuple[float, int]:
         """The most bytes one device holds at any program point under `choice`, and that point."""
-        spec, makers, size = self._reader(choice), self.makers, self.axis_size
-        live = self.live_bytes({v: value_bytes(v) / math.prod(size[x] for axes in spec(*makers[v]) for x in axes)
-                                for v in self.memory_values})
+        spec, makers, slices = self._reader(choice), self.makers, slice_counter(self.axis_size)
+        live = self.live_bytes({v: value_bytes(v) / slices(spec(*makers[v])) for v in self.memory_values})
         t = int(np.argmax(live))
         return float(live[t]), t
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import collections
 import heapq
 import logging
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -524,7 +525,7 @@ class _Shared:
         self.contents: dict[tuple, int] = {}  # an array's shape and bytes -> its id
         self.seen: dict[tuple[int, bool], tuple[np.ndarray, int]] = {}  # (id(), transposed) -> the array, held, and its id
         self.classes: dict[tuple, int] = {}  # a core unit's contents -> its class
-        self.locals: dict[tuple, tuple[np.ndarray, int, tuple, tuple[bool, ...]]] = {}  # `_Level._local`'s
+        self.locals: dict[tuple, tuple[np.ndarray, int, int, tuple[bool, ...]]] = {}  # `_Level._local`'s
         self.pairs: dict[tuple, tuple[int, int] | None] = {}  # `_Level._pair`'s
 
     def kinds(self, units: Sequence[int]) -> list[int]:
@@ -822,6 +823,7 @@ class _Level:
         done = self._eliminated = _Eliminated(self._whole)
         steps, inputs, unary_parts, table_parts = done.steps, done.inputs, done.unary_parts, done.table_parts
         tables, nbrs, unary, records, fold = self.tables, self.nbrs, self.unary, self.records, self._fold
+        folds = self._folds  # `_fold`'s answers, read inline where known: the loop is per unit
         for k, cands in enumerate(self.cands):
             if len(cands) == 1:  # nothing to decide: its tables become its neighbours' own costs
                 for j in nbrs[k]:
@@ -849,8 +851,9 @@ class _Level:
                 (j,) = ends
                 done.used[(k, j) if k < j else (j, k)] = n
                 t = tables.pop((k, j)) if k < j else tables.pop((j, k)).T
-                inputs.append((unary[k], t))
-                least, best = fold(k, t)
+                uk = unary[k]
+                inputs.append((uk, t))
+                least, best = folds.get((uk.tobytes(), t.shape, t.tobytes())) or fold(k, t)
                 unary[j] = unary[j] + least
                 unary_parts[j].append((n, least))
                 done.record_of[n] = len(records)
@@ -861,8 +864,9 @@ class _Level:
                 done.used[(k, a) if k < a else (a, k)] = done.used[(k, b) if k < b else (b, k)] = n
                 ta = tables.pop((k, a)) if k < a else tables.pop((a, k)).T
                 tb = tables.pop((k, b)) if k < b else tables.pop((b, k)).T
-                inputs.append((unary[k], ta, tb))
-                least, best = fold(k, ta, tb)
+                uk = unary[k]
+                inputs.append((uk, ta, tb))
+                least, best = folds.get((uk.tobytes(), ta.shape, ta.tobytes(), tb.shape, tb.tobytes())) or fold(k, ta, tb)
                 done.record_of[n] = len(records)
                 records.append((k, "two", a, b, best))
                 table_parts[(a, b)].append((n, least))
@@ -967,11 +971,12 @@ class _Level:
         a, b, offset, width = self._ends
         return total + sum(self._flat_tables[offset + self._picked[a] * width + self._picked[b]].tolist())
 
-    def _local(self, k: int, choice: dict[int, int]) -> tuple[np.ndarray, int, tuple, tuple[bool, ...]]:
+    def _local(self, k: int, choice: dict[int, int]) -> tuple[np.ndarray, int, int, tuple[bool, ...]]:
         """Unit `k`'s own cost per candidate against its neighbours decided in `choice`, its
-        cheapest candidate, the entry's key and, per candidate, whether the cheapest costs less. Units of one class (the same costs and tables: one operator of
-        identical layers) with the same neighbours' picks share one entry of `_locals`, so
-        identical layers are weighed once."""
+        cheapest candidate, the entry's number (its place in `_locals`: `_pair` keys by it, an int
+        hashed faster than the entry's key) and, per candidate, whether the cheapest costs less.
+        Units of one class (the same costs and tables: one operator of identical layers) with the
+        same neighbours' picks share one entry of `_locals`, so identical layers are weighed once."""
         key = (self._class[k], tuple(map(choice.get, self._ids[k])))  # None: not decided yet
         found = self._locals.get(key)
         if found is None:
@@ -980,7 +985,7 @@ class _Level:
                 if j in choice:
                     cost = cost + t[:, choice[j]]
             c = int(cost.argmin())
-            found = self._locals[key] = (cost, c, key, tuple(bool(cost[c] < x) for x in cost))
+            found = self._locals[key] = (cost, c, len(self._locals), tuple((cost[c] < cost).tolist()))
         return found
 
     def _prepare_core(self, core: list[int]) -> None:
@@ -996,6 +1001,7 @@ class _Level:
             return
         tables, nbrs = self.tables, self.nbrs
         self._ids = {k: tuple(sorted(nbrs[k])) for k in core}
+        self._picks_of = {k: _picks_of(ids) for k, ids in self._ids.items()}
         self.around = {k: [(j, tables[(k, j)] if k < j else tables[(j, k)].T) for j in ids]  # `_table`, inlined
                        for k, ids in self._ids.items()}
         self._table_class = [self._content(t) for t in tables.values()]
@@ -1010,14 +1016,14 @@ class _Level:
         self._ends = (np.array([a for a, _ in self.tables], int), np.array([b for _, b in self.tables], int),
                       np.cumsum([0] + sizes[:-1]).astype(int), np.array([t.shape[1] for t in tables], int))
         if self._eliminated is not None and self._replays is None:  # for the levels barred from this one
-            self._eliminated.prepared = (self._ids, self.around, self._table_class, self._class, self._offset,
+            self._eliminated.prepared = (self._ids, self._picks_of, self.around, self._table_class, self._class, self._offset,
                                          self._flat, self._flat_tables, self._ends)
 
     def _patch_core(self, done: _Eliminated) -> None:
         """`_prepare_core` for a replayed level: its level's core (`done.prepared`) with the costs
         and tables the replay changed (`_touched`) read again, and the classes of the units they reach."""
         assert done.prepared is not None  # `_prepare_core` calls this only then
-        ids, around, table_class, classes, self._offset, flat, flat_tables, self._ends = done.prepared
+        ids, self._picks_of, around, table_class, classes, self._offset, flat, flat_tables, self._ends = done.prepared
         self._ids, self.around, self._table_class, self._class = ids, dict(around), list(table_class), dict(classes)
         self._flat, self._flat_tables = flat.copy(), flat_tables.copy()
         units, stale = self._touched
@@ -1147,13 +1153,13 @@ class _Level:
         with `pairs`, moves of two neighbours at once; again while those find any (a few rounds).
         A worklist revisits only the neighbours of a unit that moved."""
         dirty = [k for k in core if k not in keep]
-        known, classes, ids, picked = self._locals, self._class, self._ids, choice.get
+        known, classes, ids, picks_of = self._locals, self._class, self._ids, self._picks_of
         for _ in range(_PASSES):
             queued = set(dirty)
             while dirty:
                 k = dirty.pop()
                 queued.discard(k)
-                found = known.get((classes[k], tuple(map(picked, ids[k])))) or self._local(k, choice)  # `_local`, inlined
+                found = known.get((classes[k], picks_of[k](choice))) or self._local(k, choice)  # `_local`, inlined
                 if found[3][choice[k]]:
                     choice[k] = found[1]
                     for j in ids[k]:
@@ -1162,7 +1168,7 @@ class _Level:
                             dirty.append(j)
             if not pairs:
                 return
-            local = {k: known.get((classes[k], tuple(map(picked, ids[k])))) or self._local(k, choice)
+            local = {k: known.get((classes[k], picks_of[k](choice))) or self._local(k, choice)
                      for k in core}  # each against all its neighbours
             pair_moves, table_class = self._pairs, self._table_class
             for n, ((a, b), t) in enumerate(self.tables.items()):
@@ -1188,6 +1194,14 @@ class _Level:
         if key not in self._pairs:
             la, lb = local_a[0], local_b[0]
             joint = (la - t[:, b])[:, None] + (lb - t[a, :])[None, :] + t
-            ca, cb = np.unravel_index(int(joint.argmin()), joint.shape)
-            self._pairs[key] = (int(ca), int(cb)) if joint[ca, cb] < joint[a, b] else None
+            ca, cb = divmod(int(joint.argmin()), joint.shape[1])
+            self._pairs[key] = (ca, cb) if joint[ca, cb] < joint[a, b] else None
         return self._pairs[key]
+
+
+def _picks_of(ids: tuple[int, ...]) -> Callable[[dict[int, int]], tuple]:
+    """What `_Level._local` keys a core unit's entry by, its neighbours' (`ids`) picks in a choice
+    that decides them all, as one C call (`operator.itemgetter`), as a tuple whatever their number."""
+    if len(ids) >= 2:
+        return operator.itemgetter(*ids)
+    return lambda choice: tuple(choice[j] for j in ids)
