@@ -213,7 +213,7 @@ class _Recursive:
         self.unit_classes += level.classes
         self.evaluations += level.evaluations
         picks, barred = self._closed(group, base, lam, level, picks)
-        chosen = [level.cands[c][picks[c]] for c in self.ties.of]
+        chosen = _per_unit(level, picks, self.ties)
         if not self.ties.replayed:
             return chosen
         if self.checks is None:
@@ -323,7 +323,7 @@ class _Recursive:
             seeds = [seed for seed in (ties.waved(picks, layer, moved) for layer in beside) if seed != picks]
         assert best is not None  # the first seed set it
         _, level, picks = best
-        return [level.cands[c][picks[c]] for c in ties.of]
+        return _per_unit(level, picks, ties)
 
     def _kept(self, k, a) -> float:
         g = self.g
@@ -475,6 +475,13 @@ def _runs(colour: np.ndarray) -> list[tuple[int, int, int]]:
         start, period, repeats = best
         free[start:start + period * repeats] = False
         found.append(best)
+
+
+def _per_unit(level: _Level, picks: list[int], ties: _Ties) -> list[Assignment]:
+    """Each unit's assignment under `level`'s `picks` (one per class of `ties`): its class's, the
+    same object for every unit of a class (read per unit in C, not per unit in Python)."""
+    picked = [cands[p] for cands, p in zip(level.cands, picks)]
+    return list(map(picked.__getitem__, ties.of))
 
 
 def _seat(a: Assignment, group: Group, cands: Sequence[Assignment]) -> int:
@@ -661,6 +668,7 @@ class _Level:
                 found = self._unary(c, kinds[c], lam)
             self.unary.append(found * count[c] if count[c] > 1 else found)
         self.combinable = [c for c, k in enumerate(self.reps) if k in g.combinable]
+        self._joins: dict[tuple[int, int], frozenset[tuple]] = {}  # `joins`', shared with the levels barred from this
         self._bar(barred)
         self.tables: dict[tuple[int, int], np.ndarray] = {}
         self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
@@ -717,10 +725,15 @@ class _Level:
                 toll = np.array([barred[1] if self.joins(c, n) & barred[0] else 0.0 for n in range(len(self.cands[c]))])
                 self.unary[c] = self.unary[c] + toll
 
-    def joins(self, c: int, pick: int) -> set[tuple]:
-        """The combined sets (`SearchGraph.combined_set`) class `c` joins under its candidate `pick`."""
-        g, k = self.g, self.reps[c]
-        return {g.combined_set(k, axes) for axes in g.partial_sums(k, self.cands[c][pick])}
+    def joins(self, c: int, pick: int) -> frozenset[tuple]:
+        """The combined sets (`SearchGraph.combined_set`) class `c` joins under its candidate `pick`;
+        once per class and pick (`_closed` reads them per set tried, for every combinable class)."""
+        found = self._joins.get((c, pick))
+        if found is None:
+            g, k = self.g, self.reps[c]
+            found = self._joins[(c, pick)] = frozenset(g.combined_set(k, axes)
+                                                       for axes in g.partial_sums(k, self.cands[c][pick]))
+        return found
 
     def opened(self, picks: Sequence[int]) -> set[tuple]:
         """The combined sets the combinable classes open under `picks` (one per class)."""
