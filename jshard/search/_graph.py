@@ -319,8 +319,13 @@ class SearchGraph:
                     readers[v].append(i)
         reduces = [node.primitive in NESTED or (i in factors and _cuts_reduced(factors[i])) for i, node in enumerate(nodes)]
         feeds = [False] * len(nodes)  # a node that may reduce can be reached from its results
+        reaches = list(reduces)  # ... or the node may reduce itself
         for i in reversed(range(len(nodes))):
-            feeds[i] = any(reduces[j] or feeds[j] for v in nodes[i].outputs for j in readers.get(v, ()))
+            for v in nodes[i].outputs:
+                found = readers.get(v)
+                if found and any(map(reaches.__getitem__, found)):
+                    feeds[i] = reaches[i] = True
+                    break
         return frozenset(k for k, u in enumerate(self.units)
                          if u.node >= 0 and u.free and u.factors.reduced & set(u.own) and not feeds[u.node])
 
