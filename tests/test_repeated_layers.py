@@ -14,8 +14,11 @@ import jshard as js
 import jshard.compile._program as program
 import jshard.plan._records as records
 import jshard.search._graph as search_graph
+import jshard.search._level as level_module
 import jshard.search._recursive as recursive
 import jshard.search._search as search_module
+import jshard.search._shared as shared_module
+import jshard.search._ties as ties_module
 from jshard import models
 
 
@@ -82,9 +85,9 @@ def replayed():
     with pytest.MonkeyPatch.context() as mp:
         sizes, pricings, checks, assembled = [], [], [], []
         assemble = search_module.assemble
-        original = recursive._Ties.__init__
+        original = ties_module.Ties.__init__
         priced = search_module._Priced.__init__
-        checking = recursive._Ties.checking.__func__
+        checking = ties_module.Ties.checking.__func__
 
         def counting_checks(cls, search, runs):
             ties = checking(cls, search, runs)
@@ -100,9 +103,9 @@ def replayed():
             priced(p, *args)
             pricings.append(p)
 
-        mp.setattr(recursive._Ties, "__init__", counting)
+        mp.setattr(ties_module.Ties, "__init__", counting)
         mp.setattr(search_module._Priced, "__init__", kept)
-        mp.setattr(recursive._Ties, "checking", classmethod(counting_checks))
+        mp.setattr(ties_module.Ties, "checking", classmethod(counting_checks))
         mp.setattr(search_module, "assemble", lambda g, choice: assembled.append(assemble(g, choice)) or assembled[-1])
         for n in (6, 12):
             sizes.clear()
@@ -191,13 +194,13 @@ def test_runs_are_found_as_periods_of_the_units_colours():
     """A run: a stretch where every unit's colour equals the one a period later, at least
     `2 * _WINDOW + 2` periods; what does not repeat (the ends) stays out."""
     colour = np.array([9, 8] + [1, 2, 3, 2] * 5 + [7, 1, 2])
-    assert recursive._runs(colour) == [(2, 4, 5)]
-    assert recursive._runs(np.array([9] + [1, 2, 3] * (2 * recursive._WINDOW + 1) + [7])) == []
+    assert ties_module._runs(colour) == [(2, 4, 5)]
+    assert ties_module._runs(np.array([9] + [1, 2, 3] * (2 * ties_module._WINDOW + 1) + [7])) == []
 
 
 def test_weighing_a_class_once_picks_what_weighing_each_unit_picks(layouts_computed, monkeypatch):
     """The same plan with every core unit its own class (nothing shared between identical layers)."""
-    original = recursive._Level._prepare_core
+    original = level_module.Level._prepare_core
     fresh = itertools.count()  # ids no other core's unit or table holds (levels share their evaluations)
 
     def unshared(level, core):
@@ -205,7 +208,7 @@ def test_weighing_a_class_once_picks_what_weighing_each_unit_picks(layouts_compu
         level._class = {k: next(fresh) for k in core}
         level._table_class = [next(fresh) for _ in level.tables]
 
-    monkeypatch.setattr(recursive._Level, "_prepare_core", unshared)
+    monkeypatch.setattr(level_module.Level, "_prepare_core", unshared)
     alone = _plan(2)
     shared = layouts_computed[2][1]
     assert alone.search.unit_classes > shared.search.unit_classes
@@ -214,7 +217,7 @@ def test_weighing_a_class_once_picks_what_weighing_each_unit_picks(layouts_compu
 
 def test_the_boundary_check_reads_what_the_replayed_level_computed(monkeypatch):
     """The boundary check (every unit its own class) weighs the replayed level's units on the same
-    base: it reads the tables that level computed (`_Shared`, and the search's tables by layouts,
+    base: it reads the tables that level computed (`Shared`, and the search's tables by layouts,
     `_Recursive.tables`) instead of pricing the edges again, and plans what levels that compute
     everything afresh plan (deterministic counts)."""
     priced = [0]
@@ -227,14 +230,14 @@ def test_the_boundary_check_reads_what_the_replayed_level_computed(monkeypatch):
     monkeypatch.setattr(search_graph.SearchGraph, "edge_seconds", counting)
     shared = _plan(6)
     shared_priced, priced[0] = priced[0], 0
-    original = recursive._Level.__init__
+    original = level_module.Level.__init__
 
     def afresh(level, search, group, base, lam, ties, like=None, barred=(frozenset(), 0.0)):
         search.tables, search.layout_lists = {}, {}  # no table made before is read
         search.shared.pop(group, None)  # nor what a level on the same axes computed before (an earlier run's)
         original(level, search, group, base, lam, ties, barred=barred)
 
-    monkeypatch.setattr(recursive._Level, "__init__", afresh)
+    monkeypatch.setattr(level_module.Level, "__init__", afresh)
     fresh = _plan(6)
     assert 0 < shared_priced < priced[0]
     assert fresh.search.seconds == shared.search.seconds
@@ -247,7 +250,7 @@ def test_an_edge_table_is_made_once_per_value_and_layouts(monkeypatch):
     table (`_Recursive.tables`): fewer tables made than the levels ask for, and the plan of levels
     that make each table afresh (deterministic counts)."""
     asked, made = [0], [0]
-    table, init = recursive._Shared.table, recursive._Level.__init__
+    table, init = shared_module.Shared.table, level_module.Level.__init__
 
     def counting(shared, *args):
         asked[0] += 1
@@ -256,7 +259,7 @@ def test_an_edge_table_is_made_once_per_value_and_layouts(monkeypatch):
         made[0] += len(shared._tables) - before
         return found
 
-    monkeypatch.setattr(recursive._Shared, "table", counting)
+    monkeypatch.setattr(shared_module.Shared, "table", counting)
     shared = _plan(4)
     assert 0 < made[0] < asked[0]
 
@@ -264,7 +267,7 @@ def test_an_edge_table_is_made_once_per_value_and_layouts(monkeypatch):
         search.tables, search.layout_lists = {}, {}  # no table made before is read
         init(level, search, *args, **kwargs)
 
-    monkeypatch.setattr(recursive._Level, "__init__", afresh)
+    monkeypatch.setattr(level_module.Level, "__init__", afresh)
     fresh = _plan(4)
     assert fresh.search.seconds == shared.search.seconds and fresh.ops == shared.ops
 
@@ -290,10 +293,10 @@ def test_a_seed_is_read_by_where_the_level_gives_its_axis():
 
 
 def test_the_middle_layers_take_the_choice_beside_them():
-    """`_Ties.waved`: the middle layers' class of each position of a tied run takes the pick of the
+    """`Ties.waved`: the middle layers' class of each position of a tied run takes the pick of the
     same position in the layer named (from the start, or from the end where negative); the rest
     stays."""
-    ties = recursive._Ties.__new__(recursive._Ties)
+    ties = ties_module.Ties.__new__(ties_module.Ties)
     ties.tied, ties.window = [(1, 2, 6)], 2  # a run of 6 layers of 2 units from unit 1: layers 2, 3 tied
     ties.of = [0, 1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9, 10, 11]  # units 5, 7 one class, 6, 8 another
     picks = [10 * c for c in range(12)]

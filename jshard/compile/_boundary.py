@@ -217,9 +217,10 @@ def mirrored(traced: Traced, given: set[int], left: set[int]) -> dict[int, int]:
     for i, path in enumerate(keyed):
         for k in range(len(path)):
             below.setdefault(path[:k], []).append((path[k:], i))
+    typed = [(np.shape(x), str(dtype_of(x))) for x in traced.leaves]  # once per leaf, not once per prefix above it
     groups: dict[tuple, list[tuple]] = {}
     for prefix, leaves in below.items():
-        kind = tuple((rest, np.shape(traced.leaves[i]), str(dtype_of(traced.leaves[i]))) for rest, i in leaves)
+        kind = tuple([(rest, *typed[i]) for rest, i in leaves])
         groups.setdefault(kind, []).append(prefix)
     found: dict[int, int] = {}
     used: list[tuple] = []

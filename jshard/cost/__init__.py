@@ -7,6 +7,7 @@ from jshard.cost._collectives import CostModel as CostModel
 from jshard.cost._collectives import gathered_layout as gathered_layout
 from jshard.cost._collectives import local_bytes as local_bytes
 from jshard.cost._collectives import redistribution as redistribution
+from jshard.cost._collectives import slice_counter as slice_counter
 from jshard.cost._collectives import stages as stages
 from jshard.cost._devices import DEVICE_KINDS as DEVICE_KINDS
 from jshard.cost._devices import DeviceKind as DeviceKind

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from jshard._errors import ShardingError
@@ -168,6 +168,21 @@ def local_bytes(shape: Sequence[int], itemsize: int, spec: Spec, axis_size: Mapp
 def _slices(spec: Spec, axis_size: Mapping[str, int]) -> int:
     """How many slices `spec` cuts a value into (the mesh axes it cuts over, multiplied)."""
     return math.prod(axis_size[a] for axes in spec for a in axes)
+
+
+def slice_counter(axis_size: Mapping[str, int]) -> Callable[[Spec], int]:
+    """How many slices a `Spec` cuts a value into on the mesh `axis_size`, counted once per spec: a
+    plan holds tens of thousands of values laid out by a few hundred specs (the memory model's peak
+    reads one count per value)."""
+    counted: dict[Spec, int] = {}
+
+    def count(spec: Spec) -> int:
+        found = counted.get(spec)
+        if found is None:
+            found = counted[spec] = _slices(spec, axis_size)
+        return found
+
+    return count
 
 
 def redistribution(

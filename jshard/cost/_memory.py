@@ -92,19 +92,27 @@ class LiveRanges:
     def live_bytes(self, held: Mapping) -> np.ndarray:
         """Bytes live at each program point, given the bytes one device holds of each value (a value
         `held` lacks holds none); a loop's point adds its largest body's peak (`transient`)."""
+        values, points = self._spans
+        given = np.fromiter((held.get(v) or 0.0 for v in values), float, len(values))
         delta = np.zeros(self.end + 2)
-        last = self.last
-        for v, t in self.first.items():
-            b = held.get(v)
-            if b:
-                delta[t] += b
-                delta[last[v] + 1] -= b
+        np.add.at(delta, points, np.stack([given, -given], 1).ravel())  # in `_spans`' order, as a loop adds
         live = np.cumsum(delta)[: self.end + 1]
         for t in self.bodies:
             live[t] += self.transient(t, held)
         for t, b in self.manual.items():
             live[t] += b
         return live
+
+    @functools.cached_property
+    def _spans(self) -> tuple[list, np.ndarray]:
+        """The values with a live range here, in `first`'s order, and per value, interleaved, the
+        point its bytes join the live ones and the point after its last: what `live_bytes` adds
+        each value's bytes at (one `np.add.at` per call, not two item writes per value)."""
+        values = list(self.first)
+        points = np.empty(2 * len(values), np.intp)
+        points[0::2] = np.fromiter(self.first.values(), np.intp, len(values))
+        points[1::2] = np.fromiter((self.last[v] + 1 for v in values), np.intp, len(values))
+        return values, points
 
     def transient(self, t: int, held: Mapping) -> float:
         """The most bytes the bodies of the loop or branch at point `t` hold at once of the values

@@ -282,12 +282,17 @@ def dead_nodes(nodes: Sequence[Node], outputs: Collection) -> set[int]:
     the call by another variable (inlining maps it): a result nobody uses whose type is that of
     such a program result counts as needed. Operators inside loop and branch bodies, and those
     with effects, are never dead."""
-    users: dict = {}
+    users: dict = {}  # var -> the nodes reading it (`operand_vars`' inputs)
+    var = jcore.Var
     for i, node in enumerate(nodes):
-        for v in operand_vars(node)[0]:
-            if isinstance(v, jcore.Var):
-                users.setdefault(v, set()).add(i)
-    kept = {v for v in outputs if isinstance(v, jcore.Var)}
+        for v in operand_vars(node)[0] if node.bodies else node.inputs:
+            if isinstance(v, var):
+                found = users.get(v)
+                if found is None:
+                    users[v] = {i}
+                else:
+                    found.add(i)
+    kept = {v for v in outputs if isinstance(v, var)}
     made = {v for node in nodes for v in node.outputs}
     returned = {v.aval for v in kept if v not in made}  # results of inlined calls, by type
     dead: set[int] = set()
@@ -295,7 +300,15 @@ def dead_nodes(nodes: Sequence[Node], outputs: Collection) -> set[int]:
         node = nodes[i]
         if node.inside or node.eqn.effects or node.bodies:
             continue
-        if all(v not in kept and users.get(v, set()) <= dead and (v in users or v.aval not in returned)
-               for v in node.outputs):
+        for v in node.outputs:  # dead where every result is unkept and read by dead nodes alone
+            if v in kept:
+                break
+            readers = users.get(v)
+            if readers is None:
+                if v.aval in returned:  # read by nobody here: a result known outside by another variable
+                    break
+            elif not readers <= dead:
+                break
+        else:
             dead.add(i)
     return dead

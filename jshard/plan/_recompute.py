@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 
 from jshard._format import human_bytes
-from jshard.cost import LiveRanges, live_ranges, value_bytes
+from jshard.cost import LiveRanges, live_ranges, slice_counter, value_bytes
 from jshard.graph import Node
 from jshard.plan._records import recompute_regions
 from jshard.rules import FUSION
@@ -92,8 +91,8 @@ def _planned(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[str, int
              outvars: Sequence, donated: frozenset) -> tuple[LiveRanges, dict]:
     """The program's live ranges and the bytes per device of each value under its planned `Spec`."""
     ranges = live_ranges(nodes, args, outvars, donated, fusion=FUSION)
-    held = {v: value_bytes(v) / math.prod(axis_size[a] for axes in values.get(v, ()) for a in axes)
-            for v in ranges.values()}
+    slices = slice_counter(axis_size)
+    held = {v: value_bytes(v) / slices(values.get(v, ())) for v in ranges.values()}
     return ranges, held
 
 

@@ -119,6 +119,11 @@ class OpRecord:
 
 
 
+_FIELDS = tuple((f.name, f.default) for f in dataclasses.fields(OpRecord))[1:]
+"""`OpRecord`'s fields after `index`, in order, with their defaults (`_Records.record`)."""
+_NAMES = frozenset(name for name, _ in _FIELDS)
+
+
 def source_str(source: str) -> str:
     """A source location as plans print it: the file's last two path parts (`models/_gpt.py:106:15
     (attention)`), so a plan reads the same on every machine; `no source line` for none."""
@@ -176,9 +181,12 @@ class _Records:
         """The record of operator `i`, `node`."""
         key = self._alike(i, node)
         fields = self.fields.get(key)
-        if fields is None:
-            fields = self.fields[key] = self._fields(i, node, *key[-2:])
-        return OpRecord(index=self.number[i], **fields)
+        if fields is None:  # in `OpRecord`'s order after its index: records by the ten thousand are made positionally
+            made = self._fields(i, node, *key[-2:])
+            assert made.keys() <= _NAMES, made.keys() - _NAMES  # every field made is one of OpRecord's
+            fields = self.fields[key] = tuple(made[name] if default is dataclasses.MISSING else made.get(name, default)
+                                              for name, default in _FIELDS)
+        return OpRecord(self.number[i], *fields)
 
     def _alike(self, i: int, node: Node) -> tuple:
         """What the record of operator `i` reads: its node's primitive, source, scope, place and
@@ -189,11 +197,12 @@ class _Records:
         parts = () if decision is None else (id(decision.in_specs), id(decision.out_specs), id(decision.comms),
                                              id(decision.rejected), decision.seconds, decision.implied)
         weighed = _weighed(node, result.weighed, self.cuts) if result is not None and result.weighed else ""
+        given = self.given  # none where no `shard` call cuts a value: nothing to key by
         return (node.eqn.primitive, node.source, node.scope, node.inside, node.weight,
-                tuple(v.aval for v in node.inputs), tuple(v.aval for v in node.outputs),
+                tuple([v.aval for v in node.inputs]), tuple([v.aval for v in node.outputs]),
                 scope in self.by_scope and self.main.get(scope) is node, self.regions.get(i, ""), i in self.rerun,
                 result is None or i not in result.unruled, self._pinned(node), parts,
-                tuple(self.given.get(v) if isinstance(v, jcore.Var) else None for v in node.inputs),
+                tuple([given.get(v) if isinstance(v, jcore.Var) else None for v in node.inputs]) if given else (),
                 weighed, "" if decision is None else _via(decision.via, self.stands_for, self.models))
 
     def _pinned(self, node: Node) -> tuple:

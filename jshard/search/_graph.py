@@ -44,6 +44,7 @@ from jshard.cost import (
     local_bytes,
     paired,
     redistribution,
+    slice_counter,
     value_bytes,
 )
 from jshard.graph import CONSTRAINT, NESTED, Node
@@ -318,8 +319,13 @@ class SearchGraph:
                     readers[v].append(i)
         reduces = [node.primitive in NESTED or (i in factors and _cuts_reduced(factors[i])) for i, node in enumerate(nodes)]
         feeds = [False] * len(nodes)  # a node that may reduce can be reached from its results
+        reaches = list(reduces)  # ... or the node may reduce itself
         for i in reversed(range(len(nodes))):
-            feeds[i] = any(reduces[j] or feeds[j] for v in nodes[i].outputs for j in readers.get(v, ()))
+            for v in nodes[i].outputs:
+                found = readers.get(v)
+                if found and any(map(reaches.__getitem__, found)):
+                    feeds[i] = reaches[i] = True
+                    break
         return frozenset(k for k, u in enumerate(self.units)
                          if u.node >= 0 and u.free and u.factors.reduced & set(u.own) and not feeds[u.node])
 
@@ -617,9 +623,8 @@ class SearchGraph:
 
     def peak(self, choice: Sequence[Assignment]) -> tuple[float, int]:
         """The most bytes one device holds at any program point under `choice`, and that point."""
-        spec, makers, size = self._reader(choice), self.makers, self.axis_size
-        live = self.live_bytes({v: value_bytes(v) / math.prod(size[x] for axes in spec(*makers[v]) for x in axes)
-                                for v in self.memory_values})
+        spec, makers, slices = self._reader(choice), self.makers, slice_counter(self.axis_size)
+        live = self.live_bytes({v: value_bytes(v) / slices(spec(*makers[v])) for v in self.memory_values})
         t = int(np.argmax(live))
         return float(live[t]), t
 
