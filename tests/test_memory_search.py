@@ -208,3 +208,30 @@ def test_a_loop_bodys_own_peak_is_counted_at_the_loop(step):
         cut = math.prod(hidden.out_strategy[0])
         compiled = js.audit(fn.lower(ws, x).compile()).memory.peak_bytes
         assert abs(plan.work.peak_bytes - compiled) < HIDDEN_BYTES / cut / 2, mode
+
+
+def test_a_loop_bodys_dead_operators_hold_no_memory():
+    """The scanned GPT's blocks recomputed (`recompute="full"`): the backward's recomputed forward makes
+    the causal fill `jnp.where(causal, scores, -1e9)` broadcasts to the scores' shape, which nothing
+    in the backward reads. XLA removes such operators, so the memory model counts none of their bytes
+    in the body's peak; counted, the fill alone at 1024 devices outweighed every plan's peak (GPT-3
+    175B: 2,323 GiB per device, no plan under 80 GiB)."""
+    from jax.extend import core as jcore
+
+    from jshard.cost import live_ranges
+    from jshard.graph import flatten
+    from jshard.rules import FUSION
+
+    cfg = models.GPTConfig(n_layers=2, seq_len=32, d_model=32, n_heads=4, scan=True, recompute="full")
+    params = models.init_gpt(cfg, jax.random.key(0))
+    batch = models.copy_task_batch(np.random.default_rng(0), cfg, 4)
+    closed = jax.make_jaxpr(jax.grad(lambda p, b: models.gpt_loss(p, b, cfg)))(params, batch)
+    nodes = flatten(closed.jaxpr)
+    ranges = live_ranges(nodes, closed.jaxpr.invars, closed.jaxpr.outvars, fusion=FUSION)
+    read = {v for node in nodes for v in node.inputs if not isinstance(v, jcore.Literal)}
+    dead = [v for node in nodes if node.inside and not node.bodies
+            for v in node.outputs if node.primitive == "broadcast_in_dim" and v not in read and v.aval.shape]
+    assert dead, "the recomputed forward no longer leaves a dead broadcast in the backward's body"
+    assert {v.aval.shape for v in dead} == {(4, cfg.n_heads, cfg.seq_len, cfg.seq_len)}  # the scores' shape
+    counted = set(ranges.values())
+    assert not any(v in counted for v in dead)

@@ -18,7 +18,8 @@ attention tile's scores in a scanned layer, and the backward pass's temporaries 
 held this way. Inside a body, buffers follow XLA's fusion (`Fusion`, given by the caller as
 `jshard.rules.FUSION`): a fusible result read only by fusible operators holds none (its operands
 live to where the fused kernel runs), and an elementwise result takes over an operand that dies
-there; at the top level each value keeps its own buffer to its last use. A manual region's
+there; an operator of the body whose results nothing reads holds none either (XLA removes it); at
+the top level each value keeps its own buffer to its last use. A manual region's
 (`shard_map`) body, in per-device shapes, adds its own peak at its point by the same rules.
 """
 
@@ -238,9 +239,33 @@ def _body(nodes: Sequence[Node], loop: int, span: Sequence[int], results: Sequen
         if isinstance(v, jcore.Var) and v in first:
             last[v] = end
     own = [j for j in span if nodes[j].loop == loop]
+    _dead(nodes, span, own, first, last, results)
     _fused(nodes, own, first, last, fusion.fused)
     _in_place(nodes, own, first, last, fusion.in_place)
     return LiveRanges(first, last, end, bodies, manual)
+
+
+def _dead(nodes: Sequence[Node], span: Sequence[int], own: Sequence[int], first: dict, last: dict,
+          results: Sequence) -> None:
+    """Drops the values of the body's operators that nothing needs: none of their results is read in
+    the body (its nested bodies included) or is a body result, nor read by such an operator only,
+    and they have no effects. XLA's dead-code elimination removes them (a recomputed forward's
+    `jnp.where` fill broadcast to the scores' shape, which the backward never reads), so they hold
+    no buffer. (The top level's dead operators are `jshard.graph.dead_nodes`.)"""
+    readers: collections.Counter = collections.Counter()
+    for j in span:
+        readers.update(v for v in nodes[j].inputs if isinstance(v, jcore.Var))
+    kept = {v for v in results if isinstance(v, jcore.Var)}
+    for j in reversed(own):  # readers first: a chain of dead operators goes whole
+        node = nodes[j]
+        if node.bodies or node.eqn.effects or node.primitive == MANUAL:
+            continue
+        if any(readers[v] or v in kept for v in node.outputs):
+            continue
+        readers.subtract(v for v in node.inputs if isinstance(v, jcore.Var))
+        for v in node.outputs:
+            first.pop(v, None)
+            last.pop(v, None)
 
 
 def _fused(nodes: Sequence[Node], own: Sequence[int], first: dict, last: dict, fused: Collection[str]) -> None:
