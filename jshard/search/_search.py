@@ -274,7 +274,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
     elif how == "recursive":
         try:
-            solved = _better(_recursive.solve(g, axes, budget, replay, passed, check), seed)
+            solved = _better(_recursive.solve(g, axes, budget, replay, passed, check, _unweighed(memo, g, fixed, replay)), seed)
         except Infeasible:
             solved = (_unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how)) if seed is None else
                       dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget"))
@@ -547,6 +547,16 @@ def _best_move(g: SearchGraph, k: int, choice: Sequence[Assignment], joins: Join
     f = u.factors
     return Rejected(tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.inputs),
             tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.outputs), seconds)
+
+
+def _unweighed(memo: _seeded.Memo | None, g: SearchGraph, fixed: Mapping, replay: bool) -> Callable | None:
+    """The recursive search's store of its run at λ = 0 (`_recursive.solve`'s `unweighed`), through
+    `memo` where there is one: keyed by what that run reads (the program's nodes, by identity, held
+    meanwhile, its mesh, the layouts fixed, replay, the combiner), not the memory model."""
+    if memo is None:
+        return None
+    key = ("unweighed", id(g.nodes), tuple(g.axis_size.items()), frozenset(fixed.items()), replay, g.combinable)
+    return lambda make: memo(key, make, g.nodes)
 
 
 def _least(g: SearchGraph) -> dict:
