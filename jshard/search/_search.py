@@ -247,8 +247,8 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         search then makes no further run once it has a plan that fits (`_recursive.solve`).
       check: read between the search's units of work (a seed's moves, the recursive search's
         levels): raises, out of the search, where the planning stops it (`Planning.check`).
-      memo: where the seeds' propagations are kept across the searches of one planning session
-        (`_seeded.Memo`), or None.
+      memo: where the seeds' propagations and the recursive search's run at memory weight 0
+        (`_unweighed`) are kept across the searches of one planning session (`_seeded.Memo`), or None.
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget` (and, with `compiled`, there is
