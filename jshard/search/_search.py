@@ -551,8 +551,11 @@ def _best_move(g: SearchGraph, k: int, choice: Sequence[Assignment], joins: Join
 
 def _unweighed(memo: _seeded.Memo | None, g: SearchGraph, fixed: Mapping, replay: bool) -> Callable | None:
     """The recursive search's store of its run at λ = 0 (`_recursive.solve`'s `unweighed`), through
-    `memo` where there is one: keyed by what that run reads (the program's nodes, by identity, held
-    meanwhile, its mesh, the layouts fixed, replay, the combiner), not the memory model."""
+    `memo` where there is one: keyed by what that run's costs read (the program's nodes, by identity,
+    held meanwhile, its mesh, the layouts fixed, replay, the combiner; the session's one cost model),
+    not the memory model, which weighs nothing at λ = 0. Replay's classes read the values held at
+    the replicated plan's peak, which the memory model places: the run kept is the first search's,
+    classed on its peak (on table 2b's models each placement's own run made the same plan)."""
     if memo is None:
         return None
     key = ("unweighed", id(g.nodes), tuple(g.axis_size.items()), frozenset(fixed.items()), replay, g.combinable)
