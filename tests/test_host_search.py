@@ -161,3 +161,33 @@ def test_placements_that_cannot_beat_the_device_plan_are_not_planned(gpt):
         loss = auto(*args)[2]
     assert len(called) == 0
     assert_close(loss, ref_losses[0], dtype=np.float32, terms=step_terms(params, batches[0]))
+
+
+def test_each_placement_weighed_reuses_the_device_searchs_unweighted_run(gpt, monkeypatch):
+    """The searches of the placements a budget weighs differ in their memory model only, so the
+    recursive search's run at memory weight 0 (which weighs no byte) is made once per planning and
+    reused by each placement's search (`_recursive.solve`'s `unweighed`): fewer runs, one fewer per
+    search after the first, and the same plan and the same placements weighed as when each search
+    makes its own."""
+    from jshard.search import _recursive, _search
+
+    step, params, state, batches, _, _ = gpt
+    free = js.parallelize(step, devices=8, mode="auto").plan(params, state, batches[0]).search
+    runs = []
+    made = _recursive._Recursive.run
+    monkeypatch.setattr(_recursive._Recursive, "run", lambda self, lam: runs.append(lam) or made(self, lam))
+
+    def planned():
+        runs.clear()
+        search = js.Search(memory_budget=0.8 * free.peak_bytes, time_limit=WHOLE)
+        report = js.parallelize(step, devices=8, mode="auto", search=search).plan(params, state, batches[0]).search
+        return report, len(runs), runs.count(0.0)
+
+    reused, reused_runs, reused_first = planned()
+    monkeypatch.setattr(_search, "_unweighed", lambda *_: None)
+    alone, alone_runs, alone_first = planned()
+    assert alone.searches > 1 and len(alone.offload) > 1, alone.line()  # placements were searched
+    assert alone_first == alone.searches and reused_first == 1
+    assert reused_runs == alone_runs - (alone.searches - 1)
+    assert (reused.seconds, reused.peak_bytes, reused.status) == (alone.seconds, alone.peak_bytes, alone.status)
+    assert reused.offload == alone.offload

@@ -61,13 +61,16 @@ _log = logging.getLogger("jshard.search")
 """Progress: one INFO record per level of each run (`jshard plan` shows them on a terminal)."""
 
 _GROWTHS = 24
+_SATURATED = 1e6  # ... fewer: it ends where the peak stands still, its bytes over the budget weighing this many
+# times the plan's seconds (`_grown`: a pipeline stage's plan that fitted later stood at 2,000 times)
 _BISECTIONS = 6
 _STALE = 2  # ... fewer: the bisection stops after this many runs in a row that find no new plan
 _WAVES = 3  # the boundary check's rounds at most: the middle layers take the choice of the layers beside them
 
 
 def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True,
-          passed: Callable[[], bool] | None = None, check: Callable[[], None] | None = None) -> Solved:
+          passed: Callable[[], bool] | None = None, check: Callable[[], None] | None = None,
+          unweighed: Callable[[Callable[[], tuple]], tuple] | None = None) -> Solved:
     """The recursive search's plan: the fastest that fits `budget` among its runs, each at a memory
     weight λ (seconds per byte held at the peak). The run at λ = 0 descends to a local optimum of
     seconds alone; where the cost model prices memory traffic (`CostModel.memory_bandwidth`: fewer
@@ -78,10 +81,14 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay:
     priced, held bytes cost nothing moved, and that run, which doubled the search, is left out.
     Once `passed()` (the planning's deadline, `Search.time_limit`) and a plan fits, no further run
     is made: neither that one nor the bisection of λ. `check()` is read before each level of each
-    run (it raises where the planning stops this search)."""
+    run (it raises where the planning stops this search). `unweighed(make)`, where given, is the run
+    at λ = 0 (`make()`) kept for the searches of one program whose graphs differ in their memory
+    model only (each placement of the state a budget weighs: at λ = 0 no byte is weighed, so each
+    made the same run again; `SearchReport.runs` counts the runs this search made)."""
     stop = passed or (lambda: False)
     search = _Recursive(g, levels, replay, check)
-    choice, seconds = search.run(0.0)
+    choice, seconds = search.run(0.0) if unweighed is None else unweighed(lambda: search.run(0.0))
+    choice = [dict(a) for a in choice]  # the kept run's assignments stay as made
     peak, t = g.peak(choice)
     if budget is None or peak <= budget:
         status = "fits" if budget else "no budget"
@@ -103,11 +110,14 @@ def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay:
 def _grown(g: SearchGraph, search: _Recursive, budget: float, high: float, seen: set) -> tuple[float, tuple]:
     """λ grown from `high` (four times each time) until the plan fits `budget`: the last λ whose plan
     did not fit and `(seconds, choice, peak, λ)` of the first that does; no plan fits (`Infeasible`)
-    after `_GROWTHS` growths. The growth goes on while the plan stands still: a plan can stand
-    through several growths and move at a later one (a pipeline stage's plan under a 41.5 KiB budget
-    stands through seven, its bytes over the budget weighing up to 2,000 times its seconds, and fits
-    at the eighth). Each plan found joins `seen`."""
-    low, growths = 0.0, 0
+    after `_GROWTHS` growths, or once the peak stands still (the growth before's) where its bytes over
+    the budget weigh `_SATURATED` times the plan's seconds (`_saturated`). The growth goes on while
+    the peak stands still short of that: a plan can stand through several growths and move at a
+    later one (a pipeline stage's plan under a 41.5 KiB budget stands through seven, its bytes over
+    the budget weighing up to 2,000 times its seconds, and fits at the eighth); past it no plan moved
+    (eqx_vit's under 0.8 times its unbudgeted peak stands from 80 times on; the growth went on to
+    10^12 times, 9 runs more, and found none that fits). Each plan found joins `seen`."""
+    low, growths, last = 0.0, 0, -1.0
     while growths < _GROWTHS:
         choice, seconds = search.run(high)
         peak, t = g.peak(choice)
@@ -116,8 +126,16 @@ def _grown(g: SearchGraph, search: _Recursive, budget: float, high: float, seen:
             return low, (seconds, choice, peak, high)
         if search.keep(t):  # new values held at this plan's peak are weighed at the same λ first
             continue
-        low, high, growths = high, high * 4, growths + 1
+        if peak == last and _saturated(high, seconds, peak - budget):
+            break
+        last, low, high, growths = peak, high, high * 4, growths + 1
     raise Infeasible(f"the most memory-bound plan found holds {peak:.0f} bytes per device")
+
+
+def _saturated(lam: float, seconds: float, over: float) -> bool:
+    """Whether `over` bytes over the budget weigh at `lam` `_SATURATED` times a plan's `seconds` or
+    more: a run that kept them found no layout that sheds them at a million times the plan's cost."""
+    return lam * over >= _SATURATED * seconds
 
 
 def _bisected(g: SearchGraph, search: _Recursive, budget: float, low: float, best: tuple,

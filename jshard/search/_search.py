@@ -247,8 +247,8 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         search then makes no further run once it has a plan that fits (`_recursive.solve`).
       check: read between the search's units of work (a seed's moves, the recursive search's
         levels): raises, out of the search, where the planning stops it (`Planning.check`).
-      memo: where the seeds' propagations are kept across the searches of one planning session
-        (`_seeded.Memo`), or None.
+      memo: where the seeds' propagations and the recursive search's run at memory weight 0
+        (`_unweighed`) are kept across the searches of one planning session (`_seeded.Memo`), or None.
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget` (and, with `compiled`, there is
@@ -274,7 +274,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
     elif how == "recursive":
         try:
-            solved = _better(_recursive.solve(g, axes, budget, replay, passed, check), seed)
+            solved = _better(_recursive.solve(g, axes, budget, replay, passed, check, _unweighed(memo, g, fixed, replay)), seed)
         except Infeasible:
             solved = (_unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how)) if seed is None else
                       dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget"))
@@ -547,6 +547,19 @@ def _best_move(g: SearchGraph, k: int, choice: Sequence[Assignment], joins: Join
     f = u.factors
     return Rejected(tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.inputs),
             tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.outputs), seconds)
+
+
+def _unweighed(memo: _seeded.Memo | None, g: SearchGraph, fixed: Mapping, replay: bool) -> Callable | None:
+    """The recursive search's store of its run at λ = 0 (`_recursive.solve`'s `unweighed`), through
+    `memo` where there is one: keyed by what that run's costs read (the program's nodes, by identity,
+    held meanwhile, its mesh, the layouts fixed, replay, the combiner; the session's one cost model),
+    not the memory model, which weighs nothing at λ = 0. Replay's classes read the values held at
+    the replicated plan's peak, which the memory model places: the run kept is the first search's,
+    classed on its peak (on table 2b's models each placement's own run made the same plan)."""
+    if memo is None:
+        return None
+    key = ("unweighed", id(g.nodes), tuple(g.axis_size.items()), frozenset(fixed.items()), replay, g.combinable)
+    return lambda make: memo(key, make, g.nodes)
 
 
 def _least(g: SearchGraph) -> dict:
