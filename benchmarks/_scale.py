@@ -362,7 +362,8 @@ def _target(p: Planned, published: Sequence[Planned]) -> str:
         return "🔴 misses (no plan fits 80 GiB)"
     rivals = [q.seconds for q in published if q.seconds is not None and q.peak is not None and q.peak <= BUDGET]
     if rivals and p.seconds > min(rivals):
-        return f"🔴 misses ({p.seconds / min(rivals):.4f}x the published plan's step)"
+        best = min(rivals)
+        return f"🔴 misses ({p.seconds / best:.4f}x the published plan's step: {(p.seconds - best) * 1e6:+.1f} us)"
     return "meets"
 
 
