@@ -37,11 +37,15 @@ FLOPS_FORMULA = (
 # Dense peaks of the H100 SXM (the H200 has the same compute), TFLOP/s.
 PEAKS = {"TF32": 494.7, "BF16": 989.4, "FP32": 66.9}
 _DTYPES = ("float32", "bfloat16")
+FENCED = "the residual stream's gradient fenced (`GPTConfig(fence_grads=True)`, under both programs), "
 QUICK = ("bfloat16 only, the reference GPT at 8 layers, d_model 4096, 32 heads, d_ff 16384, seq_len 1024, "
          "batch 8 (1.9 B parameters: large enough that its matmuls, not its elementwise work, set the step "
-         "time), the residual stream's gradient fenced (`GPTConfig(fence_grads=True)`), variants cudnn then base, "
-         "4 rounds of 4 steps, a 250 s budget (base is not started past it)")
-FENCED = "the residual stream's gradient fenced (`GPTConfig(fence_grads=True)`, under both programs), "
+         f"time), {FENCED}variants cudnn then base, 4 rounds of 4 steps, a 250 s budget (base is not started "
+         "past it)")
+QUICK_SIZE = dict(layers=8, d_model=4096, heads=32, d_ff=16384, seq=1024, batch=8, vocab=32768)
+"""`--quick`'s model and batch (`QUICK`), the arguments' names; `benchmarks._gpu_profile` profiles the same."""
+TINY_SIZE = dict(layers=2, d_model=64, heads=4, d_ff=256, seq=32, batch=4, vocab=256)
+"""`--tiny`'s model and batch: a smoke test on a CPU."""
 VARIANTS = ("base", "cudnn", "offload", "recompute")
 QUICK_VARIANTS = ("cudnn", "base")
 """`--quick` runs these, in this order: each first call compiles a new program (about 95 s on an H100 at
@@ -83,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     if args.tiny:
-        args.layers, args.d_model, args.heads, args.d_ff, args.seq, args.batch, args.vocab = 2, 64, 4, 256, 32, 4, 256
+        vars(args).update(TINY_SIZE)
         args.warmup, args.rounds, args.steps = 1, 2, 2
     if args.quick:
-        args.layers, args.d_model, args.heads, args.d_ff, args.seq, args.batch, args.vocab = 8, 4096, 32, 16384, 1024, 8, 32768
+        vars(args).update(QUICK_SIZE)
         args.dtypes, args.variants, args.warmup, args.rounds, args.steps = "bfloat16", ",".join(QUICK_VARIANTS), 2, 4, 4
         args.fence_grads = True
         args.budget_s = 250.0 if args.budget_s is None else args.budget_s

@@ -80,12 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     import optax
 
-    from benchmarks._gpu import gpt_step
+    from benchmarks._gpu import QUICK_SIZE, TINY_SIZE, gpt_step
     from jshard import models
 
-    size = dict(vocab=256, seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256) if args.tiny else \
-        dict(vocab=32768, seq_len=1024, d_model=4096, n_heads=32, n_layers=8, d_ff=16384)
-    batch_size = 4 if args.tiny else 8
+    s = TINY_SIZE if args.tiny else QUICK_SIZE
+    size = dict(vocab=s["vocab"], seq_len=s["seq"], d_model=s["d_model"], n_heads=s["heads"], n_layers=s["layers"],
+                d_ff=s["d_ff"])
+    batch_size = s["batch"]
     cfg = models.GPTConfig(**size)
     cfg = dataclasses.replace(cfg, attention_implementation=args.attention, fence_grads=args.fence_grads)
     step = jax.jit(gpt_step(cfg), donate_argnums=(0, 1))
