@@ -202,7 +202,8 @@ PUBLISHED = (
 
 class Planned(NamedTuple):
     """One plan's figures: `degrees` as `Degrees.cell`; `seconds`/`peak` None where no plan fits
-    (then `least`, the search's least peak of any policy), `took` its planning wall time."""
+    (then `least`, the search's least peak of any policy), `took` its planning wall time; `stored`,
+    each argument leaf's key path and cuts per dim as the plan stores it (`stored`)."""
 
     degrees: str
     seconds: float | None
@@ -210,6 +211,7 @@ class Planned(NamedTuple):
     least: float | None
     took: float
     status: str
+    stored: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def _step(cfg: _llama.Decoder, recompute: str | None):
@@ -263,8 +265,15 @@ def _planned(step, case: Case, devices: int) -> Planned:
     report = plan.search
     if report is None:  # a propagated plan: its peak is the same memory model's, read by `Plan.work`
         fits = plan.work.peak_bytes <= BUDGET
-        return Planned(degrees(plan, case.cfg), plan.work.seconds, plan.work.peak_bytes, None, took,
-                       f"propagated; {'fits' if fits else 'over budget'}")
+        return Planned(
+            degrees(plan, case.cfg),
+            plan.work.seconds,
+            plan.work.peak_bytes,
+            None,
+            took,
+            f"propagated; {'fits' if fits else 'over budget'}",
+            stored(plan),
+        )
     fits = report.peak_bytes <= BUDGET
     chosen = next((w.policy for w in report.recompute if w.chosen), "as marked")
     return Planned(
@@ -273,10 +282,34 @@ def _planned(step, case: Case, devices: int) -> Planned:
         report.peak_bytes,
         None if fits else report.peak_bytes,
         took,
-        f"recompute {chosen}; {'fits' if fits else 'over budget'}" + (
-            "" if not report.context else f"; sequence {report.context_cut} chosen by the search of "
-            + ", ".join(w.policy.split()[1] for w in report.context) + " weighed"),
+        f"recompute {chosen}; {'fits' if fits else 'over budget'}"
+        + (
+            ""
+            if not report.context
+            else f"; sequence {report.context_cut} chosen by the search of "
+            + ", ".join(w.policy.split()[1] for w in report.context)
+            + " weighed"
+        ),
+        stored(plan),
     )
+
+
+def stored(plan: js.Plan) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Each argument leaf's key path and cuts per dim as `plan` stores it (its `in_shardings`): the
+    devices each dim is cut over, whatever the mesh axes are named (jshard's fine mesh, a `Layout`'s)."""
+    leaves = jax.tree_util.tree_flatten_with_path(plan.in_shardings)[0]
+    return tuple((jax.tree_util.keystr(path), _spec_cuts(s.spec, plan.mesh.shape)) for path, s in leaves)
+
+
+def _spec_cuts(spec, sizes) -> tuple[int, ...]:
+    """How many ways each dim of a `PartitionSpec` over a mesh of `sizes` cuts (dims it leaves out: 1)."""
+    cuts = []
+    for axes in spec:
+        cut = 1
+        for axis in axes if isinstance(axes, tuple) else (axes,):
+            cut *= 1 if axis is None else sizes[axis]
+        cuts.append(cut)
+    return tuple(cuts)
 
 
 def _cuts(strategies: Sequence[Sequence[int] | None] | None, k: int = 0) -> tuple[int, ...]:
@@ -321,7 +354,9 @@ def _attention_cuts(plan: js.Plan) -> tuple[int, int, int | str]:
     scores = next(
         op
         for op in plan.ops
-        if op.primitive == "dot_general" and not op.backward and len(_cuts(op.out_strategy)) == 5
+        if op.primitive == "dot_general"
+        and not op.backward
+        and len(_cuts(op.out_strategy)) == 5
         and ("_attention" in op.source or "_forms" in op.source)
     )
     b, kv, g, t, _ = _cuts(scores.out_strategy)
@@ -360,11 +395,26 @@ def _target(p: Planned, published: Sequence[Planned]) -> str:
     configuration planned through jshard that fits."""
     if p.seconds is None or p.peak is None or p.peak > BUDGET:
         return "🔴 misses (no plan fits 80 GiB)"
-    rivals = [q.seconds for q in published if q.seconds is not None and q.peak is not None and q.peak <= BUDGET]
-    if rivals and p.seconds > min(rivals):
-        best = min(rivals)
-        return f"🔴 misses ({p.seconds / best:.4f}x the published plan's step: {(p.seconds - best) * 1e6:+.1f} us)"
+    rivals = [q for q in published if q.seconds is not None and q.peak is not None and q.peak <= BUDGET]
+    best = min(rivals, key=lambda q: q.seconds, default=None)
+    if best is not None and p.seconds > best.seconds:
+        return (
+            f"🔴 misses ({p.seconds / best.seconds:.4f}x the published plan's step: "
+            f"{(p.seconds - best.seconds) * 1e6:+.1f} us{_otherwise(p, best)})"
+        )
     return "meets"
+
+
+def _otherwise(p: Planned, q: Planned, shown: int = 3) -> str:
+    """`; stored otherwise: ...`, the argument leaves `p` stores cut otherwise than `q` (cuts per dim,
+    `p`'s against `q`'s), the first `shown` named; `""` where none differs or either is not known."""
+    mine, theirs = dict(p.stored), dict(q.stored)
+    differ = [k for k, cuts in mine.items() if k in theirs and theirs[k] != cuts]
+    if not differ:
+        return ""
+    named = ", ".join(f"{k} {'x'.join(map(str, mine[k]))} vs {'x'.join(map(str, theirs[k]))}" for k in differ[:shown])
+    more = f" and {len(differ) - shown} more" if len(differ) > shown else ""
+    return f"; stored otherwise: {named}{more}"
 
 
 def scale_rows(cases: Sequence[Case], counts: Sequence[int], published: Sequence[Published]) -> list[tuple[str, ...]]:

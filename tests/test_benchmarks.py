@@ -273,3 +273,14 @@ def test_scale_table_plans_jshard_and_the_published_configurations_beside_their_
     assert f"sequence {cut[1]} chosen by the search of 1, " in llama[source], llama
     assert all(r[step].endswith(" s") for r in planned)
     assert "## 20. Plans at scale" in table.markdown()
+
+
+def test_scale_target_names_the_arguments_a_missing_plan_stores_otherwise():
+    """Table 20's miss mark says by how much jshard's plan is slower than the published plan and
+    which argument leaves it stores cut otherwise (cuts per dim, whatever the mesh axes' names)."""
+    assert _scale._spec_cuts((("d0", "d1"), None, "d2"), {"d0": 2, "d1": 2, "d2": 2}) == (4, 1, 2)
+    mine = _scale.Planned("-", 2.0, 1.0, None, 0.0, "", (("[0]['embed']", (2, 4)), ("[0]['head']", (8, 1))))
+    theirs = _scale.Planned("-", 1.0, 1.0, None, 0.0, "", (("[0]['embed']", (1, 8)), ("[0]['head']", (8, 1))))
+    assert _scale._target(mine, [theirs]) == (
+        "🔴 misses (2.0000x the published plan's step: +1000000.0 us; stored otherwise: [0]['embed'] 2x4 vs 1x8)")
+    assert _scale._target(theirs, [mine]) == "meets"

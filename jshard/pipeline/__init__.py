@@ -22,13 +22,13 @@ from jshard.pipeline._inner import stage_layouts as stage_layouts
 from jshard.pipeline._model import Pipeline as Pipeline
 from jshard.pipeline._model import StageFunction as StageFunction
 from jshard.pipeline._model import pipeline_stage as pipeline_stage
-from jshard.pipeline._parallel import Pipelined as Pipelined
-from jshard.pipeline._parallel import Staged as Staged
 from jshard.pipeline._parallel import pipelined as pipelined
+from jshard.pipeline._pipelined import Pipelined as Pipelined
 from jshard.pipeline._plan import PipelinePlan as PipelinePlan
 from jshard.pipeline._plan import StageInfo as StageInfo
 from jshard.pipeline._schedule import SCHEDULES as SCHEDULES
 from jshard.pipeline._schedule import Schedule as Schedule
 from jshard.pipeline._schedule import build_schedule as build_schedule
 from jshard.pipeline._staged import StagedProgram as StagedProgram
+from jshard.pipeline._staged_step import Staged as Staged
 from jshard.pipeline._stagesearch import SearchedCut as SearchedCut

@@ -8,7 +8,7 @@ pure data parallel inside stages (no `shard` calls, no `in_strategy`, `dataset_s
 "data_parallel"`), they are manual too (`data_axes`): every device runs its own rows, accumulates its own gradients, and the
 gradients are all-reduced once per step rather than once per micro-batch. So are the axes that
 `jshard.shard` tuples cut the micro-batch's rows over and no parameter over (data parallel written
-as strategies, found as for a step cut by tags: `_parallel._manual_rows`); the strategies drop
+as strategies, found as for a step cut by tags: `_rows.manual_rows`); the strategies drop
 those axes inside (`_pin` too), and the tensor-parallel axes stay automatic. The schedule is a static
 tick table (`_schedule.py`); each stage gets its own column of it from `shard_map`, loops walk
 the ticks (`_ticks.scan_ticks`), and at each tick a `lax.switch` runs the stage's operation: idle,
