@@ -298,7 +298,9 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
     searched, and the fastest by the search's predicted seconds built (held to the budget as every
     weighing is: `fastest_that_fits`); ties keep the plan as traced. Where nothing overlaps, copies
     and split all-reduces only add latency: they are weighed only where no one-copy plan fits the
-    budget (each copy holds the activations of `1/n` of the batch). `Plan.communication` lists what was weighed and why one won."""
+    budget (each copy holds the activations of `1/n` of the batch). A copy count is traced but not searched
+    where no plan of its trace can beat the fastest arrangement planned (`_beaten`). `Plan.communication`
+    lists what was weighed and why one won; `SearchReport.skipped` what was not, and why."""
     cost = s.options.costs
     candidates: list[Communication | None] = [None, *([APART, *_copies(s)] if cost.overlap else [])]
     planned: dict[Any, tuple[Signature, Traced, Program]] = {}
