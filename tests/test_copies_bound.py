@@ -77,3 +77,15 @@ def test_the_bound_is_never_above_a_plan_the_search_makes(monkeypatch, width, ro
     assert len(seen) == 4
     for least, seconds in seen:
         assert 0 < least <= seconds * (1 + _weigh.BOUND_MARGIN)
+
+
+def test_copies_whose_recompute_regions_are_traced_again_per_policy_are_still_searched():
+    """A trace with `policy="auto"` regions is planned once per policy, each traced again: its bound
+    says nothing of those traces, so every copy count is searched."""
+
+    def step(p, b):
+        return js.accumulate(jax.value_and_grad(js.recompute(_loss, policy="auto")))(p, b)
+
+    plan = js.parallelize(step, devices=8, mode="auto", cost_model=H100, accumulation=2).plan(*_shapes(16, 64))
+    assert [w.policy for w in plan.communication.weighed][2:] == ["copies=2", "copies=4"]
+    assert not any("not weighed, no plan of it can beat" in line for line in plan.search.skipped)
