@@ -67,12 +67,12 @@ def least_step(traced: Traced, cost: CostModel) -> Least:
         if i in table.unruled or nodes[i].primitive == CONSTRAINT:
             continue
         own = [g for g in _units(f)[0][0] if f.sizes[g] > 1]  # the factors the unit doing the work cuts
-        cut = all(g in blocked[i] for g in own)
-        whole += cut
+        uncut = all(g in blocked[i] for g in own)
+        whole += uncut
         moved = traffic.get(i, 0.0) if own else 0.0  # the search prices a unit that cuts nothing at its flops
         if f.flops or moved:
             seconds = nodes[i].weight * cost.compute_seconds(f.flops, moved, i in table.matmul)
-            compute += seconds if cut else seconds / devices
+            compute += seconds if uncut else seconds / devices
     return Least(latency, compute, whole)
 
 
