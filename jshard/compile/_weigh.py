@@ -26,6 +26,7 @@ from jshard.compile._boundary import (
     batch_leaves,
 )
 from jshard.compile._groups import Communication, OptimizerParallel
+from jshard.compile._least import least_step
 from jshard.compile._offload import least_seconds, least_streamed, searched
 from jshard.compile._program import Program
 from jshard.compile._stage import Signature, build_traced, communication_read, fastest_that_fits, search_report
@@ -297,11 +298,11 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
     searched, and the fastest by the search's predicted seconds built (held to the budget as every
     weighing is: `fastest_that_fits`); ties keep the plan as traced. Where nothing overlaps, copies
     and split all-reduces only add latency: they are weighed only where no one-copy plan fits the
-    budget (each copy holds the activations of `1/n` of the batch). `Plan.communication` lists what was weighed and why one won."""
+    budget (each copy holds the activations of `1/n` of the batch). A copy count is traced but not searched
+    where no plan of its trace can beat the fastest arrangement planned (`_beaten`). `Plan.communication`
+    lists what was weighed and why one won; `SearchReport.skipped` what was not, and why."""
     cost = s.options.costs
-    candidates: list[Communication | None] = [None]
-    if cost.overlap:
-        candidates += [APART, *_copies(s)]
+    candidates: list[Communication | None] = [None, *([APART, *_copies(s)] if cost.overlap else [])]
     planned: dict[Any, tuple[Signature, Traced, Program]] = {}
     weighed: dict[Any, Weighed] = {}
     failed: MemoryBudgetError | None = None
@@ -319,6 +320,8 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
         try:
             alike = communication_read(c.options) == communication_read(s.options)  # the all-reduce fusion alone
             t = traced if alike else c.trace(traced.fine, traced.ctx.recompute_choice)
+            if _beaten(s, t, comm, planned, weighed, checked):
+                return
             program = _plan_regions(c, t, False)
         except MemoryBudgetError as e:
             failed = failed or e
@@ -331,12 +334,12 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
         planned[comm], weighed[comm] = (c, t, program), Weighed(name, search_report(program).seconds,
                                                                  search_report(program).peak_bytes)
 
+    checked = check and s.options.memory_budget is not None and s.devices is not None
     for comm in candidates:
         weigh(comm)
     if None not in planned and not cost.overlap:  # memory may say otherwise: fewer activations per copy
         for comm in _copies(s):
             weigh(comm)
-    checked = check and s.options.memory_budget is not None and s.devices is not None
 
     def built(comm) -> Program:
         c, t, program = planned[comm]
@@ -361,6 +364,30 @@ def _copies(s: Signature) -> list[Communication]:
     leaves = jax.tree_util.tree_leaves(s.args)
     rows = [np.shape(leaves[i])[0] for i in batch_leaves(s.args, s.options) if np.ndim(leaves[i])]
     return [Communication(n) for n in COPIES if rows and all(r % (k * n) == 0 for r in rows)]
+
+
+def _beaten(s: Signature, t: Traced, comm: Communication | None, planned: dict, weighed: dict, checked: bool) -> bool:
+    """Whether no plan of copies `comm`'s trace `t` can beat the fastest arrangement planned so far,
+    by its `least_step` bound (read before it is searched; ties keep the arrangement planned first);
+    where so, the planning's report says why it was not weighed. Not where the kept arrangement may
+    fail its compiled check (`checked`), nor where `policy="auto"` regions are traced again per policy."""
+    if comm is None or comm.copies == 1 or not planned or checked or t.ctx.auto_regions:
+        return False
+    best = min(planned, key=lambda k: weighed[k].seconds)
+    least = least_step(t, s.options.costs)
+    if least.seconds * (1 - BOUND_MARGIN) < weighed[best].seconds:
+        return False
+    n = len(t.nodes)
+    s.planning.bounded(f"{_comm_name(comm)} not weighed, no plan of it can beat {_comm_name(best)} "
+                       f"({weighed[best].seconds * 1e6:.6g} us per step): each runs a collective (at least "
+                       f"{least.latency * 1e6:.3g} us) or computes at least {least.compute * 1e6:.6g} us ({least.whole} "
+                       f"of its {n} operators cut by none)")
+    return True
+
+
+BOUND_MARGIN = 1e-9
+"""The share a `least_step` bound is lowered by before it is compared: it and the search sum the same
+seconds in another order."""
 
 
 def _comm_name(comm: Communication | None) -> str:
