@@ -202,22 +202,24 @@ def _bounded_plan(width: int, rows: int):
 
 def test_a_copy_count_that_cannot_beat_one_copy_is_not_searched_and_the_plan_is_unchanged(monkeypatch):
     """A step too small to cut: every plan with a collective waits at least its latency, more than
-    the whole step on one device; so no plan of two or four copies, whose compute is more, is
-    searched, and the plan is the one weighing them keeps."""
+    the whole step on one device; so no plan of two or four copies, whose compute is more, nor of
+    the all-reduces kept apart (which can only tie), is searched, and the plan is the one weighing
+    them keeps."""
     bounded = _bounded_plan(16, 64)
     monkeypatch.setattr(_weigh, "_beaten", lambda *a: False)
     weighed = _bounded_plan(16, 64)
-    assert [w.policy for w in weighed.communication.weighed][2:] == ["copies=2", "copies=4"]
-    assert [w.policy for w in bounded.communication.weighed] == [w.policy for w in weighed.communication.weighed][:2]
+    others = ["copies=1, allreduce size 0", "copies=2", "copies=4"]
+    assert [w.policy for w in weighed.communication.weighed] == ["copies=1, XLA's fusion", *others]
+    assert [w.policy for w in bounded.communication.weighed] == ["copies=1, XLA's fusion"]
     assert bounded.communication.copies == weighed.communication.copies == 1
-    assert bounded.communication.why == weighed.communication.why
+    assert "no plan of copies=1, allreduce size 0; copies=2; copies=4 can beat it" in bounded.communication.why
     assert (bounded.search.seconds, bounded.search.peak_bytes) == (weighed.search.seconds, weighed.search.peak_bytes)
     assert [(o.primitive, o.in_strategy, o.out_strategy) for o in bounded.ops] == [
         (o.primitive, o.in_strategy, o.out_strategy) for o in weighed.ops
     ]
-    assert bounded.search.searches == weighed.search.searches - 2
+    assert bounded.search.searches == weighed.search.searches - 3
     skipped = [line for line in bounded.search.skipped if "not weighed, no plan of it can beat" in line]
-    assert [line.split(" not weighed")[0] for line in skipped] == ["copies=2", "copies=4"]
+    assert [line.split(" not weighed")[0] for line in skipped] == others
     assert all("each runs a collective (at least 5 us)" in line for line in skipped)
 
 

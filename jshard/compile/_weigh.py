@@ -13,6 +13,7 @@ what was weighed and why one won.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -306,6 +307,7 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
     planned: dict[Any, tuple[Signature, Traced, Program]] = {}
     weighed: dict[Any, Weighed] = {}
     failed: MemoryBudgetError | None = None
+    bounded: list[Communication] = []  # not searched: no plan of theirs can beat one planned (`_beaten`)
 
     def weigh(comm: Communication | None) -> None:
         if comm is None:
@@ -321,6 +323,7 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
             alike = communication_read(c.options) == communication_read(s.options)  # the all-reduce fusion alone
             t = traced if alike else c.trace(traced.fine, traced.ctx.recompute_choice)
             if _beaten(s, t, comm, planned, weighed, checked):
+                bounded.append(comm)
                 return
             program = _plan_regions(c, t, False)
         except MemoryBudgetError as e:
@@ -354,7 +357,7 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
     if found is None:
         assert failed is not None  # every candidate failed the budget (a failure of another kind is raised)
         raise failed
-    return _communication_chosen(found[1], found[0], weighed, cost)
+    return _communication_chosen(found[1], found[0], weighed, cost, bounded)
 
 
 def _copies(s: Signature) -> list[Communication]:
@@ -367,15 +370,17 @@ def _copies(s: Signature) -> list[Communication]:
 
 
 def _beaten(s: Signature, t: Traced, comm: Communication | None, planned: dict, weighed: dict, checked: bool) -> bool:
-    """Whether no plan of copies `comm`'s trace `t` can beat the fastest arrangement planned so far,
-    by its `least_step` bound (read before it is searched; ties keep the arrangement planned first);
-    where so, the planning's report says why it was not weighed. Not where the kept arrangement may
+    """Whether no plan of arrangement `comm`'s trace `t` (copies, or the all-reduces apart) can beat
+    the fastest arrangement planned so far, by its `least_step` bound (read before it is searched);
+    where so, the planning's report says why it was not weighed. A bound within `BOUND_MARGIN` of
+    that arrangement's seconds beats it by no more than the order of a float sum: ties keep the
+    arrangement planned first, so it is not searched either. Not where the kept arrangement may
     fail its compiled check (`checked`), nor where `policy="auto"` regions are traced again per policy."""
-    if comm is None or comm.copies == 1 or not planned or checked or t.ctx.auto_regions:
+    if comm is None or not planned or checked or t.ctx.auto_regions:
         return False
     best = min(planned, key=lambda k: weighed[k].seconds)
     least = least_step(t, s.options.costs)
-    if least.seconds * (1 - BOUND_MARGIN) < weighed[best].seconds:
+    if least.seconds < weighed[best].seconds * (1 - BOUND_MARGIN):
         return False
     n = len(t.nodes)
     s.planning.bounded(f"{_comm_name(comm)} not weighed, no plan of it can beat {_comm_name(best)} "
@@ -386,8 +391,9 @@ def _beaten(s: Signature, t: Traced, comm: Communication | None, planned: dict, 
 
 
 BOUND_MARGIN = 1e-9
-"""The share a `least_step` bound is lowered by before it is compared: it and the search sum the same
-seconds in another order."""
+"""The share of the fastest arrangement's seconds a `least_step` bound must fall below for its
+arrangement to be searched: the bound and the search sum the same seconds in another order, so a
+plan within it ties (and ties keep the arrangement planned first)."""
 
 
 def _comm_name(comm: Communication | None) -> str:
@@ -396,8 +402,10 @@ def _comm_name(comm: Communication | None) -> str:
     return f"copies={comm.copies}" if comm.fusion is None else f"copies={comm.copies}, allreduce size 0"
 
 
-def _communication_chosen(program: Program, comm: Communication | None, weighed: dict, cost: CostModel) -> Program:
-    """`program` with what the weighing weighed in its `CommunicationReport`, and why `comm` won."""
+def _communication_chosen(program: Program, comm: Communication | None, weighed: dict, cost: CostModel,
+                          bounded: Sequence[Communication] = ()) -> Program:
+    """`program` with what the weighing weighed in its `CommunicationReport`, and why `comm` won
+    (`bounded`: the arrangements not searched, their least step time no less)."""
     plan = program.plan
     shown = tuple(dataclasses.replace(w, chosen=k == comm) for k, w in weighed.items())
     fits = [w for w in shown if w.seconds is not None]
@@ -405,6 +413,9 @@ def _communication_chosen(program: Program, comm: Communication | None, weighed:
     if not cost.overlap and len(weighed) == 1:
         why = (f"one copy: on {device} the cost model overlaps no collective with compute, so more copies and "
                f"all-reduces kept apart would only add latency")
+    elif len(shown) == 1 and bounded:
+        why = (f"{_comm_name(comm)}: no plan of {'; '.join(map(_comm_name, bounded))} can beat it, by their least "
+               f"step time (a collective's latency, or the compute no cut splits; SearchReport.skipped)")
     elif len(shown) == 1:
         why = f"{_comm_name(comm)}: the only arrangement weighed before the time limit (search_time_limit) passed"
     elif len(fits) == 1:
