@@ -231,8 +231,8 @@ def _offload_bounds(traced: Traced, args: tuple, c, choices: list) -> dict[tuple
     work split evenly over every device with nothing communicated (`least_seconds`), plus its
     least streaming (`least_streamed`, on the host link): `(bound, work, streaming)`."""
     work, cost = least_seconds(traced, c.costs), c.costs
-    streaming = {what: cost.host_seconds(least_streamed(traced, args, c, what), least_streamed(traced, args, c, what))
-                 for what in choices}
+    least = {what: least_streamed(traced, args, c, what) for what in choices}  # each way: read and written back
+    streaming = {what: cost.host_seconds(least[what], least[what]) for what in choices}
     return {what: (work + streaming[what], work, streaming[what]) for what in choices}
 
 
