@@ -220,3 +220,69 @@ def test_the_budgeted_search_stops_bisecting_once_it_finds_no_new_plan(monkeypat
     assert (stale.seconds, stale.peak_bytes, stale.status) == (every.seconds, every.peak_bytes, every.status)
     assert stale.peak_bytes <= budget and stale.compiled_peak_bytes <= budget
     assert stale.compile_seconds is not None and stale.compile_seconds > 0
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])  # gpt: a scanned body, whose peak joins its loop's point
+def test_fitting_a_seed_reads_each_peak_from_its_kept_bytes_as_the_whole_choice_gives_it(name, monkeypatch):
+    """`_seeded.fitted` reads the peak from the live bytes `_Peak` keeps as units move: each read is
+    the one `SearchGraph.peak` gives the whole choice, bit for bit, so the seed fitted is the same."""
+    from jshard.cost import CostModel
+    from jshard.graph import flatten
+    from jshard.search import _seeded
+    from jshard.search._graph import SearchGraph, Solved
+
+    step, args = _step(*MODELS[name])
+    closed = jax.make_jaxpr(step)(*args)
+    invars, outvars = closed.jaxpr.invars, closed.jaxpr.outvars
+    g = SearchGraph(flatten(closed.jaxpr), invars, outvars, {}, dict.fromkeys(("d0", "d1", "d2"), 2), CostModel())
+    whole = [{} for _ in g.units]
+    seed = Solved(whole, g.seconds(whole), g.peak(whole)[0], "whole")
+    read, reads = _seeded._Peak.peak, []
+    monkeypatch.setattr(_seeded._Peak, "peak", lambda self: reads.append((read(self), self.g.peak(self.choice))) or
+                        reads[-1][0])
+    fitted = _seeded.fit_budget(g, seed, seed.peak / 2)
+    assert fitted is not None and fitted.peak <= seed.peak / 2 and len(reads) > 1
+    assert all(kept == whole for kept, whole in reads)
+    monkeypatch.setattr(_seeded, "_exact", lambda g: False)  # every peak read from the whole choice
+    again = _seeded.fit_budget(g, seed, seed.peak / 2)
+    assert again is not None and again.choice == fitted.choice and again.seconds == fitted.seconds
+
+
+def test_optimizer_levels_that_cut_nothing_are_held_to_the_budget_once(monkeypatch):
+    """Where no optimizer level cuts a leaf or reduce-scatters a gradient, every level builds the same
+    program: the first one's compiled check refuses the others, without compiling them again."""
+    import types
+
+    from jshard._errors import MemoryBudgetError
+    from jshard.compile import _weigh
+    from jshard.compile._session import Planning
+    from jshard.plan import OptimizerReport
+
+    def program(level, leaves=()):
+        report = OptimizerReport(level, 0.0, 0, 2, 0, 2, 0.0, leaves=leaves)
+        search = types.SimpleNamespace(seconds=1e-3 * level, peak_bytes=100.0)
+        return types.SimpleNamespace(plan=types.SimpleNamespace(optimizer=report, search=search))
+
+    held = []
+
+    def built(s, traced, check=True):
+        if not check:
+            return program(s.options.optimizer.level, s.leaves)
+        held.append(s.options.optimizer.level)
+        raise MemoryBudgetError(f"level {s.options.optimizer.level} holds 120 B", 120.0)
+
+    def signature(leaves):
+        def but(optimizer):
+            return types.SimpleNamespace(options=types.SimpleNamespace(optimizer=optimizer), leaves=leaves)
+        return types.SimpleNamespace(budget=100.0, but=but, planning=Planning.of(60.0), devices=("cpu",),
+                                     options=types.SimpleNamespace(memory_budget=100.0))
+
+    monkeypatch.setattr(_weigh, "_plan_signature", built)
+    without = MemoryBudgetError("nothing fits 100 B", 120.0)
+    with pytest.raises(MemoryBudgetError, match="fits at no level: optimizer=1: no plan fits .*optimizer=3: no plan"):
+        _weigh._weigh_optimizer(signature(()), None, without)
+    assert held == [1]  # levels 2 and 3: the same program, refused as level 1 was
+    held.clear()
+    with pytest.raises(MemoryBudgetError):  # levels that cut leaves: each held to the budget
+        _weigh._weigh_optimizer(signature((("args[1]", "state", "P()", "P('d0')"),)), None, without)
+    assert held == [1, 2, 3]

@@ -146,22 +146,26 @@ def fit_budget(g: SearchGraph, solved: Solved, budget: float | None,
     if budget is None or solved.peak <= budget:
         return solved
     check = check or (lambda: None)
-    choice = fitted(g, solved.choice, budget, check)
+    tracked = _Peak(g, list(solved.choice))
+    choice = fitted(g, tracked.choice, budget, check, tracked)
     if choice is None:
         return None
-    choice = polished(g, choice, budget, check)
+    choice = polished(g, choice, budget, check, tracked)
     peak, _ = g.peak(choice)
     return Solved(choice, g.seconds(choice), peak, f"{solved.status}, moved to fit the budget")
 
 
 def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float,
-           check: Callable[[], None] = lambda: None) -> list[Assignment] | None:
+           check: Callable[[], None] = lambda: None, tracked: _Peak | None = None) -> list[Assignment] | None:
     """`choice` moved one unit at a time until its estimated peak fits `budget`, or None where no
     move lowers it: each time, of the units laying out the values held at the peak, the move
     (`moves`: one mesh axis to another factor, off the unit, or onto it) that adds the fewest
     seconds (`SearchGraph.local_seconds`) per byte it saves there. A unit's moves and the bytes
-    each holds are found once (one unit moves per step: the others' stand)."""
-    choice = list(choice)
+    each holds are found once (one unit moves per step: the others' stand); the peak is read from
+    the live bytes kept as units move (`tracked`: a `_Peak` of `choice`, which moves it; made here
+    where None)."""
+    tracked = tracked or _Peak(g, list(choice))
+    choice = tracked.choice
     joins = g.joins(choice)
     local = _Local(g, choice, joins)
     moved: dict[tuple[int, int], tuple[Assignment, list[Assignment]]] = {}  # (unit, id of its choice) -> `moves`
@@ -184,7 +188,7 @@ def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float,
 
     for _ in range(_MOVES):
         check()
-        peak, t = g.peak(choice)
+        peak, t = tracked.peak()
         if peak <= budget:
             return choice
         held = collections.defaultdict(list)  # unit -> (operand position, value) held at `t`
@@ -206,18 +210,18 @@ def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float,
                     best = (key, k, a)
         if best is None:
             return None
-        choice[best[1]] = best[2]
+        tracked.move(best[1], best[2])
         joins.moved(best[1], best[2])
         local.moved(best[1])
     return None
 
 
 def polished(g: SearchGraph, choice: list[Assignment], budget: float,
-             check: Callable[[], None] = lambda: None) -> list[Assignment]:
+             check: Callable[[], None] = lambda: None, tracked: _Peak | None = None) -> list[Assignment]:
     """`choice` improved by single moves (`moves`), unit after unit in program order, while one
     lowers the predicted seconds and keeps the estimated peak within `budget`; `_SWEEPS` sweeps at
-    most."""
-    joins, peak = g.joins(choice), _Peak(g, choice)
+    most (`tracked`: a `_Peak` of `choice`, which moves it, where one is at hand)."""
+    joins, peak = g.joins(choice), tracked if tracked is not None and tracked.choice is choice else _Peak(g, choice)
     local = _Local(g, choice, joins)
     for _ in range(_SWEEPS):
         better = False
@@ -279,11 +283,13 @@ class _Peak:
     live at each program point, kept, each move adding the change in the bytes of the values its
     unit lays out over their live ranges, and for those a loop's body makes, the change in that
     loop's body peak (`LiveRanges.transient`) at its point (`SearchGraph.peak` of every trial move was
-    most of `polished`'s time). Within `_NEAR` of the budget, where the sums' rounding could tell, the
-    peak is read again from the whole choice, so each answer is the one `SearchGraph.peak` gives."""
+    most of `polished`'s time, and of `fitted`'s). Within `_NEAR` of the budget, where the sums'
+    rounding could tell, the peak is read again from the whole choice, so each answer is the one
+    `SearchGraph.peak` gives; `peak` reads the kept bytes only where the sums are exact (`_exact`)."""
 
     def __init__(self, g: SearchGraph, choice: list[Assignment]):
         self.g, self.choice = g, choice
+        self.exact = _exact(g)
         self.made: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) it lays out
         for v in g.memory_values:
             k, pos = g.makers[v]
@@ -317,6 +323,14 @@ class _Peak:
                 live[t] += transient[t] - self.transient[t]
         return live, changed, transient
 
+    def peak(self) -> tuple[float, int]:
+        """`SearchGraph.peak` of the choice: the most bytes held at a program point, and that point
+        (read from the kept bytes where they are exact, else from the whole choice)."""
+        if not self.exact:
+            return self.g.peak(self.choice)
+        t = int(np.argmax(self.live))
+        return float(self.live[t]), t
+
     def fits(self, k: int, a: Assignment, budget: float) -> bool:
         """Whether the estimated peak fits `budget` with unit `k` moved to `a`."""
         peak = float(self._moved(k, a)[0].max()) if k in self.made else float(self.live.max())
@@ -335,6 +349,17 @@ class _Peak:
             self.held.update(changed)
             self.transient.update(transient)
         self.choice[k] = a
+
+
+def _exact(g: SearchGraph) -> bool:
+    """Whether the live bytes `_Peak` keeps are those `SearchGraph.peak` sums, bit for bit, in any
+    order: every mesh axis a power of two, so a value's bytes per device are a multiple of one over
+    the device count, and every sum of them, up to all the values held whole, is a float with room
+    to spare (below 2**53 such steps)."""
+    n, manual = math.prod(g.axis_size.values()), g.ranges.manual.values()
+    whole = sum(value_bytes(v) for v in g.memory_values) + sum(manual)
+    return (all(m & (m - 1) == 0 for m in g.axis_size.values()) and all(float(b).is_integer() for b in manual)
+            and whole * n < 2**53)
 
 
 def _loops(ranges: LiveRanges) -> dict:
