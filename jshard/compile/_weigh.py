@@ -307,7 +307,7 @@ def _weigh_communication(s: Signature, traced: Traced, check: bool = True) -> Pr
     planned: dict[Any, tuple[Signature, Traced, Program]] = {}
     weighed: dict[Any, Weighed] = {}
     failed: MemoryBudgetError | None = None
-    bounded: list[Communication] = []  # not searched: no plan of theirs can beat one planned (`_beaten`)
+    bounded: list[Communication | None] = []  # not searched: no plan of theirs can beat one planned (`_beaten`)
 
     def weigh(comm: Communication | None) -> None:
         if comm is None:
@@ -403,7 +403,7 @@ def _comm_name(comm: Communication | None) -> str:
 
 
 def _communication_chosen(program: Program, comm: Communication | None, weighed: dict, cost: CostModel,
-                          bounded: Sequence[Communication] = ()) -> Program:
+                          bounded: Sequence[Communication | None] = ()) -> Program:
     """`program` with what the weighing weighed in its `CommunicationReport`, and why `comm` won
     (`bounded`: the arrangements not searched, their least step time no less)."""
     plan = program.plan
