@@ -250,21 +250,24 @@ def _source(eqn, callers) -> str:
 
 
 def _collect(jaxpr, env, inside, weight, nodes, outer=None, loop=-1, body=0):
+    var = jcore.Var
     for eqn, env_now, callers, remat, prefix in _inlined(jaxpr, env, (), outer,
                                                          outer and outer.source_info.name_stack):
         info = eqn.source_info
         scope = info.name_stack if prefix is None else prefix + info.name_stack
+        get = env_now.get  # `resolve`, inlined: the loop is per equation
         node = Node(
             eqn,
-            tuple(resolve(env_now, v) for v in eqn.invars),
+            tuple([get(v, v) if isinstance(v, var) else v for v in eqn.invars]),
             tuple(eqn.outvars),
             inside,
             str(scope),
             _source(eqn, callers),
             weight,
-            remat="" if remat is None else remat_policy_name(remat.params.get("policy")),
-            loop=loop,
-            body=body,
+            [],
+            "" if remat is None else remat_policy_name(remat.params.get("policy")),
+            loop,
+            body,
         )
         nodes.append(node)
         if eqn.primitive.name in NESTED:
