@@ -63,9 +63,12 @@ class KeepComm:
         return f"{remat_policy_name(self.policy)}, mp_comm_recompute=False"
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False)
 class Node:
-    """One equation of the flattened program.
+    """One equation of the flattened program. Not frozen, as a value would be: a node is known by
+    its identity, `flatten` makes one per equation (a frozen dataclass's `__init__`, each field set
+    through `object.__setattr__`, took half of flattening a 36,000-equation program), and nothing
+    sets a field once `flatten` has made it and its `bodies`.
 
     Attributes:
       eqn: the jaxpr equation.
@@ -100,7 +103,7 @@ class Node:
     primitive: str = dataclasses.field(init=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "primitive", self.eqn.primitive.name)
+        self.primitive = self.eqn.primitive.name
 
     @property
     def backward(self) -> bool:

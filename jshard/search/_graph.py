@@ -181,7 +181,6 @@ class SearchGraph:
         self.cost = cost or CostModel()
         self.table = table or OpTable(nodes)
         self.units: list[Unit] = []
-        self.unit_of: dict[tuple[int, int], int] = {}  # (node, operand position) -> unit
         self.arg_unit: dict = {}
         self.node_units: dict[int, list[int]] = collections.defaultdict(list)
         self._traffic = self.table.traffic(outvars) if self.cost.memory_bandwidth else {}
@@ -238,20 +237,15 @@ class SearchGraph:
             self._unit(Unit(i, None, Factors((), (), ()), (), tuple(range(len(operands))), node.weight, 0.0, fixed))
             return
         f = e.factors[i]
-        groups = _components(f)
-        if not groups:
-            groups = [((), tuple(range(len(operands))))]
-        for n, (own, positions) in enumerate(groups):
-            first = n == 0  # the operator's work goes with its first unit
-            self._unit(Unit(i, None, f, own, positions, node.weight, f.flops if first else 0.0,
-                            traffic=self._traffic.get(i, 0.0) if first else 0.0, matmul=i in e.matmul))
+        groups = _components_of(f) or (((), tuple(range(len(operands)))),)
+        weight, matmul = node.weight, i in e.matmul
+        self._unit(Unit(i, None, f, *groups[0], weight, f.flops, None, self._traffic.get(i, 0.0), matmul))
+        for own, positions in groups[1:]:  # the operator's work goes with its first unit
+            self._unit(Unit(i, None, f, own, positions, weight, 0.0, None, 0.0, matmul))
 
     def _unit(self, u: Unit) -> None:
-        k = len(self.units)
+        self.node_units[u.node].append(len(self.units))
         self.units.append(u)
-        self.node_units[u.node].append(k)
-        for pos in u.operands:
-            self.unit_of[(u.node, pos)] = k
 
     def _edges(self) -> list[Edge]:
         """Each use of a value, from the operator that made it for that use. A sub-jaxpr that JAX
@@ -637,15 +631,11 @@ def _cuts_reduced(f: Factors) -> bool:
     return any(f.sizes[fac] > 1 for fac in f.reduced)
 
 
-def _components(f: Factors) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+@functools.lru_cache(maxsize=1 << 14)
+def _components_of(f: Factors) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     """The operator's factors split into groups that share operands: `(factors, operand positions)`.
     Operands with no factor (whole, or scalars) go to the first group. Found once per `Factors`
     (the same operator of identical layers)."""
-    return list(_components_of(f))
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _components_of(f: Factors) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     parent = list(range(len(f.sizes)))
 
     def find(x):
