@@ -195,9 +195,10 @@ class SearchGraph:
         self.edges = self._edges() + self._state_edges(args, outvars)
         self.out_edges: dict[int, list[int]] = collections.defaultdict(list)
         self.in_edges: dict[int, list[int]] = collections.defaultdict(list)
-        for k, e in enumerate(self.edges):
-            self.out_edges[e.src[0]].append(k)
-            self.in_edges[e.dst[0]].append(k)
+        out_edges, in_edges = self.out_edges, self.in_edges
+        for k, (_, src, dst, _) in enumerate(self.edges):
+            out_edges[src[0]].append(k)
+            in_edges[dst[0]].append(k)
         self.shape_of_unit = self._signatures()
         self._specs: dict = {}
         self._moves: dict = {}
@@ -259,13 +260,14 @@ class SearchGraph:
                 producers[u.var].append((-1, k, 0))
                 continue
             ins, outs = e.vars[u.node]
+            n_in = len(ins)
             for pos in u.operands:
-                if pos >= len(ins):
-                    producers[outs[pos - len(ins)]].append((u.node, k, pos))
+                if pos >= n_in:
+                    producers[outs[pos - n_in]].append((u.node, k, pos))
         self.producers = producers
         made = {v: m for v, m in producers.items() if shape_of(v)}  # the values an edge can carry
         edges: list[Edge] = []
-        append, units, var, table = edges.append, self.units, jcore.Var, e.vars
+        append, units, var, table, new = edges.append, self.units, jcore.Var, e.vars, tuple.__new__
         for k, u in enumerate(units):
             node = u.node
             if node < 0:
@@ -283,7 +285,7 @@ class SearchGraph:
                     continue
                 _, src_unit, src_pos = makers[0] if len(makers) == 1 else next(
                     (m for m in reversed(makers) if m[0] < node), makers[0])
-                append(Edge(v, (src_unit, src_pos), (k, pos), max(units[src_unit].weight, u.weight)))
+                append(new(Edge, (v, (src_unit, src_pos), (k, pos), max(units[src_unit].weight, u.weight))))
         return edges
 
     def _state_edges(self, args, outvars) -> list[Edge]:
@@ -618,9 +620,16 @@ class SearchGraph:
     def peak(self, choice: Sequence[Assignment]) -> tuple[float, int]:
         """The most bytes one device holds at any program point under `choice`, and that point."""
         spec, makers, slices = self._reader(choice), self.makers, slice_counter(self.axis_size)
-        live = self.live_bytes({v: value_bytes(v) / slices(spec(*makers[v])) for v in self.memory_values})
+        live = self.live_bytes({v: b / slices(spec(*makers[v])) for v, b in self.replicated.items()})
         t = int(np.argmax(live))
         return float(live[t]), t
+
+    @functools.cached_property
+    def replicated(self) -> dict:
+        """Each memory value's bytes on one device holding all of it, once per array type."""
+        known: dict = {}
+        return {v: known[v.aval] if v.aval in known else known.setdefault(v.aval, value_bytes(v))
+                for v in self.memory_values}
 
     def live_at(self, t: int) -> list:
         return self.ranges.live_at(t, self.memory_values)

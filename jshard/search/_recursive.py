@@ -166,7 +166,7 @@ class _Recursive:
                  check: Callable[[], None] | None = None):
         self.g, self.levels, self.replay = g, list(levels), replay
         self.check = check or (lambda: None)
-        replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
+        replicated = g.live_bytes(g.replicated)
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at a peak
         self.kept_bytes: dict[int, tuple] = {}  # unit -> (operand position, bytes) of the above: what its unary reads
         values: dict[tuple, int] = {}  # what an edge's table reads of it: its value's array and weight, as ids
