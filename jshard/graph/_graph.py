@@ -178,7 +178,7 @@ def nested_jaxprs(eqn: jcore.JaxprEqn) -> list[jcore.Jaxpr]:
     return [j.jaxpr if hasattr(j, "jaxpr") else j for j in found]
 
 
-_SUB_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "cond_jaxpr", "body_jaxpr", "branches")
+_SUB_KEYS = frozenset({"jaxpr", "call_jaxpr", "fun_jaxpr", "cond_jaxpr", "body_jaxpr", "branches"})
 
 
 def distinct_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
@@ -207,6 +207,9 @@ def _distinct(jaxpr: jcore.Jaxpr, seen: set, fresh: bool) -> jcore.Jaxpr:
     constvars, invars = [new(v) for v in jaxpr.constvars], [new(v) for v in jaxpr.invars]
     eqns, changed = [], fresh
     for eqn in jaxpr.eqns:
+        if not fresh and _SUB_KEYS.isdisjoint(eqn.params):  # no sub-jaxpr to copy, no variable to rename
+            eqns.append(eqn)
+            continue
         params = {k: _distinct_param(v, seen) if k in _SUB_KEYS else v for k, v in eqn.params.items()}
         moved = any(params[k] is not eqn.params[k] for k in params)
         if fresh or moved:
