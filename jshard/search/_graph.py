@@ -313,7 +313,10 @@ class SearchGraph:
             for v in node.inputs:
                 if isinstance(v, jcore.Var):
                     readers[v].append(i)
-        reduces = [node.primitive in NESTED or (i in factors and _cuts_reduced(factors[i])) for i, node in enumerate(nodes)]
+        cuts = {}  # id() of an operator's `Factors` -> `_cuts_reduced`'s answer (identical layers share theirs)
+        reduces = [node.primitive in NESTED or (i in factors and (
+            cuts[id(factors[i])] if id(factors[i]) in cuts else cuts.setdefault(id(factors[i]), _cuts_reduced(factors[i]))))
+            for i, node in enumerate(nodes)]
         feeds = [False] * len(nodes)  # a node that may reduce can be reached from its results
         reaches = list(reduces)  # ... or the node may reduce itself
         for i in reversed(range(len(nodes))):
@@ -322,8 +325,8 @@ class SearchGraph:
                 if found and any(map(reaches.__getitem__, found)):
                     feeds[i] = reaches[i] = True
                     break
-        return frozenset(k for k, u in enumerate(self.units)
-                         if u.node >= 0 and u.free and u.factors.reduced & set(u.own) and not feeds[u.node])
+        return frozenset(k for k, u in enumerate(self.units) if u.node >= 0 and not feeds[u.node] and u.free
+                         and not u.factors.reduced.isdisjoint(u.own))
 
     def _signatures(self) -> list[int]:
         """Per unit, the id of its structure: its factors, the operands it lays out, how often it
