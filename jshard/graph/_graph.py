@@ -67,7 +67,7 @@ class KeepComm:
 class Node:
     """One equation of the flattened program. Not frozen, as a value would be: a node is known by
     its identity, `flatten` makes one per equation (a frozen dataclass's `__init__`, each field set
-    through `object.__setattr__`, took half of flattening a 36,000-equation program), and nothing
+    through `object.__setattr__`, took a third of flattening a 36,000-equation program), and nothing
     sets a field once `flatten` has made it and its `bodies`.
 
     Attributes:
