@@ -336,10 +336,11 @@ class SearchGraph:
         (`candidates`, `spec`, `_recursive`'s tables), as a scanned body is planned once."""
         ids: dict = {}
         out = []
+        table, combinable = self.table.vars, self.combinable
         for k, u in enumerate(self.units):
-            results = () if u.node < 0 else tuple(array_of(v) for v in self.table.vars[u.node][1])
+            results = () if u.node < 0 else tuple([array_of(v) for v in table[u.node][1]])
             fixed = None if u.fixed is None else tuple(sorted(u.fixed.items()))
-            key = (u.factors, u.own, u.operands, u.weight, u.flops, u.traffic, fixed, results, k in self.combinable)
+            key = (u.factors, u.own, u.operands, u.weight, u.flops, u.traffic, fixed, results, k in combinable)
             out.append(ids.setdefault(key, len(ids)))
         return out
 
