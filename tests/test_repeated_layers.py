@@ -13,6 +13,7 @@ import pytest
 import jshard as js
 import jshard.compile._program as program
 import jshard.plan._records as records
+import jshard.search._core as core_module
 import jshard.search._graph as search_graph
 import jshard.search._level as level_module
 import jshard.search._recursive as recursive
@@ -303,3 +304,43 @@ def test_the_middle_layers_take_the_choice_beside_them():
     moved = lambda source, middle: picks[source] + 1  # noqa: E731
     assert ties.waved(picks, 1, moved) == [0, 10, 20, 30, 40, 31, 41, 70, 80, 90, 100, 110]
     assert ties.waved(picks, -2, moved) == [0, 10, 20, 30, 40, 71, 81, 70, 80, 90, 100, 110]
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["mixed-radix", "ranks"])
+def test_edges_are_grouped_by_one_key_per_row(big):
+    """`_row_keys`: rows of non-negative ints keyed by one number each, equal where the rows are (read
+    in mixed radix where that fits in 63 bits, else the rows' ranks)."""
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 3, (200, 5))
+    if big:
+        rows[:, 0] *= 1 << 40  # the radixes' product passes 2**63
+        rows[:, 2] *= 1 << 40
+    keys = ties_module._row_keys(rows)
+    same_rows = (rows[:, None, :] == rows[None, :, :]).all(-1)
+    assert (same_rows == (keys[:, None] == keys[None, :])).all()
+
+
+def test_a_barred_level_reads_its_level_s_beliefs(monkeypatch):
+    """A level barred from another's combined sets (`_Recursive._closed`) reads the min-sum arrays its
+    level made (`Core._beliefs`), patched where its tolls reach, and plans what building them afresh
+    plans."""
+    beliefs = core_module.Core._beliefs
+    read = [0]
+
+    def counting(level, core):
+        read[0] += level._replays is not None and level._replays.beliefs is not None
+        return beliefs(level, core)
+
+    monkeypatch.setattr(core_module.Core, "_beliefs", counting)
+    shared = _plan(6)
+    assert read[0] > 0
+
+    def afresh(level, core):
+        if level._replays is not None:
+            level._replays.beliefs = None
+        return beliefs(level, core)
+
+    monkeypatch.setattr(core_module.Core, "_beliefs", afresh)
+    fresh = _plan(6)
+    assert fresh.search.seconds == shared.search.seconds
+    assert fresh.ops == shared.ops and fresh.in_specs == shared.in_specs and fresh.out_specs == shared.out_specs

@@ -190,7 +190,7 @@ def in_shardings(traced: Traced, slots: Sequence[Slot], dataset: dict[int, Slot]
     """Each argument leaf's `NamedSharding`, or None where the planner decides it (`dataset`: the
     batch leaves' slots from `dataset_anchors`)."""
     anchors = boundary_anchors(traced, call)
-    found = [_in_sharding(traced, path, x, slot, anchors.get(v), dataset.get(i), options, call)
+    found = [_in_sharding(traced, path, x, v, slot, anchors.get(v), dataset.get(i), options, call)
              for i, (path, x, slot, v) in enumerate(zip(traced.paths, traced.leaves, slots, traced.invars))]
     if options.mode == "manual":
         return found
@@ -284,10 +284,11 @@ def model_anchor(traced: Traced, v, x, c: Options) -> NamedSharding | None:
     return None
 
 
-def _in_sharding(traced: Traced, path, x, slot, anchor, rows, c: Options, call: str):
+def _in_sharding(traced: Traced, path, x, v, slot, anchor, rows, c: Options, call: str):
+    """Argument leaf `x`'s sharding (at `path`, the jaxpr's `v`), or None where the planner decides it."""
     if slot is not None:
         return _given(traced, slot, x, f"in_strategy{path}", c, call)
-    model = model_anchor(traced, traced.invars[traced.paths.index(path)], x, c)
+    model = model_anchor(traced, v, x, c)
     if model is not None:
         return model
     if anchor is not None and c.mode in ("semi_auto", "auto"):

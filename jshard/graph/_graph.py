@@ -63,9 +63,12 @@ class KeepComm:
         return f"{remat_policy_name(self.policy)}, mp_comm_recompute=False"
 
 
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+@dataclasses.dataclass(slots=True, eq=False)
 class Node:
-    """One equation of the flattened program.
+    """One equation of the flattened program. Not frozen, as a value would be: a node is known by
+    its identity, `flatten` makes one per equation (a frozen dataclass's `__init__`, each field set
+    through `object.__setattr__`, took a third of flattening a 36,000-equation program), and nothing
+    sets a field once `flatten` has made it and its `bodies`.
 
     Attributes:
       eqn: the jaxpr equation.
@@ -100,7 +103,7 @@ class Node:
     primitive: str = dataclasses.field(init=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "primitive", self.eqn.primitive.name)
+        self.primitive = self.eqn.primitive.name
 
     @property
     def backward(self) -> bool:
@@ -175,7 +178,7 @@ def nested_jaxprs(eqn: jcore.JaxprEqn) -> list[jcore.Jaxpr]:
     return [j.jaxpr if hasattr(j, "jaxpr") else j for j in found]
 
 
-_SUB_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr", "cond_jaxpr", "body_jaxpr", "branches")
+_SUB_KEYS = frozenset({"jaxpr", "call_jaxpr", "fun_jaxpr", "cond_jaxpr", "body_jaxpr", "branches"})
 
 
 def distinct_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
@@ -204,6 +207,9 @@ def _distinct(jaxpr: jcore.Jaxpr, seen: set, fresh: bool) -> jcore.Jaxpr:
     constvars, invars = [new(v) for v in jaxpr.constvars], [new(v) for v in jaxpr.invars]
     eqns, changed = [], fresh
     for eqn in jaxpr.eqns:
+        if not fresh and _SUB_KEYS.isdisjoint(eqn.params):  # no sub-jaxpr to copy, no variable to rename
+            eqns.append(eqn)
+            continue
         params = {k: _distinct_param(v, seen) if k in _SUB_KEYS else v for k, v in eqn.params.items()}
         moved = any(params[k] is not eqn.params[k] for k in params)
         if fresh or moved:
@@ -250,21 +256,24 @@ def _source(eqn, callers) -> str:
 
 
 def _collect(jaxpr, env, inside, weight, nodes, outer=None, loop=-1, body=0):
+    var = jcore.Var
     for eqn, env_now, callers, remat, prefix in _inlined(jaxpr, env, (), outer,
                                                          outer and outer.source_info.name_stack):
         info = eqn.source_info
         scope = info.name_stack if prefix is None else prefix + info.name_stack
+        get = env_now.get  # `resolve`, inlined: the loop is per equation
         node = Node(
             eqn,
-            tuple(resolve(env_now, v) for v in eqn.invars),
+            tuple([get(v, v) if isinstance(v, var) else v for v in eqn.invars]),
             tuple(eqn.outvars),
             inside,
             str(scope),
             _source(eqn, callers),
             weight,
-            remat="" if remat is None else remat_policy_name(remat.params.get("policy")),
-            loop=loop,
-            body=body,
+            [],
+            "" if remat is None else remat_policy_name(remat.params.get("policy")),
+            loop,
+            body,
         )
         nodes.append(node)
         if eqn.primitive.name in NESTED:

@@ -176,6 +176,7 @@ class _Records:
         self.fine, self.result = fine, result
         self.given = _given_cuts(nodes, self.by_scope)
         self.fields: dict = {}
+        self.parts: dict[int, tuple[tuple, str]] = {}  # id() of a decision `result` holds -> `_parts`' answer
 
     def record(self, i: int, node: Node) -> OpRecord:
         """The record of operator `i`, `node`."""
@@ -194,8 +195,7 @@ class _Records:
         same ones, and `result` keeps them alive); last, the `weighed` and `via` it shows."""
         result, scope = self.result, self.scopes[i]
         decision = None if result is None else result.decisions.get(i)
-        parts = () if decision is None else (id(decision.in_specs), id(decision.out_specs), id(decision.comms),
-                                             id(decision.rejected), decision.seconds, decision.implied)
+        parts, via = ((), "") if decision is None else self._parts(decision)
         weighed = _weighed(node, result.weighed, self.cuts) if result is not None and result.weighed else ""
         given = self.given  # none where no `shard` call cuts a value: nothing to key by
         return (node.eqn.primitive, node.source, node.scope, node.inside, node.weight,
@@ -203,7 +203,17 @@ class _Records:
                 scope in self.by_scope and self.main.get(scope) is node, self.regions.get(i, ""), i in self.rerun,
                 result is None or i not in result.unruled, self._pinned(node), parts,
                 tuple([given.get(v) if isinstance(v, jcore.Var) else None for v in node.inputs]) if given else (),
-                weighed, "" if decision is None else _via(decision.via, self.stands_for, self.models))
+                weighed, via)
+
+    def _parts(self, decision) -> tuple[tuple, str]:
+        """A decision's parts as `_alike` keys them, and the `via` it shows; once per decision (the
+        search gives operators alike one)."""
+        found = self.parts.get(id(decision))
+        if found is None:
+            found = self.parts[id(decision)] = (
+                (id(decision.in_specs), id(decision.out_specs), id(decision.comms), id(decision.rejected),
+                 decision.seconds, decision.implied), _via(decision.via, self.stands_for, self.models))
+        return found
 
     def _pinned(self, node: Node) -> tuple:
         """The layouts the model pins `node`'s results to (None: not pinned)."""
@@ -428,9 +438,11 @@ def _model_pinned(nodes: Sequence[Node]) -> dict:
     """Value -> `Spec` the model pins: its type's on `Explicit` mesh axes, or the layout of a
     constraint of the model's own it flows straight into."""
     pinned = {}
+    typed: dict = {}  # aval -> `typed_spec`'s answer: avals are interned, so identical layers share theirs
     for node in nodes:
         for v in node.outputs:
-            spec = typed_spec(getattr(v, "aval", None))
+            aval = getattr(v, "aval", None)
+            spec = typed[aval] if aval in typed else typed.setdefault(aval, typed_spec(aval))
             if spec is not None:
                 pinned[v] = spec
         if _is_model_constraint(node) and isinstance(node.inputs[0], jcore.Var):

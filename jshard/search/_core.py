@@ -26,6 +26,7 @@ _ROOTS = 4  # the heaviest units tried with each candidate, one after another, p
 _BELIEFS = 32  # the core's min-sum message passing: rounds at most
 _HEAVY = 0.1  # ... among those with at least this share of the heaviest one's compute
 _UNSEEN: Any = object()  # a key not yet in a cache whose values may be None
+_FAR = 2.0**100  # `_believed`: a missing candidate's cost (units have fewer than the most): never the least
 
 
 class Core:
@@ -184,24 +185,9 @@ class Core:
         no single or pairwise move finds), so it is one more start of the core search."""
         if not self.tables:
             return {k: int(self.unary[k].argmin()) for k in core}
-        at = {k: n for n, k in enumerate(core)}
-        width = max(len(self.unary[k]) for k in core)
-        far = 2.0 ** 100  # a missing candidate (units have fewer than `width`): never the least
-        unary = np.full((width, len(core)), far)  # [candidate, unit]: reductions run over the first axis
-        for n, k in enumerate(core):
-            unary[:len(self.unary[k]), n] = self.unary[k]
-        pairs = list(self.tables.items())
-        n_pairs = len(pairs)
-        src = np.array([at[a] for (a, _), _ in pairs] + [at[b] for (_, b), _ in pairs])
+        width, unary, src, tables = self._beliefs(core)
+        n_pairs = len(src) // 2
         dst = np.concatenate([src[n_pairs:], src[:n_pairs]])
-        tables = np.full((width, width, 2 * n_pairs), far)  # [src's candidate, dst's candidate, message]
-        shapes: dict[tuple, list[int]] = collections.defaultdict(list)  # filled per shape, not per table
-        for n, (_, t) in enumerate(pairs):
-            shapes[t.shape].append(n)
-        for (rows, columns), ns in shapes.items():
-            block = np.stack([pairs[n][1] for n in ns], axis=-1)
-            tables[:rows, :columns, ns] = block
-            tables[:columns, :rows, np.array(ns) + n_pairs] = block.transpose(1, 0, 2)
         back = np.concatenate([np.arange(n_pairs) + n_pairs, np.arange(n_pairs)])  # the reverse message
         told = np.zeros((width, 2 * n_pairs))  # message n: from unit src[n] to unit dst[n], per dst's candidate
         bins = (dst + len(core) * np.arange(width)[:, None]).ravel()  # [dst's candidate, dst]: one bincount
@@ -220,6 +206,48 @@ class Core:
                 break
         picks = believed(told).argmin(0)
         return {k: int(picks[n]) for n, k in enumerate(core)}
+
+    def _beliefs(self, core: list[int]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """What `_believed` reads of the core: the most candidates a unit has, the own costs
+        `[candidate, unit]` and each message's source unit and table `[src's candidate, dst's
+        candidate, message]` (a missing candidate costs `_FAR`); a replayed level's (`_replay`) its
+        level's, copied where the replay changed costs or tables (`_touched`), as in `_patch_core`."""
+        done = self._replays
+        if done is not None and done.beliefs is not None:
+            width, unary, src, tables = done.beliefs
+            units, stale = self._touched
+            at = {k: n for n, k in enumerate(done.core)}
+            if units:
+                unary = unary.copy()
+                for k in units:
+                    unary[:, at[k]] = _FAR
+                    unary[:len(self.unary[k]), at[k]] = self.unary[k]
+            if stale:
+                tables, n_pairs = tables.copy(), len(src) // 2
+                for key in stale:
+                    n, t = done.table_at[key], self.tables[key]
+                    tables[:t.shape[0], :t.shape[1], n] = t
+                    tables[:t.shape[1], :t.shape[0], n + n_pairs] = t.T
+            return width, unary, src, tables
+        at = {k: n for n, k in enumerate(core)}
+        width = max(len(self.unary[k]) for k in core)
+        unary = np.full((width, len(core)), _FAR)  # [candidate, unit]: reductions run over the first axis
+        for n, k in enumerate(core):
+            unary[:len(self.unary[k]), n] = self.unary[k]
+        pairs = list(self.tables.items())
+        n_pairs = len(pairs)
+        src = np.array([at[a] for (a, _), _ in pairs] + [at[b] for (_, b), _ in pairs])
+        tables = np.full((width, width, 2 * n_pairs), _FAR)  # [src's candidate, dst's candidate, message]
+        shapes: dict[tuple, list[int]] = collections.defaultdict(list)  # filled per shape, not per table
+        for n, (_, t) in enumerate(pairs):
+            shapes[t.shape].append(n)
+        for (rows, columns), ns in shapes.items():
+            block = np.stack([pairs[n][1] for n in ns], axis=-1)
+            tables[:rows, :columns, ns] = block
+            tables[:columns, :rows, np.array(ns) + n_pairs] = block.transpose(1, 0, 2)
+        if self._eliminated is not None and done is None:  # for the levels barred from this one
+            self._eliminated.beliefs = (width, unary, src, tables)
+        return width, unary, src, tables
 
     def _spread(self, core: list[int], pinned: dict[int, int]) -> dict[int, int]:
         """The pinned units, then the others in program order, each against those decided before

@@ -181,7 +181,6 @@ class SearchGraph:
         self.cost = cost or CostModel()
         self.table = table or OpTable(nodes)
         self.units: list[Unit] = []
-        self.unit_of: dict[tuple[int, int], int] = {}  # (node, operand position) -> unit
         self.arg_unit: dict = {}
         self.node_units: dict[int, list[int]] = collections.defaultdict(list)
         self._traffic = self.table.traffic(outvars) if self.cost.memory_bandwidth else {}
@@ -196,9 +195,10 @@ class SearchGraph:
         self.edges = self._edges() + self._state_edges(args, outvars)
         self.out_edges: dict[int, list[int]] = collections.defaultdict(list)
         self.in_edges: dict[int, list[int]] = collections.defaultdict(list)
-        for k, e in enumerate(self.edges):
-            self.out_edges[e.src[0]].append(k)
-            self.in_edges[e.dst[0]].append(k)
+        out_edges, in_edges = self.out_edges, self.in_edges
+        for k, (_, src, dst, _) in enumerate(self.edges):
+            out_edges[src[0]].append(k)
+            in_edges[dst[0]].append(k)
         self.shape_of_unit = self._signatures()
         self._specs: dict = {}
         self._moves: dict = {}
@@ -238,20 +238,15 @@ class SearchGraph:
             self._unit(Unit(i, None, Factors((), (), ()), (), tuple(range(len(operands))), node.weight, 0.0, fixed))
             return
         f = e.factors[i]
-        groups = _components(f)
-        if not groups:
-            groups = [((), tuple(range(len(operands))))]
-        for n, (own, positions) in enumerate(groups):
-            first = n == 0  # the operator's work goes with its first unit
-            self._unit(Unit(i, None, f, own, positions, node.weight, f.flops if first else 0.0,
-                            traffic=self._traffic.get(i, 0.0) if first else 0.0, matmul=i in e.matmul))
+        groups = _components_of(f) or (((), tuple(range(len(operands)))),)
+        weight, matmul = node.weight, i in e.matmul
+        self._unit(Unit(i, None, f, *groups[0], weight, f.flops, None, self._traffic.get(i, 0.0), matmul))
+        for own, positions in groups[1:]:  # the operator's work goes with its first unit
+            self._unit(Unit(i, None, f, own, positions, weight, 0.0, None, 0.0, matmul))
 
     def _unit(self, u: Unit) -> None:
-        k = len(self.units)
+        self.node_units[u.node].append(len(self.units))
         self.units.append(u)
-        self.node_units[u.node].append(k)
-        for pos in u.operands:
-            self.unit_of[(u.node, pos)] = k
 
     def _edges(self) -> list[Edge]:
         """Each use of a value, from the operator that made it for that use. A sub-jaxpr that JAX
@@ -265,13 +260,14 @@ class SearchGraph:
                 producers[u.var].append((-1, k, 0))
                 continue
             ins, outs = e.vars[u.node]
+            n_in = len(ins)
             for pos in u.operands:
-                if pos >= len(ins):
-                    producers[outs[pos - len(ins)]].append((u.node, k, pos))
+                if pos >= n_in:
+                    producers[outs[pos - n_in]].append((u.node, k, pos))
         self.producers = producers
         made = {v: m for v, m in producers.items() if shape_of(v)}  # the values an edge can carry
         edges: list[Edge] = []
-        append, units, var, table = edges.append, self.units, jcore.Var, e.vars
+        append, units, var, table, new = edges.append, self.units, jcore.Var, e.vars, tuple.__new__
         for k, u in enumerate(units):
             node = u.node
             if node < 0:
@@ -289,7 +285,7 @@ class SearchGraph:
                     continue
                 _, src_unit, src_pos = makers[0] if len(makers) == 1 else next(
                     (m for m in reversed(makers) if m[0] < node), makers[0])
-                append(Edge(v, (src_unit, src_pos), (k, pos), max(units[src_unit].weight, u.weight)))
+                append(new(Edge, (v, (src_unit, src_pos), (k, pos), max(units[src_unit].weight, u.weight))))
         return edges
 
     def _state_edges(self, args, outvars) -> list[Edge]:
@@ -317,7 +313,10 @@ class SearchGraph:
             for v in node.inputs:
                 if isinstance(v, jcore.Var):
                     readers[v].append(i)
-        reduces = [node.primitive in NESTED or (i in factors and _cuts_reduced(factors[i])) for i, node in enumerate(nodes)]
+        cuts = {}  # id() of an operator's `Factors` -> `_cuts_reduced`'s answer (identical layers share theirs)
+        reduces = [node.primitive in NESTED or (i in factors and (
+            cuts[id(factors[i])] if id(factors[i]) in cuts else cuts.setdefault(id(factors[i]), _cuts_reduced(factors[i]))))
+            for i, node in enumerate(nodes)]
         feeds = [False] * len(nodes)  # a node that may reduce can be reached from its results
         reaches = list(reduces)  # ... or the node may reduce itself
         for i in reversed(range(len(nodes))):
@@ -326,8 +325,8 @@ class SearchGraph:
                 if found and any(map(reaches.__getitem__, found)):
                     feeds[i] = reaches[i] = True
                     break
-        return frozenset(k for k, u in enumerate(self.units)
-                         if u.node >= 0 and u.free and u.factors.reduced & set(u.own) and not feeds[u.node])
+        return frozenset(k for k, u in enumerate(self.units) if u.node >= 0 and not feeds[u.node] and u.free
+                         and not u.factors.reduced.isdisjoint(u.own))
 
     def _signatures(self) -> list[int]:
         """Per unit, the id of its structure: its factors, the operands it lays out, how often it
@@ -337,10 +336,11 @@ class SearchGraph:
         (`candidates`, `spec`, `_recursive`'s tables), as a scanned body is planned once."""
         ids: dict = {}
         out = []
+        table, combinable = self.table.vars, self.combinable
         for k, u in enumerate(self.units):
-            results = () if u.node < 0 else tuple(array_of(v) for v in self.table.vars[u.node][1])
+            results = () if u.node < 0 else tuple([array_of(v) for v in table[u.node][1]])
             fixed = None if u.fixed is None else tuple(sorted(u.fixed.items()))
-            key = (u.factors, u.own, u.operands, u.weight, u.flops, u.traffic, fixed, results, k in self.combinable)
+            key = (u.factors, u.own, u.operands, u.weight, u.flops, u.traffic, fixed, results, k in combinable)
             out.append(ids.setdefault(key, len(ids)))
         return out
 
@@ -624,9 +624,16 @@ class SearchGraph:
     def peak(self, choice: Sequence[Assignment]) -> tuple[float, int]:
         """The most bytes one device holds at any program point under `choice`, and that point."""
         spec, makers, slices = self._reader(choice), self.makers, slice_counter(self.axis_size)
-        live = self.live_bytes({v: value_bytes(v) / slices(spec(*makers[v])) for v in self.memory_values})
+        live = self.live_bytes({v: b / slices(spec(*makers[v])) for v, b in self.replicated.items()})
         t = int(np.argmax(live))
         return float(live[t]), t
+
+    @functools.cached_property
+    def replicated(self) -> dict:
+        """Each memory value's bytes on one device holding all of it, once per array type."""
+        known: dict = {}
+        return {v: known[v.aval] if v.aval in known else known.setdefault(v.aval, value_bytes(v))
+                for v in self.memory_values}
 
     def live_at(self, t: int) -> list:
         return self.ranges.live_at(t, self.memory_values)
@@ -637,15 +644,11 @@ def _cuts_reduced(f: Factors) -> bool:
     return any(f.sizes[fac] > 1 for fac in f.reduced)
 
 
-def _components(f: Factors) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+@functools.lru_cache(maxsize=1 << 14)
+def _components_of(f: Factors) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     """The operator's factors split into groups that share operands: `(factors, operand positions)`.
     Operands with no factor (whole, or scalars) go to the first group. Found once per `Factors`
     (the same operator of identical layers)."""
-    return list(_components_of(f))
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _components_of(f: Factors) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     parent = list(range(len(f.sizes)))
 
     def find(x):

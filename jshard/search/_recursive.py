@@ -166,7 +166,7 @@ class _Recursive:
                  check: Callable[[], None] | None = None):
         self.g, self.levels, self.replay = g, list(levels), replay
         self.check = check or (lambda: None)
-        replicated = g.live_bytes({v: value_bytes(v) for v in g.memory_values})
+        replicated = g.live_bytes(g.replicated)
         self.kept: dict[int, list] = collections.defaultdict(list)  # unit -> (operand position, value) live at a peak
         self.kept_bytes: dict[int, tuple] = {}  # unit -> (operand position, bytes) of the above: what its unary reads
         values: dict[tuple, int] = {}  # what an edge's table reads of it: its value's array and weight, as ids
@@ -224,12 +224,12 @@ class _Recursive:
         self.unit_classes += level.classes
         self.evaluations += level.evaluations
         picks, barred = self._closed(group, base, lam, level, picks)
-        chosen = _per_unit(level, picks, self.ties)
         if not self.ties.replayed:
-            return chosen
+            return _per_unit(level, picks, self.ties)
         if self.checks is None:
             self.checks = Ties.checking(self, self.ties.found)
-        return self._checked(group, base, lam, chosen, level, barred)
+        of = self.ties.of
+        return self._checked(group, base, lam, lambda k: level.cands[of[k]][picks[of[k]]], level, barred)
 
     def _closed(self, group: Group, base: list[Assignment], lam: float, level: Level,
                 picks: list[int]) -> tuple[list[int], Barred]:
@@ -285,9 +285,10 @@ class _Recursive:
                 return
             sets = sets | new
 
-    def _checked(self, group: Group, base: list[Assignment], lam: float, chosen: list[Assignment],
+    def _checked(self, group: Group, base: list[Assignment], lam: float, chosen: Callable[[int], Assignment],
                  like: Level, barred: Barred) -> list[Assignment]:
-        """The boundary check of a replayed level's choice `chosen` (per unit): on `checks`' classes
+        """The boundary check of a replayed level's choice `chosen` (a unit's assignment, read for the
+        first unit of each of the check's classes alone): on `checks`' classes
         (each unit its own but the middle layers of long runs), single and pairwise moves from it
         until none helps; where no run leaves the check a middle (each unit its own class: the level
         unit by unit), also from the core's min-sum messages' picks, as the level's own search does,
@@ -315,7 +316,7 @@ class _Recursive:
                 level = Level(self, group, base, lam, ties, like=like, barred=barred)
                 believed = seed is None and not ties.tied  # once: the messages do not read the seed
                 if seed is None:
-                    seed = [seat(chosen[k], cands) for k, cands in zip(ties.reps, level.cands)]
+                    seed = [seat(chosen(k), cands) for k, cands in zip(ties.reps, level.cands)]
                 picks = level.solve(seed=seed, believed=believed)
                 self.evaluations += level.evaluations
                 energy = level.energy(picks)

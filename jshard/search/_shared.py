@@ -145,7 +145,8 @@ class Eliminated:
         order: `(step, array)`, step -1 for a table of a unit with a single candidate.
       record_of: per step of one or two neighbours, its index in `records`.
       unary, tables, nbrs, picks, records, core: the level once eliminated; table_at: each of its
-        tables' place in `tables`; prepared: its core as `Level._prepare_core` made it.
+        tables' place in `tables`; prepared: its core as `Level._prepare_core` made it; beliefs: its
+        core's arrays as `Core._beliefs` made them.
     """
 
     def __init__(self, whole: tuple[list, list]):
@@ -158,6 +159,7 @@ class Eliminated:
         self.table_parts: dict[tuple[int, int], list] = collections.defaultdict(list)
         self.record_of: dict[int, int] = {}
         self.prepared: tuple | None = None
+        self.beliefs: tuple | None = None
 
     @staticmethod
     def summed(parts: Sequence[tuple[int, np.ndarray]], found: np.ndarray | None,
