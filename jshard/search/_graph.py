@@ -313,7 +313,7 @@ class SearchGraph:
             for v in node.inputs:
                 if isinstance(v, jcore.Var):
                     readers[v].append(i)
-        cuts = {}  # id() of an operator's `Factors` -> `_cuts_reduced`'s answer (identical layers share theirs)
+        cuts: dict[int, bool] = {}  # id() of an operator's `Factors` -> `_cuts_reduced`'s answer (identical layers share theirs)
         reduces = [node.primitive in NESTED or (i in factors and (
             cuts[id(factors[i])] if id(factors[i]) in cuts else cuts.setdefault(id(factors[i]), _cuts_reduced(factors[i]))))
             for i, node in enumerate(nodes)]
