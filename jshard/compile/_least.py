@@ -16,7 +16,6 @@ reads the bound to leave out a copy count that cannot beat the plan it holds.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections import defaultdict
 
@@ -28,6 +27,7 @@ from jshard.graph import CONSTRAINT
 from jshard.layouts import constraint_spec
 from jshard.propagate import MANUAL
 from jshard.rules import Factors, shape_of
+from jshard.search import unit_components
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,7 +66,8 @@ def least_step(traced: Traced, cost: CostModel) -> Least:
     for i, f in table.factors.items():
         if i in table.unruled or nodes[i].primitive == CONSTRAINT:
             continue
-        own = [g for g in _units(f)[0][0] if f.sizes[g] > 1]  # the factors the unit doing the work cuts
+        units = unit_components(f)
+        own = units[0][0] if units else ()  # the factors the unit doing the work cuts
         uncut = all(g in blocked[i] for g in own)
         whole += uncut
         moved = traffic.get(i, 0.0) if own else 0.0  # the search prices a unit that cuts nothing at its flops
@@ -174,38 +175,4 @@ def _valued(v) -> bool:
 def _summed(f: Factors, g: int) -> bool:
     """Whether cutting reduced factor `g` leaves partial sums the search prices: its unit lays out a
     result."""
-    return any(g in facs and any(p >= len(f.inputs) for p in positions) for facs, positions in _units(f))
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _units(f: Factors) -> tuple[tuple[frozenset[int], tuple[int, ...]], ...]:
-    """The search's units of an operator with factors `f` (`SearchGraph`'s components): the factors
-    its operands share, joined, each with its operand positions; the operands with no factor go to
-    the first. Its first unit does the operator's work, priced only where it cuts some factor (its
-    own, of size over 1), else at its flops alone."""
-    parent = list(range(len(f.sizes)))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            x = parent[x]
-        return x
-
-    for joined in f.joined:
-        facs = sorted(joined)
-        for h in facs[1:]:
-            parent[find(h)] = find(facs[0])
-    groups: dict[int, tuple[set, list]] = {}
-    loose = []
-    for pos, dims in enumerate(f.operands):
-        facs = [h for d in dims for h in d]
-        if not facs:
-            loose.append(pos)
-            continue
-        group = groups.setdefault(find(facs[0]), (set(), []))
-        group[0].update(facs)
-        group[1].append(pos)
-    out = [(frozenset(facs), tuple(pos)) for facs, pos in groups.values()]
-    if not out:
-        return ((frozenset(), tuple(range(len(f.operands)))),)
-    out[0] = (out[0][0], tuple(sorted(out[0][1] + tuple(loose))))
-    return tuple(out)
+    return any(g in facs and any(p >= len(f.inputs) for p in positions) for facs, positions in unit_components(f))

@@ -2,6 +2,7 @@
 mesh or by an ILP (HiGHS), both over one `SearchGraph` and one solver contract (`Solved`)."""
 
 from jshard.search._graph import REPLICATED_SHARE as REPLICATED_SHARE
+from jshard.search._graph import unit_components as unit_components
 from jshard.search._regions import RegionChoice as RegionChoice
 from jshard.search._regions import RegionCost as RegionCost
 from jshard.search._regions import assignment as assignment

@@ -238,7 +238,7 @@ class SearchGraph:
             self._unit(Unit(i, None, Factors((), (), ()), (), tuple(range(len(operands))), node.weight, 0.0, fixed))
             return
         f = e.factors[i]
-        groups = _components_of(f) or (((), tuple(range(len(operands)))),)
+        groups = unit_components(f) or (((), tuple(range(len(operands)))),)
         weight, matmul = node.weight, i in e.matmul
         self._unit(Unit(i, None, f, *groups[0], weight, f.flops, None, self._traffic.get(i, 0.0), matmul))
         for own, positions in groups[1:]:  # the operator's work goes with its first unit
@@ -645,7 +645,12 @@ def _cuts_reduced(f: Factors) -> bool:
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _components_of(f: Factors) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+def unit_components(f: Factors) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """The search's units of an operator with factors `f`: `(factors of more than one element,
+    operand positions)` per group of factors its operands share (`f.joined` joins them), the
+    operands with no factor in the first group; `()` where no operand has a factor. The first unit
+    does the operator's work (`SearchGraph`'s `_add_node`); `jshard.compile`'s least step bound
+    reads the same grouping."""
     """The operator's factors split into groups that share operands: `(factors, operand positions)`.
     Operands with no factor (whole, or scalars) go to the first group. Found once per `Factors`
     (the same operator of identical layers)."""
