@@ -22,9 +22,12 @@ So `moved` takes each chain of the searched plan to each seed's layout of it as 
 budget. Chains alike (the same parameter of identical layers: the same unit structures under the
 same layouts, now and in every seed) move together, as one trial.
 
-What it costs: one `SearchGraph.seconds` per distinct trial (a chain class and a seed layout that
-differs from the plan's), and one `SearchGraph.peak` per trial that predicts less; a chain no seed
-lays out otherwise costs nothing. It acts only where the search made seeds (anchors, or a budget).
+What it costs: per search, one pass over the chains, and per distinct trial (a chain class and a
+seed layout of it that differs from the plan's) a lower bound on its seconds read from the units it
+moves and their edges (`_Busy`: each resource's busy time), then, only where that bound is under
+the plan's seconds, one `SearchGraph.seconds` and, where that predicts less, one `SearchGraph.peak`.
+A chain no seed lays out otherwise costs nothing. It acts only where the search made seeds (the
+program has anchors, or a budget) and reads `check` before each trial (the planning's deadline).
 """
 
 from __future__ import annotations
@@ -95,13 +98,14 @@ def moved(
     if not classes:
         return solved
     choice, best, kept = list(solved.choice), solved.seconds, 0
-    busy = _Busy(g, list(choice))
+    # the bound costs about one schedule to set up: worth it where it can spare one
+    busy = _Busy(g, list(choice)) if sum(len(trials) for _, trials in classes) > 1 else None
     for group, trials in classes:
         for trial in trials:
             if check is not None:
                 check()
             moves = {k: a for chain in group for k, a in zip(chain, trial)}
-            if busy.bound(moves) * (1 - _ROUNDING) >= best * (1 - _LESS):
+            if busy is not None and busy.bound(moves) * (1 - _ROUNDING) >= best * (1 - _LESS):
                 continue
             tried = list(choice)
             for k, a in moves.items():
@@ -109,7 +113,8 @@ def moved(
             seconds = g.seconds(tried)
             if seconds < best * (1 - _LESS) and (budget is None or g.peak(tried)[0] <= budget):
                 choice, best, kept = tried, seconds, kept + 1
-                busy.move(moves)
+                if busy is not None:
+                    busy.move(moves)
     if not kept:
         return solved
     peak, _ = g.peak(choice)
