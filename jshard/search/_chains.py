@@ -125,7 +125,7 @@ def moved(
         peak=peak,
         status=(
             f"{solved.status}; {kept} argument chain move{'s' if kept > 1 else ''} to a seed's layouts "
-            f"(it predicted {solved.seconds * 1e6:.6g} us per call)"
+            f"(before them: {solved.seconds * 1e6:.6g} us per call)"
         ),
     )
 
