@@ -24,11 +24,8 @@ CFG = _llama.Decoder("tiny", vocab=512, seq_len=64, d_model=64, n_heads=4, n_kv_
 ROWS = 8
 
 
-def _plan(step, args, monkeypatch, moved: bool):
-    with monkeypatch.context() as m:
-        if not moved:
-            m.setattr(_chains, "moved", lambda g, solved, *_: solved)
-        return step.plan(*args)
+def _step(train_step):
+    return js.parallelize(train_step, devices=8, mode="auto", cost_model=CostModel.for_device("H100"))
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +37,15 @@ def args():
 
 def test_a_chain_moved_whole_predicts_less_and_equals_one_device(args, monkeypatch):
     train_step = _llama.train_step(CFG, None)
-    step = js.parallelize(train_step, devices=8, mode="auto", cost_model=CostModel.for_device("H100"))
-    before = _plan(step, args, monkeypatch, moved=False).search
-    after = _plan(
-        js.parallelize(train_step, devices=8, mode="auto", cost_model=CostModel.for_device("H100")),
-        args,
-        monkeypatch,
-        moved=True,
-    ).search
+    with monkeypatch.context() as m:  # the search's plan as it was before the chain moves
+        m.setattr(_chains, "moved", lambda g, solved, *_: solved)
+        before = _step(train_step).plan(*args).search
+    step = _step(train_step)
+    after = step.plan(*args).search
     assert after.seconds < before.seconds * (1 - 1e-6), (after.line(), before.line())
     assert after.peak_bytes <= after.budget, after.line()
     assert "argument chain move" in after.line(), after.line()
-    want = jax.jit(train_step)(*args)
-    got = js.parallelize(train_step, devices=8, mode="auto", cost_model=CostModel.for_device("H100"))(*args)
+    want, got = jax.jit(train_step)(*args), step(*args)
     # within bfloat16's rounding of each value (the step computes in it, `_llama.COMPUTE`: the weights,
     # activations and gradients each rounded a few times; 3.4 of its eps of a leaf's largest value here)
     widen = int(jnp.finfo(jnp.bfloat16).eps / jnp.finfo(jnp.float32).eps)  # np.finfo knows no bfloat16
