@@ -26,7 +26,7 @@ from jshard.cost import CostModel, array_of, value_bytes
 from jshard.graph import CONSTRAINT, Node
 from jshard.propagate import MANUAL, Decision, Engine, Rejected, Result, charge_constraints, unpriced_dead
 from jshard.rules import OpTable, write_spec
-from jshard.search import _ilp, _recursive, _seeded
+from jshard.search import _chains, _ilp, _recursive, _seeded
 from jshard.search._graph import REPLICATED_SHARE, Assignment, Infeasible, Joins, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
 
@@ -287,6 +287,8 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
             candidates = g.candidate_count(groups)
     else:
         raise ShardingError(f"{call}: search={how!r} is not one of {SEARCHES}.")
+    if as_seeded is None and not least:  # each free argument's chain moved whole to a seed's layouts, where faster
+        solved = _chains.moved(g, solved, made, budget, check)
     if budget is not None and as_seeded is None:
         solved = _split(g, solved, next((s for s in fitted if s.status.startswith(_seeded.DATA_PARALLEL)), None))
     choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
