@@ -159,7 +159,8 @@ class _Busy:
 
     def _edge(self, e: Edge, at: Callable[[int], Assignment]) -> collections.Counter:
         """Edge `e`'s redistribution per collective kind, its units under `at(unit)`."""
-        g, out = self.g, collections.Counter()
+        g = self.g
+        out: collections.Counter = collections.Counter()  # seconds per collective kind
         if g.units[e.dst[0]].node < 0:  # into the next call's argument: not on the schedule
             return out
         src, dst = g.spec(e.src[0], e.src[1], at(e.src[0])), g.spec(e.dst[0], e.dst[1], at(e.dst[0]))
