@@ -23,7 +23,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jshard._collector import collector_paused
 from jshard._compat import ShardingTypeError
-from jshard._errors import ShardingError
+from jshard._errors import MemoryBudgetError, ShardingError
+from jshard._format import human_bytes
 from jshard.compile._boundary import (
     BOUNDARY,
     argument_types,
@@ -38,7 +39,7 @@ from jshard.compile._groups import Communication
 from jshard.compile._options import Options
 from jshard.compile._program import Program
 from jshard.compile._session import Planning
-from jshard.compile._stage import Signature
+from jshard.compile._stage import Signature, compiles
 from jshard.compile._trace import Traced, adopted, devices_for, trace
 from jshard.compile._weigh import context_cuts, placed, weigh_context
 from jshard.compile._work import with_work
@@ -63,34 +64,22 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str,
     if planning is None:
         planning = Planning.of(options.search.time_limit)  # one clock for the whole of planning this signature
     with collector_paused():
-        return _build(fn, args, options, call, planning)
-
-
-def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str, planning: Planning) -> Program:
-    options = _with_loaded_choices(adopted(options, call), call)
-    devices = devices_for(options)
-    n = options.devices if devices is None else len(devices)
-    assert n is not None  # devices_for gives None only for more devices than are present
-    slots = canonicalize_in_strategy(options.in_strategy, args, call=call)
-    batch = batch_leaves(args, options)
-    dataset = dataset_anchors(args, batch, options, n, call)
-    if options.accumulation is not None:
-        cut = {i: slot for i, slot in dataset.items() if slots[i] is None}  # in_strategy comes first
-        check_micro_batches(args, batch, cut, options.accumulation.steps, n, call)
-    needed = _boundary_matrices(options, slots, dataset, args, n, call)
-    while True:
-        fine, named = _fine_mesh(options, n, needed, call)
         try:
-            program = _build_on(fn, args, fine, named, devices, slots, dataset, options, call, planning)
-        except NotRefined as e:
-            if options.mesh is not None:
-                raise ShardingError(_users_mesh_error(call, e.matrix, e.who, options)) from None
-            needed.append((e.matrix, e.who, e.names))
-            continue
-        warn_collisions(program, slots, options, call)
-        if options.context_cut is not None and options.plan is not None:  # rebuilt as loaded: saved so again
-            program = dataclasses.replace(program, plan=program.plan.replace(loaded_choices=options.plan.choices))
-        return _counted(with_work(program, args, batch, slots, options, call), planning)
+            return _build(fn, args, options, call, planning)
+        except MemoryBudgetError as e:
+            least = compiles(planning).least
+            if least == float("inf") or _LEAST_COMPILED in str(e):  # nothing compiled, or said already
+                raise
+            raise MemoryBudgetError(_least_compiled_error(str(e), least, compiles(planning).compiled), e.least_bytes,
+                                    e.bound) from None
+
+
+_LEAST_COMPILED = "the least any plan compiled to check held"
+
+
+def _least_compiled_error(message: str, least: float, compiled: int) -> str:
+    return (f"{message} Of the {compiled} program{'s' if compiled != 1 else ''} XLA compiled, {_LEAST_COMPILED} was "
+            f"{human_bytes(least)} per device: raise memory_budget to at least {least:.0f} bytes for that plan to fit.")
 
 
 def _with_loaded_choices(options: Options, call: str) -> Options:
