@@ -74,12 +74,40 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str,
                                     e.bound) from None
 
 
-_LEAST_COMPILED = "the least any plan compiled to check held"
+_LEAST_COMPILED = "for the least of them to fit"
 
 
 def _least_compiled_error(message: str, least: float, compiled: int) -> str:
-    return (f"{message} Of the {compiled} program{'s' if compiled != 1 else ''} XLA compiled, {_LEAST_COMPILED} was "
-            f"{human_bytes(least)} per device: raise memory_budget to at least {least:.0f} bytes for that plan to fit.")
+    return (f"{message} Compiled, the plans checked ({compiled} distinct program{'s' if compiled != 1 else ''}) held "
+            f"at least {human_bytes(least)} per device: raise memory_budget to at least {least:.0f} bytes "
+            f"{_LEAST_COMPILED}.")
+
+
+def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str, planning: Planning) -> Program:
+    options = _with_loaded_choices(adopted(options, call), call)
+    devices = devices_for(options)
+    n = options.devices if devices is None else len(devices)
+    assert n is not None  # devices_for gives None only for more devices than are present
+    slots = canonicalize_in_strategy(options.in_strategy, args, call=call)
+    batch = batch_leaves(args, options)
+    dataset = dataset_anchors(args, batch, options, n, call)
+    if options.accumulation is not None:
+        cut = {i: slot for i, slot in dataset.items() if slots[i] is None}  # in_strategy comes first
+        check_micro_batches(args, batch, cut, options.accumulation.steps, n, call)
+    needed = _boundary_matrices(options, slots, dataset, args, n, call)
+    while True:
+        fine, named = _fine_mesh(options, n, needed, call)
+        try:
+            program = _build_on(fn, args, fine, named, devices, slots, dataset, options, call, planning)
+        except NotRefined as e:
+            if options.mesh is not None:
+                raise ShardingError(_users_mesh_error(call, e.matrix, e.who, options)) from None
+            needed.append((e.matrix, e.who, e.names))
+            continue
+        warn_collisions(program, slots, options, call)
+        if options.context_cut is not None and options.plan is not None:  # rebuilt as loaded: saved so again
+            program = dataclasses.replace(program, plan=program.plan.replace(loaded_choices=options.plan.choices))
+        return _counted(with_work(program, args, batch, slots, options, call), planning)
 
 
 def _with_loaded_choices(options: Options, call: str) -> Options:
