@@ -23,7 +23,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jshard._collector import collector_paused
 from jshard._compat import ShardingTypeError
-from jshard._errors import ShardingError
+from jshard._errors import MemoryBudgetError, ShardingError
+from jshard._format import human_bytes
 from jshard.compile._boundary import (
     BOUNDARY,
     argument_types,
@@ -38,7 +39,7 @@ from jshard.compile._groups import Communication
 from jshard.compile._options import Options
 from jshard.compile._program import Program
 from jshard.compile._session import Planning
-from jshard.compile._stage import Signature
+from jshard.compile._stage import Signature, compiles
 from jshard.compile._trace import Traced, adopted, devices_for, trace
 from jshard.compile._weigh import context_cuts, placed, weigh_context
 from jshard.compile._work import with_work
@@ -63,7 +64,23 @@ def build(fn: Callable[..., Any], args: tuple, options: Options, call: str,
     if planning is None:
         planning = Planning.of(options.search.time_limit)  # one clock for the whole of planning this signature
     with collector_paused():
-        return _build(fn, args, options, call, planning)
+        try:
+            return _build(fn, args, options, call, planning)
+        except MemoryBudgetError as e:
+            least = compiles(planning).least
+            if least == float("inf") or _LEAST_COMPILED in str(e):  # nothing compiled, or said already
+                raise
+            raise MemoryBudgetError(_least_compiled_error(str(e), least, compiles(planning).compiled), e.least_bytes,
+                                    e.bound) from None
+
+
+_LEAST_COMPILED = "for the least of them to fit"
+
+
+def _least_compiled_error(message: str, least: float, compiled: int) -> str:
+    return (f"{message} Compiled, the plans checked ({compiled} distinct program{'s' if compiled != 1 else ''}) held "
+            f"at least {human_bytes(least)} per device: raise memory_budget to at least {least:.0f} bytes "
+            f"{_LEAST_COMPILED}.")
 
 
 def _build(fn: Callable[..., Any], args: tuple, options: Options, call: str, planning: Planning) -> Program:

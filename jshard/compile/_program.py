@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -152,15 +153,83 @@ def compiled_held(jitted: Any, args: tuple, shardings: Any = None, offload: bool
     """`jitted` compiled for `args`, and the per-device bytes it holds at once in device memory
     (arguments + results + temporaries - donated, `jshard.audit`'s `MemoryFigures.peak_bytes`), as
     XLA's buffer assignment reports them; arguments and results in host memory (`pinned_host`) are
-    not the device's. Lowered as a call lowers it (each argument on its planned sharding; with
-    `offload`, as shapes): the executable is the one a call runs (`Program.compiled`: a budget's
-    compiled check compiles what the first call would otherwise)."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    given = abstract(args) if offload or shardings is None else jax.tree_util.tree_unflatten(tree, [
-        jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=s, weak_type=weak_type(x))
-        for x, s in zip(leaves, jax.tree_util.tree_leaves(shardings))])
-    executable = jitted.lower(*given).compile()
+    not the device's. Lowered as a call lowers it (`_given`)."""
+    executable = jitted.lower(*_given(args, shardings, offload)).compile()
     return executable, float(memory_figures(executable).peak_bytes)
+
+
+class Held(NamedTuple):
+    """One program's compiled check: its executable (what calls run: `Program.compiled`), the
+    per-device bytes it holds (as `compiled_held`'s) and the seconds XLA took to compile it."""
+
+    executable: Any
+    peak: float
+    seconds: float
+
+
+@dataclasses.dataclass
+class Compiles:
+    """The budget's compiled checks of one planning (one per `Planning` session): each distinct
+    program compiled once, by what determines it (`program_key`); a program that comes again (a
+    seed the search returns under a tighter estimate, a weighing's candidate alike to one checked
+    before) takes the executable and figures already made.
+
+    Attributes:
+      held: each program's check, by its key.
+      compiled: the compiles made (a check taken from `held` is not one).
+      least: the least peak any program checked held per device (inf before the first).
+    """
+
+    held: dict = dataclasses.field(default_factory=dict, repr=False)
+    compiled: int = 0
+    least: float = float("inf")
+
+    def check(self, program: Program, args: tuple) -> Held:
+        """`program` compiled for `args` as a call lowers it, or its check made before."""
+        assert program.jitted is not None  # checked where devices are present
+        lowered = program.jitted.lower(*_given(args, program.in_shardings, bool(program.plan.offload)))
+        comm = program.plan.communication
+        key = program_key(lowered, program.in_shardings, () if comm is None else comm.compiler_options)
+        found = None if key is None else self.held.get(key)
+        if found is None:
+            began = time.perf_counter()
+            executable = lowered.compile()
+            found = Held(executable, float(memory_figures(executable).peak_bytes), time.perf_counter() - began)
+            self.compiled += 1
+            if key is not None:
+                self.held[key] = found
+        self.least = min(self.least, found.peak)
+        return found
+
+
+def program_key(lowered: Any, in_shardings: Any, options: tuple) -> tuple | None:
+    """What determines the executable XLA compiles from `lowered`, or None where it cannot be read
+    (the check is then not shared): the module's text (its operations, the arguments' and results'
+    types, shardings, memory kinds and donated buffers), which arguments the module keeps (jax
+    drops those the program does not read, so two programs reading different arguments of one
+    shape print alike), the arguments' and results' tree structures, donation and types as calls
+    pass them, the device each position of the meshes stands for (the text names devices by
+    position), and the XLA options (`options`, as `(name, value)` pairs)."""
+    kept = getattr(getattr(lowered, "_lowering", None), "compile_args", {}).get("kept_var_idx")
+    if kept is None:  # jax's lowering no longer says which arguments it keeps: compiled every time
+        return None
+    outs = [getattr(o.sharding, "sharding", None) for o in jax.tree_util.tree_leaves(lowered.out_info)]
+    meshes = [s.mesh for s in (*jax.tree_util.tree_leaves(in_shardings), *outs) if isinstance(s, NamedSharding)]
+    devices = tuple(dict.fromkeys(tuple(d.id for d in m.devices.flat) for m in meshes))
+    args = tuple((getattr(a, "_aval", None) or (a.shape, a.dtype), a.donated)
+                 for a in jax.tree_util.tree_leaves(lowered.args_info))
+    return (lowered.as_text(), tuple(sorted(kept)), lowered.in_tree, lowered.out_tree, args, devices, options)
+
+
+def _given(args: tuple, shardings: Any, offload: bool) -> list:
+    """`args` as a call lowers them: each on its planned sharding, or, with `offload` (arguments in
+    host memory, placed by the program's own shardings) or no `shardings`, as shapes."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    if offload or shardings is None:
+        return list(abstract(args))
+    return list(jax.tree_util.tree_unflatten(tree, [
+        jax.ShapeDtypeStruct(np.shape(x), dtype_of(x), sharding=s, weak_type=weak_type(x))
+        for x, s in zip(leaves, jax.tree_util.tree_leaves(shardings))]))
 
 
 def _unflattened(evaluate: Callable[..., Any], out_tree) -> Callable[..., Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +31,7 @@ from jshard.compile._optimizer import accumulator, cuts, gathered, reduce_scatte
 from jshard.compile._options import Options
 from jshard.compile._peer import weigh_peer
 from jshard.compile._planners import Planned, Problem, PropagationPlanner, planner_for
-from jshard.compile._program import Program, build_program, compiled_held
+from jshard.compile._program import Compiles, Program, build_program
 from jshard.compile._session import Planning
 from jshard.compile._trace import Traced, trace
 from jshard.graph import COMM_KEPT_LABEL, RECOMPUTE_SCOPE
@@ -98,6 +97,11 @@ class Signature:
         key = ("trace", id(self.fn), fine, recompute, id(self.types), communication_read(self.options),
                self.options.context_cut)
         return self.planning.kept(key, traced, (self.fn, self.types))
+
+
+def compiles(planning: Planning) -> Compiles:
+    """The planning's compiled checks (one record per session): each distinct program compiled once."""
+    return planning.kept(Compiles, Compiles)
 
 
 def communication_read(options: Options) -> Any:
@@ -201,15 +205,14 @@ def build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: b
         """`program` with its compiled peak and the compile's seconds in its report (and, where it
         fits, the budget asked for, not the tighter estimate searched under) and its executable (what
         calls run: the check's compile is the first call's), and that peak."""
-        start, began = planning.deadline.clock(), time.perf_counter()
-        executable, found = compiled_held(program.jitted, args, program.in_shardings, bool(program.plan.offload))
-        took = time.perf_counter() - began
+        start = planning.deadline.clock()
+        held = compiles(planning).check(program, args)
         planning.built(start)
         assert program.plan.search is not None and c.memory_budget is not None  # searched, compiled under a budget
-        report = dataclasses.replace(program.plan.search, compiled_peak_bytes=found, compile_seconds=took)
-        if found <= c.memory_budget:
+        report = dataclasses.replace(program.plan.search, compiled_peak_bytes=held.peak, compile_seconds=held.seconds)
+        if held.peak <= c.memory_budget:
             report = dataclasses.replace(report, budget=budget)
-        return dataclasses.replace(program, plan=program.plan.replace(search=report), compiled=executable), found
+        return dataclasses.replace(program, plan=program.plan.replace(search=report), compiled=held.executable), held.peak
 
     def first_fitting(statuses: list[str]) -> Program | None:
         """Of the seeds `statuses`, in order, the first whose compiled program fits the budget."""
