@@ -38,14 +38,14 @@ class OpTable:
         self.nodes = nodes
         self.matmul = {i for i, node in enumerate(nodes) if node.primitive in MATMUL}
         self._traffic: dict[frozenset, dict[int, float]] = {}
+        producer, consumers, var = self.producer, self.consumers, jcore.Var
         for i, node in enumerate(nodes):
-            ins, outs = operand_vars(node)
-            self.vars[i] = (ins, outs)
+            ins, outs = self.vars[i] = operand_vars(node)
             for v in outs:
-                self.producer[v] = i
+                producer[v] = i
             for k, v in enumerate(ins):
-                if isinstance(v, jcore.Var):
-                    self.consumers[v].append((i, k))
+                if isinstance(v, var):
+                    consumers[v].append((i, k))
             fn = RULES.get(node.primitive)
             if fn is not None:
                 self.factors[i] = _factors_of(fn, node.eqn)
@@ -70,10 +70,11 @@ _FACTORS: dict = {}
 
 def _factors_of(rule, eqn) -> Factors:
     """`rule(eqn)`, shared by equations alike in primitive, operand types and parameters (an
-    unrolled model repeats each layer's equations)."""
+    unrolled model repeats each layer's equations). The parameters are keyed in the order the
+    equation holds them (one primitive's binds name them in one order; another order only misses)."""
     try:
-        key = (eqn.primitive, tuple(v.aval for v in eqn.invars), tuple(v.aval for v in eqn.outvars),
-               tuple(sorted(eqn.params.items())))
+        key = (eqn.primitive, tuple([v.aval for v in eqn.invars]), tuple([v.aval for v in eqn.outvars]),
+               tuple(eqn.params.items()))
         found = _FACTORS.get(key)
     except TypeError:  # an unhashable parameter
         return rule(eqn)

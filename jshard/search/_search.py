@@ -422,7 +422,6 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         values[v] = g.spec(k, 0, choice[k])
     merged: dict[int, tuple] = {}
     manual: dict[int, Decision] = {}
-    alike: dict[tuple[int, int], tuple] = {}  # (ids of factors, assignment) -> (picked, out_specs), both held
     for i, units in g.node_units.items():
         a = choice[units[0]]
         if len(units) > 1:
@@ -437,12 +436,7 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
             continue
         if i in e.unruled:
             continue
-        f = e.factors[i]
-        found = alike.get((id(f), id(a)))
-        if found is None:
-            picked = (f, tuple(sorted(a.items())))
-            found = alike[(id(f), id(a))] = (picked, priced.specs(picked, a)[1])
-        picked, out_specs = found
+        picked, _, out_specs = priced.specs((e.factors[i], tuple(sorted(a.items()))), a)
         merged[i] = (a, picked)
         for v, spec in zip(e.vars[i][1], out_specs):
             values.setdefault(v, spec)
@@ -453,14 +447,11 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
     joins = g.joins(choice)
     made: dict[tuple[int, int], Decision] = {}  # ids of `decided`'s answer and `_rejected`'s -> one Decision, both held
     for i, (a, picked) in merged.items():
-        node = nodes[i]
         if picked is None:
-            spec = values[node.outputs[0]]
+            spec = values[nodes[i].outputs[0]]
             decisions[i] = Decision((spec,), (spec,), (), 0.0, "user", None, False)
             continue
-        ins, _ = e.vars[i]
-        known = [(k, values[v], "") for k, v in enumerate(ins) if isinstance(v, jcore.Var) and v in values]
-        found = priced.decided(i, picked, a, known)
+        found = priced.decided(i, picked, a, values)
         rejected = _rejected(g, i, choice, joins, moves) if work[g.node_units[i][0]] >= key > 0 else None
         decision = made.get((id(found), id(rejected)))
         if decision is None:
@@ -487,28 +478,39 @@ class _Priced:
         self.e, self.axis_size = e, axis_size
         self._specs: dict[tuple, tuple] = {}
         self._decided: dict[tuple, tuple] = {}
+        self._arrays: dict = {}  # aval -> `array_of` its values
 
-    def specs(self, picked: tuple, a: Assignment) -> tuple[tuple, tuple]:
-        """`(in_specs, out_specs)` of the node whose factors and sorted assignment are `picked`."""
+    def _array(self, v) -> tuple:
+        """`array_of(v)`, once per aval (a traced program's values of one type share theirs)."""
+        found = self._arrays.get(v.aval)
+        if found is None:
+            found = self._arrays[v.aval] = array_of(v)
+        return found
+
+    def specs(self, picked: tuple, a: Assignment) -> tuple[tuple, tuple, tuple]:
+        """`(picked, in_specs, out_specs)` of the node whose factors and sorted assignment are
+        `picked`; the `picked` returned is the first one met of its value (identical layers' nodes
+        share it, so the keys that hold it compare by identity)."""
         found = self._specs.get(picked)
         if found is None:
             f, size = picked[0], self.axis_size
-            found = self._specs[picked] = (tuple(write_spec(d, a, f.sizes, size) for d in f.inputs),
+            found = self._specs[picked] = (picked, tuple(write_spec(d, a, f.sizes, size) for d in f.inputs),
                                            tuple(write_spec(d, a, f.sizes, size) for d in f.outputs))
         return found
 
-    def decided(self, i: int, picked: tuple, a: Assignment, known: list) -> tuple:
-        """`(seconds, comms, in_specs, out_specs, implied)` of node `i` under `a`, meeting `known`."""
-        e = self.e
+    def decided(self, i: int, picked: tuple, a: Assignment, values: Mapping) -> tuple:
+        """`(seconds, comms, in_specs, out_specs, implied)` of node `i` under `a`, meeting the
+        layouts `values` holds of its inputs."""
+        e, array = self.e, self._array
         ins, outs = e.vars[i]
-        key = (picked, e.nodes[i].weight, tuple(map(array_of, ins)), tuple(map(array_of, outs)),
-               tuple(e.invariant.get(v) for v in ins if isinstance(v, jcore.Var)) if e.invariant else (),
-               tuple((k, spec) for k, spec, _ in known))
+        met = tuple([(k, values[v]) for k, v in enumerate(ins) if isinstance(v, jcore.Var) and v in values])
+        key = (picked, e.nodes[i].weight, tuple(map(array, ins)), tuple(map(array, outs)),
+               tuple(e.invariant.get(v) for v in ins if isinstance(v, jcore.Var)) if e.invariant else (), met)
         found = self._decided.get(key)
         if found is None:
             f = picked[0]
-            seconds, _, comms, _ = e.score(i, f, a, known)
-            in_specs, out_specs = self.specs(picked, a)
+            seconds, _, comms, _ = e.score(i, f, a, [(k, spec, "") for k, spec in met])
+            _, in_specs, out_specs = self.specs(picked, a)
             found = self._decided[key] = (seconds, comms, in_specs, out_specs, not comms and e.implied(i, f, a))
         return found
 
