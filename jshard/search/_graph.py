@@ -650,10 +650,7 @@ def unit_components(f: Factors) -> tuple[tuple[tuple[int, ...], tuple[int, ...]]
     operand positions)` per group of factors its operands share (`f.joined` joins them), the
     operands with no factor in the first group; `()` where no operand has a factor. The first unit
     does the operator's work (`SearchGraph`'s `_add_node`); `jshard.compile`'s least step bound
-    reads the same grouping."""
-    """The operator's factors split into groups that share operands: `(factors, operand positions)`.
-    Operands with no factor (whole, or scalars) go to the first group. Found once per `Factors`
-    (the same operator of identical layers)."""
+    reads the same grouping. Found once per `Factors` (the same operator of identical layers)."""
     parent = list(range(len(f.sizes)))
 
     def find(x):
