@@ -284,3 +284,18 @@ def test_scale_target_names_the_arguments_a_missing_plan_stores_otherwise():
     assert _scale._target(mine, [theirs]) == (
         "🔴 misses (2.0000x the published plan's step: +1000000.0 us; stored otherwise: [0]['embed'] 2x4 vs 1x8)")
     assert _scale._target(theirs, [mine]) == "meets"
+
+
+def test_plan_time_row_shows_the_seconds_to_a_refusal_and_judges_them():
+    """Table 2b: a setting that ends in "no plan fits" shows the seconds the user waited for the
+    refusal and their ratio to the jit compile, and the verdict reads that ratio too."""
+    from benchmarks import _plan_time
+
+    kept = _plan_time.KEPT
+    rounds = [(2.0, 0.2, 0.4, 0.6, 8.0), (2.0, 0.2, 0.4, 0.6, 9.0)]
+    timing = _plan_time.Timing("m", rounds, failed={kept: "no plan fits 1.00 KiB"})
+    row = _plan_time._row(timing)
+    assert row[2 + 2 * kept] == "8.50 s: no plan fits 1.00 KiB" and row[3 + 2 * kept] == "4.25"
+    assert row[-3:] == ("-", "-", "misses")
+    quick = _plan_time.Timing("m", [(2.0, 0.2, 0.4, 0.6, 1.0)], failed={kept: "no plan fits 1.00 KiB"})
+    assert _plan_time._row(quick)[-1] == "meets"
