@@ -189,6 +189,11 @@ def checkpoint_table(devices: int) -> Table:
             "jax.jit: the same train step under `jax.jit(step, in_shardings=plan.in_shardings, "
             "out_shardings=plan.out_shardings)`, so the two differ only by jshard's constraints inside (the remat "
             "regions rebuilt around them). temp: XLA's temporary buffers per device (`memory_analysis`).",
+            "auto: its plan is not the one `jax.jit` propagates from the same arguments' shardings. On this "
+            "microsecond step the search (the alpha-beta model, no budget) cuts the batch 2 ways inside the "
+            "layers and computes each half on 4 devices, fewer collectives; `jax.jit`'s propagation cuts it 8 "
+            "ways from the arguments. The extra temporaries are that choice's activations (the scores' mask "
+            "and fill, 16 rows per device where `jax.jit` holds 4), not the constraints.",
         ),
     )
 
