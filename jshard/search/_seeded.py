@@ -355,11 +355,12 @@ def _exact(g: SearchGraph) -> bool:
     """Whether the live bytes `_Peak` keeps are those `SearchGraph.peak` sums, bit for bit, in any
     order: every mesh axis a power of two, so a value's bytes per device are a multiple of one over
     the device count, and every sum of them, up to all the values held whole, is a float with room
-    to spare (below 2**53 such steps)."""
+    to spare (below 2**53 such steps; a move's change, added and taken away, stays within four times
+    that whole, so the margin is four)."""
     n, manual = math.prod(g.axis_size.values()), g.ranges.manual.values()
     whole = sum(value_bytes(v) for v in g.memory_values) + sum(manual)
     return (all(m & (m - 1) == 0 for m in g.axis_size.values()) and all(float(b).is_integer() for b in manual)
-            and whole * n < 2**53)
+            and all(float(value_bytes(v)).is_integer() for v in g.memory_values) and 4 * whole * n < 2**53)
 
 
 def _loops(ranges: LiveRanges) -> dict:
