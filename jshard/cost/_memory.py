@@ -54,9 +54,15 @@ def array_of(v) -> tuple[tuple[int, ...], int]:
 
 
 def value_bytes(v) -> float:
-    """Bytes of a whole jaxpr value (on one device holding all of it)."""
-    shape, itemsize = array_of(v)
-    return float(math.prod(shape) * itemsize)
+    """Bytes of a whole jaxpr value (on one device holding all of it); once per array type (an
+    unrolled model's layers share theirs)."""
+    return _whole_bytes(v.aval)
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole_bytes(aval) -> float:
+    shape, size = _shape_itemsize(aval)
+    return float(math.prod(shape) * size)
 
 
 class Fusion(NamedTuple):

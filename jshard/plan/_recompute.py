@@ -91,13 +91,8 @@ def _planned(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[str, int
              outvars: Sequence, donated: frozenset) -> tuple[LiveRanges, dict]:
     """The program's live ranges and the bytes per device of each value under its planned `Spec`."""
     ranges = live_ranges(nodes, args, outvars, donated, fusion=FUSION)
-    slices, whole = slice_counter(axis_size), dict[object, float]()  # aval -> its bytes (values share avals)
-    held = {}
-    for v in ranges.values():
-        size = whole.get(v.aval)
-        if size is None:
-            size = whole[v.aval] = value_bytes(v)
-        held[v] = size / slices(values.get(v, ()))
+    slices = slice_counter(axis_size)
+    held = {v: value_bytes(v) / slices(values.get(v, ())) for v in ranges.values()}
     return ranges, held
 
 

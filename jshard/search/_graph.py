@@ -630,10 +630,8 @@ class SearchGraph:
 
     @functools.cached_property
     def replicated(self) -> dict:
-        """Each memory value's bytes on one device holding all of it, once per array type."""
-        known: dict = {}
-        return {v: known[v.aval] if v.aval in known else known.setdefault(v.aval, value_bytes(v))
-                for v in self.memory_values}
+        """Each memory value's bytes on one device holding all of it."""
+        return {v: value_bytes(v) for v in self.memory_values}
 
     def live_at(self, t: int) -> list:
         return self.ranges.live_at(t, self.memory_values)

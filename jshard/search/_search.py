@@ -478,14 +478,6 @@ class _Priced:
         self.e, self.axis_size = e, axis_size
         self._specs: dict[tuple, tuple] = {}
         self._decided: dict[tuple, tuple] = {}
-        self._arrays: dict = {}  # aval -> `array_of` its values
-
-    def _array(self, v) -> tuple:
-        """`array_of(v)`, once per aval (a traced program's values of one type share theirs)."""
-        found = self._arrays.get(v.aval)
-        if found is None:
-            found = self._arrays[v.aval] = array_of(v)
-        return found
 
     def specs(self, picked: tuple, a: Assignment) -> tuple[tuple, tuple, tuple]:
         """`(picked, in_specs, out_specs)` of the node whose factors and sorted assignment are
@@ -501,10 +493,10 @@ class _Priced:
     def decided(self, i: int, picked: tuple, a: Assignment, values: Mapping) -> tuple:
         """`(seconds, comms, in_specs, out_specs, implied)` of node `i` under `a`, meeting the
         layouts `values` holds of its inputs."""
-        e, array = self.e, self._array
+        e = self.e
         ins, outs = e.vars[i]
         met = tuple([(k, values[v]) for k, v in enumerate(ins) if isinstance(v, jcore.Var) and v in values])
-        key = (picked, e.nodes[i].weight, tuple(map(array, ins)), tuple(map(array, outs)),
+        key = (picked, e.nodes[i].weight, tuple(map(array_of, ins)), tuple(map(array_of, outs)),
                tuple(e.invariant.get(v) for v in ins if isinstance(v, jcore.Var)) if e.invariant else (), met)
         found = self._decided.get(key)
         if found is None:
