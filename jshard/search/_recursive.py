@@ -68,9 +68,15 @@ _STALE = 2  # ... fewer: the bisection stops after this many runs in a row that 
 _WAVES = 3  # the boundary check's rounds at most: the middle layers take the choice of the layers beside them
 
 
-def solve(g: SearchGraph, levels: Sequence[Group], budget: float | None, replay: bool = True,
-          passed: Callable[[], bool] | None = None, check: Callable[[], None] | None = None,
-          unweighed: Callable[[Callable[[], tuple]], tuple] | None = None) -> Solved:
+def solve(
+    g: SearchGraph,
+    levels: Sequence[Group],
+    budget: float | None,
+    replay: bool = True,
+    passed: Callable[[], bool] | None = None,
+    check: Callable[[], None] | None = None,
+    unweighed: Callable[[Callable[[], tuple]], tuple] | None = None,
+) -> Solved:
     """The recursive search's plan: the fastest that fits `budget` among its runs, each at a memory
     weight λ (seconds per byte held at the peak). The run at λ = 0 descends to a local optimum of
     seconds alone; where the cost model prices memory traffic (`CostModel.memory_bandwidth`: fewer
@@ -138,8 +144,9 @@ def _saturated(lam: float, seconds: float, over: float) -> bool:
     return lam * over >= _SATURATED * seconds
 
 
-def _bisected(g: SearchGraph, search: _Recursive, budget: float, low: float, best: tuple,
-              stop: Callable[[], bool], seen: set) -> tuple:
+def _bisected(
+    g: SearchGraph, search: _Recursive, budget: float, low: float, best: tuple, stop: Callable[[], bool], seen: set
+) -> tuple:
     """λ bisected between `low` (its plan over `budget`) and `best`'s (it fits), the fastest plan
     that fits kept (a plan's seconds need not grow with λ); `_BISECTIONS` runs at most, fewer where
     `_STALE` runs in a row find no plan not in `seen` (the plans found before: the bisection has
@@ -162,8 +169,9 @@ def _bisected(g: SearchGraph, search: _Recursive, budget: float, low: float, bes
 
 
 class _Recursive:
-    def __init__(self, g: SearchGraph, levels: Sequence[Group], replay: bool = True,
-                 check: Callable[[], None] | None = None):
+    def __init__(
+        self, g: SearchGraph, levels: Sequence[Group], replay: bool = True, check: Callable[[], None] | None = None
+    ):
         self.g, self.levels, self.replay = g, list(levels), replay
         self.check = check or (lambda: None)
         replicated = g.live_bytes(g.replicated)
@@ -171,9 +179,16 @@ class _Recursive:
         self.kept_bytes: dict[int, tuple] = {}  # unit -> (operand position, bytes) of the above: what its unary reads
         values: dict[tuple, int] = {}  # what an edge's table reads of it: its value's array and weight, as ids
         self.edge_values = [values.setdefault((array_of(e.var), e.weight), len(values)) for e in g.edges]
-        self.edge_ends = tuple(np.array(x, np.int64).reshape(-1) for x in (  # per edge: its ends and value, as arrays
-            [e.src[0] for e in g.edges], [e.src[1] for e in g.edges], [e.dst[0] for e in g.edges],
-            [e.dst[1] for e in g.edges], self.edge_values))
+        self.edge_ends = tuple(
+            np.array(x, np.int64).reshape(-1)
+            for x in (  # per edge: its ends and value, as arrays
+                [e.src[0] for e in g.edges],
+                [e.src[1] for e in g.edges],
+                [e.dst[0] for e in g.edges],
+                [e.dst[1] for e in g.edges],
+                self.edge_values,
+            )
+        )
         degree = np.bincount(np.concatenate([self.edge_ends[0], self.edge_ends[2]]), minlength=len(g.units)).tolist()
         self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         self._kept_values: set = set()
@@ -206,14 +221,25 @@ class _Recursive:
         if self.ties is None:
             self.ties, self.checks = Ties(self, self.replay), None
             if self.ties.replayed:
-                _log.debug("replay: %d of %d units in the interior of %d repeated runs, decided as %d",
-                          self.ties.replayed, len(self.g.units), self.ties.runs, len(self.ties.reps))
+                _log.debug(
+                    "replay: %d of %d units in the interior of %d repeated runs, decided as %d",
+                    self.ties.replayed,
+                    len(self.g.units),
+                    self.ties.runs,
+                    len(self.ties.reps),
+                )
         base: list[Assignment] = [{} for _ in self.g.units]
         for n, group in enumerate(self.levels):
             self.check()
             weighing = f", memory weight {lam:.3g} s/byte (run {self.runs})" if lam else ""
-            _log.info("searching: level %d of %d (mesh axes %s), %d units%s", n + 1, len(self.levels),
-                      "·".join(group), len(self.g.units), weighing)
+            _log.info(
+                "searching: level %d of %d (mesh axes %s), %d units%s",
+                n + 1,
+                len(self.levels),
+                "·".join(group),
+                len(self.g.units),
+                weighing,
+            )
             base = self._level(group, base, lam)
         return base, self.g.seconds(base)
 
@@ -231,8 +257,9 @@ class _Recursive:
         of = self.ties.of
         return self._checked(group, base, lam, lambda k: level.cands[of[k]][picks[of[k]]], level, barred)
 
-    def _closed(self, group: Group, base: list[Assignment], lam: float, level: Level,
-                picks: list[int]) -> tuple[list[int], Barred]:
+    def _closed(
+        self, group: Group, base: list[Assignment], lam: float, level: Level, picks: list[int]
+    ) -> tuple[list[int], Barred]:
         """`level`'s `picks`, or where closing a combined set they open lowers the level's energy with
         the latency of the sets opened (`Level.latency`: the energy leaves it out, as a set pays one
         latency whichever units join it), the level's picks moved off that set (its units barred from
@@ -264,8 +291,9 @@ class _Recursive:
             todo = (level.opened(picks) - barred[0]) & touched
         return picks, barred
 
-    def _closing(self, level: Level, picks: list[int], sets: frozenset, toll: float,
-                 best: float) -> Iterator[tuple[float, list[int], frozenset]]:
+    def _closing(
+        self, level: Level, picks: list[int], sets: frozenset, toll: float, best: float
+    ) -> Iterator[tuple[float, list[int], frozenset]]:
         """`level`'s picks with the combined `sets` closed, improved from `picks` (`_closed`), then,
         while the units barred from them move onto sets `picks` leaves closed (which pays the
         latency again: closing one set of gradients' all-reduces over the data and model axes moved
@@ -285,8 +313,15 @@ class _Recursive:
                 return
             sets = sets | new
 
-    def _checked(self, group: Group, base: list[Assignment], lam: float, chosen: Callable[[int], Assignment],
-                 like: Level, barred: Barred) -> list[Assignment]:
+    def _checked(
+        self,
+        group: Group,
+        base: list[Assignment],
+        lam: float,
+        chosen: Callable[[int], Assignment],
+        like: Level,
+        barred: Barred,
+    ) -> list[Assignment]:
         """The boundary check of a replayed level's choice `chosen` (a unit's assignment, read for the
         first unit of each of the check's classes alone): on `checks`' classes
         (each unit its own but the middle layers of long runs), single and pairwise moves from it
@@ -351,7 +386,6 @@ class _Recursive:
         return total
 
 
-
 def _per_unit(level: Level, picks: list[int], ties: Ties) -> list[Assignment]:
     """Each unit's assignment under `level`'s `picks` (one per class of `ties`): its class's, the
     same object for every unit of a class (read per unit in C, not per unit in Python)."""
@@ -364,6 +398,6 @@ def _seat(a: Assignment, group: Group, cands: Sequence[Assignment]) -> int:
     the same factor, or to none (the first candidate where none does). A unit's candidates differ
     with its base, so a choice made for another unit of its kind is read as where the axes went."""
     given = next((fac for fac, axes in a.items() if group[0] in axes), None)
-    return next((n for n, c in enumerate(cands) if next((fac for fac, axes in c.items() if group[0] in axes), None)
-                 == given), 0)
-
+    return next(
+        (n for n, c in enumerate(cands) if next((fac for fac, axes in c.items() if group[0] in axes), None) == given), 0
+    )
