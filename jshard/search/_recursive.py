@@ -60,7 +60,8 @@ from jshard.search._ties import Ties
 _log = logging.getLogger("jshard.search")
 """Progress: one INFO record per level of each run (`jshard plan` shows them on a terminal)."""
 
-_GROWTHS = 24
+_GROWTHS = 24  # λ's grid steps (`_grown`) at most
+_STRIDE = 2  # ... walked this many at a time
 _SATURATED = 1e6  # ... fewer: it ends where the peak stands still, its bytes over the budget weighing this many
 # times the plan's seconds (`_grown`: a pipeline stage's plan that fitted later stood at 2,000 times)
 _BISECTIONS = 6
@@ -113,29 +114,60 @@ def solve(
     return search.solved(choice, seconds, peak, f"memory weight {lam:.3g} s/byte to fit the budget")
 
 
-def _grown(g: SearchGraph, search: _Recursive, budget: float, high: float, seen: set) -> tuple[float, tuple]:
-    """λ grown from `high` (four times each time) until the plan fits `budget`: the last λ whose plan
-    did not fit and `(seconds, choice, peak, λ)` of the first that does; no plan fits (`Infeasible`)
-    after `_GROWTHS` growths, or once the peak stands still (the growth before's) where its bytes over
-    the budget weigh `_SATURATED` times the plan's seconds (`_saturated`). The growth goes on while
-    the peak stands still short of that: a plan can stand through several growths and move at a
-    later one (a pipeline stage's plan under a 41.5 KiB budget stands through seven, its bytes over
-    the budget weighing up to 2,000 times its seconds, and fits at the eighth); past it no plan moved
-    (eqx_vit's under 0.8 times its unbudgeted peak stands from 80 times on; the growth went on to
-    10^12 times, 9 runs more, and found none that fits). Each plan found joins `seen`."""
-    low, growths, last = 0.0, 0, -1.0
-    while growths < _GROWTHS:
-        choice, seconds = search.run(high)
+def _grown(g: SearchGraph, search: _Recursive, budget: float, scale: float, seen: set) -> tuple[float, tuple]:
+    """λ grown on the grid `scale`·4^k (k = 0, 1, ...) to the first λ whose plan fits `budget`: the
+    last λ whose plan did not fit (0 where the first fits) and `(seconds, choice, peak, λ)` of the
+    first that does. The grid is walked `_STRIDE` steps at a time and the step below the first λ
+    that fits is run too (`_refined`): a plan that stands short of the budget for k steps costs about
+    k / `_STRIDE` runs, not k (linen_optax's under 0.8 times its unbudgeted peak first fits at
+    k = 6: 5 runs, not 7), and the bisection (`_bisected`) starts from the same two λ as growing one
+    step at a time. No plan fits (`Infeasible`) past k = `_GROWTHS`, or once the peak stands still
+    (the run before's) where its bytes over the budget weigh `_SATURATED` times the plan's seconds
+    (`_saturated`). The growth goes on while the peak stands still short of that: a plan can stand
+    through several growths and move at a later one (a pipeline stage's plan under a 41.5 KiB
+    budget stands through seven, its bytes over the budget weighing up to 2,000 times its seconds,
+    and fits at the eighth); past it no plan moved (eqx_vit's under 0.8 times its unbudgeted peak
+    stands from 80 times on; the growth went on to 10^12 times, 9 runs more, and found none that
+    fits). A run whose peak falls where new values are held is made again at the same λ with them
+    weighed (`_Recursive.keep`). Each plan found joins `seen`."""
+    k, low, last = 0, -1, -1.0
+    while k < _GROWTHS:
+        found = _fitting(g, search, budget, scale * 4.0**k, seen)
+        if found[0] is not None:
+            return _refined(g, search, budget, scale, seen, low, k, found[0])
+        peak, seconds = found[1], found[2]
+        if peak == last and _saturated(scale * 4.0**k, seconds, peak - budget):
+            break
+        last, low, k = peak, k, min(k + _STRIDE, max(k + 1, _GROWTHS - 1))
+    raise Infeasible(f"the most memory-bound plan found holds {last:.0f} bytes per device")
+
+
+def _fitting(g: SearchGraph, search: _Recursive, budget: float, lam: float, seen: set) -> tuple:
+    """The run at `lam`, made again while its peak falls where new values are held (`keep`):
+    `((seconds, choice, peak, λ), peak, seconds)` where its plan fits `budget`, else `(None, peak,
+    seconds)`; each plan found joins `seen`."""
+    while True:
+        choice, seconds = search.run(lam)
         peak, t = g.peak(choice)
         seen.add((seconds, peak))
         if peak <= budget:
-            return low, (seconds, choice, peak, high)
-        if search.keep(t):  # new values held at this plan's peak are weighed at the same λ first
-            continue
-        if peak == last and _saturated(high, seconds, peak - budget):
-            break
-        last, low, high, growths = peak, high, high * 4, growths + 1
-    raise Infeasible(f"the most memory-bound plan found holds {peak:.0f} bytes per device")
+            return (seconds, choice, peak, lam), peak, seconds
+        if not search.keep(t):
+            return None, peak, seconds
+
+
+def _refined(
+    g: SearchGraph, search: _Recursive, budget: float, scale: float, seen: set, low: int, high: int, best: tuple
+) -> tuple[float, tuple]:
+    """`_grown`'s answer where the grid's step `high` fits and `low` (-1: none below) did not: the
+    steps between run from the top down to the first whose plan does not fit (the lowest that fits
+    is the one growing one step at a time finds, where fitting holds from it up)."""
+    for k in range(high - 1, low, -1):
+        found = _fitting(g, search, budget, scale * 4.0**k, seen)[0]
+        if found is None:
+            return scale * 4.0**k, best
+        best = found
+    return (0.0 if low < 0 else scale * 4.0**low), best
 
 
 def _saturated(lam: float, seconds: float, over: float) -> bool:
