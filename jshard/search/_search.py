@@ -166,7 +166,8 @@ class SearchReport:
         if not self.context:
             return None
         return "context parallel weighed for jshard.attention without a strategy: " + "; ".join(
-            w.text() for w in self.context)
+            w.text() for w in self.context
+        )
 
     def line(self) -> str:
         budget = "no memory budget" if self.budget is None else f"budget {human_bytes(self.budget)}"
@@ -174,20 +175,28 @@ class SearchReport:
             budget += f" ({self.budget_from})"
         if self.budget is not None and self.held_bytes > self.budget:
             budget += " (over: the plan does not fit)"
-        weighed = "" if self.unit_classes is None else (
-            f" ({self.unit_classes} unit classes, {self.evaluations} cost evaluations)")
-        return (f"search={self.search} over mesh {self.mesh}: {self.status}; {self.units} decisions among "
-                f"{self.candidates} candidates{weighed} in {self.planning_seconds:.2f} s; predicted "
-                f"{self.seconds * 1e6:.6g} us per call; estimated peak {human_bytes(self.peak_bytes)} per device, {budget}" + (
-                    "" if self.compiled_peak_bytes is None else f"; compiled {human_bytes(self.compiled_peak_bytes)}") + (
-                    "" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute)) + (
-                    "" if not self.regions else "; recompute per region: " + ", ".join(r.text() for r in self.regions)) + (
-                    "" if not self.optimizer else "; optimizer parallel weighed: " + ", ".join(
-                        w.text() for w in self.optimizer)) + (
-                    "" if not self.offload else "; offload weighed: " + ", ".join(w.text() for w in self.offload)) + (
-                    "" if not self.kept else f"; kept {self.kept}") + (
-                    "" if not self.searches else f"; {self.searches} searches in all") + "".join(
-                    f"; {line}" for line in self.skipped))
+        weighed = (
+            ""
+            if self.unit_classes is None
+            else (f" ({self.unit_classes} unit classes, {self.evaluations} cost evaluations)")
+        )
+        return (
+            f"search={self.search} over mesh {self.mesh}: {self.status}; {self.units} decisions among "
+            f"{self.candidates} candidates{weighed} in {self.planning_seconds:.2f} s; predicted "
+            f"{self.seconds * 1e6:.6g} us per call; estimated peak {human_bytes(self.peak_bytes)} per device, {budget}"
+            + ("" if self.compiled_peak_bytes is None else f"; compiled {human_bytes(self.compiled_peak_bytes)}")
+            + ("" if not self.recompute else "; recompute weighed: " + ", ".join(w.text() for w in self.recompute))
+            + ("" if not self.regions else "; recompute per region: " + ", ".join(r.text() for r in self.regions))
+            + (
+                ""
+                if not self.optimizer
+                else "; optimizer parallel weighed: " + ", ".join(w.text() for w in self.optimizer)
+            )
+            + ("" if not self.offload else "; offload weighed: " + ", ".join(w.text() for w in self.offload))
+            + ("" if not self.kept else f"; kept {self.kept}")
+            + ("" if not self.searches else f"; {self.searches} searches in all")
+            + "".join(f"; {line}" for line in self.skipped)
+        )
 
 
 def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one keyword each)
@@ -260,11 +269,17 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     least = budget is not None and _least_peak(g) > budget
     if least and (not compiled or _boundary_peak(g) > budget):  # nothing can fit: say so before searching
         raise _too_big(g, budget, names or {}, call, how)
-    made = (_seeded.seeds(g, args, outvars, fixed, batch, budget, only=as_seeded, memo=memo)
-            if (seeded or as_seeded is not None) and how in SEARCHES[:2] else [])
+    made = (
+        _seeded.seeds(g, args, outvars, fixed, batch, budget, only=as_seeded, memo=memo)
+        if (seeded or as_seeded is not None) and how in SEARCHES[:2]
+        else []
+    )
     # the seeds moved to fit the budget, where the search weighs them (not as made, nor where nothing fits)
-    fitted = [] if as_seeded is not None or least else [
-        s for s in (_seeded.fit_budget(g, raw, budget, check) for raw in made) if s is not None]
+    fitted = (
+        []
+        if as_seeded is not None or least
+        else [s for s in (_seeded.fit_budget(g, raw, budget, check) for raw in made) if s is not None]
+    )
     seed = min(fitted, key=lambda s: s.seconds, default=None)
     mesh_text, kept = "·".join(str(axis_size[a]) for (a,) in axes) or "1", ""
     candidates = g.candidate_count(axes[:1])
@@ -274,10 +289,17 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         solved = _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
     elif how == "recursive":
         try:
-            solved = _better(_recursive.solve(g, axes, budget, replay, passed, check, _unweighed(memo, g, fixed, replay)), seed)
+            solved = _better(
+                _recursive.solve(g, axes, budget, replay, passed, check, _unweighed(memo, g, fixed, replay)), seed
+            )
         except Infeasible:
-            solved = (_unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how)) if seed is None else
-                      dataclasses.replace(seed, status=f"{seed.status}: the recursive search found none under the budget"))
+            solved = (
+                _unfitted(made if compiled else [], _too_big(g, budget, names or {}, call, how))
+                if seed is None
+                else dataclasses.replace(
+                    seed, status=f"{seed.status}: the recursive search found none under the budget"
+                )
+            )
     elif how == "ilp":
         solved, groups, kept = _ilp_or_warm(g, axes, budget, time_limit, seed, passed, check)
         if solved is None:
@@ -294,9 +316,22 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     choice, seconds, peak, status = solved.choice, solved.seconds, solved.peak, solved.status
     result = assemble(g, choice)
     others = () if budget is None or as_seeded is not None else _others(made, choice)
-    report = SearchReport(how, status, seconds, peak, budget, mesh_text, sum(u.free for u in g.units),
-                          candidates, time.perf_counter() - start, unit_classes=solved.unit_classes,
-                          evaluations=solved.evaluations, runs=solved.runs, kept=kept, seeds=others)
+    report = SearchReport(
+        how,
+        status,
+        seconds,
+        peak,
+        budget,
+        mesh_text,
+        sum(u.free for u in g.units),
+        candidates,
+        time.perf_counter() - start,
+        unit_classes=solved.unit_classes,
+        evaluations=solved.evaluations,
+        runs=solved.runs,
+        kept=kept,
+        seeds=others,
+    )
     return result, report
 
 
@@ -313,8 +348,7 @@ def _others(made: Sequence[Solved], choice: Sequence[Assignment]) -> tuple[tuple
 
 def _as_made(seed: Solved, why: str) -> Solved:
     """`seed` (one of `_seeded.seeds`) as made, whatever its estimated peak, and `why`."""
-    return dataclasses.replace(seed, status=f"{seed.status}, as made: {why} (estimated peak "
-                               f"{human_bytes(seed.peak)})")
+    return dataclasses.replace(seed, status=f"{seed.status}, as made: {why} (estimated peak {human_bytes(seed.peak)})")
 
 
 def _unfitted(made: Sequence[Solved], error: MemoryBudgetError) -> Solved:
@@ -322,7 +356,9 @@ def _unfitted(made: Sequence[Solved], error: MemoryBudgetError) -> Solved:
     (with `search(compiled=True)`: its compiled program decides); raises `error` where there is none."""
     if not made:
         raise error
-    return _as_made(min(made, key=lambda s: s.seconds), "no plan fits the search's estimate, its compiled program decides")
+    return _as_made(
+        min(made, key=lambda s: s.seconds), "no plan fits the search's estimate, its compiled program decides"
+    )
 
 
 def _better(solved: Solved, seed: Solved | None) -> Solved:
@@ -330,9 +366,14 @@ def _better(solved: Solved, seed: Solved | None) -> Solved:
     predicts fewer seconds; both priced by `SearchGraph.seconds`."""
     if seed is None or seed.seconds >= solved.seconds:
         return solved
-    return dataclasses.replace(seed, status=f"{seed.status}: it predicts {_time(seed.seconds)} per call, the recursive "
-                               f"search's plan {_time(solved.seconds)} ({solved.status})",
-                               unit_classes=solved.unit_classes, evaluations=solved.evaluations, runs=solved.runs)
+    return dataclasses.replace(
+        seed,
+        status=f"{seed.status}: it predicts {_time(seed.seconds)} per call, the recursive "
+        f"search's plan {_time(solved.seconds)} ({solved.status})",
+        unit_classes=solved.unit_classes,
+        evaluations=solved.evaluations,
+        runs=solved.runs,
+    )
 
 
 def _split(g: SearchGraph, solved: Solved, data: Solved | None) -> Solved:
@@ -345,15 +386,27 @@ def _split(g: SearchGraph, solved: Solved, data: Solved | None) -> Solved:
     share = g.work_share(solved.choice)
     if share < REPLICATED_SHARE:
         return solved
-    return dataclasses.replace(data, status=(
-        f"{data.status}: the search's plan ({solved.status}) leaves each device {share:.0%} of the work and predicts "
-        f"{_time(solved.seconds)} per call against its {_time(data.seconds)}, less than {MEASURABLY:.0%} faster"),
-        unit_classes=solved.unit_classes, evaluations=solved.evaluations, runs=solved.runs)
+    return dataclasses.replace(
+        data,
+        status=(
+            f"{data.status}: the search's plan ({solved.status}) leaves each device {share:.0%} of the work and predicts "
+            f"{_time(solved.seconds)} per call against its {_time(data.seconds)}, less than {MEASURABLY:.0%} faster"
+        ),
+        unit_classes=solved.unit_classes,
+        evaluations=solved.evaluations,
+        runs=solved.runs,
+    )
 
 
-def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: float, seed: Solved | None = None,
-                 passed: Callable[[], bool] | None = None,
-                 check: Callable[[], None] | None = None) -> tuple[Solved | None, list | None, str]:
+def _ilp_or_warm(
+    g: SearchGraph,
+    axes: list,
+    budget: float | None,
+    time_limit: float,
+    seed: Solved | None = None,
+    passed: Callable[[], bool] | None = None,
+    check: Callable[[], None] | None = None,
+) -> tuple[Solved | None, list | None, str]:
     """The ILP's plan, never worse than the recursive search's: the recursive plan is found first
     (the warm start; the cheapest seed that fits, `seed`, where that predicts less), the
     ILP solved once per split of the mesh into two groups, and the warm start kept where every ILP
@@ -388,17 +441,29 @@ def _ilp_or_warm(g: SearchGraph, axes: list, budget: float | None, time_limit: f
         if warm is None:
             return None, None, ""
         why = "; ".join(dict.fromkeys(failed)) or "no split"
-        return (dataclasses.replace(warm, status=f"the recursive search's plan ({warm.status})"), None,
-                f"the recursive plan (the warm start): the ILP found none{' under the budget' if budget else ''} ({why})")
+        return (
+            dataclasses.replace(warm, status=f"the recursive search's plan ({warm.status})"),
+            None,
+            f"the recursive plan (the warm start): the ILP found none{' under the budget' if budget else ''} ({why})",
+        )
     solved, groups = best
     if warm is not None and warm.seconds < solved.seconds:
-        return (dataclasses.replace(warm, status=f"the recursive search's plan ({warm.status})"), None,
-                f"the recursive plan (the warm start): it predicts {_time(warm.seconds)} per call, the ILP's "
-                f"best {_time(solved.seconds)} ({solved.status})")
+        return (
+            dataclasses.replace(warm, status=f"the recursive search's plan ({warm.status})"),
+            None,
+            f"the recursive plan (the warm start): it predicts {_time(warm.seconds)} per call, the ILP's "
+            f"best {_time(solved.seconds)} ({solved.status})",
+        )
     if warm is None:
         return solved, groups, "the ILP's plan: the recursive search found none under the budget"
-    return solved, groups, (f"the ILP's plan: it predicts {_time(solved.seconds)} per call, the recursive "
-                            f"plan (the warm start) {_time(warm.seconds)}")
+    return (
+        solved,
+        groups,
+        (
+            f"the ILP's plan: it predicts {_time(solved.seconds)} per call, the recursive "
+            f"plan (the warm start) {_time(warm.seconds)}"
+        ),
+    )
 
 
 def _splits(axes: list) -> list[list[tuple[str, ...]]]:
@@ -456,8 +521,9 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         decision = made.get((id(found), id(rejected)))
         if decision is None:
             seconds, comms, in_specs, out_specs, implied = found
-            decision = made[(id(found), id(rejected))] = Decision(in_specs, out_specs, comms, seconds, "searched",
-                                                                  rejected, implied)
+            decision = made[(id(found), id(rejected))] = Decision(
+                in_specs, out_specs, comms, seconds, "searched", rejected, implied
+            )
         decisions[i] = decision
     decisions.update(manual)
     values.update(e.values)  # the manual regions' results
@@ -486,8 +552,11 @@ class _Priced:
         found = self._specs.get(picked)
         if found is None:
             f, size = picked[0], self.axis_size
-            found = self._specs[picked] = (picked, tuple(write_spec(d, a, f.sizes, size) for d in f.inputs),
-                                           tuple(write_spec(d, a, f.sizes, size) for d in f.outputs))
+            found = self._specs[picked] = (
+                picked,
+                tuple(write_spec(d, a, f.sizes, size) for d in f.inputs),
+                tuple(write_spec(d, a, f.sizes, size) for d in f.outputs),
+            )
         return found
 
     def decided(self, i: int, picked: tuple, a: Assignment, values: Mapping) -> tuple:
@@ -496,8 +565,14 @@ class _Priced:
         e = self.e
         ins, outs = e.vars[i]
         met = tuple([(k, values[v]) for k, v in enumerate(ins) if isinstance(v, jcore.Var) and v in values])
-        key = (picked, e.nodes[i].weight, tuple(map(array_of, ins)), tuple(map(array_of, outs)),
-               tuple(e.invariant.get(v) for v in ins if isinstance(v, jcore.Var)) if e.invariant else (), met)
+        key = (
+            picked,
+            e.nodes[i].weight,
+            tuple(map(array_of, ins)),
+            tuple(map(array_of, outs)),
+            tuple(e.invariant.get(v) for v in ins if isinstance(v, jcore.Var)) if e.invariant else (),
+            met,
+        )
         found = self._decided.get(key)
         if found is None:
             f = picked[0]
@@ -541,8 +616,11 @@ def _best_move(g: SearchGraph, k: int, choice: Sequence[Assignment], joins: Join
         return None
     seconds, a = min(scored, key=lambda s: s[0])
     f = u.factors
-    return Rejected(tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.inputs),
-            tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.outputs), seconds)
+    return Rejected(
+        tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.inputs),
+        tuple(write_spec(d, a, f.sizes, g.axis_size) for d in f.outputs),
+        seconds,
+    )
 
 
 def _unweighed(memo: _seeded.Memo | None, g: SearchGraph, fixed: Mapping, replay: bool) -> Callable | None:
@@ -560,8 +638,7 @@ def _unweighed(memo: _seeded.Memo | None, g: SearchGraph, fixed: Mapping, replay
 
 def _least(g: SearchGraph) -> dict:
     """Each memory value's bytes per device, cut as finely as its dims allow."""
-    return {v: value_bytes(v) / finest_cut(v.aval.shape, g.axis_size)
-            for v in g.memory_values}
+    return {v: value_bytes(v) / finest_cut(v.aval.shape, g.axis_size) for v in g.memory_values}
 
 
 def _boundary(g: SearchGraph, least: Mapping) -> dict:
@@ -592,21 +669,31 @@ def _too_big(g: SearchGraph, budget: float, names: Mapping, call: str, how: str)
     head = f"{call}: memory_budget={human_bytes(budget)} per device cannot be met on {n} devices (search={how!r}): "
     if bound.max() > budget:
         t = int(np.argmax(bound))
-        why = (f"the arguments and results alone, each cut as finely as its dims allow, hold {human_bytes(bound[t])} "
-               f"per device at once ({human_bytes(bound[t] - budget)} missing).")
+        why = (
+            f"the arguments and results alone, each cut as finely as its dims allow, hold {human_bytes(bound[t])} "
+            f"per device at once ({human_bytes(bound[t] - budget)} missing)."
+        )
         shown = boundary
     else:
         t = int(np.argmax(live))
-        why = (f"the search found no plan under it. With every tensor cut as finely as its dims allow, it estimates "
-               f"{human_bytes(live[t])} per device live at {_where(g, t)} ({human_bytes(max(live[t] - budget, 0))} over; the "
-               f"arguments and results alone need {human_bytes(bound.max())}; the estimate counts activations the "
-               f"backward pass keeps, which XLA may fuse away).")
+        why = (
+            f"the search found no plan under it. With every tensor cut as finely as its dims allow, it estimates "
+            f"{human_bytes(live[t])} per device live at {_where(g, t)} ({human_bytes(max(live[t] - budget, 0))} over; the "
+            f"arguments and results alone need {human_bytes(bound.max())}; the estimate counts activations the "
+            f"backward pass keeps, which XLA may fuse away)."
+        )
         shown = least
     top = sorted((v for v in g.live_at(t) if v in shown), key=lambda v: shown[v], reverse=True)[:_TOP_TENSORS]
-    rows = "; ".join(f"{_name(g, v, names)} {var_str(v, short=False)} ({human_bytes(least[v])} per device at best)" for v in top)
-    return MemoryBudgetError(head + why + f" Largest: {rows}. Raise memory_budget, use more devices, donate the "
-                             f"state (donate_argnums), shrink the batch, or recompute the layers in the backward "
-                             f"pass (jshard.recompute(layer, policy='auto')).", float(live.max()), bound=True)
+    rows = "; ".join(
+        f"{_name(g, v, names)} {var_str(v, short=False)} ({human_bytes(least[v])} per device at best)" for v in top
+    )
+    return MemoryBudgetError(
+        head + why + f" Largest: {rows}. Raise memory_budget, use more devices, donate the "
+        f"state (donate_argnums), shrink the batch, or recompute the layers in the backward "
+        f"pass (jshard.recompute(layer, policy='auto')).",
+        float(live.max()),
+        bound=True,
+    )
 
 
 def _name(g: SearchGraph, v, names: Mapping) -> str:
@@ -622,4 +709,3 @@ def _where(g: SearchGraph, t: int) -> str:
         return "the end of the program"
     node = g.nodes[t]
     return f"{node.primitive} ({node.source or 'no source'})"
-

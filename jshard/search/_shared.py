@@ -55,8 +55,7 @@ class Shared:
     boundary check (every unit its own class) weigh the same units on the same base, so the second
     reads what the first computed."""
 
-    def __init__(self, search: Searching, group: Group, base: list[Assignment], lam: float,
-                 past: Shared | None = None):
+    def __init__(self, search: Searching, group: Group, base: list[Assignment], lam: float, past: Shared | None = None):
         self.g, self.group, self.base = search.g, group, base
         self._by_id: dict[tuple[int, int], int] = {}  # (unit structure, id() of its base assignment) -> kind
         self.own: dict[tuple, np.ndarray]  # (kind, bytes it keeps) -> its unary, at λ
@@ -78,7 +77,9 @@ class Shared:
         # later run (another λ, or another base) holds mostly the same arrays, so its core reads what
         # the levels before it evaluated.
         self.contents: dict[tuple, int] = {}  # an array's shape and bytes -> its id
-        self.seen: dict[tuple[int, bool], tuple[np.ndarray, int]] = {}  # (id(), transposed) -> the array, held, and its id
+        self.seen: dict[
+            tuple[int, bool], tuple[np.ndarray, int]
+        ] = {}  # (id(), transposed) -> the array, held, and its id
         self.classes: dict[tuple, int] = {}  # a core unit's contents -> its class
         self.locals: dict[tuple, tuple[np.ndarray, int, int, tuple[bool, ...]]] = {}  # `Level._local`'s
         self.pairs: dict[tuple, tuple[int, int] | None] = {}  # `Level._pair`'s
@@ -119,8 +120,9 @@ class Shared:
         found = self._tables.get(key)
         if found is None:
             g, e = self.g, self.g.edges[i]
-            found = self._tables[key] = np.array([[g.edge_seconds(e, x, y) for y in self.specs[theirs]]
-                                                  for x in self.specs[mine]])
+            found = self._tables[key] = np.array(
+                [[g.edge_seconds(e, x, y) for y in self.specs[theirs]] for x in self.specs[mine]]
+            )
         return found
 
     def _layouts_id(self, k: int, key: tuple[int, int]) -> int:
@@ -162,8 +164,9 @@ class Eliminated:
         self.beliefs: tuple | None = None
 
     @staticmethod
-    def summed(parts: Sequence[tuple[int, np.ndarray]], found: np.ndarray | None,
-               redone: dict[int, tuple]) -> np.ndarray:
+    def summed(
+        parts: Sequence[tuple[int, np.ndarray]], found: np.ndarray | None, redone: dict[int, tuple]
+    ) -> np.ndarray:
         """`found` (None: no table yet) with `parts` added in their order, as eliminating added them;
         a step's part read from `redone` where it was folded again."""
         for n, part in parts:
@@ -176,4 +179,3 @@ class Eliminated:
         self.unary, self.tables, self.nbrs = list(level.unary), dict(level.tables), level.nbrs
         self.picks, self.records, self.core, self.core_set = dict(level.picks), list(level.records), core, set(core)
         self.table_at = {key: n for n, key in enumerate(level.tables)}
-
