@@ -54,7 +54,7 @@ import numpy as np
 from jshard.cost import array_of, value_bytes
 from jshard.search._graph import TIE, Assignment, Group, Infeasible, SearchGraph, Solved
 from jshard.search._level import Barred, Level
-from jshard.search._shared import Shared
+from jshard.search._shared import Reused
 from jshard.search._ties import Ties
 
 _log = logging.getLogger("jshard.search")
@@ -77,6 +77,7 @@ def solve(
     passed: Callable[[], bool] | None = None,
     check: Callable[[], None] | None = None,
     unweighed: Callable[[Callable[[], tuple]], tuple] | None = None,
+    reused: Reused | None = None,
 ) -> Solved:
     """The recursive search's plan: the fastest that fits `budget` among its runs, each at a memory
     weight λ (seconds per byte held at the peak). The run at λ = 0 descends to a local optimum of
@@ -91,9 +92,11 @@ def solve(
     run (it raises where the planning stops this search). `unweighed(make)`, where given, is the run
     at λ = 0 (`make()`) kept for the searches of one program whose graphs differ in their memory
     model only (each placement of the state a budget weighs: at λ = 0 no byte is weighed, so each
-    made the same run again; `SearchReport.runs` counts the runs this search made)."""
+    made the same run again; `SearchReport.runs` counts the runs this search made). `reused`, where
+    given, holds the tables and shared levels of the searches before it on the same program
+    (`Reused`): read, not priced again, and added to."""
     stop = passed or (lambda: False)
-    search = _Recursive(g, levels, replay, check)
+    search = _Recursive(g, levels, replay, check, reused)
     choice, seconds = search.run(0.0) if unweighed is None else unweighed(lambda: search.run(0.0))
     choice = [dict(a) for a in choice]  # the kept run's assignments stay as made
     peak, t = g.peak(choice)
@@ -202,7 +205,12 @@ def _bisected(
 
 class _Recursive:
     def __init__(
-        self, g: SearchGraph, levels: Sequence[Group], replay: bool = True, check: Callable[[], None] | None = None
+        self,
+        g: SearchGraph,
+        levels: Sequence[Group],
+        replay: bool = True,
+        check: Callable[[], None] | None = None,
+        reused: Reused | None = None,
     ):
         self.g, self.levels, self.replay = g, list(levels), replay
         self.check = check or (lambda: None)
@@ -224,14 +232,16 @@ class _Recursive:
         degree = np.bincount(np.concatenate([self.edge_ends[0], self.edge_ends[2]]), minlength=len(g.units)).tolist()
         self.weight = lambda k: (g.units[k].weight * g.units[k].flops, degree[k])
         self._kept_values: set = set()
-        self.layout_lists: dict[tuple, int] = {}  # a list of layouts (one per candidate) -> its id
-        self.tables: dict[tuple[int, int, int], np.ndarray] = {}  # (edge's value, both ends' layout lists) -> its table
+        if reused is None or not reused.serves(g, self.edge_values):
+            reused = Reused()
+        self.layout_lists = reused.layout_lists  # a list of layouts (one per candidate) -> its id
+        self.tables = reused.tables  # (edge's value, both ends' layout lists) -> its table
+        self.shared = reused.shared  # per level's axes, what its last level shares with the next run's
         self.keep(int(replicated.argmax()))
         self.runs = self.bisections = 0  # runs made, and of them the bisection's of λ
         self.ties: Ties | None = None  # the classes of units decided as one, for the values kept now
         self.checks: Ties | None = None  # ... and those of the boundary check: each unit its own but long runs' middles
         self.unit_classes = self.evaluations = 0  # summed over levels and runs (`SearchReport`)
-        self.shared: dict[Group, Shared] = {}  # per level's axes, what its last level shares with the next run's
 
     def solved(self, choice: list[Assignment], seconds: float, peak: float, status: str) -> Solved:
         return Solved(choice, seconds, peak, status, self.unit_classes, self.evaluations, self.runs)

@@ -29,6 +29,7 @@ from jshard.rules import OpTable, write_spec
 from jshard.search import _chains, _ilp, _recursive, _seeded
 from jshard.search._graph import REPLICATED_SHARE, Assignment, Infeasible, Joins, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
+from jshard.search._shared import Reused
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
@@ -290,7 +291,17 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     elif how == "recursive":
         try:
             solved = _better(
-                _recursive.solve(g, axes, budget, replay, passed, check, _unweighed(memo, g, fixed, replay)), seed
+                _recursive.solve(
+                    g,
+                    axes,
+                    budget,
+                    replay,
+                    passed,
+                    check,
+                    _unweighed(memo, g, fixed, replay),
+                    _reused(memo, g, fixed, replay),
+                ),
+                seed,
             )
         except Infeasible:
             solved = (
@@ -634,6 +645,17 @@ def _unweighed(memo: _seeded.Memo | None, g: SearchGraph, fixed: Mapping, replay
         return None
     key = ("unweighed", id(g.nodes), tuple(g.axis_size.items()), frozenset(fixed.items()), replay, g.combinable)
     return lambda make: memo(key, make, g.nodes)
+
+
+def _reused(memo: _seeded.Memo | None, g: SearchGraph, fixed: Mapping, replay: bool) -> Reused | None:
+    """The recursive search's tables and shared levels (`_recursive.solve`'s `reused`), held through
+    `memo` for the searches of one program whose graphs differ in their memory model only, on the
+    key of `_unweighed` (none of it reads the memory model). On table 2b's GPT scan under 0.8 times
+    its unbudgeted peak, the placements of the state weighed make three searches of one program."""
+    if memo is None:
+        return None
+    key = ("reused", id(g.nodes), tuple(g.axis_size.items()), frozenset(fixed.items()), replay, g.combinable)
+    return memo(key, Reused, g.nodes)
 
 
 def _least(g: SearchGraph) -> dict:

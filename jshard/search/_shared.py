@@ -133,6 +133,30 @@ class Shared:
         return found
 
 
+class Reused:
+    """What a search's runs share (every run's lists of layouts by id, its edge tables, per level's
+    axes the last level's `Shared`), held for the searches of one program whose graphs differ in
+    their memory model only (each placement of the state a budget weighs, `_search._reused`): none
+    of it reads the memory model (the own costs that weigh the bytes held are keyed by those bytes
+    and λ), so a later search reads what the earlier ones priced rather than pricing the program
+    again. Claimed by the first search's units and edges (`serves`): a graph whose units or edges
+    differ from them makes its own."""
+
+    def __init__(self):
+        self.layout_lists: dict[tuple, int] = {}
+        self.tables: dict[tuple[int, int, int], np.ndarray] = {}
+        self.shared: dict[Group, Shared] = {}
+        self._claimed: tuple | None = None
+
+    def serves(self, g: SearchGraph, edge_values: list[int]) -> bool:
+        """Whether a search over `g`, its edges' values numbered `edge_values`, may read these: the
+        first to ask claims them; a later one, where its units' structures and edges are the first's."""
+        mine = (g.shape_of_unit, [(e.src, e.dst) for e in g.edges], edge_values)
+        if self._claimed is None:
+            self._claimed = mine
+        return self._claimed == mine
+
+
 class Eliminated:
     """A level's eliminations (`Level._eliminate`) as recorded, for a level barred from it to
     replay (`Level._replay`).
