@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -61,7 +62,6 @@ _log = logging.getLogger("jshard.search")
 """Progress: one INFO record per level of each run (`jshard plan` shows them on a terminal)."""
 
 _GROWTHS = 24  # λ's grid steps (`_grown`) at most
-_STRIDE = 2  # ... walked this many at a time
 _SATURATED = 1e6  # ... fewer: it ends where the peak stands still, its bytes over the budget weighing this many
 # times the plan's seconds (`_grown`: a pipeline stage's plan that fitted later stood at 2,000 times)
 _BISECTIONS = 6
@@ -78,6 +78,7 @@ def solve(
     check: Callable[[], None] | None = None,
     unweighed: Callable[[Callable[[], tuple]], tuple] | None = None,
     reused: Reused | None = None,
+    hint: tuple[float, float] | None = None,
 ) -> Solved:
     """The recursive search's plan: the fastest that fits `budget` among its runs, each at a memory
     weight λ (seconds per byte held at the peak). The run at λ = 0 descends to a local optimum of
@@ -94,7 +95,9 @@ def solve(
     model only (each placement of the state a budget weighs: at λ = 0 no byte is weighed, so each
     made the same run again; `SearchReport.runs` counts the runs this search made). `reused`, where
     given, holds the tables and shared levels of the searches before it on the same program
-    (`Reused`): read, not priced again, and added to."""
+    (`Reused`): read, not priced again, and added to. `hint`, where given, is the seconds and peak of
+    a plan that fits the budget (the cheapest seed fitted to it): λ's growth starts near the price
+    per byte it pays (`_start`)."""
     stop = passed or (lambda: False)
     search = _Recursive(g, levels, replay, check, reused)
     choice, seconds = search.run(0.0) if unweighed is None else unweighed(lambda: search.run(0.0))
@@ -112,36 +115,52 @@ def solve(
         return search.solved(choice, seconds, peak, status)
     search.keep(t)
     seen = {(seconds, peak)}  # the plans found, as (seconds, peak)
-    low, best = _grown(g, search, budget, max(seconds, 1e-9) / peak, seen)  # λ's scale: the plan's seconds per byte
+    scale = max(seconds, 1e-9) / peak  # λ's scale: the plan's seconds per byte
+    low, best = _grown(g, search, budget, scale, seen, _start(scale, seconds, peak, hint))
     seconds, choice, peak, lam = _bisected(g, search, budget, low, best, stop, seen)
     return search.solved(choice, seconds, peak, f"memory weight {lam:.3g} s/byte to fit the budget")
 
 
-def _grown(g: SearchGraph, search: _Recursive, budget: float, scale: float, seen: set) -> tuple[float, tuple]:
-    """λ grown on the grid `scale`·4^k (k = 0, 1, ...) to the first λ whose plan fits `budget`: the
-    last λ whose plan did not fit (0 where the first fits) and `(seconds, choice, peak, λ)` of the
-    first that does. The grid is walked `_STRIDE` steps at a time and the step below the first λ
-    that fits is run too (`_refined`): a plan that stands short of the budget for k steps costs about
-    k / `_STRIDE` runs, not k (linen_optax's under 0.8 times its unbudgeted peak first fits at
-    k = 6: 5 runs, not 7), and the bisection (`_bisected`) starts from the same two λ as growing one
-    step at a time. No plan fits (`Infeasible`) past k = `_GROWTHS`, or once the peak stands still
-    (the run before's) where its bytes over the budget weigh `_SATURATED` times the plan's seconds
-    (`_saturated`). The growth goes on while the peak stands still short of that: a plan can stand
-    through several growths and move at a later one (a pipeline stage's plan under a 41.5 KiB
-    budget stands through seven, its bytes over the budget weighing up to 2,000 times its seconds,
-    and fits at the eighth); past it no plan moved (eqx_vit's under 0.8 times its unbudgeted peak
-    stands from 80 times on; the growth went on to 10^12 times, 9 runs more, and found none that
-    fits). A run whose peak falls where new values are held is made again at the same λ with them
-    weighed (`_Recursive.keep`). Each plan found joins `seen`."""
-    k, low, last = 0, -1, -1.0
+def _start(scale: float, seconds: float, peak: float, hint: tuple[float, float] | None) -> int:
+    """The step of λ's grid (`scale`·4^k) `_grown` starts from: one below the step of the price per
+    byte that `hint` (the seconds and peak of a plan that fits: the cheapest seed fitted to the
+    budget) pays over the unweighted plan's (`seconds`, `peak`) for the bytes it sheds, 0 where
+    there is none. The weight that first fits is near that price: on table 2b's models at quick size
+    (where the unweighted plan's microseconds weigh its bytes at a small λ) the growth from step 0
+    ran 5 to 8 runs to reach it (linen_optax's plan first fits at step 6, the price's step 5.1:
+    the growth starts at step 4 and makes 3 runs, not 7); at full size the price's step is
+    below 2 and the growth starts at 0, as before."""
+    if hint is None or hint[0] <= seconds or hint[1] >= peak:
+        return 0
+    price = (hint[0] - seconds) / (peak - hint[1])
+    return min(max(int(math.floor(math.log(price / scale, 4.0))) - 1, 0), _GROWTHS - 1)
+
+
+def _grown(
+    g: SearchGraph, search: _Recursive, budget: float, scale: float, seen: set, start: int = 0
+) -> tuple[float, tuple]:
+    """λ grown on the grid `scale`·4^k from step `start` (`_start`) to the first whose plan fits
+    `budget`: the last λ whose plan did not fit (0 where none below did) and `(seconds, choice,
+    peak, λ)` of the first that does; where the plan at `start` fits already, the steps below run
+    down to the first whose plan does not (`_below`), so the bisection (`_bisected`) starts from
+    the two λ growing from step 0 finds (where fitting holds from the first fit up). No plan fits
+    (`Infeasible`) past step `_GROWTHS`, or once the peak stands still (the growth before's) where
+    its bytes over the budget weigh `_SATURATED` times the plan's seconds (`_saturated`). The
+    growth goes on while the peak stands still short of that: a plan can stand through several
+    growths and move at a later one (a pipeline stage's plan under a 41.5 KiB budget stands through
+    seven, its bytes over the budget weighing up to 2,000 times its seconds, and fits at the
+    eighth); past it no plan moved (eqx_vit's under 0.8 times its unbudgeted peak stands from 80
+    times on; the growth went on to 10^12 times, 9 runs more, and found none that fits). A run
+    whose peak falls where new values are held is made again at the same λ with them weighed
+    (`_Recursive.keep`). Each plan found joins `seen`."""
+    k, last = start, -1.0
     while k < _GROWTHS:
-        found = _fitting(g, search, budget, scale * 4.0**k, seen)
-        if found[0] is not None:
-            return _refined(g, search, budget, scale, seen, low, k, found[0])
-        peak, seconds = found[1], found[2]
+        found, peak, seconds = _fitting(g, search, budget, scale * 4.0**k, seen)
+        if found is not None:
+            return (scale * 4.0 ** (k - 1), found) if k > start else _below(g, search, budget, scale, seen, k, found)
         if peak == last and _saturated(scale * 4.0**k, seconds, peak - budget):
             break
-        last, low, k = peak, k, min(k + _STRIDE, max(k + 1, _GROWTHS - 1))
+        last, k = peak, k + 1
     raise Infeasible(f"the most memory-bound plan found holds {last:.0f} bytes per device")
 
 
@@ -159,18 +178,17 @@ def _fitting(g: SearchGraph, search: _Recursive, budget: float, lam: float, seen
             return None, peak, seconds
 
 
-def _refined(
-    g: SearchGraph, search: _Recursive, budget: float, scale: float, seen: set, low: int, high: int, best: tuple
+def _below(
+    g: SearchGraph, search: _Recursive, budget: float, scale: float, seen: set, high: int, best: tuple
 ) -> tuple[float, tuple]:
-    """`_grown`'s answer where the grid's step `high` fits and `low` (-1: none below) did not: the
-    steps between run from the top down to the first whose plan does not fit (the lowest that fits
-    is the one growing one step at a time finds, where fitting holds from it up)."""
-    for k in range(high - 1, low, -1):
+    """`_grown`'s answer where the grid's step `high`, where it started, fits: the steps below run
+    down to the first whose plan does not fit (its λ, 0 where all fit) and the lowest that fits."""
+    for k in range(high - 1, -1, -1):
         found = _fitting(g, search, budget, scale * 4.0**k, seen)[0]
         if found is None:
             return scale * 4.0**k, best
         best = found
-    return (0.0 if low < 0 else scale * 4.0**low), best
+    return 0.0, best
 
 
 def _saturated(lam: float, seconds: float, over: float) -> bool:

@@ -300,6 +300,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
                     check,
                     _unweighed(memo, g, fixed, replay),
                     _reused(memo, g, fixed, replay),
+                    None if seed is None else (seed.seconds, seed.peak),
                 ),
                 seed,
             )
