@@ -126,10 +126,10 @@ def _start(scale: float, seconds: float, peak: float, hint: tuple[float, float] 
     byte that `hint` (the seconds and peak of a plan that fits: the cheapest seed fitted to the
     budget) pays over the unweighted plan's (`seconds`, `peak`) for the bytes it sheds, 0 where
     there is none. The weight that first fits is near that price: on table 2b's models at quick size
-    (where the unweighted plan's microseconds weigh its bytes at a small λ) the growth from step 0
+    (where the unweighted plan's nanoseconds weigh its bytes at a small λ) the growth from step 0
     ran 5 to 8 runs to reach it (linen_optax's plan first fits at step 6, the price's step 5.1:
-    the growth starts at step 4 and makes 3 runs, not 7); at full size the price's step is
-    below 2 and the growth starts at 0, as before."""
+    the growth starts at step 4 and makes 3 runs, not 7); at full size, where the plans' seconds
+    are larger, the price's step is 2.1 at most and the growth starts at step 0 or 1."""
     if hint is None or hint[0] <= seconds or hint[1] >= peak:
         return 0
     price = (hint[0] - seconds) / (peak - hint[1])
