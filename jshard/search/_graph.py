@@ -38,6 +38,7 @@ from jax.extend import core as jcore
 from jshard.cost import (
     Comm,
     CostModel,
+    LiveRanges,
     Timeline,
     array_of,
     live_ranges,
@@ -176,7 +177,8 @@ class SearchGraph:
 
     def __init__(self, nodes: Sequence[Node], args: Sequence, outvars: Sequence, fixed: Mapping,
                  axis_size: Mapping[str, int], cost: CostModel | None = None, donated: frozenset = frozenset(),
-                 host: frozenset = frozenset(), table: OpTable | None = None, combined: bool = True):
+                 host: frozenset = frozenset(), table: OpTable | None = None, combined: bool = True,
+                 ranges: LiveRanges | None = None):
         self.nodes, self.axis_size, self.outvars = nodes, dict(axis_size), outvars
         self.cost = cost or CostModel()
         self.table = table or OpTable(nodes)
@@ -205,7 +207,7 @@ class SearchGraph:
         self._comms: dict = {}
         self._cands: dict = {}
         self._merged: dict[int, list] = {}  # unit -> its operands' dims made of several factors
-        self._memory_model(args, outvars, donated, host)
+        self._memory_model(args, outvars, donated, host, ranges)
 
     # -- units -------------------------------------------------------------------------------
     def _add_arg(self, v, spec: Spec | None) -> None:
@@ -607,10 +609,11 @@ class SearchGraph:
         return read
 
     # -- memory --------------------------------------------------------------------------------
-    def _memory_model(self, args, outvars, donated, host) -> None:
+    def _memory_model(self, args, outvars, donated, host, ranges: LiveRanges | None) -> None:
         """The program's live ranges (`jshard.cost.live_ranges`; `host`: the arguments and results
-        kept in host memory between steps) and, for each value held, the unit that lays it out."""
-        self.ranges = live_ranges(self.nodes, args, outvars, donated, host, FUSION)
+        kept in host memory between steps; `ranges`: those made already, as `compile.Traced.live_ranges`
+        keeps them) and, for each value held, the unit that lays it out."""
+        self.ranges = ranges or live_ranges(self.nodes, args, outvars, donated, host, FUSION)
         self.first, self.last, self.end = self.ranges.first, self.ranges.last, self.ranges.end
         # value -> `(unit, operand position)` that lays it out where it is made: its first maker
         self.makers = {v: (k, pos) for v, ((_, k, pos), *_) in self.producers.items()}
