@@ -425,6 +425,7 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         values[v] = g.spec(k, 0, choice[k])
     merged: dict[int, tuple] = {}
     manual: dict[int, Decision] = {}
+    specs: dict[tuple, tuple] = {}  # ids of a node's factors and its units' assignments -> `priced.specs`' answer
     for i, units in g.node_units.items():
         a = choice[units[0]]
         if len(units) > 1:
@@ -439,12 +440,17 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
             continue
         if i in e.unruled:
             continue
-        picked, _, out_specs = priced.specs((e.factors[i], tuple(sorted(a.items()))), a)
+        f = e.factors[i]
+        ids = (id(f), *[id(choice[k]) for k in units])  # a class's units share both: sorted and keyed once
+        found = specs.get(ids)
+        if found is None:
+            found = specs[ids] = priced.specs((f, tuple(sorted(a.items()))), a)
+        picked, _, out_specs = found
         merged[i] = (a, picked)
         for v, spec in zip(e.vars[i][1], out_specs):
             values.setdefault(v, spec)
     decisions: dict[int, Decision] = {}
-    work = [g.units[k].weight * g.units[k].flops for k in range(len(g.units))]
+    work = [u.weight * u.flops for u in g.units]
     key = _KEY_SHARE * max(work, default=0.0)
     moves: dict = {}  # `_rejected`'s answers, per unit structure, pick and neighbours
     joins = g.joins(choice)
