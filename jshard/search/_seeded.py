@@ -153,27 +153,28 @@ def fit_budget(g: SearchGraph, solved: Solved, budget: float | None,
         return solved
     check = check or (lambda: None)
     tracked = _Peak(g, list(solved.choice))
-    choice = fitted(g, tracked.choice, budget, check, tracked)
+    local = _Local.of(g, tracked.choice, None)  # the prices the fit reads, read again by the polish
+    choice = fitted(g, tracked.choice, budget, check, tracked, local)
     if choice is None:
         return None
-    choice = polished(g, choice, budget, check, tracked)
+    choice = polished(g, choice, budget, check, tracked, local)
     peak, _ = g.peak(choice)
     return Solved(choice, g.seconds(choice), peak, f"{solved.status}, moved to fit the budget")
 
 
-def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float,
-           check: Callable[[], None] = lambda: None, tracked: _Peak | None = None) -> list[Assignment] | None:
+def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float, check: Callable[[], None] = lambda: None,
+           tracked: _Peak | None = None, local: _Local | None = None) -> list[Assignment] | None:
     """`choice` moved one unit at a time until its estimated peak fits `budget`, or None where no
     move lowers it: each time, of the units laying out the values held at the peak, the move
     (`moves`: one mesh axis to another factor, off the unit, or onto it) that adds the fewest
     seconds (`SearchGraph.local_seconds`) per byte it saves there. A unit's moves and the bytes
     each holds are found once (one unit moves per step: the others' stand); the peak is read from
     the live bytes kept as units move (`tracked`: a `_Peak` of `choice`, which moves it; made here
-    where None)."""
+    where None); `local`: the `_Local` prices of `choice`, kept as it moves, where at hand."""
     tracked = tracked or _Peak(g, list(choice))
     choice = tracked.choice
-    joins = g.joins(choice)
-    local = _Local(g, choice, joins)
+    local = _Local.of(g, choice, local)
+    joins = local.joins
     moved: dict[tuple[int, int], tuple[Assignment, list[Assignment]]] = {}  # (unit, id of its choice) -> `moves`
 
     def moves_of(k: int) -> list[Assignment]:
@@ -222,16 +223,18 @@ def fitted(g: SearchGraph, choice: Sequence[Assignment], budget: float,
     return None
 
 
-def polished(g: SearchGraph, choice: list[Assignment], budget: float,
-             check: Callable[[], None] = lambda: None, tracked: _Peak | None = None) -> list[Assignment]:
+def polished(g: SearchGraph, choice: list[Assignment], budget: float, check: Callable[[], None] = lambda: None,
+             tracked: _Peak | None = None, local: _Local | None = None) -> list[Assignment]:
     """`choice` improved by single moves (`moves`), unit after unit in program order, while one
     lowers the predicted seconds and keeps the estimated peak within `budget`; `_SWEEPS` sweeps at
     most (`tracked`: a `_Peak` of `choice`, which moves it, where one is at hand). A unit a sweep
     found no faster move for, its peak never read, is `settled`: the sweeps after it pass it by
     until it or a unit at the other end of its edges moves (what its prices read, `_Local`), as
-    they would find the same (most of eqx_vit's budgeted planning went to sweeps that moved nothing)."""
-    joins, peak = g.joins(choice), tracked if tracked is not None and tracked.choice is choice else _Peak(g, choice)
-    local = _Local(g, choice, joins)
+    they would find the same (eqx_vit under 0.8x its unbudgeted peak: 2,736 units priced, not
+    8,940); `local`: the prices of `choice` read so far (`fitted`'s), where at hand."""
+    peak = tracked if tracked is not None and tracked.choice is choice else _Peak(g, choice)
+    local = _Local.of(g, choice, local)
+    joins = local.joins
     settled: set[int] = set()
     for _ in range(_SWEEPS):
         better = False
@@ -282,6 +285,11 @@ class _Local:
     def __init__(self, g: SearchGraph, choice: Sequence[Assignment], joins: Joins):
         self.g, self.choice, self.joins = g, choice, joins
         self.kept: dict[int, dict[tuple, float]] = collections.defaultdict(dict)
+
+    @classmethod
+    def of(cls, g: SearchGraph, choice: Sequence[Assignment], local: _Local | None) -> _Local:
+        """`local` where it prices `choice`, else a `_Local` of it."""
+        return local if local is not None and local.choice is choice else cls(g, choice, g.joins(choice))
 
     def seconds(self, k: int, a: Assignment) -> float:
         """`SearchGraph.local_seconds` of unit `k` under `a`, the others as in `choice`."""
