@@ -3,6 +3,7 @@ what determines the executable (`program_key`), and a refused planning names the
 peak it met (issue 32: planning in compile time)."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 from clients import nnx_gqa
 
 import jshard as js
-from jshard.compile._program import program_key
+from jshard.compile._program import Compiles, alike_key, program_key
 
 
 def _lowered(fn, *shapes):
@@ -85,3 +86,49 @@ def test_a_refused_planning_compiles_each_program_once_and_names_the_least_compi
     assert None not in checked
     assert len(compiled) == len(set(checked)) < len(checked), (len(compiled), len(set(checked)), len(checked))
     assert f"({len(compiled)} distinct programs)" in str(e.value)
+
+
+def _counted_step(count_sharding):
+    """A step updating a vector and its 0-d count: the count laid out replicated, or (None) left to XLA."""
+    mesh = jax.sharding.Mesh(jax.devices(), ("x",))
+    vector = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    count = None if count_sharding is None else jax.sharding.NamedSharding(mesh, count_sharding)
+    step = jax.jit(lambda v, n: (v * 2, n + 1), in_shardings=(vector, whole), out_shardings=(vector, count))
+    x, n = jax.ShapeDtypeStruct((16,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
+    return step, (x, n)
+
+
+def test_programs_alike_but_for_a_replicated_0d_result_share_their_peak_not_their_key():
+    """An optimizer level lays out the updated step count as the argument it updates, the program
+    without it leaves it to XLA: two keys (two executables), one `alike_key` (one buffer
+    assignment). A ranked result laid out or left to XLA stays apart."""
+    replicated, free = (_counted_step(c) for c in (jax.sharding.PartitionSpec(), None))
+    lowered = [step.lower(*args) for step, args in (replicated, free)]
+    keys = [program_key(low, None, ()) for low in lowered]
+    assert keys[0] != keys[1]
+    assert alike_key(keys[0]) == alike_key(keys[1]) is not None
+    mesh = jax.sharding.Mesh(jax.devices(), ("x",))
+    laid = jax.jit(lambda v: v * 2, out_shardings=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+    x = jax.ShapeDtypeStruct(
+        (16,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    )
+    ranked = [program_key(f.lower(x), None, ()) for f in (laid, jax.jit(lambda v: v * 2))]
+    assert alike_key(ranked[0]) != alike_key(ranked[1])
+
+
+def test_a_program_alike_to_one_over_the_budget_is_not_compiled():
+    """`Compiles.check` with a budget: the alike program's peak over it answers (no executable, no
+    compile); under a budget it fits, or with none, the program is compiled for its executable."""
+    checks = Compiles()
+    programs = []
+    for sharding in (jax.sharding.PartitionSpec(), None):
+        step, args = _counted_step(sharding)
+        plan = types.SimpleNamespace(offload=None, communication=None)
+        programs.append((types.SimpleNamespace(jitted=step, in_shardings=None, plan=plan), args))
+    first = checks.check(*programs[0])
+    assert checks.compiled == 1 and first.executable is not None
+    skipped = checks.check(*programs[1], first.peak - 1)
+    assert (checks.compiled, skipped.peak, skipped.executable) == (1, first.peak, None)
+    fitting = checks.check(*programs[1], first.peak)
+    assert checks.compiled == 2 and fitting.executable is not None and fitting.peak == first.peak

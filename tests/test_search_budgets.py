@@ -286,3 +286,53 @@ def test_optimizer_levels_that_cut_nothing_are_held_to_the_budget_once(monkeypat
     with pytest.raises(MemoryBudgetError):  # levels that cut leaves: each held to the budget
         _weigh._weigh_optimizer(signature((("args[1]", "state", "P()", "P('d0')"),)), None, without)
     assert held == [1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_polishing_passes_by_settled_units_and_moves_as_visiting_every_unit(name, monkeypatch):
+    """`_seeded.polished` passes by a unit whose last visit found no faster move until it or a
+    unit beside it moves: the choice is the one a polish visiting every unit each sweep makes, with
+    fewer units priced."""
+    from jshard.cost import CostModel
+    from jshard.graph import flatten
+    from jshard.search import _seeded
+    from jshard.search._graph import SearchGraph
+
+    step, args = _step(*MODELS[name])
+    closed = jax.make_jaxpr(step)(*args)
+    g = SearchGraph(flatten(closed.jaxpr), closed.jaxpr.invars, closed.jaxpr.outvars, {},
+                    dict.fromkeys(("d0", "d1", "d2"), 2), CostModel())
+    whole = [{} for _ in g.units]
+    budget = g.peak(whole)[0] / 2
+    start = _seeded.fitted(g, list(whole), budget)
+    assert start is not None
+
+    def every_unit(choice):  # the polish before settling: every free unit priced in every sweep
+        joins, peak = g.joins(choice), _seeded._Peak(g, choice)
+        local, visits = _seeded._Local(g, choice, joins), 0
+        for _ in range(_seeded._SWEEPS):
+            better = False
+            for k, u in enumerate(g.units):
+                if u.free:
+                    visits += 1
+                    now = local.seconds(k, choice[k])
+                    for seconds, _, a in sorted((local.seconds(k, a), n, a)
+                                                for n, a in enumerate(_seeded.moves(g, k, choice[k]))):
+                        if seconds >= now * (1 - 1e-9) or not g.expressible(k, a):
+                            break
+                        if peak.fits(k, a, budget):
+                            peak.move(k, a)
+                            joins.moved(k, a)
+                            local.moved(k)
+                            better = True
+                            break
+            if not better:
+                break
+        return choice, visits
+
+    reference, visits = every_unit([dict(a) for a in start])
+    priced, polish = [], _seeded._polish
+    monkeypatch.setattr(_seeded, "_polish", lambda g, k, *rest: priced.append(k) or polish(g, k, *rest))
+    polished = _seeded.polished(g, [dict(a) for a in start], budget)
+    assert polished == reference and g.peak(polished)[0] <= budget
+    assert polished != start and len(priced) < visits

@@ -144,7 +144,8 @@ class SearchPlanner:
                                 table=t.table, batch=[t.invars[i] for i in sorted(problem.batch)],
                                 seeded=problem.seeded, as_seeded=problem.as_seeded,
                                 compiled=problem.compiled, combined=combines(c.communication), passed=self.passed,
-                                check=self.check, memo=self.memo)
+                                check=self.check, memo=self.memo,
+                                ranges=t.live_ranges(list(t.invars) + consts, donated, problem.host))
         return Planned(result, report=report)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -174,23 +175,35 @@ class Compiles:
     seed the search returns under a tighter estimate, a weighing's candidate alike to one checked
     before) takes the executable and figures already made.
 
+    A program alike to one checked but for the 0-d results it lays out replicated where the other
+    leaves them to XLA (`alike_key`: an optimizer level's program lays out the updated step count
+    as the argument it updates, the same program without the level leaves it to XLA) holds the same
+    bytes: where those are over the budget it is not compiled (it cannot be kept, and nothing runs
+    it); where they fit it is compiled, for the executable a call runs.
+
     Attributes:
       held: each program's check, by its key.
-      compiled: the compiles made (a check taken from `held` is not one).
+      peaks: each program's peak, by its `alike_key`.
+      compiled: the compiles made (a check taken from `held` or `peaks` is not one).
       least: the least peak any program checked held per device (inf before the first).
     """
 
     held: dict = dataclasses.field(default_factory=dict, repr=False)
+    peaks: dict = dataclasses.field(default_factory=dict, repr=False)
     compiled: int = 0
     least: float = float("inf")
 
-    def check(self, program: Program, args: tuple) -> Held:
-        """`program` compiled for `args` as a call lowers it, or its check made before."""
+    def check(self, program: Program, args: tuple, budget: float | None = None) -> Held:
+        """`program` compiled for `args` as a call lowers it, or its check made before; a program
+        whose alike's peak (`alike_key`) is over `budget`, that peak without an executable."""
         assert program.jitted is not None  # checked where devices are present
         lowered = program.jitted.lower(*_given(args, program.in_shardings, bool(program.plan.offload)))
         comm = program.plan.communication
         key = program_key(lowered, program.in_shardings, () if comm is None else comm.compiler_options)
+        alike = None if key is None else alike_key(key)
         found = None if key is None else self.held.get(key)
+        if found is None and alike is not None and budget is not None and self.peaks.get(alike, 0.0) > budget:
+            found = Held(None, self.peaks[alike], 0.0)
         if found is None:
             began = time.perf_counter()
             executable = lowered.compile()
@@ -198,6 +211,8 @@ class Compiles:
             self.compiled += 1
             if key is not None:
                 self.held[key] = found
+            if alike is not None:
+                self.peaks[alike] = found.peak
         self.least = min(self.least, found.peak)
         return found
 
@@ -219,6 +234,26 @@ def program_key(lowered: Any, in_shardings: Any, options: tuple) -> tuple | None
     args = tuple((getattr(a, "_aval", None) or (a.shape, a.dtype), a.donated)
                  for a in jax.tree_util.tree_leaves(lowered.args_info))
     return (lowered.as_text(), tuple(sorted(kept)), lowered.in_tree, lowered.out_tree, args, devices, options)
+
+
+def alike_key(key: tuple) -> tuple | None:
+    """`program_key`'s `key` with the sharding of each 0-d result laid out replicated over the
+    module's one mesh left out, or None where the module could lay one out otherwise (a maximal
+    sharding, on one device, or another mesh): XLA lays out a 0-d result it is given no sharding
+    for replicated or on one device, and it puts one on a device only where the module names one,
+    so with none named the two programs are one. Results given another sharding, or with other
+    attributes, keep theirs."""
+    text = key[0]
+    if _MAXIMAL.search(text) or len(_MESHES.findall(text)) != 1:
+        return None
+    return (_REPLICATED_SCALAR.sub(r"\1}", text), *key[1:])
+
+
+_MESHES = re.compile(r"^\s*sdy\.mesh @", re.MULTILINE)
+_MAXIMAL = re.compile(r"maximal")
+_REPLICATED_SCALAR = re.compile(r'(tensor<[A-Za-z][A-Za-z0-9]*> \{jax\.result_info = "[^"]*"), sdy\.sharding = #sdy\.sharding<@mesh, \[\]>\}')
+"""A 0-d result (its element type alone, no dims) with its result name and the sharding replicated
+over `@mesh` as its only other attribute, in the module's signature."""
 
 
 def _given(args: tuple, shardings: Any, offload: bool) -> list:

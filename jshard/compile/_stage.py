@@ -204,9 +204,10 @@ def build_traced(s: Signature, traced: Traced, recompute: Any = "full", check: b
     def checked_peak(program: Program) -> tuple[Program, float]:
         """`program` with its compiled peak and the compile's seconds in its report (and, where it
         fits, the budget asked for, not the tighter estimate searched under) and its executable (what
-        calls run: the check's compile is the first call's), and that peak."""
+        calls run: the check's compile is the first call's; none where a program alike to one over
+        the budget answered, `Compiles.check`), and that peak."""
         start = planning.deadline.clock()
-        held = compiles(planning).check(program, args)
+        held = compiles(planning).check(program, args, c.memory_budget)
         planning.built(start)
         assert program.plan.search is not None and c.memory_budget is not None  # searched, compiled under a budget
         report = dataclasses.replace(program.plan.search, compiled_peak_bytes=held.peak, compile_seconds=held.seconds)

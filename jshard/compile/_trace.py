@@ -29,9 +29,10 @@ from jshard._distributed import host_major
 from jshard._errors import ShardingError
 from jshard.compile._options import Options
 from jshard.compile._signature import context_mesh, dtype_of, weak_type
+from jshard.cost import LiveRanges, live_ranges
 from jshard.graph import Node, distinct_calls, flatten
 from jshard.layouts import FineMesh, typed_spec
-from jshard.rules import OpTable
+from jshard.rules import FUSION, OpTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Traced:
     out_leaves: list
     out_tree: Any
     out_paths: list[str]
+    _ranges: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def fine(self) -> FineMesh:
@@ -80,6 +82,17 @@ class Traced:
     def table(self) -> OpTable:
         """The nodes' `OpTable` (operands and factors), read once for the search and the work stage."""
         return OpTable(self.nodes)
+
+    def live_ranges(self, args: Sequence, donated: frozenset = frozenset(),
+                    host: frozenset = frozenset()) -> LiveRanges:
+        """`cost.live_ranges` of the nodes (XLA's fusion, `rules.FUSION`), made once per arguments,
+        donated and host-kept ones: the search's memory model and the built plan's peak
+        (`plan.planned_peak`) read the same."""
+        key = (tuple(args), donated, host)
+        found = self._ranges.get(key)
+        if found is None:
+            found = self._ranges[key] = live_ranges(self.nodes, args, self.outvars, donated, host, FUSION)
+        return found
 
     def typed(self) -> dict:
         """Value -> `Spec` for every value whose type fixes its layout (`Explicit` mesh axes)."""

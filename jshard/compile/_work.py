@@ -34,7 +34,7 @@ def with_work(program: Program, args: tuple, batch: set[int], slots, c: Options,
                         here.compute_seconds, c.mode, hidden_seconds=here.hidden_seconds,
                         hidden_ops=tuple((number[i], s) for i, s in here.hidden.items() if i in number),
                         peak_bytes=planned_peak(traced.nodes, result.values, traced.axis_size, traced.invars,
-                                                traced.outvars, donated))
+                                                traced.outvars, donated, traced.live_ranges(traced.invars, donated)))
     if report.replicated and c.mode != "data":
         report = _data_parallel(report, traced, table, args, batch, slots, c, call)
     return dataclasses.replace(program, plan=program.plan.replace(work=report))

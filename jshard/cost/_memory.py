@@ -325,10 +325,17 @@ def paired(args: Sequence, outvars: Sequence, arg_kept: Callable[[object], bool]
     free = collections.defaultdict(list)
     for v in args:
         if arg_kept(v):
-            free[(getattr(v.aval, "shape", ()), str(v.aval.dtype))].append(v)
+            free[_pairing(v.aval)].append(v)
     found = []
     for v in outvars:
-        queue = free.get((getattr(v.aval, "shape", ()), str(v.aval.dtype))) if out_kept(v) else None
+        queue = free.get(_pairing(v.aval)) if out_kept(v) else None
         if queue:
             found.append((v, queue.pop(0)))
     return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _pairing(aval) -> tuple:
+    """What `paired` pairs a result with an argument by: the shape and the dtype's name (once per
+    array type: a dtype's name is made in Python, and a train step pairs thousands)."""
+    return getattr(aval, "shape", ()), str(aval.dtype)

@@ -81,16 +81,17 @@ def recompute_report(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[
 
 
 def planned_peak(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[str, int], args: Sequence,
-                 outvars: Sequence, donated: frozenset = frozenset()) -> float:
+                 outvars: Sequence, donated: frozenset = frozenset(), ranges: LiveRanges | None = None) -> float:
     """The memory model's peak per device (`cost.live_ranges`, a loop's body's own peak at its point)
-    of a flattened program as planned; its arguments as `recompute_report` takes them."""
-    return _peak(*_planned(nodes, values, axis_size, args, outvars, donated))
+    of a flattened program as planned; its arguments as `recompute_report` takes them (`ranges`: their
+    `cost.live_ranges` with `rules.FUSION`, where made already)."""
+    return _peak(*_planned(nodes, values, axis_size, args, outvars, donated, ranges))
 
 
 def _planned(nodes: Sequence[Node], values: Mapping, axis_size: Mapping[str, int], args: Sequence,
-             outvars: Sequence, donated: frozenset) -> tuple[LiveRanges, dict]:
+             outvars: Sequence, donated: frozenset, ranges: LiveRanges | None = None) -> tuple[LiveRanges, dict]:
     """The program's live ranges and the bytes per device of each value under its planned `Spec`."""
-    ranges = live_ranges(nodes, args, outvars, donated, fusion=FUSION)
+    ranges = ranges or live_ranges(nodes, args, outvars, donated, fusion=FUSION)
     slices = slice_counter(axis_size)
     held = {v: value_bytes(v) / slices(values.get(v, ())) for v in ranges.values()}
     return ranges, held

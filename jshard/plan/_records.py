@@ -25,7 +25,8 @@ ORIGINS = ("user", "model", "propagated", "searched", "default")
 `with_sharding_constraint`s, logical constraints, or types on `Explicit` mesh axes), the propagation
 engine, the search, or nowhere (left to XLA's own propagation from the anchors)."""
 
-_SCOPE = re.compile(r"jshard_shard\d+")
+_SHARD_SCOPE = "jshard_shard"
+_SCOPE = re.compile(_SHARD_SCOPE + r"\d+")
 _PARAMETER = re.compile(PARAMETER_SCOPE + r"(\d+)")
 _RECOMPUTE = re.compile(RECOMPUTE_SCOPE + r"(\w+)")
 _AUTO = re.compile(AUTO_LABEL + r"(\d+)_(\w+)")
@@ -339,6 +340,8 @@ def _given_cuts(nodes: Sequence[Node], by_scope: dict) -> dict[jcore.Var, _Cut]:
     forward pass."""
     given: dict = {}
     made: set = set()  # the values operators of a shard call make (an output constraint takes one)
+    if not by_scope:  # no shard call
+        return given
     for node in nodes:
         ann = by_scope.get(_innermost(node.scope))
         if ann is None or node.backward:
@@ -361,8 +364,10 @@ def _given_cuts(nodes: Sequence[Node], by_scope: dict) -> dict[jcore.Var, _Cut]:
 def _standing_for(nodes: Sequence[Node], scopes: Sequence[str], main: dict[str, Node], number: dict[int, int]):
     """Node index -> the record index it is named by: its own, or for a `shard` call's constraint
     its main operator's."""
-    node_index = {id(n): i for i, n in enumerate(nodes)}
     stands_for = dict(number)
+    if not main:  # no shard call: each operator stands for itself
+        return stands_for
+    node_index = {id(n): i for i, n in enumerate(nodes)}
     for i in range(len(nodes)):
         main_node = main.get(scopes[i])
         if i not in number and main_node is not None:
@@ -375,18 +380,21 @@ def recompute_regions(nodes: Sequence[Node]) -> tuple[dict[int, str], list[int]]
     that run a forward operator again in the backward pass (`OpRecord.recomputed`)."""
     found: dict[int, str] = {}
     again: dict[tuple[str, str], str] = {}
+    rerun = []
     for i, node in enumerate(nodes):
-        named = _RECOMPUTE.search(node.scope)
+        named = RECOMPUTE_SCOPE in node.scope and _RECOMPUTE.search(node.scope)  # the regex where it may match
         if named:
             found[i] = _region_name(named.group(1))
         elif node.remat:
             found[i] = f"jax.checkpoint(policy={node.remat})"
         if node.remat and _RERUN in node.scope:
             again.setdefault((node.source, node.primitive), found[i])
-    for i, node in enumerate(nodes):
-        if i not in found and not node.backward and (node.source, node.primitive) in again:
-            found[i] = again[node.source, node.primitive]
-    return found, [i for i, node in enumerate(nodes) if node.remat and _RERUN in node.scope]
+            rerun.append(i)
+    if again:  # a forward operator the backward pass runs again belongs to its region too
+        for i, node in enumerate(nodes):
+            if i not in found and not node.backward and (node.source, node.primitive) in again:
+                found[i] = again[node.source, node.primitive]
+    return found, rerun
 
 
 def _region_name(label: str) -> str:
@@ -471,7 +479,7 @@ def _weighed(node: Node, weighed: dict, cuts) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _innermost(scope: str) -> str:
-    found = _SCOPE.findall(scope)
+    found = _SCOPE.findall(scope) if _SHARD_SCOPE in scope else ()  # the regex where it may match
     return found[-1] if found else ""
 
 

@@ -38,6 +38,7 @@ from jax.extend import core as jcore
 from jshard.cost import (
     Comm,
     CostModel,
+    LiveRanges,
     Timeline,
     array_of,
     live_ranges,
@@ -176,7 +177,8 @@ class SearchGraph:
 
     def __init__(self, nodes: Sequence[Node], args: Sequence, outvars: Sequence, fixed: Mapping,
                  axis_size: Mapping[str, int], cost: CostModel | None = None, donated: frozenset = frozenset(),
-                 host: frozenset = frozenset(), table: OpTable | None = None, combined: bool = True):
+                 host: frozenset = frozenset(), table: OpTable | None = None, combined: bool = True,
+                 ranges: LiveRanges | None = None):
         self.nodes, self.axis_size, self.outvars = nodes, dict(axis_size), outvars
         self.cost = cost or CostModel()
         self.table = table or OpTable(nodes)
@@ -205,7 +207,7 @@ class SearchGraph:
         self._comms: dict = {}
         self._cands: dict = {}
         self._merged: dict[int, list] = {}  # unit -> its operands' dims made of several factors
-        self._memory_model(args, outvars, donated, host)
+        self._memory_model(args, outvars, donated, host, ranges)
 
     # -- units -------------------------------------------------------------------------------
     def _add_arg(self, v, spec: Spec | None) -> None:
@@ -265,7 +267,7 @@ class SearchGraph:
                 if pos >= n_in:
                     producers[outs[pos - n_in]].append((u.node, k, pos))
         self.producers = producers
-        made = {v: m for v, m in producers.items() if shape_of(v)}  # the values an edge can carry
+        made, one = self._carried()
         edges: list[Edge] = []
         append, units, var, table, new = edges.append, self.units, jcore.Var, e.vars, tuple.__new__
         for k, u in enumerate(units):
@@ -273,20 +275,35 @@ class SearchGraph:
             if node < 0:
                 continue
             ins = table[node][0]
-            n_in = len(ins)
+            n_in, weight = len(ins), u.weight
             for pos in u.operands:
                 if pos >= n_in:
                     continue
                 v = ins[pos]
                 if not isinstance(v, var):
                     continue
+                found = one.get(v)
+                if found is not None:
+                    src, made_weight = found
+                    append(new(Edge, (v, src, (k, pos), made_weight if made_weight >= weight else weight)))
+                    continue
                 makers = made.get(v)
                 if makers is None:
                     continue
-                _, src_unit, src_pos = makers[0] if len(makers) == 1 else next(
-                    (m for m in reversed(makers) if m[0] < node), makers[0])
-                append(new(Edge, (v, (src_unit, src_pos), (k, pos), max(units[src_unit].weight, u.weight))))
+                _, src_unit, src_pos = next((m for m in reversed(makers) if m[0] < node), makers[0])
+                append(new(Edge, (v, (src_unit, src_pos), (k, pos), max(units[src_unit].weight, weight))))
         return edges
+
+    def _carried(self) -> tuple[dict, dict]:
+        """The values an edge can carry (those with a shape) -> their makers (`producers`), and those
+        of one maker -> its `(unit, position)` and its unit's weight: made once per value, read per use."""
+        made, one = {}, {}
+        for v, makers in self.producers.items():
+            if getattr(v.aval, "shape", ()):
+                made[v] = makers
+                if len(makers) == 1:
+                    one[v] = (makers[0][1:], self.units[makers[0][1]].weight)
+        return made, one
 
     def _state_edges(self, args, outvars) -> list[Edge]:
         """A result that is the next call's argument (a train step's parameters and optimizer
@@ -307,24 +324,22 @@ class SearchGraph:
         operator from whose results no operator of the same computation that may reduce (one with
         reduced factors, or a loop or branch) can be reached. No such all-reduce depends on another,
         so each set of them is one all-reduce; one with a reduction after it may feed the next."""
-        nodes, factors = self.nodes, self.table.factors
-        readers = collections.defaultdict(list)  # var -> the nodes reading it
-        for i, node in enumerate(nodes):
-            for v in node.inputs:
-                if isinstance(v, jcore.Var):
-                    readers[v].append(i)
+        nodes, factors, var = self.nodes, self.table.factors, jcore.Var
         cuts: dict[int, bool] = {}  # id() of an operator's `Factors` -> `_cuts_reduced`'s answer (identical layers share theirs)
         reduces = [node.primitive in NESTED or (i in factors and (
             cuts[id(factors[i])] if id(factors[i]) in cuts else cuts.setdefault(id(factors[i]), _cuts_reduced(factors[i]))))
             for i, node in enumerate(nodes)]
+        # the values a node reads that may reduce, or that a reduction can be reached from: those of
+        # every node that may reduce, and of each later node found to feed one (a cached call's
+        # value read before its maker, made again, counts where its reader reduces)
+        reaching = {v for i, node in enumerate(nodes) if reduces[i] for v in node.inputs if isinstance(v, var)}
         feeds = [False] * len(nodes)  # a node that may reduce can be reached from its results
-        reaches = list(reduces)  # ... or the node may reduce itself
         for i in reversed(range(len(nodes))):
-            for v in nodes[i].outputs:
-                found = readers.get(v)
-                if found and any(map(reaches.__getitem__, found)):
-                    feeds[i] = reaches[i] = True
-                    break
+            node = nodes[i]
+            if any(v in reaching for v in node.outputs):
+                feeds[i] = True
+                if not reduces[i]:
+                    reaching.update(v for v in node.inputs if isinstance(v, var))
         return frozenset(k for k, u in enumerate(self.units) if u.node >= 0 and not feeds[u.node] and u.free
                          and not u.factors.reduced.isdisjoint(u.own))
 
@@ -607,13 +622,14 @@ class SearchGraph:
         return read
 
     # -- memory --------------------------------------------------------------------------------
-    def _memory_model(self, args, outvars, donated, host) -> None:
+    def _memory_model(self, args, outvars, donated, host, ranges: LiveRanges | None) -> None:
         """The program's live ranges (`jshard.cost.live_ranges`; `host`: the arguments and results
-        kept in host memory between steps) and, for each value held, the unit that lays it out."""
-        self.ranges = live_ranges(self.nodes, args, outvars, donated, host, FUSION)
+        kept in host memory between steps; `ranges`: those made already, as `compile.Traced.live_ranges`
+        keeps them) and, for each value held, the unit that lays it out."""
+        self.ranges = ranges or live_ranges(self.nodes, args, outvars, donated, host, FUSION)
         self.first, self.last, self.end = self.ranges.first, self.ranges.last, self.ranges.end
         # value -> `(unit, operand position)` that lays it out where it is made: its first maker
-        self.makers = {v: (k, pos) for v, ((_, k, pos), *_) in self.producers.items()}
+        self.makers = {v: makers[0][1:] for v, makers in self.producers.items()}
         self.memory_values = [v for v in self.ranges.values() if v in self.makers]
 
     def live_bytes(self, value_bytes: Mapping) -> np.ndarray:

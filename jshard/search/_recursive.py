@@ -101,7 +101,7 @@ def solve(
     stop = passed or (lambda: False)
     search = _Recursive(g, levels, replay, check, reused)
     choice, seconds = search.run(0.0) if unweighed is None else unweighed(lambda: search.run(0.0))
-    choice = [dict(a) for a in choice]  # the kept run's assignments stay as made
+    choice = _copied(choice)  # the kept run's assignments stay as made
     peak, t = g.peak(choice)
     if budget is None or peak <= budget:
         status = "fits" if budget else "no budget"
@@ -444,6 +444,20 @@ class _Recursive:
                     cut *= g.axis_size[x]
             total += value_bytes(v) / cut
         return total
+
+
+def _copied(choice: Sequence[Assignment]) -> list[Assignment]:
+    """A copy of each assignment of `choice`, one per object: the units that share one (a class's)
+    share its copy, so the tables keyed by an assignment's id (`SearchGraph.peak`'s, `assemble`'s)
+    read it once per class, not once per unit."""
+    copies: dict[int, Assignment] = {}
+    out = []
+    for a in choice:
+        found = copies.get(id(a))
+        if found is None:
+            found = copies[id(a)] = dict(a)
+        out.append(found)
+    return out
 
 
 def _per_unit(level: Level, picks: list[int], ties: Ties) -> list[Assignment]:

@@ -22,7 +22,7 @@ from jax.extend import core as jcore
 
 from jshard._errors import MemoryBudgetError, ShardingError
 from jshard._format import human_bytes, var_str
-from jshard.cost import CostModel, array_of, value_bytes
+from jshard.cost import CostModel, LiveRanges, array_of, value_bytes
 from jshard.graph import CONSTRAINT, Node
 from jshard.propagate import MANUAL, Decision, Engine, Rejected, Result, charge_constraints, unpriced_dead
 from jshard.rules import OpTable, write_spec
@@ -225,6 +225,7 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
     passed: Callable[[], bool] | None = None,
     check: Callable[[], None] | None = None,
     memo: _seeded.Memo | None = None,
+    ranges: LiveRanges | None = None,
 ) -> tuple[Result, SearchReport]:
     """Searches a strategy for every operator of `nodes`; see the module docstring.
 
@@ -259,13 +260,15 @@ def search(  # noqa: PLR0913  (the search's inputs and the options it reads, one
         levels): raises, out of the search, where the planning stops it (`Planning.check`).
       memo: where the seeds' propagations and the recursive search's run at memory weight 0
         (`_unweighed`) are kept across the searches of one planning session (`_seeded.Memo`), or None.
+      ranges: the program's `cost.live_ranges` for these arguments, donated and host-kept ones
+        (with `rules.FUSION`), where made already (`compile.Traced.live_ranges`); None: made here.
 
     Raises:
       MemoryBudgetError: nothing the search can find fits `budget` (and, with `compiled`, there is
         no seed).
     """
     start = time.perf_counter()
-    g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated, host, table, combined)
+    g = SearchGraph(nodes, args, outvars, fixed, axis_size, cost, donated, host, table, combined, ranges)
     axes = [(a,) for a, n in axis_size.items() if n > 1]
     least = budget is not None and _least_peak(g) > budget
     if least and (not compiled or _boundary_peak(g) > budget):  # nothing can fit: say so before searching
@@ -499,6 +502,7 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
         values[v] = g.spec(k, 0, choice[k])
     merged: dict[int, tuple] = {}
     manual: dict[int, Decision] = {}
+    specs: dict[tuple, tuple] = {}  # ids of a node's factors and its units' assignments -> `priced.specs`' answer
     for i, units in g.node_units.items():
         a = choice[units[0]]
         if len(units) > 1:
@@ -513,12 +517,17 @@ def assemble(g: SearchGraph, choice: Sequence[Assignment]) -> Result:
             continue
         if i in e.unruled:
             continue
-        picked, _, out_specs = priced.specs((e.factors[i], tuple(sorted(a.items()))), a)
+        f = e.factors[i]
+        ids = (id(f), *[id(choice[k]) for k in units])  # a class's units share both: sorted and keyed once
+        found = specs.get(ids)
+        if found is None:
+            found = specs[ids] = priced.specs((f, tuple(sorted(a.items()))), a)
+        picked, _, out_specs = found
         merged[i] = (a, picked)
         for v, spec in zip(e.vars[i][1], out_specs):
             values.setdefault(v, spec)
     decisions: dict[int, Decision] = {}
-    work = [g.units[k].weight * g.units[k].flops for k in range(len(g.units))]
+    work = [u.weight * u.flops for u in g.units]
     key = _KEY_SHARE * max(work, default=0.0)
     moves: dict = {}  # `_rejected`'s answers, per unit structure, pick and neighbours
     joins = g.joins(choice)
