@@ -16,7 +16,9 @@ from jshard.graph import CONSTRAINT
 from jshard.propagate import MANUAL, Decision, Engine, Rejected, Result, charge_constraints, unpriced_dead
 from jshard.rules import write_spec
 from jshard.search import _seeded
-from jshard.search._graph import Assignment, Joins, SearchGraph
+from jshard.search._graph import SearchGraph
+from jshard.search._joins import Joins
+from jshard.search._units import Assignment
 
 _KEY_SHARE = 0.01  # key operators, whose best rejected alternative a plan records: this share of the heaviest's work
 

@@ -27,9 +27,10 @@ from jshard.propagate import Result
 from jshard.rules import OpTable
 from jshard.search import _chains, _ilp, _recursive, _seeded
 from jshard.search._assemble import assemble
-from jshard.search._graph import REPLICATED_SHARE, Assignment, Infeasible, SearchGraph, Solved
+from jshard.search._graph import REPLICATED_SHARE, Infeasible, SearchGraph, Solved
 from jshard.search._regions import RegionChoice, finest_cut
 from jshard.search._shared import Reused
+from jshard.search._units import Assignment
 
 SEARCHES = ("recursive", "ilp", "propagation")
 _TOP_TENSORS = 5
