@@ -13,6 +13,7 @@ import pytest
 import jshard as js
 import jshard.compile._program as program
 import jshard.plan._records as records
+import jshard.search._assemble as assemble_module
 import jshard.search._core as core_module
 import jshard.search._graph as search_graph
 import jshard.search._level as level_module
@@ -87,7 +88,7 @@ def replayed():
         sizes, pricings, checks, assembled = [], [], [], []
         assemble = search_module.assemble
         original = ties_module.Ties.__init__
-        priced = search_module._Priced.__init__
+        priced = assemble_module._Priced.__init__
         checking = ties_module.Ties.checking.__func__
 
         def counting_checks(cls, search, runs):
@@ -105,7 +106,7 @@ def replayed():
             pricings.append(p)
 
         mp.setattr(ties_module.Ties, "__init__", counting)
-        mp.setattr(search_module._Priced, "__init__", kept)
+        mp.setattr(assemble_module._Priced, "__init__", kept)
         mp.setattr(ties_module.Ties, "checking", classmethod(counting_checks))
         mp.setattr(search_module, "assemble", lambda g, choice: assembled.append(assemble(g, choice)) or assembled[-1])
         for n in (6, 12):
