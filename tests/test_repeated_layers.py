@@ -21,6 +21,7 @@ import jshard.search._search as search_module
 import jshard.search._shared as shared_module
 import jshard.search._ties as ties_module
 from jshard import models
+from jshard._collector import collector_paused
 
 
 def _plan(n_layers: int, **options) -> js.Plan:
@@ -169,6 +170,32 @@ def test_planning_pauses_the_garbage_collector_and_restores_it():
         assert not gc.isenabled()  # paused by the caller: left paused
     finally:
         gc.enable()
+
+
+def test_objects_made_while_paused_skip_the_young_generations_and_are_still_collected():
+    """On leaving `collector_paused` what was made inside moves to the collector's oldest generation
+    (the next young pass does not walk it), cycles among it are still freed by a full pass, and
+    objects the caller froze stay frozen."""
+
+    class Cycle:
+        pass
+
+    def made(n):
+        with collector_paused():
+            for _ in range(n):
+                a, b = Cycle(), Cycle()
+                a.b, b.a = b, a
+
+    made(1000)
+    assert gc.get_count()[0] < 1000 and gc.get_freeze_count() == 0
+    assert gc.collect() >= 2000  # nothing kept for ever
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        made(10)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_reading_the_plan_records_pauses_the_garbage_collector(monkeypatch):
