@@ -2,6 +2,7 @@
 search's per-unit work (candidates, layouts, costs, redistribution tables), as a scanned body is
 planned once."""
 
+import dataclasses
 import gc
 import itertools
 
@@ -75,6 +76,16 @@ def test_identical_layers_share_their_records(search, monkeypatch):
     assert len(made) - shared_made == len(alone)  # keyed by position too: no record shares another's
     assert shared == alone
     assert shared_made < (len(shared) / 5 if search == "recursive" else len(shared))
+
+
+def test_records_made_through_their_slots_are_the_constructor_s():
+    """`build_ops` fills each record's slots directly (`_made`): every record equals, hashes as and
+    is as frozen as the one `OpRecord`'s own constructor makes from its fields."""
+    for record in _plan(2).ops:
+        again = dataclasses.replace(record)  # through `OpRecord.__init__`
+        assert again == record and hash(again) == hash(record) and repr(again) == repr(record)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            record.index = 0  # type: ignore[misc]
 
 
 @pytest.fixture(scope="module")
