@@ -181,7 +181,7 @@ def _cut_sources(program: Program) -> dict:
     only what a shared `Layout` resolves."""
     traced, result = program.traced, program.result
     assert traced is not None and result is not None  # gathered, the one caller, returned first where either is None
-    found = {}
+    found: dict = {}
     by_scope = {a.scope: a for a in traced.ctx.annotations if a.params}
     if not by_scope:  # no `shard` call cuts a parameter
         return found
