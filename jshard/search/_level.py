@@ -43,16 +43,25 @@ class Level(Core):
     with its members' costs and tables summed; where nothing repeats, each unit is its own class.
     """
 
-    def __init__(self, search: Searching, group: Group, base: list[Assignment], lam: float, ties: Ties,
-                 like: Level | None = None, barred: Barred = (frozenset(), 0.0)):
+    def __init__(
+        self,
+        search: Searching,
+        group: Group,
+        base: list[Assignment],
+        lam: float,
+        ties: Ties,
+        like: Level | None = None,
+        barred: Barred = (frozenset(), 0.0),
+    ):
         g = self.g = search.g
         self.search = search
         self.ties = ties  # the level's units are its classes (one unit each where nothing repeats)
         self.reps, count = ties.reps, ties.count
         # Units of one structure on one base (identical layers) share their candidates, costs and
         # tables; `like` (a level on the same base, axes and λ) lends what it computed of them.
-        shared = self._shared = (Shared(search, group, base, lam, search.shared.get(group)) if like is None
-                                 else like._shared)
+        shared = self._shared = (
+            Shared(search, group, base, lam, search.shared.get(group)) if like is None else like._shared
+        )
         search.shared[group] = shared
         kinds = shared.kinds(self.reps)
         self.cands = [shared.candidates(k, kind) for k, kind in zip(self.reps, kinds)]
@@ -66,26 +75,12 @@ class Level(Core):
         self.combinable = [c for c, k in enumerate(self.reps) if k in g.combinable]
         self._joins: dict[tuple[int, int], frozenset[tuple]] = {}  # `joins`', shared with the levels barred from this
         self._bar(barred)
-        self.tables: dict[tuple[int, int], np.ndarray] = {}
-        self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
-        tables, nbrs, unary, moves = self.tables, self.nbrs, self.unary, shared.moves
-        for (u, pu, v, pv, value), (i, times) in ties.edges.items():  # `_add`, inlined: the loop is per edge
-            key = (value, (kinds[u], pu), (kinds[v], pv))
-            table = moves.get(key)
-            if table is None:
-                table = moves[key] = shared.table(i, value, self.reps[u], key[1], self.reps[v], key[2])
-            if times > 1:
-                table = table * times
-            if u == v:  # both ends take the class's one pick
-                unary[u] = unary[u] + np.diag(table)
-                continue
-            if u > v:
-                u, v, table = v, u, table.T
-            found = tables.get((u, v))
-            tables[(u, v)] = table if found is None else found + table
-            nbrs[u].add(v)
-            nbrs[v].add(u)
-        self._whole = (list(unary), list(tables.items()))  # what `energy` reads: eliminating consumes them
+        diagonals, tables, nbrs = shared.edge_tables(ties, kinds)
+        for c, diagonal in diagonals:  # an edge inside a class: both ends take the class's one pick
+            self.unary[c] = self.unary[c] + diagonal
+        self.tables: dict[tuple[int, int], np.ndarray] = dict(tables)
+        self.nbrs: dict[int, set[int]] = collections.defaultdict(set, {k: set(v) for k, v in nbrs.items()})
+        self._whole = (list(self.unary), list(self.tables.items()))  # what `energy` reads: eliminating consumes them
         self._flat_whole: tuple | None = None  # ... as flat arrays, once read
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
@@ -127,8 +122,9 @@ class Level(Core):
         found = self._joins.get((c, pick))
         if found is None:
             g, k = self.g, self.reps[c]
-            found = self._joins[(c, pick)] = frozenset(g.combined_set(k, axes)
-                                                       for axes in g.partial_sums(k, self.cands[c][pick]))
+            found = self._joins[(c, pick)] = frozenset(
+                g.combined_set(k, axes) for axes in g.partial_sums(k, self.cands[c][pick])
+            )
         return found
 
     def opened(self, picks: Sequence[int]) -> set[tuple]:
@@ -139,8 +135,14 @@ class Level(Core):
         """The latency the combined sets opened under `picks` (those of `of`, where given) pay: one
         per set and run (`SearchGraph.sets_latency`), which the level's energy leaves out."""
         g = self.g
-        return g.sets_latency({s: g.units[self.reps[c]].weight for c in self.combinable
-                               for s in self.joins(c, picks[c]) if of is None or s in of})
+        return g.sets_latency(
+            {
+                s: g.units[self.reps[c]].weight
+                for c in self.combinable
+                for s in self.joins(c, picks[c])
+                if of is None or s in of
+            }
+        )
 
     def weight(self, c: int) -> tuple[float, int]:
         """The order the core tries its heaviest units in: a class's first unit's compute and degree,
@@ -156,11 +158,15 @@ class Level(Core):
             unary, tables = self._whole
             starts = np.cumsum([0] + [len(u) for u in unary[:-1]])
             shapes = [t.shape for _, t in tables]
-            self._flat_whole = (np.concatenate(unary), starts, np.array([a for (a, _), _ in tables], int),
-                                np.array([b for (_, b), _ in tables], int),
-                                np.cumsum([0] + [r * c for r, c in shapes[:-1]]).astype(int),
-                                np.array([c for _, c in shapes], int),
-                                np.concatenate([t.ravel() for _, t in tables]) if tables else np.zeros(0))
+            self._flat_whole = (
+                np.concatenate(unary),
+                starts,
+                np.array([a for (a, _), _ in tables], int),
+                np.array([b for (_, b), _ in tables], int),
+                np.cumsum([0] + [r * c for r, c in shapes[:-1]]).astype(int),
+                np.array([c for _, c in shapes], int),
+                np.concatenate([t.ravel() for _, t in tables]) if tables else np.zeros(0),
+            )
         flat, starts, a, b, offset, width, flat_tables = self._flat_whole
         picked = np.asarray(picks)
         total = np.cumsum(flat[starts + picked])[-1]
@@ -168,16 +174,16 @@ class Level(Core):
 
     def _unary(self, c: int, kind: int, lam: float) -> np.ndarray:
         """Class `c`'s first unit's own seconds and λ·bytes it keeps at the peak, under each candidate."""
-        search, cands, k = self.search, self.cands[c], self.reps[c]
+        search, k = self.search, self.reps[c]
         kept = search.kept_bytes.get(k)
         own = self._shared.own
         found = own.get((kind, kept))
         if found is None:
+            seconds = self._shared.seconds_of(k, kind)
             if kept is None:
-                found = np.array([self.g.unit_seconds(k, a) + 0.0 for a in cands])
+                found = seconds + 0.0
             else:
-                w = max(lam, TIE)
-                found = np.array([self.g.unit_seconds(k, a) + w * search.kept_under(k, a) for a in cands])
+                found = seconds + max(lam, TIE) * self._shared.kept_of(search, k, kind, kept)
             own[(kind, kept)] = found
         return found
 
@@ -275,7 +281,9 @@ class Level(Core):
                 tb = tables.pop((k, b)) if k < b else tables.pop((b, k)).T
                 uk = unary[k]
                 inputs.append((uk, ta, tb))
-                least, best = folds.get((uk.tobytes(), ta.shape, ta.tobytes(), tb.shape, tb.tobytes())) or fold(k, ta, tb)
+                least, best = folds.get((uk.tobytes(), ta.shape, ta.tobytes(), tb.shape, tb.tobytes())) or fold(
+                    k, ta, tb
+                )
                 done.record_of[n] = len(records)
                 records.append((k, "two", a, b, best))
                 table_parts[(a, b)].append((n, least))
@@ -359,8 +367,11 @@ class Level(Core):
         least cost and best candidate per neighbour pick (a table between two neighbours); once per
         class of inputs (the same operator of identical layers folds the same arrays)."""
         t = tables[0]
-        key = ((self.unary[k].tobytes(), t.shape, t.tobytes()) if len(tables) == 1 else
-               (self.unary[k].tobytes(), t.shape, t.tobytes(), tables[1].shape, tables[1].tobytes()))
+        key = (
+            (self.unary[k].tobytes(), t.shape, t.tobytes())
+            if len(tables) == 1
+            else (self.unary[k].tobytes(), t.shape, t.tobytes(), tables[1].shape, tables[1].tobytes())
+        )
         found = self._folds.get(key)
         if found is None:
             if len(tables) == 1:
