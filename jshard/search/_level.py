@@ -180,8 +180,8 @@ class Level(Core):
         found = own.get((kind, kept))
         if found is None:
             seconds = self._shared.seconds_of(k, kind)
-            if kept is None:
-                found = seconds + 0.0
+            if kept is None:  # at any λ: each λ's `own` starts with these (`Shared`)
+                found = self._shared.unweighted[(kind, kept)] = seconds + 0.0
             else:
                 found = seconds + max(lam, TIE) * self._shared.kept_of(search, k, kind, kept)
             own[(kind, kept)] = found
@@ -268,7 +268,8 @@ class Level(Core):
                 t = tables.pop((k, j)) if k < j else tables.pop((j, k)).T
                 uk = unary[k]
                 inputs.append((uk, t))
-                least, best = folds.get((uk.tobytes(), t.shape, t.tobytes())) or fold(k, t)
+                key = (uk.tobytes(), t.shape, t.tobytes())
+                least, best = folds.get(key) or fold(k, t, key=key)
                 unary[j] = unary[j] + least
                 unary_parts[j].append((n, least))
                 done.record_of[n] = len(records)
@@ -281,9 +282,8 @@ class Level(Core):
                 tb = tables.pop((k, b)) if k < b else tables.pop((b, k)).T
                 uk = unary[k]
                 inputs.append((uk, ta, tb))
-                least, best = folds.get((uk.tobytes(), ta.shape, ta.tobytes(), tb.shape, tb.tobytes())) or fold(
-                    k, ta, tb
-                )
+                key = (uk.tobytes(), ta.shape, ta.tobytes(), tb.shape, tb.tobytes())
+                least, best = folds.get(key) or fold(k, ta, tb, key=key)
                 done.record_of[n] = len(records)
                 records.append((k, "two", a, b, best))
                 table_parts[(a, b)].append((n, least))
@@ -362,16 +362,18 @@ class Level(Core):
         self._touched = (changed & done.core_set, stale & tables.keys())  # what `_prepare_core` reads again
         return list(done.core)
 
-    def _fold(self, k: int, *tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _fold(self, k: int, *tables: np.ndarray, key: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Unit `k` eliminated between one or two neighbours (`tables`, `[c_k, c_neighbour]`): its
         least cost and best candidate per neighbour pick (a table between two neighbours); once per
-        class of inputs (the same operator of identical layers folds the same arrays)."""
+        class of inputs (the same operator of identical layers folds the same arrays), `key` the
+        inputs' bytes where the caller has them."""
         t = tables[0]
-        key = (
-            (self.unary[k].tobytes(), t.shape, t.tobytes())
-            if len(tables) == 1
-            else (self.unary[k].tobytes(), t.shape, t.tobytes(), tables[1].shape, tables[1].tobytes())
-        )
+        if key is None:
+            key = (
+                (self.unary[k].tobytes(), t.shape, t.tobytes())
+                if len(tables) == 1
+                else (self.unary[k].tobytes(), t.shape, t.tobytes(), tables[1].shape, tables[1].tobytes())
+            )
         found = self._folds.get(key)
         if found is None:
             if len(tables) == 1:

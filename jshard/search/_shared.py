@@ -62,7 +62,7 @@ class Shared:
         self.own: dict[tuple, np.ndarray]  # (kind, bytes it keeps) -> its unary, at λ
         if past is not None:  # the same axes in an earlier run: all but its base and λ's costs read again
             self.__dict__.update({k: v for k, v in past.__dict__.items() if k not in ("base", "_by_id", "own")})
-            self.own = self._own.setdefault(lam, {})
+            self.own = self._own.get(lam) or self._own.setdefault(lam, dict(self.unweighted))
             return
         self._layout_lists, self._tables = search.layout_lists, search.tables  # the search's: every run's
         self._kinds: dict[tuple, int] = {}  # (unit structure, base assignment's items) -> kind
@@ -71,6 +71,7 @@ class Shared:
         self._specs_id: dict[tuple[int, int], int] = {}  # ... and that list's id (`_Recursive.layout_lists`)
         self.moves: dict[tuple, np.ndarray] = {}  # (edge's value, both ends' (kind, operand)) -> the edge's table
         self._own: dict[float, dict] = {}  # λ -> `own`
+        self.unweighted: dict[tuple, np.ndarray] = {}  # `own`'s entries of kinds that keep no byte: every λ's
         self._seconds: dict[int, np.ndarray] = {}  # kind -> its own seconds per candidate, at any λ
         self._kept: dict[tuple, np.ndarray] = {}  # (kind, bytes it keeps) -> bytes kept per candidate
         self._edge_tables: dict[
