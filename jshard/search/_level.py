@@ -75,6 +75,7 @@ class Level(Core):
         self.combinable = [c for c, k in enumerate(self.reps) if k in g.combinable]
         self._joins: dict[tuple[int, int], frozenset[tuple]] = {}  # `joins`', shared with the levels barred from this
         self._bar(barred)
+        self._key = (id(ties), tuple(kinds))  # its classes and their base: what its eliminations' order reads
         diagonals, tables, nbrs = shared.edge_tables(ties, kinds)
         for c, diagonal in diagonals:  # an edge inside a class: both ends take the class's one pick
             self.unary[c] = self.unary[c] + diagonal
@@ -234,13 +235,18 @@ class Level(Core):
         self._folds = self._shared.folds
         if self._replays is not None:
             return self._replay(self._replays)
-        gone: set[int] = set()
         done = self._eliminated = Eliminated(self._whole)
+        order = self._shared.orders.get(self._key)
+        if order is not None:
+            return self._eliminate_as(done, *order)
+        gone: set[int] = set()
+        singles = []
         steps, inputs, unary_parts, table_parts = done.steps, done.inputs, done.unary_parts, done.table_parts
         tables, nbrs, unary, records, fold = self.tables, self.nbrs, self.unary, self.records, self._fold
         folds = self._folds  # `_fold`'s answers, read inline where known: the loop is per unit
         for k, cands in enumerate(self.cands):
             if len(cands) == 1:  # nothing to decide: its tables become its neighbours' own costs
+                singles.append((k, list(nbrs[k])))
                 for j in nbrs[k]:
                     part = tables[(j, k)][:, 0] if j < k else tables[(k, j)][0]
                     unary[j] = unary[j] + part
@@ -294,6 +300,58 @@ class Level(Core):
             gone.add(k)
             queue.extend(ends)
         core = [k for k in range(len(self.cands)) if k not in gone]
+        self._shared.orders[self._key] = (singles, list(steps), nbrs, core)
+        done.close(self, core)
+        return core
+
+    def _eliminate_as(self, done: Eliminated, singles: list, steps: list, nbrs: dict, core: list[int]) -> list[int]:
+        """`_eliminate` on a level whose classes, base and so neighbours are an earlier one's (another
+        λ's run, or its boundary check's next wave): which units fold, in which order, into which
+        neighbours reads neither costs nor tables, so the earlier level's order (`singles`, `steps`)
+        is followed, the same sums made in the same order, and its neighbours left (`nbrs`) and core
+        read, not found again."""
+        inputs, unary_parts, table_parts, records = done.inputs, done.unary_parts, done.table_parts, self.records
+        tables, unary, fold, folds = self.tables, self.unary, self._fold, self._folds
+        for k, around in singles:
+            for j in around:
+                part = tables[(j, k)][:, 0] if j < k else tables[(k, j)][0]
+                unary[j] = unary[j] + part
+                unary_parts[j].append((-1, part))
+                del tables[(j, k) if j < k else (k, j)]
+            self.picks[k] = 0
+        done.steps.extend(steps)
+        for n, (k, ends) in enumerate(steps):
+            done.at[k] = n
+            if not ends:
+                self.picks[k] = int(unary[k].argmin())
+                inputs.append((unary[k],))
+            elif len(ends) == 1:
+                (j,) = ends
+                done.used[(k, j) if k < j else (j, k)] = n
+                t = tables.pop((k, j)) if k < j else tables.pop((j, k)).T
+                uk = unary[k]
+                inputs.append((uk, t))
+                key = (uk.tobytes(), t.shape, t.tobytes())
+                least, best = folds.get(key) or fold(k, t, key=key)
+                unary[j] = unary[j] + least
+                unary_parts[j].append((n, least))
+                done.record_of[n] = len(records)
+                records.append((k, "one", j, best))
+            else:
+                a, b = ends
+                done.used[(k, a) if k < a else (a, k)] = done.used[(k, b) if k < b else (b, k)] = n
+                ta = tables.pop((k, a)) if k < a else tables.pop((a, k)).T
+                tb = tables.pop((k, b)) if k < b else tables.pop((b, k)).T
+                uk = unary[k]
+                inputs.append((uk, ta, tb))
+                key = (uk.tobytes(), ta.shape, ta.tobytes(), tb.shape, tb.tobytes())
+                least, best = folds.get(key) or fold(k, ta, tb, key=key)
+                done.record_of[n] = len(records)
+                records.append((k, "two", a, b, best))
+                table_parts[(a, b)].append((n, least))
+                found = tables.get((a, b))
+                tables[(a, b)] = least if found is None else found + least
+        self.nbrs = nbrs
         done.close(self, core)
         return core
 

@@ -79,6 +79,7 @@ class Shared:
         ] = {}  # (id() of a `Ties`, its classes' kinds) -> `edge_tables`', and the ties
         self.own = self._own.setdefault(lam, {})
         self.folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `Level._fold`'s, by the arrays' bytes
+        self.orders: dict[tuple, tuple] = {}  # `Level._key` -> its eliminations' order (`Level._eliminate_as`)
         # The core's classes and cost evaluations (`Level._prepare_core`), by contents: a level
         # barred from another (`_Recursive._closed`), its boundary check or the same axes' level of a
         # later run (another λ, or another base) holds mostly the same arrays, so its core reads what
