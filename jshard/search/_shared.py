@@ -54,7 +54,9 @@ class Shared:
     layers) share, whichever classes `Ties` makes of them: their candidates, the layouts they give
     an operand, their own costs and the tables of the edges between kinds. The replayed level and its
     boundary check (every unit its own class) weigh the same units on the same base, so the second
-    reads what the first computed."""
+    reads what the first computed. What reads no memory weight λ (the own seconds and bytes kept
+    per kind, per level's classes and kinds the tables summed and the order of its eliminations) is
+    read once for every run of the search, whichever λ it weighs."""
 
     def __init__(self, search: Searching, group: Group, base: list[Assignment], lam: float, past: Shared | None = None):
         self.g, self.group, self.base = search.g, group, base
