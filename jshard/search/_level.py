@@ -188,14 +188,6 @@ class Level(Core):
             own[(kind, kept)] = found
         return found
 
-    def _add(self, a: int, b: int, table: np.ndarray) -> None:
-        if a > b:
-            a, b, table = b, a, table.T
-        found = self.tables.get((a, b))
-        self.tables[(a, b)] = table if found is None else found + table
-        self.nbrs[a].add(b)
-        self.nbrs[b].add(a)
-
     def _table(self, k: int, j: int) -> np.ndarray:
         """The table between `k` and `j`, indexed `[c_k, c_j]`."""
         return self.tables[(k, j)] if k < j else self.tables[(j, k)].T
@@ -231,85 +223,54 @@ class Level(Core):
     def _eliminate(self) -> list[int]:
         """The eliminations (the class docstring's): units with one candidate, one neighbour or two
         fold into their neighbours, recorded (`Eliminated`) so that a level barred from it replays
-        them on its changed costs alone (`_replay`); returns the core left."""
+        them on its changed costs alone (`_replay`); returns the core left. Their order (`_order`)
+        reads no cost: a level whose classes and base an earlier level had (another λ's run, a
+        boundary check's next wave) follows that level's (`Shared.orders`)."""
         self._folds = self._shared.folds
         if self._replays is not None:
             return self._replay(self._replays)
-        done = self._eliminated = Eliminated(self._whole)
         order = self._shared.orders.get(self._key)
-        if order is not None:
-            return self._eliminate_as(done, *order)
-        gone: set[int] = set()
-        singles = []
-        steps, inputs, unary_parts, table_parts = done.steps, done.inputs, done.unary_parts, done.table_parts
-        tables, nbrs, unary, records, fold = self.tables, self.nbrs, self.unary, self.records, self._fold
-        folds = self._folds  # `_fold`'s answers, read inline where known: the loop is per unit
+        if order is None:
+            order = self._shared.orders[self._key] = self._order()
+        return self._eliminate_as(Eliminated(self._whole), *order)
+
+    def _order(self) -> tuple[list, list, dict, list[int]]:
+        """Which units `_eliminate` folds, in which order, into which neighbours, read from the
+        neighbours and the number of candidates alone: the units of one candidate with their
+        neighbours then (`singles`), the steps `(unit, its neighbours then)` in order, the
+        neighbours left and the core."""
+        nbrs, gone = self.nbrs, set()
+        singles: list[tuple[int, list[int]]] = []
+        steps: list[tuple[int, list[int]]] = []
         for k, cands in enumerate(self.cands):
             if len(cands) == 1:  # nothing to decide: its tables become its neighbours' own costs
                 singles.append((k, list(nbrs[k])))
                 for j in nbrs[k]:
-                    part = tables[(j, k)][:, 0] if j < k else tables[(k, j)][0]
-                    unary[j] = unary[j] + part
-                    unary_parts[j].append((-1, part))  # from a table as built: the same in a barred level
-                    del tables[(j, k) if j < k else (k, j)]
                     nbrs[j].discard(k)
                 nbrs[k].clear()
-                self.picks[k] = 0
                 gone.add(k)
         queue = collections.deque(k for k in range(len(self.cands)) if k not in gone and len(nbrs[k]) <= 2)
-        while queue:  # `_table` and `_drop`, inlined: the loop is per unit
+        while queue:
             k = queue.popleft()
             around = nbrs[k]
             if k in gone or len(around) > 2:
                 continue
             ends = sorted(around)
-            n = done.at[k] = len(steps)
             steps.append((k, ends))
-            if not ends:
-                self.picks[k] = int(unary[k].argmin())
-                inputs.append((unary[k],))
-            elif len(ends) == 1:
-                (j,) = ends
-                done.used[(k, j) if k < j else (j, k)] = n
-                t = tables.pop((k, j)) if k < j else tables.pop((j, k)).T
-                uk = unary[k]
-                inputs.append((uk, t))
-                key = (uk.tobytes(), t.shape, t.tobytes())
-                least, best = folds.get(key) or fold(k, t, key=key)
-                unary[j] = unary[j] + least
-                unary_parts[j].append((n, least))
-                done.record_of[n] = len(records)
-                records.append((k, "one", j, best))
+            for j in ends:
                 nbrs[j].discard(k)
-            else:
-                a, b = ends
-                done.used[(k, a) if k < a else (a, k)] = done.used[(k, b) if k < b else (b, k)] = n
-                ta = tables.pop((k, a)) if k < a else tables.pop((a, k)).T
-                tb = tables.pop((k, b)) if k < b else tables.pop((b, k)).T
-                uk = unary[k]
-                inputs.append((uk, ta, tb))
-                key = (uk.tobytes(), ta.shape, ta.tobytes(), tb.shape, tb.tobytes())
-                least, best = folds.get(key) or fold(k, ta, tb, key=key)
-                done.record_of[n] = len(records)
-                records.append((k, "two", a, b, best))
-                table_parts[(a, b)].append((n, least))
-                nbrs[a].discard(k)
-                nbrs[b].discard(k)
-                self._add(a, b, least)
+            if len(ends) == 2:  # the table between them (`_add`)
+                nbrs[ends[0]].add(ends[1])
+                nbrs[ends[1]].add(ends[0])
             around.clear()
             gone.add(k)
             queue.extend(ends)
-        core = [k for k in range(len(self.cands)) if k not in gone]
-        self._shared.orders[self._key] = (singles, list(steps), nbrs, core)
-        done.close(self, core)
-        return core
+        return singles, steps, nbrs, [k for k in range(len(self.cands)) if k not in gone]
 
     def _eliminate_as(self, done: Eliminated, singles: list, steps: list, nbrs: dict, core: list[int]) -> list[int]:
-        """`_eliminate` on a level whose classes, base and so neighbours are an earlier one's (another
-        λ's run, or its boundary check's next wave): which units fold, in which order, into which
-        neighbours reads neither costs nor tables, so the earlier level's order (`singles`, `steps`)
-        is followed, the same sums made in the same order, and its neighbours left (`nbrs`) and core
-        read, not found again."""
+        """`_eliminate`'s folds in the order `_order` found (`singles`, `steps`), recorded in `done`:
+        the level's neighbours left are `nbrs`, its core `core`."""
+        self._eliminated = done
         inputs, unary_parts, table_parts, records = done.inputs, done.unary_parts, done.table_parts, self.records
         tables, unary, fold, folds = self.tables, self.unary, self._fold, self._folds
         for k, around in singles:
