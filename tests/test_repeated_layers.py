@@ -2,6 +2,7 @@
 search's per-unit work (candidates, layouts, costs, redistribution tables), as a scanned body is
 planned once."""
 
+import dataclasses
 import gc
 import itertools
 
@@ -13,6 +14,7 @@ import pytest
 import jshard as js
 import jshard.compile._program as program
 import jshard.plan._records as records
+import jshard.search._assemble as assemble_module
 import jshard.search._core as core_module
 import jshard.search._graph as search_graph
 import jshard.search._level as level_module
@@ -21,6 +23,7 @@ import jshard.search._search as search_module
 import jshard.search._shared as shared_module
 import jshard.search._ties as ties_module
 from jshard import models
+from jshard._collector import collector_paused
 
 
 def _plan(n_layers: int, **options) -> js.Plan:
@@ -76,6 +79,16 @@ def test_identical_layers_share_their_records(search, monkeypatch):
     assert shared_made < (len(shared) / 5 if search == "recursive" else len(shared))
 
 
+def test_records_made_through_their_slots_are_the_constructor_s():
+    """`build_ops` fills each record's slots directly (`_made`): every record equals, hashes as and
+    is as frozen as the one `OpRecord`'s own constructor makes from its fields."""
+    for record in _plan(2).ops:
+        again = dataclasses.replace(record)  # through `OpRecord.__init__`
+        assert again == record and hash(again) == hash(record) and repr(again) == repr(record)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            record.index = 0  # type: ignore[misc]
+
+
 @pytest.fixture(scope="module")
 def replayed():
     """Per layer count (6, 12): the plan, the size of each replayed level (its classes) and the
@@ -87,7 +100,7 @@ def replayed():
         sizes, pricings, checks, assembled = [], [], [], []
         assemble = search_module.assemble
         original = ties_module.Ties.__init__
-        priced = search_module._Priced.__init__
+        priced = assemble_module._Priced.__init__
         checking = ties_module.Ties.checking.__func__
 
         def counting_checks(cls, search, runs):
@@ -105,7 +118,7 @@ def replayed():
             pricings.append(p)
 
         mp.setattr(ties_module.Ties, "__init__", counting)
-        mp.setattr(search_module._Priced, "__init__", kept)
+        mp.setattr(assemble_module._Priced, "__init__", kept)
         mp.setattr(ties_module.Ties, "checking", classmethod(counting_checks))
         mp.setattr(search_module, "assemble", lambda g, choice: assembled.append(assemble(g, choice)) or assembled[-1])
         for n in (6, 12):
@@ -169,6 +182,32 @@ def test_planning_pauses_the_garbage_collector_and_restores_it():
         assert not gc.isenabled()  # paused by the caller: left paused
     finally:
         gc.enable()
+
+
+def test_objects_made_while_paused_skip_the_young_generations_and_are_still_collected():
+    """On leaving `collector_paused` what was made inside moves to the collector's oldest generation
+    (the next young pass does not walk it), cycles among it are still freed by a full pass, and
+    objects the caller froze stay frozen."""
+
+    class Cycle:
+        pass
+
+    def made(n):
+        with collector_paused():
+            for _ in range(n):
+                a, b = Cycle(), Cycle()
+                a.b, b.a = b, a
+
+    made(1000)
+    assert gc.get_count()[0] < 1000 and gc.get_freeze_count() == 0
+    assert gc.collect() >= 2000  # nothing kept for ever
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        made(10)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_reading_the_plan_records_pauses_the_garbage_collector(monkeypatch):

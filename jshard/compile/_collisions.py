@@ -182,7 +182,9 @@ def _cut_sources(program: Program) -> dict:
     traced, result = program.traced, program.result
     assert traced is not None and result is not None  # gathered, the one caller, returned first where either is None
     found = {}
-    by_scope = {a.scope: a for a in traced.ctx.annotations}
+    by_scope = {a.scope: a for a in traced.ctx.annotations if a.params}
+    if not by_scope:  # no `shard` call cuts a parameter
+        return found
     last: dict = {}
     for node in traced.nodes:
         hit = _GIVEN.search(node.scope)
@@ -203,6 +205,8 @@ def gathered(program: Program, c: Options) -> list[Gathered]:
     if traced is None or result is None:
         return []
     sources = _cut_sources(program)
+    if not sources:  # no `parameter_plan` cut: nothing to follow (an unrolled GPT's half a million operators)
+        return []
     reach = {v: min(origins, key=list(sources).index) for v, origins in
              _followed(traced.nodes, {v: v for v in sources}, result.values, cutting=False).items()}
     found: dict = {}

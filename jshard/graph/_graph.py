@@ -240,7 +240,7 @@ def _distinct_param(value, seen: set):
 def flatten(jaxpr: jcore.Jaxpr) -> list[Node]:
     """Every equation of `jaxpr` as a `Node`, in program order, nested jaxprs flattened in place."""
     nodes: list[Node] = []
-    _collect(jaxpr, {}, "", 1, nodes)
+    _collect(jaxpr, {}, "", 1, nodes, {})
     return nodes
 
 
@@ -255,19 +255,28 @@ def _source(eqn, callers) -> str:
     return user_source(eqn.source_info)
 
 
-def _collect(jaxpr, env, inside, weight, nodes, outer=None, loop=-1, body=0):
+def _scope(scopes: dict, prefix, stack) -> str:
+    """`str(prefix + stack)` (`str(stack)` for no `prefix`), read once per pair of name-stack objects
+    (`scopes` keeps them, so their ids stay theirs): the equations of one layer share theirs (a
+    96-layer GPT's 36,382 hold 7,161, which read as 7 scopes)."""
+    key = (id(prefix), id(stack))
+    found = scopes.get(key)
+    if found is None:
+        found = scopes[key] = (prefix, stack, str(stack if prefix is None else prefix + stack))
+    return found[2]
+
+
+def _collect(jaxpr, env, inside, weight, nodes, scopes, outer=None, loop=-1, body=0):
     var = jcore.Var
     for eqn, env_now, callers, remat, prefix in _inlined(jaxpr, env, (), outer,
                                                          outer and outer.source_info.name_stack):
-        info = eqn.source_info
-        scope = info.name_stack if prefix is None else prefix + info.name_stack
         get = env_now.get  # `resolve`, inlined: the loop is per equation
         node = Node(
             eqn,
             tuple([get(v, v) if isinstance(v, var) else v for v in eqn.invars]),
             tuple(eqn.outvars),
             inside,
-            str(scope),
+            _scope(scopes, prefix, eqn.source_info.name_stack),
             _source(eqn, callers),
             weight,
             [],
@@ -280,7 +289,7 @@ def _collect(jaxpr, env, inside, weight, nodes, outer=None, loop=-1, body=0):
             inner, here = weight * eqn.params.get("length", 1), len(nodes) - 1
             for b, sub in enumerate(nested_jaxprs(eqn)):
                 body_env: dict = {}
-                _collect(sub, body_env, eqn.primitive.name, inner, nodes, remat, here, b)
+                _collect(sub, body_env, eqn.primitive.name, inner, nodes, scopes, remat, here, b)
                 node.bodies.append((list(sub.invars), [resolve(body_env, v) for v in sub.outvars]))
 
 

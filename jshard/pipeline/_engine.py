@@ -67,7 +67,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +78,9 @@ from jshard import _context
 from jshard.pipeline._cut import without_axes
 from jshard.pipeline._inner import propagated
 from jshard.pipeline._model import Pipeline, stack_length
+from jshard.pipeline._pullback import PullbackShape, residuals, stage_runner
 from jshard.pipeline._schedule import BACKWARD, FORWARD, WEIGHTS, Schedule
+from jshard.pipeline._slots import put_slot, receive_slot, replace_entry, slot_of, zero_slots
 from jshard.pipeline._ticks import scan_ticks, take
 
 STAGE = "stage"
@@ -190,7 +192,7 @@ class Program:
         chunk, act = self._chunk_and_act(params, batch)
         run = self.pipe.stage_runner(0)
         tagged = isinstance(run, list)
-        probe = lambda ch, x, stage: _residuals(_runner(run, stage) if tagged else run, ch, x)[0]
+        probe = lambda ch, x, stage: residuals(stage_runner(run, stage) if tagged else run, ch, x)[0]
         layer = jax.tree.leaves(self.specs.layer, is_leaf=_is_spec)
         if any(spec != _P() for spec in layer) and not self.data_axes:  # manual rows: their constraints name
             sizes = dict(stage_mesh.shape)                                  # the manual axes; probed below
@@ -212,8 +214,8 @@ class Program:
         automatic axes; with manual `data_axes`, one device's)."""
         chunk, act = self._chunk_and_act(params, batch)
         run = self.pipe.stage_runner(0)
-        run = _runner(run, 0) if isinstance(run, list) else run
-        return jax.eval_shape(lambda ch, x: _residuals(run, ch, x)[0], chunk, act)
+        run = stage_runner(run, 0) if isinstance(run, list) else run
+        return jax.eval_shape(lambda ch, x: residuals(run, ch, x)[0], chunk, act)
 
     def _chunk_and_act(self, params, batch):
         """One chunk's parameters and the activation, as one device of a stage sees them (with
@@ -271,7 +273,7 @@ class Program:
         chunks = jax.tree.map(lambda a: a[0], chunks)  # [1, v, k, ...] -> [v, k, ...]
         run = self.pipe.stage_runner(0)
         if isinstance(run, list):
-            run = _runner(run, jax.lax.axis_index(STAGE))
+            run = stage_runner(run, jax.lax.axis_index(STAGE))
         first, last = held.tree(ends, "first"), held.tree(ends, "last")
         return _Ops(self, (first, last, held), chunks, micro, self._act(first, micro), run)
 
@@ -312,11 +314,11 @@ class Program:
         if len(permutes) == 1:
             got = jax.lax.ppermute(out["send"], STAGE, pairs(permutes[0]))
             for buf, prefix in directions:
-                carry[buf] = _receive(carry[buf], got, mine, prefix)
+                carry[buf] = receive_slot(carry[buf], got, mine, prefix)
             return carry
         for name in permutes:  # a forward and a backward one, or none
             buf, prefix = next(d for d in directions if d[1][-1] == self.schedule.kind(name))
-            carry[buf] = _receive(carry[buf], jax.lax.ppermute(out["send"], STAGE, pairs(name)), mine, prefix)
+            carry[buf] = receive_slot(carry[buf], jax.lax.ppermute(out["send"], STAGE, pairs(name)), mine, prefix)
         return carry
 
     def _train_body(self, ends, chunks, micro, table):
@@ -324,13 +326,13 @@ class Program:
         ops = self._ops(ends, chunks, micro, self.ends)
         sch, v = self.schedule, self.schedule.virtual
         r = sch.slots("residuals")
-        res = [_zeros((v, r), x) for x in ops.residual_shapes]
+        res = [zero_slots((v, r), x) for x in ops.residual_shapes]
         if self.specs.residuals:  # the residual slots in the layouts propagation gave them
             res = _pin(res, [_P(None, None, *p) for p in self.specs.residuals])
         carry = {
-            "xin": _zeros((v, sch.slots("activations")), ops.act),
-            "gin": _zeros((v, sch.slots("gradients")), ops.act),
-            "yout": _zeros((v, r), ops.act),
+            "xin": zero_slots((v, sch.slots("activations")), ops.act),
+            "gin": zero_slots((v, sch.slots("gradients")), ops.act),
+            "yout": zero_slots((v, r), ops.act),
             "res": res,
             "g_rest": jax.tree.map(jnp.zeros_like, ends),
             "g_chunks": jax.tree.map(jnp.zeros_like, ops.chunks),
@@ -352,7 +354,7 @@ class Program:
         ops = self._ops(rest, chunks, micro, _EVERYWHERE)
         out = jax.eval_shape(self.pipe.head, rest, ops.act)
         m, v = self.schedule.micro_batches, self.schedule.virtual
-        carry = {"xin": _zeros((v, self.schedule.slots("activations")), ops.act),
+        carry = {"xin": zero_slots((v, self.schedule.slots("activations")), ops.act),
                  "out": jax.tree.map(lambda o: jnp.zeros((m, *o.shape), o.dtype), out)}
         carry = self._loop(carry, ops, table, [("xin", "rF")])
         if broadcast:
@@ -436,80 +438,6 @@ def _is_spec(x) -> bool:
     return isinstance(x, PartitionSpec)
 
 
-def _zeros(lead: tuple[int, ...], like) -> jax.Array:
-    return jnp.zeros((*lead, *like.shape), like.dtype)
-
-
-def _runner(fns, stage):
-    return lambda chunk, x: jax.lax.switch(stage, fns, chunk, x)
-
-
-def _residuals(run, chunk, x):
-    """`(stored, y, pullback)`: `run(chunk, x)` under `jax.vjp`; `stored` are the pullback's leaves
-    that are not the chunk's own parameters (those are read again at the backward)."""
-    y, pull = jax.vjp(run, chunk, x)
-    params = jax.tree.leaves(chunk)
-    leaves = jax.tree.leaves(pull)
-    return [jnp.asarray(leaf) for leaf in leaves if not any(leaf is p for p in params)], y, pull
-
-
-@dataclasses.dataclass(frozen=True)
-class _PullbackShape:
-    """How to rebuild a chunk's pullback: its pytree structure, and for each leaf the index of the
-    chunk parameter it is (None: a stored residual). Read once per program from one `jax.vjp`."""
-
-    tree: Any
-    param_of: tuple[int | None, ...]
-    stored: tuple[jax.ShapeDtypeStruct, ...]
-
-    @classmethod
-    def of(cls, run, chunk, act) -> "_PullbackShape":
-        found = {}
-
-        def probe(chunk, x):
-            _, pull = jax.vjp(run, chunk, x)
-            params = jax.tree.leaves(chunk)
-            leaves, found["tree"] = jax.tree.flatten(pull)
-            found["param_of"] = tuple(next((k for k, p in enumerate(params) if leaf is p), None) for leaf in leaves)
-            return [leaf for leaf, k in zip(leaves, found["param_of"]) if k is None]
-
-        shapes = lambda t: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), t)
-        stored = jax.eval_shape(probe, shapes(chunk), shapes(act))
-        return cls(found["tree"], found["param_of"], tuple(stored))
-
-    def rebuild(self, chunk, stored):
-        params, it = jax.tree.leaves(chunk), iter(stored)
-        return jax.tree.unflatten(self.tree, [next(it) if k is None else params[k] for k in self.param_of])
-
-
-def _replace(a: jax.Array, i: jax.Array, value: jax.Array, axis: int) -> jax.Array:
-    """`a` with its entry `i` along `axis` set to `value` (`take`'s inverse, one `dynamic_update_slice`)."""
-    return jax.lax.dynamic_update_index_in_dim(a, value, i, axis, allow_negative_indices=False)
-
-
-def _slot(buf, c, i):
-    """The start of chunk `c`'s slot of micro-batch `i` in `buf` (`[v, slots, ...]`, slot = micro-batch
-    mod slots): both indices non-negative (`take`)."""
-    return (c, jax.lax.rem(i, buf.shape[1])) + (0,) * (buf.ndim - 2)
-
-
-def _at(buf, c, i):
-    """Chunk `c`'s slot of micro-batch `i` in `buf` (`_slot`)."""
-    sizes = (1, 1, *buf.shape[2:])
-    return jax.lax.dynamic_slice(buf, _slot(buf, c, i), sizes, allow_negative_indices=False).reshape(buf.shape[2:])
-
-
-def _put(buf, c, i, value):
-    """`buf` with chunk `c`'s slot of micro-batch `i` set to `value` (`_slot`)."""
-    return jax.lax.dynamic_update_slice(buf, value[None, None], _slot(buf, c, i), allow_negative_indices=False)
-
-
-def _receive(buf, value, mine, prefix):
-    """Writes `value` into chunk `c`'s slot of micro-batch `i` where this stage received something."""
-    c, i = mine[f"{prefix}_chunk"], mine[f"{prefix}_micro"]
-    return _put(buf, c, i, jnp.where(mine[f"{prefix}_valid"] > 0, value, _at(buf, c, i)))
-
-
 def _unmicro(a, lead):
     """`[..., M, mb, ...]` (micro-batch i = rows i::M) back to `[..., M·mb, ...]` in batch order."""
     a = jnp.swapaxes(a, lead, lead + 1)
@@ -536,11 +464,11 @@ class _Ops:
         self.m, self.s, self.last_vstage = sch.micro_batches, sch.stages, sch.stages * sch.virtual - 1
         self.stage = jax.lax.axis_index(STAGE)
         self.split = sch.split_backward
-        self.pullback = _PullbackShape.of(run, self.chunk(0), act) if not sch.forward_only else None
+        self.pullback = PullbackShape.of(run, self.chunk(0), act) if not sch.forward_only else None
 
     @property
     def residual_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
-        return self.pullback.stored
+        return cast(PullbackShape, self.pullback).stored  # a program that trains has one
 
     def _zero(self):
         return jnp.zeros(self.act.shape, self.act.dtype)
@@ -568,9 +496,9 @@ class _Ops:
 
     def read(self, carry, c, i) -> dict:
         if "out" in carry:
-            return {"x": _at(carry["xin"], c, i), "out_i": jax.tree.map(lambda b: take(b, i, 0), carry["out"])}
-        return {"x": _at(carry["xin"], c, i), "g": _at(carry["gin"], c, i),
-                "y": _at(carry["yout"], c, i), "res": [_at(b, c, i) for b in carry["res"]],
+            return {"x": slot_of(carry["xin"], c, i), "out_i": jax.tree.map(lambda b: take(b, i, 0), carry["out"])}
+        return {"x": slot_of(carry["xin"], c, i), "g": slot_of(carry["gin"], c, i),
+                "y": slot_of(carry["yout"], c, i), "res": [slot_of(b, c, i) for b in carry["res"]],
                 "g_rest": carry["g_rest"], "g_chunks": carry["g_chunks"]}
 
     def write(self, carry, c, i, out, running) -> dict:
@@ -578,11 +506,11 @@ class _Ops:
         a forward runs here (elsewhere every branch hands back what it read)."""
         carry = dict(carry)
         if "out" in carry:
-            carry["out"] = jax.tree.map(lambda b, o: _replace(b, i, o, 0), carry["out"], out["out_i"])
+            carry["out"] = jax.tree.map(lambda b, o: replace_entry(b, i, o, 0), carry["out"], out["out_i"])
             return carry
         if running.vstages(FORWARD):
-            carry["yout"] = _put(carry["yout"], c, i, out["y"])
-            carry["res"] = [_put(b, c, i, r) for b, r in zip(carry["res"], out["res"])]
+            carry["yout"] = put_slot(carry["yout"], c, i, out["y"])
+            carry["res"] = [put_slot(b, c, i, r) for b, r in zip(carry["res"], out["res"])]
             carry["loss"] = carry["loss"] + out["loss"]
         carry["g_rest"], carry["g_chunks"] = out["g_rest"], out["g_chunks"]
         return carry
@@ -609,7 +537,7 @@ class _Ops:
         branch, so no gradient-sized increment leaves it: a two-tick loop body keeps none live)."""
         out = {}
         if g_chunk is not None:
-            out["g_chunks"] = jax.tree.map(lambda acc, g: _replace(acc, c, take(acc, c, 0) + g, 0),
+            out["g_chunks"] = jax.tree.map(lambda acc, g: replace_entry(acc, c, take(acc, c, 0) + g, 0),
                                            view["g_chunks"], g_chunk)
         if g_rest is not None:
             out["g_rest"] = jax.tree.map(jnp.add, view["g_rest"], g_rest)
@@ -627,7 +555,7 @@ class _Ops:
         """Runs chunk `c` on micro-batch `i` under `jax.vjp`, keeping its residuals and output; on
         the last virtual stage adds `last`'s loss."""
         vstages = running.vstages(FORWARD)
-        stored, y, _ = _residuals(self.run, self.chunk(c), self._input(view, c, i, vstages))
+        stored, y, _ = residuals(self.run, self.chunk(c), self._input(view, c, i, vstages))
         mb = self._mb(i)
         last = lambda: self.pipe.last(self.last_params, y, mb).astype(jnp.float32)
         loss = self._on(vstages, self.last_vstage, c, last, lambda: jnp.zeros((), jnp.float32), _P())

@@ -22,8 +22,8 @@ import numpy as np
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec as P
 
+from jshard.pipeline._buffers import Buffers, Flat, widths
 from jshard.pipeline._engine import STAGE
-from jshard.pipeline._staged import Buffers, Flat, widths
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

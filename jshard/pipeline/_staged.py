@@ -59,130 +59,25 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jshard.pipeline._buffers import (
+    Buffers,
+    Flat,
+    has_automatic_axes,
+    laid,
+    put_row,
+    receive,
+    row_at,
+    slot,
+    whole_on_stage,
+    widths,
+    zero_buffers,
+)
 from jshard.pipeline._cut import Cut, spec_axes
 from jshard.pipeline._engine import STAGE
-from jshard.pipeline._inner import CutClass, StageLayouts, from_rows, stage_layouts, stage_vjp, stored, to_rows
+from jshard.pipeline._inner import CutClass, StageLayouts, stage_layouts, stage_vjp, stored
 from jshard.pipeline._schedule import BACKWARD, FORWARD, IDLE, WEIGHTS, Schedule
 from jshard.pipeline._split import SplitBackward
 from jshard.pipeline._ticks import scan_ticks, select
-
-Buffers = dict[str, jax.Array]
-"""One 1-D (or `[..., width]`) array per dtype name."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Flat:
-    """Arrays of given shapes packed into one 1-D buffer per layout class, in order.
-
-    An array whole on the stage's devices goes into its dtype's buffer (named by the dtype) as its
-    elements. One a stage's strategies cut (`specs`, over the stage's automatic axes) goes into the
-    buffer of its dtype and axes (named as a `CutClass`: `float32@d0`), of `n` blocks, `n` the
-    devices those axes hold: block `i` holds shard `i` of each of its arrays (`to_rows`), and the
-    buffer is laid out cut over those axes (`_laid`), so each device stores and sends its shards only.
-
-    Attributes:
-      avals: the arrays' shapes and dtypes.
-      offsets: each array's start in its buffer's block.
-      sizes: per buffer name, the elements its arrays take (all blocks).
-      specs: per array, its `PartitionSpec` inside the stage (None: whole).
-      axis_sizes: the mesh's axes and their sizes, in mesh order.
-
-    Examples:
-      >>> f = Flat.of([jnp.ones((2, 2)), jnp.zeros(3, jnp.int32)])
-      >>> packed = f.pack([jnp.ones((2, 2)), jnp.arange(3)], {"float32": 6, "int32": 3})
-      >>> packed["float32"].tolist(), [a.tolist() for a in f.unpack(packed)][1]
-      ([1.0, 1.0, 1.0, 1.0, 0.0, 0.0], [0, 1, 2])
-      >>> cut = Flat.of([jnp.zeros((2, 4))], [P(None, "a")], {"a": 2})  # columns cut in two
-      >>> cut.pack([jnp.arange(8.0).reshape(2, 4)], cut.sizes)["float32@a"].tolist()
-      [0.0, 1.0, 4.0, 5.0, 2.0, 3.0, 6.0, 7.0]
-    """
-
-    avals: tuple[jax.ShapeDtypeStruct, ...]
-    offsets: tuple[int, ...]
-    sizes: dict[str, int]
-    specs: tuple[P | None, ...] = ()
-    axis_sizes: tuple[tuple[str, int], ...] = ()
-
-    @classmethod
-    def of(cls, avals: Sequence[Any], specs: Sequence[P | None] | None = None,
-           axis_sizes: dict[str, int] | None = None) -> Flat:
-        specs = tuple(specs) if specs is not None else (None,) * len(avals)
-        order = list(axis_sizes or {})
-        blocks: dict[str, int] = {}
-        offsets = []
-        for a, spec in zip(avals, specs):
-            name = _name(a.dtype, spec, order)
-            offsets.append(blocks.get(name, 0))
-            blocks[name] = offsets[-1] + int(np.prod(a.shape)) // _blocks(name, axis_sizes)
-        sizes = {name: used * _blocks(name, axis_sizes) for name, used in blocks.items()}
-        return cls(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals), tuple(offsets), sizes, specs,
-                   tuple((axis_sizes or {}).items()))
-
-    def _where(self, a, spec) -> tuple[str, tuple[str, ...], int]:
-        """An array's buffer name, the axes cutting it, and the buffer's blocks."""
-        name = _name(a.dtype, spec, [axis for axis, _ in self.axis_sizes])
-        return name, _axes(name), _blocks(name, dict(self.axis_sizes))
-
-    def pack(self, arrays: Sequence[jax.Array], widths: dict[str, int]) -> Buffers:
-        """The arrays as one buffer per name of `widths`, each block zero-padded to its width."""
-        parts: dict[str, list] = {name: [] for name in widths}
-        sizes = dict(self.axis_sizes)
-        for a, spec, x in zip(self.avals, self.specs, arrays):
-            name, axes, n = self._where(a, spec)
-            x = jnp.asarray(x).astype(a.dtype)
-            parts[name].append(to_rows(x, spec, axes, sizes) if axes else jnp.ravel(x))
-        out = {}
-        for name, width in widths.items():
-            n, used = _blocks(name, sizes), self.sizes.get(name, 0)
-            lead = (n,) if _axes(name) else ()
-            pad = [jnp.zeros((*lead, (width - used) // n), _dtype(name))] if width > used else []
-            out[name] = jnp.concatenate(parts[name] + pad, axis=-1).reshape(-1) if parts[name] or pad \
-                else jnp.zeros((0,), _dtype(name))
-        return out
-
-    def unpack(self, buffers: Buffers) -> list[jax.Array]:
-        """The arrays read back from `buffers`, each laid out as its spec says (whole on the
-        stage's devices where it has none: `_whole`)."""
-        out, sizes = [], dict(self.axis_sizes)
-        for a, spec, o in zip(self.avals, self.specs, self.offsets):
-            name, axes, n = self._where(a, spec)
-            local = int(np.prod(a.shape)) // n
-            if not axes:
-                out.append(_whole(jax.lax.dynamic_slice_in_dim(buffers[name], o, local).reshape(a.shape)))
-                continue
-            block = buffers[name].reshape(n, -1)[:, o:o + local]
-            out.append(_cut(from_rows(block, spec, axes, sizes, a.shape), spec))
-        return out
-
-
-def _name(dtype, spec: P | None, order: Sequence[str]) -> str:
-    """The buffer of an array of `dtype` laid out as `spec`: its dtype's name, with the axes that
-    cut it in mesh `order` (`CutClass.key`)."""
-    axes = sorted(spec_axes(spec), key=order.index) if spec is not None else []
-    return np.dtype(dtype).name + (f"@{'.'.join(axes)}" if axes else "")
-
-
-def _axes(name: str) -> tuple[str, ...]:
-    """The axes buffer `name` is cut over (`_name`)."""
-    return tuple(name.split("@")[1].split(".")) if "@" in name else ()
-
-
-def _dtype(name: str) -> str:
-    return name.split("@")[0]
-
-
-def _blocks(name: str, axis_sizes: dict[str, int] | None) -> int:
-    """The blocks of buffer `name`: how many devices its axes hold."""
-    return int(np.prod([(axis_sizes or {})[a] for a in _axes(name)]))
-
-
-def widths(flats: Sequence[Flat]) -> dict[str, int]:
-    """Per dtype, the largest size over `flats` (the width their shared buffer needs)."""
-    out: dict[str, int] = {}
-    for f in flats:
-        for name, size in f.sizes.items():
-            out[name] = max(out.get(name, 0), size)
-    return dict(sorted(out.items()))
 
 
 def _inexact(aval) -> bool:
@@ -301,7 +196,7 @@ class StagedProgram:
     def zeros(self, lead: int | None) -> Buffers:
         """Zero buffers of the packed layout (`[lead, ...]` per buffer, or one row with None)."""
         at = () if lead is None else (lead,)
-        return {**_zeros(lead, self.param_widths),
+        return {**zero_buffers(lead, self.param_widths),
                 **{c.key: jnp.zeros((*at, c.n, c.width), c.dtype) for c in self.classes}}
 
     def specs(self) -> dict[str, P]:
@@ -310,10 +205,10 @@ class StagedProgram:
 
     def place(self, buffers: Buffers) -> Buffers:
         """Packed buffers (any leading dims) inside a stage: a dtype's whole on each of the stage's
-        devices (`_whole`), a `CutClass`'s `n` dim cut over its axes."""
+        devices (`whole_on_stage`), a `CutClass`'s `n` dim cut over its axes."""
         axes = {c.key: c.axes for c in self.classes}
-        whole = _whole({name: b for name, b in buffers.items() if name not in axes})
-        if not axes or len(whole) == len(buffers) or not _automatic():
+        whole = whole_on_stage({name: b for name, b in buffers.items() if name not in axes})
+        if not axes or len(whole) == len(buffers) or not has_automatic_axes():
             return {**buffers, **whole}
         return {**whole, **{name: jax.lax.with_sharding_constraint(b, P(*[None] * (b.ndim - 2), axes[name], None))
                             for name, b in buffers.items() if name in axes}}
@@ -379,28 +274,28 @@ class StagedProgram:
         ticks = _Ticks(self, packed, micro)
         bw, gw, v = ticks.bw, ticks.gw, sch.virtual
         carry = {
-            "xin": _zeros(v * n["xin"], bw), "res": _zeros(v * n["res"], ticks.rw),
-            "gin": _zeros(v * n["gin"], gw), "g": self.place(self.zeros(v)),
+            "xin": zero_buffers(v * n["xin"], bw), "res": zero_buffers(v * n["res"], ticks.rw),
+            "gin": zero_buffers(v * n["gin"], gw), "g": self.place(self.zeros(v)),
             "loss": jnp.zeros((), jnp.float32),
         }
         branches = [ticks.idle, ticks.forward, ticks.backward]
         if sch.split_backward:  # `B` stores its handoff to the `W` (`_split.py`): in the residuals' slot
             if not ticks.hand_in_res:  # where it fits in what the `W` leaves unread, else in slots of its own
-                carry["hand"] = _zeros(v * n["hand"], ticks.hw)
+                carry["hand"] = zero_buffers(v * n["hand"], ticks.hw)
             branches = [ticks.idle, ticks.forward, ticks.input_grad, ticks.weights]
 
         def tick(carry, row, permutes, running):
             kind, i, c = row[0], row[1], row[6]
-            at = {name: _slot(c, i, k) for name, k in n.items()}
-            view = {"x": _at(carry["xin"], at["xin"]), "res": _at(carry["res"], at["res"]),
-                    "g_in": _at(carry["gin"], at["gin"]), "g": carry["g"], "c": c}
+            at = {name: slot(c, i, k) for name, k in n.items()}
+            view = {"x": row_at(carry["xin"], at["xin"]), "res": row_at(carry["res"], at["res"]),
+                    "g_in": row_at(carry["gin"], at["gin"]), "g": carry["g"], "c": c}
             if "hand" in carry:
-                view["hand"] = _at(carry["hand"], at["hand"])
+                view["hand"] = row_at(carry["hand"], at["hand"])
             out = running.switch(kind, [functools.partial(b, running=running) for b in branches], view, i)
             carry = dict(carry)
-            carry["res"] = _put(carry["res"], at["res"], out["res"])
+            carry["res"] = put_row(carry["res"], at["res"], out["res"])
             if "hand" in carry:
-                carry["hand"] = _put(carry["hand"], at["hand"], out["hand"])
+                carry["hand"] = put_row(carry["hand"], at["hand"], out["hand"])
             carry["g"] = out["g"]
             carry["loss"] = carry["loss"] + out["loss"]
             return self._pass(carry, out, row, permutes)
@@ -421,21 +316,21 @@ class StagedProgram:
         gradient where the stage ran a backward. What arrives is written where the table says it
         arrives."""
         kind, n = row[0], self._slots()
-        fv, fm, bv, bm = row[2], _slot(row[7], row[3], n["xin"]), row[4], _slot(row[8], row[5], n["gin"])
+        fv, fm, bv, bm = row[2], slot(row[7], row[3], n["xin"]), row[4], slot(row[8], row[5], n["gin"])
         pairs = lambda name: sorted(self.schedule.pairs(name))
         f, b = out["send_f"], out["send_b"]
         carry = dict(carry)
         for name in permutes:
             direction = self.schedule.kind(name)
             if direction == "F":
-                carry["xin"] = _receive(carry["xin"], jax.lax.ppermute(f, STAGE, pairs(name)), fv, fm)
+                carry["xin"] = receive(carry["xin"], jax.lax.ppermute(f, STAGE, pairs(name)), fv, fm)
             elif direction == "B":
-                carry["gin"] = _receive(carry["gin"], jax.lax.ppermute(b, STAGE, pairs(name)), bv, bm)
+                carry["gin"] = receive(carry["gin"], jax.lax.ppermute(b, STAGE, pairs(name)), bv, bm)
             else:
                 send = {d: jnp.where(kind == FORWARD, x, b[d]) if d in b else x for d, x in f.items()}
                 got = jax.lax.ppermute(send, STAGE, pairs(name))
-                carry["xin"] = _receive(carry["xin"], got, fv, fm)
-                carry["gin"] = _receive(carry["gin"], {d: got[d] for d in b}, bv, bm)
+                carry["xin"] = receive(carry["xin"], got, fv, fm)
+                carry["gin"] = receive(carry["gin"], {d: got[d] for d in b}, bv, bm)
         return carry
 
     def _sum_tied(self, g: Buffers) -> Buffers:
@@ -457,7 +352,7 @@ class StagedProgram:
         chunk = lambda c: {name: x[c] for name, x in g.items()}
 
         def mine(s):
-            total = _zeros(None, tw)
+            total = zero_buffers(None, tw)
             for c in range(v):
                 k = c * s_ + s
                 leaves = dict(zip(held[k], flats[k].unpack(chunk(c))))
@@ -521,7 +416,7 @@ class _Ticks:
         return split.handoff_specs(params + list(self.rf[k].specs) + cot, self.p.automatic_axes)
 
     def _result(self, view, **changes) -> dict:
-        base = {"res": view["res"], "send_f": _zeros(None, self.bw), "send_b": _zeros(None, self.gw),
+        base = {"res": view["res"], "send_f": zero_buffers(None, self.bw), "send_b": zero_buffers(None, self.gw),
                 "g": view["g"], "loss": jnp.zeros((), jnp.float32)}
         if "hand" in view:
             base["hand"] = view["hand"]
@@ -529,8 +424,8 @@ class _Ticks:
 
     def _hold(self, tree: dict) -> dict:
         """A tick's values in the one layout every branch ends with: each buffer as its name says
-        (`_laid`), the parameter gradients' sum `g` laid out as the packed parameters (`place`)."""
-        return {**_laid({name: x for name, x in tree.items() if name != "g"}), "g": self.p.place(tree["g"])}
+        (`laid`), the parameter gradients' sum `g` laid out as the packed parameters (`place`)."""
+        return {**laid({name: x for name, x in tree.items() if name != "g"}), "g": self.p.place(tree["g"])}
 
     def idle(self, view, i, running):
         return self._result(view)
@@ -580,7 +475,7 @@ class _Ticks:
             found["tree"], found["param_of"] = tree, param_of
             return res
 
-        res = jax.eval_shape(probe, _zeros(None, self.bw))
+        res = jax.eval_shape(probe, zero_buffers(None, self.bw))
         return found["tree"], found["param_of"], res
 
     def forward(self, view, i, running):
@@ -612,7 +507,7 @@ class _Ticks:
             else:
                 cot = self.gf[k].unpack(view["g_in"])
             g_params, g_x = pull(cot)
-            send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
+            send_b = self.gf[k - 1].pack(g_x, self.gw) if k else zero_buffers(None, self.gw)
             return self._result(view, g=self._add(view["g"], k, g_params), send_b=send_b)
 
         return self._at_stage(view, BACKWARD, running, at)
@@ -650,7 +545,7 @@ class _Ticks:
         def at(k):
             args = self._pullback_args(k, view)
             g_x, hand = self.splits[k].input_grad(args)
-            send_b = self.gf[k - 1].pack(g_x, self.gw) if k else _zeros(None, self.gw)
+            send_b = self.gf[k - 1].pack(g_x, self.gw) if k else zero_buffers(None, self.gw)
             if self.hand_in_res:
                 res = self.af[k].pack([args[1][n] for n in self.kept[k]] + list(hand), self.rw)
                 return self._result(view, send_b=send_b, res=res)
@@ -683,62 +578,3 @@ def _micro(batch, m: int):
     return jax.tree.map(lambda a: jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1), batch)
 
 
-def _automatic() -> bool:
-    """Whether the mesh in context has automatic axes (a stage's, inside the pipeline's `shard_map`)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return bool(set(mesh.axis_names) - set(mesh.manual_axes))
-
-
-def _whole(tree):
-    """`tree` whole on each device of a stage whose axes are automatic (`jshard.shard` strategies
-    inside the stages): every branch of a tick's switch ends with its buffers in this one layout,
-    so the packed buffers are read by local slices, and no collective runs in one stage's branch
-    that another stage's devices would have to join."""
-    if not _automatic():
-        return tree
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), tree)
-
-
-def _cut(x: jax.Array, spec: P) -> jax.Array:
-    """`x` laid out as `spec` over the stage's automatic axes (as is, with none)."""
-    return jax.lax.with_sharding_constraint(x, spec) if _automatic() else x
-
-
-def _laid(tree: dict) -> dict:
-    """A tick's values (buffers by name, the loss) in the one layout every branch of its switch ends
-    with: a dtype's buffer whole on each of the stage's devices (`_whole`), a cut class's
-    (`float32@d0`, `Flat`) cut over its axes along its last dim, so the packed buffers are read
-    and written by local slices, and no collective runs in one stage's branch that another
-    stage's devices would have to join."""
-    if not _automatic():
-        return tree
-
-    def one(path, x):
-        axes = _axes(str(getattr(path[-1], "key", ""))) if path else ()
-        return jax.lax.with_sharding_constraint(x, P(*[None] * (x.ndim - 1), axes) if axes else P())
-
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
-def _slot(c, i, slots: int):
-    """The row of chunk `c`'s slot of micro-batch `i` in a buffer of `slots` rows per chunk."""
-    return c * slots + i % slots
-
-
-def _zeros(slots: int | None, w: dict[str, int]) -> Buffers:
-    lead = () if slots is None else (slots,)
-    return {name: jnp.zeros((*lead, width), _dtype(name)) for name, width in w.items()}
-
-
-def _at(buffers: Buffers, i) -> Buffers:
-    return {name: b[i % b.shape[0]] for name, b in buffers.items()}
-
-
-def _put(buffers: Buffers, i, values: Buffers) -> Buffers:
-    return {name: jax.lax.dynamic_update_index_in_dim(b, values[name], i % b.shape[0], 0) for name, b in buffers.items()}
-
-
-def _receive(buffers: Buffers, values: Buffers, valid, i) -> Buffers:
-    """`values` written into row `i` (`_slot`) where this stage received something this tick."""
-    kept = _at(buffers, i)
-    return _put(buffers, i, {name: jnp.where(valid > 0, values[name], kept[name]) for name in buffers})

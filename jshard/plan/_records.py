@@ -82,6 +82,8 @@ class OpRecord:
         is named only inside `jshard.recompute`.
       recomputed: whether it is the backward pass's run of a forward operator again (what recompute
         costs), rather than its first run or a gradient operator.
+      layout: for a propagated or searched operator, its operands' layouts over the fine mesh,
+        loop bodies included: what emission and `Plan.load` need to rebuild the same program.
       note: where its input strategy is a cut MindSpore's own operator refuses and jshard accepts (a
         cut split axis, a slice not taking the whole of a cut dim, ...), the difference in words.
       gathered: where the operator takes a value a `shard` call cut (an `in_strategy` input, a
@@ -114,10 +116,21 @@ class OpRecord:
     layout: OpLayout | None = None
     note: str = ""
     gathered: str = ""
-    """For a propagated or searched operator, its operands' layouts over the fine mesh, loop bodies
-    included: what emission and `Plan.load` need to rebuild the same program."""
 
 
+_SET_INDEX, *_SET_FIELDS = (getattr(OpRecord, f.name).__set__ for f in dataclasses.fields(OpRecord))
+"""The setters of `OpRecord`'s slots: its index's, then each field's after it in order (`_made`)."""
+
+
+def _made(index: int, fields: tuple) -> OpRecord:
+    """`OpRecord(index, *fields)`, its slots set directly: the frozen dataclass's `__init__` sets
+    each through `object.__setattr__` (2.3 us a record where this takes 1.7), and `build_ops`
+    makes records by the ten thousand from `fields` it made (and checked) once per operator alike."""
+    record = object.__new__(OpRecord)
+    _SET_INDEX(record, index)
+    for set_field, value in zip(_SET_FIELDS, fields):
+        set_field(record, value)
+    return record
 
 
 _FIELDS = tuple((f.name, f.default) for f in dataclasses.fields(OpRecord))[1:]
@@ -188,37 +201,32 @@ class _Records:
             assert made.keys() <= _NAMES, made.keys() - _NAMES  # every field made is one of OpRecord's
             fields = self.fields[key] = tuple(made[name] if default is dataclasses.MISSING else made.get(name, default)
                                               for name, default in _FIELDS)
-        return OpRecord(self.number[i], *fields)
+        return _made(self.number[i], fields)
 
     def _alike(self, i: int, node: Node) -> tuple:
         """What the record of operator `i` reads: its node's primitive, source, scope, place and
         operand types, and its decision's parts (by identity: the search gives operators alike the
         same ones, and `result` keeps them alive); last, the `weighed` and `via` it shows."""
-        result, scope = self.result, self.scopes[i]
+        result, scope, model, given = self.result, self.scopes[i], self.model, self.given
         decision = None if result is None else result.decisions.get(i)
-        parts, via = ((), "") if decision is None else self._parts(decision)
+        parts, via = ((), "") if decision is None else self.parts.get(id(decision)) or self._parts(decision)
         weighed = _weighed(node, result.weighed, self.cuts) if result is not None and result.weighed else ""
-        given = self.given  # none where no `shard` call cuts a value: nothing to key by
         return (node.eqn.primitive, node.source, node.scope, node.inside, node.weight,
                 tuple([v.aval for v in node.inputs]), tuple([v.aval for v in node.outputs]),
                 scope in self.by_scope and self.main.get(scope) is node, self.regions.get(i, ""), i in self.rerun,
-                result is None or i not in result.unruled, self._pinned(node), parts,
+                result is None or i not in result.unruled,
+                tuple([model.get(v) for v in node.outputs]) if model else (),  # the layouts the model pins
+                parts,
                 tuple([given.get(v) if isinstance(v, jcore.Var) else None for v in node.inputs]) if given else (),
-                weighed, via)
+                weighed, via)  # `given`: none where no `shard` call cuts a value, nothing to key by
 
     def _parts(self, decision) -> tuple[tuple, str]:
         """A decision's parts as `_alike` keys them, and the `via` it shows; once per decision (the
-        search gives operators alike one)."""
-        found = self.parts.get(id(decision))
-        if found is None:
-            found = self.parts[id(decision)] = (
-                (id(decision.in_specs), id(decision.out_specs), id(decision.comms), id(decision.rejected),
-                 decision.seconds, decision.implied), _via(decision.via, self.stands_for, self.models))
+        search gives operators alike one: `_alike` reads it from `parts` first)."""
+        found = self.parts[id(decision)] = (
+            (id(decision.in_specs), id(decision.out_specs), id(decision.comms), id(decision.rejected),
+             decision.seconds, decision.implied), _via(decision.via, self.stands_for, self.models))
         return found
-
-    def _pinned(self, node: Node) -> tuple:
-        """The layouts the model pins `node`'s results to (None: not pinned)."""
-        return tuple(self.model.get(v) for v in node.outputs) if self.model else ()
 
     def _fields(self, i: int, node: Node, weighed: str, via: str) -> dict:
         """Every field of operator `i`'s record but its index."""

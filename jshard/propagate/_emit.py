@@ -18,7 +18,7 @@ matching equations on their inputs from the remat's operands on), so it communic
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 from jax.extend import core as jcore
@@ -29,8 +29,11 @@ from jshard._compat import partial_eval as pe
 from jshard._compat import source_info_util
 from jshard._errors import ShardingError
 from jshard._source import user_source
-from jshard.graph import INLINE, NESTED, REMAT, KeepComm
-from jshard.layouts import Spec, place, to_pspec
+from jshard.cost import array_of, redistribution, stages
+from jshard.graph import CONSTRAINT, INLINE, NESTED, REMAT, KeepComm, Node, operand_vars
+from jshard.layouts import Spec, place, to_pspec, typed_spec
+from jshard.propagate._result import Result
+from jshard.rules import PER_DEVICE
 
 _BODY_KEYS = ("jaxpr", "cond_jaxpr", "body_jaxpr")
 
@@ -301,3 +304,54 @@ def emit(closed: jcore.ClosedJaxpr, emission: Emission, mesh: Mesh, rewrite: Rew
 
     return run
 
+
+def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], alltoall: bool = True) -> Emission:  # noqa: C901  (one pass over the operators, each kind of constraint in its branch)
+    """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
+    implied by the inputs), and inputs an operator receives in another layout than they were made
+    (with the value pinned where it is made too), in the `stages` the cost model prices; a `shard`
+    call's own constraint is reached through the same stages (without `alltoall`, a move that would
+    be an all-to-all goes through its gathered layout: `jshard.cost.gathered_layout`). A value whose
+    type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
+    JAX's own `reshard`s move it."""
+    outputs, inputs, communicated, per_device = {}, {}, set(), {}
+    moves = lambda v, dst: bool(redistribution(*array_of(v), result.values[v], dst, axis_size, alltoall))
+    for i, d in result.decisions.items():
+        node = nodes[i]
+        if node.primitive == CONSTRAINT:
+            v = node.inputs[0]
+            if isinstance(v, jcore.Var) and v in result.values and typed_spec(v.aval) is None:
+                if moves(v, d.out_specs[0]):  # its route's stages: below
+                    communicated.add(node.outputs[0])
+            continue
+        if node.primitive in PER_DEVICE and any(dim for spec in d.in_specs for dim in spec):
+            per_device[id(node.eqn)] = (d.in_specs, d.out_specs)
+        if not d.implied:
+            reduced = any(c.kind in _REDUCTIONS for c in d.comms)
+            for v, spec in zip(node.outputs, d.out_specs):
+                if result.values.get(v) == spec and typed_spec(v.aval) is None:
+                    outputs[v] = spec
+                    if reduced:
+                        communicated.add(v)
+        ins, _ = operand_vars(node)
+        for k, v in enumerate(ins):
+            if (isinstance(v, jcore.Var) and v in result.values and result.values[v] != d.in_specs[k]
+                    and typed_spec(v.aval) is None):
+                inputs[(id(node.eqn), k)] = tuple(stages(result.values[v], d.in_specs[k], axis_size, alltoall))
+                outputs[v] = result.values[v]  # pin the value where it is made, or XLA may move the cut upstream
+                if moves(v, d.in_specs[k]):
+                    communicated.add((id(node.eqn), k))
+    for node in nodes:  # a `shard` call's input arriving in another layout: through the stages too
+        v = node.inputs[0] if node.primitive == CONSTRAINT else None
+        if not isinstance(v, jcore.Var) or v not in result.values or typed_spec(v.aval) is not None:
+            continue
+        src, dst = result.values[v], result.values.get(node.outputs[0])
+        route = stages(src, dst, axis_size, alltoall) if dst is not None else []
+        if len(route) > 1:
+            inputs[(id(node.eqn), 0)] = tuple(route[:-1])
+            outputs[v] = src
+    return Emission(outputs, inputs, communicated=frozenset(communicated), per_device=per_device)
+
+
+_REDUCTIONS = ("all-reduce", "reduce-scatter")
+"""The collectives that sum an operator's partial results (`Decision.comms`): its constrained outputs
+are what they make."""

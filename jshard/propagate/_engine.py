@@ -33,70 +33,17 @@ import heapq
 import math
 import re
 from collections.abc import Collection, Mapping, Sequence
-from typing import NamedTuple
 
 from jax.extend import core as jcore
 
-from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution, stages
-from jshard.graph import CONSTRAINT, JSHARD_SCOPE, Node, dead_nodes, operand_vars
-from jshard.layouts import Spec, constraint_spec, typed_spec
-from jshard.propagate._emit import Emission
+from jshard.cost import Comm, CostModel, array_of, local_bytes, redistribution
+from jshard.graph import CONSTRAINT, JSHARD_SCOPE, Node
+from jshard.layouts import Spec, constraint_spec
+from jshard.propagate._assignments import keeps_cut, merge_reads, read_together
+from jshard.propagate._charges import charge_constraints, unpriced_dead
 from jshard.propagate._manual import MANUAL, manual_comms, manual_seconds, manual_specs
-from jshard.rules import PER_DEVICE, Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
-
-
-class Rejected(NamedTuple):
-    """The best alternative an operator did not take: its operands' layouts and its predicted seconds."""
-
-    in_specs: tuple[Spec, ...]
-    out_specs: tuple[Spec, ...]
-    seconds: float
-
-
-class WeighedLayout(NamedTuple):
-    """One layout global propagation weighed for an argument (`propagate_globally`): the layout, the
-    whole program's predicted seconds with it, how it came (`"propagated"`, `"weighed"`, `"as it
-    arrives"`, `"moved once at the start"`) and whether the plan took it."""
-
-    spec: Spec
-    seconds: float
-    how: str
-    chosen: bool
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Decision:
-    """What the engine chose for one operator.
-
-    Attributes:
-      in_specs / out_specs: the layout of each operand the operator works on (loop bodies' results
-        and parameters follow the outer operands).
-      comms: the collectives it costs (redistributing its inputs, its partial sums), per run.
-      seconds: their α–β time, weighted by how often the operator runs.
-      via: the operator index (or `arg<k>`) whose layout it took, or `""`.
-      rejected: the best alternative it did not take, or None.
-      implied: whether XLA infers its output layouts from its inputs alone (no constraint needed).
-    """
-
-    in_specs: tuple[Spec, ...]
-    out_specs: tuple[Spec, ...]
-    comms: tuple[Comm, ...]
-    seconds: float
-    via: str
-    rejected: Rejected | None
-    implied: bool
-
-
-@dataclasses.dataclass
-class Result:
-    """Every decision, the layout of every value, which nodes had no rule, and the layouts global
-    propagation weighed for the arguments (argument -> `WeighedLayout` alternatives)."""
-
-    decisions: dict[int, Decision]
-    values: dict
-    unruled: set[int]
-    weighed: dict = dataclasses.field(default_factory=dict)
-
+from jshard.propagate._result import Decision, Rejected, Result
+from jshard.rules import Factors, OpTable, expressible, neighbours_of, read_assignment, shape_of, write_spec
 
 _SHARD_SCOPE = JSHARD_SCOPE + "shard"
 """The scope prefix of a `shard` call's constraints (`jshard_shard<k>`)."""
@@ -319,7 +266,7 @@ class Engine:
         than it and its users paid before; its producers are weighed after it, against their users'
         new layouts. A program result keeps its layout."""
         for i, f, d, outs, wanted in self._relaid_outputs(outputs):
-            a = _read_all(f.outputs, wanted, f.sizes, self.axis_size)
+            a = read_together(f.outputs, wanted, f.sizes, self.axis_size)
             if (a is None or not expressible(f, a, self.axis_size)
                     or any(write_spec(dims, a, f.sizes, self.axis_size) != w for dims, w in zip(f.outputs, wanted))):
                 continue
@@ -532,14 +479,14 @@ class Engine:
         """`candidates`, keeping only those that take as they are the inputs a `shard` call's
         strategy laid out for operator `i` (its constraints on the call's inputs), where any does:
         a user's cut is never replaced by a cheaper layout of the engine's (MindSpore's strategies
-        bind; an operator outside the call may take its result cut finer, `_takes`). Where none can
+        bind; an operator outside the call may take its result cut finer, `keeps_cut`). Where none can
         take them so, the cheapest redistributes them."""
         n_in = len(self.vars[i][0])
         fixed = [(k, spec, self._outside(i, int(src))) for k, spec, src in known
                  if k < n_in and src.isdigit() and self._user_constraint(int(src))]
         if not fixed or self.nodes[i].backward:
             return candidates
-        kept = [a for a in candidates if all(_takes(write_spec(f.operands[k], a, f.sizes, self.axis_size), spec, outside)
+        kept = [a for a in candidates if all(keeps_cut(write_spec(f.operands[k], a, f.sizes, self.axis_size), spec, outside)
                                              for k, spec, outside in fixed)]
         return kept or candidates
 
@@ -583,10 +530,10 @@ class Engine:
         yielded: list[dict] = []
         if len(reads) > 1:
             together = neighbours_of(f)  # factors that share an operand: they may not share an axis
-            merged = _merged(reads, together, partial=False)
+            merged = merge_reads(reads, together, partial=False)
             # the later operands' cuts first, the earlier ones keeping the axes left to them: a batch
             # cut over (dp, ep) meeting experts cut over ep keeps dp (expert parallel's all-to-all)
-            yielded = [_merged(reads[::-1], together, partial=True)]
+            yielded = [merge_reads(reads[::-1], together, partial=True)]
         # Each read without its partial-sum factors too: gather the contracted cut, keep the rest.
         kept = [{g: axes for g, axes in a.items() if g not in f.reduced} for a in reads if f.reduced]
         out, seen = [], set()
@@ -652,40 +599,6 @@ class Engine:
         return all(fac in from_inputs for fac in a)
 
 
-def _takes(want: Spec, spec: Spec, outside: bool) -> bool:
-    """Whether an operator taking a `shard` call's value laid out as `spec` in layout `want` keeps
-    the user's cut: the same layout, or (an operator outside the call, `outside`) each dim cut by the
-    user's axes first, then by more: a slice each device takes of what it holds, nothing moved."""
-    if want == spec:
-        return True
-    return outside and len(want) == len(spec) and all(w[:len(u)] == u for w, u in zip(want, spec))
-
-
-def _merged(reads: Sequence[dict], together: Mapping, partial: bool) -> dict:
-    """One assignment from several operands' reads, earlier reads first: a factor whose axes another
-    factor on one of its operands took already is left out, or with `partial` keeps the axes left."""
-    merged: dict = {}
-    for a in reads:
-        for fac, axes in a.items():
-            taken = {x for g in together[fac] for x in merged.get(g, ())}
-            left = tuple(x for x in axes if x not in taken)
-            if fac not in merged and (left == tuple(axes) or (partial and left)):
-                merged[fac] = left
-    return merged
-
-
-def _read_all(dims: Sequence, specs: Sequence[Spec], sizes: Sequence[int], axis_size: Mapping[str, int]):
-    """The factor axes operands `dims` laid out as `specs` imply together; None where one cannot be
-    read so, or two read one factor otherwise."""
-    found: dict = {}
-    for d, spec in zip(dims, specs):
-        read = read_assignment(d, spec, sizes, axis_size)
-        if read is None or any(found.get(g, axes) != axes for g, axes in read.items()):
-            return None
-        found.update(read)
-    return found
-
-
 def _invariants(nodes: Sequence[Node]) -> dict:
     """Loop-invariant body parameters (a `scan`'s consts, a `while`'s body and condition consts)
     -> the weight of their loop."""
@@ -703,142 +616,9 @@ def _invariants(nodes: Sequence[Node]) -> dict:
     return found
 
 
-def charge_constraints(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], cost: CostModel,
-                       priced=lambda v: False) -> None:
-    """Charges the redistribution into each sharding constraint (a `shard` call's input arriving
-    in another layout: an argument laid out by `in_strategy`) to the first operator that uses the
-    constraint's result (else the one that made its input), unless `priced(input)` says its maker
-    already paid it. Constraints are no operators of the `Plan`, and XLA moves the value all the
-    same."""
-    constraints = [i for i, node in enumerate(nodes) if node.primitive == CONSTRAINT]
-    if not constraints:  # nothing to charge (a search's program without `shard` calls)
-        share_moves(nodes, result, axis_size, cost)
-        return
-    users: dict = collections.defaultdict(list)
-    makers = {}
-    for j in sorted(result.decisions):
-        for v in operand_vars(nodes[j])[0]:
-            if isinstance(v, jcore.Var):
-                users[v].append(j)
-        if nodes[j].primitive != CONSTRAINT:
-            makers.update((v, j) for v in nodes[j].outputs)
-
-    def first_user(v):
-        """The first operator that takes `v`, through constraints that take it first (a `shard`
-        call with no operator of its own, as a reshape to the same shape)."""
-        direct = next((j for j in users.get(v, ()) if nodes[j].primitive != CONSTRAINT), None)
-        if direct is not None:
-            return direct
-        return next((j for c in users.get(v, ()) if (j := first_user(nodes[c].outputs[0])) is not None), None)
-
-    for i in constraints:
-        node = nodes[i]
-        v = node.inputs[0]
-        if not isinstance(v, jcore.Var) or v not in result.values or priced(v):
-            continue
-        out = node.outputs[0]
-        src, dst = result.values[v], result.values.get(out)
-        j = first_user(out)
-        j = makers.get(v) if j is None else j  # no operator after it: the one that made the value pays
-        if dst is None or src == dst or j is None:
-            continue
-        d = result.decisions[j]
-        comms = d.comms + tuple(redistribution(*array_of(v), src, dst, axis_size, cost.alltoall))
-        seconds = nodes[j].weight * sum(cost.time(c, axis_size) for c in comms)
-        result.decisions[j] = dataclasses.replace(d, comms=comms, seconds=seconds)
-    share_moves(nodes, result, axis_size, cost)
-
-
-def share_moves(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], cost: CostModel) -> None:
-    """XLA moves one value into one layout once (it eliminates the common subexpression), however
-    many operators of one computation take it so (`jnp.take`'s index normalization: three of them):
-    the first user pays, the later ones' charge for it is dropped."""
-    seen = set()
-    for j in sorted(result.decisions):
-        node, d = nodes[j], result.decisions[j]
-        if node.primitive == CONSTRAINT:
-            continue
-        comms = list(d.comms)
-        for v, dst in zip(operand_vars(node)[0], d.in_specs):
-            src = result.values.get(v) if isinstance(v, jcore.Var) else None
-            if src is None or dst is None or src == dst:
-                continue
-            if (v, dst, node.weight) in seen:
-                left = list(comms)
-                try:
-                    for c in redistribution(*array_of(v), src, dst, axis_size, cost.alltoall):
-                        left.remove(c)
-                except ValueError:  # charged otherwise (a loop-invariant's share): left as it is
-                    continue
-                comms = left
-            seen.add((v, dst, node.weight))
-        if len(comms) != len(d.comms):
-            seconds = node.weight * sum(cost.time(c, axis_size) for c in comms)
-            result.decisions[j] = dataclasses.replace(d, comms=tuple(comms), seconds=seconds)
-
-
 def propagate(nodes: Sequence[Node], anchors: Mapping, axis_size: Mapping[str, int], cost: CostModel | None = None,
               outputs: Collection = ()) -> Result:
     """Runs the engine; see the module docstring. `outputs`: the program's results."""
     return Engine(nodes, axis_size, cost).run(anchors, outputs)
 
 
-
-def emission_of(nodes: Sequence[Node], result: Result, axis_size: Mapping[str, int], alltoall: bool = True) -> Emission:  # noqa: C901  (one pass over the operators, each kind of constraint in its branch)
-    """The constraints that make XLA follow `result`: outputs whose layout is a choice (not
-    implied by the inputs), and inputs an operator receives in another layout than they were made
-    (with the value pinned where it is made too), in the `stages` the cost model prices; a `shard`
-    call's own constraint is reached through the same stages (without `alltoall`, a move that would
-    be an all-to-all goes through its gathered layout: `jshard.cost.gathered_layout`). A value whose
-    type fixes its layout (`Explicit` mesh axes) is never constrained: its type already says, and
-    JAX's own `reshard`s move it."""
-    outputs, inputs, communicated, per_device = {}, {}, set(), {}
-    moves = lambda v, dst: bool(redistribution(*array_of(v), result.values[v], dst, axis_size, alltoall))
-    for i, d in result.decisions.items():
-        node = nodes[i]
-        if node.primitive == CONSTRAINT:
-            v = node.inputs[0]
-            if isinstance(v, jcore.Var) and v in result.values and typed_spec(v.aval) is None:
-                if moves(v, d.out_specs[0]):  # its route's stages: below
-                    communicated.add(node.outputs[0])
-            continue
-        if node.primitive in PER_DEVICE and any(dim for spec in d.in_specs for dim in spec):
-            per_device[id(node.eqn)] = (d.in_specs, d.out_specs)
-        if not d.implied:
-            reduced = any(c.kind in _REDUCTIONS for c in d.comms)
-            for v, spec in zip(node.outputs, d.out_specs):
-                if result.values.get(v) == spec and typed_spec(v.aval) is None:
-                    outputs[v] = spec
-                    if reduced:
-                        communicated.add(v)
-        ins, _ = operand_vars(node)
-        for k, v in enumerate(ins):
-            if (isinstance(v, jcore.Var) and v in result.values and result.values[v] != d.in_specs[k]
-                    and typed_spec(v.aval) is None):
-                inputs[(id(node.eqn), k)] = tuple(stages(result.values[v], d.in_specs[k], axis_size, alltoall))
-                outputs[v] = result.values[v]  # pin the value where it is made, or XLA may move the cut upstream
-                if moves(v, d.in_specs[k]):
-                    communicated.add((id(node.eqn), k))
-    for node in nodes:  # a `shard` call's input arriving in another layout: through the stages too
-        v = node.inputs[0] if node.primitive == CONSTRAINT else None
-        if not isinstance(v, jcore.Var) or v not in result.values or typed_spec(v.aval) is not None:
-            continue
-        src, dst = result.values[v], result.values.get(node.outputs[0])
-        route = stages(src, dst, axis_size, alltoall) if dst is not None else []
-        if len(route) > 1:
-            inputs[(id(node.eqn), 0)] = tuple(route[:-1])
-            outputs[v] = src
-    return Emission(outputs, inputs, communicated=frozenset(communicated), per_device=per_device)
-
-
-_REDUCTIONS = ("all-reduce", "reduce-scatter")
-"""The collectives that sum an operator's partial results (`Decision.comms`): its constrained outputs
-are what they make."""
-
-
-def unpriced_dead(nodes: Sequence[Node], result: Result, outputs: Collection) -> None:
-    """The operators no result needs (`graph.dead_nodes`) cost nothing: XLA removes them."""
-    for i in dead_nodes(nodes, outputs):
-        d = result.decisions.get(i)
-        if d is not None and d.comms:
-            result.decisions[i] = dataclasses.replace(d, comms=(), seconds=0.0)

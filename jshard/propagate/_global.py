@@ -50,8 +50,10 @@ from collections.abc import Collection, Mapping, Sequence
 from jshard.cost import CostModel, array_of, live_ranges, local_bytes, value_bytes
 from jshard.graph import CONSTRAINT, Node
 from jshard.layouts import Spec, constraint_spec
-from jshard.propagate._engine import Engine, Result, WeighedLayout, share_moves
+from jshard.propagate._charges import share_moves
+from jshard.propagate._engine import Engine
 from jshard.propagate._priced import devices_over
+from jshard.propagate._result import Result, WeighedLayout
 from jshard.rules import FUSION, OpTable, shape_of
 
 _BETTER = 0.98

@@ -11,8 +11,8 @@ from jax.extend import core as jcore
 
 from jshard.cost import CostModel, Timeline
 from jshard.graph import Node
-from jshard.propagate._engine import Decision, Result
 from jshard.propagate._manual import MANUAL, manual_flops
+from jshard.propagate._result import Decision, Result
 from jshard.rules import OpTable
 
 _AFTER = frozenset({"all-reduce"})

@@ -2,7 +2,6 @@
 mesh or by an ILP (HiGHS), both over one `SearchGraph` and one solver contract (`Solved`)."""
 
 from jshard.search._graph import REPLICATED_SHARE as REPLICATED_SHARE
-from jshard.search._graph import unit_components as unit_components
 from jshard.search._regions import RegionChoice as RegionChoice
 from jshard.search._regions import RegionCost as RegionCost
 from jshard.search._regions import assignment as assignment
@@ -20,3 +19,4 @@ from jshard.search._seeded import FULLY_SHARDED as FULLY_SHARDED
 from jshard.search._seeded import PROPAGATED as PROPAGATED
 from jshard.search._seeded import SEEDS as SEEDS
 from jshard.search._seeded import Memo as Memo
+from jshard.search._units import unit_components as unit_components

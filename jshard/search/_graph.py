@@ -30,7 +30,6 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
 
 import numpy as np
 from jax.extend import core as jcore
@@ -52,10 +51,8 @@ from jshard.graph import CONSTRAINT, NESTED, Node
 from jshard.layouts import Spec, constraint_spec
 from jshard.propagate import MANUAL, manual_comms, manual_flops, manual_seconds, manual_specs
 from jshard.rules import FUSION, Factors, OpTable, expressible, shape_of, write_spec
-
-Assignment = dict  # factor id -> mesh axes (major to minor)
-Group = tuple[str, ...]  # mesh axes that a search step hands out together
-
+from jshard.search._joins import Joins
+from jshard.search._units import Assignment, Edge, Group, Unit, unit_components
 
 _NOT_SUMS = frozenset({"reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin"})
 """The reductions whose partial results an all-reduce other than a sum combines (XLA combines all-reduces
@@ -88,88 +85,6 @@ class Solved:
 
 class Infeasible(Exception):
     """No choice the search finds fits the memory budget."""
-
-
-@dataclasses.dataclass(slots=True)
-class Unit:
-    """One decision of the search.
-
-    Attributes:
-      node: the operator's node index, or -1 for an argument.
-      var: the argument (node -1), else None.
-      factors: the operator's `Factors` (an argument's: one factor per dim, as an output).
-      own: the factor ids this unit decides.
-      operands: operand positions (into the operator's inputs + outputs) this unit lays out.
-      weight: how often it runs per call.
-      flops: its floating-point work on one device holding everything, per run.
-      fixed: for a constraint or a fixed argument, its one layout per operand position.
-      traffic: the device-memory bytes it moves per run once fused (`OpTable.traffic`), on one
-        device holding everything.
-      matmul: whether it runs on the matrix units (`CostModel.matmul_flops`).
-      region: a manual region's (`shard_map`) own collectives' seconds per run, its body's as
-        written (`jshard.propagate.manual_comms`); 0 for any other unit.
-    """
-
-    node: int
-    var: object
-    factors: Factors
-    own: tuple[int, ...]
-    operands: tuple[int, ...]
-    weight: int
-    flops: float
-    fixed: dict | None = None
-    traffic: float = 0.0
-    matmul: bool = False
-    region: float = 0.0
-
-    @property
-    def free(self) -> bool:
-        return self.fixed is None and bool(self.own)
-
-
-class Edge(NamedTuple):
-    """A value from `(producer unit, operand position)` to `(consumer unit, operand position)` (a
-    tuple: a program has one per use of a value, made by the hundred thousand)."""
-
-    var: object
-    src: tuple[int, int]
-    dst: tuple[int, int]
-    weight: int
-
-
-class Joins:
-    """The mesh axes of the combinable units' all-reduces under a choice, counted per (loop,
-    reduction) (`SearchGraph.set_key`), kept as the choice's units move (`moved`): which combined
-    sets another unit already opens is read in the time of one unit's sets, not its peers'.
-
-    Args:
-      g: the search graph.
-      choice: the units' assignments.
-    """
-
-    def __init__(self, g: SearchGraph, choice: Sequence[Assignment]):
-        self._g = g
-        self._mine = {k: g.partial_sums(k, choice[k]) for k in g.combinable}
-        self._counts: dict[tuple, collections.Counter] = {}
-        for key, units in g.peers.items():
-            self._counts[key] = collections.Counter(axes for k in units for axes in self._mine[k])
-
-    def others(self, k: int) -> frozenset[Group]:
-        """The mesh axes of the all-reduces the other combinable units of `k`'s loop and reduction
-        run: the sets `k` can join at no latency."""
-        if k not in self._mine:
-            return frozenset()
-        mine = self._mine[k]
-        return frozenset(axes for axes, n in self._counts[self._g.set_key(k)].items() if n > mine.count(axes))
-
-    def moved(self, k: int, a: Assignment) -> None:
-        """Unit `k` now under `a`."""
-        if k not in self._mine:
-            return
-        counts = self._counts[self._g.set_key(k)]
-        counts.subtract(self._mine[k])
-        self._mine[k] = self._g.partial_sums(k, a)
-        counts.update(self._mine[k])
 
 
 class SearchGraph:
@@ -657,41 +572,4 @@ def _cuts_reduced(f: Factors) -> bool:
     """Whether the operator may leave partial sums: a reduced factor of more than one element."""
     return any(f.sizes[fac] > 1 for fac in f.reduced)
 
-
-@functools.lru_cache(maxsize=1 << 14)
-def unit_components(f: Factors) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
-    """The search's units of an operator with factors `f`: `(factors of more than one element,
-    operand positions)` per group of factors its operands share (`f.joined` joins them), the
-    operands with no factor in the first group; `()` where no operand has a factor. The first unit
-    does the operator's work (`SearchGraph`'s `_add_node`); `jshard.compile`'s least step bound
-    reads the same grouping. Found once per `Factors` (the same operator of identical layers)."""
-    parent = list(range(len(f.sizes)))
-
-    def find(x):
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for joined in f.joined:
-        facs = sorted(joined)
-        for g in facs[1:]:
-            parent[find(g)] = find(facs[0])
-    groups: dict[int, tuple[list, list]] = {}
-    loose = []
-    for pos, dims in enumerate(f.operands):
-        facs = [g for d in dims for g in d]
-        if not facs:
-            loose.append(pos)
-            continue
-        root = find(facs[0])
-        groups.setdefault(root, (set(), []))
-        groups[root][0].update(facs)
-        groups[root][1].append(pos)
-    out = [(tuple(sorted(g for g in facs if f.sizes[g] > 1)), tuple(pos)) for facs, pos in groups.values()]
-    if not out:
-        return ()
-    first_facs, first_pos = out[0]
-    out[0] = (first_facs, tuple(sorted(first_pos + tuple(loose))))
-    return tuple(out)
 
