@@ -43,16 +43,25 @@ class Level(Core):
     with its members' costs and tables summed; where nothing repeats, each unit is its own class.
     """
 
-    def __init__(self, search: Searching, group: Group, base: list[Assignment], lam: float, ties: Ties,
-                 like: Level | None = None, barred: Barred = (frozenset(), 0.0)):
+    def __init__(
+        self,
+        search: Searching,
+        group: Group,
+        base: list[Assignment],
+        lam: float,
+        ties: Ties,
+        like: Level | None = None,
+        barred: Barred = (frozenset(), 0.0),
+    ):
         g = self.g = search.g
         self.search = search
         self.ties = ties  # the level's units are its classes (one unit each where nothing repeats)
         self.reps, count = ties.reps, ties.count
         # Units of one structure on one base (identical layers) share their candidates, costs and
         # tables; `like` (a level on the same base, axes and λ) lends what it computed of them.
-        shared = self._shared = (Shared(search, group, base, lam, search.shared.get(group)) if like is None
-                                 else like._shared)
+        shared = self._shared = (
+            Shared(search, group, base, lam, search.shared.get(group)) if like is None else like._shared
+        )
         search.shared[group] = shared
         kinds = shared.kinds(self.reps)
         self.cands = [shared.candidates(k, kind) for k, kind in zip(self.reps, kinds)]
@@ -66,26 +75,13 @@ class Level(Core):
         self.combinable = [c for c, k in enumerate(self.reps) if k in g.combinable]
         self._joins: dict[tuple[int, int], frozenset[tuple]] = {}  # `joins`', shared with the levels barred from this
         self._bar(barred)
-        self.tables: dict[tuple[int, int], np.ndarray] = {}
-        self.nbrs: dict[int, set[int]] = collections.defaultdict(set)
-        tables, nbrs, unary, moves = self.tables, self.nbrs, self.unary, shared.moves
-        for (u, pu, v, pv, value), (i, times) in ties.edges.items():  # `_add`, inlined: the loop is per edge
-            key = (value, (kinds[u], pu), (kinds[v], pv))
-            table = moves.get(key)
-            if table is None:
-                table = moves[key] = shared.table(i, value, self.reps[u], key[1], self.reps[v], key[2])
-            if times > 1:
-                table = table * times
-            if u == v:  # both ends take the class's one pick
-                unary[u] = unary[u] + np.diag(table)
-                continue
-            if u > v:
-                u, v, table = v, u, table.T
-            found = tables.get((u, v))
-            tables[(u, v)] = table if found is None else found + table
-            nbrs[u].add(v)
-            nbrs[v].add(u)
-        self._whole = (list(unary), list(tables.items()))  # what `energy` reads: eliminating consumes them
+        self._key = (id(ties), tuple(kinds))  # its classes and their base: what its eliminations' order reads
+        diagonals, tables, nbrs = shared.edge_tables(ties, kinds)
+        for c, diagonal in diagonals:  # an edge inside a class: both ends take the class's one pick
+            self.unary[c] = self.unary[c] + diagonal
+        self.tables: dict[tuple[int, int], np.ndarray] = dict(tables)
+        self.nbrs: dict[int, set[int]] = collections.defaultdict(set, {k: set(v) for k, v in nbrs.items()})
+        self._whole = (list(self.unary), list(self.tables.items()))  # what `energy` reads: eliminating consumes them
         self._flat_whole: tuple | None = None  # ... as flat arrays, once read
         self.picks: dict[int, int] = {}
         self.records: list[tuple] = []
@@ -127,8 +123,9 @@ class Level(Core):
         found = self._joins.get((c, pick))
         if found is None:
             g, k = self.g, self.reps[c]
-            found = self._joins[(c, pick)] = frozenset(g.combined_set(k, axes)
-                                                       for axes in g.partial_sums(k, self.cands[c][pick]))
+            found = self._joins[(c, pick)] = frozenset(
+                g.combined_set(k, axes) for axes in g.partial_sums(k, self.cands[c][pick])
+            )
         return found
 
     def opened(self, picks: Sequence[int]) -> set[tuple]:
@@ -139,8 +136,14 @@ class Level(Core):
         """The latency the combined sets opened under `picks` (those of `of`, where given) pay: one
         per set and run (`SearchGraph.sets_latency`), which the level's energy leaves out."""
         g = self.g
-        return g.sets_latency({s: g.units[self.reps[c]].weight for c in self.combinable
-                               for s in self.joins(c, picks[c]) if of is None or s in of})
+        return g.sets_latency(
+            {
+                s: g.units[self.reps[c]].weight
+                for c in self.combinable
+                for s in self.joins(c, picks[c])
+                if of is None or s in of
+            }
+        )
 
     def weight(self, c: int) -> tuple[float, int]:
         """The order the core tries its heaviest units in: a class's first unit's compute and degree,
@@ -156,11 +159,15 @@ class Level(Core):
             unary, tables = self._whole
             starts = np.cumsum([0] + [len(u) for u in unary[:-1]])
             shapes = [t.shape for _, t in tables]
-            self._flat_whole = (np.concatenate(unary), starts, np.array([a for (a, _), _ in tables], int),
-                                np.array([b for (_, b), _ in tables], int),
-                                np.cumsum([0] + [r * c for r, c in shapes[:-1]]).astype(int),
-                                np.array([c for _, c in shapes], int),
-                                np.concatenate([t.ravel() for _, t in tables]) if tables else np.zeros(0))
+            self._flat_whole = (
+                np.concatenate(unary),
+                starts,
+                np.array([a for (a, _), _ in tables], int),
+                np.array([b for (_, b), _ in tables], int),
+                np.cumsum([0] + [r * c for r, c in shapes[:-1]]).astype(int),
+                np.array([c for _, c in shapes], int),
+                np.concatenate([t.ravel() for _, t in tables]) if tables else np.zeros(0),
+            )
         flat, starts, a, b, offset, width, flat_tables = self._flat_whole
         picked = np.asarray(picks)
         total = np.cumsum(flat[starts + picked])[-1]
@@ -168,26 +175,18 @@ class Level(Core):
 
     def _unary(self, c: int, kind: int, lam: float) -> np.ndarray:
         """Class `c`'s first unit's own seconds and λ·bytes it keeps at the peak, under each candidate."""
-        search, cands, k = self.search, self.cands[c], self.reps[c]
+        search, k = self.search, self.reps[c]
         kept = search.kept_bytes.get(k)
         own = self._shared.own
         found = own.get((kind, kept))
         if found is None:
-            if kept is None:
-                found = np.array([self.g.unit_seconds(k, a) + 0.0 for a in cands])
+            seconds = self._shared.seconds_of(k, kind)
+            if kept is None:  # at any λ: each λ's `own` starts with these (`Shared`)
+                found = self._shared.unweighted[(kind, kept)] = seconds + 0.0
             else:
-                w = max(lam, TIE)
-                found = np.array([self.g.unit_seconds(k, a) + w * search.kept_under(k, a) for a in cands])
+                found = seconds + max(lam, TIE) * self._shared.kept_of(search, k, kind, kept)
             own[(kind, kept)] = found
         return found
-
-    def _add(self, a: int, b: int, table: np.ndarray) -> None:
-        if a > b:
-            a, b, table = b, a, table.T
-        found = self.tables.get((a, b))
-        self.tables[(a, b)] = table if found is None else found + table
-        self.nbrs[a].add(b)
-        self.nbrs[b].add(a)
 
     def _table(self, k: int, j: int) -> np.ndarray:
         """The table between `k` and `j`, indexed `[c_k, c_j]`."""
@@ -224,35 +223,66 @@ class Level(Core):
     def _eliminate(self) -> list[int]:
         """The eliminations (the class docstring's): units with one candidate, one neighbour or two
         fold into their neighbours, recorded (`Eliminated`) so that a level barred from it replays
-        them on its changed costs alone (`_replay`); returns the core left."""
+        them on its changed costs alone (`_replay`); returns the core left. Their order (`_order`)
+        reads no cost: a level whose classes and base an earlier level had (another λ's run, a
+        boundary check's next wave) follows that level's (`Shared.orders`)."""
         self._folds = self._shared.folds
         if self._replays is not None:
             return self._replay(self._replays)
-        gone: set[int] = set()
-        done = self._eliminated = Eliminated(self._whole)
-        steps, inputs, unary_parts, table_parts = done.steps, done.inputs, done.unary_parts, done.table_parts
-        tables, nbrs, unary, records, fold = self.tables, self.nbrs, self.unary, self.records, self._fold
-        folds = self._folds  # `_fold`'s answers, read inline where known: the loop is per unit
+        order = self._shared.orders.get(self._key)
+        if order is None:
+            order = self._shared.orders[self._key] = self._order()
+        return self._eliminate_as(Eliminated(self._whole), *order)
+
+    def _order(self) -> tuple[list, list, dict, list[int]]:
+        """Which units `_eliminate` folds, in which order, into which neighbours, read from the
+        neighbours and the number of candidates alone: the units of one candidate with their
+        neighbours then (`singles`), the steps `(unit, its neighbours then)` in order, the
+        neighbours left and the core."""
+        nbrs, gone = self.nbrs, set()
+        singles: list[tuple[int, list[int]]] = []
+        steps: list[tuple[int, list[int]]] = []
         for k, cands in enumerate(self.cands):
             if len(cands) == 1:  # nothing to decide: its tables become its neighbours' own costs
+                singles.append((k, list(nbrs[k])))
                 for j in nbrs[k]:
-                    part = tables[(j, k)][:, 0] if j < k else tables[(k, j)][0]
-                    unary[j] = unary[j] + part
-                    unary_parts[j].append((-1, part))  # from a table as built: the same in a barred level
-                    del tables[(j, k) if j < k else (k, j)]
                     nbrs[j].discard(k)
                 nbrs[k].clear()
-                self.picks[k] = 0
                 gone.add(k)
         queue = collections.deque(k for k in range(len(self.cands)) if k not in gone and len(nbrs[k]) <= 2)
-        while queue:  # `_table` and `_drop`, inlined: the loop is per unit
+        while queue:
             k = queue.popleft()
             around = nbrs[k]
             if k in gone or len(around) > 2:
                 continue
             ends = sorted(around)
-            n = done.at[k] = len(steps)
             steps.append((k, ends))
+            for j in ends:
+                nbrs[j].discard(k)
+            if len(ends) == 2:  # the table between them (`_add`)
+                nbrs[ends[0]].add(ends[1])
+                nbrs[ends[1]].add(ends[0])
+            around.clear()
+            gone.add(k)
+            queue.extend(ends)
+        return singles, steps, nbrs, [k for k in range(len(self.cands)) if k not in gone]
+
+    def _eliminate_as(self, done: Eliminated, singles: list, steps: list, nbrs: dict, core: list[int]) -> list[int]:
+        """`_eliminate`'s folds in the order `_order` found (`singles`, `steps`), recorded in `done`:
+        the level's neighbours left are `nbrs`, its core `core`."""
+        self._eliminated = done
+        inputs, unary_parts, table_parts, records = done.inputs, done.unary_parts, done.table_parts, self.records
+        tables, unary, fold, folds = self.tables, self.unary, self._fold, self._folds
+        for k, around in singles:
+            for j in around:
+                part = tables[(j, k)][:, 0] if j < k else tables[(k, j)][0]
+                unary[j] = unary[j] + part
+                unary_parts[j].append((-1, part))
+                del tables[(j, k) if j < k else (k, j)]
+            self.picks[k] = 0
+        done.steps.extend(steps)
+        for n, (k, ends) in enumerate(steps):
+            done.at[k] = n
             if not ends:
                 self.picks[k] = int(unary[k].argmin())
                 inputs.append((unary[k],))
@@ -262,12 +292,12 @@ class Level(Core):
                 t = tables.pop((k, j)) if k < j else tables.pop((j, k)).T
                 uk = unary[k]
                 inputs.append((uk, t))
-                least, best = folds.get((uk.tobytes(), t.shape, t.tobytes())) or fold(k, t)
+                key = (uk.tobytes(), t.shape, t.tobytes())
+                least, best = folds.get(key) or fold(k, t, key=key)
                 unary[j] = unary[j] + least
                 unary_parts[j].append((n, least))
                 done.record_of[n] = len(records)
                 records.append((k, "one", j, best))
-                nbrs[j].discard(k)
             else:
                 a, b = ends
                 done.used[(k, a) if k < a else (a, k)] = done.used[(k, b) if k < b else (b, k)] = n
@@ -275,17 +305,14 @@ class Level(Core):
                 tb = tables.pop((k, b)) if k < b else tables.pop((b, k)).T
                 uk = unary[k]
                 inputs.append((uk, ta, tb))
-                least, best = folds.get((uk.tobytes(), ta.shape, ta.tobytes(), tb.shape, tb.tobytes())) or fold(k, ta, tb)
+                key = (uk.tobytes(), ta.shape, ta.tobytes(), tb.shape, tb.tobytes())
+                least, best = folds.get(key) or fold(k, ta, tb, key=key)
                 done.record_of[n] = len(records)
                 records.append((k, "two", a, b, best))
                 table_parts[(a, b)].append((n, least))
-                nbrs[a].discard(k)
-                nbrs[b].discard(k)
-                self._add(a, b, least)
-            around.clear()
-            gone.add(k)
-            queue.extend(ends)
-        core = [k for k in range(len(self.cands)) if k not in gone]
+                found = tables.get((a, b))
+                tables[(a, b)] = least if found is None else found + least
+        self.nbrs = nbrs
         done.close(self, core)
         return core
 
@@ -354,13 +381,18 @@ class Level(Core):
         self._touched = (changed & done.core_set, stale & tables.keys())  # what `_prepare_core` reads again
         return list(done.core)
 
-    def _fold(self, k: int, *tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _fold(self, k: int, *tables: np.ndarray, key: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Unit `k` eliminated between one or two neighbours (`tables`, `[c_k, c_neighbour]`): its
         least cost and best candidate per neighbour pick (a table between two neighbours); once per
-        class of inputs (the same operator of identical layers folds the same arrays)."""
+        class of inputs (the same operator of identical layers folds the same arrays), `key` the
+        inputs' bytes where the caller has them."""
         t = tables[0]
-        key = ((self.unary[k].tobytes(), t.shape, t.tobytes()) if len(tables) == 1 else
-               (self.unary[k].tobytes(), t.shape, t.tobytes(), tables[1].shape, tables[1].tobytes()))
+        if key is None:
+            key = (
+                (self.unary[k].tobytes(), t.shape, t.tobytes())
+                if len(tables) == 1
+                else (self.unary[k].tobytes(), t.shape, t.tobytes(), tables[1].shape, tables[1].tobytes())
+            )
         found = self._folds.get(key)
         if found is None:
             if len(tables) == 1:

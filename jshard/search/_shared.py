@@ -17,6 +17,7 @@ from jshard.search._graph import Assignment, Group, SearchGraph
 
 if TYPE_CHECKING:
     from jshard.search._level import Level
+    from jshard.search._ties import Ties
 
 
 class Searching(Protocol):
@@ -53,7 +54,9 @@ class Shared:
     layers) share, whichever classes `Ties` makes of them: their candidates, the layouts they give
     an operand, their own costs and the tables of the edges between kinds. The replayed level and its
     boundary check (every unit its own class) weigh the same units on the same base, so the second
-    reads what the first computed."""
+    reads what the first computed. What reads no memory weight λ (the own seconds and bytes kept
+    per kind, per level's classes and kinds the tables summed and the order of its eliminations) is
+    read once for every run of the search, whichever λ it weighs."""
 
     def __init__(self, search: Searching, group: Group, base: list[Assignment], lam: float, past: Shared | None = None):
         self.g, self.group, self.base = search.g, group, base
@@ -61,7 +64,7 @@ class Shared:
         self.own: dict[tuple, np.ndarray]  # (kind, bytes it keeps) -> its unary, at λ
         if past is not None:  # the same axes in an earlier run: all but its base and λ's costs read again
             self.__dict__.update({k: v for k, v in past.__dict__.items() if k not in ("base", "_by_id", "own")})
-            self.own = self._own.setdefault(lam, {})
+            self.own = self._own.get(lam) or self._own.setdefault(lam, dict(self.unweighted))
             return
         self._layout_lists, self._tables = search.layout_lists, search.tables  # the search's: every run's
         self._kinds: dict[tuple, int] = {}  # (unit structure, base assignment's items) -> kind
@@ -70,8 +73,15 @@ class Shared:
         self._specs_id: dict[tuple[int, int], int] = {}  # ... and that list's id (`_Recursive.layout_lists`)
         self.moves: dict[tuple, np.ndarray] = {}  # (edge's value, both ends' (kind, operand)) -> the edge's table
         self._own: dict[float, dict] = {}  # λ -> `own`
+        self.unweighted: dict[tuple, np.ndarray] = {}  # `own`'s entries of kinds that keep no byte: every λ's
+        self._seconds: dict[int, np.ndarray] = {}  # kind -> its own seconds per candidate, at any λ
+        self._kept: dict[tuple, np.ndarray] = {}  # (kind, bytes it keeps) -> bytes kept per candidate
+        self._edge_tables: dict[
+            tuple, tuple
+        ] = {}  # (id() of a `Ties`, its classes' kinds) -> `edge_tables`', and the ties
         self.own = self._own.setdefault(lam, {})
         self.folds: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # `Level._fold`'s, by the arrays' bytes
+        self.orders: dict[tuple, tuple] = {}  # `Level._key` -> its eliminations' order (`Level._eliminate_as`)
         # The core's classes and cost evaluations (`Level._prepare_core`), by contents: a level
         # barred from another (`_Recursive._closed`), its boundary check or the same axes' level of a
         # later run (another λ, or another base) holds mostly the same arrays, so its core reads what
@@ -103,6 +113,57 @@ class Shared:
         if found is None:
             found = self._cands[kind] = self.g.candidates(k, [self.group], self.base[k])
         return found
+
+    def seconds_of(self, k: int, kind: int) -> np.ndarray:
+        """Unit `k`'s (of `kind`) own seconds per candidate (`SearchGraph.unit_seconds`): they read
+        neither λ nor the bytes kept, so every run's level of these axes reads them once."""
+        found = self._seconds.get(kind)
+        if found is None:
+            found = self._seconds[kind] = np.array([self.g.unit_seconds(k, a) for a in self._cands[kind]])
+        return found
+
+    def kept_of(self, search: Searching, k: int, kind: int, kept: tuple) -> np.ndarray:
+        """The bytes per device unit `k` (of `kind`) keeps at the peaks weighed (`kept`, its
+        `Searching.kept_bytes`) per candidate: read once whatever λ weighs them."""
+        found = self._kept.get((kind, kept))
+        if found is None:
+            found = self._kept[(kind, kept)] = np.array([search.kept_under(k, a) for a in self._cands[kind]])
+        return found
+
+    def edge_tables(self, ties: Ties, kinds: list[int]) -> tuple[list, dict, dict]:
+        """The tables of a level of `ties`' classes, its units of `kinds`: per class, the diagonals of
+        the tables of edges inside it (both ends take its one pick) to add to its own costs, in
+        order; per pair of neighbouring classes `(a, b)`, `a < b`, their tables summed (indexed
+        `[c_a, c_b]`); each class's neighbours. None of it reads λ: the levels of every run on the
+        same classes and base (its first level, a boundary check's waves) read them once."""
+        key = (id(ties), tuple(kinds))
+        found = self._edge_tables.get(key)
+        if found is None:
+            found = self._edge_tables[key] = (*self._paired(ties, kinds), ties)  # the ties held: their id keys
+        return found[:3]
+
+    def _paired(self, ties: Ties, kinds: list[int]) -> tuple[list, dict, dict]:
+        diagonals: list[tuple[int, np.ndarray]] = []
+        tables: dict[tuple[int, int], np.ndarray] = {}
+        nbrs: dict[int, set[int]] = collections.defaultdict(set)
+        reps, moves = ties.reps, self.moves
+        for (u, pu, v, pv, value), (i, times) in ties.edges.items():  # the loop is per edge
+            key = (value, (kinds[u], pu), (kinds[v], pv))
+            table = moves.get(key)
+            if table is None:
+                table = moves[key] = self.table(i, value, reps[u], key[1], reps[v], key[2])
+            if times > 1:
+                table = table * times
+            if u == v:
+                diagonals.append((u, np.diag(table)))
+                continue
+            if u > v:
+                u, v, table = v, u, table.T
+            found = tables.get((u, v))
+            tables[(u, v)] = table if found is None else found + table
+            nbrs[u].add(v)
+            nbrs[v].add(u)
+        return diagonals, tables, dict(nbrs)
 
     def specs_of(self, k: int, key: tuple[int, int]) -> list:
         """The layouts unit `k` (of kind `key[0]`) gives its operand `key[1]`, per candidate."""
