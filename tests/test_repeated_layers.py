@@ -190,7 +190,7 @@ def test_objects_made_while_paused_skip_the_young_generations_and_are_still_coll
     objects the caller froze stay frozen."""
 
     class Cycle:
-        pass
+        """An object that holds another: two of them make a cycle only a collector pass frees."""
 
     def made(n):
         with collector_paused():
